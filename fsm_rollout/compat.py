@@ -1,0 +1,124 @@
+"""``generate(args, sample, sampling_params)``: a drop-in custom generate function for slime/vime.
+
+Point slime/vime's ``--custom-generate-function-path`` at ``fsm_rollout.compat.generate``. It reads the same
+``args`` attributes as the seed rollout, accepts an ``fsm_rollout.Sample`` or the trainer's own ``Sample`` (any
+object with the same fields; its status is set to the member of its own enum with the same value), and runs the
+sample through the lifecycle machine.
+
+Shared per process: the tokenizer and processor (loaded once per ``hf_checkpoint``, like vime's
+``GenerateState``) and one HTTP client per event loop and engine URL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import threading
+from typing import Any
+
+from fsm_rollout.config import RolloutConfig
+from fsm_rollout.engine.client import VLLMClient
+from fsm_rollout.rollout import Rollout
+from fsm_rollout.sample import PrefixCacheInfo, Sample, SpecInfo, Status
+
+_LOCK = threading.Lock()
+_TOKENIZERS: dict[str, tuple[Any, Any]] = {}
+_CLIENTS: dict[tuple[int, str], VLLMClient] = {}
+_SAMPLE_FIELDS = tuple(field.name for field in dataclasses.fields(Sample))
+
+
+def _load_tokenizer_and_processor(path: str) -> tuple[Any, Any]:
+    with _LOCK:
+        cached = _TOKENIZERS.get(path)
+        if cached is None:
+            from transformers import AutoProcessor, AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+            try:
+                processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)  # type: ignore[no-untyped-call]
+            except (OSError, ValueError, ImportError):
+                processor = None  # text-only checkpoints have no processor; image checks then use merge_size 1
+            cached = (tokenizer, processor)
+            _TOKENIZERS[path] = cached
+    return cached
+
+
+def register_tokenizer(path: str, tokenizer: Any, processor: Any = None) -> None:
+    """Use an already-loaded tokenizer (and processor) for ``hf_checkpoint == path`` instead of loading one."""
+    with _LOCK:
+        _TOKENIZERS[path] = (tokenizer, processor)
+
+
+def _client_for(config: RolloutConfig) -> VLLMClient:
+    key = (id(asyncio.get_running_loop()), config.engine_url)
+    client = _CLIENTS.get(key)
+    if client is None:
+        client = VLLMClient.from_config(config)
+        _CLIENTS[key] = client
+    return client
+
+
+async def close_clients() -> None:
+    """Close the HTTP clients ``generate`` opened in the running event loop."""
+    loop_id = id(asyncio.get_running_loop())
+    for key in [key for key in _CLIENTS if key[0] == loop_id]:
+        await _CLIENTS.pop(key).close()
+
+
+def _to_library_sample(foreign: Any) -> Sample:
+    values = {name: getattr(foreign, name) for name in _SAMPLE_FIELDS if hasattr(foreign, name)}
+    status = values.get("status")
+    values["status"] = Status(getattr(status, "value", status)) if status is not None else Status.PENDING
+    for name, kind in (("spec_info", SpecInfo), ("prefix_cache_info", PrefixCacheInfo)):
+        nested = values.get(name)
+        if nested is not None and not isinstance(nested, kind):
+            values[name] = kind(
+                **{f.name: getattr(nested, f.name) for f in dataclasses.fields(kind) if hasattr(nested, f.name)}
+            )
+    return Sample(**values)
+
+
+def _write_back(sample: Sample, foreign: Any) -> None:
+    for name in _SAMPLE_FIELDS:
+        if not hasattr(foreign, name):
+            continue
+        value = getattr(sample, name)
+        if name == "status":
+            own_enum = type(getattr(foreign, name))
+            if issubclass(own_enum, enum.Enum):
+                value = own_enum(sample.status.value)
+        elif name in ("spec_info", "prefix_cache_info"):
+            target = getattr(foreign, name)
+            if target is not None and target is not value:
+                for field in dataclasses.fields(value):
+                    if hasattr(target, field.name):
+                        setattr(target, field.name, getattr(value, field.name))
+                continue
+        setattr(foreign, name, value)
+
+
+async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> Any:
+    """Run one multi-turn rollout the way the seed's ``generate`` does, through the lifecycle machine.
+
+    The sample is mutated in place and returned. Errors are raised after the sample reached ``failed`` (its data
+    so far kept and written back); a cancelled task ends the sample ``aborted`` and re-raises the cancellation.
+    """
+    config = RolloutConfig.from_args(args, trace=getattr(args, "fsm_rollout_trace", None))
+    tokenizer, processor = _load_tokenizer_and_processor(config.tokenizer_path or config.model)
+    library_sample = sample if isinstance(sample, Sample) else _to_library_sample(sample)
+    rollout = Rollout(
+        library_sample,
+        config=config,
+        sampling_params=sampling_params,
+        client=_client_for(config),
+        tokenizer=tokenizer,
+        processor=processor,
+        env_args=args,
+    )
+    try:
+        await rollout.run()
+    finally:
+        if library_sample is not sample:
+            _write_back(library_sample, sample)
+    return sample

@@ -1,0 +1,229 @@
+"""RolloutConfig: every option a rollout reads, validated once, and built from slime/vime argument namespaces."""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from fsm_rollout.errors import ConfigError, SamplingParamsError
+
+DEFAULT_ENV_MODULE = "examples.geo3k_vlm_multi_turn.env_geo3k"
+"""The seed's default environment module (used when neither ``env_path`` nor a factory is given)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class RetryPolicy:
+    """Which engine failures are retried, how often, and how long to wait between attempts.
+
+    Only failures that are safe to repeat are retried: connection errors and HTTP 429/502/503/504. Any other
+    status fails at once with the server's message. Waits grow exponentially from ``base_delay_s`` up to
+    ``max_delay_s`` with full jitter.
+    """
+
+    max_attempts: int = 4
+    base_delay_s: float = 0.2
+    max_delay_s: float = 5.0
+    retry_statuses: frozenset[int] = frozenset({429, 502, 503, 504})
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
+            raise ConfigError(f"RetryPolicy.max_attempts must be an int >= 1, got {self.max_attempts!r}")
+        if self.base_delay_s < 0 or self.max_delay_s < 0:
+            raise ConfigError("RetryPolicy delays must be non-negative")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before retry number ``attempt`` (1 for the first retry), with full jitter."""
+        ceiling = min(self.max_delay_s, self.base_delay_s * (2 ** (attempt - 1)))
+        return random.uniform(0.0, ceiling)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RolloutConfig:
+    """Options of a multi-turn rollout (contract section 2) and of its engine client.
+
+    ``engine_url`` is the vLLM server or router base URL (``http://host:port``). ``model`` is the served model name
+    sent with every render request (the seed's ``hf_checkpoint``). ``tokenizer_path`` is where the local tokenizer
+    is loaded from (defaults to ``model``). ``rollout_max_context_len`` and the sampling ``max_new_tokens`` bound
+    the response side together; ``max_turns`` bounds the number of generate turns.
+    """
+
+    engine_url: str
+    model: str
+    max_turns: int
+    tokenizer_path: str | None = None
+    rollout_max_context_len: int | None = None
+    partial_rollout: bool = False
+    router_policy: str | None = None
+    apply_chat_template_kwargs: Mapping[str, Any] | None = None
+    use_rollout_routing_replay: bool = False
+    num_layers: int | None = None
+    moe_router_topk: int | None = None
+    append_eos_token_after_stop_str_in_multi_turn: bool = True
+    track_speculative_stats: bool = False
+    env_path: str | None = None
+    connect_timeout_s: float = 10.0
+    request_timeout_s: float | None = 600.0
+    abort_notice_timeout_s: float = 5.0
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+    trace: str | Path | None = None
+    check_invariants: bool = False
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_turns) or self.max_turns <= 0:
+            raise ConfigError(f"max_turns must be a positive integer, got {self.max_turns!r}")
+        if not isinstance(self.engine_url, str) or not self.engine_url.startswith(("http://", "https://")):
+            raise ConfigError(f"engine_url must be an http(s) URL, got {self.engine_url!r}")
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError("model (the served model name) must be a non-empty string")
+        if self.partial_rollout:
+            raise ConfigError("Partial rollout is not supported for interaction rollouts.")
+        if self.rollout_max_context_len is not None and (
+            not _is_int(self.rollout_max_context_len) or self.rollout_max_context_len < 0
+        ):
+            raise ConfigError(
+                f"rollout_max_context_len must be a non-negative integer, got {self.rollout_max_context_len!r}"
+            )
+        if self.use_rollout_routing_replay:
+            for name in ("num_layers", "moe_router_topk"):
+                value = getattr(self, name)
+                if not _is_int(value) or value <= 0:
+                    raise ConfigError(f"use_rollout_routing_replay needs a positive integer {name}, got {value!r}")
+        kwargs = self.apply_chat_template_kwargs or {}
+        if not isinstance(kwargs, Mapping):
+            raise ConfigError("apply_chat_template_kwargs must be a mapping")
+        clashing = sorted({"tokenize", "add_generation_prompt", "tools"} & set(kwargs))
+        if clashing:
+            raise ConfigError(f"apply_chat_template_kwargs must not set {clashing}: the rollout sets them itself")
+        for name in ("connect_timeout_s", "abort_notice_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
+        if self.request_timeout_s is not None and self.request_timeout_s <= 0:
+            raise ConfigError(f"request_timeout_s must be positive or None, got {self.request_timeout_s!r}")
+
+    @property
+    def expert_dims(self) -> tuple[int, int] | None:
+        """``(num_layers, moe_router_topk)`` when both are known, for sizing routed-expert arrays."""
+        if self.num_layers is None or self.moe_router_topk is None:
+            return None
+        return (self.num_layers, self.moe_router_topk)
+
+    def check_sampling(self, inference_params: Mapping[str, Any]) -> None:
+        """Reject combinations that could only fail mid-rollout (the seed found them at turn N)."""
+        if (
+            self.use_rollout_routing_replay
+            and self.append_eos_token_after_stop_str_in_multi_turn
+            and inference_params.get("stop")
+        ):
+            raise ConfigError(
+                "Routing replay cannot be combined with stop strings while "
+                "append_eos_token_after_stop_str_in_multi_turn is on: the EOS appended after a stop string has "
+                "no routing data. Drop the stop strings or turn the EOS append off."
+            )
+
+    @classmethod
+    def from_args(cls, args: Any, **overrides: Any) -> RolloutConfig:
+        """Build a config from a slime/vime argument namespace, reading the attributes the seed reads.
+
+        Required: ``vllm_router_ip``, ``vllm_router_port``, ``hf_checkpoint``, ``max_turns``,
+        ``rollout_max_context_len``, ``partial_rollout``, ``rollout_interaction_env_path``.
+        """
+        missing = [
+            name
+            for name in (
+                "partial_rollout",
+                "max_turns",
+                "rollout_interaction_env_path",
+                "vllm_router_ip",
+                "vllm_router_port",
+                "hf_checkpoint",
+                "rollout_max_context_len",
+            )
+            if not hasattr(args, name)
+        ]
+        if missing:
+            raise ConfigError(f"argument namespace lacks required attributes: {', '.join(missing)}")
+        if getattr(args, "use_score_centering", False):
+            raise ConfigError("use_score_centering is not supported by the multi-turn rollout")
+        values: dict[str, Any] = {
+            "engine_url": f"http://{args.vllm_router_ip}:{args.vllm_router_port}",
+            "model": args.hf_checkpoint,
+            "max_turns": args.max_turns,
+            "rollout_max_context_len": args.rollout_max_context_len,
+            "partial_rollout": bool(args.partial_rollout),
+            "router_policy": getattr(args, "router_policy", None),
+            "apply_chat_template_kwargs": getattr(args, "apply_chat_template_kwargs", None) or None,
+            "use_rollout_routing_replay": bool(getattr(args, "use_rollout_routing_replay", False)),
+            "num_layers": getattr(args, "num_layers", None),
+            "moe_router_topk": getattr(args, "moe_router_topk", None),
+            "append_eos_token_after_stop_str_in_multi_turn": bool(
+                getattr(args, "append_eos_token_after_stop_str_in_multi_turn", True)
+            ),
+            "track_speculative_stats": bool(getattr(args, "vllm_speculative_config", None)),
+            "env_path": args.rollout_interaction_env_path or DEFAULT_ENV_MODULE,
+        }
+        values.update(overrides)
+        return cls(**values)
+
+
+SAMPLING_REQUIRED_KEYS = ("max_new_tokens", "temperature", "top_p")
+
+
+def build_inference_sampling_params(sampling_params: Mapping[str, Any]) -> dict[str, Any]:
+    """Map slime/vime sampling parameters to vLLM's ``sampling_params`` (contract section 5).
+
+    ``max_new_tokens`` (may be None: unlimited) becomes ``max_tokens``; ``logprobs`` is always 1; optional keys
+    are copied only when set, with ``top_k`` kept only when positive or -1.
+    """
+    missing = [key for key in SAMPLING_REQUIRED_KEYS if key not in sampling_params]
+    if missing:
+        raise SamplingParamsError(f"sampling_params lacks required keys {missing}")
+    budget = sampling_params["max_new_tokens"]
+    if budget is not None and (not _is_int(budget) or budget < 0):
+        raise SamplingParamsError(f"max_new_tokens must be a non-negative integer or None, got {budget!r}")
+    params: dict[str, Any] = {
+        "max_tokens": budget,
+        "temperature": sampling_params["temperature"],
+        "top_p": sampling_params["top_p"],
+        "logprobs": 1,
+    }
+    top_k = sampling_params.get("top_k")
+    if top_k is not None and (top_k > 0 or top_k == -1):
+        params["top_k"] = top_k
+    stop = sampling_params.get("stop")
+    if stop:
+        if not isinstance(stop, str) and not (
+            isinstance(stop, list | tuple) and all(isinstance(item, str) for item in stop)
+        ):
+            raise SamplingParamsError(f"stop must be a string or a list of strings, got {stop!r}")
+        params["stop"] = stop
+        if sampling_params.get("no_stop_trim"):
+            params["include_stop_str_in_output"] = True
+    if sampling_params.get("stop_token_ids"):
+        params["stop_token_ids"] = list(sampling_params["stop_token_ids"])
+    if sampling_params.get("seed") is not None:
+        params["seed"] = sampling_params["seed"]
+    if sampling_params.get("min_new_tokens") is not None:
+        params["min_tokens"] = sampling_params["min_new_tokens"]
+    if sampling_params.get("repetition_penalty") is not None:
+        params["repetition_penalty"] = sampling_params["repetition_penalty"]
+    for flag in ("skip_special_tokens", "spaces_between_special_tokens"):
+        if sampling_params.get(flag) is not None:
+            params[flag] = bool(sampling_params[flag])
+    return params
+
+
+def response_budget(max_new_tokens: int | None, context_limit: int | None, prompt_length: int) -> int | None:
+    """The total response-side token budget of a sample (generated + masked EOS + observations), or None."""
+    if context_limit is None:
+        return max_new_tokens
+    context_budget = max(0, context_limit - prompt_length)
+    return context_budget if max_new_tokens is None else min(max_new_tokens, context_budget)

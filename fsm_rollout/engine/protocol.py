@@ -1,0 +1,240 @@
+"""Strict parsing of vLLM's render and generate answers into typed records (contract sections 4, 5, 10, 12).
+
+Everything the engine sends is untrusted: shapes, types and lengths are checked here, at the edge, and the rest of
+the library only sees :class:`~fsm_rollout.types.RenderedPrompt` and :class:`~fsm_rollout.types.GeneratedTurn`.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import io
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from fsm_rollout.errors import GenerationError, MalformedRenderError, MalformedTokensError, RenderError
+from fsm_rollout.types import Finish, GeneratedTurn, RenderedPrompt, TokenIds, TurnMeta
+
+_ABORT_REASONS = frozenset({"abort", "cancelled"})
+
+
+def coerce_flat_int_token_ids(value: Any) -> TokenIds:
+    """Flatten nested lists, tuples, arrays or tensors of token ids into ``list[int]``; None gives ``[]``."""
+    if value is None:
+        return []
+    if isinstance(value, str | bytes):
+        raise MalformedRenderError(f"token_ids must be a sequence of integers, got {type(value).__name__}")
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if isinstance(value, list | tuple):
+        flat: TokenIds = []
+        for item in value:
+            if isinstance(item, list | tuple) or hasattr(item, "tolist"):
+                flat.extend(coerce_flat_int_token_ids(item))
+            elif isinstance(item, bool) or not isinstance(item, int):
+                raise MalformedRenderError(f"token_ids must hold integers, found {item!r}")
+            else:
+                flat.append(item)
+        return flat
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MalformedRenderError(f"token_ids must hold integers, found {value!r}")
+    return [value]
+
+
+def parse_render_response(data: Any, model: str) -> RenderedPrompt:
+    """Turn a render answer into the prompt ids and the body every generate request of the sample reuses.
+
+    Accepts current vLLM's GenerateRequest-shaped dict and the legacy ``[conversation, engine_prompts]`` list.
+    """
+    if isinstance(data, dict) and isinstance(data.get("token_ids"), list):
+        body = dict(data)
+        body.setdefault("model", model)
+    elif isinstance(data, list) and len(data) >= 2 and isinstance(data[1], list):
+        engine_prompts = data[1]
+        first = engine_prompts[0] if engine_prompts else None
+        if not isinstance(first, dict) or not first:
+            raise RenderError("chat/render: legacy answer has no engine prompt")
+        ids = first.get("prompt_token_ids") or first.get("token_ids")
+        if not ids:
+            raise RenderError("chat/render: legacy engine prompt lacks prompt_token_ids/token_ids")
+        body = {"token_ids": ids, "model": model}
+        if "features" in first:
+            body["features"] = first["features"]
+        elif first.get("multi_modal_data") is not None:
+            with contextlib.suppress(TypeError):  # not JSON-able: the engine gets no features, as in the seed
+                body["features"] = json.dumps(first["multi_modal_data"])
+        if "cache_salt" in first:
+            body["cache_salt"] = first["cache_salt"]
+    else:
+        raise RenderError(f"chat/render: unexpected JSON shape {type(data).__name__}: {_preview(data)}")
+    body.pop("request_id", None)
+    token_ids = coerce_flat_int_token_ids(body.get("token_ids"))
+    if not token_ids:
+        raise RenderError("vLLM render returned empty token_ids")
+    body["token_ids"] = token_ids
+    return RenderedPrompt(token_ids=token_ids, generate_body=body)
+
+
+def parse_finish_reason(value: Any) -> Finish:
+    """``stop``/``length`` as is; ``abort``/``cancelled`` as ``abort``; anything else is a protocol error."""
+    reason = value.get("type") if isinstance(value, dict) else value
+    if reason in _ABORT_REASONS:
+        return "abort"
+    if reason == "stop":
+        return "stop"
+    if reason == "length":
+        return "length"
+    raise GenerationError(f"Unsupported vLLM finish_reason: {reason!r} (expected 'stop', 'length' or 'abort')")
+
+
+def _require_token_ids(value: Any) -> TokenIds:
+    if not isinstance(value, list) or not all(type(token) is int for token in value):
+        raise MalformedTokensError(f"choices[0].token_ids must be a list of integer token ids, got {_preview(value)}")
+    return value
+
+
+def _entry_token_id(entry: Mapping[str, Any]) -> int | None:
+    token_id = entry.get("token_id")
+    if type(token_id) is int:
+        return token_id
+    token = entry.get("token")
+    if isinstance(token, str) and token.startswith("token_id:"):
+        try:
+            return int(token[len("token_id:") :])
+        except ValueError:
+            return None
+    return None
+
+
+def parse_logprobs(choice: Mapping[str, Any], token_ids: TokenIds) -> list[float]:
+    """One logprob per generated token from ``choices[0].logprobs.content`` (either entry shape vLLM uses)."""
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list):
+        raise MalformedTokensError("choices[0].logprobs.content must be a list (request logprobs=1)")
+    if len(content) != len(token_ids):
+        raise GenerationError(f"token/logprob count mismatch: tokens={len(token_ids)}, logprobs={len(content)}")
+    values: list[float] = []
+    for index, entry in enumerate(content):
+        logprob = entry.get("logprob") if isinstance(entry, dict) else None
+        if isinstance(logprob, bool) or not isinstance(logprob, int | float):
+            raise MalformedTokensError(f"choices[0].logprobs.content[{index}].logprob must be numeric, got {entry!r}")
+        entry_id = _entry_token_id(entry) if isinstance(entry, dict) else None
+        if entry_id is not None and entry_id != token_ids[index]:
+            raise GenerationError(
+                f"choices[0].logprobs.content[{index}] is for token {entry_id}, but token_ids[{index}] is "
+                f"{token_ids[index]}"
+            )
+        values.append(float(logprob))
+    return values
+
+
+def decode_routed_experts(value: Any) -> Any:
+    """Decode ``routed_experts`` (base64 of ``.npy`` bytes) into a numpy array, never unpickling."""
+    import numpy as np
+
+    if isinstance(value, np.ndarray):
+        return value
+    if not isinstance(value, str):
+        raise GenerationError(f"routed_experts must be base64 .npy text, got {type(value).__name__}")
+    try:
+        raw = base64.b64decode(value, validate=True)
+        array = np.load(io.BytesIO(raw), allow_pickle=False)
+    except (binascii.Error, ValueError, OSError) as error:
+        raise GenerationError(f"routed_experts is not base64 .npy data: {error}") from error
+    if not np.issubdtype(array.dtype, np.integer):
+        raise GenerationError(f"routed_experts must hold integers, got dtype {array.dtype}")
+    return array
+
+
+def sampling_mask_to_top_p(mask: Any) -> tuple[TokenIds, list[int]]:
+    """Turn ``sampling_mask`` (kept ids per generated token) into flat ids and CSR offsets starting at 0."""
+    if not isinstance(mask, list):
+        raise GenerationError(f"sampling_mask must be a list of lists of token ids, got {type(mask).__name__}")
+    ids: TokenIds = []
+    offsets = [0]
+    for index, kept in enumerate(mask):
+        if not isinstance(kept, list) or not all(type(token) is int for token in kept):
+            raise GenerationError(f"sampling_mask[{index}] must be a list of integer token ids")
+        ids.extend(kept)
+        offsets.append(len(ids))
+    return ids, offsets
+
+
+def _mapping(value: Any) -> Mapping[str, Any]:
+    return value if isinstance(value, dict) else {}
+
+
+def _int_or_none(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _first_int(mapping: Mapping[str, Any], *keys: str) -> int | None:
+    for key in keys:
+        value = _int_or_none(mapping.get(key))
+        if value is not None:
+            return value
+    return None
+
+
+def parse_turn_meta(output: Mapping[str, Any], choice: Mapping[str, Any], finish: Finish) -> TurnMeta:
+    """Collect usage, weight version, speculative-decoding stats, routed experts and top-p spans of a turn."""
+    usage = _mapping(output.get("usage"))
+    details = _mapping(usage.get("prompt_tokens_details"))
+    spec = _mapping(_mapping(output.get("metrics")).get("speculative_decoding"))
+    weight_version = output.get("weight_version")
+    routed = choice.get("routed_experts")
+    mask = choice.get("sampling_mask")
+    top_p_ids, top_p_offsets = sampling_mask_to_top_p(mask) if mask is not None else (None, None)
+    return TurnMeta(
+        finish_reason=finish,
+        weight_version=None if weight_version is None else str(weight_version),
+        prompt_tokens=_int_or_none(usage.get("prompt_tokens")),
+        completion_tokens=_int_or_none(usage.get("completion_tokens")),
+        cached_tokens=_int_or_none(details.get("cached_tokens")),
+        spec_accept_token_num=_first_int(spec, "spec_accept_token_num", "num_accepted_tokens"),
+        spec_draft_token_num=_first_int(spec, "spec_draft_token_num", "num_draft_tokens"),
+        spec_verify_ct=_first_int(spec, "spec_verify_ct", "num_drafts"),
+        routed_experts=None if routed is None else decode_routed_experts(routed),
+        top_p_token_ids=top_p_ids,
+        top_p_token_offsets=top_p_offsets,
+    )
+
+
+def parse_generate_response(output: Any, request_id: str) -> GeneratedTurn:
+    """Validate a generate answer and keep ``choices[0]``; an aborted turn keeps no tokens."""
+    choices = output.get("choices") if isinstance(output, dict) else None
+    if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
+        raise GenerationError(f"vLLM generate response must contain choices[0], got {_preview(output)}")
+    choice = choices[0]
+    finish = parse_finish_reason(choice.get("finish_reason"))
+    meta = parse_turn_meta(output, choice, finish)
+    if finish == "abort":
+        return GeneratedTurn(request_id=request_id, finish=finish, token_ids=[], logprobs=[], meta=meta)
+    token_ids = _require_token_ids(choice.get("token_ids"))
+    logprobs = parse_logprobs(choice, token_ids)
+    if meta.top_p_token_offsets is not None and len(meta.top_p_token_offsets) != len(token_ids) + 1:
+        raise GenerationError(
+            f"sampling_mask has {len(meta.top_p_token_offsets) - 1} entries for {len(token_ids)} generated tokens"
+        )
+    return GeneratedTurn(request_id=request_id, finish=finish, token_ids=token_ids, logprobs=logprobs, meta=meta)
+
+
+def error_message(body: Any) -> str:
+    """The human message of a vLLM/OpenAI error body (``{"error": {"message"}}`` or ``{"message"}``)."""
+    if isinstance(body, dict):
+        error = body.get("error")
+        if isinstance(error, dict) and isinstance(error.get("message"), str):
+            return str(error["message"])
+        if isinstance(body.get("message"), str):
+            return str(body["message"])
+        if isinstance(body.get("detail"), str):
+            return str(body["detail"])
+    return _preview(body)
+
+
+def _preview(value: Any, limit: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."

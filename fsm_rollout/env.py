@@ -1,0 +1,115 @@
+"""The environment protocol a rollout steps, and loading environment modules by name or file path."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Protocol, runtime_checkable
+
+from fsm_rollout.errors import EnvironmentContractError, EnvironmentLoadError
+
+
+@runtime_checkable
+class Environment(Protocol):
+    """One sample's interaction environment (contract section 3).
+
+    ``step`` receives the decoded text of a generated turn and returns exactly ``(observation, done, info)``;
+    ``format_observation`` turns an observation into a text-only chat message ``{"role", "content"}``.
+    """
+
+    def reset(self) -> Any: ...
+
+    def step(self, response_text: str) -> tuple[Any, bool, Any]: ...
+
+    def format_observation(self, observation: Any) -> dict[str, Any]: ...
+
+    def close(self) -> Any: ...
+
+
+EnvFactory = Callable[..., Environment]
+"""``build_env(sample=..., args=...)``: builds one sample's environment (called with keywords only)."""
+
+_FILE_MODULES: dict[Path, ModuleType] = {}
+_FILE_MODULES_LOCK = threading.Lock()
+
+
+def load_env_module(target: str) -> ModuleType:
+    """Import an environment module by dotted name, or from a ``.py`` file (loaded once per resolved path)."""
+    path = Path(target).expanduser()
+    if path.suffix == ".py":
+        if not path.exists():
+            raise EnvironmentLoadError(f"environment file {target!r} does not exist")
+        resolved = path.resolve()
+        with _FILE_MODULES_LOCK:
+            module = _FILE_MODULES.get(resolved)
+            if module is None:
+                module = _exec_file_module(resolved)
+                _FILE_MODULES[resolved] = module
+        return module
+    try:
+        return importlib.import_module(target)
+    except ModuleNotFoundError as error:
+        raise EnvironmentLoadError(
+            f"cannot import environment module {target!r}: {error} (give a dotted module name on sys.path or a "
+            "path to a .py file)",
+            name=target,
+        ) from error
+
+
+def _exec_file_module(path: Path) -> ModuleType:
+    name = f"rollout_env_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise EnvironmentLoadError(f"cannot import environment module from {path}", path=str(path))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def env_factory_from_module(module: ModuleType) -> EnvFactory:
+    """The module's ``build_env``; a clear error when it is missing or not callable."""
+    build_env = getattr(module, "build_env", None)
+    if not callable(build_env):
+        raise EnvironmentContractError(
+            f"Environment module {module.__name__!r} must expose a callable build_env(sample, args)."
+        )
+    factory: EnvFactory = build_env
+    return factory
+
+
+def load_env_factory(target: str) -> EnvFactory:
+    """Load ``build_env`` from an environment module name or ``.py`` path."""
+    return env_factory_from_module(load_env_module(target))
+
+
+def check_environment(env: Any) -> Environment:
+    """Check that a built environment has the four protocol methods."""
+    methods = ("reset", "step", "format_observation", "close")
+    missing = [name for name in methods if not callable(getattr(env, name, None))]
+    if missing:
+        raise EnvironmentContractError(
+            f"build_env returned {type(env).__name__}, which lacks the environment method(s) {missing}"
+        )
+    checked: Environment = env
+    return checked
+
+
+def unpack_step_result(result: Any) -> tuple[Any, bool]:
+    """Split ``env.step``'s result into ``(observation, done)``; it must be exactly a 3-tuple."""
+    if not isinstance(result, tuple) or len(result) != 3:
+        raise EnvironmentContractError(
+            f"env.step must return a 3-tuple (observation, done, info), got {type(result).__name__}"
+            + (f" of length {len(result)}" if isinstance(result, tuple) else "")
+        )
+    observation, done, _info = result
+    return observation, bool(done)

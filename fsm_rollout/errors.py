@@ -1,0 +1,108 @@
+"""The exceptions fsm-rollout raises: one base, one class per thing that can be wrong.
+
+Every class also derives from the builtin exception the seed raised in the same situation (``ValueError``,
+``TypeError``, ``RuntimeError``, ...), so code written against the seed's errors keeps working.
+"""
+
+from __future__ import annotations
+
+
+class RolloutError(Exception):
+    """Base class of every error fsm-rollout raises on purpose."""
+
+
+class ConfigError(RolloutError, ValueError):
+    """A configuration value is invalid (found before any request is sent)."""
+
+
+class SamplingParamsError(RolloutError, KeyError):
+    """The sampling parameters lack a required key or hold an invalid value."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class SampleStateError(RolloutError, ValueError):
+    """The sample cannot start a rollout (not pending, or carries response data already)."""
+
+
+class SampleAppendError(RolloutError, ValueError):
+    """Tokens, logprobs or metadata appended to a sample break the sample's rules."""
+
+
+class InvariantViolation(RolloutError, AssertionError):
+    """The sample's token, mask and logprob arrays no longer line up."""
+
+
+class EngineError(RolloutError):
+    """Base class for failures talking to the inference engine."""
+
+
+class EngineConnectionError(EngineError, ConnectionError):
+    """The engine could not be reached (after the retries the policy allows)."""
+
+
+class EngineTimeoutError(EngineError, TimeoutError):
+    """The engine did not answer within the configured timeout."""
+
+
+class EngineHTTPError(EngineError, RuntimeError):
+    """The engine answered with an HTTP error status."""
+
+    def __init__(self, message: str, *, status: int, url: str, body: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.url = url
+        self.body = body
+
+
+class RenderError(EngineError, ValueError):
+    """The render endpoint's answer cannot be used as a prompt."""
+
+
+class MalformedRenderError(RenderError, TypeError):
+    """Prompt token ids in a render answer have the wrong type."""
+
+
+class GenerationError(EngineError, ValueError):
+    """The generate endpoint's answer breaks the protocol (shape, finish reason, lengths)."""
+
+
+class MalformedTokensError(GenerationError, TypeError):
+    """Token ids or logprobs in an engine answer have the wrong type."""
+
+
+class BudgetExceededError(GenerationError):
+    """The engine generated more tokens than the request allowed."""
+
+
+class RoutingReplayError(RolloutError, RuntimeError, ValueError):
+    """Routing replay data is missing, mis-sized, or cannot cover a token."""
+
+
+class EnvironmentLoadError(RolloutError, ImportError):
+    """The environment module cannot be imported."""
+
+
+class EnvironmentContractError(RolloutError, ValueError):
+    """The environment module or object does not follow the environment protocol."""
+
+
+class ObservationError(RolloutError, ValueError, TypeError):
+    """An observation message is not a text-only chat message."""
+
+
+class TemplateError(RolloutError, ValueError):
+    """The chat template cannot produce observation boundary tokens."""
+
+
+class TemplateNotPrefixStable(TemplateError):
+    """Rendering one more message changed the tokens of the messages before it."""
+
+
+class MultimodalError(RolloutError, RuntimeError):
+    """Images, their render features and their placeholder tokens do not agree."""
+
+
+class ImageInputError(RolloutError, ValueError):
+    """An image in the prompt cannot be turned into a render URL."""

@@ -1,0 +1,153 @@
+"""The rollout lifecycle as data: states, triggers, guards and actions by name, and the machine built from it.
+
+Read this module like an XState machine config. Each non-terminal state names the work the driver does while the
+sample sits in it (``activity``; the I/O happens there) and the one trigger it fires when that work is done. Each
+trigger's edges are listed in order: the first edge whose guard holds is taken, and the last one has no guard.
+Guards are pure predicates over the rollout; actions change the sample. Their implementations live in
+:mod:`fsm_rollout.rollout`, which hands them to :func:`build_machine` by name.
+
+Every edge into a terminal state runs the edge's actions, then records the outcome (the state as the sample's
+status, and the edge's ``reason``; ``abort`` takes the caller's reason, ``fail`` the reason ``error``), then the
+terminal state's arrival actions (finalize the sample, close the environment), all as part of the transition:
+if one of them raises, the transition is not taken and the rollout fails instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+from transitions import Machine
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """A lifecycle state: the driver's activity in it and the trigger fired after, or its arrival actions."""
+
+    name: str
+    activity: tuple[str, ...] = ()
+    trigger: str | None = None
+    terminal: bool = False
+    on_arrival: tuple[str, ...] = ()
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Edge:
+    """One guarded transition: ``trigger`` moves ``source`` to ``dest`` when ``guard`` holds (None: always)."""
+
+    trigger: str
+    source: str
+    dest: str
+    guard: str | None = None
+    actions: tuple[str, ...] = ()
+    reason: str | None = None
+
+
+INITIAL = "pending"
+
+STATES: tuple[StateSpec, ...] = (
+    StateSpec("pending", activity=("open_environment", "request_render"), trigger="render",
+              doc="build and reset the environment, render the prompt (one HTTP call)"),
+    StateSpec("rendered", trigger="generate", doc="prompt tokens and response budget known"),
+    StateSpec("generating", activity=("request_turn",), trigger="step",
+              doc="one generate request in flight; its answer is parsed and validated"),
+    StateSpec("stepping", activity=("step_environment",), trigger="observe", doc="env.step(text)"),
+    StateSpec("observing", activity=("encode_observation",), trigger="generate",
+              doc="format_observation, text check, boundary tokens"),
+    StateSpec("completed", terminal=True, on_arrival=("finalize", "close_environment")),
+    StateSpec("truncated", terminal=True, on_arrival=("finalize", "close_environment")),
+    StateSpec("aborted", terminal=True, on_arrival=("finalize", "close_environment")),
+    StateSpec("failed", terminal=True,
+              on_arrival=("record_failure", "salvage_response", "close_environment_after_error")),
+)
+
+NON_TERMINAL: tuple[str, ...] = tuple(state.name for state in STATES if not state.terminal)
+TERMINAL: frozenset[str] = frozenset(state.name for state in STATES if state.terminal)
+
+TRANSITIONS: tuple[Edge, ...] = (
+    Edge("render", "pending", "rendered", actions=("start_response",)),
+    Edge("generate", "rendered", "truncated", guard="budget_exhausted", reason="budget_exhausted"),
+    Edge("generate", "rendered", "generating"),
+    Edge("generate", "observing", "truncated", guard="observation_exceeds_budget",
+         reason="insufficient_budget_for_next_turn", actions=("note_observation_truncation",)),
+    Edge("generate", "observing", "generating", actions=("append_observation", "next_turn")),
+    Edge("step", "generating", "aborted", guard="server_aborted", reason="server_abort"),
+    Edge("step", "generating", "truncated", guard="no_budget_for_stop_eos",
+         reason="insufficient_budget_for_stop_eos", actions=("append_turn", "note_stop_eos_truncation")),
+    Edge("step", "generating", "truncated", guard="finished_by_length", reason="length", actions=("append_turn",)),
+    Edge("step", "generating", "stepping", guard="stop_eos_due", actions=("append_turn", "append_stop_eos")),
+    Edge("step", "generating", "stepping", actions=("append_turn",)),
+    Edge("observe", "stepping", "completed", guard="env_done", reason="env_done"),
+    Edge("observe", "stepping", "truncated", guard="turn_limit_reached", reason="max_turns"),
+    Edge("observe", "stepping", "observing"),
+    *(Edge("abort", state, "aborted", actions=("note_abort",)) for state in NON_TERMINAL),
+    *(Edge("fail", state, "failed") for state in NON_TERMINAL),
+)
+"""The transition table. ``abort`` takes the caller's reason (``cancelled``, ``weight_update``, ...)."""
+
+STATE_BY_NAME: Mapping[str, StateSpec] = {state.name: state for state in STATES}
+TRIGGERS: tuple[str, ...] = tuple(dict.fromkeys(edge.trigger for edge in TRANSITIONS))
+
+
+def guard_names() -> frozenset[str]:
+    """Every guard the table references."""
+    return frozenset(edge.guard for edge in TRANSITIONS if edge.guard is not None)
+
+
+def action_names() -> frozenset[str]:
+    """Every action the table references (edge actions, arrival actions and activities)."""
+    names = {action for edge in TRANSITIONS for action in edge.actions}
+    for state in STATES:
+        names.update(state.on_arrival)
+    return frozenset(names)
+
+
+def activity_names() -> frozenset[str]:
+    """Every activity the states reference."""
+    return frozenset(name for state in STATES for name in state.activity)
+
+
+def build_machine(
+    guards: Mapping[str, Callable[[Any], bool]],
+    actions: Mapping[str, Callable[..., None]],
+) -> Machine:
+    """Build the one shared ``transitions.Machine`` that runs every rollout of the process.
+
+    The machine holds no models: each rollout is passed to ``machine.events[trigger].trigger(rollout, rollout)``,
+    keeps its own ``state`` attribute, and receives itself as the only argument of every guard and action. This
+    costs O(1) per sample (``add_model`` is O(n) in the number of attached models) and nothing per transition
+    beyond the synchronous machine.
+
+    ``actions["record_outcome"]`` is called with keywords ``dest`` and ``reason`` on every edge into a terminal
+    state, after the edge's own actions and before the state's arrival actions.
+    """
+    missing = sorted((guard_names() - set(guards)) | ((action_names() | {"record_outcome"}) - set(actions)))
+    if missing:
+        raise ValueError(f"lifecycle table references unknown guards/actions: {missing}")
+    transitions: list[dict[str, Any]] = []
+    for edge in TRANSITIONS:
+        before: list[Callable[..., None]] = [actions[name] for name in edge.actions]
+        if edge.dest in TERMINAL:
+            before.append(partial(actions["record_outcome"], dest=edge.dest, reason=edge.reason))
+        before.extend(actions[name] for name in STATE_BY_NAME[edge.dest].on_arrival)
+        spec: dict[str, Any] = {
+            "trigger": edge.trigger,
+            "source": edge.source,
+            "dest": edge.dest,
+            "before": before,
+        }
+        if edge.guard is not None:
+            spec["conditions"] = [guards[edge.guard]]
+        transitions.append(spec)
+    return Machine(
+        model=None,
+        states=[state.name for state in STATES],
+        initial=INITIAL,
+        transitions=transitions,
+        auto_transitions=False,
+        send_event=False,
+        ignore_invalid_triggers=False,
+    )

@@ -1,0 +1,584 @@
+"""One sample's multi-turn rollout: the guards, actions and activities of the lifecycle, and the driver.
+
+The lifecycle table (:mod:`fsm_rollout.lifecycle`) decides every branch. This module implements the names it uses:
+guards are pure predicates over the rollout, actions change the sample, and activities are the work the driver
+does while the sample sits in a state (render, generate, step the environment, encode the observation). The
+driver runs the current state's activity, fires the state's trigger, and traces the transition, until a terminal
+state is reached.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+
+from structlog.contextvars import bind_contextvars, reset_contextvars
+
+from fsm_rollout import lifecycle
+from fsm_rollout.chat import ObservationEncoder, stop_string_eos_due, validate_text_observation
+from fsm_rollout.config import (
+    DEFAULT_ENV_MODULE,
+    RolloutConfig,
+    build_inference_sampling_params,
+    response_budget,
+)
+from fsm_rollout.engine.client import VLLMClient
+from fsm_rollout.env import EnvFactory, check_environment, load_env_factory, unpack_step_result
+from fsm_rollout.errors import (
+    BudgetExceededError,
+    RenderError,
+    RolloutError,
+    RoutingReplayError,
+    SampleStateError,
+)
+from fsm_rollout.multimodal import (
+    build_initial_messages,
+    decode_train_features,
+    messages_for_render,
+    validate_image_tokens,
+)
+from fsm_rollout.sample import Sample, Status
+from fsm_rollout.trace import NULL_TRACER, Tracer, get_tracer
+from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
+
+T = TypeVar("T")
+
+_ENCODERS: dict[int, ObservationEncoder] = {}
+
+
+def observation_encoder_for(tokenizer: Any) -> ObservationEncoder:
+    """The process-wide observation encoder of a tokenizer (its dummy prefixes are cached there)."""
+    encoder = _ENCODERS.get(id(tokenizer))
+    if encoder is None or encoder.tokenizer is not tokenizer:
+        encoder = ObservationEncoder(tokenizer)
+        _ENCODERS[id(tokenizer)] = encoder
+    return encoder
+
+
+class _AbortRequested(Exception):
+    """Internal: the caller asked for an abort while the driver was waiting on the engine."""
+
+
+def check_startable(sample: Sample) -> None:
+    """A rollout starts only from a pending sample without response data (the seed's preconditions)."""
+    if sample.status != Status.PENDING:
+        raise SampleStateError(
+            f"sample {sample.index!r}: a rollout requires a pending sample, got status {Status(sample.status).value!r}"
+        )
+    if sample.response or sample.response_length or sample.loss_mask or sample.rollout_log_probs:
+        raise SampleStateError(
+            f"sample {sample.index!r}: the rollout does not accept pre-existing response state (response, "
+            "response_length, loss_mask or rollout_log_probs is set)"
+        )
+
+
+class Rollout:
+    """Drives one sample through the lifecycle against one engine client.
+
+    Create it, then ``await rollout.run()``; the sample is mutated in place and returned. ``await
+    rollout.abort(reason)`` (from another task) ends it ``aborted`` with that reason: the request in flight is
+    cancelled and named to the server's abort endpoint, and no further request is sent. Errors end it ``failed``
+    (data so far kept, environment closed once) and are then raised to the caller of :meth:`run`.
+    """
+
+    def __init__(
+        self,
+        sample: Sample,
+        *,
+        config: RolloutConfig,
+        sampling_params: Mapping[str, Any],
+        client: VLLMClient,
+        tokenizer: Any,
+        env_factory: EnvFactory | None = None,
+        env_args: Any = None,
+        processor: Any = None,
+        tracer: Tracer | None = None,
+        encoder: ObservationEncoder | None = None,
+    ) -> None:
+        check_startable(sample)
+        self.sample = sample
+        self.config = config
+        self.client = client
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.inference_params = build_inference_sampling_params(sampling_params)
+        config.check_sampling(self.inference_params)
+        self.encoder = encoder or observation_encoder_for(tokenizer)
+        self.tracer = tracer if tracer is not None else get_tracer(config.trace) if config.trace else NULL_TRACER
+        self._env_factory = env_factory
+        self._env_args = env_args if env_args is not None else config
+
+        sample.metadata = dict(sample.metadata or {})
+        self.headers: dict[str, str] | None = None
+        if config.router_policy == "consistent_hash":
+            sample.session_id = sample.session_id or str(uuid.uuid4())
+            self.headers = {"x-session-id": sample.session_id}
+        self.sample_id = str(sample.index) if sample.index is not None else uuid.uuid4().hex[:12]
+        self._request_prefix = sample.session_id or f"fsm-{uuid.uuid4().hex}"
+
+        self.state: str = lifecycle.INITIAL
+        self.reason: str | None = None
+        self.error: BaseException | None = None
+        self.turn_index = 0
+        self.prompt_length: int | None = None
+        self.budget: int | None = None
+        self.env: Any = None
+        self.rendered: RenderedPrompt | None = None
+        self.turn: GeneratedTurn | None = None
+        self.turn_text = ""
+        self.eos_due = False
+        self.env_done = False
+        self.observation: Any = None
+        self.observation_tokens: TokenIds = []
+        self.response_token_ids: TokenIds = []
+
+        self._env_closed = False
+        self._abort_reason: str | None = None
+        self._failed_trigger: str | None = None
+        self._inflight: asyncio.Future[Any] | None = None
+        self._cancelled_request_id: str | None = None
+        self._entered_at = time.perf_counter()
+        self._running = False
+        self._done = asyncio.Event()
+
+    # ------------------------------------------------------------------ derived context
+
+    @property
+    def remaining_budget(self) -> int | None:
+        """Response-side tokens still allowed, or None when unbounded."""
+        if self.budget is None:
+            return None
+        return self.budget - self.sample.response_length
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the rollout has ended."""
+        return self.state in lifecycle.TERMINAL
+
+    # ------------------------------------------------------------------ guards (pure)
+
+    def budget_exhausted(self) -> bool:
+        remaining = self.remaining_budget
+        return remaining is not None and remaining <= 0
+
+    def server_aborted(self) -> bool:
+        return self.turn is not None and self.turn.finish == "abort"
+
+    def stop_eos_due(self) -> bool:
+        return self.eos_due
+
+    def no_budget_for_stop_eos(self) -> bool:
+        remaining = self.remaining_budget
+        if not self.eos_due or remaining is None or self.turn is None:
+            return False
+        return remaining - len(self.turn.token_ids) <= 0
+
+    def finished_by_length(self) -> bool:
+        return self.turn is not None and self.turn.finish == "length"
+
+    def env_done_guard(self) -> bool:
+        return self.env_done
+
+    def turn_limit_reached(self) -> bool:
+        return self.turn_index + 1 >= self.config.max_turns
+
+    def observation_exceeds_budget(self) -> bool:
+        remaining = self.remaining_budget
+        return remaining is not None and len(self.observation_tokens) >= remaining
+
+    # ------------------------------------------------------------------ actions
+
+    def record_outcome(self, dest: str, reason: str | None) -> None:
+        self.reason = reason if reason is not None else (self._abort_reason or "error")
+        self.sample.status = Status(dest)
+        self.sample.metadata["rollout_reason"] = self.reason
+
+    def start_response(self) -> None:
+        assert self.rendered is not None
+        sample = self.sample
+        sample.tokens = list(self.rendered.token_ids)
+        sample.loss_mask = []
+        sample.rollout_log_probs = []
+        sample.response_length = 0
+        self.prompt_length = len(sample.tokens)
+        self.budget = response_budget(
+            self.inference_params["max_tokens"], self.config.rollout_max_context_len, self.prompt_length
+        )
+
+    def append_turn(self) -> None:
+        turn = self.turn
+        assert turn is not None
+        self.sample.append_response_tokens(
+            turn.token_ids,
+            turn.logprobs,
+            trainable=True,
+            meta=turn.meta,
+            expert_dims=self.config.expert_dims,
+            track_spec_stats=self.config.track_speculative_stats,
+        )
+        self.response_token_ids.extend(turn.token_ids)
+
+    def append_stop_eos(self) -> None:
+        assert self.encoder.eos_token_id is not None
+        self.sample.append_response_tokens([self.encoder.eos_token_id], trainable=False)
+
+    def note_stop_eos_truncation(self) -> None:
+        self.sample.metadata["multiturn_truncation"] = {
+            "reason": "insufficient_budget_for_stop_eos",
+            "remaining_budget": self.remaining_budget,
+        }
+
+    def note_observation_truncation(self) -> None:
+        self.sample.metadata["multiturn_truncation"] = {
+            "reason": "insufficient_budget_for_next_turn",
+            "observation_tokens": len(self.observation_tokens),
+            "remaining_budget": self.remaining_budget,
+        }
+
+    def append_observation(self) -> None:
+        self.sample.append_response_tokens(self.observation_tokens, trainable=False)
+
+    def next_turn(self) -> None:
+        self.turn_index += 1
+
+    def note_abort(self) -> None:
+        """Nothing to undo: an aborted turn's tokens were never appended."""
+
+    def finalize(self) -> None:
+        features = self.rendered.generate_body.get("features") if self.rendered is not None else None
+        train_inputs = decode_train_features(features)
+        validate_image_tokens(self.sample.tokens, self.tokenizer, self.processor, train_inputs)
+        self.sample.multimodal_train_inputs = train_inputs
+        self.sample.response = self._decode(self.response_token_ids)
+
+    def salvage_response(self) -> None:
+        """On failure keep what can be kept: the response text of the tokens generated so far."""
+        try:
+            self.sample.response = self._decode(self.response_token_ids)
+        except Exception as error:  # the sample's tokens stay; only the text is missing
+            self.sample.metadata["response_decode_error"] = f"{type(error).__name__}: {error}"
+
+    def record_failure(self) -> None:
+        error = self.error
+        self.sample.metadata["rollout_error"] = {
+            "type": type(error).__name__,
+            "message": str(error),
+            "state": self._failed_state,
+            "trigger": self._failed_trigger,
+        }
+
+    def close_environment(self) -> None:
+        if self.env is None or self._env_closed:
+            return
+        self._env_closed = True
+        self.env.close()
+
+    def close_environment_after_error(self) -> None:
+        if self.env is None or self._env_closed:
+            return
+        self._env_closed = True
+        close = getattr(self.env, "close", None)
+        if not callable(close):
+            return
+        try:
+            close()
+        except BaseException as close_error:
+            self.sample.metadata["env_close_error"] = f"{type(close_error).__name__}: {close_error}"
+            if self.error is not None and self.error is not close_error:
+                self.error.__cause__ = close_error
+
+    # ------------------------------------------------------------------ activities
+
+    def open_environment(self) -> None:
+        factory = self._env_factory or load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
+        env = factory(sample=self.sample, args=self._env_args)
+        self.env = env
+        check_environment(env)
+        env.reset()
+
+    async def request_render(self) -> None:
+        sample = self.sample
+        payload: dict[str, Any] = {
+            "model": self.config.model,
+            "messages": messages_for_render(
+                build_initial_messages(sample.prompt, (sample.multimodal_inputs or {}).get("images"))
+            ),
+        }
+        tools = sample.metadata.get("tools")
+        if tools is not None:
+            payload["tools"] = tools
+        if self.config.apply_chat_template_kwargs:
+            payload["chat_template_kwargs"] = dict(self.config.apply_chat_template_kwargs)
+        rendered = await self._engine(self.client.render(payload, headers=self.headers), None)
+        if sample.tokens and sample.tokens != rendered.token_ids:
+            raise RenderError(
+                f"sample {self.sample_id}: Initial render token_ids differ from sample.tokens "
+                f"(render gave {len(rendered.token_ids)} ids, the sample holds {len(sample.tokens)})"
+            )
+        self.rendered = rendered
+
+    async def request_turn(self) -> None:
+        assert self.rendered is not None
+        remaining = self.remaining_budget
+        params = dict(self.inference_params)
+        if remaining is not None:
+            params["max_tokens"] = remaining
+        elif params["max_tokens"] is None:
+            del params["max_tokens"]  # unbounded: the server allows up to its context limit
+        request_id = f"{self._request_prefix}-turn{self.turn_index}"
+        body = {
+            **self.rendered.generate_body,
+            "token_ids": self.sample.tokens,
+            "sampling_params": params,
+            "request_id": request_id,
+        }
+        turn = await self._engine(self.client.generate(body, request_id=request_id, headers=self.headers), request_id)
+        self.eos_due = False
+        self.turn_text = ""
+        if turn.finish != "abort":
+            self._validate_turn(turn, remaining)
+            self.turn_text = self._decode(turn.token_ids) if turn.token_ids else ""
+            self.eos_due = self.config.append_eos_token_after_stop_str_in_multi_turn and stop_string_eos_due(
+                self.turn_text,
+                turn.token_ids,
+                finish=turn.finish,
+                stop=self.inference_params.get("stop"),
+                eos_token_id=self.encoder.eos_token_id,
+            )
+        self.turn = turn
+
+    def _validate_turn(self, turn: GeneratedTurn, remaining: int | None) -> None:
+        if remaining is not None and len(turn.token_ids) > remaining:
+            raise BudgetExceededError(
+                "vLLM generated more tokens than requested: "
+                f"generated_tokens={len(turn.token_ids)}, remaining_budget={remaining}"
+            )
+        if not self.config.use_rollout_routing_replay:
+            return
+        routed = turn.meta.routed_experts
+        if routed is None:
+            raise RoutingReplayError("vLLM routing replay response is missing choices[0].routed_experts")
+        dims = self.config.expert_dims
+        assert dims is not None
+        expected = (len(self.sample.tokens) + len(turn.token_ids) - 1) * dims[0] * dims[1]
+        if int(routed.size) != expected:
+            raise RoutingReplayError(
+                "vLLM routed experts shape does not match the generated sequence: "
+                f"actual_size={routed.size}, expected_size={expected}"
+            )
+
+    def step_environment(self) -> None:
+        self.observation, self.env_done = unpack_step_result(self.env.step(self.turn_text))
+
+    def encode_observation(self) -> None:
+        message = validate_text_observation(self.env.format_observation(self.observation))
+        tokens = self.sample.tokens
+        self.observation_tokens = self.encoder.encode(
+            message,
+            ends_with_eos=bool(tokens) and tokens[-1] == self.encoder.eos_token_id,
+            tools=self.sample.metadata.get("tools"),
+            template_kwargs=self.config.apply_chat_template_kwargs,
+        )
+
+    # ------------------------------------------------------------------ driver
+
+    def _decode(self, token_ids: TokenIds) -> str:
+        text: str = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        return text
+
+    async def _engine(self, call: Awaitable[T], request_id: str | None) -> T:
+        """Await an engine call so that :meth:`abort` can cancel it; note which request was cut off."""
+        if self._abort_reason is not None:  # never send a request once an abort was asked for
+            if asyncio.iscoroutine(call):
+                call.close()
+            raise _AbortRequested
+        task: asyncio.Future[T] = asyncio.ensure_future(call)
+        self._inflight = task
+        try:
+            result = await task
+        except asyncio.CancelledError:
+            self._cancelled_request_id = request_id
+            current = asyncio.current_task()
+            if current is not None and current.cancelling():
+                raise
+            if self._abort_reason is None:
+                raise
+            raise _AbortRequested from None
+        finally:
+            self._inflight = None
+        if self._abort_reason is not None:
+            raise _AbortRequested
+        return result
+
+    def _fire(self, trigger: str) -> None:
+        src = self.state
+        _MACHINE.events[trigger].trigger(self, self)
+        now = time.perf_counter()
+        if self.config.check_invariants and self.prompt_length is not None:
+            self.sample.check_invariants(self.prompt_length)
+        if self.tracer.enabled:
+            self._trace(trigger, src, (now - self._entered_at) * 1000.0)
+        self._entered_at = now
+
+    def _trace(self, trigger: str, src: str, dwell_ms: float) -> None:
+        fields: dict[str, Any] = {
+            "trigger": trigger,
+            "src": src,
+            "dst": self.state,
+            "turn": self.turn_index,
+            "response_length": self.sample.response_length,
+            "remaining_budget": self.remaining_budget,
+            "dwell_ms": round(dwell_ms, 3),
+        }
+        if self.state in lifecycle.TERMINAL:
+            fields["reason"] = self.reason
+        if trigger == "render":
+            fields["prompt_tokens"] = self.prompt_length
+        elif trigger == "step" and self.turn is not None:
+            fields["generated_tokens"] = len(self.turn.token_ids)
+            fields["finish"] = self.turn.finish
+            fields["eos_inserted"] = self.state == "stepping" and self.eos_due
+        elif trigger == "generate" and src == "observing":
+            fields["observation_tokens"] = len(self.observation_tokens)
+        elif trigger == "fail":
+            fields["failed_trigger"] = self._failed_trigger
+            fields["error_type"] = type(self.error).__name__
+            fields["error"] = str(self.error)[:500]
+        self.tracer.transition(**fields)
+
+    def _fail(self, error: BaseException, trigger: str | None) -> None:
+        self.error = error
+        self._failed_state = self.state
+        self._failed_trigger = trigger
+        self._fire("fail")
+
+    async def _send_abort_notice(self) -> None:
+        request_id, self._cancelled_request_id = self._cancelled_request_id, None
+        if request_id is None:
+            return
+        try:
+            await asyncio.wait_for(
+                self.client.abort([request_id], headers=self.headers), self.config.abort_notice_timeout_s
+            )
+        except (Exception, asyncio.CancelledError) as error:  # the rollout is ending either way
+            self.sample.metadata["abort_notice_error"] = f"{type(error).__name__}: {error}"
+
+    async def _run_activity(self) -> None:
+        for name in lifecycle.STATE_BY_NAME[self.state].activity:
+            result = _ACTIVITIES[name](self)
+            if result is not None:
+                await result
+
+    async def _drive(self) -> None:
+        cancelled_by_caller = False
+        try:
+            while self.state not in lifecycle.TERMINAL:
+                trigger = "abort" if self._abort_reason is not None else lifecycle.STATE_BY_NAME[self.state].trigger
+                assert trigger is not None
+                try:
+                    if trigger != "abort":
+                        await self._run_activity()
+                        if self._abort_reason is not None:  # asked for during the activity: abort wins
+                            trigger = "abort"
+                    self._fire(trigger)
+                except _AbortRequested:
+                    await self._send_abort_notice()
+                except asyncio.CancelledError:
+                    cancelled_by_caller = True
+                    if self._abort_reason is None:
+                        self._abort_reason = "cancelled"
+                    await self._send_abort_notice()
+                except Exception as error:
+                    self._fail(error, trigger)
+                    raise
+        finally:
+            if self.state not in lifecycle.TERMINAL:  # cancelled again while ending: end it synchronously
+                self._abort_reason = self._abort_reason or "cancelled"
+                try:
+                    self._fire("abort")
+                except Exception as error:
+                    self._fail(error, "abort")
+        if cancelled_by_caller:
+            raise asyncio.CancelledError
+
+    async def run(self) -> Sample:
+        """Run the rollout to a terminal state and return the sample (mutated in place).
+
+        Raises the error that ended the rollout ``failed`` (after the sample reached ``failed``), and re-raises
+        ``asyncio.CancelledError`` when the calling task was cancelled (after the sample reached ``aborted`` with
+        reason ``cancelled``).
+        """
+        if self._running:
+            raise RolloutError(f"sample {self.sample_id}: the rollout is already running")
+        if self.terminal:
+            return self.sample
+        self._running = True
+        context = bind_contextvars(sample_id=self.sample_id, session_id=self.sample.session_id)
+        try:
+            await self._drive()
+        finally:
+            reset_contextvars(**context)
+            self._running = False
+            self._done.set()
+        return self.sample
+
+    def request_abort(self, reason: str = "cancelled") -> None:
+        """Ask the rollout to end ``aborted`` with ``reason``; cancels the engine request in flight, if any.
+
+        A rollout that has not started ends at once, without sending anything.
+        """
+        if self.terminal or self._abort_reason is not None:
+            return
+        self._abort_reason = reason
+        if self._inflight is not None:
+            self._inflight.cancel()
+        elif not self._running:
+            try:
+                self._fire("abort")
+            except Exception as error:
+                self._fail(error, "abort")
+            self._done.set()
+
+    async def abort(self, reason: str = "cancelled") -> None:
+        """End the rollout ``aborted`` with ``reason`` and wait until it has (no request is sent after this)."""
+        self.request_abort(reason)
+        if self._running:
+            await self._done.wait()
+
+
+_GUARDS: dict[str, Callable[[Rollout], bool]] = {
+    "budget_exhausted": Rollout.budget_exhausted,
+    "server_aborted": Rollout.server_aborted,
+    "stop_eos_due": Rollout.stop_eos_due,
+    "no_budget_for_stop_eos": Rollout.no_budget_for_stop_eos,
+    "finished_by_length": Rollout.finished_by_length,
+    "env_done": Rollout.env_done_guard,
+    "turn_limit_reached": Rollout.turn_limit_reached,
+    "observation_exceeds_budget": Rollout.observation_exceeds_budget,
+}
+_ACTIONS: dict[str, Callable[..., None]] = {
+    name: getattr(Rollout, name)
+    for name in (
+        "record_outcome",
+        "start_response",
+        "append_turn",
+        "append_stop_eos",
+        "note_stop_eos_truncation",
+        "note_observation_truncation",
+        "append_observation",
+        "next_turn",
+        "note_abort",
+        "finalize",
+        "salvage_response",
+        "record_failure",
+        "close_environment",
+        "close_environment_after_error",
+    )
+}
+_ACTIVITIES: dict[str, Callable[[Rollout], Awaitable[None] | None]] = {
+    name: getattr(Rollout, name) for name in lifecycle.activity_names()
+}
+_MACHINE = lifecycle.build_machine(_GUARDS, _ACTIONS)

@@ -1,0 +1,1 @@
+"""Test support shipped with fsm-rollout: a fake vLLM server, scripted environments, a real Qwen tokenizer."""

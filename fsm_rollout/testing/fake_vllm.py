@@ -1,0 +1,697 @@
+"""A fake vLLM server for tests: vLLM's token-in/token-out HTTP endpoints, answered from scripted turns.
+
+``FakeVLLMServer`` listens on loopback over real HTTP (aiohttp) and answers the endpoints the rollout client
+uses with vLLM's JSON shapes:
+
+* ``POST /v1/chat/completions/render`` renders the conversation with the tokenizer's chat template;
+* ``POST /inference/v1/generate`` answers with the next ``ScriptedTurn`` of the request's session, cut by
+  ``stop`` strings, ``stop_token_ids``, EOS and ``max_tokens`` the way vLLM would cut a real generation;
+* ``POST /inference/v1/abort_requests`` ends delayed or hanging generate requests with
+  ``finish_reason="abort"``;
+* ``GET /health`` and ``GET /v1/models``.
+
+Every request is recorded (``requests``); ``fail_next`` injects faults (HTTP errors, malformed JSON, dropped
+connections) ahead of the normal handling. Tokenizer work runs in one worker thread so the event loop stays
+free.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+import uuid
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from http import HTTPStatus
+from types import TracebackType
+from typing import Any, Literal, TypeVar
+
+import orjson
+from aiohttp import web
+
+RENDER_PATH = "/v1/chat/completions/render"
+GENERATE_PATH = "/inference/v1/generate"
+ABORT_PATH = "/inference/v1/abort_requests"
+HEALTH_PATH = "/health"
+MODELS_PATH = "/v1/models"
+
+SESSION_HEADER = "x-session-id"
+"""Header naming the script queue a generate request draws its turn from."""
+
+Finish = Literal["stop", "length", "abort"]
+LogprobEntryStyle = Literal["token_id", "token"]
+
+_CLIENT_MAX_SIZE = 64 * 1024 * 1024
+_MIN_LOGPROB = -9999.0  # vLLM clamps logprobs to this in the "token" entry style (-inf is not JSON)
+_MALFORMED_JSON_BODY = b'{"request_id": "generate-tokens-trunc", "choices": [{"index": 0, "token_ids": [1, 2'
+_RENDER_DEFAULT_SAMPLING: Mapping[str, Any] = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
+# Chat-request fields that render copies into the GenerateRequest's sampling_params.
+_RENDER_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "logprobs",
+)
+
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScriptedTurn:
+    """One answer of the fake model to one generate request.
+
+    Give the output as ``text`` (encoded with ``add_special_tokens=False``) or as exact ``token_ids``, unless
+    ``raw`` is set: then ``raw`` is sent verbatim as the JSON body (for schema-violation tests). A ``status``
+    other than 200 answers with a vLLM-like error body (or with ``raw``, when set).
+
+    ``finish=None`` lets the server decide like vLLM: the output is cut at the first stop string, stop token
+    or EOS (the token is kept; "stop") and capped to ``max_tokens`` ("length"). A set ``finish`` overrides the
+    reason but not the cuts. ``logprobs`` default to ``-0.01 * (i + 1)`` for the i-th returned token.
+
+    ``delay`` waits before answering and ``hang`` never answers by itself; both end early, with
+    ``finish_reason="abort"`` and no tokens, when the request is named by ``/inference/v1/abort_requests``.
+    ``choice_extra`` is merged into ``choices[0]`` and ``top_extra`` into the top level of the answer.
+    """
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+    finish: Finish | None = None
+    logprobs: list[float] | None = None
+    delay: float = 0.0
+    hang: bool = False
+    raw: Any = None
+    status: int = 200
+    choice_extra: Mapping[str, Any] = field(default_factory=dict)
+    top_extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.raw is None and self.status == 200 and (self.text is None) == (self.token_ids is None):
+            raise ValueError(
+                "ScriptedTurn needs exactly one of text= or token_ids= (unless raw= or status= is set)"
+            )
+        if self.delay < 0:
+            raise ValueError(f"ScriptedTurn.delay must be >= 0, got {self.delay}")
+
+
+@dataclass(frozen=True)
+class RecordedRequest:
+    """One request as the server received it.
+
+    ``body`` is the parsed JSON, the raw text when the body is not JSON, or None when it is empty;
+    ``at`` is ``time.monotonic()`` on arrival.
+    """
+
+    path: str
+    headers: dict[str, str]
+    body: Any
+    at: float
+
+
+@dataclass(frozen=True)
+class _Fault:
+    status: int
+    malformed_json: bool
+    reset: bool
+    delay: float
+
+
+class _RequestError(Exception):
+    """A request the server answers with a vLLM error body instead of a result."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class _GenerateParams:
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    stop: tuple[str, ...]
+    stop_token_ids: frozenset[int]
+    ignore_eos: bool
+
+
+class FakeVLLMServer:
+    """A scripted stand-in for ``vllm serve --enable-scale-out`` on loopback; use as an async context manager.
+
+    ``url`` is ``http://<host>:<port>`` once started (``port=0`` picks a free port). ``requests`` holds every
+    request in arrival order, ``aborted_request_ids`` the ids named by abort_requests, and
+    ``disconnected_request_ids`` the generate requests whose client went away before the answer.
+    ``logprob_entry_style`` picks which of vLLM's two ``logprobs.content`` entry shapes is sent.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        model: str = "fake-model",
+        max_model_len: int = 4096,
+        logprob_entry_style: LogprobEntryStyle = "token_id",
+        host: str = "127.0.0.1",
+        port: int = 0,
+    ) -> None:
+        if logprob_entry_style not in ("token_id", "token"):
+            raise ValueError(
+                f"logprob_entry_style must be 'token_id' or 'token', got {logprob_entry_style!r}"
+            )
+        if max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
+        self.tokenizer = tokenizer
+        self.model = model
+        self.max_model_len = max_model_len
+        self.logprob_entry_style: LogprobEntryStyle = logprob_entry_style
+        self.host = host
+        self.port = port
+        self.requests: list[RecordedRequest] = []
+        self.aborted_request_ids: list[str] = []
+        self.disconnected_request_ids: list[str] = []
+        self._queues: dict[str | None, deque[ScriptedTurn]] = {None: deque()}
+        self._faults: dict[str, deque[_Fault]] = {}
+        self._waiting: dict[str, set[asyncio.Event]] = {}
+        self._runner: web.AppRunner | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._url: str | None = None
+        self._stopping = False
+
+    # ---------------------------------------------------------------- lifecycle
+
+    @property
+    def url(self) -> str:
+        """The server's base URL; only available while it runs."""
+        if self._url is None:
+            raise RuntimeError("FakeVLLMServer is not started")
+        return self._url
+
+    async def start(self) -> None:
+        """Bind the port and start answering."""
+        if self._runner is not None:
+            raise RuntimeError("FakeVLLMServer is already started")
+        app = web.Application(client_max_size=_CLIENT_MAX_SIZE, middlewares=[self._record_and_inject])
+        app.router.add_post(RENDER_PATH, self._handle_render)
+        app.router.add_post(GENERATE_PATH, self._handle_generate)
+        app.router.add_post(ABORT_PATH, self._handle_abort)
+        app.router.add_get(HEALTH_PATH, self._handle_health)
+        app.router.add_get(MODELS_PATH, self._handle_models)
+        # Since aiohttp 3.8.2 a client disconnect no longer cancels the handler; 3.9 added
+        # handler_cancellation to opt back in. That cancellation is how a delayed or hanging generate learns
+        # that its client went away.
+        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port)
+        try:
+            await site.start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-vllm-tokenizer")
+        self._stopping = False
+        server = site._server  # aiohttp exposes no public accessor for the bound address
+        sockets = getattr(server, "sockets", None) or ()
+        if not sockets:
+            await self.stop()
+            raise RuntimeError("FakeVLLMServer: the site has no listening socket")
+        port = sockets[0].getsockname()[1]
+        self._url = f"http://{self.host}:{port}"
+
+    async def stop(self) -> None:
+        """Answer every waiting generate with "abort", then close the server."""
+        self._stopping = True
+        for events in self._waiting.values():
+            for event in events:
+                event.set()
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+            self._executor = None
+        self._url = None
+
+    async def __aenter__(self) -> FakeVLLMServer:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.stop()
+
+    # ---------------------------------------------------------------- scripting
+
+    def script(self, turns: Sequence[ScriptedTurn], *, session: str | None = None) -> None:
+        """Append turns to a session's queue.
+
+        ``session=None`` is the default queue, used by generate requests without an ``x-session-id`` header
+        and by requests naming a session that was never scripted.
+        """
+        for turn in turns:
+            if not isinstance(turn, ScriptedTurn):
+                raise TypeError(f"script() takes ScriptedTurn objects, got {type(turn).__name__}")
+            if (
+                turn.token_ids is not None
+                and turn.logprobs is not None
+                and len(turn.logprobs) != len(turn.token_ids)
+            ):
+                raise ValueError(
+                    f"ScriptedTurn has {len(turn.logprobs)} logprobs for {len(turn.token_ids)} token ids"
+                )
+        self._queues.setdefault(session, deque()).extend(turns)
+
+    def fail_next(
+        self,
+        path: str,
+        *,
+        status: int | None = None,
+        times: int = 1,
+        malformed_json: bool = False,
+        reset: bool = False,
+        delay: float = 0.0,
+    ) -> None:
+        """Make the next ``times`` requests to ``path`` fail, before any other handling.
+
+        Exactly one kind of fault: ``status`` (an HTTP error with a vLLM-like error body; the default, 500),
+        ``malformed_json`` (a 200 whose body is not valid JSON) or ``reset`` (the connection is closed without
+        an answer). ``delay`` seconds pass before the fault. Faults queue up in call order per path.
+        """
+        if sum((status is not None, malformed_json, reset)) > 1:
+            raise ValueError("fail_next takes one of status=, malformed_json=, reset=")
+        if times < 1:
+            raise ValueError(f"fail_next times must be >= 1, got {times}")
+        if status is not None and not 400 <= status <= 599:
+            raise ValueError(f"fail_next status must be an HTTP error status, got {status}")
+        fault = _Fault(
+            status=500 if status is None else status, malformed_json=malformed_json, reset=reset, delay=delay
+        )
+        self._faults.setdefault(path, deque()).extend([fault] * times)
+
+    def requests_to(self, path: str) -> list[RecordedRequest]:
+        """The recorded requests to ``path``, in arrival order."""
+        return [recorded for recorded in self.requests if recorded.path == path]
+
+    # ---------------------------------------------------------------- middleware
+
+    @web.middleware
+    async def _record_and_inject(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        arrived = time.monotonic()
+        try:
+            raw = await request.read()
+        except web.HTTPException:  # e.g. 413: the body exceeds client_max_size
+            self.requests.append(RecordedRequest(request.path, dict(request.headers), None, arrived))
+            raise
+        body, _ = _parse_body(raw)
+        self.requests.append(RecordedRequest(request.path, dict(request.headers), body, arrived))
+
+        fault_queue = self._faults.get(request.path)
+        if fault_queue:
+            return await self._answer_fault(request, fault_queue.popleft())
+        try:
+            return await handler(request)
+        except _RequestError as error:
+            return _error_response(error.status, error.message, error.param)
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as error:
+            return _json_response({"detail": error.reason}, status=error.status)
+
+    async def _answer_fault(self, request: web.Request, fault: _Fault) -> web.StreamResponse:
+        if fault.delay > 0:
+            await asyncio.sleep(fault.delay)
+        if fault.reset:
+            transport = request.transport
+            if transport is not None:
+                transport.abort()
+            return web.Response(status=500)  # never sent: the connection is gone
+        if fault.malformed_json:
+            return web.Response(status=200, body=_MALFORMED_JSON_BODY, content_type="application/json")
+        return _error_response(fault.status, f"fake vLLM: injected fault ({fault.status})")
+
+    # ---------------------------------------------------------------- handlers
+
+    async def _handle_health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200)
+
+    async def _handle_models(self, request: web.Request) -> web.StreamResponse:
+        card = {
+            "id": self.model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "vllm",
+            "root": self.model,
+            "parent": None,
+            "max_model_len": self.max_model_len,
+        }
+        return _json_response({"object": "list", "data": [card]})
+
+    async def _handle_abort(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_object_body(request)
+        request_ids = body.get("request_ids")
+        if not isinstance(request_ids, list) or not all(isinstance(rid, str) for rid in request_ids):
+            raise _RequestError(400, "request_ids: Input should be a valid list of strings", "request_ids")
+        for request_id in request_ids:
+            self.aborted_request_ids.append(request_id)
+            for event in self._waiting.get(request_id, ()):
+                event.set()
+        return _json_response({})
+
+    async def _handle_render(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_object_body(request)
+        self._check_model(body)
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _RequestError(400, "messages: Field required (a non-empty list of messages)", "messages")
+        if not all(
+            isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages
+        ):
+            raise _RequestError(
+                400, "messages: every message must be an object with a string 'role'", "messages"
+            )
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise _RequestError(400, "tools: Input should be a valid list", "tools")
+        template_kwargs = body.get("chat_template_kwargs")
+        if template_kwargs is None:
+            template_kwargs = {}
+        elif not isinstance(template_kwargs, dict):
+            raise _RequestError(
+                400, "chat_template_kwargs: Input should be a valid dictionary", "chat_template_kwargs"
+            )
+        try:
+            token_ids = await self._in_tokenizer_thread(self._render_ids, messages, tools, template_kwargs)
+        except Exception as error:  # a template that cannot render these messages is the request's fault
+            raise _RequestError(400, f"chat template rendering failed: {error}") from error
+        return _json_response(
+            {
+                "request_id": f"chatcmpl-{uuid.uuid4().hex}",
+                "token_ids": token_ids,
+                "features": None,
+                "sampling_params": _render_sampling_params(body),
+                "model": self.model,
+                "stream": False,
+                "stream_options": None,
+                "cache_salt": None,
+                "priority": 0,
+            }
+        )
+
+    async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_object_body(request)
+        self._check_model(body)
+        params = self._generate_params(body)
+        session = request.headers.get(SESSION_HEADER)
+        queue = self._queues[session if session in self._queues else None]
+        if not queue:
+            name = "<default>" if session is None else session
+            raise _RequestError(500, f"fake vLLM: no scripted turn left for session {name}")
+        turn = queue.popleft()
+
+        if await self._wait_unless_aborted(params.request_id, turn):
+            return _json_response(self._generate_answer(params, turn, [], "abort"))
+        if turn.raw is not None:
+            return _json_response(turn.raw, status=turn.status)
+        if turn.status != 200:
+            return _error_response(turn.status, f"fake vLLM: scripted error ({turn.status})")
+
+        token_ids, natural_finish = await self._in_tokenizer_thread(self._complete, turn, params)
+        answer = self._generate_answer(params, turn, token_ids, turn.finish or natural_finish)
+        return _json_response(answer)
+
+    # ---------------------------------------------------------------- generate helpers
+
+    def _check_model(self, body: Mapping[str, Any]) -> None:
+        model = body.get("model")
+        if model is not None and model != self.model:
+            raise _RequestError(404, f"The model `{model}` does not exist.", "model")
+
+    def _generate_params(self, body: Mapping[str, Any]) -> _GenerateParams:
+        token_ids = body.get("token_ids")
+        if not isinstance(token_ids, list) or not token_ids:
+            raise _RequestError(400, "token_ids: List should have at least 1 item", "token_ids")
+        if not all(type(token) is int and token >= 0 for token in token_ids):
+            raise _RequestError(400, "token_ids: every item must be a non-negative integer", "token_ids")
+        sampling = body.get("sampling_params")
+        if not isinstance(sampling, dict):
+            raise _RequestError(400, "sampling_params: Input should be a valid dictionary", "sampling_params")
+        if body.get("features") is not None and body.get("content_parts") is not None:
+            raise _RequestError(400, "Only one of features and content_parts may be given")
+        request_id = body.get("request_id")
+        if request_id is None:
+            request_id = uuid.uuid4().hex
+        elif not isinstance(request_id, str):
+            raise _RequestError(400, "request_id: Input should be a valid string", "request_id")
+
+        prompt_len = len(token_ids)
+        if prompt_len >= self.max_model_len:
+            raise _RequestError(
+                400,
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
+                f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
+            )
+        max_tokens = sampling.get("max_tokens")
+        if max_tokens is None:  # vLLM fills in the rest of the context, not the dataclass default of 16
+            max_tokens = self.max_model_len - prompt_len
+        elif type(max_tokens) is not int or max_tokens < 1:
+            raise _RequestError(400, f"max_tokens must be at least 1, got {max_tokens!r}.", "max_tokens")
+        elif prompt_len + max_tokens > self.max_model_len:
+            raise _RequestError(
+                400,
+                f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is "
+                f"{self.max_model_len} tokens and your request has {prompt_len} input tokens "
+                f"({max_tokens} > {self.max_model_len} - {prompt_len}).",
+                "max_tokens",
+            )
+        stop = sampling.get("stop")
+        if stop is None:
+            stop = []
+        elif isinstance(stop, str):
+            stop = [stop]
+        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
+            raise _RequestError(400, "stop: Input should be a string or a list of strings", "stop")
+        stop_token_ids = sampling.get("stop_token_ids")
+        if stop_token_ids is None:
+            stop_token_ids = []
+        if not isinstance(stop_token_ids, list) or not all(type(t) is int for t in stop_token_ids):
+            raise _RequestError(400, "stop_token_ids: Input should be a list of integers", "stop_token_ids")
+        ignore_eos = sampling.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise _RequestError(400, "ignore_eos: Input should be a valid boolean", "ignore_eos")
+        return _GenerateParams(
+            request_id=request_id,
+            prompt_len=prompt_len,
+            max_tokens=max_tokens,
+            stop=tuple(s for s in stop if s),
+            stop_token_ids=frozenset(stop_token_ids),
+            ignore_eos=ignore_eos,
+        )
+
+    async def _wait_unless_aborted(self, request_id: str, turn: ScriptedTurn) -> bool:
+        """Sleep for the turn's delay (forever if it hangs); True when abort_requests named the request first.
+
+        A client that disconnects meanwhile cancels this handler (``handler_cancellation=True``): the request
+        is recorded in ``disconnected_request_ids`` and the cancellation goes on.
+        """
+        if not turn.hang and turn.delay <= 0:
+            return False
+        event = asyncio.Event()
+        self._waiting.setdefault(request_id, set()).add(event)
+        try:
+            timeout = None if turn.hang else turn.delay
+            try:
+                await asyncio.wait_for(event.wait(), timeout)
+            except TimeoutError:
+                return False
+            return True
+        except asyncio.CancelledError:
+            if not self._stopping:
+                self.disconnected_request_ids.append(request_id)
+            raise
+        finally:
+            events = self._waiting.get(request_id)
+            if events is not None:
+                events.discard(event)
+                if not events:
+                    del self._waiting[request_id]
+
+    def _generate_answer(
+        self, params: _GenerateParams, turn: ScriptedTurn, token_ids: list[int], finish: Finish
+    ) -> dict[str, Any]:
+        if turn.logprobs is not None:
+            logprobs = list(turn.logprobs[: len(token_ids)])
+        else:
+            logprobs = [-0.01 * (i + 1) for i in range(len(token_ids))]
+        if len(logprobs) != len(token_ids):
+            raise _RequestError(
+                500, f"fake vLLM: the scripted turn has {len(logprobs)} logprobs for {len(token_ids)} tokens"
+            )
+        choice: dict[str, Any] = {
+            "index": 0,
+            "finish_reason": finish,
+            "token_ids": token_ids,
+            "logprobs": {
+                "content": [self._logprob_entry(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]
+            },
+            "routed_experts": None,
+            "sampling_mask": None,
+        }
+        choice.update(turn.choice_extra)
+        answer: dict[str, Any] = {
+            "request_id": f"generate-tokens-{params.request_id}",
+            "model": self.model,
+            "created": int(time.time()),
+            "choices": [choice],
+            "usage": {
+                "prompt_tokens": params.prompt_len,
+                "completion_tokens": len(token_ids),
+                "total_tokens": params.prompt_len + len(token_ids),
+            },
+        }
+        answer.update(turn.top_extra)
+        return answer
+
+    def _logprob_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        if self.logprob_entry_style == "token":
+            return {
+                "token": f"token_id:{token_id}",
+                "logprob": max(logprob, _MIN_LOGPROB),
+                "top_logprobs": [],
+            }
+        return {"token_id": token_id, "logprob": logprob, "rank": 1, "top_logprobs": []}
+
+    # ---------------------------------------------------------------- tokenizer work (worker thread)
+
+    async def _in_tokenizer_thread(self, fn: Callable[..., _T], *args: Any) -> _T:
+        if self._executor is None:
+            raise RuntimeError("FakeVLLMServer is not started")
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
+
+    def _render_ids(
+        self, messages: list[Any], tools: list[Any] | None, template_kwargs: dict[str, Any]
+    ) -> list[int]:
+        rendered = self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=True, **template_kwargs
+        )
+        return _as_token_ids(rendered)
+
+    def _complete(self, turn: ScriptedTurn, params: _GenerateParams) -> tuple[list[int], Finish]:
+        """The tokens vLLM would return for this scripted output, and why it would have stopped."""
+        if turn.token_ids is not None:
+            scripted = list(turn.token_ids)
+        else:
+            scripted = _as_token_ids(self.tokenizer.encode(turn.text, add_special_tokens=False))
+        end = len(scripted)
+        stopped_by_token = False
+        stop_at = self._first_stop_string_end(scripted, params.stop)
+        if stop_at is not None:
+            end = stop_at
+            stopped_by_token = True
+        eos = None if params.ignore_eos else self.tokenizer.eos_token_id
+        for index, token in enumerate(scripted[:end]):
+            if token in params.stop_token_ids or token == eos:
+                end = index + 1
+                stopped_by_token = True
+                break
+        # Like vLLM's stop check: a stop condition on the last token wins over reaching max_tokens ("length").
+        if end > params.max_tokens or (end == params.max_tokens and not stopped_by_token):
+            return scripted[: params.max_tokens], "length"
+        return scripted[:end], "stop"
+
+    def _first_stop_string_end(self, token_ids: list[int], stop: tuple[str, ...]) -> int | None:
+        """Length of the shortest prefix whose text contains a stop string, or None.
+
+        Containment only grows with the prefix, so a binary search over prefix lengths needs log(n) decodes.
+        """
+        if not stop or not token_ids or not self._contains_stop(token_ids, stop):
+            return None
+        low, high = 1, len(token_ids)
+        while low < high:
+            middle = (low + high) // 2
+            if self._contains_stop(token_ids[:middle], stop):
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
+    def _contains_stop(self, token_ids: list[int], stop: tuple[str, ...]) -> bool:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
+        return any(s in text for s in stop)
+
+
+# -------------------------------------------------------------------- module helpers
+
+
+def _parse_body(raw: bytes) -> tuple[Any, bool]:
+    if not raw:
+        return None, False
+    try:
+        return orjson.loads(raw), True
+    except orjson.JSONDecodeError:
+        return raw.decode("utf-8", errors="replace"), False
+
+
+async def _json_object_body(request: web.Request) -> dict[str, Any]:
+    # aiohttp caches the body the middleware read, so this reads no bytes from the socket.
+    body, is_json = _parse_body(await request.read())
+    if not is_json:
+        raise _RequestError(400, "The request body is not valid JSON")
+    if not isinstance(body, dict):
+        raise _RequestError(400, "The request body must be a JSON object")
+    return body
+
+
+def _render_sampling_params(body: Mapping[str, Any]) -> dict[str, Any]:
+    sampling = dict(_RENDER_DEFAULT_SAMPLING)
+    for name in _RENDER_SAMPLING_FIELDS:
+        if body.get(name) is not None:
+            sampling[name] = body[name]
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    return sampling
+
+
+def _as_token_ids(encoded: Any) -> list[int]:
+    """Token ids from a tokenizer result: a list, a mapping (``BatchEncoding``) with ``input_ids``, or a batch
+    of one."""
+    if isinstance(encoded, Mapping) or hasattr(encoded, "input_ids"):
+        encoded = encoded["input_ids"]
+    if hasattr(encoded, "tolist"):
+        encoded = encoded.tolist()
+    ids = list(encoded)
+    if len(ids) == 1 and isinstance(ids[0], list | tuple):
+        ids = list(ids[0])
+    return [int(token) for token in ids]
+
+
+def _error_type(status: int) -> str:
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        return "Error"
+    name = "".join(word.capitalize() for word in phrase.replace("-", " ").split())
+    return name if name.endswith("Error") else f"{name}Error"
+
+
+def _error_response(status: int, message: str, param: str | None = None) -> web.Response:
+    body = {"error": {"message": message, "type": _error_type(status), "param": param, "code": status}}
+    return _json_response(body, status=status)
+
+
+def _json_response(body: Any, *, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")

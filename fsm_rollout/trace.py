@@ -1,0 +1,128 @@
+"""Tracing: one structlog JSON line per lifecycle transition, with a stable, versioned schema.
+
+Schema (``schema`` = :data:`TRACE_SCHEMA_VERSION`), one object per line:
+
+``event``            always ``"transition"``
+``schema``           schema version (int)
+``ts``               wall-clock time of the transition, seconds since the epoch (float)
+``sample_id``        the sample's id (its ``index`` when set, else a generated id)
+``session_id``       the sample's session id (``x-session-id``), or null
+``trigger``          the event fired: ``render``, ``generate``, ``step``, ``observe``, ``abort``, ``fail``
+``src`` / ``dst``    states before and after
+``turn``             0-based turn index when the transition fired
+``response_length``  response-side tokens so far (after the transition's actions)
+``remaining_budget`` response budget left, or null when unbounded
+``dwell_ms``         time spent in ``src``
+``reason``           terminal edges only: why the sample ended (``env_done``, ``max_turns``, ``length``, ...)
+payload summaries    ``prompt_tokens`` (render), ``generated_tokens``, ``finish``, ``eos_inserted`` (step),
+                     ``observation_tokens`` (generate from observing), ``error_type``/``error`` and
+                     ``failed_trigger`` (fail)
+
+Never raw images or whole token arrays. Per-sample keys (``sample_id``, ``session_id``) are bound as structlog
+contextvars in the task that drives the sample, so the user's own structlog lines inside environment code carry
+them too. Tracing never configures structlog globally.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Iterator, MutableMapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import orjson
+import structlog
+from structlog.contextvars import get_contextvars, merge_contextvars
+
+TRACE_SCHEMA_VERSION = 1
+TRANSITION_EVENT = "transition"
+
+_CAPTURES: list[list[dict[str, Any]]] = []
+
+
+def _stamp(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    event_dict["schema"] = TRACE_SCHEMA_VERSION
+    event_dict["ts"] = time.time()
+    return event_dict
+
+
+def _render_json(_logger: Any, _method: str, event_dict: MutableMapping[str, Any]) -> bytes:
+    return orjson.dumps(event_dict, default=str)
+
+
+class Tracer:
+    """Writes transition events to one sink (a binary stream), or nowhere when ``stream`` is None."""
+
+    def __init__(self, stream: BinaryIO | None, *, owns_stream: bool = False) -> None:
+        self._stream = stream
+        self._owns_stream = owns_stream
+        self._log: Any = None
+        if stream is not None:
+            self._log = structlog.wrap_logger(
+                structlog.BytesLogger(stream),
+                processors=[merge_contextvars, _stamp, _render_json],
+                wrapper_class=structlog.make_filtering_bound_logger(0),
+                cache_logger_on_first_use=True,
+            ).bind()
+
+    @property
+    def enabled(self) -> bool:
+        """Whether events are written anywhere (a sink, or an active :func:`capture_transitions`)."""
+        return self._log is not None or bool(_CAPTURES)
+
+    def transition(self, **fields: Any) -> None:
+        """Emit one transition event (see the module docstring for the fields)."""
+        if self._log is not None:
+            self._log.info(TRANSITION_EVENT, **fields)
+        if _CAPTURES:
+            event = {"event": TRANSITION_EVENT, **get_contextvars(), **fields}
+            for captured in _CAPTURES:
+                captured.append(dict(event))
+
+    def close(self) -> None:
+        """Flush, and close the sink if this tracer opened it."""
+        if self._stream is not None:
+            self._stream.flush()
+            if self._owns_stream:
+                self._stream.close()
+
+
+NULL_TRACER = Tracer(None)
+"""A tracer that writes nothing (events still reach :func:`capture_transitions`)."""
+
+_TRACERS: dict[str, Tracer] = {}
+_TRACERS_LOCK = threading.Lock()
+
+
+def get_tracer(sink: str | Path | None) -> Tracer:
+    """The process-wide tracer for a sink: None or ``"off"`` (nothing), ``"stdout"`` or ``"-"``, or a file path.
+
+    File sinks are opened once, in append mode, and shared by every rollout that names the same path.
+    """
+    if sink is None or sink == "off":
+        return NULL_TRACER
+    key = "stdout" if sink in ("stdout", "-") else str(Path(sink).expanduser().resolve())
+    with _TRACERS_LOCK:
+        tracer = _TRACERS.get(key)
+        if tracer is None:
+            if key == "stdout":
+                tracer = Tracer(sys.stdout.buffer)
+            else:
+                Path(key).parent.mkdir(parents=True, exist_ok=True)
+                tracer = Tracer(open(key, "ab"), owns_stream=True)  # noqa: SIM115 - lives as long as the process
+            _TRACERS[key] = tracer
+    return tracer
+
+
+@contextmanager
+def capture_transitions() -> Iterator[list[dict[str, Any]]]:
+    """Collect every transition event emitted inside the block (for tests); yields the list being filled."""
+    captured: list[dict[str, Any]] = []
+    _CAPTURES.append(captured)
+    try:
+        yield captured
+    finally:
+        _CAPTURES.remove(captured)

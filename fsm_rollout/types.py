@@ -1,0 +1,65 @@
+"""The domain's nouns as small typed records: what the engine returned, parsed once at the edge.
+
+The engine client turns untrusted JSON into these records; the lifecycle core never handles raw response dicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+TokenIds = list[int]
+"""Token ids exactly as the engine produced them; never re-tokenized."""
+
+Logprobs = list[float]
+"""One log-probability per generated token (0.0 for masked, non-generated tokens)."""
+
+Finish = Literal["stop", "length", "abort"]
+"""How a generation turn ended: a stop condition, the token limit, or a server-side abort/cancel."""
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class TurnMeta:
+    """Per-turn bookkeeping from a generate answer that the sample accumulates (contract section 5).
+
+    ``routed_experts`` is the decoded ``.npy`` array (any integer dtype) or None; ``top_p_token_ids`` and
+    ``top_p_token_offsets`` are the CSR form of ``choices[0].sampling_mask`` (offsets start at 0).
+    """
+
+    finish_reason: Finish
+    weight_version: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    cached_tokens: int | None = None
+    spec_accept_token_num: int | None = None
+    spec_draft_token_num: int | None = None
+    spec_verify_ct: int | None = None
+    routed_experts: Any = None
+    top_p_token_ids: TokenIds | None = None
+    top_p_token_offsets: list[int] | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class GeneratedTurn:
+    """One parsed generate answer: the model's tokens, their logprobs, and how the turn ended.
+
+    For ``finish == "abort"`` the tokens and logprobs are empty: an aborted turn's partial output is dropped.
+    """
+
+    request_id: str
+    finish: Finish
+    token_ids: TokenIds
+    logprobs: Logprobs
+    meta: TurnMeta
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class RenderedPrompt:
+    """The render endpoint's answer: the prompt ids and the body every generate request of the sample reuses.
+
+    ``generate_body`` is the render answer with ``request_id`` removed and ``model`` filled in; it is shared,
+    never mutated, and copied shallowly per request.
+    """
+
+    token_ids: TokenIds
+    generate_body: dict[str, Any] = field(repr=False)

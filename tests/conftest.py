@@ -1,0 +1,99 @@
+"""Shared fixtures: the real Qwen tokenizer, a fake vLLM server on loopback, a client, configs and a runner."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, VLLMClient, capture_transitions
+from fsm_rollout.testing.envs import ScriptedEnvFactory
+from fsm_rollout.testing.fake_vllm import FakeVLLMServer
+from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
+
+MODEL = "fake-model"
+SAMPLING = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0}
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> Any:
+    return load_qwen_tokenizer()
+
+
+@pytest.fixture
+async def fake_vllm(tokenizer: Any) -> AsyncIterator[FakeVLLMServer]:
+    async with FakeVLLMServer(tokenizer, model=MODEL) as server:
+        yield server
+
+
+@pytest.fixture
+async def client(fake_vllm: FakeVLLMServer) -> AsyncIterator[VLLMClient]:
+    async with VLLMClient(fake_vllm.url, retry=RetryPolicy(max_attempts=3, base_delay_s=0.01)) as engine:
+        yield engine
+
+
+@pytest.fixture
+def make_config(fake_vllm: FakeVLLMServer) -> Callable[..., RolloutConfig]:
+    def make(**overrides: Any) -> RolloutConfig:
+        values: dict[str, Any] = {
+            "engine_url": fake_vllm.url,
+            "model": MODEL,
+            "max_turns": 3,
+            "check_invariants": True,
+            "retry": RetryPolicy(max_attempts=3, base_delay_s=0.01),
+        }
+        values.update(overrides)
+        return RolloutConfig(**values)
+
+    return make
+
+
+class RunResult:
+    """What one rollout run left behind: the rollout, its sample, the environment and the transition events."""
+
+    def __init__(self, rollout: Rollout, envs: ScriptedEnvFactory, events: list[dict[str, Any]]) -> None:
+        self.rollout = rollout
+        self.sample = rollout.sample
+        self.envs = envs
+        self.events = events
+
+    @property
+    def path(self) -> list[tuple[str, str, str]]:
+        return [(event["src"], event["trigger"], event["dst"]) for event in self.events]
+
+
+@pytest.fixture
+def make_rollout(
+    make_config: Callable[..., RolloutConfig], client: VLLMClient, tokenizer: Any
+) -> Callable[..., tuple[Rollout, ScriptedEnvFactory]]:
+    def make(
+        sample: Sample | None = None,
+        *,
+        envs: ScriptedEnvFactory | None = None,
+        sampling: dict[str, Any] | None = None,
+        **config: Any,
+    ) -> tuple[Rollout, ScriptedEnvFactory]:
+        envs = envs or ScriptedEnvFactory()
+        rollout = Rollout(
+            sample or Sample(prompt="What is 6 * 7?", index=0),
+            config=make_config(**config),
+            sampling_params=sampling or dict(SAMPLING),
+            client=client,
+            tokenizer=tokenizer,
+            env_factory=envs,
+        )
+        return rollout, envs
+
+    return make
+
+
+@pytest.fixture
+def run_rollout(make_rollout: Callable[..., tuple[Rollout, ScriptedEnvFactory]]) -> Callable[..., Any]:
+    async def run(sample: Sample | None = None, **kwargs: Any) -> RunResult:
+        rollout, envs = make_rollout(sample, **kwargs)
+        with capture_transitions() as events:
+            await rollout.run()
+        return RunResult(rollout, envs, events)
+
+    return run
