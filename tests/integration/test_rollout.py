@@ -306,7 +306,7 @@ async def test_message_list_prompt_is_sent_as_is(run_rollout: Any, fake_vllm: Fa
 
 
 async def test_prefilled_tokens_must_equal_the_render(run_rollout: Any, fake_vllm: FakeVLLMServer) -> None:
-    with pytest.raises(ValueError, match="Initial render token_ids differ from sample.tokens"):
+    with pytest.raises(ValueError, match=r"Initial render token_ids differ from sample\.tokens"):
         await run_rollout(Sample(prompt="q", tokens=[1, 2, 3], index=0))
     assert paths(fake_vllm) == [RENDER_PATH]
 
@@ -315,7 +315,13 @@ async def test_every_transition_is_traced_with_the_schema(run_rollout: Any, fake
     fake_vllm.script([ScriptedTurn(text="a"), ScriptedTurn(text="b")])
     result = await run_rollout(Sample(prompt="q", index=7), max_turns=2)
     assert [event["trigger"] for event in result.events] == [
-        "render", "generate", "step", "observe", "generate", "step", "observe"
+        "render",
+        "generate",
+        "step",
+        "observe",
+        "generate",
+        "step",
+        "observe",
     ]
     for event in result.events:
         assert event["sample_id"] == "7"
@@ -410,7 +416,7 @@ async def test_abort_asked_for_inside_the_environment_sends_nothing_more(
     make_rollout: Any, fake_vllm: FakeVLLMServer, hook: str, expected_src: str, expected_requests: list[str]
 ) -> None:
     fake_vllm.script([ScriptedTurn(text="a"), ScriptedTurn(text="b")])
-    rollout, envs = make_rollout()
+    rollout, _ = make_rollout()
 
     class AbortingEnv:
         def __init__(self) -> None:

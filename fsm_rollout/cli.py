@@ -1,0 +1,46 @@
+"""The ``fsm-rollout`` command line: one subcommand per job, each implemented in its own module.
+
+A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``; it must import cheaply (no torch or
+transformers at import time), since every subcommand module is imported to build the parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+from fsm_rollout import __version__
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "diagram": ("fsm_rollout.diagrams", "write the lifecycle state diagrams (Mermaid, Graphviz) from the table"),
+}
+"""Subcommand name → (module, one-line help)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="fsm-rollout",
+        description="Multi-turn LLM/VLM rollouts for RL training as explicit, traced state machines.",
+    )
+    parser.add_argument("--version", action="version", version=f"fsm-rollout {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        subparser = subparsers.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(subparser)
+        subparser.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    code: int = args._module.main(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

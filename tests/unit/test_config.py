@@ -1,0 +1,178 @@
+"""RolloutConfig validation, slime/vime namespaces, and the sampling-parameter mapping."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from fsm_rollout.config import RolloutConfig, build_inference_sampling_params, response_budget
+from fsm_rollout.errors import ConfigError, SamplingParamsError
+
+
+def config(**overrides: Any) -> RolloutConfig:
+    values: dict[str, Any] = {"engine_url": "http://127.0.0.1:8000", "model": "m", "max_turns": 3}
+    values.update(overrides)
+    return RolloutConfig(**values)
+
+
+@pytest.mark.parametrize("max_turns", [0, -1, True, 2.0, "3", None])
+def test_max_turns_must_be_a_positive_int_and_not_a_bool(max_turns: Any) -> None:
+    with pytest.raises(ConfigError, match="max_turns"):
+        config(max_turns=max_turns)
+
+
+def test_partial_rollout_is_rejected() -> None:
+    with pytest.raises(ConfigError, match="Partial rollout"):
+        config(partial_rollout=True)
+
+
+@pytest.mark.parametrize("limit", [-1, 1.5, True])
+def test_context_limit_must_be_a_non_negative_int(limit: Any) -> None:
+    with pytest.raises(ConfigError, match="rollout_max_context_len"):
+        config(rollout_max_context_len=limit)
+
+
+@pytest.mark.parametrize("missing", ["num_layers", "moe_router_topk"])
+def test_routing_replay_needs_layer_and_topk_counts(missing: str) -> None:
+    values = {"use_rollout_routing_replay": True, "num_layers": 2, "moe_router_topk": 2, missing: None}
+    with pytest.raises(ConfigError, match=missing):
+        config(**values)
+
+
+def test_routing_replay_with_stop_strings_and_eos_append_is_a_start_up_error() -> None:
+    replay = config(use_rollout_routing_replay=True, num_layers=2, moe_router_topk=2)
+    with pytest.raises(ConfigError, match="Routing replay"):
+        replay.check_sampling({"stop": ["</a>"]})
+    replay.check_sampling({"stop": None})
+    config(
+        use_rollout_routing_replay=True,
+        num_layers=2,
+        moe_router_topk=2,
+        append_eos_token_after_stop_str_in_multi_turn=False,
+    ).check_sampling({"stop": ["</a>"]})
+
+
+@pytest.mark.parametrize("key", ["tokenize", "add_generation_prompt", "tools"])
+def test_template_kwargs_must_not_override_what_the_rollout_sets(key: str) -> None:
+    with pytest.raises(ConfigError, match=key):
+        config(apply_chat_template_kwargs={key: True})
+
+
+def test_engine_url_must_be_http() -> None:
+    with pytest.raises(ConfigError, match="engine_url"):
+        config(engine_url="127.0.0.1:8000")
+
+
+def slime_args(**overrides: Any) -> SimpleNamespace:
+    values: dict[str, Any] = {
+        "partial_rollout": False,
+        "max_turns": 3,
+        "rollout_interaction_env_path": "my.env",
+        "vllm_router_ip": "10.0.0.5",
+        "vllm_router_port": 30000,
+        "hf_checkpoint": "/ckpt/qwen",
+        "rollout_max_context_len": 4096,
+    }
+    values.update(overrides)
+    return SimpleNamespace(**values)
+
+
+def test_from_args_reads_the_seeds_attributes() -> None:
+    built = RolloutConfig.from_args(
+        slime_args(router_policy="consistent_hash", apply_chat_template_kwargs={"enable_thinking": False})
+    )
+    assert built.engine_url == "http://10.0.0.5:30000"
+    assert built.model == "/ckpt/qwen"
+    assert built.env_path == "my.env"
+    assert built.rollout_max_context_len == 4096
+    assert built.router_policy == "consistent_hash"
+    assert built.apply_chat_template_kwargs == {"enable_thinking": False}
+    assert built.append_eos_token_after_stop_str_in_multi_turn is True
+
+
+def test_from_args_defaults_the_environment_module_like_the_seed() -> None:
+    assert RolloutConfig.from_args(slime_args(rollout_interaction_env_path=None)).env_path == (
+        "examples.geo3k_vlm_multi_turn.env_geo3k"
+    )
+
+
+def test_from_args_names_missing_attributes() -> None:
+    args = slime_args()
+    del args.hf_checkpoint
+    with pytest.raises(ConfigError, match="hf_checkpoint"):
+        RolloutConfig.from_args(args)
+
+
+def test_from_args_rejects_score_centering() -> None:
+    with pytest.raises(ConfigError, match="score_centering"):
+        RolloutConfig.from_args(slime_args(use_score_centering=True))
+
+
+def test_sampling_params_map_every_field() -> None:
+    params = build_inference_sampling_params(
+        {
+            "max_new_tokens": 32,
+            "temperature": 0.7,
+            "top_p": 0.9,
+            "top_k": -1,
+            "stop": ["</a>"],
+            "no_stop_trim": True,
+            "stop_token_ids": [7],
+            "seed": 3,
+            "min_new_tokens": 2,
+            "repetition_penalty": 1.1,
+            "skip_special_tokens": 0,
+            "spaces_between_special_tokens": False,
+        }
+    )
+    assert params == {
+        "max_tokens": 32,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "logprobs": 1,
+        "top_k": -1,
+        "stop": ["</a>"],
+        "include_stop_str_in_output": True,
+        "stop_token_ids": [7],
+        "seed": 3,
+        "min_tokens": 2,
+        "repetition_penalty": 1.1,
+        "skip_special_tokens": False,
+        "spaces_between_special_tokens": False,
+    }
+
+
+def test_sampling_params_drop_top_k_zero_and_unset_optionals() -> None:
+    params = build_inference_sampling_params({"max_new_tokens": None, "temperature": 1, "top_p": 1, "top_k": 0})
+    assert params == {"max_tokens": None, "temperature": 1, "top_p": 1, "logprobs": 1}
+
+
+@pytest.mark.parametrize("missing", ["max_new_tokens", "temperature", "top_p"])
+def test_sampling_params_require_the_three_keys(missing: str) -> None:
+    values = {"max_new_tokens": 1, "temperature": 1, "top_p": 1}
+    del values[missing]
+    with pytest.raises(SamplingParamsError, match=missing) as caught:
+        build_inference_sampling_params(values)
+    assert isinstance(caught.value, KeyError)
+
+
+@pytest.mark.parametrize(
+    ("max_new", "context", "prompt", "budget"),
+    [(None, None, 10, None), (8, None, 10, 8), (None, 15, 10, 5), (8, 15, 10, 5), (3, 15, 10, 3), (8, 5, 10, 0)],
+)
+def test_response_budget_is_the_tighter_of_both_limits(
+    max_new: int | None, context: int | None, prompt: int, budget: int | None
+) -> None:
+    assert response_budget(max_new, context, prompt) == budget
+
+
+def test_retry_delays_grow_and_stay_bounded() -> None:
+    from fsm_rollout.config import RetryPolicy
+
+    policy = RetryPolicy(base_delay_s=0.1, max_delay_s=0.3)
+    assert all(0 <= policy.delay(1) <= 0.1 for _ in range(50))
+    assert all(0 <= policy.delay(10) <= 0.3 for _ in range(50))
+    with pytest.raises(ConfigError):
+        RetryPolicy(max_attempts=0)

@@ -1,0 +1,77 @@
+"""Loading environment modules and checking the environment protocol."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fsm_rollout.env import check_environment, load_env_factory, load_env_module, unpack_step_result
+from fsm_rollout.errors import EnvironmentContractError, EnvironmentLoadError
+from fsm_rollout.testing.envs import ScriptedEnv, build_env
+
+
+def test_modules_load_by_dotted_name() -> None:
+    assert load_env_factory("fsm_rollout.testing.envs") is build_env
+
+
+def write_env(path: Path, body: str) -> Path:
+    path.write_text(body)
+    return path
+
+
+def test_a_py_file_loads_once_per_path(tmp_path: Path) -> None:
+    path = write_env(
+        tmp_path / "my_env.py", "LOADS = []\nLOADS.append(1)\ndef build_env(sample, args):\n    return None\n"
+    )
+    first = load_env_module(str(path))
+    second = load_env_module(str(path))
+    assert first is second
+    assert first.LOADS == [1]
+    assert first.__name__ == "rollout_env_my_env"
+
+
+def test_a_missing_py_file_is_a_load_error(tmp_path: Path) -> None:
+    with pytest.raises(EnvironmentLoadError, match="does not exist"):
+        load_env_module(str(tmp_path / "absent.py"))
+
+
+def test_a_missing_module_is_a_load_error_and_an_import_error() -> None:
+    with pytest.raises(EnvironmentLoadError, match="no_such_env_module") as caught:
+        load_env_module("no_such_env_module")
+    assert isinstance(caught.value, ImportError)
+
+
+def test_a_module_without_build_env_is_a_contract_error(tmp_path: Path) -> None:
+    path = write_env(tmp_path / "no_build.py", "x = 1\n")
+    with pytest.raises(EnvironmentContractError, match="callable build_env") as caught:
+        load_env_factory(str(path))
+    assert isinstance(caught.value, ValueError)
+
+
+def test_a_non_callable_build_env_is_a_contract_error(tmp_path: Path) -> None:
+    path = write_env(tmp_path / "bad_build.py", "build_env = 3\n")
+    with pytest.raises(EnvironmentContractError):
+        load_env_factory(str(path))
+
+
+def test_an_environment_must_have_the_four_methods() -> None:
+    check_environment(ScriptedEnv())
+
+    class Partial:
+        def reset(self) -> None: ...
+
+        def step(self, text: str) -> None: ...
+
+    with pytest.raises(EnvironmentContractError, match="format_observation"):
+        check_environment(Partial())
+
+
+def test_step_results_unpack_to_observation_and_done() -> None:
+    assert unpack_step_result(("obs", 1, {})) == ("obs", True)
+
+
+@pytest.mark.parametrize("result", [("obs", False), ("obs", False, {}, 1), None, ["obs", False, {}]])
+def test_step_results_must_be_three_tuples(result: object) -> None:
+    with pytest.raises(EnvironmentContractError, match="3-tuple"):
+        unpack_step_result(result)

@@ -1,0 +1,90 @@
+"""The transition table as a graph: reachable, always able to end, and unambiguous."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from fsm_rollout import lifecycle
+from fsm_rollout.rollout import _MACHINE
+
+
+def successors() -> dict[str, set[str]]:
+    graph: dict[str, set[str]] = defaultdict(set)
+    for edge in lifecycle.TRANSITIONS:
+        graph[edge.source].add(edge.dest)
+    return graph
+
+
+def reachable_from(start: str) -> set[str]:
+    graph, seen, todo = successors(), {start}, [start]
+    while todo:
+        for nxt in graph[todo.pop()]:
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return seen
+
+
+def test_every_state_is_reachable_from_pending() -> None:
+    assert reachable_from(lifecycle.INITIAL) == {state.name for state in lifecycle.STATES}
+
+
+@pytest.mark.parametrize("state", lifecycle.NON_TERMINAL)
+def test_every_non_terminal_state_can_reach_every_terminal_state(state: str) -> None:
+    assert reachable_from(state) >= lifecycle.TERMINAL
+
+
+def test_terminal_states_have_no_outgoing_edges() -> None:
+    assert not {edge.source for edge in lifecycle.TRANSITIONS} & lifecycle.TERMINAL
+
+
+def test_the_seed_outcomes_are_all_reachable_in_the_normal_flow() -> None:
+    reasons = {edge.reason for edge in lifecycle.TRANSITIONS if edge.reason}
+    assert reasons == {
+        "budget_exhausted",
+        "insufficient_budget_for_next_turn",
+        "server_abort",
+        "insufficient_budget_for_stop_eos",
+        "length",
+        "env_done",
+        "max_turns",
+    }
+
+
+@pytest.mark.parametrize("state", lifecycle.NON_TERMINAL)
+def test_each_phase_trigger_ends_with_an_unguarded_default(state: str) -> None:
+    trigger = lifecycle.STATE_BY_NAME[state].trigger
+    edges = [edge for edge in lifecycle.TRANSITIONS if edge.source == state and edge.trigger == trigger]
+    assert edges, f"{state} has no edge for its trigger {trigger}"
+    assert edges[-1].guard is None
+    assert all(edge.guard is not None for edge in edges[:-1])
+
+
+@pytest.mark.parametrize("state", lifecycle.NON_TERMINAL)
+def test_abort_and_fail_are_accepted_from_every_non_terminal_state(state: str) -> None:
+    triggers = {(edge.trigger, edge.dest) for edge in lifecycle.TRANSITIONS if edge.source == state}
+    assert ("abort", "aborted") in triggers
+    assert ("fail", "failed") in triggers
+
+
+def test_every_terminal_edge_carries_a_reason_except_abort_and_fail() -> None:
+    for edge in lifecycle.TRANSITIONS:
+        if edge.dest in lifecycle.TERMINAL and edge.trigger not in ("abort", "fail"):
+            assert edge.reason, edge
+
+
+def test_built_machine_mirrors_the_table() -> None:
+    built = {
+        (source, name, transition.dest)
+        for name, event in _MACHINE.events.items()
+        for source, transitions in event.transitions.items()
+        for transition in transitions
+    }
+    assert built == {(edge.source, edge.trigger, edge.dest) for edge in lifecycle.TRANSITIONS}
+
+
+def test_building_with_a_missing_implementation_names_it() -> None:
+    with pytest.raises(ValueError, match="env_done"):
+        lifecycle.build_machine({}, {})

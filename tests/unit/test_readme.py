@@ -1,0 +1,38 @@
+"""The README's commands are the ones CI runs, and the code stays ruff- and mypy-clean."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def readme_commands() -> list[str]:
+    return re.findall(r"```bash\n(.+?)\n```", (ROOT / "README.md").read_text(), flags=re.S)
+
+
+def test_ci_runs_the_readme_test_command_verbatim() -> None:
+    test_command = next(command for command in readme_commands() if "pytest" in command)
+    ci_lines = (ROOT / ".ci" / "run").read_text().splitlines()
+    assert test_command in ci_lines
+
+
+def test_readme_starts_with_its_commands() -> None:
+    text = (ROOT / "README.md").read_text()
+    first_block = text.index("```bash")
+    assert text.index("\n## ") > first_block
+
+
+def test_package_is_ruff_clean() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", "fsm_rollout", "tests"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_package_is_mypy_clean() -> None:
+    result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr

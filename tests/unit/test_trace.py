@@ -1,0 +1,49 @@
+"""The transition trace: JSON lines with a versioned schema, to a file, stdout or nowhere."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import orjson
+from structlog.contextvars import bound_contextvars
+
+from fsm_rollout.trace import NULL_TRACER, TRACE_SCHEMA_VERSION, Tracer, capture_transitions, get_tracer
+
+
+def test_file_sink_writes_one_json_line_per_transition(tmp_path: Path) -> None:
+    path = tmp_path / "trace.jsonl"
+    tracer = get_tracer(path)
+    with bound_contextvars(sample_id="s1", session_id=None):
+        tracer.transition(trigger="render", src="pending", dst="rendered")
+        tracer.transition(trigger="generate", src="rendered", dst="generating")
+    tracer.close()
+    lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    assert [line["trigger"] for line in lines] == ["render", "generate"]
+    assert all(line["event"] == "transition" and line["schema"] == TRACE_SCHEMA_VERSION for line in lines)
+    assert all(line["sample_id"] == "s1" and isinstance(line["ts"], float) for line in lines)
+
+
+def test_the_same_path_shares_one_tracer(tmp_path: Path) -> None:
+    assert get_tracer(tmp_path / "t.jsonl") is get_tracer(str(tmp_path / "t.jsonl"))
+
+
+def test_off_writes_nothing_and_is_disabled() -> None:
+    assert get_tracer(None) is NULL_TRACER
+    assert get_tracer("off") is NULL_TRACER
+    assert not NULL_TRACER.enabled
+
+
+def test_capture_sees_events_of_a_disabled_tracer() -> None:
+    with capture_transitions() as events:
+        assert NULL_TRACER.enabled
+        NULL_TRACER.transition(trigger="abort", src="pending", dst="aborted")
+    assert events == [{"event": "transition", "trigger": "abort", "src": "pending", "dst": "aborted"}]
+    NULL_TRACER.transition(trigger="x", src="a", dst="b")
+    assert len(events) == 1
+
+
+def test_stream_tracer_writes_bytes(tmp_path: Path) -> None:
+    path = tmp_path / "raw.jsonl"
+    with path.open("wb") as stream:
+        Tracer(stream).transition(trigger="render", src="pending", dst="rendered", dwell_ms=1.5)
+    assert orjson.loads(path.read_bytes())["dwell_ms"] == 1.5
