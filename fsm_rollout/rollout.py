@@ -46,6 +46,9 @@ from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
 
 T = TypeVar("T")
 
+TransitionObserver = Callable[["Rollout", str, str, float], None]
+"""Called after every transition with ``(rollout, trigger, src, dwell_ms)``; ``rollout.state`` is the new state."""
+
 _ENCODERS: dict[int, ObservationEncoder] = {}
 
 
@@ -97,6 +100,7 @@ class Rollout:
         processor: Any = None,
         tracer: Tracer | None = None,
         encoder: ObservationEncoder | None = None,
+        observer: TransitionObserver | None = None,
     ) -> None:
         check_startable(sample)
         self.sample = sample
@@ -110,6 +114,7 @@ class Rollout:
         self.tracer = tracer if tracer is not None else get_tracer(config.trace) if config.trace else NULL_TRACER
         self._env_factory = env_factory
         self._env_args = env_args if env_args is not None else config
+        self._observer = observer
 
         sample.metadata = dict(sample.metadata or {})
         self.headers: dict[str, str] | None = None
@@ -419,8 +424,11 @@ class Rollout:
         now = time.perf_counter()
         if self.config.check_invariants and self.prompt_length is not None:
             self.sample.check_invariants(self.prompt_length)
+        dwell_ms = (now - self._entered_at) * 1000.0
         if self.tracer.enabled:
-            self._trace(trigger, src, (now - self._entered_at) * 1000.0)
+            self._trace(trigger, src, dwell_ms)
+        if self._observer is not None:
+            self._observer(self, trigger, src, dwell_ms)
         self._entered_at = now
 
     def _trace(self, trigger: str, src: str, dwell_ms: float) -> None:
@@ -523,6 +531,7 @@ class Rollout:
             reset_contextvars(**context)
             self._running = False
             self._done.set()
+            self.tracer.flush()
         return self.sample
 
     def request_abort(self, reason: str = "cancelled") -> None:

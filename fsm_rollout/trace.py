@@ -53,6 +53,22 @@ def _render_json(_logger: Any, _method: str, event_dict: MutableMapping[str, Any
     return orjson.dumps(event_dict, default=str)
 
 
+class _LineWriter:
+    """The structlog logger behind a tracer: appends each rendered line to a buffered stream without flushing.
+
+    structlog's ``BytesLogger`` flushes on every line (a system call per transition); here the stream is flushed
+    when a sample finishes (:meth:`Tracer.flush`) and when the buffer fills.
+    """
+
+    def __init__(self, stream: BinaryIO) -> None:
+        self._write = stream.write
+
+    def msg(self, message: bytes) -> None:
+        self._write(message + b"\n")
+
+    info = msg
+
+
 class Tracer:
     """Writes transition events to one sink (a binary stream), or nowhere when ``stream`` is None."""
 
@@ -62,7 +78,7 @@ class Tracer:
         self._log: Any = None
         if stream is not None:
             self._log = structlog.wrap_logger(
-                structlog.BytesLogger(stream),
+                _LineWriter(stream),
                 processors=[merge_contextvars, _stamp, _render_json],
                 wrapper_class=structlog.make_filtering_bound_logger(0),
                 cache_logger_on_first_use=True,
@@ -81,6 +97,11 @@ class Tracer:
             event = {"event": TRANSITION_EVENT, **get_contextvars(), **fields}
             for captured in _CAPTURES:
                 captured.append(dict(event))
+
+    def flush(self) -> None:
+        """Push buffered lines to the sink (called when a sample reaches a terminal state)."""
+        if self._stream is not None:
+            self._stream.flush()
 
     def close(self) -> None:
         """Flush, and close the sink if this tracer opened it."""

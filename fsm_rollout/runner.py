@@ -1,0 +1,331 @@
+"""RolloutRunner: many samples through the lifecycle with shared resources, bounded concurrency, abort and metrics.
+
+One runner owns what samples share: the HTTP client(s), the tokenizer, the loaded environment module, the trace
+sink and the machine definition (module-level, shared by every rollout). Use it as an async context manager::
+
+    async with RolloutRunner(config, sampling_params=sampling) as runner:
+        samples = await runner.run_batch(samples, concurrency=64)
+
+Several engine URLs are spread over with session-sticky consistent hashing: a sample's requests always go to the
+same server, and adding a server moves only about 1/N of the sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import copy
+import hashlib
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from fsm_rollout import lifecycle
+from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig
+from fsm_rollout.engine.client import VLLMClient
+from fsm_rollout.env import EnvFactory, load_env_factory
+from fsm_rollout.errors import ConfigError, RolloutError
+from fsm_rollout.rollout import Rollout
+from fsm_rollout.sample import Sample
+from fsm_rollout.trace import Tracer, get_tracer
+
+
+class ConsistentHashRing:
+    """Maps keys (session ids) to one of several engine URLs; stable when URLs are added or removed."""
+
+    def __init__(self, urls: Sequence[str], *, replicas: int = 64) -> None:
+        if not urls:
+            raise ConfigError("at least one engine URL is needed")
+        self._points: list[int] = []
+        self._owners: list[str] = []
+        for url in sorted(set(urls)):
+            for replica in range(replicas):
+                self._points.append(self._hash(f"{url}#{replica}"))
+                self._owners.append(url)
+        order = sorted(range(len(self._points)), key=self._points.__getitem__)
+        self._points = [self._points[i] for i in order]
+        self._owners = [self._owners[i] for i in order]
+
+    @staticmethod
+    def _hash(key: str) -> int:
+        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
+
+    def url_for(self, key: str) -> str:
+        """The engine URL that owns ``key``."""
+        index = bisect.bisect(self._points, self._hash(key)) % len(self._points)
+        return self._owners[index]
+
+
+@dataclass(frozen=True)
+class MetricsSnapshot:
+    """What the runner's samples are doing right now and have done since the runner started."""
+
+    occupancy: dict[str, int]
+    """Samples per non-terminal state right now; sums to ``in_flight``."""
+    in_flight: int
+    dwell_ms_mean: dict[str, float]
+    """Mean time samples spent in each state they left."""
+    statuses: dict[str, int]
+    reasons: dict[str, int]
+    samples_done: int
+    turns: int
+    tokens_generated: int
+    elapsed_s: float
+    samples_per_s: float
+    turns_per_s: float
+    tokens_per_s: float
+
+
+@dataclass
+class _Metrics:
+    started: float = field(default_factory=time.perf_counter)
+    occupancy: Counter[str] = field(default_factory=Counter)
+    dwell_sum: Counter[str] = field(default_factory=Counter)
+    dwell_count: Counter[str] = field(default_factory=Counter)
+    statuses: Counter[str] = field(default_factory=Counter)
+    reasons: Counter[str] = field(default_factory=Counter)
+    turns: int = 0
+    tokens_generated: int = 0
+    done: int = 0
+
+    def observe(self, rollout: Rollout, trigger: str, src: str, dwell_ms: float) -> None:
+        dst = rollout.state
+        self.occupancy[src] -= 1
+        self.dwell_sum[src] += dwell_ms  # type: ignore[assignment]
+        self.dwell_count[src] += 1
+        if trigger == "step" and rollout.turn is not None:
+            self.turns += 1
+            self.tokens_generated += len(rollout.turn.token_ids)
+        if dst in lifecycle.TERMINAL:
+            self.statuses[dst] += 1
+            self.reasons[rollout.reason or "unknown"] += 1
+            self.done += 1
+        else:
+            self.occupancy[dst] += 1
+
+    def snapshot(self) -> MetricsSnapshot:
+        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        occupancy = {state: count for state, count in self.occupancy.items() if count}
+        return MetricsSnapshot(
+            occupancy=occupancy,
+            in_flight=sum(occupancy.values()),
+            dwell_ms_mean={state: self.dwell_sum[state] / n for state, n in self.dwell_count.items() if n},
+            statuses=dict(self.statuses),
+            reasons=dict(self.reasons),
+            samples_done=self.done,
+            turns=self.turns,
+            tokens_generated=self.tokens_generated,
+            elapsed_s=elapsed,
+            samples_per_s=self.done / elapsed,
+            turns_per_s=self.turns / elapsed,
+            tokens_per_s=self.tokens_generated / elapsed,
+        )
+
+
+def load_tokenizer(path: str) -> Any:
+    """Load a Hugging Face tokenizer from a local directory or model name (imports transformers lazily)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+
+
+class RolloutRunner:
+    """Runs samples through the lifecycle with shared resources (see the module docstring).
+
+    ``engine_urls`` defaults to ``[config.engine_url]``; with several URLs each sample gets a session id and is
+    pinned to one URL by consistent hashing. With ``raise_on_error=False`` (the default) a sample whose rollout
+    raises ends ``failed`` with the error in ``metadata["rollout_error"]`` and the batch goes on; with True the
+    error propagates.
+    """
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        *,
+        sampling_params: Mapping[str, Any],
+        tokenizer: Any = None,
+        processor: Any = None,
+        env_factory: EnvFactory | None = None,
+        engine_urls: Sequence[str] | None = None,
+        raise_on_error: bool = False,
+        tracer: Tracer | None = None,
+    ) -> None:
+        self.config = config
+        self.sampling_params = dict(sampling_params)
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.env_factory = env_factory
+        self.engine_urls = list(engine_urls or [config.engine_url])
+        self.raise_on_error = raise_on_error
+        self.tracer = tracer if tracer is not None else get_tracer(config.trace)
+        self._ring = ConsistentHashRing(self.engine_urls)
+        self._clients: dict[str, VLLMClient] = {}
+        self._active: set[Rollout] = set()
+        self._metrics = _Metrics()
+        self._entered = False
+
+    async def __aenter__(self) -> RolloutRunner:
+        for url in self.engine_urls:
+            self._clients[url] = VLLMClient(
+                url,
+                connect_timeout_s=self.config.connect_timeout_s,
+                request_timeout_s=self.config.request_timeout_s,
+                retry=self.config.retry,
+            )
+        if self.tokenizer is None:
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer_path or self.config.model)
+        if self.env_factory is None:
+            self.env_factory = load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
+        self._entered = True
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._active:
+            await self.abort("shutdown")
+        for client in self._clients.values():
+            await client.close()
+        self._clients.clear()
+        self.tracer.flush()
+        self._entered = False
+
+    # ------------------------------------------------------------------ building rollouts
+
+    def _client_for(self, sample: Sample) -> VLLMClient:
+        if len(self._clients) == 1:
+            return next(iter(self._clients.values()))
+        return self._clients[self._ring.url_for(sample.session_id or "")]
+
+    def _rollout(self, sample: Sample, *, sample_id: str | None = None) -> Rollout:
+        if not self._entered:
+            raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
+        if len(self._clients) > 1 and not sample.session_id:
+            sample.session_id = str(uuid.uuid4())
+        rollout = Rollout(
+            sample,
+            config=self.config,
+            sampling_params=self.sampling_params,
+            client=self._client_for(sample),
+            tokenizer=self.tokenizer,
+            env_factory=self.env_factory,
+            processor=self.processor,
+            tracer=self.tracer,
+            observer=self._observe,
+        )
+        if sample_id is not None:
+            rollout.sample_id = sample_id
+        self._active.add(rollout)
+        self._metrics.occupancy[rollout.state] += 1
+        return rollout
+
+    def _observe(self, rollout: Rollout, trigger: str, src: str, dwell_ms: float) -> None:
+        self._metrics.observe(rollout, trigger, src, dwell_ms)
+        if rollout.state in lifecycle.TERMINAL:
+            self._active.discard(rollout)
+
+    async def _drive(self, rollout: Rollout) -> Sample:
+        try:
+            return await rollout.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if self.raise_on_error:
+                raise
+            return rollout.sample
+
+    # ------------------------------------------------------------------ public API
+
+    async def run(self, sample: Sample) -> Sample:
+        """Run one sample to a terminal state and return it."""
+        return await self._drive(self._rollout(sample))
+
+    def _prepare(self, samples: Iterable[Sample]) -> list[Rollout | Sample]:
+        prepared: list[Rollout | Sample] = []
+        for sample in samples:
+            try:
+                prepared.append(self._rollout(sample))
+            except RolloutError as error:
+                if self.raise_on_error:
+                    raise
+                sample.metadata = {
+                    **(sample.metadata or {}),
+                    "rollout_error": {"type": type(error).__name__, "message": str(error), "state": None},
+                }
+                prepared.append(sample)
+        return prepared
+
+    async def _bounded(self, item: Rollout | Sample, semaphore: asyncio.Semaphore) -> Sample:
+        if isinstance(item, Sample):
+            return item
+        async with semaphore:
+            return await self._drive(item)
+
+    async def run_batch(self, samples: Iterable[Sample], *, concurrency: int = 64) -> list[Sample]:
+        """Run samples with at most ``concurrency`` in flight; returns them in input order."""
+        semaphore = asyncio.Semaphore(_positive(concurrency))
+        prepared = self._prepare(samples)
+        return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
+
+    async def stream(self, samples: Iterable[Sample], *, concurrency: int = 64) -> AsyncIterator[Sample]:
+        """Yield samples as they finish (at most ``concurrency`` in flight), for asynchronous RL trainers."""
+        semaphore = asyncio.Semaphore(_positive(concurrency))
+        tasks = [asyncio.ensure_future(self._bounded(item, semaphore)) for item in self._prepare(samples)]
+        try:
+            for finished in asyncio.as_completed(tasks):
+                yield await finished
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def run_group(self, sample: Sample, n: int, *, concurrency: int | None = None) -> list[Sample]:
+        """Run ``n`` copies of a sample (a GRPO group): one group index, each copy with its own session id."""
+        group_index = sample.group_index if sample.group_index is not None else sample.index
+        copies: list[Sample] = []
+        for member in range(_positive(n)):
+            duplicate = copy.deepcopy(sample)
+            duplicate.group_index = group_index
+            duplicate.session_id = str(uuid.uuid4())
+            duplicate.metadata = {**(duplicate.metadata or {}), "group_member": member}
+            copies.append(duplicate)
+        semaphore = asyncio.Semaphore(_positive(concurrency or n))
+        prepared = self._prepare(copies)
+        for member, item in enumerate(prepared):
+            if isinstance(item, Rollout):
+                item.sample_id = f"{item.sample_id}.{member}" if sample.index is not None else item.sample_id
+        return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
+
+    async def abort(self, reason: str = "cancelled") -> None:
+        """End every sample this runner has not finished ``aborted`` with ``reason``.
+
+        Samples in flight have their request cancelled and named to the server; samples not started yet end
+        without sending anything. When this returns, no request of those samples reaches a server any more.
+        """
+        waiting = []
+        for rollout in list(self._active):
+            if rollout.terminal:
+                continue
+            waiting.append(rollout.abort(reason))
+        await asyncio.gather(*waiting)
+
+    def metrics(self) -> MetricsSnapshot:
+        """A consistent snapshot of occupancy, dwell times, outcomes and throughput."""
+        return self._metrics.snapshot()
+
+    @property
+    def in_flight(self) -> int:
+        """Samples created by this runner that have not reached a terminal state."""
+        return len(self._active)
+
+
+def _positive(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"expected a positive integer, got {value!r}")
+    return value
+
+
+__all__ = ["ConsistentHashRing", "MetricsSnapshot", "RolloutRunner"]

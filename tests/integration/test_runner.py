@@ -1,0 +1,237 @@
+"""RolloutRunner: batches, streams, groups, sticky hashing, abort, cancellation, error isolation, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from fsm_rollout import RetryPolicy, RolloutConfig, Sample, Status
+from fsm_rollout.runner import ConsistentHashRing, RolloutRunner
+from fsm_rollout.testing.envs import ScriptedEnvFactory
+from fsm_rollout.testing.fake_vllm import ABORT_PATH, GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
+
+SAMPLING = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0}
+
+
+def config_for(url: str, **overrides: Any) -> RolloutConfig:
+    values: dict[str, Any] = {
+        "engine_url": url,
+        "model": "fake-model",
+        "max_turns": 2,
+        "router_policy": "consistent_hash",
+        "check_invariants": True,
+        "retry": RetryPolicy(max_attempts=2, base_delay_s=0.001),
+    }
+    values.update(overrides)
+    return RolloutConfig(**values)
+
+
+def runner_for(server: FakeVLLMServer, tokenizer: Any, **kwargs: Any) -> RolloutRunner:
+    envs = kwargs.pop("envs", ScriptedEnvFactory())
+    config = kwargs.pop("config", None) or config_for(server.url, **kwargs.pop("config_overrides", {}))
+    return RolloutRunner(config, sampling_params=SAMPLING, tokenizer=tokenizer, env_factory=envs, **kwargs)
+
+
+async def wait_for_generates(server: FakeVLLMServer, count: int) -> None:
+    for _ in range(500):
+        if len(server.requests_to(GENERATE_PATH)) >= count:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"{count} generate requests never arrived")
+
+
+def samples(n: int) -> list[Sample]:
+    return [Sample(prompt=f"question {i}", index=i, session_id=f"s{i}") for i in range(n)]
+
+
+async def test_batch_returns_samples_in_input_order(fake_vllm: FakeVLLMServer, tokenizer: Any) -> None:
+    for i in range(6):
+        fake_vllm.script([ScriptedTurn(text=f"answer {i}", delay=0.05 * (6 - i))], session=f"s{i}")
+    envs = ScriptedEnvFactory(steps=[("ok", True)])
+    async with runner_for(fake_vllm, tokenizer, envs=envs) as runner:
+        done = await runner.run_batch(samples(6), concurrency=6)
+    assert [sample.index for sample in done] == list(range(6))
+    assert [sample.response for sample in done] == [f"answer {i}" for i in range(6)]
+    assert all(sample.status == Status.COMPLETED for sample in done)
+
+
+async def test_stream_yields_samples_as_they_finish(fake_vllm: FakeVLLMServer, tokenizer: Any) -> None:
+    fake_vllm.script([ScriptedTurn(text="slow", delay=0.4)], session="s0")
+    for i in range(1, 4):
+        fake_vllm.script([ScriptedTurn(text="fast")], session=f"s{i}")
+    envs = ScriptedEnvFactory(steps=[("ok", True)])
+    async with runner_for(fake_vllm, tokenizer, envs=envs) as runner:
+        order = [sample.index async for sample in runner.stream(samples(4), concurrency=4)]
+    assert sorted(order) == [0, 1, 2, 3]
+    assert order[-1] == 0
+
+
+async def test_concurrency_bounds_requests_in_flight(fake_vllm: FakeVLLMServer, tokenizer: Any) -> None:
+    for i in range(8):
+        fake_vllm.script([ScriptedTurn(text="x", delay=0.1)], session=f"s{i}")
+    envs = ScriptedEnvFactory(steps=[("ok", True)])
+    peak = 0
+    async with runner_for(fake_vllm, tokenizer, envs=envs) as runner:
+        task = asyncio.ensure_future(runner.run_batch(samples(8), concurrency=3))
+        while not task.done():
+            snapshot = runner.metrics()
+            running = snapshot.in_flight - snapshot.occupancy.get("pending", 0)
+            peak = max(peak, running)
+            await asyncio.sleep(0.01)
+        await task
+    assert 1 <= peak <= 3
+
+
+async def test_group_copies_share_a_group_index_and_get_their_own_sessions(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    fake_vllm.script([ScriptedTurn(text="g")] * 4)
+    envs = ScriptedEnvFactory(steps=[("ok", True)])
+    source = Sample(prompt="q", index=5)
+    async with runner_for(fake_vllm, tokenizer, envs=envs) as runner:
+        group = await runner.run_group(source, 4)
+    assert len(group) == 4
+    assert {sample.group_index for sample in group} == {5}
+    assert len({sample.session_id for sample in group}) == 4
+    assert all(sample.status == Status.COMPLETED for sample in group)
+    assert source.status == Status.PENDING
+    assert sorted(sample.metadata["group_member"] for sample in group) == [0, 1, 2, 3]
+
+
+@pytest.fixture
+async def three_servers(tokenizer: Any) -> AsyncIterator[list[FakeVLLMServer]]:
+    servers = [FakeVLLMServer(tokenizer, model="fake-model") for _ in range(3)]
+    for server in servers:
+        await server.start()
+    yield servers
+    for server in servers:
+        await server.stop()
+
+
+async def test_several_engines_keep_each_session_on_one_server(
+    three_servers: list[FakeVLLMServer], tokenizer: Any
+) -> None:
+    for server in three_servers:
+        server.script([ScriptedTurn(text="t")] * 200)
+    urls = [server.url for server in three_servers]
+    runner = RolloutRunner(
+        config_for(urls[0]), sampling_params=SAMPLING, tokenizer=tokenizer, env_factory=ScriptedEnvFactory(),
+        engine_urls=urls,
+    )
+    batch = [Sample(prompt="q", index=i) for i in range(30)]
+    async with runner:
+        await runner.run_batch(batch, concurrency=10)
+    owners: dict[str, set[int]] = {}
+    for position, server in enumerate(three_servers):
+        for request in server.requests:
+            owners.setdefault(request.headers["x-session-id"], set()).add(position)
+    assert len(owners) == 30
+    assert all(len(servers) == 1 for servers in owners.values())
+    assert len({next(iter(servers)) for servers in owners.values()}) > 1
+
+
+def test_hash_ring_moves_few_keys_when_a_server_joins() -> None:
+    keys = [f"session-{i}" for i in range(2000)]
+    before = ConsistentHashRing(["http://a", "http://b", "http://c"])
+    after = ConsistentHashRing(["http://a", "http://b", "http://c", "http://d"])
+    moved = sum(before.url_for(key) != after.url_for(key) for key in keys)
+    assert all(after.url_for(key) == "http://d" for key in keys if before.url_for(key) != after.url_for(key))
+    assert moved < len(keys) * 0.4
+
+
+async def test_abort_ends_running_and_queued_samples_and_nothing_is_sent_after(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    for i in range(6):
+        fake_vllm.script([ScriptedTurn(text="never", hang=True)], session=f"s{i}")
+    async with runner_for(fake_vllm, tokenizer) as runner:
+        task = asyncio.ensure_future(runner.run_batch(samples(6), concurrency=3))
+        await wait_for_generates(fake_vllm, 3)
+        await runner.abort("weight_update")
+        sent = len(fake_vllm.requests)
+        done = await task
+        await asyncio.sleep(0.1)
+        assert len(fake_vllm.requests) == sent
+        snapshot = runner.metrics()
+    assert [sample.status for sample in done] == [Status.ABORTED] * 6
+    assert {sample.metadata["rollout_reason"] for sample in done} == {"weight_update"}
+    counts = Counter(request.path for request in fake_vllm.requests)
+    assert counts == {RENDER_PATH: 3, GENERATE_PATH: 3, ABORT_PATH: 3}
+    assert snapshot.in_flight == 0
+    assert snapshot.reasons == {"weight_update": 6}
+
+
+async def test_cancelling_a_batch_aborts_its_samples_as_cancelled(fake_vllm: FakeVLLMServer, tokenizer: Any) -> None:
+    for i in range(3):
+        fake_vllm.script([ScriptedTurn(text="never", hang=True)], session=f"s{i}")
+    batch = samples(3)
+    async with runner_for(fake_vllm, tokenizer) as runner:
+        task = asyncio.ensure_future(runner.run_batch(batch, concurrency=3))
+        await wait_for_generates(fake_vllm, 3)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+    assert [sample.metadata["rollout_reason"] for sample in batch] == ["cancelled"] * 3
+    assert sorted(fake_vllm.aborted_request_ids) == ["s0-turn0", "s1-turn0", "s2-turn0"]
+
+
+async def test_a_failing_sample_does_not_stop_the_batch(fake_vllm: FakeVLLMServer, tokenizer: Any) -> None:
+    fake_vllm.script([ScriptedTurn(status=400)], session="s1")
+    for i in (0, 2):
+        fake_vllm.script([ScriptedTurn(text="ok")], session=f"s{i}")
+    envs = ScriptedEnvFactory(steps=[("ok", True)])
+    async with runner_for(fake_vllm, tokenizer, envs=envs) as runner:
+        done = await runner.run_batch(samples(3))
+        snapshot = runner.metrics()
+    assert [sample.status for sample in done] == [Status.COMPLETED, Status.FAILED, Status.COMPLETED]
+    assert done[1].metadata["rollout_error"]["type"] == "EngineHTTPError"
+    assert snapshot.statuses == {"completed": 2, "failed": 1}
+
+
+async def test_raise_on_error_propagates(fake_vllm: FakeVLLMServer, tokenizer: Any) -> None:
+    from fsm_rollout.errors import EngineHTTPError
+
+    fake_vllm.script([ScriptedTurn(status=400)], session="s0")
+    async with runner_for(fake_vllm, tokenizer, raise_on_error=True) as runner:
+        with pytest.raises(EngineHTTPError):
+            await runner.run(samples(1)[0])
+
+
+async def test_a_sample_that_cannot_start_is_reported_and_the_batch_goes_on(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    fake_vllm.script([ScriptedTurn(text="ok")], session="s0")
+    batch = samples(2)
+    batch[1].status = Status.COMPLETED
+    envs = ScriptedEnvFactory(steps=[("ok", True)])
+    async with runner_for(fake_vllm, tokenizer, envs=envs) as runner:
+        done = await runner.run_batch(batch)
+    assert done[0].status == Status.COMPLETED
+    assert done[1].status == Status.COMPLETED
+    assert done[1].metadata["rollout_error"]["type"] == "SampleStateError"
+
+
+async def test_occupancy_always_sums_to_the_samples_in_flight(fake_vllm: FakeVLLMServer, tokenizer: Any) -> None:
+    for i in range(10):
+        fake_vllm.script([ScriptedTurn(text="a", delay=0.02), ScriptedTurn(text="b", delay=0.03)], session=f"s{i}")
+    snapshots = []
+    async with runner_for(fake_vllm, tokenizer) as runner:
+        task = asyncio.ensure_future(runner.run_batch(samples(10), concurrency=4))
+        while not task.done():
+            snapshots.append(runner.metrics())
+            await asyncio.sleep(0.005)
+        await task
+        final = runner.metrics()
+    assert all(sum(s.occupancy.values()) == s.in_flight for s in snapshots)
+    assert any(s.in_flight > 0 for s in snapshots)
+    assert final.in_flight == 0
+    assert final.samples_done == 10
+    assert final.turns == 20
+    assert final.tokens_generated == 20
+    assert final.reasons == {"max_turns": 10}
+    assert set(final.dwell_ms_mean) >= {"pending", "rendered", "generating", "stepping", "observing"}
+    assert final.samples_per_s > 0
