@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from fsm_rollout import __version__
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("fsm_rollout.run_cli", "roll a dataset out (default: the demo on the embedded CPU engine)"),
+    "bench": ("fsm_rollout.bench", "measure the machine and the client against plain alternatives"),
     "diagram": ("fsm_rollout.diagrams", "write the lifecycle state diagrams (Mermaid, Graphviz) from the table"),
 }
 """Subcommand name → (module, one-line help)."""

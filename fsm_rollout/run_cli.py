@@ -1,0 +1,212 @@
+"""``fsm-rollout run``: the main job — roll a dataset out against vLLM (or the embedded engine) and write results.
+
+With no ``--engine-url`` the embedded CPU engine is started in-process; with no ``--data`` the bundled demo
+dataset runs with the built-in Geo3K environment. Results are JSONL (``Sample.to_dict()`` per line, in input
+order); the trace is JSONL too (one line per transition). Ctrl-C aborts the samples in flight, writes what finished
+plus the aborted partials, and exits 130.
+
+Exit codes: 0 every sample ended (completed, truncated or aborted by the server); 1 some sample failed; 2 bad input
+(dataset, options); 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+import orjson
+
+from fsm_rollout.config import RolloutConfig
+from fsm_rollout.errors import RolloutError
+from fsm_rollout.runner import MetricsSnapshot, RolloutRunner
+from fsm_rollout.sample import Sample
+
+DEMO_ENV = "fsm_rollout.envs.geo3k"
+EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``fsm-rollout run``."""
+    data = parser.add_argument_group("data and outputs")
+    data.add_argument("--data", type=Path, help="JSONL dataset (default: the bundled Geo3K-style demo)")
+    data.add_argument("--out", type=Path, default=Path("results.jsonl"), help="results JSONL (default: %(default)s)")
+    data.add_argument("--trace", type=Path, help="write the transition trace (JSONL) here")
+    data.add_argument("--skip-bad", action="store_true", help="skip invalid dataset lines (counted) instead of failing")
+    data.add_argument("--limit", type=int, help="run only the first N samples")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument("--engine-url", action="append", default=[], metavar="URL",
+                        help="vLLM server or router URL; repeat for several servers (sticky consistent hashing). "
+                        "Default: start the embedded CPU engine")
+    engine.add_argument("--model", help="served model name (default: the embedded engine's model)")
+    engine.add_argument("--tokenizer", help="local tokenizer path (default: --model, or the embedded engine's)")
+    engine.add_argument("--router-policy", choices=["consistent_hash"], help="send x-session-id on every request")
+    rollout = parser.add_argument_group("rollout")
+    rollout.add_argument("--env", help=f"environment module or .py file (default with the demo: {DEMO_ENV})")
+    rollout.add_argument("--max-turns", type=int, default=3)
+    rollout.add_argument("--max-new-tokens", type=int, default=128, help="response budget over all turns")
+    rollout.add_argument("--max-context-len", type=int, help="context limit (prompt + response)")
+    rollout.add_argument("--concurrency", type=int, default=16)
+    rollout.add_argument("--temperature", type=float, default=1.0)
+    rollout.add_argument("--top-p", type=float, default=1.0)
+    rollout.add_argument("--stop", action="append", default=[], metavar="S", help="stop string (repeatable)")
+    rollout.add_argument("--seed", type=int, help="sampling seed sent with every request")
+    parser.add_argument("--quiet", action="store_true", help="no progress line")
+
+
+def _load_samples(args: argparse.Namespace) -> tuple[list[Sample], int]:
+    from fsm_rollout.dataset import load_jsonl
+
+    if args.data is None:
+        from fsm_rollout.data.demo import demo_samples
+
+        samples, skipped = demo_samples(), 0
+    else:
+        dataset = load_jsonl(args.data, skip_bad=args.skip_bad)
+        samples, skipped = dataset.samples, len(dataset.skipped)
+        for bad in dataset.skipped:
+            print(f"skipped: {bad}", file=sys.stderr)
+    if args.limit is not None:
+        samples = samples[: max(args.limit, 0)]
+    return samples, skipped
+
+
+@contextlib.asynccontextmanager
+async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[list[str], str, str | None]]:
+    """Yield (engine URLs, served model name, tokenizer path); starts the embedded engine when no URL is given."""
+    if args.engine_url:
+        if not args.model:
+            raise RolloutError("--model (the served model name) is required with --engine-url")
+        yield list(args.engine_url), args.model, args.tokenizer
+        return
+    from fsm_rollout.engine.local import LocalEngine
+
+    print("starting the embedded CPU engine ...", file=sys.stderr)
+    async with LocalEngine() as engine:
+        yield [engine.url], engine.served_model_name, str(engine.model_dir)
+
+
+def _progress_line(snapshot: MetricsSnapshot, total: int) -> str:
+    states = " ".join(f"{state}={count}" for state, count in sorted(snapshot.occupancy.items()))
+    return (
+        f"[{snapshot.samples_done}/{total}] {states or 'idle'} | {snapshot.turns} turns, "
+        f"{snapshot.tokens_per_s:.0f} tok/s, {snapshot.elapsed_s:.1f}s"
+    )
+
+
+async def _show_progress(runner: RolloutRunner, total: int, stream: TextIO) -> None:
+    interactive = stream.isatty()
+    last_print = 0.0
+    while True:
+        await asyncio.sleep(0.25)
+        line = _progress_line(runner.metrics(), total)
+        if interactive:
+            stream.write("\r\033[K" + line)
+            stream.flush()
+        elif time.monotonic() - last_print >= 5.0:
+            print(line, file=stream, flush=True)
+            last_print = time.monotonic()
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "save") and hasattr(value, "mode"):  # PIL images in multimodal_inputs
+        from fsm_rollout.multimodal import encode_pil_image
+
+        return encode_pil_image(value)
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"cannot serialise {type(value).__name__}")
+
+
+def write_results(samples: Sequence[Sample], path: Path) -> None:
+    """Write ``Sample.to_dict()`` per line (images as data URLs)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("wb") as stream:
+        for sample in samples:
+            stream.write(orjson.dumps(sample.to_dict(), default=_json_default) + b"\n")
+
+
+def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, trace: Path | None) -> str:
+    """The end-of-run table."""
+    lines = [
+        f"{snapshot.samples_done}/{total} samples in {snapshot.elapsed_s:.1f}s "
+        f"({snapshot.samples_per_s:.2f} samples/s, {snapshot.turns} turns, "
+        f"{snapshot.tokens_generated} tokens generated, {snapshot.tokens_per_s:.0f} tok/s)",
+    ]
+    if skipped:
+        lines.append(f"{skipped} bad dataset line(s) skipped")
+    lines.append(f"{'status':<34}{'count':>6}")
+    lines.extend(f"  {status:<32}{count:>6}" for status, count in sorted(snapshot.statuses.items()))
+    lines.append(f"{'reason':<34}{'count':>6}")
+    lines.extend(f"  {reason:<32}{count:>6}" for reason, count in sorted(snapshot.reasons.items()))
+    lines.append(f"results: {out}" + (f"   trace: {trace}" if trace else ""))
+    return "\n".join(lines)
+
+
+async def _run(args: argparse.Namespace) -> int:
+    samples, skipped = _load_samples(args)
+    sampling: dict[str, Any] = {
+        "max_new_tokens": args.max_new_tokens,
+        "temperature": args.temperature,
+        "top_p": args.top_p,
+        "no_stop_trim": True,
+    }
+    if args.stop:
+        sampling["stop"] = list(args.stop)
+    interrupted = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, interrupted.set)
+    async with _engine(args) as (urls, model, tokenizer_path):
+        config = RolloutConfig(
+            engine_url=urls[0],
+            model=model,
+            tokenizer_path=tokenizer_path,
+            max_turns=args.max_turns,
+            rollout_max_context_len=args.max_context_len,
+            router_policy=args.router_policy,
+            env_path=args.env or DEMO_ENV,
+            trace=args.trace,
+        )
+        if args.seed is not None:
+            sampling["seed"] = args.seed
+        async with RolloutRunner(config, sampling_params=sampling, engine_urls=urls) as runner:
+            progress = None if args.quiet else asyncio.ensure_future(_show_progress(runner, len(samples), sys.stderr))
+            batch = asyncio.ensure_future(runner.run_batch(samples, concurrency=args.concurrency))
+            stop_waiter = asyncio.ensure_future(interrupted.wait())
+            await asyncio.wait({batch, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if interrupted.is_set() and not batch.done():
+                print("\ninterrupted: aborting samples in flight ...", file=sys.stderr)
+                await runner.abort("cancelled")
+            await batch
+            stop_waiter.cancel()
+            if progress is not None:
+                progress.cancel()
+                print(file=sys.stderr)
+            snapshot = runner.metrics()
+    write_results(samples, args.out)
+    print(summary(snapshot, total=len(samples), skipped=skipped, out=args.out, trace=args.trace))
+    if interrupted.is_set():
+        return EXIT_INTERRUPTED
+    return EXIT_FAILED_SAMPLES if snapshot.statuses.get("failed") else EXIT_OK
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``fsm-rollout run``."""
+    from fsm_rollout.dataset import DatasetError
+
+    for name in ("max_turns", "concurrency"):
+        if getattr(args, name) < 1:
+            print(f"error: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    try:
+        return asyncio.run(_run(args))
+    except (DatasetError, RolloutError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_BAD_INPUT

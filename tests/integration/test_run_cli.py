@@ -1,0 +1,124 @@
+"""``fsm-rollout run`` end to end in a subprocess against the fake vLLM server: results, trace, summary, exit codes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
+from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
+
+
+def dataset(path: Path, *records: dict[str, Any]) -> Path:
+    path.write_bytes(b"".join(orjson.dumps(record) + b"\n" for record in records))
+    return path
+
+
+def done_after_one_turn(prompt: str) -> dict[str, Any]:
+    return {"prompt": prompt, "label": "1", "metadata": {"scripted_env": {"steps": [["ok", True]]}}}
+
+
+async def run_cli(server: FakeVLLMServer, tmp_path: Path, *extra: str, interrupt_after: int | None = None) -> Any:
+    command = [
+        sys.executable,
+        "-m",
+        "fsm_rollout.cli",
+        "run",
+        "--engine-url",
+        server.url,
+        "--model",
+        "fake-model",
+        "--tokenizer",
+        str(qwen_tokenizer_dir()),
+        "--env",
+        "fsm_rollout.testing.envs",
+        "--out",
+        str(tmp_path / "results.jsonl"),
+        "--trace",
+        str(tmp_path / "trace.jsonl"),
+        "--max-new-tokens",
+        "64",
+        *extra,
+    ]
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    if interrupt_after is not None:
+        for _ in range(3000):
+            if len(server.requests_to(GENERATE_PATH)) >= interrupt_after:
+                break
+            await asyncio.sleep(0.01)
+        process.send_signal(signal.SIGINT)
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+def results(tmp_path: Path) -> list[dict[str, Any]]:
+    return [orjson.loads(line) for line in (tmp_path / "results.jsonl").read_bytes().splitlines()]
+
+
+async def test_run_writes_results_trace_and_a_summary(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
+    fake_vllm.script([ScriptedTurn(text="one"), ScriptedTurn(text="two"), ScriptedTurn(text="three")])
+    data = dataset(tmp_path / "d.jsonl", *(done_after_one_turn(f"q{i}") for i in range(3)))
+    code, stdout, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet")
+    assert code == 0, stderr
+    rows = results(tmp_path)
+    assert [row["index"] for row in rows] == [0, 1, 2]
+    assert {row["status"] for row in rows} == {"completed"}
+    assert sorted(row["response"] for row in rows) == ["one", "three", "two"]
+    trace = [orjson.loads(line) for line in (tmp_path / "trace.jsonl").read_bytes().splitlines()]
+    assert len(trace) == 3 * 4
+    assert "3/3 samples" in stdout
+    assert "env_done" in stdout
+    assert "completed" in stdout
+
+
+async def test_a_bad_dataset_line_exits_2_naming_the_line(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
+    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data))
+    assert code == 2
+    assert f"{data}:2:" in stderr
+    assert fake_vllm.requests == []
+
+
+async def test_skip_bad_runs_the_good_lines_and_counts_the_bad(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
+    fake_vllm.script([ScriptedTurn(text="one")])
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(orjson.dumps(done_after_one_turn("q")) + b"\nnot json\n")
+    code, stdout, _ = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--skip-bad", "--quiet")
+    assert code == 0
+    assert "1 bad dataset line(s) skipped" in stdout
+    assert len(results(tmp_path)) == 1
+
+
+async def test_a_failed_sample_exits_1(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
+    fake_vllm.script([ScriptedTurn(status=400)])
+    data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q"))
+    code, stdout, _ = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet")
+    assert code == 1
+    assert results(tmp_path)[0]["status"] == "failed"
+    assert "failed" in stdout
+
+
+async def test_ctrl_c_aborts_in_flight_samples_writes_partials_and_exits_130(
+    fake_vllm: FakeVLLMServer, tmp_path: Path
+) -> None:
+    fake_vllm.script([ScriptedTurn(text="first"), ScriptedTurn(text="never", hang=True)])
+    data = dataset(tmp_path / "d.jsonl", {"prompt": "q"})
+    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", interrupt_after=2)
+    assert code == 130, stderr
+    row = results(tmp_path)[0]
+    assert row["status"] == "aborted"
+    assert row["response"] == "first"
+    assert row["metadata"]["rollout_reason"] == "cancelled"
+    assert len(fake_vllm.aborted_request_ids) == 1
