@@ -1,0 +1,5 @@
+"""Datasets shipped with the package.
+
+* :mod:`fsm_rollout.data.demo`: Geo3K-style geometry questions with figures drawn at load time, for a first run
+  of ``fsm-rollout run`` with the built-in Geo3K environment.
+"""
