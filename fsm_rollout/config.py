@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsm_rollout.errors import ConfigError, SamplingParamsError
+from fsm_rollout.errors import ConfigError, IncompatibleOptionsError, SamplingParamsError, TemplateKwargsError
 
 DEFAULT_ENV_MODULE = "examples.geo3k_vlm_multi_turn.env_geo3k"
 """The seed's default environment module (used when neither ``env_path`` nor a factory is given)."""
@@ -101,7 +101,9 @@ class RolloutConfig:
             raise ConfigError("apply_chat_template_kwargs must be a mapping")
         clashing = sorted({"tokenize", "add_generation_prompt", "tools"} & set(kwargs))
         if clashing:
-            raise ConfigError(f"apply_chat_template_kwargs must not set {clashing}: the rollout sets them itself")
+            raise TemplateKwargsError(
+                f"apply_chat_template_kwargs must not set {clashing}: the rollout sets them itself"
+            )
         for name in ("connect_timeout_s", "abort_notice_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
@@ -123,7 +125,7 @@ class RolloutConfig:
             and self.append_eos_token_after_stop_str_in_multi_turn
             and inference_params.get("stop")
         ):
-            raise ConfigError(
+            raise IncompatibleOptionsError(
                 "Routing replay cannot be combined with stop strings while "
                 "append_eos_token_after_stop_str_in_multi_turn is on: the EOS appended after a stop string has "
                 "no routing data. Drop the stop strings or turn the EOS append off."
@@ -188,7 +190,7 @@ def build_inference_sampling_params(sampling_params: Mapping[str, Any]) -> dict[
         raise SamplingParamsError(f"sampling_params lacks required keys {missing}")
     budget = sampling_params["max_new_tokens"]
     if budget is not None and (not _is_int(budget) or budget < 0):
-        raise SamplingParamsError(f"max_new_tokens must be a non-negative integer or None, got {budget!r}")
+        raise ConfigError(f"max_new_tokens must be a non-negative integer or None, got {budget!r}")
     params: dict[str, Any] = {
         "max_tokens": budget,
         "temperature": sampling_params["temperature"],
@@ -203,7 +205,7 @@ def build_inference_sampling_params(sampling_params: Mapping[str, Any]) -> dict[
         if not isinstance(stop, str) and not (
             isinstance(stop, list | tuple) and all(isinstance(item, str) for item in stop)
         ):
-            raise SamplingParamsError(f"stop must be a string or a list of strings, got {stop!r}")
+            raise ConfigError(f"stop must be a string or a list of strings, got {stop!r}")
         params["stop"] = stop
         if sampling_params.get("no_stop_trim"):
             params["include_stop_str_in_output"] = True

@@ -16,10 +16,18 @@ class ConfigError(RolloutError, ValueError):
 
 
 class SamplingParamsError(RolloutError, KeyError):
-    """The sampling parameters lack a required key or hold an invalid value."""
+    """The sampling parameters lack a required key."""
 
     def __str__(self) -> str:  # KeyError would quote the message
         return str(self.args[0]) if self.args else ""
+
+
+class IncompatibleOptionsError(ConfigError, RuntimeError):
+    """Two options cannot be used together (e.g. routing replay with an EOS appended after stop strings)."""
+
+
+class TemplateKwargsError(ConfigError, TypeError):
+    """``apply_chat_template_kwargs`` sets an argument the rollout passes itself."""
 
 
 class SampleStateError(RolloutError, ValueError):
@@ -106,3 +114,28 @@ class MultimodalError(RolloutError, RuntimeError):
 
 class ImageInputError(RolloutError, ValueError):
     """An image in the prompt cannot be turned into a render URL."""
+
+
+class ImageObservationError(ObservationError):
+    """An observation carries an image part: observations are text-only (images belong in the prompt)."""
+
+
+class MalformedFeaturesError(MultimodalError, TypeError):
+    """The render answer's ``features`` do not have vLLM's shape (a map with per-modality lists)."""
+
+
+class FeatureCodecError(MultimodalError, ValueError):
+    """A multimodal feature item cannot be decoded from (or encoded into) vLLM's base64 msgpack wire format."""
+
+
+class ImageFeaturesMissingError(MultimodalError):
+    """The prompt has images, but the render answer carries no image tensors for (some of) them."""
+
+
+class ImageTokenMismatchError(MultimodalError):
+    """The number of image placeholder tokens differs from what the image grids imply (contract section 9)."""
+
+    def __init__(self, message: str, *, image_tokens: int, expected: int) -> None:
+        super().__init__(message)
+        self.image_tokens = image_tokens
+        self.expected = expected

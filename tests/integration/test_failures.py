@@ -363,16 +363,16 @@ async def test_samples_that_cannot_start_are_rejected_untouched(make_rollout: An
 
 
 @pytest.mark.parametrize(
-    "sampling",
+    ("sampling", "error"),
     [
-        {"temperature": 1.0, "top_p": 1.0},
-        {"max_new_tokens": -1, "temperature": 1.0, "top_p": 1.0},
-        {"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0, "stop": [1]},
+        ({"temperature": 1.0, "top_p": 1.0}, SamplingParamsError),
+        ({"max_new_tokens": -1, "temperature": 1.0, "top_p": 1.0}, ConfigError),
+        ({"max_new_tokens": 4, "temperature": 1.0, "top_p": 1.0, "stop": [1]}, ConfigError),
     ],
 )
 async def test_bad_sampling_params_are_rejected_before_any_request(
-    make_rollout: Any, fake_vllm: FakeVLLMServer, sampling: dict[str, Any]
+    make_rollout: Any, fake_vllm: FakeVLLMServer, sampling: dict[str, Any], error: type[Exception]
 ) -> None:
-    with pytest.raises(SamplingParamsError):
+    with pytest.raises(error):
         make_rollout(sampling=sampling)
     assert fake_vllm.requests == []
