@@ -160,8 +160,10 @@ def bench_turn(samples: int = 300, turns: int = 3) -> dict[str, float]:
     from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TurnMeta
 
     tokenizer = load_qwen_tokenizer()
-    prompt = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Find x in the triangle."}], add_generation_prompt=True, return_dict=False
+    prompt = list(
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Find x in the triangle."}], add_generation_prompt=True, return_dict=False
+        )
     )
     answer = tokenizer.encode("Let me compute the angle: x = 180 - 50 - 60 = 70.", add_special_tokens=False)
 

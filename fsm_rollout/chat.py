@@ -14,7 +14,8 @@ from typing import Any
 
 import orjson
 
-from fsm_rollout.errors import ObservationError, TemplateError, TemplateNotPrefixStable
+from fsm_rollout.errors import ImageObservationError, ObservationError, TemplateError, TemplateNotPrefixStable
+from fsm_rollout.multimodal import is_image_part
 from fsm_rollout.types import TokenIds
 
 DUMMY_MESSAGES: tuple[dict[str, str], ...] = (
@@ -49,6 +50,11 @@ def validate_text_observation(message: Any) -> dict[str, Any]:
             f"observation content must be text or a list of text parts, got {type(content).__name__}"
         )
     for index, part in enumerate(content):
+        if is_image_part(part):
+            raise ImageObservationError(
+                f"observation content[{index}] is an image part ({part.get('type')!r}): observations must be "
+                "text-only; images belong in the prompt, whose image features are sent unchanged on every turn"
+            )
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise ObservationError(
                 f"the suffix-only rollout supports text observations only; content[{index}]={part!r:.200}"

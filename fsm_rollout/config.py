@@ -52,7 +52,8 @@ class RolloutConfig:
     ``engine_url`` is the vLLM server or router base URL (``http://host:port``). ``model`` is the served model name
     sent with every render request (the seed's ``hf_checkpoint``). ``tokenizer_path`` is where the local tokenizer
     is loaded from (defaults to ``model``). ``rollout_max_context_len`` and the sampling ``max_new_tokens`` bound
-    the response side together; ``max_turns`` bounds the number of generate turns.
+    the response side together; ``max_turns`` bounds the number of generate turns. ``record`` keeps an I/O tape
+    beside the ``trace`` file for offline replay (:mod:`fsm_rollout.tape`).
     """
 
     engine_url: str
@@ -74,7 +75,10 @@ class RolloutConfig:
     abort_notice_timeout_s: float = 5.0
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     trace: str | Path | None = None
+    record: bool = False
     check_invariants: bool = False
+    image_placeholder_token: str = "<|image_pad|>"
+    image_merge_size: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_turns) or self.max_turns <= 0:
@@ -85,6 +89,8 @@ class RolloutConfig:
             raise ConfigError("model (the served model name) must be a non-empty string")
         if self.partial_rollout:
             raise ConfigError("Partial rollout is not supported for interaction rollouts.")
+        if self.record and (self.trace is None or str(self.trace) in ("off", "stdout", "-")):
+            raise ConfigError("record=True needs a trace file path: the I/O tape is written beside the trace")
         if self.rollout_max_context_len is not None and (
             not _is_int(self.rollout_max_context_len) or self.rollout_max_context_len < 0
         ):
@@ -110,6 +116,12 @@ class RolloutConfig:
                 raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
         if self.request_timeout_s is not None and self.request_timeout_s <= 0:
             raise ConfigError(f"request_timeout_s must be positive or None, got {self.request_timeout_s!r}")
+        if not isinstance(self.image_placeholder_token, str) or not self.image_placeholder_token:
+            raise ConfigError(
+                f"image_placeholder_token must be a non-empty string, got {self.image_placeholder_token!r}"
+            )
+        if self.image_merge_size is not None and (not _is_int(self.image_merge_size) or self.image_merge_size < 1):
+            raise ConfigError(f"image_merge_size must be a positive integer or None, got {self.image_merge_size!r}")
 
     @property
     def expert_dims(self) -> tuple[int, int] | None:

@@ -37,10 +37,11 @@ from fsm_rollout.errors import (
 from fsm_rollout.multimodal import (
     build_initial_messages,
     decode_train_features,
-    messages_for_render,
+    prepare_render_messages,
     validate_image_tokens,
 )
 from fsm_rollout.sample import Sample, Status
+from fsm_rollout.tape import SampleRecorder, TapeWriter, tape_writer_for
 from fsm_rollout.trace import NULL_TRACER, Tracer, get_tracer
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
 
@@ -85,6 +86,9 @@ class Rollout:
     rollout.abort(reason)`` (from another task) ends it ``aborted`` with that reason: the request in flight is
     cancelled and named to the server's abort endpoint, and no further request is sent. Errors end it ``failed``
     (data so far kept, environment closed once) and are then raised to the caller of :meth:`run`.
+
+    With a ``tape`` (or ``config.record``) every engine and environment exchange is recorded for offline replay
+    (:mod:`fsm_rollout.tape`); without one nothing is wrapped.
     """
 
     def __init__(
@@ -101,6 +105,7 @@ class Rollout:
         tracer: Tracer | None = None,
         encoder: ObservationEncoder | None = None,
         observer: TransitionObserver | None = None,
+        tape: TapeWriter | None = None,
     ) -> None:
         check_startable(sample)
         self.sample = sample
@@ -132,6 +137,7 @@ class Rollout:
         self.budget: int | None = None
         self.env: Any = None
         self.rendered: RenderedPrompt | None = None
+        self.image_hashes: tuple[str, ...] = ()
         self.turn: GeneratedTurn | None = None
         self.turn_text = ""
         self.eos_due = False
@@ -148,6 +154,16 @@ class Rollout:
         self._entered_at = time.perf_counter()
         self._running = False
         self._done = asyncio.Event()
+
+        self._recorder: SampleRecorder | None = None
+        if tape is None and config.record:
+            tape = tape_writer_for(config)
+        if tape is not None:  # recording: the client, tracer and environment go through the recorder
+            recorder = tape.recorder(self, sampling_params, request_prefix=self._request_prefix)
+            self.client = recorder.recording_client(self.client)
+            self.tracer = recorder.recording_tracer(self.tracer)
+            self._env_factory = recorder.recording_env_factory(self._env_factory)
+            self._recorder = recorder
 
     # ------------------------------------------------------------------ derived context
 
@@ -254,8 +270,17 @@ class Rollout:
 
     def finalize(self) -> None:
         features = self.rendered.generate_body.get("features") if self.rendered is not None else None
-        train_inputs = decode_train_features(features)
-        validate_image_tokens(self.sample.tokens, self.tokenizer, self.processor, train_inputs)
+        train_inputs = decode_train_features(features, sample_id=self.sample_id)
+        validate_image_tokens(
+            self.sample.tokens,
+            self.tokenizer,
+            self.processor,
+            train_inputs,
+            placeholder_token=self.config.image_placeholder_token,
+            merge_size=self.config.image_merge_size,
+            prompt_length=self.prompt_length,
+            sample_id=self.sample_id,
+        )
         self.sample.multimodal_train_inputs = train_inputs
         self.sample.response = self._decode(self.response_token_ids)
 
@@ -306,12 +331,12 @@ class Rollout:
 
     async def request_render(self) -> None:
         sample = self.sample
-        payload: dict[str, Any] = {
-            "model": self.config.model,
-            "messages": messages_for_render(
-                build_initial_messages(sample.prompt, (sample.multimodal_inputs or {}).get("images"))
-            ),
-        }
+        render = prepare_render_messages(
+            build_initial_messages(sample.prompt, (sample.multimodal_inputs or {}).get("images")),
+            sample_id=self.sample_id,
+        )
+        self.image_hashes = render.image_hashes
+        payload: dict[str, Any] = {"model": self.config.model, "messages": render.messages}
         tools = sample.metadata.get("tools")
         if tools is not None:
             payload["tools"] = tools
@@ -445,6 +470,7 @@ class Rollout:
             fields["reason"] = self.reason
         if trigger == "render":
             fields["prompt_tokens"] = self.prompt_length
+            fields["image_hashes"] = list(self.image_hashes)
         elif trigger == "step" and self.turn is not None:
             fields["generated_tokens"] = len(self.turn.token_ids)
             fields["finish"] = self.turn.finish
@@ -541,6 +567,8 @@ class Rollout:
         """
         if self.terminal or self._abort_reason is not None:
             return
+        if self._recorder is not None:
+            self._recorder.abort_requested(reason, running=self._running, in_flight=self._inflight is not None)
         self._abort_reason = reason
         if self._inflight is not None:
             self._inflight.cancel()

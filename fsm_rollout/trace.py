@@ -14,9 +14,10 @@ Schema (``schema`` = :data:`TRACE_SCHEMA_VERSION`), one object per line:
 ``remaining_budget`` response budget left, or null when unbounded
 ``dwell_ms``         time spent in ``src``
 ``reason``           terminal edges only: why the sample ended (``env_done``, ``max_turns``, ``length``, ...)
-payload summaries    ``prompt_tokens`` (render), ``generated_tokens``, ``finish``, ``eos_inserted`` (step),
-                     ``observation_tokens`` (generate from observing), ``error_type``/``error`` and
-                     ``failed_trigger`` (fail)
+payload summaries    ``prompt_tokens`` and ``image_hashes`` (render; one ``sha256:<16 hex>`` of each image's bytes,
+                     or ``url-sha256:<16 hex>`` of an http(s) URL's text), ``generated_tokens``, ``finish``,
+                     ``eos_inserted`` (step), ``observation_tokens`` (generate from observing),
+                     ``error_type``/``error`` and ``failed_trigger`` (fail)
 
 Never raw images or whole token arrays. Per-sample keys (``sample_id``, ``session_id``) are bound as structlog
 contextvars in the task that drives the sample, so the user's own structlog lines inside environment code carry

@@ -43,6 +43,8 @@ SESSION_HEADER = "x-session-id"
 
 Finish = Literal["stop", "length", "abort"]
 LogprobEntryStyle = Literal["token_id", "token"]
+RenderFeaturesHook = Callable[[list[dict[str, Any]], list[int]], tuple[list[int], dict[str, Any] | None]]
+"""``(messages, template_ids) -> (prompt_ids, features)``: how render answers a conversation with images."""
 
 _CLIENT_MAX_SIZE = 64 * 1024 * 1024
 _MIN_LOGPROB = -9999.0  # vLLM clamps logprobs to this in the "token" entry style (-inf is not JSON)
@@ -151,6 +153,11 @@ class FakeVLLMServer:
     request in arrival order, ``aborted_request_ids`` the ids named by abort_requests, and
     ``disconnected_request_ids`` the generate requests whose client went away before the answer.
     ``logprob_entry_style`` picks which of vLLM's two ``logprobs.content`` entry shapes is sent.
+
+    ``render_features``, when given, is called (in the tokenizer thread) with each render request's messages and
+    the ids the chat template rendered; it returns the prompt ids to answer with (e.g. with image placeholders
+    expanded) and the ``features`` to send (see :func:`fsm_rollout.mm_codec.render_features`). An exception
+    from it answers 400. Without it, render answers the template's ids and ``features: null``.
     """
 
     def __init__(
@@ -162,6 +169,7 @@ class FakeVLLMServer:
         logprob_entry_style: LogprobEntryStyle = "token_id",
         host: str = "127.0.0.1",
         port: int = 0,
+        render_features: RenderFeaturesHook | None = None,
     ) -> None:
         if logprob_entry_style not in ("token_id", "token"):
             raise ValueError(
@@ -175,6 +183,7 @@ class FakeVLLMServer:
         self.logprob_entry_style: LogprobEntryStyle = logprob_entry_style
         self.host = host
         self.port = port
+        self.render_features = render_features
         self.requests: list[RecordedRequest] = []
         self.aborted_request_ids: list[str] = []
         self.disconnected_request_ids: list[str] = []
@@ -396,11 +405,17 @@ class FakeVLLMServer:
             token_ids = await self._in_tokenizer_thread(self._render_ids, messages, tools, template_kwargs)
         except Exception as error:  # a template that cannot render these messages is the request's fault
             raise _RequestError(400, f"chat template rendering failed: {error}") from error
+        features: dict[str, Any] | None = None
+        if self.render_features is not None:
+            try:
+                token_ids, features = await self._in_tokenizer_thread(self.render_features, messages, token_ids)
+            except Exception as error:  # like vLLM's answer to an image it cannot load or process
+                raise _RequestError(400, f"multimodal processing failed: {error}") from error
         return _json_response(
             {
                 "request_id": f"chatcmpl-{uuid.uuid4().hex}",
                 "token_ids": token_ids,
-                "features": None,
+                "features": features,
                 "sampling_params": _render_sampling_params(body),
                 "model": self.model,
                 "stream": False,
