@@ -147,4 +147,5 @@ def capture_transitions() -> Iterator[list[dict[str, Any]]]:
     try:
         yield captured
     finally:
-        _CAPTURES.remove(captured)
+        # by identity: two captures may hold equal lists
+        del _CAPTURES[next(i for i, c in enumerate(_CAPTURES) if c is captured)]

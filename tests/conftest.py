@@ -97,3 +97,43 @@ def run_rollout(make_rollout: Callable[..., tuple[Rollout, ScriptedEnvFactory]])
         return RunResult(rollout, envs, events)
 
     return run
+
+
+def illegal_steps(events: list[dict[str, Any]]) -> list[str]:
+    """Problems with the traced paths: every transition an edge of the table, consecutive, ending terminal."""
+    from fsm_rollout import lifecycle
+
+    edges = {(edge.source, edge.trigger, edge.dest) for edge in lifecycle.TRANSITIONS}
+    state_of: dict[str, str] = {}
+    problems = []
+    for number, event in enumerate(events):
+        key = str(event.get("sample_id"))
+        current = state_of.get(key, lifecycle.INITIAL)
+        if current in lifecycle.TERMINAL and event["src"] == lifecycle.INITIAL:
+            current = lifecycle.INITIAL  # the same sample id reused by a later rollout in the test
+        step = (event["src"], event["trigger"], event["dst"])
+        if event["src"] != current:
+            problems.append(f"event {number} of {key}: from {event['src']} but the sample was in {current}")
+        if step not in edges:
+            problems.append(f"event {number} of {key}: {step} is not an edge of the table")
+        state_of[key] = event["dst"]
+    problems.extend(f"{key} ended in non-terminal {state}" for key, state in state_of.items()
+                    if state not in lifecycle.TERMINAL)
+    return problems
+
+
+@pytest.fixture(autouse=True)
+def every_traced_path_is_legal(request: pytest.FixtureRequest) -> Any:
+    """Every rollout a test runs must take only edges of the table, one after another, and end terminal.
+
+    Tests that place a rollout in a state by hand or emit synthetic events are marked ``synthetic_paths``.
+    """
+    from fsm_rollout.trace import capture_transitions as capture
+
+    if request.node.get_closest_marker("synthetic_paths"):
+        yield
+        return
+    with capture() as events:
+        yield
+    problems = illegal_steps(events)
+    assert not problems, "illegal lifecycle paths:\n" + "\n".join(problems[:20])

@@ -392,6 +392,7 @@ async def test_abort_before_start_sends_nothing(make_rollout: Any, fake_vllm: Fa
     assert envs.built == []
 
 
+@pytest.mark.synthetic_paths
 @pytest.mark.parametrize("state", lifecycle.NON_TERMINAL)
 async def test_abort_is_accepted_from_every_non_terminal_state(
     make_rollout: Any, fake_vllm: FakeVLLMServer, state: str

@@ -5,9 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import orjson
+import pytest
 from structlog.contextvars import bound_contextvars
 
 from fsm_rollout.trace import NULL_TRACER, TRACE_SCHEMA_VERSION, Tracer, capture_transitions, get_tracer
+
+pytestmark = pytest.mark.synthetic_paths
 
 
 def test_file_sink_writes_one_json_line_per_transition(tmp_path: Path) -> None:
