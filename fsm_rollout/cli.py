@@ -17,6 +17,9 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("fsm_rollout.run_cli", "roll a dataset out (default: the demo on the embedded CPU engine)"),
     "bench": ("fsm_rollout.bench", "measure the machine and the client against plain alternatives"),
     "diagram": ("fsm_rollout.diagrams", "write the lifecycle state diagrams (Mermaid, Graphviz) from the table"),
+    "replay": ("fsm_rollout.replay_cli", "check a recorded run against today's machine and re-execute it offline"),
+    "inspect": ("fsm_rollout.inspect_cli", "summarise a recorded run, or show one sample's timeline and text"),
+    "serve": ("fsm_rollout.engine.local.cli", "run the embedded CPU engine speaking vLLM's token-in/token-out API"),
 }
 """Subcommand name → (module, one-line help)."""
 

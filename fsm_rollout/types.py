@@ -22,6 +22,9 @@ Finish = Literal["stop", "length", "abort"]
 class TurnMeta:
     """Per-turn bookkeeping from a generate answer that the sample accumulates (contract section 5).
 
+    ``weight_version`` is vime's top-level ``weight_version``, else the version of the last span of
+    ``choices[0].weight_versions`` (what upstream vLLM sends).
+
     ``routed_experts`` is the decoded ``.npy`` array (any integer dtype) or None; ``top_p_token_ids`` and
     ``top_p_token_offsets`` are the CSR form of ``choices[0].sampling_mask`` (offsets start at 0).
     """

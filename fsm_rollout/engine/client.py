@@ -24,6 +24,7 @@ from fsm_rollout.types import GeneratedTurn, RenderedPrompt
 RENDER_PATH = "/v1/chat/completions/render"
 GENERATE_PATH = "/inference/v1/generate"
 ABORT_PATH = "/inference/v1/abort_requests"
+GENERATE_REQUEST_ID_PREFIX = "generate-tokens-"
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -151,8 +152,18 @@ class VLLMClient:
         return parse_generate_response(answer, request_id)
 
     async def abort(self, request_ids: Sequence[str], *, headers: Mapping[str, str] | None = None) -> None:
-        """Ask the server to abort requests by id (``POST /inference/v1/abort_requests``)."""
-        await self.post_json(ABORT_PATH, {"request_ids": list(request_ids)}, headers=headers)
+        """Ask the server to abort requests by id (``POST /inference/v1/abort_requests``).
+
+        Each id is sent as given and as vLLM's internal id for token-in/token-out requests
+        (``generate-tokens-<id>``, what vLLM 0.32 registers); the endpoint ignores ids it does not know.
+        """
+        ids = [alias for request_id in request_ids for alias in server_request_ids(request_id)]
+        await self.post_json(ABORT_PATH, {"request_ids": ids}, headers=headers)
+
+
+def server_request_ids(request_id: str) -> tuple[str, str]:
+    """The ids a generate request may be known by at the server: as sent, and vLLM's prefixed internal id."""
+    return (request_id, GENERATE_REQUEST_ID_PREFIX + request_id)
 
 
 def _dumps(value: Any) -> str:

@@ -163,6 +163,13 @@ def sampling_mask_to_top_p(mask: Any) -> tuple[TokenIds, list[int]]:
     return ids, offsets
 
 
+def _last_span_version(spans: Any) -> Any:
+    """The weight version that produced a turn's last token, from vLLM's ``weight_versions`` spans."""
+    if isinstance(spans, list) and spans and isinstance(spans[-1], dict):
+        return spans[-1].get("version")
+    return None
+
+
 def _mapping(value: Any) -> Mapping[str, Any]:
     return value if isinstance(value, dict) else {}
 
@@ -185,6 +192,8 @@ def parse_turn_meta(output: Mapping[str, Any], choice: Mapping[str, Any], finish
     details = _mapping(usage.get("prompt_tokens_details"))
     spec = _mapping(_mapping(output.get("metrics")).get("speculative_decoding"))
     weight_version = output.get("weight_version")
+    if weight_version is None:
+        weight_version = _last_span_version(choice.get("weight_versions"))
     routed = choice.get("routed_experts")
     mask = choice.get("sampling_mask")
     top_p_ids, top_p_offsets = sampling_mask_to_top_p(mask) if mask is not None else (None, None)

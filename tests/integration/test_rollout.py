@@ -359,7 +359,7 @@ async def test_caller_abort_cancels_the_request_in_flight_and_names_it(
     assert rollout.state == "aborted"
     assert rollout.sample.status == Status.ABORTED
     assert rollout.sample.metadata["rollout_reason"] == "weight_update"
-    assert fake_vllm.aborted_request_ids == ["s-turn1"]
+    assert fake_vllm.aborted_request_ids == ["s-turn1", "generate-tokens-s-turn1"]
     assert paths(fake_vllm)[-1] == ABORT_PATH
     assert await task is rollout.sample
     await asyncio.sleep(0.1)
@@ -378,7 +378,7 @@ async def test_cancelling_the_task_aborts_with_reason_cancelled(make_rollout: An
         await task
     assert rollout.state == "aborted"
     assert rollout.reason == "cancelled"
-    assert fake_vllm.aborted_request_ids == ["s-turn0"]
+    assert fake_vllm.aborted_request_ids == ["s-turn0", "generate-tokens-s-turn0"]
     assert envs.last.close_count == 1
 
 

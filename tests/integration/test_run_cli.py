@@ -121,4 +121,4 @@ async def test_ctrl_c_aborts_in_flight_samples_writes_partials_and_exits_130(
     assert row["status"] == "aborted"
     assert row["response"] == "first"
     assert row["metadata"]["rollout_reason"] == "cancelled"
-    assert len(fake_vllm.aborted_request_ids) == 1
+    assert len(fake_vllm.aborted_request_ids) == 2

@@ -176,7 +176,7 @@ async def test_cancelling_a_batch_aborts_its_samples_as_cancelled(fake_vllm: Fak
         with pytest.raises(asyncio.CancelledError):
             await task
     assert [sample.metadata["rollout_reason"] for sample in batch] == ["cancelled"] * 3
-    assert sorted(fake_vllm.aborted_request_ids) == ["s0-turn0", "s1-turn0", "s2-turn0"]
+    assert {"s0-turn0", "s1-turn0", "s2-turn0"} <= set(fake_vllm.aborted_request_ids)
 
 
 async def test_a_failing_sample_does_not_stop_the_batch(fake_vllm: FakeVLLMServer, tokenizer: Any) -> None:

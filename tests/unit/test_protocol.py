@@ -168,3 +168,18 @@ def test_sampling_mask_length_must_match_generated_tokens() -> None:
 )
 def test_error_bodies_yield_the_servers_message(body: object, message: str) -> None:
     assert error_message(body) == message
+
+
+def test_weight_version_falls_back_to_the_last_weight_versions_span() -> None:
+    output = answer(
+        token_ids=[1],
+        logprobs={"content": [{"logprob": 0}]},
+        weight_versions=[{"version": "v1", "start": 0, "end": 3}, {"version": "v2", "start": 3, "end": 5}],
+    )
+    assert parse_generate_response(output, "r").meta.weight_version == "v2"
+
+
+def test_top_level_weight_version_wins_over_spans() -> None:
+    output = answer(token_ids=[1], logprobs={"content": [{"logprob": 0}]}, weight_versions=[{"version": "v2"}])
+    output["weight_version"] = "7"
+    assert parse_generate_response(output, "r").meta.weight_version == "7"

@@ -1,0 +1,15 @@
+"""The embedded engine: vLLM's token-in/token-out HTTP endpoints served by a real Hugging Face model on the CPU.
+
+A development and test engine (production is vLLM): ``fsm-rollout serve`` on the command line, or in process::
+
+    async with LocalEngine() as engine:   # the default tiny random Qwen2 with the real Qwen vocabulary
+        ...  # point a VLLMClient (or RolloutConfig.engine_url) at engine.url
+
+Importing this package is cheap: torch and transformers load only when an engine starts or the tiny model is built.
+"""
+
+from fsm_rollout.engine.local.errors import LocalEngineError, ModelLoadError
+from fsm_rollout.engine.local.server import LocalEngine
+from fsm_rollout.engine.local.tiny import TINY_MODEL_NAME, tiny_model_dir
+
+__all__ = ["TINY_MODEL_NAME", "LocalEngine", "LocalEngineError", "ModelLoadError", "tiny_model_dir"]

@@ -1,0 +1,83 @@
+"""``fsm-rollout serve``: run the embedded engine (vLLM's token-in/token-out endpoints on a CPU model) until stopped.
+
+Prints the base URL alone on stdout once the engine answers requests (details go to stderr), then serves until
+SIGINT or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+import time
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add the ``serve`` options to ``parser``."""
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
+    parser.add_argument(
+        "--model",
+        metavar="DIR",
+        default=None,
+        help="a local Hugging Face causal-LM directory (default: the tiny random Qwen2, built on first use)",
+    )
+    parser.add_argument("--served-model-name", metavar="NAME", default=None, help="the model name requests must use")
+    parser.add_argument(
+        "--max-model-len", type=int, metavar="N", default=None, help="context length (default: the model config's)"
+    )
+    parser.add_argument(
+        "--max-num-seqs", type=int, metavar="N", default=8, help="generations decoded in turn at once (default: 8)"
+    )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        metavar="N",
+        default=1,
+        help="torch intra-op threads of the worker; 0 keeps torch's default (default: 1, fastest on 2 cores)",
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    """Serve until interrupted; returns the process exit code."""
+    try:
+        return asyncio.run(_serve(args))
+    except KeyboardInterrupt:
+        return 0
+
+
+async def _serve(args: argparse.Namespace) -> int:
+    from fsm_rollout.engine.local import LocalEngine, LocalEngineError
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    started = time.perf_counter()
+    try:
+        engine = LocalEngine(
+            args.model,
+            served_model_name=args.served_model_name,
+            max_model_len=args.max_model_len,
+            host=args.host,
+            port=args.port,
+            max_num_seqs=args.max_num_seqs,
+            torch_threads=args.torch_threads or None,
+        )
+        await engine.start()
+    except (LocalEngineError, ValueError, OSError) as error:
+        print(f"fsm-rollout serve: {error}", file=sys.stderr)
+        return 1
+    try:
+        print(
+            f"fsm-rollout serve: model {engine.served_model_name!r} from {engine.model_dir} "
+            f"(max_model_len {engine.max_model_len}) ready in {time.perf_counter() - started:.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+        print(engine.url, flush=True)
+        await stop.wait()
+    finally:
+        await engine.stop()
+    return 0

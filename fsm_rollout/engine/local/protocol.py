@@ -1,0 +1,371 @@
+"""Validation of the embedded engine's request bodies into typed records, with vLLM's error semantics.
+
+Everything here is pure Python (no torch, no aiohttp): a bad request becomes a :class:`RequestError` that the
+server answers with vLLM's error body, a good one a frozen record the model code can trust.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final, Literal
+
+Finish = Literal["stop", "length", "abort"]
+
+MAX_LOGPROBS: Final = 20
+"""The most ``logprobs`` (top candidates per token) a request may ask for, as vLLM's default ``max_logprobs``."""
+
+GENERATE_ID_PREFIX: Final = "generate-tokens-"
+"""vLLM answers a generate request under ``generate-tokens-<request_id>``; abort accepts either form."""
+
+IMAGES_NOT_SERVED: Final = (
+    "The embedded engine (fsm-rollout serve) does not serve images yet ({where}). It renders and generates text "
+    "only; use a vLLM server (vllm serve --enable-scale-out) for multimodal rollouts."
+)
+
+_IMAGE_PART_TYPES: Final = frozenset({"image", "image_url", "input_image", "image_pil", "video", "video_url"})
+
+# Sampling fields the engine does not implement, with the values that mean "off". Any other value is refused
+# rather than silently ignored, so a request never gets a different distribution than it asked for.
+_UNSUPPORTED_SAMPLING: Final[Mapping[str, tuple[Any, ...]]] = {
+    "best_of": (None, 1),
+    "logit_bias": (None, {}),
+    "allowed_token_ids": (None, []),
+    "bad_words": (None, []),
+    "prompt_logprobs": (None,),
+    "structured_outputs": (None,),
+    "guided_decoding": (None,),
+    "logits_processors": (None, []),
+    "truncate_prompt_tokens": (None,),
+}
+
+# Chat-request fields that render copies into the GenerateRequest's sampling_params unchanged.
+_RENDER_SAMPLING_FIELDS: Final = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
+# The fields vLLM's render always writes (its SamplingParams defaults); render also fills in max_tokens.
+_RENDER_DEFAULT_SAMPLING: Final[Mapping[str, Any]] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "stop": [],
+    "stop_token_ids": [],
+}
+
+
+class RequestError(Exception):
+    """A request the server answers with a vLLM error body (``{"error": {message, type, param, code}}``)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True, kw_only=True)
+class SamplingSettings:
+    """The validated sampling parameters of one generate request (vLLM ``SamplingParams`` semantics).
+
+    ``temperature == 0`` means greedy decoding; ``top_k == 0`` and ``top_p == 1`` disable those filters.
+    ``max_tokens`` is always resolved: a request without it gets the rest of the context, as in vLLM.
+    ``logprobs`` is None (no logprobs in the answer) or how many top candidates to list beside the sampled token.
+    ``skip_special_tokens`` decides how the output is decoded for the stop-string check.
+
+    There is no ``include_stop_str_in_output``: in token-out mode vLLM always returns the tokens that complete a
+    stop string (only a text answer would be trimmed), and so does this engine, whatever the flag says.
+    """
+
+    max_tokens: int
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    logprobs: int | None = None
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+
+    @property
+    def greedy(self) -> bool:
+        """Whether the token is the argmax (vLLM treats temperatures below 1e-5 as greedy)."""
+        return self.temperature < 1e-5
+
+
+@dataclass(frozen=True)
+class GenerateInput:
+    """A validated ``POST /inference/v1/generate`` body."""
+
+    request_id: str
+    token_ids: list[int]
+    settings: SamplingSettings
+
+
+@dataclass(frozen=True)
+class RenderInput:
+    """A validated ``POST /v1/chat/completions/render`` body: what the chat template needs, and the sampling
+    fields to echo back."""
+
+    messages: list[dict[str, Any]]
+    tools: list[Any] | None
+    template_kwargs: dict[str, Any]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    sampling_params: dict[str, Any]
+
+
+def check_model(body: Mapping[str, Any], served_model_name: str) -> None:
+    """Refuse (404, like vLLM) a request naming another model; a missing or null ``model`` is fine."""
+    model = body.get("model")
+    if model is not None and model != served_model_name:
+        raise RequestError(404, f"The model `{model}` does not exist. Valid aliases: {served_model_name}.", "model")
+
+
+def parse_generate(
+    body: Mapping[str, Any], *, max_model_len: int, vocab_size: int, new_request_id: str
+) -> GenerateInput:
+    """Validate a generate body; ``new_request_id`` is used when the body names none."""
+    token_ids = body.get("token_ids")
+    if not isinstance(token_ids, list) or not token_ids:
+        raise RequestError(400, "token_ids: List should have at least 1 item", "token_ids")
+    for token in token_ids:
+        if type(token) is not int or token < 0:
+            raise RequestError(400, f"token_ids: every item must be a non-negative integer, got {token!r}", "token_ids")
+        if token >= vocab_size:
+            raise RequestError(400, f"Token id {token} is out of vocabulary (vocab size {vocab_size})", "token_ids")
+    for name in ("features", "content_parts"):
+        if body.get(name) is not None:
+            raise RequestError(400, IMAGES_NOT_SERVED.format(where=f"the request carries multimodal {name!r}"), name)
+    if body.get("stream"):
+        raise RequestError(400, "stream=true is not supported by the embedded engine; send stream=false", "stream")
+    output_mode = body.get("output_mode", "tokens")
+    if output_mode not in (None, "tokens"):
+        raise RequestError(
+            400, f"output_mode {output_mode!r} is not supported by the embedded engine; use 'tokens'", "output_mode"
+        )
+    request_id = body.get("request_id")
+    if request_id is None:
+        request_id = new_request_id
+    elif not isinstance(request_id, str) or not request_id:
+        raise RequestError(400, "request_id: Input should be a non-empty string", "request_id")
+    sampling = body.get("sampling_params")
+    if not isinstance(sampling, dict):
+        raise RequestError(400, "sampling_params: Field required (a JSON object)", "sampling_params")
+    prompt_len = len(token_ids)
+    if prompt_len >= max_model_len:
+        raise RequestError(
+            400,
+            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
+            f"{prompt_len} input tokens, which leaves no room for output tokens. Please reduce the length of the "
+            "input.",
+            "token_ids",
+        )
+    settings = parse_sampling_params(sampling, prompt_len=prompt_len, max_model_len=max_model_len)
+    return GenerateInput(request_id=request_id, token_ids=token_ids, settings=settings)
+
+
+def parse_sampling_params(sampling: Mapping[str, Any], *, prompt_len: int, max_model_len: int) -> SamplingSettings:
+    """Validate vLLM ``sampling_params`` (unknown keys are ignored, unsupported features refused)."""
+    for name, neutral in _UNSUPPORTED_SAMPLING.items():
+        if name in sampling and sampling[name] not in neutral:
+            raise RequestError(400, f"sampling_params.{name} is not supported by the embedded engine", name)
+    n = _integer(sampling, "n", 1)
+    if n != 1:
+        raise RequestError(400, f"n must be 1 on the embedded engine, got {n}.", "n")
+
+    room = max_model_len - prompt_len
+    max_tokens = _integer(sampling, "max_tokens", None)
+    if max_tokens is None:  # vLLM fills in the rest of the context, not the dataclass default of 16
+        max_tokens = room
+    elif max_tokens < 1:
+        raise RequestError(400, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
+    elif max_tokens > room:
+        raise RequestError(
+            400,
+            f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is {max_model_len} "
+            f"tokens and your request has {prompt_len} input tokens ({max_tokens} > {max_model_len} - "
+            f"{prompt_len}).",
+            "max_tokens",
+        )
+    min_tokens = _integer(sampling, "min_tokens", 0)
+    if not 0 <= min_tokens <= max_tokens:
+        raise RequestError(400, f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}.", "min_tokens")
+
+    temperature = _number(sampling, "temperature", 1.0)
+    if temperature < 0:
+        raise RequestError(400, f"temperature must be non-negative, got {temperature}.", "temperature")
+    top_p = _number(sampling, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise RequestError(400, f"top_p must be in (0, 1], got {top_p}.", "top_p")
+    top_k = _integer(sampling, "top_k", 0)
+    if top_k < -1:
+        raise RequestError(400, f"top_k must be 0 or -1 (disabled) or at least 1, got {top_k}.", "top_k")
+    min_p = _number(sampling, "min_p", 0.0)
+    if not 0 <= min_p <= 1:
+        raise RequestError(400, f"min_p must be in [0, 1], got {min_p}.", "min_p")
+    repetition_penalty = _number(sampling, "repetition_penalty", 1.0)
+    if repetition_penalty <= 0:
+        raise RequestError(
+            400, f"repetition_penalty must be greater than zero, got {repetition_penalty}.", "repetition_penalty"
+        )
+    penalties = {}
+    for name in ("presence_penalty", "frequency_penalty"):
+        penalties[name] = _number(sampling, name, 0.0)
+        if not -2 <= penalties[name] <= 2:
+            raise RequestError(400, f"{name} must be in [-2, 2], got {penalties[name]}.", name)
+
+    _boolean(sampling, "include_stop_str_in_output", False)  # checked only: see SamplingSettings
+    seed = _integer(sampling, "seed", None)
+    logprobs = _integer(sampling, "logprobs", None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise RequestError(
+            400, f"logprobs must be in [0, {MAX_LOGPROBS}] on the embedded engine, got {logprobs}.", "logprobs"
+        )
+    return SamplingSettings(
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=max(top_k, 0),
+        min_p=min_p,
+        seed=seed,
+        stop=_stop_strings(sampling.get("stop")),
+        stop_token_ids=_stop_token_ids(sampling.get("stop_token_ids")),
+        ignore_eos=_boolean(sampling, "ignore_eos", False),
+        skip_special_tokens=_boolean(sampling, "skip_special_tokens", True),
+        logprobs=logprobs,
+        repetition_penalty=repetition_penalty,
+        presence_penalty=penalties["presence_penalty"],
+        frequency_penalty=penalties["frequency_penalty"],
+    )
+
+
+def parse_render(body: Mapping[str, Any]) -> RenderInput:
+    """Validate a chat render body (an OpenAI ``ChatCompletionRequest``); image parts are refused."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError(400, "messages: Field required (a non-empty list of messages)", "messages")
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise RequestError(
+                400, f"messages[{index}]: every message must be an object with a string 'role'", "messages"
+            )
+        _refuse_media(message.get("content"), f"messages[{index}]")
+    tools = body.get("tools")
+    if tools is not None and not isinstance(tools, list):
+        raise RequestError(400, "tools: Input should be a valid list", "tools")
+    template_kwargs = body.get("chat_template_kwargs")
+    if template_kwargs is None:
+        template_kwargs = {}
+    elif not isinstance(template_kwargs, dict):
+        raise RequestError(400, "chat_template_kwargs: Input should be a valid dictionary", "chat_template_kwargs")
+    add_generation_prompt = _boolean(body, "add_generation_prompt", True)
+    continue_final_message = _boolean(body, "continue_final_message", False)
+    if add_generation_prompt and continue_final_message:
+        raise RequestError(
+            400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", "messages"
+        )
+    return RenderInput(
+        messages=messages,
+        tools=tools,
+        template_kwargs=template_kwargs,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        sampling_params=_render_sampling_params(body),
+    )
+
+
+def _refuse_media(content: Any, where: str) -> None:
+    if not isinstance(content, list):
+        return
+    for index, part in enumerate(content):
+        if not isinstance(part, dict):
+            continue
+        kind = part.get("type")
+        if kind in _IMAGE_PART_TYPES or any(key in part for key in _IMAGE_PART_TYPES):
+            what = kind if isinstance(kind, str) else "media"
+            raise RequestError(
+                400, IMAGES_NOT_SERVED.format(where=f"{where}.content[{index}] is an {what} part"), "messages"
+            )
+
+
+def _render_sampling_params(body: Mapping[str, Any]) -> dict[str, Any]:
+    sampling = dict(_RENDER_DEFAULT_SAMPLING)
+    for name in _RENDER_SAMPLING_FIELDS:
+        if body.get(name) is not None:
+            sampling[name] = body[name]
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    if body.get("logprobs") is True:  # chat's boolean + top_logprobs become SamplingParams.logprobs
+        sampling["logprobs"] = body.get("top_logprobs") or 0
+    return sampling
+
+
+def _integer(mapping: Mapping[str, Any], name: str, default: int | None) -> Any:
+    value = mapping.get(name)
+    if value is None:
+        return default
+    if type(value) is not int:
+        raise RequestError(400, f"{name}: Input should be a valid integer, got {value!r}", name)
+    return value
+
+
+def _number(mapping: Mapping[str, Any], name: str, default: float) -> float:
+    value = mapping.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        raise RequestError(400, f"{name}: Input should be a finite number, got {value!r}", name)
+    return float(value)
+
+
+def _boolean(mapping: Mapping[str, Any], name: str, default: bool) -> bool:
+    value = mapping.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise RequestError(400, f"{name}: Input should be a valid boolean, got {value!r}", name)
+    return value
+
+
+def _stop_strings(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise RequestError(400, "stop: Input should be a string or a list of strings", "stop")
+    return tuple(item for item in value if item)
+
+
+def _stop_token_ids(value: Any) -> frozenset[int]:
+    if value is None:
+        return frozenset()
+    if not isinstance(value, list) or not all(type(item) is int for item in value):
+        raise RequestError(400, "stop_token_ids: Input should be a list of integers", "stop_token_ids")
+    return frozenset(value)

@@ -1,0 +1,633 @@
+"""The embedded engine (``fsm-rollout serve``) against vLLM's token-in/token-out contract, over real HTTP.
+
+One engine (the tiny random Qwen2, real vocabulary) serves the whole module; its model loads once. Random weights
+make the text gibberish, so the stop tests first generate with a seed and then choose a stop string or token from
+that output.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import pathlib
+import signal
+import sys
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+import pytest_asyncio
+
+from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, VLLMClient
+from fsm_rollout.engine.local import LocalEngine
+from fsm_rollout.testing.envs import ScriptedEnvFactory
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+RENDER = "/v1/chat/completions/render"
+GENERATE = "/inference/v1/generate"
+ABORT = "/inference/v1/abort_requests"
+MAX_MODEL_LEN = 512
+MESSAGES = [{"role": "user", "content": "What is 6 * 7?"}]
+VLLM_FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "vllm_responses"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def engine() -> AsyncIterator[LocalEngine]:
+    # Two generations decode in turn, so a third one waits in the queue (for the queued-abort test).
+    async with LocalEngine(max_model_len=MAX_MODEL_LEN, max_num_seqs=2, torch_threads=1) as server:
+        yield server
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+@pytest_asyncio.fixture(loop_scope="module")
+async def prompt(engine: LocalEngine, http: aiohttp.ClientSession) -> list[int]:
+    status, body = await post(http, engine, RENDER, {"messages": MESSAGES})
+    assert status == 200
+    token_ids: list[int] = body["token_ids"]
+    return token_ids
+
+
+async def post(http: aiohttp.ClientSession, engine: LocalEngine, path: str, body: Any) -> tuple[int, Any]:
+    async with http.post(engine.url + path, json=body) as response:
+        raw = await response.read()
+        return response.status, (await response.json(content_type=None)) if raw else None
+
+
+async def generate(
+    http: aiohttp.ClientSession, engine: LocalEngine, token_ids: list[int], request_id: str = "req", **sampling: Any
+) -> dict[str, Any]:
+    params = {"temperature": 1.0, "logprobs": 1, "ignore_eos": True, **sampling}
+    status, body = await post(
+        http, engine, GENERATE, {"token_ids": token_ids, "sampling_params": params, "request_id": request_id}
+    )
+    assert status == 200, body
+    choice: dict[str, Any] = body["choices"][0]
+    return choice
+
+
+async def generate_raw(
+    http: aiohttp.ClientSession, engine: LocalEngine, token_ids: list[int], request_id: str, **sampling: Any
+) -> tuple[int, Any]:
+    params = {"temperature": 1.0, "logprobs": 1, "ignore_eos": True, **sampling}
+    body = {"token_ids": token_ids, "sampling_params": params, "request_id": request_id}
+    return await post(http, engine, GENERATE, body)
+
+
+def logprob_values(choice: dict[str, Any]) -> list[float]:
+    return [entry["logprob"] for entry in choice["logprobs"]["content"]]
+
+
+async def wait_until(predicate: Any, within: float = 5.0) -> float:
+    """Poll ``predicate`` until it holds; returns how long that took."""
+    started = time.monotonic()
+    while not predicate():
+        if time.monotonic() - started > within:
+            raise AssertionError(f"condition not reached within {within} s")
+        await asyncio.sleep(0.01)
+    return time.monotonic() - started
+
+
+def as_ids(encoded: Any) -> list[int]:
+    if hasattr(encoded, "keys") and "input_ids" in encoded:
+        encoded = encoded["input_ids"]
+    return [int(token) for token in encoded]
+
+
+def shape(value: Any) -> Any:
+    """A JSON value's structure: keys and nesting, JSON types, and a list by its first item."""
+    if isinstance(value, dict):
+        return {key: shape(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [shape(value[0])] if value else []
+    if value is None or isinstance(value, bool | str):
+        return None if value is None else type(value).__name__
+    return "integer" if isinstance(value, int) else "number"
+
+
+def recorded(case: str) -> Any:
+    """The answer real vLLM 0.32 gave in ``case`` (recorded by tests/vllm/test_vllm_response_shapes.py)."""
+    return json.loads((VLLM_FIXTURES / f"{case}.json").read_text(encoding="utf-8"))
+
+
+def recorded_request(case: str) -> dict[str, Any]:
+    request: dict[str, Any] = json.loads((VLLM_FIXTURES / "manifest.json").read_text(encoding="utf-8"))["cases"][case][
+        "request"
+    ]
+    return request
+
+
+# -------------------------------------------------------------------- shapes
+
+
+async def test_health_answers_200(engine: LocalEngine, http: aiohttp.ClientSession) -> None:
+    async with http.get(engine.url + "/health") as response:
+        assert response.status == 200
+
+
+async def test_models_lists_the_served_model_and_its_context_length(
+    engine: LocalEngine, http: aiohttp.ClientSession
+) -> None:
+    async with http.get(engine.url + "/v1/models") as response:
+        body = await response.json()
+    assert body["object"] == "list"
+    (card,) = body["data"]
+    assert card["id"] == engine.served_model_name == "tiny-qwen2-v1"
+    assert card["object"] == "model"
+    assert card["max_model_len"] == MAX_MODEL_LEN
+    assert isinstance(card["created"], int)
+
+
+@pytest.mark.parametrize("case", ["render_text", "render_with_sampling"])
+async def test_render_answers_the_shape_vllm_answers(
+    engine: LocalEngine, http: aiohttp.ClientSession, case: str
+) -> None:
+    request = {**recorded_request(case), "model": engine.served_model_name}
+    status, body = await post(http, engine, RENDER, request)
+    assert status == 200
+    vllm = recorded(case)
+    # vLLM's sampling_params also carries internal fields (output_kind, skip_clone, ...): compared by value below.
+    assert shape({**body, "sampling_params": {}}) == shape({**vllm, "sampling_params": {}})
+    assert body["request_id"].startswith("chatcmpl-")
+    for key in ("temperature", "top_p", "min_p", "seed", "stop", "stop_token_ids", "logprobs"):
+        assert body["sampling_params"].get(key) == vllm["sampling_params"].get(key), key
+
+
+async def test_render_fills_in_max_tokens_with_the_rest_of_the_context(
+    engine: LocalEngine, http: aiohttp.ClientSession
+) -> None:
+    status, body = await post(http, engine, RENDER, {"messages": MESSAGES})
+    assert status == 200
+    assert body["sampling_params"]["max_tokens"] == MAX_MODEL_LEN - len(body["token_ids"])
+
+
+@pytest.mark.parametrize(
+    ("case", "sampling"),
+    [
+        ("generate_length", {"logprobs": 1, "max_tokens": 8, "temperature": 0.0}),
+        ("generate_without_logprobs", {"max_tokens": 4}),
+        # Greedy decoding of the tiny model repeats "\n" (id 198): both stops hit the first token.
+        ("generate_stop_token", {"logprobs": 1, "max_tokens": 12, "temperature": 0.0, "stop_token_ids": [198]}),
+        ("generate_stop_string", {"logprobs": 1, "max_tokens": 12, "temperature": 0.0, "stop": ["\n"]}),
+    ],
+)
+async def test_generate_answers_the_shape_vllm_answers(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int], case: str, sampling: dict[str, Any]
+) -> None:
+    request = {"token_ids": prompt, "model": engine.served_model_name, "sampling_params": sampling}
+    status, body = await post(http, engine, GENERATE, request)
+    assert status == 200
+    assert shape(body) == shape(recorded(case))
+    assert body["choices"][0]["finish_reason"] == recorded(case)["choices"][0]["finish_reason"]
+
+
+async def test_aborted_generate_answers_the_shape_vllm_answers(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
+) -> None:
+    running = asyncio.create_task(generate_raw(http, engine, prompt, "shape-abort", max_tokens=450))
+    await wait_until(lambda: "shape-abort" in engine.live_request_ids())
+    await asyncio.sleep(0.1)
+    await post(http, engine, ABORT, {"request_ids": ["generate-tokens-shape-abort"]})  # the id vLLM answers under
+    status, body = await asyncio.wait_for(running, 2.0)
+    assert status == 200
+    assert shape(body) == shape(recorded("generate_abort"))
+    assert body["choices"][0]["finish_reason"] == "abort"
+
+
+@pytest.mark.parametrize(
+    ("case", "path", "request_body"),
+    [
+        ("error_render_unknown_model", RENDER, {"model": "no-such-model", "messages": MESSAGES}),
+        ("error_generate_empty_token_ids", GENERATE, {"token_ids": [], "sampling_params": {"max_tokens": 4}}),
+    ],
+)
+async def test_errors_answer_the_shape_vllm_answers(
+    engine: LocalEngine, http: aiohttp.ClientSession, case: str, path: str, request_body: dict[str, Any]
+) -> None:
+    status, body = await post(http, engine, path, request_body)
+    assert status == recorded(case)["error"]["code"]
+    assert shape(body) == shape(recorded(case))
+
+
+@pytest.mark.parametrize(
+    "messages",
+    [
+        MESSAGES,
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": "Héllo, wörld! 日本語 😀"}]},
+            {"role": "assistant", "content": "Hi."},
+            {"role": "user", "content": "Again\n\n  with spaces"},
+        ],
+    ],
+)
+async def test_render_ids_equal_the_chat_template_ids(
+    engine: LocalEngine, http: aiohttp.ClientSession, tokenizer: Any, messages: list[dict[str, Any]]
+) -> None:
+    status, body = await post(http, engine, RENDER, {"messages": messages})
+    assert status == 200
+    assert body["token_ids"] == as_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+async def test_render_copies_the_chat_sampling_fields(engine: LocalEngine, http: aiohttp.ClientSession) -> None:
+    request = {"messages": MESSAGES, "max_tokens": 7, "seed": 3, "stop": ["x"], "logprobs": True, "top_logprobs": 2}
+    status, body = await post(http, engine, RENDER, request)
+    assert status == 200
+    sampling = body["sampling_params"]
+    assert (sampling["max_tokens"], sampling["seed"], sampling["stop"], sampling["logprobs"]) == (7, 3, ["x"], 2)
+
+
+async def test_generate_answer_names_the_request_and_lists_the_sampled_token_first(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
+) -> None:
+    request = {"token_ids": prompt, "sampling_params": {"max_tokens": 5, "logprobs": 2, "seed": 1}, "request_id": "r1"}
+    status, body = await post(http, engine, GENERATE, request)
+    assert status == 200
+    assert body["request_id"] == "generate-tokens-r1"
+    assert body["model"] == engine.served_model_name
+    (choice,) = body["choices"]
+    tokens = choice["token_ids"]
+    assert len(tokens) == 5
+    for token, entry in zip(tokens, choice["logprobs"]["content"], strict=True):
+        assert entry["token_id"] == token and entry["rank"] >= 1
+        assert entry["top_logprobs"][0] == {"token_id": token, "logprob": entry["logprob"], "rank": entry["rank"]}
+        assert 1 <= len(entry["top_logprobs"]) <= 3  # the sampled token, then the other two of the top 2
+    assert choice["weight_versions"] == [{"version": "default", "start": 0, "end": 5}]
+    usage = body["usage"]
+    assert (usage["prompt_tokens"], usage["completion_tokens"], usage["total_tokens"]) == (
+        len(prompt),
+        5,
+        len(prompt) + 5,
+    )
+
+
+async def test_the_library_client_parses_the_answers(engine: LocalEngine, prompt: list[int]) -> None:
+    async with VLLMClient(engine.url) as client:
+        rendered = await client.render({"model": engine.served_model_name, "messages": MESSAGES})
+        body = {**rendered.generate_body, "sampling_params": {"max_tokens": 4, "logprobs": 1, "ignore_eos": True}}
+        turn = await client.generate({**body, "request_id": "lib-1"}, request_id="lib-1")
+    assert rendered.token_ids == prompt
+    assert turn.finish == "length"
+    assert len(turn.token_ids) == len(turn.logprobs) == 4
+
+
+# -------------------------------------------------------------------- sampling
+
+
+async def test_same_seed_gives_identical_tokens_and_logprobs(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
+) -> None:
+    first = await generate(http, engine, prompt, max_tokens=16, seed=7, top_p=0.9)
+    second = await generate(http, engine, prompt, max_tokens=16, seed=7, top_p=0.9)
+    other = await generate(http, engine, prompt, max_tokens=16, seed=8, top_p=0.9)
+    assert first["token_ids"] == second["token_ids"]
+    assert logprob_values(first) == logprob_values(second)
+    assert other["token_ids"] != first["token_ids"]
+
+
+async def test_greedy_is_deterministic_and_takes_the_top_token(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
+) -> None:
+    first = await generate(http, engine, prompt, max_tokens=8, temperature=0.0)
+    second = await generate(http, engine, prompt, max_tokens=8, temperature=0.0, seed=99)
+    assert first["token_ids"] == second["token_ids"]
+    assert logprob_values(first) == logprob_values(second)
+    assert all(entry["rank"] == 1 for entry in first["logprobs"]["content"])
+
+
+async def test_logprobs_are_finite_non_positive_and_aligned(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
+) -> None:
+    choice = await generate(http, engine, prompt, max_tokens=32, seed=3, top_k=50, temperature=0.8)
+    content = choice["logprobs"]["content"]
+    assert len(content) == len(choice["token_ids"]) == 32
+    assert [entry["token_id"] for entry in content] == choice["token_ids"]
+    assert all(math.isfinite(value) and value <= 0.0 for value in logprob_values(choice))
+    assert all(entry["rank"] <= 50 for entry in content)  # top_k=50 leaves nothing else to sample
+
+
+async def test_logprobs_are_of_the_processed_distribution(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
+) -> None:
+    greedy = await generate(http, engine, prompt, max_tokens=6, temperature=0.0)
+    only_one = await generate(http, engine, prompt, max_tokens=6, temperature=1.0, top_k=1, seed=5)
+    assert only_one["token_ids"] == greedy["token_ids"]
+    assert logprob_values(only_one) == [0.0] * 6  # one candidate left: probability 1
+    assert all(value < -1.0 for value in logprob_values(greedy))  # the raw distribution is near uniform
+
+
+@pytest.mark.parametrize(("scale", "top_p"), [(0.2, 0.9), (1.0, 0.5), (5.0, 0.95), (0.05, 0.999)])
+async def test_top_p_keeps_the_likeliest_tokens_a_full_sort_would_keep(scale: float, top_p: float) -> None:
+    import torch
+
+    from fsm_rollout.engine.local.model import top_p_filter
+
+    logits = torch.randn(151_936, generator=torch.Generator().manual_seed(0)) * scale
+    probs = torch.softmax(logits, dim=0).double()
+    ordered = torch.sort(probs, descending=True).values
+    expected = max(int(((torch.cumsum(ordered, dim=0) - ordered) < top_p).sum()), 1)
+    kept = torch.isfinite(top_p_filter(logits.clone(), top_p))
+    assert abs(int(kept.sum()) - expected) <= 1  # float rounding may decide the one token at the boundary
+    assert float(probs[kept].min()) > float(probs[~kept].max())
+
+
+# -------------------------------------------------------------------- stopping
+
+
+async def test_max_tokens_reached_finishes_with_length(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
+) -> None:
+    choice = await generate(http, engine, prompt, max_tokens=3, seed=1)
+    assert choice["finish_reason"] == "length"
+    assert len(choice["token_ids"]) == 3
+
+
+async def test_missing_max_tokens_generates_up_to_the_context_limit(
+    engine: LocalEngine, http: aiohttp.ClientSession
+) -> None:
+    long_prompt = [9707] * (MAX_MODEL_LEN - 20)
+    status, body = await post(
+        http, engine, GENERATE, {"token_ids": long_prompt, "sampling_params": {"ignore_eos": True, "seed": 2}}
+    )
+    assert status == 200
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert len(body["choices"][0]["token_ids"]) == 20
+    assert body["usage"]["total_tokens"] == MAX_MODEL_LEN
+
+
+def first_occurrence_cut(tokenizer: Any, token_ids: list[int]) -> tuple[str, int]:
+    """A stop string whose first occurrence in the decoded output ends exactly with token ``k``, and ``k + 1``."""
+    full = tokenizer.decode(token_ids)
+    for k in range(4, len(token_ids)):
+        before, upto = tokenizer.decode(token_ids[:k]), tokenizer.decode(token_ids[: k + 1])
+        if not upto.startswith(before) or len(upto) - len(before) < 2 or "\ufffd" in upto:
+            continue
+        stop = upto[-2:]
+        if full.find(stop) + len(stop) == len(upto):
+            return stop, k + 1
+    raise AssertionError("no usable stop string in the output")
+
+
+@pytest.mark.parametrize("include_stop_str_in_output", [True, False])
+async def test_stop_string_ends_generation_and_keeps_its_tokens(
+    engine: LocalEngine,
+    http: aiohttp.ClientSession,
+    prompt: list[int],
+    tokenizer: Any,
+    include_stop_str_in_output: bool,
+) -> None:
+    free = await generate(http, engine, prompt, max_tokens=24, seed=11)
+    stop, kept = first_occurrence_cut(tokenizer, free["token_ids"])
+    cut = await generate(
+        http,
+        engine,
+        prompt,
+        max_tokens=24,
+        seed=11,
+        stop=[stop],
+        include_stop_str_in_output=include_stop_str_in_output,
+    )
+    assert cut["finish_reason"] == "stop"
+    assert cut["token_ids"] == free["token_ids"][:kept]
+    assert tokenizer.decode(cut["token_ids"]).endswith(stop)
+
+
+async def test_stop_token_id_ends_generation_and_is_kept(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
+) -> None:
+    free = await generate(http, engine, prompt, max_tokens=24, seed=12)
+    index = next(i for i, token in enumerate(free["token_ids"]) if i >= 3 and token not in free["token_ids"][:i])
+    stop_token = free["token_ids"][index]
+    cut = await generate(http, engine, prompt, max_tokens=24, seed=12, stop_token_ids=[stop_token])
+    assert cut["finish_reason"] == "stop"
+    assert cut["token_ids"] == free["token_ids"][: index + 1]
+    assert logprob_values(cut) == logprob_values(free)[: index + 1]
+
+
+async def test_min_tokens_keeps_stop_tokens_out_until_reached(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
+) -> None:
+    free = await generate(http, engine, prompt, max_tokens=8, seed=13)
+    stop_token = free["token_ids"][0]
+    held = await generate(http, engine, prompt, max_tokens=8, seed=13, stop_token_ids=[stop_token], min_tokens=5)
+    assert len(held["token_ids"]) >= 5
+    assert stop_token not in held["token_ids"][:4]
+
+
+# -------------------------------------------------------------------- aborts and concurrency
+
+
+async def test_abort_requests_ends_a_running_generation_with_abort(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
+) -> None:
+    running = asyncio.create_task(generate(http, engine, prompt, request_id="long-1", max_tokens=450, seed=1))
+    await wait_until(lambda: "long-1" in engine.live_request_ids())
+    await asyncio.sleep(0.2)
+    status, body = await post(http, engine, ABORT, {"request_ids": ["long-1"]})
+    assert status == 200 and body is None  # vLLM answers an empty 200
+    choice = await asyncio.wait_for(running, 2.0)
+    assert choice["finish_reason"] == "abort"
+    assert len(choice["token_ids"]) < 450
+    assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])
+    assert engine.live_request_ids() == []
+
+
+async def test_abort_requests_ends_a_queued_generation_before_it_starts(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
+) -> None:
+    ids = ["busy-1", "busy-2", "queued-3"]  # the engine decodes two at a time: the third waits
+    tasks = []
+    for rid in ids:  # one by one, so they arrive in this order
+        tasks.append(asyncio.create_task(generate(http, engine, prompt, request_id=rid, max_tokens=450)))
+        await wait_until(lambda rid=rid: rid in engine.live_request_ids())
+    await post(http, engine, ABORT, {"request_ids": ["queued-3"]})
+    queued = await asyncio.wait_for(tasks[2], 2.0)
+    assert queued["finish_reason"] == "abort"
+    assert queued["token_ids"] == []
+    assert not tasks[0].done() and not tasks[1].done()
+    await post(http, engine, ABORT, {"request_ids": ["generate-tokens-busy-1", "busy-2"]})  # either id form
+    assert [(await task)["finish_reason"] for task in tasks[:2]] == ["abort", "abort"]
+
+
+async def test_client_disconnect_stops_the_generation(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
+) -> None:
+    doomed = asyncio.create_task(generate(http, engine, prompt, request_id="gone-1", max_tokens=450))
+    await wait_until(lambda: "gone-1" in engine.live_request_ids())
+    doomed.cancel()  # closes the connection; the server cancels the handler
+    freed_in = await wait_until(lambda: engine.live_request_ids() == [], within=2.0)
+    assert freed_in < 1.0
+    started = time.monotonic()
+    choice = await generate(http, engine, prompt, max_tokens=4)
+    assert choice["finish_reason"] == "length"
+    assert time.monotonic() - started < 2.0
+
+
+async def test_concurrent_requests_all_get_their_own_answers(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
+) -> None:
+    seeds = [21, 22, 23, 24, 25]
+    alone = [await generate(http, engine, prompt, max_tokens=10, seed=seed) for seed in seeds]
+    together = await asyncio.gather(
+        *(generate(http, engine, prompt, request_id=f"c{seed}", max_tokens=10, seed=seed) for seed in seeds)
+    )
+    assert [choice["token_ids"] for choice in together] == [choice["token_ids"] for choice in alone]
+    assert [logprob_values(choice) for choice in together] == [logprob_values(choice) for choice in alone]
+
+
+# -------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("body", "words"),
+    [
+        ("not json", "not valid JSON"),
+        ([1, 2], "JSON object"),
+        ({"sampling_params": {}}, "token_ids"),
+        ({"token_ids": [], "sampling_params": {}}, "token_ids"),
+        ({"token_ids": [1, -2], "sampling_params": {}}, "non-negative"),
+        ({"token_ids": [10**7], "sampling_params": {}}, "out of vocabulary"),
+        ({"token_ids": [1]}, "sampling_params"),
+        ({"token_ids": [1], "sampling_params": {"temperature": -1}}, "temperature"),
+        ({"token_ids": [1], "sampling_params": {"top_p": 0}}, "top_p"),
+        ({"token_ids": [1], "sampling_params": {"max_tokens": 0}}, "max_tokens"),
+        ({"token_ids": [1], "sampling_params": {"max_tokens": MAX_MODEL_LEN}}, "maximum context length"),
+        ({"token_ids": [1] * MAX_MODEL_LEN, "sampling_params": {}}, "maximum context length"),
+        ({"token_ids": [1], "sampling_params": {"n": 2}}, "n must be 1"),
+        ({"token_ids": [1], "sampling_params": {"stop": 5}}, "stop"),
+        ({"token_ids": [1], "sampling_params": {"logit_bias": {"1": 2.0}}}, "not supported"),
+        ({"token_ids": [1], "sampling_params": {}, "stream": True}, "stream"),
+    ],
+)
+async def test_bad_generate_requests_get_400_with_a_message(
+    engine: LocalEngine, http: aiohttp.ClientSession, body: Any, words: str
+) -> None:
+    data = body.encode() if isinstance(body, str) else None
+    kwargs: dict[str, Any] = {"data": data} if data is not None else {"json": body}
+    async with http.post(engine.url + GENERATE, **kwargs) as response:
+        status, answer = response.status, await response.json()
+    assert status == 400
+    error = answer["error"]
+    assert words in error["message"]
+    assert (error["type"], error["code"]) == ("BadRequestError", 400)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"messages": []}, {"messages": [{"content": "no role"}]}, {"messages": MESSAGES, "tools": "nope"}],
+)
+async def test_bad_render_requests_get_400(engine: LocalEngine, http: aiohttp.ClientSession, body: Any) -> None:
+    status, answer = await post(http, engine, RENDER, body)
+    assert status == 400
+    assert answer["error"]["message"]
+
+
+@pytest.mark.parametrize("path", [RENDER, GENERATE])
+async def test_another_model_name_gets_404(engine: LocalEngine, http: aiohttp.ClientSession, path: str) -> None:
+    status, answer = await post(
+        http, engine, path, {"model": "gpt-5", "messages": MESSAGES, "token_ids": [1], "sampling_params": {}}
+    )
+    assert status == 404
+    assert answer["error"] == {
+        "message": f"The model `gpt-5` does not exist. Valid aliases: {engine.served_model_name}.",
+        "type": "NotFoundError",
+        "param": "model",
+        "code": 404,
+    }
+
+
+async def test_an_image_part_gets_400_saying_images_are_not_served(
+    engine: LocalEngine, http: aiohttp.ClientSession
+) -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]
+    status, answer = await post(http, engine, RENDER, {"messages": messages})
+    assert status == 400
+    assert "does not serve images yet" in answer["error"]["message"]
+    assert "messages[0].content[0]" in answer["error"]["message"]
+
+
+async def test_generate_with_multimodal_features_gets_400(engine: LocalEngine, http: aiohttp.ClientSession) -> None:
+    features = {"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]}}
+    status, answer = await post(
+        http, engine, GENERATE, {"token_ids": [1, 2], "sampling_params": {}, "features": features}
+    )
+    assert status == 400
+    assert "does not serve images yet" in answer["error"]["message"]
+
+
+async def test_an_oversized_body_gets_413(engine: LocalEngine, http: aiohttp.ClientSession) -> None:
+    async with http.post(engine.url + GENERATE, data=b"x" * (17 * 1024 * 1024)) as response:
+        assert response.status == 413
+        assert "too large" in (await response.json())["error"]["message"]
+
+
+# -------------------------------------------------------------------- end to end
+
+
+async def test_two_turn_rollout_against_the_engine_keeps_the_sample_invariants(
+    engine: LocalEngine, tokenizer: Any
+) -> None:
+    config = RolloutConfig(
+        engine_url=engine.url,
+        model=engine.served_model_name,
+        max_turns=2,
+        check_invariants=True,
+        retry=RetryPolicy(max_attempts=2, base_delay_s=0.01),
+    )
+    envs = ScriptedEnvFactory()
+    # The random model puts an "e" in most tokens: each turn ends on that stop string after a few tokens.
+    sampling = {"max_new_tokens": 128, "temperature": 1.0, "top_p": 1.0, "stop": ["e"], "seed": 4}
+    async with VLLMClient(engine.url) as client:
+        rollout = Rollout(
+            Sample(prompt="What is 6 * 7?", index=0),
+            config=config,
+            sampling_params=sampling,
+            client=client,
+            tokenizer=tokenizer,
+            env_factory=envs,
+        )
+        await rollout.run()
+    sample = rollout.sample
+    prompt_len = len(as_ids(tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True)))
+    assert envs.last.calls.count("step") == 2  # both turns ended on the stop string, not on the budget
+    assert rollout.reason == "max_turns"
+    assert sample.response_length == len(sample.loss_mask) == len(sample.rollout_log_probs)
+    assert sample.response_length == len(sample.tokens) - prompt_len
+    generated = [lp for lp, mask in zip(sample.rollout_log_probs, sample.loss_mask, strict=True) if mask]
+    assert generated and all(math.isfinite(lp) and lp <= 0.0 for lp in generated)
+
+
+async def test_serve_command_prints_the_url_and_stops_on_sigterm() -> None:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "fsm_rollout.cli",
+        "serve",
+        "--port",
+        "0",
+        "--max-model-len",
+        "256",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert process.stdout is not None
+        url = (await asyncio.wait_for(process.stdout.readline(), 60.0)).decode().strip()
+        assert url.startswith("http://127.0.0.1:")
+        async with aiohttp.ClientSession() as session, session.get(url + "/v1/models") as response:
+            assert (await response.json())["data"][0]["max_model_len"] == 256
+        process.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(process.wait(), 15.0) == 0
+    finally:
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
