@@ -4,11 +4,13 @@ The canonical token history of a sample is what vLLM rendered and generated; it 
 observation, only the *boundary* is encoded: the tokens that close the assistant turn, add the observation turn and
 open the next assistant turn. They are cut out of a fixed dummy conversation rendered with the local chat template
 (contract section 7). The dummy prefix is rendered once per (tokenizer, tools, template kwargs) and cached, so each
-observation costs one template render.
+new observation costs one template render; boundaries of recently seen observation messages are cached too
+(environments often repeat the same feedback), so a repeated one costs none.
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -17,6 +19,9 @@ import orjson
 from fsm_rollout.errors import ImageObservationError, ObservationError, TemplateError, TemplateNotPrefixStable
 from fsm_rollout.multimodal import is_image_part
 from fsm_rollout.types import TokenIds
+
+BOUNDARY_CACHE_SIZE = 4096
+"""Observation boundaries kept per encoder (least recently used ones are dropped)."""
 
 DUMMY_MESSAGES: tuple[dict[str, str], ...] = (
     {"role": "system", "content": "You are a helpful assistant."},
@@ -73,11 +78,11 @@ class ObservationEncoder:
         eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_id: int | None = eos_token_id if type(eos_token_id) is int else None
         self._prefixes: dict[bytes, tuple[TokenIds, int]] = {}
+        self._boundaries: OrderedDict[bytes, TokenIds] = OrderedDict()
 
     def _prefix(
-        self, tools: Sequence[Mapping[str, Any]] | None, template_kwargs: Mapping[str, Any]
+        self, key: bytes, tools: Sequence[Mapping[str, Any]] | None, template_kwargs: Mapping[str, Any]
     ) -> tuple[TokenIds, int]:
-        key = orjson.dumps([tools, dict(template_kwargs)], option=orjson.OPT_SORT_KEYS)
         cached = self._prefixes.get(key)
         if cached is not None:
             return cached
@@ -117,7 +122,27 @@ class ObservationEncoder:
         one was appended after a stop string); then the boundary's leading EOS is left out.
         """
         kwargs = template_kwargs or {}
-        prefix, eos_index = self._prefix(tools, kwargs)
+        prefix_key = orjson.dumps([tools, dict(kwargs)], option=orjson.OPT_SORT_KEYS)
+        key = prefix_key + b"\x00" + orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
+        cached = self._boundaries.get(key)
+        if cached is None:
+            cached = self._boundary(prefix_key, message, tools, kwargs)
+            self._boundaries[key] = cached
+            if len(self._boundaries) > BOUNDARY_CACHE_SIZE:
+                self._boundaries.popitem(last=False)
+        else:
+            self._boundaries.move_to_end(key)
+        return cached[1:] if ends_with_eos else list(cached)
+
+    def _boundary(
+        self,
+        prefix_key: bytes,
+        message: Mapping[str, Any],
+        tools: Sequence[Mapping[str, Any]] | None,
+        kwargs: Mapping[str, Any],
+    ) -> TokenIds:
+        """The boundary tokens starting with the EOS that closes the assistant turn."""
+        prefix, eos_index = self._prefix(prefix_key, tools, kwargs)
         rendered = template_token_ids(
             self.tokenizer.apply_chat_template(
                 [*DUMMY_MESSAGES, dict(message)],
@@ -133,8 +158,7 @@ class ObservationEncoder:
                 "Observation template is not prefix-stable: rendering one more message changed the tokens of the "
                 "conversation before it (e.g. a template that rewrites earlier assistant turns)"
             )
-        start = eos_index + 1 if ends_with_eos else eos_index
-        return prefix[start:] + rendered[len(prefix) :]
+        return prefix[eos_index:] + rendered[len(prefix) :]
 
 
 def stop_string_eos_due(

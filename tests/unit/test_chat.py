@@ -44,12 +44,40 @@ class CountingTokenizer:
 def test_the_dummy_prefix_is_rendered_once_per_tools_and_kwargs(tokenizer: Any) -> None:
     counting = CountingTokenizer(tokenizer)
     encoder = ObservationEncoder(counting)
-    for _ in range(3):
-        encoder.encode(OBSERVATION, ends_with_eos=True)
-    assert counting.renders == 4
+    encoder.encode(OBSERVATION, ends_with_eos=True)
+    assert counting.renders == 2
+    encoder.encode({"role": "user", "content": "another"}, ends_with_eos=True)
+    assert counting.renders == 3
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {}}}]
     encoder.encode(OBSERVATION, ends_with_eos=True, tools=tools)
-    assert counting.renders == 6
+    assert counting.renders == 5
+
+
+def test_a_repeated_observation_costs_no_render_and_gives_the_same_tokens(tokenizer: Any) -> None:
+    counting = CountingTokenizer(tokenizer)
+    encoder = ObservationEncoder(counting)
+    first = encoder.encode(OBSERVATION, ends_with_eos=False)
+    renders = counting.renders
+    assert encoder.encode(OBSERVATION, ends_with_eos=False) == first
+    assert encoder.encode(OBSERVATION, ends_with_eos=True) == first[1:]
+    assert counting.renders == renders
+
+
+def test_cached_boundaries_are_not_shared_with_callers(tokenizer: Any) -> None:
+    encoder = ObservationEncoder(tokenizer)
+    encoder.encode(OBSERVATION, ends_with_eos=False).append(-1)
+    encoder.encode(OBSERVATION, ends_with_eos=True).append(-1)
+    assert -1 not in encoder.encode(OBSERVATION, ends_with_eos=False)
+
+
+def test_the_boundary_cache_is_bounded(tokenizer: Any, monkeypatch: Any) -> None:
+    import fsm_rollout.chat as chat
+
+    monkeypatch.setattr(chat, "BOUNDARY_CACHE_SIZE", 2)
+    encoder = ObservationEncoder(tokenizer)
+    for text in ("a", "b", "c"):
+        encoder.encode({"role": "user", "content": text}, ends_with_eos=True)
+    assert len(encoder._boundaries) == 2
 
 
 def test_tools_change_the_prefix_but_not_the_boundary(tokenizer: Any) -> None:
