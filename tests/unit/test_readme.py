@@ -20,10 +20,13 @@ def test_ci_runs_the_readme_test_command_verbatim() -> None:
     assert test_command in ci_lines
 
 
-def test_readme_starts_with_its_commands() -> None:
+def test_readme_starts_with_its_two_commands_run_then_test() -> None:
     text = (ROOT / "README.md").read_text()
-    first_block = text.index("```bash")
-    assert text.index("\n## ") > first_block
+    head = text[: text.index("\n## ")]
+    blocks = re.findall(r"```bash\n(.+?)\n```", head, flags=re.S)
+    assert len(blocks) == 2
+    assert "fsm-rollout run" in blocks[0]
+    assert "pytest" in blocks[1]
 
 
 def test_package_is_ruff_clean() -> None:
