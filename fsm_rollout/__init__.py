@@ -9,6 +9,7 @@ from fsm_rollout.config import RetryPolicy, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.rollout import Rollout
+from fsm_rollout.runner import RolloutRunner
 from fsm_rollout.sample import Sample, Status
 from fsm_rollout.trace import capture_transitions, get_tracer
 
@@ -17,6 +18,7 @@ __all__ = [
     "Rollout",
     "RolloutConfig",
     "RolloutError",
+    "RolloutRunner",
     "Sample",
     "Status",
     "VLLMClient",
