@@ -27,6 +27,7 @@ from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.runner import MetricsSnapshot, RolloutRunner
 from fsm_rollout.sample import Sample
+from fsm_rollout.tape import tape_path_for
 
 DEMO_ENV = "fsm_rollout.envs.geo3k"
 EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -38,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--data", type=Path, help="JSONL dataset (default: the bundled Geo3K-style demo)")
     data.add_argument("--out", type=Path, default=Path("results.jsonl"), help="results JSONL (default: %(default)s)")
     data.add_argument("--trace", type=Path, help="write the transition trace (JSONL) here")
+    data.add_argument("--record", action="store_true",
+                      help="also record the I/O tape beside the trace (X.jsonl -> X.tape.jsonl) so that "
+                      "`fsm-rollout replay` can re-execute the run offline (needs --trace)")
     data.add_argument("--skip-bad", action="store_true", help="skip invalid dataset lines (counted) instead of failing")
     data.add_argument("--limit", type=int, help="run only the first N samples")
     engine = parser.add_argument_group("engine")
@@ -47,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--model", help="served model name (default: the embedded engine's model)")
     engine.add_argument("--tokenizer", help="local tokenizer path (default: --model, or the embedded engine's)")
     engine.add_argument("--router-policy", choices=["consistent_hash"], help="send x-session-id on every request")
+    engine.add_argument("--image-merge-size", type=int,
+                        help="vision merge size for the image-token check (Qwen-VL: 2; default: the engine's)")
     rollout = parser.add_argument_group("rollout")
     rollout.add_argument("--env", help=f"environment module or .py file (default with the demo: {DEMO_ENV})")
     rollout.add_argument("--max-turns", type=int, default=3)
@@ -78,18 +84,22 @@ def _load_samples(args: argparse.Namespace) -> tuple[list[Sample], int]:
 
 
 @contextlib.asynccontextmanager
-async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[list[str], str, str | None]]:
-    """Yield (engine URLs, served model name, tokenizer path); starts the embedded engine when no URL is given."""
+async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[list[str], str, str | None, int | None]]:
+    """Yield (engine URLs, served model name, tokenizer path, image merge size).
+
+    Starts the embedded engine when no URL is given.
+    """
     if args.engine_url:
         if not args.model:
             raise RolloutError("--model (the served model name) is required with --engine-url")
-        yield list(args.engine_url), args.model, args.tokenizer
+        yield list(args.engine_url), args.model, args.tokenizer, args.image_merge_size
         return
     from fsm_rollout.engine.local import LocalEngine
 
     print("starting the embedded CPU engine ...", file=sys.stderr)
     async with LocalEngine() as engine:
-        yield [engine.url], engine.served_model_name, str(engine.model_dir)
+        merge_size = args.image_merge_size or getattr(engine, "image_merge_size", None)
+        yield [engine.url], engine.served_model_name, str(engine.model_dir), merge_size
 
 
 def _progress_line(snapshot: MetricsSnapshot, total: int) -> str:
@@ -163,7 +173,7 @@ async def _run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, interrupted.set)
-    async with _engine(args) as (urls, model, tokenizer_path):
+    async with _engine(args) as (urls, model, tokenizer_path, merge_size):
         config = RolloutConfig(
             engine_url=urls[0],
             model=model,
@@ -171,8 +181,10 @@ async def _run(args: argparse.Namespace) -> int:
             max_turns=args.max_turns,
             rollout_max_context_len=args.max_context_len,
             router_policy=args.router_policy,
+            image_merge_size=merge_size,
             env_path=args.env or DEMO_ENV,
             trace=args.trace,
+            record=args.record,
         )
         if args.seed is not None:
             sampling["seed"] = args.seed
@@ -192,6 +204,8 @@ async def _run(args: argparse.Namespace) -> int:
             snapshot = runner.metrics()
     write_results(samples, args.out)
     print(summary(snapshot, total=len(samples), skipped=skipped, out=args.out, trace=args.trace))
+    if args.record:
+        print(f"tape: {tape_path_for(args.trace)}")
     if interrupted.is_set():
         return EXIT_INTERRUPTED
     return EXIT_FAILED_SAMPLES if snapshot.statuses.get("failed") else EXIT_OK
@@ -205,6 +219,9 @@ def main(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
             return EXIT_BAD_INPUT
+    if args.record and args.trace is None:
+        print("error: --record needs --trace (the tape is written beside the trace)", file=sys.stderr)
+        return EXIT_BAD_INPUT
     try:
         return asyncio.run(_run(args))
     except (DatasetError, RolloutError) as error:

@@ -31,6 +31,7 @@ from fsm_rollout.env import EnvFactory, load_env_factory
 from fsm_rollout.errors import ConfigError, RolloutError
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import Sample
+from fsm_rollout.tape import TapeWriter, tape_writer_for
 from fsm_rollout.trace import Tracer, get_tracer
 
 
@@ -139,7 +140,8 @@ class RolloutRunner:
     ``engine_urls`` defaults to ``[config.engine_url]``; with several URLs each sample gets a session id and is
     pinned to one URL by consistent hashing. With ``raise_on_error=False`` (the default) a sample whose rollout
     raises ends ``failed`` with the error in ``metadata["rollout_error"]`` and the batch goes on; with True the
-    error propagates.
+    error propagates. ``tape`` (default: beside the trace when ``config.record`` is on) records every sample's
+    engine and environment exchanges for ``fsm-rollout replay``.
     """
 
     def __init__(
@@ -153,6 +155,7 @@ class RolloutRunner:
         engine_urls: Sequence[str] | None = None,
         raise_on_error: bool = False,
         tracer: Tracer | None = None,
+        tape: TapeWriter | None = None,
     ) -> None:
         self.config = config
         self.sampling_params = dict(sampling_params)
@@ -162,6 +165,7 @@ class RolloutRunner:
         self.engine_urls = list(engine_urls or [config.engine_url])
         self.raise_on_error = raise_on_error
         self.tracer = tracer if tracer is not None else get_tracer(config.trace)
+        self.tape = tape if tape is not None else tape_writer_for(config)
         self._ring = ConsistentHashRing(self.engine_urls)
         self._clients: dict[str, VLLMClient] = {}
         self._active: set[Rollout] = set()
@@ -192,6 +196,8 @@ class RolloutRunner:
             await client.close()
         self._clients.clear()
         self.tracer.flush()
+        if self.tape is not None:
+            await asyncio.to_thread(self.tape.flush)
         self._entered = False
 
     # ------------------------------------------------------------------ building rollouts
@@ -216,6 +222,7 @@ class RolloutRunner:
             processor=self.processor,
             tracer=self.tracer,
             observer=self._observe,
+            tape=self.tape,
         )
         if sample_id is not None:
             rollout.sample_id = sample_id

@@ -1,0 +1,340 @@
+"""``fsm-rollout inspect``: what a recorded run did — a batch summary, or one sample's timeline.
+
+``fsm-rollout inspect run.jsonl`` summarises the trace: samples per status and reason, a histogram of turns per
+sample, token statistics, and how long samples dwelt in each state (p50/p95). ``--sample ID`` shows that sample's
+timeline: every transition with its time and dwell, and, when the run was recorded with a tape, per turn the
+model's decoded text and the observation appended after it. Trainable tokens (loss mask 1) are shown apart from
+masked ones: green and dim in a terminal, masked text in ``⟦…⟧`` when the output is piped.
+
+Exit codes: 0 shown; 2 unusable input (missing file, not a trace, another schema version, unknown sample).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from collections import Counter, defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from fsm_rollout.replay_cli import use_color
+
+if TYPE_CHECKING:
+    from fsm_rollout.replay import TracedPath
+    from fsm_rollout.tape import LineProblem, TapeFile, TapeSample
+
+EXIT_OK, EXIT_UNUSABLE = 0, 2
+MASK_OPEN, MASK_CLOSE = "⟦", "⟧"
+_GREEN, _DIM, _BOLD, _RESET = "\033[32m", "\033[2m", "\033[1m", "\033[0m"
+_BAR_WIDTH = 40
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``fsm-rollout inspect``."""
+    parser.add_argument("trace", type=Path, help="the transition trace (JSONL), or a tape")
+    parser.add_argument("--tape", type=Path, help="the I/O tape (default: beside the trace), for decoded text")
+    parser.add_argument("--sample", metavar="ID", help="show this sample's timeline instead of the batch summary")
+    parser.add_argument("--tokenizer", help="tokenizer for decoding text (default: the one the recording used)")
+    parser.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                        help="colour trainable/masked text (default: when printing to a terminal)")
+
+
+# ---------------------------------------------------------------------------------------------------- summary
+
+
+def percentile(values: Sequence[float], fraction: float) -> float:
+    """The nearest-rank percentile (``fraction`` in [0, 1]) of non-empty ``values``."""
+    ordered = sorted(values)
+    rank = max(1, math.ceil(fraction * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass
+class BatchSummary:
+    """What a trace says about its samples, in aggregate."""
+
+    runs: int = 0
+    unfinished: int = 0
+    transitions: int = 0
+    statuses: Counter[str] = field(default_factory=Counter)
+    reasons: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    turns: Counter[int] = field(default_factory=Counter)
+    prompt_tokens: list[float] = field(default_factory=list)
+    generated_tokens: list[float] = field(default_factory=list)
+    response_tokens: list[float] = field(default_factory=list)
+    dwell_ms: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+
+
+def summarize(paths: Sequence[TracedPath]) -> BatchSummary:
+    """Aggregate the paths of a trace (see :class:`BatchSummary`)."""
+    summary = BatchSummary(runs=len(paths))
+    for path in paths:
+        summary.transitions += len(path.events)
+        if path.status is None:
+            summary.unfinished += 1
+        else:
+            summary.statuses[path.status] += 1
+            summary.reasons[path.status][path.reason or "-"] += 1
+        summary.turns[path.turns] += 1
+        generated = 0
+        for event in path.events:
+            if event.get("trigger") == "render" and isinstance(event.get("prompt_tokens"), int):
+                summary.prompt_tokens.append(event["prompt_tokens"])
+            if isinstance(event.get("generated_tokens"), int):
+                generated += event["generated_tokens"]
+            dwell = event.get("dwell_ms")
+            if isinstance(dwell, int | float) and isinstance(event.get("src"), str):
+                summary.dwell_ms[event["src"]].append(float(dwell))
+        summary.generated_tokens.append(generated)
+        if path.events and isinstance(path.events[-1].get("response_length"), int):
+            summary.response_tokens.append(path.events[-1]["response_length"])
+    return summary
+
+
+def render_summary(name: str, summary: BatchSummary, problems: Sequence[LineProblem], orphans: int = 0) -> str:
+    """The batch summary as text (``orphans``: transitions without a sample id, counted in no sample)."""
+    lines = [
+        f"{name}: {summary.runs} sample run(s) ({summary.runs - summary.unfinished} finished, "
+        f"{summary.unfinished} unfinished), {summary.transitions} transitions, "
+        f"{sum(turns * count for turns, count in summary.turns.items())} turns",
+        "",
+        f"{'status':<12}{'count':>6}   reasons",
+    ]
+    for status, count in summary.statuses.most_common():
+        reasons = ", ".join(f"{reason} {n}" for reason, n in summary.reasons[status].most_common())
+        lines.append(f"{status:<12}{count:>6}   {reasons}")
+    if summary.unfinished:
+        lines.append(f"{'unfinished':<12}{summary.unfinished:>6}")
+    lines += ["", "turns per sample"]
+    widest = max(summary.turns.values(), default=1)
+    for turns in sorted(summary.turns):
+        count = summary.turns[turns]
+        bar = "█" * max(1, round(count / widest * _BAR_WIDTH))
+        lines.append(f"{turns:>6} │{bar} {count}")
+    lines += ["", f"{'tokens per sample':<20}{'mean':>9}{'p50':>9}{'p95':>9}{'max':>9}"]
+    for label, values in (("prompt", summary.prompt_tokens), ("generated", summary.generated_tokens),
+                          ("response side", summary.response_tokens)):
+        if values:
+            lines.append(f"  {label:<18}{sum(values) / len(values):>9.1f}{percentile(values, 0.5):>9.0f}"
+                         f"{percentile(values, 0.95):>9.0f}{max(values):>9.0f}")
+    lines += ["", f"{'dwell per state (ms)':<20}{'n':>7}{'p50':>10}{'p95':>10}"]
+    from fsm_rollout.lifecycle import STATE_BY_NAME
+
+    order = list(STATE_BY_NAME)
+    for state in sorted(summary.dwell_ms, key=lambda name: (order.index(name) if name in order else len(order), name)):
+        values = summary.dwell_ms[state]
+        lines.append(f"  {state:<18}{len(values):>7}{percentile(values, 0.5):>10.2f}{percentile(values, 0.95):>10.2f}")
+    if orphans:
+        lines += ["", f"{orphans} transition(s) without sample_id (samples aborted before they started) are not "
+                  "counted above"]
+    if problems:
+        lines += ["", "unreadable lines (skipped):"]
+        lines.extend(f"    {problem}" for problem in problems)
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- timeline
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A stretch of one sample's response side: the model's turn, or what was appended after it."""
+
+    turn: int
+    kind: str
+    """``model`` (a generated turn, with a masked EOS when one was appended) or ``observation``."""
+    start: int
+    end: int
+
+
+def response_segments(record: TapeSample) -> list[Segment]:
+    """The response side cut into turns and observations, from the response length after each transition."""
+    segments: list[Segment] = []
+    previous = 0
+    for event in record.transitions:
+        length = event.get("response_length")
+        turn = event.get("turn")
+        if not isinstance(length, int) or not isinstance(turn, int):
+            continue
+        if length > previous:
+            if event.get("trigger") == "step":
+                segments.append(Segment(turn, "model", previous, length))
+            elif event.get("trigger") == "generate" and event.get("src") == "observing":
+                segments.append(Segment(turn - 1, "observation", previous, length))
+        previous = length
+    return segments
+
+
+class Painter:
+    """Renders token runs: trainable plain or green, masked in ``⟦…⟧`` or dim."""
+
+    def __init__(self, color: bool) -> None:
+        self.color = color
+
+    def trainable(self, text: str) -> str:
+        return f"{_GREEN}{text}{_RESET}" if self.color else text
+
+    def masked(self, text: str) -> str:
+        return f"{_DIM}{text}{_RESET}" if self.color else f"{MASK_OPEN}{text}{MASK_CLOSE}"
+
+    def bold(self, text: str) -> str:
+        return f"{_BOLD}{text}{_RESET}" if self.color else text
+
+
+def render_tokens(tokens: Sequence[int], mask: Sequence[int], tokenizer: Any, painter: Painter) -> str:
+    """Decoded text of ``tokens``, with each run of equal loss mask painted as trainable or masked."""
+    parts: list[str] = []
+    start = 0
+    while start < len(tokens):
+        end = start
+        while end < len(tokens) and mask[end] == mask[start]:
+            end += 1
+        text = str(tokenizer.decode(list(tokens[start:end]), skip_special_tokens=False)).replace("\n", "\n      ")
+        parts.append(painter.trainable(text) if mask[start] else painter.masked(text))
+        start = end
+    return "".join(parts)
+
+
+def render_timeline(path: TracedPath, record: TapeSample | None, tape: TapeFile | None, tokenizer: Any,
+                    painter: Painter, *, from_trace: bool) -> str:
+    """One sample run: its transitions with times, then per turn the decoded text (when the tape has it)."""
+    outcome = f"{path.status}/{path.reason}" if path.status else "unfinished"
+    where = f"trace lines {path.lines[0]}-{path.lines[-1]}" if from_trace and path.lines else "from the tape"
+    lines = [painter.bold(f"sample {path.sample_id}") + f"  {outcome}, {path.turns} turn(s), "
+             f"{len(path.events)} transitions ({where})"]
+    if path.session_id:
+        lines.append(f"  session {path.session_id}")
+    first_ts = path.events[0].get("ts") if path.events else None
+    for event in path.events:
+        ts = event.get("ts")
+        at = f"+{ts - first_ts:8.3f}s" if isinstance(ts, float) and isinstance(first_ts, float) else " " * 10
+        dwell = event.get("dwell_ms")
+        dwell_text = f"{dwell:9.2f} ms" if isinstance(dwell, int | float) else " " * 12
+        arrow = f"{event.get('src')} --{event.get('trigger')}--> {event.get('dst')}"
+        lines.append(f"  {at} {dwell_text}  turn {event.get('turn')}  {arrow:<40} {_event_summary(event)}")
+    if record is None or tape is None:
+        lines.append("  (no tape for this sample: record with `fsm-rollout run --record` to see the text)")
+        return "\n".join(lines)
+    lines.extend(_turn_lines(record, tape, tokenizer, painter))
+    return "\n".join(lines)
+
+
+def _event_summary(event: dict[str, Any]) -> str:
+    keys = ("prompt_tokens", "generated_tokens", "finish", "eos_inserted", "observation_tokens", "response_length",
+            "remaining_budget", "reason", "error_type", "error")
+    return "  ".join(f"{key}={event[key]}" for key in keys if event.get(key) not in (None, False, []))
+
+
+def _turn_lines(record: TapeSample, tape: TapeFile, tokenizer: Any, painter: Painter) -> list[str]:
+    from fsm_rollout.replay import revive
+    from fsm_rollout.tape import RecordingFormatError, answer_token_ids, expand_run_lengths, expand_tokens
+
+    base: list[int] = []
+    steps: list[dict[str, Any]] = []
+    observations: list[dict[str, Any]] = []
+    for entry in record.io:
+        if entry["op"] == "generate" and isinstance(entry.get("tokens"), dict):
+            base = expand_tokens(entry["tokens"], base)
+        elif entry["op"] == "render":
+            ids = answer_token_ids(entry.get("answer"))
+            base = list(ids) if ids is not None else base
+        elif entry["op"] == "step":
+            steps.append(entry)
+        elif entry["op"] == "format_observation":
+            observations.append(entry)
+    result = record.result
+    try:
+        tokens = expand_tokens(result["tokens"], base)
+    except (RecordingFormatError, KeyError, TypeError):
+        return ["  (the tape's result has no readable tokens)"]
+    mask = expand_run_lengths(result.get("loss_mask")) or []
+    prompt_length = result.get("prompt_length") if isinstance(result.get("prompt_length"), int) else None
+    if prompt_length is None:
+        return ["  (the sample ended before its prompt was rendered: no response)"]
+    response = tokens[prompt_length:]
+    legend = ("trainable text is green, masked (loss mask 0) text is dim" if painter.color
+              else f"masked (loss mask 0) text is in {MASK_OPEN}…{MASK_CLOSE}; the rest is trainable")
+    lines = ["", f"  prompt: {prompt_length} tokens; response side: {len(response)} tokens "
+             f"({sum(mask)} trainable, {len(mask) - sum(mask)} masked) — {legend}"]
+    for segment in response_segments(record):
+        ids = response[segment.start:segment.end]
+        seg_mask = mask[segment.start:segment.end]
+        text = render_tokens(ids, seg_mask, tokenizer, painter) if tokenizer is not None else f"{len(ids)} tokens"
+        if segment.kind == "model":
+            lines += ["", painter.bold(f"  turn {segment.turn}"),
+                      f"    model ({sum(seg_mask)} trainable, {len(seg_mask) - sum(seg_mask)} masked): {text}"]
+            if segment.turn < len(steps):
+                step = steps[segment.turn]
+                outcome = step.get("result") or {}
+                if "error" in step:
+                    lines.append(f"    env.step raised {step['error'].get('type')}: {step['error'].get('message')}")
+                elif "done" in outcome:
+                    observation = revive(tape.resolve(outcome.get("observation")))
+                    lines.append(f"    env.step → done={outcome['done']}, observation {_clip(repr(observation))}")
+        else:
+            message = ""
+            if segment.turn < len(observations):
+                content = revive(tape.resolve(observations[segment.turn].get("message")))
+                message = f" from {_clip(repr(content))}"
+            lines.append(f"    observation ({len(ids)} masked){message}: {text}")
+    return lines
+
+
+def _clip(text: str, limit: int = 200) -> str:
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+# ---------------------------------------------------------------------------------------------------- main
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``fsm-rollout inspect``."""
+    from fsm_rollout.errors import RolloutError
+    from fsm_rollout.replay import load_recording, paths_from_tape
+
+    try:
+        path, trace, tape = load_recording(args.trace, args.tape, tape_wanted=args.sample is not None)
+    except RolloutError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    paths = trace.paths if trace is not None else paths_from_tape(tape) if tape is not None else []
+    problems = [*(trace.problems if trace is not None else []), *(tape.problems if tape is not None else [])]
+    if args.sample is None:
+        orphans = len(trace.orphans) if trace is not None else 0
+        print(render_summary(path.name, summarize(paths), problems, orphans))
+        return EXIT_OK
+    chosen = [item for item in paths if item.sample_id == args.sample]
+    if not chosen:
+        print(f"error: {path} has no sample {args.sample!r}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    records = [record for record in tape.samples if record.sample_id == args.sample] if tape is not None else []
+    tokenizer = _tokenizer(args.tokenizer, records) if records else None
+    painter = Painter(use_color(args.color))
+    blocks = []
+    for index, item in enumerate(chosen):
+        record = _record_for(item, records, index)
+        blocks.append(render_timeline(item, record, tape, tokenizer, painter, from_trace=trace is not None))
+    print("\n\n".join(blocks))
+    return EXIT_OK
+
+
+def _record_for(path: TracedPath, records: Sequence[TapeSample], index: int) -> TapeSample | None:
+    triples = path.triples()
+    for record in records:
+        if [(e.get("src"), e.get("trigger"), e.get("dst")) for e in record.transitions] == triples:
+            return record
+    return records[index] if index < len(records) else None
+
+
+def _tokenizer(explicit: str | None, records: Sequence[TapeSample]) -> Any:
+    from fsm_rollout.replay import load_recorded_tokenizer
+    from fsm_rollout.tape import RecordingFormatError
+
+    try:
+        return load_recorded_tokenizer(records, explicit)
+    except RecordingFormatError as error:
+        print(f"note: {error}; showing token counts only", file=sys.stderr)
+        return None

@@ -1,0 +1,75 @@
+"""``fsm-rollout replay``: check a recorded run against today's lifecycle and re-execute it offline from its tape.
+
+``fsm-rollout replay run.jsonl`` checks every sample's logged path against today's transition table and, when the
+run was recorded (``fsm-rollout run --trace run.jsonl --record`` writes ``run.tape.jsonl``), re-executes each
+sample through today's code with the engine and the environment answered from the tape. Only the tokenizer is
+needed locally: the recorded one, or ``--tokenizer PATH``.
+
+Exit codes: 0 every sample identical (or legal, when only checked); 1 a divergence, or an illegal, unfinished or
+damaged path; 2 unusable input (missing file, not a trace, another schema version, no tokenizer, nothing selected).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from fsm_rollout import lifecycle
+
+EXIT_UNUSABLE = 2
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``fsm-rollout replay``."""
+    parser.add_argument("trace", type=Path,
+                        help="the transition trace (JSONL); its tape is read from beside it (X.jsonl -> X.tape.jsonl). "
+                        "A tape alone works too")
+    parser.add_argument("--tape", type=Path, help="the I/O tape (default: beside the trace)")
+    parser.add_argument("--tokenizer", help="local tokenizer path or name (default: the one the recording used)")
+    parser.add_argument("--check-only", action="store_true",
+                        help="only check the paths against today's table; do not re-execute")
+    parser.add_argument("--sample", action="append", metavar="ID", help="only this sample id (repeatable)")
+    parser.add_argument("--status", action="append", choices=[*sorted(lifecycle.TERMINAL), "unfinished"],
+                        help="only samples that ended so in the recording (repeatable)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.add_argument("-v", "--verbose", action="store_true", help="list every sample, not only the failing ones")
+    parser.add_argument("--color", choices=["auto", "always", "never"], default="auto",
+                        help="colour the verdicts (default: when printing to a terminal)")
+
+
+def use_color(choice: str) -> bool:
+    """Whether to print ANSI colours: ``always``, ``never``, or ``auto`` (a terminal, and no ``NO_COLOR``)."""
+    if choice == "auto":
+        return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
+    return choice == "always"
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``fsm-rollout replay``."""
+    import orjson
+
+    from fsm_rollout.errors import RolloutError
+    from fsm_rollout.replay import replay
+
+    try:
+        report = replay(
+            args.trace,
+            tape=args.tape,
+            tokenizer=args.tokenizer,
+            sample_ids=args.sample,
+            statuses=args.status,
+            execute=not args.check_only,
+        )
+    except (RolloutError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return EXIT_UNUSABLE
+    if not report.samples and (args.sample or args.status):
+        print("error: no recorded sample matches --sample/--status", file=sys.stderr)
+        return EXIT_UNUSABLE
+    if args.json:
+        print(orjson.dumps(report.to_dict(), option=orjson.OPT_INDENT_2).decode())
+    else:
+        print(report.render(color=use_color(args.color), verbose=args.verbose))
+    return report.exit_code
