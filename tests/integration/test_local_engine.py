@@ -8,22 +8,31 @@ that output.
 from __future__ import annotations
 
 import asyncio
+import base64
+import io
 import json
 import math
 import pathlib
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
+import msgpack  # type: ignore[import-untyped]
 import pytest
 import pytest_asyncio
+import torch
+from PIL import Image, ImageDraw
 
-from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, VLLMClient
+from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, Status, VLLMClient
 from fsm_rollout.engine.local import LocalEngine
+from fsm_rollout.engine.local.server import DEFAULT_MAX_REQUEST_BYTES
+from fsm_rollout.mm_codec import decode_item
+from fsm_rollout.multimodal import decode_train_features
 from fsm_rollout.testing.envs import ScriptedEnvFactory
+from fsm_rollout.types import GeneratedTurn
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -31,14 +40,18 @@ RENDER = "/v1/chat/completions/render"
 GENERATE = "/inference/v1/generate"
 ABORT = "/inference/v1/abort_requests"
 MAX_MODEL_LEN = 512
+MAX_REQUEST_BYTES = 8 * 1024 * 1024
 MESSAGES = [{"role": "user", "content": "What is 6 * 7?"}]
 VLLM_FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "vllm_responses"
+MM_ITEM_FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "mm_items"
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine() -> AsyncIterator[LocalEngine]:
     # Two generations decode in turn, so a third one waits in the queue (for the queued-abort test).
-    async with LocalEngine(max_model_len=MAX_MODEL_LEN, max_num_seqs=2, torch_threads=1) as server:
+    async with LocalEngine(
+        max_model_len=MAX_MODEL_LEN, max_num_seqs=2, torch_threads=1, max_request_bytes=MAX_REQUEST_BYTES
+    ) as server:
         yield server
 
 
@@ -544,28 +557,8 @@ async def test_another_model_name_gets_404(engine: LocalEngine, http: aiohttp.Cl
     }
 
 
-async def test_an_image_part_gets_400_saying_images_are_not_served(
-    engine: LocalEngine, http: aiohttp.ClientSession
-) -> None:
-    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
-    messages = [{"role": "user", "content": [image, {"type": "text", "text": "What is this?"}]}]
-    status, answer = await post(http, engine, RENDER, {"messages": messages})
-    assert status == 400
-    assert "does not serve images yet" in answer["error"]["message"]
-    assert "messages[0].content[0]" in answer["error"]["message"]
-
-
-async def test_generate_with_multimodal_features_gets_400(engine: LocalEngine, http: aiohttp.ClientSession) -> None:
-    features = {"mm_hashes": {"image": ["h"]}, "mm_placeholders": {"image": [{"offset": 0, "length": 1}]}}
-    status, answer = await post(
-        http, engine, GENERATE, {"token_ids": [1, 2], "sampling_params": {}, "features": features}
-    )
-    assert status == 400
-    assert "does not serve images yet" in answer["error"]["message"]
-
-
 async def test_an_oversized_body_gets_413(engine: LocalEngine, http: aiohttp.ClientSession) -> None:
-    async with http.post(engine.url + GENERATE, data=b"x" * (17 * 1024 * 1024)) as response:
+    async with http.post(engine.url + GENERATE, data=b"x" * (MAX_REQUEST_BYTES + 1024 * 1024)) as response:
         assert response.status == 413
         assert "too large" in (await response.json())["error"]["message"]
 
@@ -631,3 +624,358 @@ async def test_serve_command_prints_the_url_and_stops_on_sigterm() -> None:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+# -------------------------------------------------------------------- images
+
+PAD = "<|image_pad|>"
+IMAGE_FEATURE_KEYS = {"mm_hashes", "mm_placeholders", "kwargs_data", "mm_metadata"}  # vLLM 0.32's MultiModalFeatures
+
+
+def draw_figure(width: int, height: int, color: tuple[int, ...], mode: str = "RGB") -> Image.Image:
+    """A geometry figure: a filled triangle on a white background (transparent for RGBA)."""
+    background = (255, 255, 255) if mode == "RGB" else (255, 255, 255, 0)
+    image = Image.new(mode, (width, height), color=background)
+    ImageDraw.Draw(image).polygon([(1, height - 1), (width - 1, height - 1), (width // 3, 1)], fill=color)
+    return image
+
+
+def data_url(image: Image.Image) -> str:
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
+
+
+def image_part(url: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def processed(images: list[Image.Image]) -> tuple[torch.Tensor, torch.Tensor]:
+    """What transformers' Qwen2-VL image processor (numpy/PIL backend, default settings) gives for the images."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    output = Qwen2VLImageProcessorPil()(images=images, return_tensors="pt")
+    return output["pixel_values"], output["image_grid_thw"]
+
+
+def on_white(image: Image.Image) -> Image.Image:
+    flat = Image.new("RGB", image.size, (255, 255, 255))
+    flat.paste(image, mask=image.getchannel("A"))
+    return flat
+
+
+def wire_fields(item: str) -> dict[str, Any]:
+    """Each field's ``[kind, options]`` exactly as the item carries it on the wire."""
+    payload = msgpack.unpackb(base64.b64decode(item), raw=False)
+    return {key: value["field"] for key, value in payload.items()}
+
+
+FIGURE = draw_figure(256, 256, (200, 30, 30))  # resized to 252 x 252: grid (1, 18, 18), 81 pad tokens
+SECOND = draw_figure(64, 120, (30, 30, 200, 200), mode="RGBA")  # resized to 56 x 112: grid (1, 8, 4), 8 pad tokens
+FIGURE_MESSAGES = [{"role": "user", "content": [image_part(data_url(FIGURE)), {"type": "text", "text": "Area?"}]}]
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def figure_render(engine: LocalEngine) -> dict[str, Any]:
+    """The render answer for FIGURE_MESSAGES (rendered once for the module)."""
+    async with aiohttp.ClientSession() as session:
+        status, body = await post(session, engine, RENDER, {"messages": FIGURE_MESSAGES})
+    assert status == 200, body
+    answer: dict[str, Any] = body
+    return answer
+
+
+async def test_render_expands_an_image_into_its_grid_of_pad_tokens(
+    engine: LocalEngine, figure_render: dict[str, Any], tokenizer: Any
+) -> None:
+    token_ids, features = figure_render["token_ids"], figure_render["features"]
+    pixel_values, grid = processed([FIGURE])
+    assert grid.tolist() == [[1, 18, 18]]
+    pad = tokenizer.convert_tokens_to_ids(PAD)
+    assert token_ids.count(pad) == int(grid.prod(-1).sum()) // 2**2 == 81
+
+    assert set(features) == IMAGE_FEATURE_KEYS
+    ((placeholder),) = features["mm_placeholders"]["image"]
+    offset, length = placeholder["offset"], placeholder["length"]
+    assert length == 81 and token_ids[offset : offset + length] == [pad] * length
+    assert tokenizer.convert_ids_to_tokens([token_ids[offset - 1], token_ids[offset + length]]) == [
+        "<|vision_start|>",
+        "<|vision_end|>",
+    ]
+    template_ids = as_ids(tokenizer.apply_chat_template(FIGURE_MESSAGES, add_generation_prompt=True))
+    assert token_ids[:offset] + token_ids[offset + length - 1 :] == template_ids  # the one pad became 81
+    assert len(features["mm_hashes"]["image"]) == 1 and isinstance(features["mm_hashes"]["image"][0], str)
+    assert figure_render["sampling_params"]["max_tokens"] == MAX_MODEL_LEN - len(token_ids)
+
+    inputs = decode_train_features(features)
+    assert inputs is not None and sorted(inputs) == ["image_grid_thw", "pixel_values"]
+    assert torch.equal(inputs["image_grid_thw"], grid)
+    assert inputs["pixel_values"].dtype == torch.float32 and inputs["pixel_values"].shape == (324, 3 * 2 * 14 * 14)
+    assert torch.equal(inputs["pixel_values"], pixel_values)
+
+
+async def test_image_items_have_the_field_layout_real_vllm_sends(figure_render: dict[str, Any]) -> None:
+    recorded_item = json.loads((MM_ITEM_FIXTURES / "qwen2_vl_image0.json").read_text(encoding="utf-8"))["fields"]
+    features = figure_render["features"]
+    (item,) = features["kwargs_data"]["image"]
+    fields = wire_fields(item)
+    assert list(fields) == list(recorded_item)  # pixel_values, then image_grid_thw
+    assert fields["image_grid_thw"] == recorded_item["image_grid_thw"]["field"] == ["batched", {"keep_on_cpu": True}]
+    kind, options = fields["pixel_values"]
+    assert kind == recorded_item["pixel_values"]["field"][0] == "flat"
+    assert list(options) == list(recorded_item["pixel_values"]["field"][1])  # keep_on_cpu, slices, dim
+    assert options == {"keep_on_cpu": False, "slices": [[[0, 324, None]]], "dim": 0}
+    # mm_metadata: each item's keep_on_cpu fields alone, as vLLM 0.32's render sends them.
+    (metadata,) = features["mm_metadata"]["image"]
+    assert wire_fields(metadata) == {"image_grid_thw": ["batched", {"keep_on_cpu": True}]}
+    assert decode_item(metadata).get_data()["image_grid_thw"].tolist() == [1, 18, 18]
+
+
+async def test_two_images_are_expanded_in_order(
+    engine: LocalEngine, http: aiohttp.ClientSession, tokenizer: Any
+) -> None:
+    content = [image_part(data_url(FIGURE)), {"type": "text", "text": "and"}, image_part(data_url(SECOND))]
+    status, body = await post(http, engine, RENDER, {"messages": [{"role": "user", "content": content}]})
+    assert status == 200, body
+    pixel_values, grid = processed([FIGURE, on_white(SECOND)])  # vLLM composites transparency onto white
+    assert grid.tolist() == [[1, 18, 18], [1, 8, 4]]
+    first, second = body["features"]["mm_placeholders"]["image"]
+    assert (first["length"], second["length"]) == (81, 8)
+    assert first["offset"] + first["length"] < second["offset"]
+    pad = tokenizer.convert_tokens_to_ids(PAD)
+    assert body["token_ids"].count(pad) == 89
+    assert body["token_ids"][second["offset"] : second["offset"] + 8] == [pad] * 8
+    inputs = decode_train_features(body["features"])
+    assert inputs is not None
+    assert torch.equal(inputs["image_grid_thw"], grid)
+    assert torch.equal(inputs["pixel_values"], pixel_values)
+    # Like vLLM, both items carry the slices of the whole batch they were processed in.
+    for item in body["features"]["kwargs_data"]["image"]:
+        assert wire_fields(item)["pixel_values"][1]["slices"] == [[[0, 324, None]], [[324, 356, None]]]
+
+
+async def test_generate_accepts_the_image_features_and_reads_only_the_tokens(
+    engine: LocalEngine, http: aiohttp.ClientSession, figure_render: dict[str, Any]
+) -> None:
+    sampling = {"max_tokens": 6, "seed": 5, "logprobs": 1, "ignore_eos": True}
+    with_features = {**figure_render, "sampling_params": sampling, "request_id": "img-1"}
+    status, body = await post(http, engine, GENERATE, with_features)
+    assert status == 200, body
+    tokens_only = {"token_ids": figure_render["token_ids"], "sampling_params": sampling, "request_id": "img-2"}
+    status, plain = await post(http, engine, GENERATE, tokens_only)
+    assert status == 200
+    # The text model sees the pad tokens as ordinary tokens: the features change nothing it generates.
+    assert body["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    assert logprob_values(body["choices"][0]) == logprob_values(plain["choices"][0])
+    assert body["usage"]["prompt_tokens"] == len(figure_render["token_ids"])
+
+
+class RecordingClient(VLLMClient):
+    """A client that keeps every generate body it sends."""
+
+    def __init__(self, base_url: str) -> None:
+        super().__init__(base_url, retry=RetryPolicy(max_attempts=2, base_delay_s=0.01))
+        self.generate_bodies: list[dict[str, Any]] = []
+
+    async def generate(
+        self, body: Mapping[str, Any], *, request_id: str, headers: Mapping[str, str] | None = None
+    ) -> GeneratedTurn:
+        self.generate_bodies.append(dict(body))
+        return await super().generate(body, request_id=request_id, headers=headers)
+
+
+async def test_an_image_rollout_over_two_turns_sends_the_features_every_turn_and_passes_the_token_check(
+    engine: LocalEngine, tokenizer: Any
+) -> None:
+    config = RolloutConfig(
+        engine_url=engine.url,
+        model=engine.served_model_name,
+        max_turns=2,
+        check_invariants=True,
+        retry=RetryPolicy(max_attempts=2, base_delay_s=0.01),
+        image_merge_size=engine.image_merge_size,
+    )
+    envs = ScriptedEnvFactory()
+    sampling = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0, "stop": ["e"], "seed": 4}
+    sample = Sample(prompt="<image>Find the area of the triangle.", index=0, multimodal_inputs={"images": [FIGURE]})
+    client = RecordingClient(engine.url)
+    async with client:
+        rollout = Rollout(
+            sample, config=config, sampling_params=sampling, client=client, tokenizer=tokenizer, env_factory=envs
+        )
+        await rollout.run()
+    assert sample.status == Status.TRUNCATED and rollout.reason == "max_turns"
+    assert envs.last.calls.count("step") == 2
+    assert rollout.rendered is not None
+    rendered_features = rollout.rendered.generate_body["features"]
+    assert set(rendered_features) == IMAGE_FEATURE_KEYS
+    assert len(client.generate_bodies) == 2
+    for body in client.generate_bodies:
+        assert body["features"] == rendered_features  # on every turn, exactly as rendered
+        assert body["token_ids"][: rollout.prompt_length] == rollout.rendered.token_ids
+
+    pixel_values, grid = processed([FIGURE])
+    inputs = sample.multimodal_train_inputs
+    assert inputs is not None
+    assert torch.equal(inputs["image_grid_thw"], grid) and torch.equal(inputs["pixel_values"], pixel_values)
+    pad = tokenizer.convert_tokens_to_ids(PAD)
+    assert sample.tokens.count(pad) == int(grid.prod(-1).sum()) // engine.image_merge_size**2  # the check's rule
+    assert sample.loss_mask is not None and sample.rollout_log_probs is not None
+    assert sample.response_length == len(sample.loss_mask) == len(sample.rollout_log_probs)
+
+
+def mutated(render: dict[str, Any], case: str) -> dict[str, Any]:
+    """A generate body from the render answer, broken in one way."""
+    body: dict[str, Any] = json.loads(json.dumps({**render, "sampling_params": {"max_tokens": 2}}))
+    features = body["features"]
+    image = features["mm_placeholders"]["image"][0]
+    if case == "range_past_token_ids":
+        body["token_ids"] = body["token_ids"][: image["offset"] + 10]
+    elif case == "range_off_the_pads":
+        image["offset"] -= 1
+    elif case == "length_not_the_grid":
+        image["length"] -= 1
+    elif case == "negative_offset":
+        image["offset"] = -1
+    elif case == "overlapping_ranges":
+        features["mm_placeholders"]["image"].append(dict(image))
+        for name in ("mm_hashes", "kwargs_data", "mm_metadata"):
+            features[name]["image"].append(features[name]["image"][0])
+    elif case == "lists_not_parallel":
+        features["kwargs_data"]["image"].append(features["kwargs_data"]["image"][0])
+    elif case == "null_item":
+        features["kwargs_data"]["image"][0] = None
+    elif case == "not_base64":
+        features["kwargs_data"]["image"][0] = "not base64!"
+    elif case == "other_modality":
+        for name in ("mm_hashes", "mm_placeholders", "kwargs_data", "mm_metadata"):
+            features[name] = {"video": features[name]["image"]}
+    elif case == "no_placeholders":
+        del features["mm_placeholders"]
+    elif case == "a_string":
+        body["features"] = json.dumps(features)
+    return body
+
+
+@pytest.mark.parametrize(
+    ("case", "words"),
+    [
+        ("range_past_token_ids", "exceeds the"),
+        ("range_off_the_pads", "not the image placeholder <|image_pad|>"),
+        ("length_not_the_grid", "gives 81 image tokens"),
+        ("negative_offset", "offset"),
+        ("overlapping_ranges", "non-overlapping"),
+        ("lists_not_parallel", "same length"),
+        ("null_item", "keeps no multimodal cache"),
+        ("not_base64", "not valid base64"),
+        ("other_modality", "serves images only"),
+        ("no_placeholders", "required"),
+        ("a_string", "valid dictionary"),
+    ],
+)
+async def test_generate_refuses_features_that_do_not_fit_the_tokens(
+    engine: LocalEngine, http: aiohttp.ClientSession, figure_render: dict[str, Any], case: str, words: str
+) -> None:
+    status, answer = await post(http, engine, GENERATE, mutated(figure_render, case))
+    assert status == 400, answer
+    error = answer["error"]
+    assert words in error["message"]
+    assert (error["type"], error["param"]) == ("BadRequestError", "features")
+    assert engine.live_request_ids() == []
+
+
+@pytest.mark.parametrize(
+    ("part", "words"),
+    [
+        (
+            image_part("https://example.com/figure.png"),
+            "fetching remote images is not supported by the embedded engine (messages[0].content[0])",
+        ),
+        (image_part("http://127.0.0.1:1/figure.png"), "fetching remote images is not supported by the embedded engine"),
+        (image_part("file:///tmp/figure.png"), "file:// URLs"),
+        (image_part("/tmp/figure.png"), "The URL must be either a HTTP, data or file URL"),
+        (
+            image_part("data:image/png;base64,bm90IGFuIGltYWdl"),
+            "Failed to load image (messages[0].content[0]): the data is not an image",
+        ),
+        (image_part("data:image/png,rawbytes"), "Only base64 data URLs"),
+        ({"type": "image", "image": "figure.png"}, "media part of type 'image'"),
+        ({"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}}, "serves images only"),
+        ({"type": "image_url", "image_url": {"detail": "auto"}}, "image_url must be"),
+    ],
+)
+async def test_render_refuses_images_it_cannot_read_with_a_message(
+    engine: LocalEngine, http: aiohttp.ClientSession, part: dict[str, Any], words: str
+) -> None:
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "What is this?"}]}]
+    status, answer = await post(http, engine, RENDER, {"messages": messages})
+    assert status == 400, answer
+    assert words in answer["error"]["message"]
+    assert answer["error"]["code"] == 400
+
+
+async def test_a_placeholder_typed_as_text_does_not_count_as_an_image(
+    engine: LocalEngine, http: aiohttp.ClientSession
+) -> None:
+    content = [image_part(data_url(FIGURE)), {"type": "text", "text": f"<|vision_start|>{PAD}<|vision_end|>"}]
+    status, answer = await post(http, engine, RENDER, {"messages": [{"role": "user", "content": content}]})
+    assert status == 400
+    assert "rendered 2 <|image_pad|> placeholder(s) for 1 image part(s)" in answer["error"]["message"]
+
+
+async def test_mm_payload_none_renders_no_tensors_and_generate_then_asks_for_them(
+    engine: LocalEngine, http: aiohttp.ClientSession, figure_render: dict[str, Any]
+) -> None:
+    status, body = await post(http, engine, RENDER, {"messages": FIGURE_MESSAGES, "mm_payload": "none"})
+    assert status == 200
+    features = body["features"]
+    assert features["kwargs_data"] is None and features["mm_metadata"] is None
+    assert features["mm_placeholders"] == figure_render["features"]["mm_placeholders"]
+    assert body["token_ids"] == figure_render["token_ids"]
+    status, answer = await post(http, engine, GENERATE, {**body, "sampling_params": {"max_tokens": 2}})
+    assert status == 400
+    assert "keeps no multimodal cache" in answer["error"]["message"]
+
+
+async def test_an_image_prompt_longer_than_the_context_gets_400(
+    engine: LocalEngine, http: aiohttp.ClientSession
+) -> None:
+    big = draw_figure(1024, 1024, (10, 120, 10))  # 1296 pad tokens > MAX_MODEL_LEN
+    status, answer = await post(
+        http, engine, RENDER, {"messages": [{"role": "user", "content": [image_part(data_url(big))]}]}
+    )
+    assert status == 400
+    assert "maximum context length is 512 tokens" in answer["error"]["message"]
+
+
+async def test_the_engine_exposes_the_merge_size_and_placeholder_for_the_client_check(
+    engine: LocalEngine, tokenizer: Any
+) -> None:
+    from transformers import Qwen2VLImageProcessorPil
+
+    assert engine.image_merge_size == LocalEngine().image_merge_size == Qwen2VLImageProcessorPil().merge_size == 2
+    assert engine.image_placeholder_token == RolloutConfig.image_placeholder_token == PAD
+    assert tokenizer.convert_tokens_to_ids(PAD) == 151_655
+
+
+async def test_the_default_request_limit_fits_a_generate_body_with_the_largest_image() -> None:
+    patches = 28 * 28 * 1280 // 14**2  # the processor's max_pixels, in 14 x 14 patches
+    base64_bytes = patches * 3 * 2 * 14 * 14 * 4 * 4 // 3  # float32 rows of 1176 values, base64
+    assert base64_bytes > 30_000_000
+    assert 4 * base64_bytes < DEFAULT_MAX_REQUEST_BYTES
+
+
+async def test_a_tokenizer_without_the_image_placeholder_refuses_images() -> None:
+    from types import SimpleNamespace
+
+    from fsm_rollout.engine.local.images import ImageSupport
+    from fsm_rollout.engine.local.protocol import ImageFeatures, RequestError
+
+    text_only = SimpleNamespace(convert_tokens_to_ids=lambda token: 0, unk_token_id=0)  # every token is unknown
+    support = ImageSupport(text_only)
+    assert support.pad_token_id is None
+    with pytest.raises(RequestError, match="has no <\\|image_pad\\|> token") as caught:
+        support.render([1, 2], [data_url(FIGURE)], with_tensors=True)
+    assert caught.value.status == 400
+    with pytest.raises(RequestError, match="has no <\\|image_pad\\|> token"):
+        support.check_features(ImageFeatures(placeholders=((0, 1),), items=(None,), metadata=(None,)), [1])

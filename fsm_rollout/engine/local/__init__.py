@@ -5,6 +5,11 @@ A development and test engine (production is vLLM): ``fsm-rollout serve`` on the
     async with LocalEngine() as engine:   # the default tiny random Qwen2 with the real Qwen vocabulary
         ...  # point a VLLMClient (or RolloutConfig.engine_url) at engine.url
 
+Images: render expands ``image_url`` parts (``data:`` URLs) the way vLLM does for Qwen2-VL and returns vLLM's
+multimodal ``features``; generate checks them and then generates with the text model, which sees the
+``<|image_pad|>`` tokens as ordinary tokens (see :mod:`fsm_rollout.engine.local.images`). Configure the client's
+image-token check with ``RolloutConfig(image_merge_size=engine.image_merge_size)``.
+
 Importing this package is cheap: torch and transformers load only when an engine starts or the tiny model is built.
 """
 

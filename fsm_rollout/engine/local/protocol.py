@@ -6,6 +6,7 @@ server answers with vLLM's error body, a good one a frozen record the model code
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -19,12 +20,33 @@ MAX_LOGPROBS: Final = 20
 GENERATE_ID_PREFIX: Final = "generate-tokens-"
 """vLLM answers a generate request under ``generate-tokens-<request_id>``; abort accepts either form."""
 
-IMAGES_NOT_SERVED: Final = (
-    "The embedded engine (fsm-rollout serve) does not serve images yet ({where}). It renders and generates text "
-    "only; use a vLLM server (vllm serve --enable-scale-out) for multimodal rollouts."
+REMOTE_IMAGES_REFUSED: Final = (
+    "fetching remote images is not supported by the embedded engine ({where}); send the image inline as a "
+    "'data:image/png;base64,...' URL (the rollout client does this for PIL images, data: URLs and local paths)"
+)
+LOCAL_FILES_REFUSED: Final = (
+    "local image files (file:// URLs) are not supported by the embedded engine ({where}); vLLM reads them only "
+    "with --allowed-local-media-path. Send the image inline as a 'data:image/png;base64,...' URL"
 )
 
-_IMAGE_PART_TYPES: Final = frozenset({"image", "image_url", "input_image", "image_pil", "video", "video_url"})
+# Content part types that carry an image URL (OpenAI chat's image_url, the Responses API's input_image).
+_IMAGE_URL_PART_TYPES: Final = frozenset({"image_url", "input_image"})
+# Media parts vLLM knows that the embedded engine does not serve (or that a client must convert first).
+_OTHER_MEDIA_PART_TYPES: Final = frozenset(
+    {
+        "image",
+        "image_pil",
+        "image_embeds",
+        "video",
+        "video_url",
+        "video_embeds",
+        "audio_url",
+        "input_audio",
+        "audio_embeds",
+        "prompt_embeds",
+    }
+)
+_MM_PAYLOADS: Final = ("tensors", "none")
 
 # Sampling fields the engine does not implement, with the values that mean "off". Any other value is refused
 # rather than silently ignored, so a request never gets a different distribution than it asked for.
@@ -117,18 +139,39 @@ class SamplingSettings:
 
 
 @dataclass(frozen=True)
+class ImageFeatures:
+    """The image part of a generate request's ``features``, structurally valid and inside ``token_ids``.
+
+    One entry per image, in the order the request lists them: ``placeholders`` holds ``(offset, length)``,
+    ``items`` the base64 ``kwargs_data`` item (None when not sent), ``metadata`` the ``mm_metadata`` item (None
+    when not sent). The items are decoded and checked against the tokens by
+    :meth:`fsm_rollout.engine.local.images.ImageSupport.check_features`.
+    """
+
+    placeholders: tuple[tuple[int, int], ...]
+    items: tuple[str | None, ...]
+    metadata: tuple[str | None, ...]
+
+
+@dataclass(frozen=True)
 class GenerateInput:
-    """A validated ``POST /inference/v1/generate`` body."""
+    """A validated ``POST /inference/v1/generate`` body; ``features`` is None for a text-only prompt."""
 
     request_id: str
     token_ids: list[int]
     settings: SamplingSettings
+    features: ImageFeatures | None = None
 
 
 @dataclass(frozen=True)
 class RenderInput:
-    """A validated ``POST /v1/chat/completions/render`` body: what the chat template needs, and the sampling
-    fields to echo back."""
+    """A validated ``POST /v1/chat/completions/render`` body: what the chat template needs, the sampling
+    fields to echo back, and the ``data:`` URLs of the image parts in message and part order (``image_places``
+    names each one's part, ``messages[i].content[j]``, for error messages).
+
+    ``with_tensors`` is vLLM's ``mm_payload``: True ("tensors", the default) sends the image tensors in
+    ``features.kwargs_data``, False ("none") sends hashes and placeholders only.
+    """
 
     messages: list[dict[str, Any]]
     tools: list[Any] | None
@@ -136,6 +179,9 @@ class RenderInput:
     add_generation_prompt: bool
     continue_final_message: bool
     sampling_params: dict[str, Any]
+    image_urls: tuple[str, ...] = ()
+    image_places: tuple[str, ...] = ()
+    with_tensors: bool = True
 
 
 def check_model(body: Mapping[str, Any], served_model_name: str) -> None:
@@ -157,9 +203,14 @@ def parse_generate(
             raise RequestError(400, f"token_ids: every item must be a non-negative integer, got {token!r}", "token_ids")
         if token >= vocab_size:
             raise RequestError(400, f"Token id {token} is out of vocabulary (vocab size {vocab_size})", "token_ids")
-    for name in ("features", "content_parts"):
-        if body.get(name) is not None:
-            raise RequestError(400, IMAGES_NOT_SERVED.format(where=f"the request carries multimodal {name!r}"), name)
+    if body.get("content_parts") is not None:
+        raise RequestError(
+            400,
+            "content_parts (raw media for the server to fetch and process) is not supported by the embedded engine; "
+            "render the messages first and send the features render returned",
+            "content_parts",
+        )
+    features = parse_features(body.get("features"), prompt_len=len(token_ids))
     if body.get("stream"):
         raise RequestError(400, "stream=true is not supported by the embedded engine; send stream=false", "stream")
     output_mode = body.get("output_mode", "tokens")
@@ -185,7 +236,79 @@ def parse_generate(
             "token_ids",
         )
     settings = parse_sampling_params(sampling, prompt_len=prompt_len, max_model_len=max_model_len)
-    return GenerateInput(request_id=request_id, token_ids=token_ids, settings=settings)
+    return GenerateInput(request_id=request_id, token_ids=token_ids, settings=settings, features=features)
+
+
+def parse_features(value: Any, *, prompt_len: int) -> ImageFeatures | None:
+    """Validate a generate request's ``features`` as vLLM's ``MultiModalFeatures`` does, and place them inside
+    the ``prompt_len`` prompt tokens; None when there are none (or they name no image).
+
+    Checked: ``mm_hashes`` and ``mm_placeholders`` name the same modalities with parallel lists; ``kwargs_data``
+    and ``mm_metadata`` are null or parallel to them; offsets are ``>= 0``, lengths ``> 0``, the ranges sorted
+    without overlap; every range ends within ``token_ids``; the only modality is ``image``.
+    """
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError(400, f"features: Input should be a valid dictionary, got {type(value).__name__}", "features")
+    hashes = _modality_lists(value, "mm_hashes")
+    placeholders = _modality_lists(value, "mm_placeholders")
+    payloads = {name: _modality_lists(value, name, nullable=True) for name in ("kwargs_data", "mm_metadata")}
+    if hashes is None or placeholders is None:
+        raise RequestError(400, "features: mm_hashes and mm_placeholders are required", "features")
+    if set(placeholders) != set(hashes):
+        raise RequestError(400, "features: mm_hashes and mm_placeholders must use the same modalities", "features")
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    for modality, modality_hashes in hashes.items():
+        if not all(isinstance(item, str) for item in modality_hashes):
+            raise RequestError(400, f"features.mm_hashes.{modality}: every hash must be a string", "features")
+        if len(placeholders[modality]) != len(modality_hashes):
+            raise RequestError(
+                400, f"features: {modality} mm_hashes and mm_placeholders must have the same length", "features"
+            )
+        ranges[modality] = [
+            _placeholder(entry, f"features.mm_placeholders.{modality}[{index}]")
+            for index, entry in enumerate(placeholders[modality])
+        ]
+    for name, payload in payloads.items():
+        if payload is None:
+            continue
+        if set(payload) != set(hashes):
+            raise RequestError(400, f"features: {name} must use the same modalities as mm_hashes", "features")
+        for modality, items in payload.items():
+            if len(items) != len(hashes[modality]):
+                raise RequestError(
+                    400, f"features: {modality} {name} and mm_hashes must have the same length", "features"
+                )
+            if not all(item is None or isinstance(item, str) for item in items):
+                raise RequestError(
+                    400, f"features.{name}.{modality}: every item must be base64 text or null", "features"
+                )
+    spans = sorted((offset, offset + length) for entries in ranges.values() for offset, length in entries)
+    for (_, end), (next_offset, _) in itertools.pairwise(spans):
+        if next_offset < end:
+            raise RequestError(400, "features: mm_placeholders must be globally non-overlapping and sorted", "features")
+    if spans and spans[-1][1] > prompt_len:
+        raise RequestError(
+            400,
+            f"features: the placeholder range [{spans[-1][0]}, {spans[-1][1]}) exceeds the {prompt_len} token_ids "
+            "of the request",
+            "features",
+        )
+    other = sorted(set(hashes) - {"image"})
+    if other:
+        raise RequestError(
+            400, f"features carry {', '.join(other)} items: the embedded engine serves images only", "features"
+        )
+    if not ranges.get("image"):
+        return None
+    count = len(ranges["image"])
+    kwargs_data, metadata = payloads["kwargs_data"], payloads["mm_metadata"]
+    return ImageFeatures(
+        placeholders=tuple(ranges["image"]),
+        items=tuple(kwargs_data["image"]) if kwargs_data is not None else (None,) * count,
+        metadata=tuple(metadata["image"]) if metadata is not None else (None,) * count,
+    )
 
 
 def parse_sampling_params(sampling: Mapping[str, Any], *, prompt_len: int, max_model_len: int) -> SamplingSettings:
@@ -265,16 +388,21 @@ def parse_sampling_params(sampling: Mapping[str, Any], *, prompt_len: int, max_m
 
 
 def parse_render(body: Mapping[str, Any]) -> RenderInput:
-    """Validate a chat render body (an OpenAI ``ChatCompletionRequest``); image parts are refused."""
+    """Validate a chat render body (an OpenAI ``ChatCompletionRequest``).
+
+    Image parts (``image_url``/``input_image``) must carry ``data:`` URLs: ``http(s)`` and ``file`` URLs, other
+    schemes and other media parts (video, audio, embeddings, unconverted ``image`` parts) are refused with 400.
+    """
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages: Field required (a non-empty list of messages)", "messages")
+    images: list[tuple[str, str]] = []
     for index, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise RequestError(
                 400, f"messages[{index}]: every message must be an object with a string 'role'", "messages"
             )
-        _refuse_media(message.get("content"), f"messages[{index}]")
+        images.extend(_image_urls(message.get("content"), f"messages[{index}]"))
     tools = body.get("tools")
     if tools is not None and not isinstance(tools, list):
         raise RequestError(400, "tools: Input should be a valid list", "tools")
@@ -289,6 +417,9 @@ def parse_render(body: Mapping[str, Any]) -> RenderInput:
         raise RequestError(
             400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", "messages"
         )
+    mm_payload = body.get("mm_payload")
+    if mm_payload is not None and mm_payload not in _MM_PAYLOADS:
+        raise RequestError(400, f"mm_payload: Input should be 'tensors' or 'none', got {mm_payload!r}", "mm_payload")
     return RenderInput(
         messages=messages,
         tools=tools,
@@ -296,21 +427,77 @@ def parse_render(body: Mapping[str, Any]) -> RenderInput:
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
         sampling_params=_render_sampling_params(body),
+        image_urls=tuple(url for url, _ in images),
+        image_places=tuple(place for _, place in images),
+        with_tensors=mm_payload != "none",
     )
 
 
-def _refuse_media(content: Any, where: str) -> None:
+def _image_urls(content: Any, where: str) -> list[tuple[str, str]]:
+    """The ``data:`` URLs of a message's image parts with their places, in order; other media and other URLs are
+    refused."""
     if not isinstance(content, list):
-        return
+        return []
+    urls: list[tuple[str, str]] = []
     for index, part in enumerate(content):
         if not isinstance(part, dict):
             continue
+        place = f"{where}.content[{index}]"
         kind = part.get("type")
-        if kind in _IMAGE_PART_TYPES or any(key in part for key in _IMAGE_PART_TYPES):
-            what = kind if isinstance(kind, str) else "media"
+        if kind in _IMAGE_URL_PART_TYPES or (kind is None and "image_url" in part):
+            urls.append((_image_url(part.get("image_url"), place), place))
+        elif kind in _OTHER_MEDIA_PART_TYPES or (kind is None and any(key in part for key in _OTHER_MEDIA_PART_TYPES)):
+            what = kind if isinstance(kind, str) else next(key for key in part if key in _OTHER_MEDIA_PART_TYPES)
             raise RequestError(
-                400, IMAGES_NOT_SERVED.format(where=f"{where}.content[{index}] is an {what} part"), "messages"
+                400,
+                f"{place} is a media part of type {what!r}: the embedded engine serves images only, as 'image_url' "
+                "parts whose URL is a 'data:image/...;base64,...' URL",
+                "messages",
             )
+    return urls
+
+
+def _image_url(value: Any, where: str) -> str:
+    url = value.get("url") if isinstance(value, dict) else value
+    if not isinstance(url, str) or not url:
+        raise RequestError(400, f"{where}: image_url must be {{'url': str}} or a URL string", "messages")
+    scheme = url.partition(":")[0].lower()
+    if scheme == "data":
+        return url
+    if scheme in ("http", "https"):
+        raise RequestError(400, REMOTE_IMAGES_REFUSED.format(where=where), "messages")
+    if scheme == "file":
+        raise RequestError(400, LOCAL_FILES_REFUSED.format(where=where), "messages")
+    raise RequestError(
+        400,
+        f"The URL must be either a HTTP, data or file URL ({where}); the embedded engine reads 'data:' URLs only "
+        "(send a local image as 'data:image/png;base64,...')",
+        "messages",
+    )
+
+
+def _modality_lists(features: Mapping[str, Any], name: str, *, nullable: bool = False) -> dict[str, list[Any]] | None:
+    """``features[name]`` as ``{modality: list}``; None when missing or null (an error unless ``nullable``)."""
+    value = features.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not all(
+        isinstance(modality, str) and isinstance(items, list) for modality, items in value.items()
+    ):
+        kind = "a dictionary of modality to list" + (", or null" if nullable else "")
+        raise RequestError(400, f"features.{name}: Input should be {kind}", "features")
+    return value
+
+
+def _placeholder(entry: Any, where: str) -> tuple[int, int]:
+    """``(offset, length)`` of one ``{"offset", "length"}`` placeholder (vLLM's ``PlaceholderRangeInfo``)."""
+    if isinstance(entry, dict):
+        offset, length = entry.get("offset"), entry.get("length")
+        if type(offset) is int and type(length) is int and offset >= 0 and length > 0:
+            return offset, length
+    raise RequestError(
+        400, f"{where}: a placeholder must be {{'offset': int >= 0, 'length': int > 0}}, got {entry!r:.80}", "features"
+    )
 
 
 def _render_sampling_params(body: Mapping[str, Any]) -> dict[str, Any]:

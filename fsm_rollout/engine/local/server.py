@@ -2,9 +2,11 @@
 
 Endpoints, with vLLM's request and response shapes (``vllm serve --enable-scale-out``):
 
-* ``POST /v1/chat/completions/render``: chat messages → a GenerateRequest-shaped body (text only);
-* ``POST /inference/v1/generate``: prompt token ids → generated token ids with processed logprobs
-  (non-streaming);
+* ``POST /v1/chat/completions/render``: chat messages → a GenerateRequest-shaped body; image parts (``data:``
+  URLs) are expanded into ``<|image_pad|>`` runs with Qwen2-VL ``features``, see
+  :mod:`fsm_rollout.engine.local.images`;
+* ``POST /inference/v1/generate``: prompt token ids (and the ``features`` render returned, checked against them)
+  → generated token ids with processed logprobs (non-streaming);
 * ``POST /inference/v1/abort_requests``: ``{"request_ids": [...]}`` ends those generations with
   ``finish_reason="abort"``;
 * ``GET /health`` and ``GET /v1/models``.
@@ -29,6 +31,7 @@ import orjson
 from aiohttp import web
 
 from fsm_rollout.engine.local.errors import LocalEngineError
+from fsm_rollout.engine.local.images import IMAGE_MERGE_SIZE, IMAGE_PAD_TOKEN
 from fsm_rollout.engine.local.protocol import (
     GENERATE_ID_PREFIX,
     RenderInput,
@@ -40,6 +43,7 @@ from fsm_rollout.engine.local.protocol import (
 from fsm_rollout.engine.local.scheduler import GenerateJob, GenerationOutcome, Scheduler
 
 if TYPE_CHECKING:
+    from fsm_rollout.engine.local.images import ImageSupport
     from fsm_rollout.engine.local.model import LoadedModel, TokenLogprob
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "LocalEngine"]
@@ -50,8 +54,9 @@ ABORT_PATH: Final = "/inference/v1/abort_requests"
 HEALTH_PATH: Final = "/health"
 MODELS_PATH: Final = "/v1/models"
 
-DEFAULT_MAX_REQUEST_BYTES: Final = 16 * 1024 * 1024
-"""Request bodies above this size are refused with 413 (text-only requests are far smaller)."""
+DEFAULT_MAX_REQUEST_BYTES: Final = 256 * 1024 * 1024
+"""Request bodies above this size are refused with 413. Generate bodies carry the image tensors render returned:
+one image at the processor's largest size (28*28*1280 pixels) is about 32 MB of base64 float32 patches."""
 
 _log = logging.getLogger(__name__)
 
@@ -74,6 +79,19 @@ class LocalEngine:
     process-wide default (threads that already ran torch ops keep theirs); None leaves torch's setting alone. The
     default, 1, was measured fastest on a 2-core machine: the tiny model's operations are too small to split, and
     with two OpenMP threads a second busy process (or the event loop) slows decoding five- to tenfold.
+
+    Images: render treats ``image_url`` parts with ``data:`` URLs as vLLM does for a Qwen2-VL model. Each image is
+    preprocessed by transformers' ``Qwen2VLImageProcessorPil`` (patch size 14, merge size 2, temporal patch size
+    2, default min/max pixels; the numpy/PIL backend, because the default torchvision backend cannot be installed
+    beside this CPU torch), the template's ``<|image_pad|>`` of image ``i`` becomes ``t*h*w / 4`` pad tokens, and
+    the answer carries ``features`` (``mm_hashes``, ``mm_placeholders``, ``kwargs_data`` with ``pixel_values`` and
+    ``image_grid_thw`` in vLLM's wire format, ``mm_metadata``). Generate checks ``features`` against
+    ``token_ids`` (vLLM's structural rules, every range inside the prompt and made of pad tokens, grids matching
+    range lengths) and then generates with the **text** model only: the default tiny model is a text-only Qwen2
+    (a real tiny Qwen2-VL needs torchvision, which is unavailable here), so the model sees the ``<|image_pad|>``
+    tokens as ordinary tokens and never looks at the pixels. Images change the prompt's tokens, not what the model
+    perceives. ``http(s)`` image URLs are refused with 400 (no fetching), as are ``file://`` URLs and local paths
+    (vLLM reads those only with ``--allowed-local-media-path``). See :mod:`fsm_rollout.engine.local.images`.
     """
 
     def __init__(
@@ -105,6 +123,7 @@ class LocalEngine:
         self._torch_threads = torch_threads
         self._max_request_bytes = max_request_bytes
         self._loaded: LoadedModel | None = None
+        self._images: ImageSupport | None = None
         self._scheduler: Scheduler | None = None
         self._runner: web.AppRunner | None = None
         self._url: str | None = None
@@ -137,6 +156,18 @@ class LocalEngine:
         """The directory the model was loaded from."""
         return self._require_loaded().model_dir
 
+    @property
+    def image_merge_size(self) -> int:
+        """The image processor's merge size (2): an image of grid ``(t, h, w)`` takes ``t*h*w / merge_size**2``
+        placeholder tokens. Pass it as ``RolloutConfig(image_merge_size=...)`` so the client's image-token check
+        needs no processor. Known before the engine starts."""
+        return IMAGE_MERGE_SIZE
+
+    @property
+    def image_placeholder_token(self) -> str:
+        """The image placeholder token render expands (``<|image_pad|>``, ``RolloutConfig``'s default)."""
+        return IMAGE_PAD_TOKEN
+
     def live_request_ids(self) -> list[str]:
         """Generate requests queued or running on the worker, in arrival order (empty when idle)."""
         return [] if self._scheduler is None else self._scheduler.live_request_ids()
@@ -147,6 +178,9 @@ class LocalEngine:
             raise LocalEngineError("the embedded engine is already started")
         model_dir, served_name = await asyncio.to_thread(self._resolve_model_dir)
         loaded = await asyncio.to_thread(_load, model_dir, self._max_model_len_arg)
+        from fsm_rollout.engine.local.images import ImageSupport
+
+        images = ImageSupport(loaded.tokenizer)
         scheduler = Scheduler(loaded, max_num_seqs=self._max_num_seqs, torch_threads=self._torch_threads)
         scheduler.start()
         app = web.Application(client_max_size=self._max_request_bytes, middlewares=[self._errors_as_vllm])
@@ -166,6 +200,7 @@ class LocalEngine:
             await asyncio.to_thread(scheduler.stop)
             raise
         self._loaded = loaded
+        self._images = images
         self._scheduler = scheduler
         self._runner = runner
         self._model_name = served_name
@@ -208,6 +243,11 @@ class LocalEngine:
         if self._loaded is None:
             raise LocalEngineError("the embedded engine is not started")
         return self._loaded
+
+    def _require_images(self) -> ImageSupport:
+        if self._images is None:
+            raise LocalEngineError("the embedded engine is not started")
+        return self._images
 
     def _require_scheduler(self) -> Scheduler:
         if self._scheduler is None:
@@ -259,7 +299,10 @@ class LocalEngine:
         check_model(body, self.served_model_name)
         render = parse_render(body)
         loaded = self._require_loaded()
-        token_ids = await self._require_scheduler().run_task(lambda: _render_ids(loaded.tokenizer, render))
+        images = self._require_images()
+        token_ids, features = await self._require_scheduler().run_task(
+            lambda: _render_prompt(loaded.tokenizer, images, render)
+        )
         if len(token_ids) >= loaded.max_model_len:
             raise RequestError(
                 400,
@@ -273,7 +316,7 @@ class LocalEngine:
                 "request_id": f"chatcmpl-{uuid.uuid4().hex}",
                 "token_ids": token_ids,
                 "token_offsets": None,
-                "features": None,
+                "features": features,
                 "content_parts": None,
                 "sampling_params": sampling_params,
                 "model": self.served_model_name,
@@ -298,6 +341,10 @@ class LocalEngine:
             body, max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size, new_request_id=uuid.uuid4().hex
         )
         scheduler = self._require_scheduler()
+        features = parsed.features
+        if features is not None:  # decoded on the worker: kwargs items can be megabytes of base64
+            images = self._require_images()
+            await scheduler.run_task(lambda: images.check_features(features, parsed.token_ids))
         job = GenerateJob(parsed.request_id, parsed.token_ids, parsed.settings, asyncio.get_running_loop())
         self._jobs.setdefault(job.request_id, set()).add(job)
         try:
@@ -368,6 +415,15 @@ def _load(model_dir: pathlib.Path, max_model_len: int | None) -> LoadedModel:
     from fsm_rollout.engine.local.model import load_model
 
     return load_model(model_dir, max_model_len=max_model_len)
+
+
+def _render_prompt(tokenizer: Any, images: ImageSupport, render: RenderInput) -> tuple[list[int], Any]:
+    """The prompt's token ids and render ``features`` (None without images); runs on the worker thread."""
+    token_ids = _render_ids(tokenizer, render)
+    if not render.image_urls:
+        return token_ids, None
+    rendered = images.render(token_ids, render.image_urls, with_tensors=render.with_tensors, places=render.image_places)
+    return rendered.token_ids, rendered.features
 
 
 def _render_ids(tokenizer: Any, render: RenderInput) -> list[int]:
