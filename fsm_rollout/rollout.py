@@ -573,11 +573,15 @@ class Rollout:
         if self._inflight is not None:
             self._inflight.cancel()
         elif not self._running:
+            context = bind_contextvars(sample_id=self.sample_id, session_id=self.sample.session_id)
             try:
                 self._fire("abort")
             except Exception as error:
                 self._fail(error, "abort")
+            finally:
+                reset_contextvars(**context)
             self._done.set()
+            self.tracer.flush()
 
     async def abort(self, reason: str = "cancelled") -> None:
         """End the rollout ``aborted`` with ``reason`` and wait until it has (no request is sent after this)."""

@@ -400,6 +400,8 @@ class Sample:
 
 def _int_list(values: Any, what: str, sample: Sample) -> list[int]:
     """``values`` as a flat list of Python ints, or ``SampleAppendError`` saying what was wrong."""
+    if type(values) is list and all(type(item) is int for item in values):
+        return list(values)  # the common case, without ABC isinstance checks per token
     items = _flat_items(values, what, sample)
     for item in items:
         if not isinstance(item, numbers.Integral) or isinstance(item, bool):
@@ -411,6 +413,8 @@ def _int_list(values: Any, what: str, sample: Sample) -> list[int]:
 
 def _float_list(values: Any, what: str, sample: Sample) -> list[float]:
     """``values`` as a flat list of Python floats, or ``SampleAppendError`` saying what was wrong."""
+    if type(values) is list and all(type(item) is float for item in values):
+        return list(values)
     items = _flat_items(values, what, sample)
     for item in items:
         if not isinstance(item, numbers.Real) or isinstance(item, bool):

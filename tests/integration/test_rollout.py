@@ -383,8 +383,12 @@ async def test_cancelling_the_task_aborts_with_reason_cancelled(make_rollout: An
 
 
 async def test_abort_before_start_sends_nothing(make_rollout: Any, fake_vllm: FakeVLLMServer) -> None:
-    rollout, envs = make_rollout()
-    await rollout.abort("shutdown")
+    from fsm_rollout import capture_transitions
+
+    rollout, envs = make_rollout(Sample(prompt="q", index=3, session_id="s3"))
+    with capture_transitions() as events:
+        await rollout.abort("shutdown")
+    assert [(e["sample_id"], e["session_id"], e["trigger"]) for e in events] == [("3", "s3", "abort")]
     assert rollout.state == "aborted"
     assert rollout.reason == "shutdown"
     assert await rollout.run() is rollout.sample
