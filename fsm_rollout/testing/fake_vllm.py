@@ -25,12 +25,13 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from http import HTTPStatus
 from types import TracebackType
 from typing import Any, Literal, TypeVar
 
 import orjson
 from aiohttp import web
+
+from fsm_rollout.engine.responses import error_response, json_response
 
 RENDER_PATH = "/v1/chat/completions/render"
 GENERATE_PATH = "/inference/v1/generate"
@@ -335,9 +336,9 @@ class FakeVLLMServer:
         try:
             return await handler(request)
         except _RequestError as error:
-            return _error_response(error.status, error.message, error.param)
+            return error_response(error.status, error.message, error.param)
         except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as error:
-            return _json_response({"detail": error.reason}, status=error.status)
+            return json_response({"detail": error.reason}, status=error.status)
 
     async def _answer_fault(self, request: web.Request, fault: _Fault) -> web.StreamResponse:
         if fault.delay > 0:
@@ -349,7 +350,7 @@ class FakeVLLMServer:
             return web.Response(status=500)  # never sent: the connection is gone
         if fault.malformed_json:
             return web.Response(status=200, body=_MALFORMED_JSON_BODY, content_type="application/json")
-        return _error_response(fault.status, f"fake vLLM: injected fault ({fault.status})")
+        return error_response(fault.status, f"fake vLLM: injected fault ({fault.status})")
 
     # ---------------------------------------------------------------- handlers
 
@@ -366,7 +367,7 @@ class FakeVLLMServer:
             "parent": None,
             "max_model_len": self.max_model_len,
         }
-        return _json_response({"object": "list", "data": [card]})
+        return json_response({"object": "list", "data": [card]})
 
     async def _handle_abort(self, request: web.Request) -> web.StreamResponse:
         body = await _json_object_body(request)
@@ -377,7 +378,7 @@ class FakeVLLMServer:
             self.aborted_request_ids.append(request_id)
             for event in self._waiting.get(request_id, ()):
                 event.set()
-        return _json_response({})
+        return json_response({})
 
     async def _handle_render(self, request: web.Request) -> web.StreamResponse:
         body = await _json_object_body(request)
@@ -411,7 +412,7 @@ class FakeVLLMServer:
                 token_ids, features = await self._in_tokenizer_thread(self.render_features, messages, token_ids)
             except Exception as error:  # like vLLM's answer to an image it cannot load or process
                 raise _RequestError(400, f"multimodal processing failed: {error}") from error
-        return _json_response(
+        return json_response(
             {
                 "request_id": f"chatcmpl-{uuid.uuid4().hex}",
                 "token_ids": token_ids,
@@ -437,15 +438,15 @@ class FakeVLLMServer:
         turn = queue.popleft()
 
         if await self._wait_unless_aborted(params.request_id, turn):
-            return _json_response(self._generate_answer(params, turn, [], "abort"))
+            return json_response(self._generate_answer(params, turn, [], "abort"))
         if turn.raw is not None:
-            return _json_response(turn.raw, status=turn.status)
+            return json_response(turn.raw, status=turn.status)
         if turn.status != 200:
-            return _error_response(turn.status, f"fake vLLM: scripted error ({turn.status})")
+            return error_response(turn.status, f"fake vLLM: scripted error ({turn.status})")
 
         token_ids, natural_finish = await self._in_tokenizer_thread(self._complete, turn, params)
         answer = self._generate_answer(params, turn, token_ids, turn.finish or natural_finish)
-        return _json_response(answer)
+        return json_response(answer)
 
     # ---------------------------------------------------------------- generate helpers
 
@@ -692,21 +693,3 @@ def _as_token_ids(encoded: Any) -> list[int]:
     if len(ids) == 1 and isinstance(ids[0], list | tuple):
         ids = list(ids[0])
     return [int(token) for token in ids]
-
-
-def _error_type(status: int) -> str:
-    try:
-        phrase = HTTPStatus(status).phrase
-    except ValueError:
-        return "Error"
-    name = "".join(word.capitalize() for word in phrase.replace("-", " ").split())
-    return name if name.endswith("Error") else f"{name}Error"
-
-
-def _error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": _error_type(status), "param": param, "code": status}}
-    return _json_response(body, status=status)
-
-
-def _json_response(body: Any, *, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")

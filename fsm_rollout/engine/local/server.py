@@ -23,7 +23,6 @@ import pathlib
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from http import HTTPStatus
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
@@ -41,6 +40,7 @@ from fsm_rollout.engine.local.protocol import (
     parse_render,
 )
 from fsm_rollout.engine.local.scheduler import GenerateJob, GenerationOutcome, Scheduler
+from fsm_rollout.engine.responses import error_response, json_response
 
 if TYPE_CHECKING:
     from fsm_rollout.engine.local.images import ImageSupport
@@ -263,18 +263,18 @@ class LocalEngine:
         try:
             return await handler(request)
         except RequestError as error:
-            return _error_response(error.status, error.message, error.param)
+            return error_response(error.status, error.message, error.param)
         except web.HTTPRequestEntityTooLarge as error:
-            return _error_response(error.status, f"The request body is too large: {error.text}")
+            return error_response(error.status, f"The request body is too large: {error.text}")
         except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as error:
-            return _json_response({"detail": error.reason}, status=error.status)  # FastAPI's shape, as vLLM's
+            return json_response({"detail": error.reason}, status=error.status)  # FastAPI's shape, as vLLM's
         except LocalEngineError as error:
-            return _error_response(503, str(error))
+            return error_response(503, str(error))
         except web.HTTPException:
             raise
         except Exception as error:  # a bug or a model failure: vLLM answers 500 with its error body too
             _log.exception("%s %s failed", request.method, request.path)
-            return _error_response(500, f"{type(error).__name__}: {error}")
+            return error_response(500, f"{type(error).__name__}: {error}")
 
     # ---------------------------------------------------------------- handlers
 
@@ -292,7 +292,7 @@ class LocalEngine:
             "parent": None,
             "max_model_len": loaded.max_model_len,
         }
-        return _json_response({"object": "list", "data": [card]})
+        return json_response({"object": "list", "data": [card]})
 
     async def _handle_render(self, request: web.Request) -> web.StreamResponse:
         body = await _json_object(request)
@@ -311,7 +311,7 @@ class LocalEngine:
                 "messages",
             )
         sampling_params = {"max_tokens": loaded.max_model_len - len(token_ids), **render.sampling_params}
-        return _json_response(
+        return json_response(
             {
                 "request_id": f"chatcmpl-{uuid.uuid4().hex}",
                 "token_ids": token_ids,
@@ -359,7 +359,7 @@ class LocalEngine:
                 jobs.discard(job)
                 if not jobs:
                     del self._jobs[job.request_id]
-        return _json_response(self._generate_answer(parsed.request_id, outcome, parsed.settings.logprobs))
+        return json_response(self._generate_answer(parsed.request_id, outcome, parsed.settings.logprobs))
 
     async def _handle_abort(self, request: web.Request) -> web.StreamResponse:
         body = await _json_object(request)
@@ -468,21 +468,3 @@ async def _json_object(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise RequestError(400, "The request body must be a JSON object")
     return body
-
-
-def _error_type(status: int) -> str:
-    try:
-        phrase = HTTPStatus(status).phrase
-    except ValueError:
-        return "Error"
-    name = "".join(word.capitalize() for word in phrase.replace("-", " ").split())
-    return name if name.endswith("Error") else f"{name}Error"
-
-
-def _error_response(status: int, message: str, param: str | None = None) -> web.Response:
-    body = {"error": {"message": message, "type": _error_type(status), "param": param, "code": status}}
-    return _json_response(body, status=status)
-
-
-def _json_response(body: Any, *, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
