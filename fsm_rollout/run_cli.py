@@ -42,6 +42,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--record", action="store_true",
                       help="also record the I/O tape beside the trace (X.jsonl -> X.tape.jsonl) so that "
                       "`fsm-rollout replay` can re-execute the run offline (needs --trace)")
+    data.add_argument("--include-features", action="store_true",
+                      help="write decoded image features in full (default: dtype and shape only)")
     data.add_argument("--skip-bad", action="store_true", help="skip invalid dataset lines (counted) instead of failing")
     data.add_argument("--limit", type=int, help="run only the first N samples")
     engine = parser.add_argument_group("engine")
@@ -134,12 +136,26 @@ def _json_default(value: Any) -> Any:
     raise TypeError(f"cannot serialise {type(value).__name__}")
 
 
-def write_results(samples: Sequence[Sample], path: Path) -> None:
-    """Write ``Sample.to_dict()`` per line (images as data URLs)."""
+def _feature_summary(encoded: Any) -> Any:
+    if isinstance(encoded, dict) and ("__tensor__" in encoded or "__ndarray__" in encoded):
+        return {"dtype": encoded.get("dtype"), "shape": encoded.get("shape")}
+    return encoded
+
+
+def write_results(samples: Sequence[Sample], path: Path, *, include_features: bool = False) -> None:
+    """Write ``Sample.to_dict()`` per line (images as data URLs).
+
+    The decoded image features (``multimodal_train_inputs``: pixel values, megabytes per image) are written as
+    ``{"dtype", "shape"}`` summaries unless ``include_features`` is set.
+    """
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as stream:
         for sample in samples:
-            stream.write(orjson.dumps(sample.to_dict(), default=_json_default) + b"\n")
+            row = sample.to_dict()
+            features = row.get("multimodal_train_inputs")
+            if features and not include_features:
+                row["multimodal_train_inputs"] = {key: _feature_summary(value) for key, value in features.items()}
+            stream.write(orjson.dumps(row, default=_json_default) + b"\n")
 
 
 def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, trace: Path | None) -> str:
@@ -202,7 +218,7 @@ async def _run(args: argparse.Namespace) -> int:
                 progress.cancel()
                 print(file=sys.stderr)
             snapshot = runner.metrics()
-    write_results(samples, args.out)
+    write_results(samples, args.out, include_features=args.include_features)
     print(summary(snapshot, total=len(samples), skipped=skipped, out=args.out, trace=args.trace))
     if args.record:
         print(f"tape: {tape_path_for(args.trace)}")

@@ -122,3 +122,41 @@ async def test_ctrl_c_aborts_in_flight_samples_writes_partials_and_exits_130(
     assert row["response"] == "first"
     assert row["metadata"]["rollout_reason"] == "cancelled"
     assert len(fake_vllm.aborted_request_ids) == 2
+
+
+async def test_the_demo_runs_on_the_embedded_engine_with_images(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        "-m",
+        "fsm_rollout.cli",
+        "run",
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "16",
+        "--quiet",
+        "--out",
+        str(tmp_path / "results.jsonl"),
+        "--trace",
+        str(tmp_path / "trace.jsonl"),
+        "--seed",
+        "3",
+    ]
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=300)
+    assert process.returncode == 0, stderr.decode()
+    rows = results(tmp_path)
+    assert [row["index"] for row in rows] == [0, 1]
+    for row in rows:
+        assert row["status"] in ("truncated", "completed")
+        assert row["response_length"] == len(row["loss_mask"]) == len(row["rollout_log_probs"])
+        grid = row["multimodal_train_inputs"]["image_grid_thw"]
+        assert grid["shape"] == [1, 3]
+        assert row["multimodal_train_inputs"]["pixel_values"]["dtype"] == "float32"
+        assert row["multimodal_inputs"]["images"][0].startswith("data:image/png;base64,")
+    assert "2/2 samples" in stdout.decode()
