@@ -70,6 +70,11 @@ def _exec_file_module(path: Path) -> ModuleType:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
+    except SyntaxError as error:
+        sys.modules.pop(name, None)
+        raise EnvironmentLoadError(
+            f"environment file {path} has a syntax error at line {error.lineno}: {error.msg}", path=str(path)
+        ) from error
     except BaseException:
         sys.modules.pop(name, None)
         raise

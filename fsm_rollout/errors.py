@@ -34,6 +34,10 @@ class SampleStateError(RolloutError, ValueError):
     """The sample cannot start a rollout (not pending, or carries response data already)."""
 
 
+class PromptError(SampleStateError):
+    """The sample's prompt is neither a non-empty string nor a list of chat messages."""
+
+
 class SampleAppendError(RolloutError, ValueError):
     """Tokens, logprobs or metadata appended to a sample break the sample's rules."""
 

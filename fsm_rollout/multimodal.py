@@ -37,6 +37,7 @@ from fsm_rollout.errors import (
     ImageTokenMismatchError,
     MalformedFeaturesError,
     MultimodalError,
+    PromptError,
 )
 
 IMAGE_PAD_TOKEN = "<|image_pad|>"
@@ -82,10 +83,31 @@ def build_initial_messages(prompt: Any, images: Sequence[Any] | None) -> list[di
     A string prompt gets one image part per image, then its text with every ``<image>`` removed and leading
     whitespace stripped.
     """
+    if images is not None and not isinstance(images, list | tuple):
+        raise ImageInputError(
+            f"multimodal_inputs['images'] must be a list of images, got {type(images).__name__}"
+        )
     if isinstance(prompt, list):
+        if not prompt:
+            raise PromptError("the prompt is an empty list of chat messages")
+        for index, message in enumerate(prompt):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
+                raise PromptError(
+                    f"prompt[{index}] must be a chat message with a 'role' and 'content': {message!r:.120}"
+                )
         return [dict(message) for message in prompt]
+    if not isinstance(prompt, str) or not prompt:
+        raise PromptError(
+            f"the prompt must be a non-empty string or a list of chat messages, got {type(prompt).__name__}"
+        )
+    markers = prompt.count("<image>")
+    if images and markers and markers != len(images):  # no images: the markers are just removed, as in the seed
+        raise ImageInputError(
+            f"the prompt has {markers} <image> placeholder(s) but multimodal_inputs['images'] holds "
+            f"{len(images or ())} image(s)"
+        )
     content: list[dict[str, Any]] = [{"type": "image", "image": image} for image in images or ()]
-    content.append({"type": "text", "text": str(prompt).replace("<image>", "").lstrip()})
+    content.append({"type": "text", "text": prompt.replace("<image>", "").lstrip()})
     return [{"role": "user", "content": content}]
 
 

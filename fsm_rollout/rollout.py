@@ -72,6 +72,10 @@ def check_startable(sample: Sample) -> None:
         raise SampleStateError(
             f"sample {sample.index!r}: a rollout requires a pending sample, got status {Status(sample.status).value!r}"
         )
+    if sample.metadata is not None and not isinstance(sample.metadata, dict):
+        raise SampleStateError(
+            f"sample {sample.index!r}: metadata must be a dict or None, got {type(sample.metadata).__name__}"
+        )
     if sample.response or sample.response_length or sample.loss_mask or sample.rollout_log_probs:
         raise SampleStateError(
             f"sample {sample.index!r}: the rollout does not accept pre-existing response state (response, "
@@ -213,7 +217,9 @@ class Rollout:
     # ------------------------------------------------------------------ actions
 
     def record_outcome(self, dest: str, reason: str | None) -> None:
-        self.reason = reason if reason is not None else (self._abort_reason or "error")
+        if reason is None:
+            reason = "error" if dest == "failed" else (self._abort_reason or "cancelled")
+        self.reason = reason
         self.sample.status = Status(dest)
         self.sample.metadata["rollout_reason"] = self.reason
 

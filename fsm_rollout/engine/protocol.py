@@ -90,8 +90,10 @@ def parse_finish_reason(value: Any) -> Finish:
 
 
 def _require_token_ids(value: Any) -> TokenIds:
-    if not isinstance(value, list) or not all(type(token) is int for token in value):
-        raise MalformedTokensError(f"choices[0].token_ids must be a list of integer token ids, got {_preview(value)}")
+    if not isinstance(value, list) or not all(type(token) is int and token >= 0 for token in value):
+        raise MalformedTokensError(
+            f"choices[0].token_ids must be a list of non-negative integer token ids, got {_preview(value)}"
+        )
     return value
 
 

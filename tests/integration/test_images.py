@@ -328,7 +328,7 @@ async def test_the_render_event_records_image_hashes_only(
     figures = [draw_figure(*figure) for figure in FIGURES]
     _, events = await run_images(image_sample(images=figures), max_turns=1)
     render = next(event for event in events if event["trigger"] == "render")
-    expected = prepare_render_messages(build_initial_messages("", figures)).image_hashes
+    expected = prepare_render_messages(build_initial_messages("compare", figures)).image_hashes
     assert render["image_hashes"] == list(expected) and len(expected) == 2
 
 
