@@ -15,6 +15,7 @@ import asyncio
 import dataclasses
 import enum
 import threading
+import weakref
 from typing import Any
 
 from fsm_rollout.config import RolloutConfig
@@ -24,7 +25,8 @@ from fsm_rollout.sample import PrefixCacheInfo, Sample, SpecInfo, Status
 
 _LOCK = threading.Lock()
 _TOKENIZERS: dict[str, tuple[Any, Any]] = {}
-_CLIENTS: dict[tuple[int, str], VLLMClient] = {}
+_CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, VLLMClient]] = weakref.WeakKeyDictionary()
+"""One client per event loop and engine URL: an aiohttp session belongs to the loop that created it."""
 _SAMPLE_FIELDS = tuple(field.name for field in dataclasses.fields(Sample))
 
 
@@ -51,19 +53,18 @@ def register_tokenizer(path: str, tokenizer: Any, processor: Any = None) -> None
 
 
 def _client_for(config: RolloutConfig) -> VLLMClient:
-    key = (id(asyncio.get_running_loop()), config.engine_url)
-    client = _CLIENTS.get(key)
+    clients = _CLIENTS.setdefault(asyncio.get_running_loop(), {})
+    client = clients.get(config.engine_url)
     if client is None:
         client = VLLMClient.from_config(config)
-        _CLIENTS[key] = client
+        clients[config.engine_url] = client
     return client
 
 
 async def close_clients() -> None:
     """Close the HTTP clients ``generate`` opened in the running event loop."""
-    loop_id = id(asyncio.get_running_loop())
-    for key in [key for key in _CLIENTS if key[0] == loop_id]:
-        await _CLIENTS.pop(key).close()
+    for client in _CLIENTS.pop(asyncio.get_running_loop(), {}).values():
+        await client.close()
 
 
 def _to_library_sample(foreign: Any) -> Sample:
