@@ -186,31 +186,39 @@ class Rollout:
     # ------------------------------------------------------------------ guards (pure)
 
     def budget_exhausted(self) -> bool:
+        """No response budget is left before the first turn (nothing may be generated)."""
         remaining = self.remaining_budget
         return remaining is not None and remaining <= 0
 
     def server_aborted(self) -> bool:
+        """The engine ended the turn with ``abort``/``cancelled``."""
         return self.turn is not None and self.turn.finish == "abort"
 
     def stop_eos_due(self) -> bool:
+        """The turn stopped on a stop string and a masked EOS must follow it."""
         return self.eos_due
 
     def no_budget_for_stop_eos(self) -> bool:
+        """A masked EOS is due but the turn used the last of the budget."""
         remaining = self.remaining_budget
         if not self.eos_due or remaining is None or self.turn is None:
             return False
         return remaining - len(self.turn.token_ids) <= 0
 
     def finished_by_length(self) -> bool:
+        """The turn hit its token limit (the environment is then not stepped)."""
         return self.turn is not None and self.turn.finish == "length"
 
     def env_done_guard(self) -> bool:
+        """The environment said the episode is done."""
         return self.env_done
 
     def turn_limit_reached(self) -> bool:
+        """This was the last turn ``max_turns`` allows."""
         return self.turn_index + 1 >= self.config.max_turns
 
     def observation_exceeds_budget(self) -> bool:
+        """The observation tokens would leave no budget for another turn."""
         remaining = self.remaining_budget
         return remaining is not None and len(self.observation_tokens) >= remaining
 
