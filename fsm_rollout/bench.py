@@ -428,7 +428,8 @@ def _baseline_rollouts(url: str, tokenizer: Any, samples: int) -> dict[str, floa
     """The seed's way, as a plain imperative loop: same HTTP session and tokenizer, stdlib json, and two
     chat-template renders per observation (the dummy conversation with and without the observation)."""
     from fsm_rollout.chat import DUMMY_MESSAGES
-    from fsm_rollout.engine.client import GENERATE_PATH, RENDER_PATH, VLLMClient
+    from fsm_rollout.engine.client import VLLMClient
+    from fsm_rollout.engine.endpoints import GENERATE_PATH, RENDER_PATH
     from fsm_rollout.testing.envs import ScriptedEnv
 
     headers = {"Content-Type": "application/json"}

@@ -11,6 +11,7 @@ import aiohttp
 import orjson
 
 from fsm_rollout.config import RetryPolicy, RolloutConfig
+from fsm_rollout.engine.endpoints import ABORT_PATH, GENERATE_PATH, RENDER_PATH
 from fsm_rollout.engine.protocol import error_message, parse_generate_response, parse_render_response
 from fsm_rollout.errors import (
     EngineConnectionError,
@@ -21,9 +22,6 @@ from fsm_rollout.errors import (
 )
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt
 
-RENDER_PATH = "/v1/chat/completions/render"
-GENERATE_PATH = "/inference/v1/generate"
-ABORT_PATH = "/inference/v1/abort_requests"
 GENERATE_REQUEST_ID_PREFIX = "generate-tokens-"
 
 _JSON_HEADERS = {"Content-Type": "application/json"}

@@ -31,13 +31,28 @@ from typing import Any, Literal, TypeVar
 import orjson
 from aiohttp import web
 
-from fsm_rollout.engine.responses import error_response, json_response
+from fsm_rollout.engine.endpoints import (
+    ABORT_PATH,
+    GENERATE_PATH,
+    HEALTH_PATH,
+    MODELS_PATH,
+    RENDER_PATH,
+    EndpointHandlers,
+    error_response,
+    json_response,
+    serve_endpoints,
+)
 
-RENDER_PATH = "/v1/chat/completions/render"
-GENERATE_PATH = "/inference/v1/generate"
-ABORT_PATH = "/inference/v1/abort_requests"
-HEALTH_PATH = "/health"
-MODELS_PATH = "/v1/models"
+__all__ = [
+    "ABORT_PATH",
+    "GENERATE_PATH",
+    "HEALTH_PATH",
+    "MODELS_PATH",
+    "RENDER_PATH",
+    "FakeVLLMServer",
+    "RecordedRequest",
+    "ScriptedTurn",
+]
 
 SESSION_HEADER = "x-session-id"
 """Header naming the script queue a generate request draws its turn from."""
@@ -209,33 +224,24 @@ class FakeVLLMServer:
         """Bind the port and start answering."""
         if self._runner is not None:
             raise RuntimeError("FakeVLLMServer is already started")
-        app = web.Application(client_max_size=_CLIENT_MAX_SIZE, middlewares=[self._record_and_inject])
-        app.router.add_post(RENDER_PATH, self._handle_render)
-        app.router.add_post(GENERATE_PATH, self._handle_generate)
-        app.router.add_post(ABORT_PATH, self._handle_abort)
-        app.router.add_get(HEALTH_PATH, self._handle_health)
-        app.router.add_get(MODELS_PATH, self._handle_models)
-        # Since aiohttp 3.8.2 a client disconnect no longer cancels the handler; 3.9 added
-        # handler_cancellation to opt back in. That cancellation is how a delayed or hanging generate learns
-        # that its client went away.
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
-        try:
-            await site.start()
-        except BaseException:
-            await runner.cleanup()
-            raise
+        handlers = EndpointHandlers(
+            render=self._handle_render,
+            generate=self._handle_generate,
+            abort=self._handle_abort,
+            health=self._handle_health,
+            models=self._handle_models,
+        )
+        runner, url = await serve_endpoints(
+            handlers,
+            host=self.host,
+            port=self.port,
+            client_max_size=_CLIENT_MAX_SIZE,
+            middlewares=[self._record_and_inject],
+        )
         self._runner = runner
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-vllm-tokenizer")
         self._stopping = False
-        server = site._server  # aiohttp exposes no public accessor for the bound address
-        sockets = getattr(server, "sockets", None) or ()
-        if not sockets:
-            await self.stop()
-            raise RuntimeError("FakeVLLMServer: the site has no listening socket")
-        port = sockets[0].getsockname()[1]
-        self._url = f"http://{self.host}:{port}"
+        self._url = url
 
     async def stop(self) -> None:
         """Answer every waiting generate with "abort", then close the server."""

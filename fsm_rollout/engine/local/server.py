@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, Final
 import orjson
 from aiohttp import web
 
+from fsm_rollout.engine.endpoints import EndpointHandlers, error_response, json_response, serve_endpoints
 from fsm_rollout.engine.local.errors import LocalEngineError
 from fsm_rollout.engine.local.images import IMAGE_MERGE_SIZE, IMAGE_PAD_TOKEN
 from fsm_rollout.engine.local.protocol import (
@@ -40,7 +41,6 @@ from fsm_rollout.engine.local.protocol import (
     parse_render,
 )
 from fsm_rollout.engine.local.scheduler import GenerateJob, GenerationOutcome, Scheduler
-from fsm_rollout.engine.responses import error_response, json_response
 
 if TYPE_CHECKING:
     from fsm_rollout.engine.local.images import ImageSupport
@@ -48,11 +48,6 @@ if TYPE_CHECKING:
 
 __all__ = ["DEFAULT_MAX_REQUEST_BYTES", "LocalEngine"]
 
-RENDER_PATH: Final = "/v1/chat/completions/render"
-GENERATE_PATH: Final = "/inference/v1/generate"
-ABORT_PATH: Final = "/inference/v1/abort_requests"
-HEALTH_PATH: Final = "/health"
-MODELS_PATH: Final = "/v1/models"
 
 DEFAULT_MAX_REQUEST_BYTES: Final = 256 * 1024 * 1024
 """Request bodies above this size are refused with 413. Generate bodies carry the image tensors render returned:
@@ -183,20 +178,23 @@ class LocalEngine:
         images = ImageSupport(loaded.tokenizer)
         scheduler = Scheduler(loaded, max_num_seqs=self._max_num_seqs, torch_threads=self._torch_threads)
         scheduler.start()
-        app = web.Application(client_max_size=self._max_request_bytes, middlewares=[self._errors_as_vllm])
-        app.router.add_post(RENDER_PATH, self._handle_render)
-        app.router.add_post(GENERATE_PATH, self._handle_generate)
-        app.router.add_post(ABORT_PATH, self._handle_abort)
-        app.router.add_get(HEALTH_PATH, self._handle_health)
-        app.router.add_get(MODELS_PATH, self._handle_models)
-        # handler_cancellation: a client that disconnects cancels its handler, which stops its generation.
-        runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=2.0)
-        await runner.setup()
-        site = web.TCPSite(runner, self.host, self.port)
+        handlers = EndpointHandlers(
+            render=self._handle_render,
+            generate=self._handle_generate,
+            abort=self._handle_abort,
+            health=self._handle_health,
+            models=self._handle_models,
+        )
         try:
-            await site.start()
+            runner, url = await serve_endpoints(
+                handlers,
+                host=self.host,
+                port=self.port,
+                client_max_size=self._max_request_bytes,
+                middlewares=[self._errors_as_vllm],
+                shutdown_timeout=2.0,
+            )
         except BaseException:
-            await runner.cleanup()
             await asyncio.to_thread(scheduler.stop)
             raise
         self._loaded = loaded
@@ -204,14 +202,7 @@ class LocalEngine:
         self._scheduler = scheduler
         self._runner = runner
         self._model_name = served_name
-        server = site._server  # aiohttp has no public accessor for the bound address
-        sockets = getattr(server, "sockets", None) or ()
-        if not sockets:
-            await self.stop()
-            raise LocalEngineError("the embedded engine's site has no listening socket")
-        port = sockets[0].getsockname()[1]
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        self._url = f"http://{host}:{port}"
+        self._url = url
 
     async def stop(self) -> None:
         """Answer every queued and running generation with "abort", close the server and end the worker."""
