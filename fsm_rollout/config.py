@@ -53,7 +53,10 @@ class RolloutConfig:
     sent with every render request (the seed's ``hf_checkpoint``). ``tokenizer_path`` is where the local tokenizer
     is loaded from (defaults to ``model``). ``rollout_max_context_len`` and the sampling ``max_new_tokens`` bound
     the response side together; ``max_turns`` bounds the number of generate turns. ``record`` keeps an I/O tape
-    beside the ``trace`` file for offline replay (:mod:`fsm_rollout.tape`).
+    beside the ``trace`` file for offline replay (:mod:`fsm_rollout.tape`). ``loop_slice_ms`` is the event-loop
+    time per iteration that rollouts' CPU work aims to stay within when many share a loop (:mod:`fsm_rollout.pacing`;
+    ``None`` turns pacing off). ``defer_full_gc`` defers Python's full garbage collections while rollouts run
+    (:mod:`fsm_rollout.gc_policy`).
     """
 
     engine_url: str
@@ -79,6 +82,8 @@ class RolloutConfig:
     check_invariants: bool = False
     image_placeholder_token: str = "<|image_pad|>"
     image_merge_size: int | None = None
+    loop_slice_ms: float | None = 10.0
+    defer_full_gc: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_turns) or self.max_turns <= 0:
@@ -120,6 +125,12 @@ class RolloutConfig:
             raise ConfigError(
                 f"image_placeholder_token must be a non-empty string, got {self.image_placeholder_token!r}"
             )
+        if self.loop_slice_ms is not None and (
+            not isinstance(self.loop_slice_ms, int | float) or isinstance(self.loop_slice_ms, bool)
+            or not math.isfinite(self.loop_slice_ms) or self.loop_slice_ms <= 0
+        ):
+            raise ConfigError(f"loop_slice_ms must be a positive number of milliseconds or None, "
+                              f"got {self.loop_slice_ms!r}")
         if self.image_merge_size is not None and (not _is_int(self.image_merge_size) or self.image_merge_size < 1):
             raise ConfigError(f"image_merge_size must be a positive integer or None, got {self.image_merge_size!r}")
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
-from fsm_rollout import lifecycle
+from fsm_rollout import gc_policy, lifecycle
 from fsm_rollout.chat import ObservationEncoder, stop_string_eos_due, validate_text_observation
 from fsm_rollout.config import (
     DEFAULT_ENV_MODULE,
@@ -40,6 +40,7 @@ from fsm_rollout.multimodal import (
     prepare_render_messages,
     validate_image_tokens,
 )
+from fsm_rollout.pacing import LoopPacer, pacer_for
 from fsm_rollout.sample import Sample, Status
 from fsm_rollout.tape import SampleRecorder, TapeWriter, tape_writer_for
 from fsm_rollout.trace import NULL_TRACER, Tracer, get_tracer
@@ -158,6 +159,7 @@ class Rollout:
         self._entered_at = time.perf_counter()
         self._running = False
         self._done = asyncio.Event()
+        self._pacer: LoopPacer | None = None
 
         self._recorder: SampleRecorder | None = None
         if tape is None and config.record:
@@ -453,6 +455,7 @@ class Rollout:
             raise _AbortRequested from None
         finally:
             self._inflight = None
+        await self._paced()
         if self._abort_reason is not None:
             raise _AbortRequested
         return result
@@ -514,7 +517,16 @@ class Rollout:
         except (Exception, asyncio.CancelledError) as error:  # the rollout is ending either way
             self.sample.metadata["abort_notice_error"] = f"{type(error).__name__}: {error}"
 
+    async def _paced(self) -> None:
+        """Wait for this loop iteration's share of CPU work, when pacing is on (:mod:`fsm_rollout.pacing`)."""
+        if self._pacer is not None:
+            waiter = self._pacer.admit()
+            if waiter is not None:
+                await waiter
+
     async def _run_activity(self) -> None:
+        if self.state == lifecycle.INITIAL:  # starting: the first piece of work waits its turn like the others
+            await self._paced()
         for name in lifecycle.STATE_BY_NAME[self.state].activity:
             result = _ACTIVITIES[name](self)
             if result is not None:
@@ -565,9 +577,16 @@ class Rollout:
             return self.sample
         self._running = True
         context = bind_contextvars(sample_id=self.sample_id, session_id=self.sample.session_id)
+        deferring_gc = self.config.defer_full_gc
+        if deferring_gc:
+            gc_policy.rollout_started()
         try:
+            if self.config.loop_slice_ms is not None:
+                self._pacer = pacer_for(asyncio.get_running_loop(), self.config.loop_slice_ms)
             await self._drive()
         finally:
+            if deferring_gc:
+                gc_policy.rollout_ended()
             reset_contextvars(**context)
             self._running = False
             self._done.set()

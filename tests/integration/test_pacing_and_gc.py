@@ -1,0 +1,99 @@
+"""Rollouts sharing a loop through the pacer, and deferring full GC while they run (real HTTP, real tokenizer)."""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from fsm_rollout import Rollout, RolloutConfig, Sample, Status, VLLMClient
+from fsm_rollout.errors import ConfigError
+from fsm_rollout.pacing import pacer_for
+from fsm_rollout.testing.envs import ScriptedEnvFactory
+from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
+
+SAMPLING = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0}
+
+
+async def _batch(server: FakeVLLMServer, client: VLLMClient, tokenizer: Any, config: RolloutConfig,
+                 n: int) -> list[Rollout]:
+    for i in range(n):  # each sample its own answers (by session), whatever order the requests arrive in
+        server.script([ScriptedTurn(text=f"answer {i % 3}.{turn}", delay=0.001 * (i % 5)) for turn in range(2)],
+                      session=f"s{i}")
+    rollouts = [
+        Rollout(Sample(prompt=f"question {i}", index=i, session_id=f"s{i}"), config=config,
+                sampling_params=SAMPLING, client=client, tokenizer=tokenizer,
+                env_factory=ScriptedEnvFactory(steps=[("keep going", False), ("ok", True)]))
+        for i in range(n)
+    ]
+    await asyncio.gather(*(rollout.run() for rollout in rollouts))
+    return rollouts
+
+
+async def test_paced_rollouts_end_exactly_as_unpaced_ones(
+    fake_vllm: FakeVLLMServer, client: VLLMClient, tokenizer: Any, make_config: Callable[..., RolloutConfig]
+) -> None:
+    pacer = pacer_for(asyncio.get_running_loop())
+    waited = pacer.waited
+    paced = await _batch(fake_vllm, client, tokenizer, make_config(router_policy="consistent_hash"), 60)
+    assert pacer.waited > waited  # 60 rollouts starting together did not all run in one iteration
+    unpaced = await _batch(fake_vllm, client, tokenizer,
+                           make_config(router_policy="consistent_hash", loop_slice_ms=None), 60)
+    for one, other in zip(paced, unpaced, strict=True):
+        assert one.state == other.state == "completed"
+        assert one.sample.to_dict() == other.sample.to_dict()
+
+
+async def test_a_rollout_cancelled_while_waiting_its_turn_sends_nothing(
+    fake_vllm: FakeVLLMServer, client: VLLMClient, tokenizer: Any, make_config: Callable[..., RolloutConfig]
+) -> None:
+    config = make_config()
+    fake_vllm.script([ScriptedTurn(text="x")] * 200)
+    rollouts = [
+        Rollout(Sample(prompt=f"q {i}", index=i), config=config, sampling_params=SAMPLING, client=client,
+                tokenizer=tokenizer, env_factory=ScriptedEnvFactory(steps=[("ok", True)]))
+        for i in range(50)
+    ]
+    tasks = [asyncio.create_task(rollout.run()) for rollout in rollouts]
+    await asyncio.sleep(0)  # every task ran its first step: the last ones wait for the pacer
+    last = rollouts[-1]
+    assert last.state == "pending" and last.env is None
+    tasks[-1].cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    assert isinstance(results[-1], asyncio.CancelledError)
+    assert last.state == "aborted" and last.reason == "cancelled"
+    assert last.sample.status == Status.ABORTED
+    assert all(rollout.state == "completed" for rollout in rollouts[:-1])
+    assert len(fake_vllm.requests_to(RENDER_PATH)) == 49
+    assert len(fake_vllm.requests_to(GENERATE_PATH)) == 49
+
+
+async def test_full_collections_are_deferred_while_rollouts_run(
+    fake_vllm: FakeVLLMServer, client: VLLMClient, tokenizer: Any, make_config: Callable[..., RolloutConfig]
+) -> None:
+    before = gc.get_threshold()
+
+    async def thresholds_seen(**config: Any) -> list[tuple[int, int, int]]:
+        seen: list[tuple[int, int, int]] = []
+        fake_vllm.script([ScriptedTurn(text="x")])
+        rollout = Rollout(Sample(prompt="q", index=0), config=make_config(**config), sampling_params=SAMPLING,
+                          client=client, tokenizer=tokenizer, env_factory=ScriptedEnvFactory(steps=[("ok", True)]),
+                          observer=lambda *_: seen.append(gc.get_threshold()))
+        await rollout.run()
+        assert rollout.sample.status == Status.COMPLETED
+        return seen
+
+    deferred = await thresholds_seen()
+    assert deferred and {thresholds[2] for thresholds in deferred} == {before[2] * 100}
+    assert gc.get_threshold() == before
+    assert await thresholds_seen(defer_full_gc=False) == [before] * len(deferred)
+    assert gc.get_threshold() == before
+
+
+@pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), True, "10"])
+def test_loop_slice_must_be_a_positive_number(value: Any) -> None:
+    with pytest.raises(ConfigError, match="loop_slice_ms"):
+        RolloutConfig(engine_url="http://127.0.0.1:1", model="m", max_turns=1, loop_slice_ms=value)
