@@ -7,15 +7,14 @@ walks every tracked object in the process (800,000 at 10,000 samples in flight):
 event loop, and over a third of the client's CPU (``fsm-rollout bench``, workload ``scale``).
 
 The rollout path itself makes next to no cyclic garbage (about 3 objects per sample, from closed connections), so
-nothing needs those passes while rollouts run. :func:`rollouts_in_flight` therefore, while at least one rollout
-of the process is running:
+nothing needs those passes while rollouts run. While at least one rollout of the process is running, the oldest
+generation's threshold is raised 100-fold, so a full pass needs 100 times as many young collections (none in a
+10,000-sample batch); young collections go on as usual. The previous thresholds come back when the last running
+rollout ends, and full collections resume on Python's normal schedule. Rollouts opt out with
+``RolloutConfig(defer_full_gc=False)``.
 
-* freezes the objects that existed before (``gc.freeze()``: imports, tokenizer, the batch's samples), so no
-  collection walks them (unless the process has frozen objects itself; then its freeze is left alone), and
-* raises the oldest generation's threshold 100-fold, so a full pass needs 100 times as many young collections.
-
-Both are undone when the last running rollout ends (``gc.unfreeze()`` and the previous thresholds), and full
-collections resume on Python's normal schedule. Rollouts opt out with ``RolloutConfig(defer_full_gc=False)``.
+``gc.freeze()`` is not used: telling whether the process froze objects itself (so as not to unfreeze them) costs
+a walk of every frozen object, and with full passes deferred a freeze saves nothing more.
 """
 
 from __future__ import annotations
@@ -30,34 +29,27 @@ FULL_GC_THRESHOLD_FACTOR = 100
 _lock = threading.Lock()
 _running = 0
 _saved_thresholds: tuple[int, int, int] | None = None
-_froze = False
 
 
 def rollout_started() -> None:
     """Note a rollout starting; the first one in flight starts deferring full collections."""
-    global _running, _saved_thresholds, _froze
+    global _running, _saved_thresholds
     with _lock:
         _running += 1
         if _running == 1:
             young, middle, old = gc.get_threshold()
             _saved_thresholds = (young, middle, old)
-            _froze = gc.get_freeze_count() == 0  # a process that froze objects itself keeps its own freeze
-            if _froze:
-                gc.freeze()
             gc.set_threshold(young, middle, old * FULL_GC_THRESHOLD_FACTOR)
 
 
 def rollout_ended() -> None:
     """Note a rollout ending; the last one in flight restores the collector."""
-    global _running, _saved_thresholds, _froze
+    global _running, _saved_thresholds
     with _lock:
         _running -= 1
         if _running == 0 and _saved_thresholds is not None:
             gc.set_threshold(*_saved_thresholds)
             _saved_thresholds = None
-            if _froze:
-                gc.unfreeze()
-                _froze = False
 
 
 @contextmanager

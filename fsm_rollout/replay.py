@@ -31,7 +31,7 @@ from typing import Any
 
 import orjson
 
-from fsm_rollout import lifecycle
+from fsm_rollout import gc_policy, lifecycle
 from fsm_rollout.chat import ObservationEncoder
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
@@ -1230,7 +1230,7 @@ async def replay_async(
         assert tape_file is not None
         report.executed = True
         started, started_cpu = time.perf_counter(), time.process_time()
-        with _tape_out_of_gc():
+        with _tape_out_of_gc(), gc_policy.rollouts_in_flight():  # one span: no full passes between samples
             await _run_all(report, to_run, tape_file, tokenizer, from_trace=trace_file is not None)
         report.seconds = time.perf_counter() - started
         report.cpu_seconds = time.process_time() - started_cpu

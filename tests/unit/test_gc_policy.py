@@ -1,4 +1,4 @@
-"""gc_policy: full collections deferred while rollouts run, restored after the last one, freezes respected."""
+"""gc_policy: full collections deferred while rollouts run, restored after the last one, freezes untouched."""
 
 from __future__ import annotations
 
@@ -26,10 +26,8 @@ def test_deferred_while_in_flight_and_restored_after() -> None:
     with gc_policy.rollouts_in_flight():
         assert gc_policy.deferring()
         assert gc.get_threshold() == (700, 10, 10 * gc_policy.FULL_GC_THRESHOLD_FACTOR)
-        assert gc.get_freeze_count() > 0
     assert not gc_policy.deferring()
     assert gc.get_threshold() == (700, 10, 10)
-    assert gc.get_freeze_count() == 0
 
 
 def test_nested_rollouts_restore_only_when_the_last_one_ends() -> None:
@@ -47,14 +45,13 @@ def test_restored_when_the_block_raises() -> None:
     with pytest.raises(RuntimeError), gc_policy.rollouts_in_flight():
         raise RuntimeError("boom")
     assert gc.get_threshold() == (700, 10, 10)
-    assert gc.get_freeze_count() == 0
 
 
 def test_a_process_freeze_is_left_alone() -> None:
     gc.freeze()
     frozen = gc.get_freeze_count()
     with gc_policy.rollouts_in_flight():
-        pass
+        assert gc.get_freeze_count() == frozen
     assert gc.get_freeze_count() == frozen  # not unfrozen by the policy
 
 
