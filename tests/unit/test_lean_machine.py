@@ -52,7 +52,7 @@ def _walk(machines: tuple[Machine, Machine], seed: int, steps: int = 12) -> None
     for _ in range(steps):
         trigger = rng.choice(lifecycle.TRIGGERS)
         answers = {name: rng.random() < 0.3 for name in lifecycle.guard_names()}
-        fail_in = rng.choice([None] * 8 + sorted(lifecycle.action_names()))
+        fail_in = rng.choice([None] * 8 + sorted(lifecycle.action_names()) + ["finalize_event", "on_exception"])
         outcomes = []
         for machine, model in zip(machines, models, strict=True):
             model.answers, model.fail_in = answers, fail_in
@@ -70,12 +70,15 @@ def test_the_lifecycle_machine_walks_like_the_plain_one(seed: int) -> None:
     _walk(_lifecycle_pair(), seed)
 
 
-def _general_pair() -> tuple[Machine, Machine]:
-    """Both machines with every kind of callback the lean classes special-case, non-empty."""
+def _general_pair(on_exception: bool) -> tuple[Machine, Machine]:
+    """Both machines with every kind of callback the lean classes special-case, non-empty; with
+    ``on_exception``, errors go to a callback instead of being raised."""
 
     def machine(cls: type[Machine]) -> Machine:
-        hooks = {name: [_action(name)] for name in (
-            "before_state_change", "after_state_change", "prepare_event", "finalize_event", "on_final")}
+        names = ["before_state_change", "after_state_change", "prepare_event", "finalize_event", "on_final"]
+        if on_exception:
+            names.append("on_exception")
+        hooks: dict[str, Any] = {name: [_action(name)] for name in names}
         states = [
             {"name": state.name, "on_enter": [_action(f"enter_{state.name}")],
              "on_exit": [_action(f"exit_{state.name}")], "final": state.terminal}
@@ -94,9 +97,10 @@ def _general_pair() -> tuple[Machine, Machine]:
     return machine(Machine), machine(lifecycle.LifecycleMachine)
 
 
+@pytest.mark.parametrize("on_exception", [False, True])
 @pytest.mark.parametrize("seed", range(100))
-def test_every_callback_kind_runs_in_the_same_order(seed: int) -> None:
-    _walk(_general_pair(), seed)
+def test_every_callback_kind_runs_in_the_same_order(seed: int, on_exception: bool) -> None:
+    _walk(_general_pair(on_exception), seed)
 
 
 def test_the_lifecycle_is_built_on_the_lean_classes() -> None:
