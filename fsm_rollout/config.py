@@ -82,7 +82,7 @@ class RolloutConfig:
     check_invariants: bool = False
     image_placeholder_token: str = "<|image_pad|>"
     image_merge_size: int | None = None
-    loop_slice_ms: float | None = 10.0
+    loop_slice_ms: float | None = 5.0
     defer_full_gc: bool = True
 
     def __post_init__(self) -> None:

@@ -21,7 +21,7 @@ import time
 import weakref
 from collections import deque
 
-DEFAULT_SLICE_MS = 10.0
+DEFAULT_SLICE_MS = 5.0
 """Target duration of one loop iteration's admitted work (milliseconds)."""
 
 
