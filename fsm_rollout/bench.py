@@ -627,13 +627,13 @@ def run_all(quick: bool) -> dict[str, dict[str, Any]]:
     small, big = (200, 1_000) if quick else (1_000, 10_000)
     repeats = 1 if quick else 5
     replay_samples = 100 if quick else 1_000
-    server = _Server(_LATENCY_S)  # starts while the in-process workloads run
+    server = _Server(_LATENCY_S)
     try:
+        url = server.url()  # started and idle before anything is timed: its start-up would compete for the CPU
         results: dict[str, dict[str, Any]] = {
             "machine": bench_machine(samples=400 if quick else 2_000, repeats=2 if quick else 5),
             "turn": bench_turn(samples=40 if quick else 300),
         }
-        url = server.url()
         tokenizer = load_qwen_tokenizer()
         _run_rollouts(url, tokenizer, 20)  # warm up imports, the connection pool and the encoder's caches
         server_cpu = server.cpu_s()
