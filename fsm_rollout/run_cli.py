@@ -61,6 +61,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--max-new-tokens", type=int, default=128, help="response budget over all turns")
     rollout.add_argument("--max-context-len", type=int, help="context limit (prompt + response)")
     rollout.add_argument("--concurrency", type=int, default=16)
+    rollout.add_argument("--loop-slice-ms", type=float, default=5.0,
+                         help="event-loop time per iteration that rollouts' CPU work aims to stay within; "
+                              "0 turns pacing off (default: %(default)s)")
+    rollout.add_argument("--no-defer-full-gc", action="store_true",
+                         help="let Python's full garbage collections run while rollouts are in flight")
     rollout.add_argument("--temperature", type=float, default=1.0)
     rollout.add_argument("--top-p", type=float, default=1.0)
     rollout.add_argument("--stop", action="append", default=[], metavar="S", help="stop string (repeatable)")
@@ -201,6 +206,8 @@ async def _run(args: argparse.Namespace) -> int:
             env_path=args.env or DEMO_ENV,
             trace=args.trace,
             record=args.record,
+            loop_slice_ms=args.loop_slice_ms or None,
+            defer_full_gc=not args.no_defer_full_gc,
         )
         if args.seed is not None:
             sampling["seed"] = args.seed

@@ -101,6 +101,19 @@ async def test_skip_bad_runs_the_good_lines_and_counts_the_bad(fake_vllm: FakeVL
     assert len(results(tmp_path)) == 1
 
 
+async def test_pacing_and_gc_flags_run_and_a_bad_slice_exits_2(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
+    fake_vllm.script([ScriptedTurn(text="one"), ScriptedTurn(text="two")])
+    data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q0"), done_after_one_turn("q1"))
+    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--loop-slice-ms", "0",
+                                    "--no-defer-full-gc")
+    assert code == 0, stderr
+    assert {row["status"] for row in results(tmp_path)} == {"completed"}
+    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--loop-slice-ms", "-1")
+    assert code == 2
+    assert "loop_slice_ms must be a positive number" in stderr
+    assert len(fake_vllm.requests_to(GENERATE_PATH)) == 2  # the bad run sent nothing
+
+
 async def test_a_failed_sample_exits_1(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
     fake_vllm.script([ScriptedTurn(status=400)])
     data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q"))
