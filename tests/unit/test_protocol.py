@@ -109,6 +109,33 @@ def test_logprob_entry_for_another_token_is_an_error() -> None:
         )
 
 
+@pytest.mark.parametrize(
+    ("entry", "problem"),
+    [
+        ({"token_id": 9, "logprob": -0.5}, "is for token 9"),  # the common shape, wrong token
+        ({"token_id": 5, "logprob": True}, "must be numeric"),
+        ({"token_id": 5, "logprob": "-0.5"}, "must be numeric"),
+        ({"token_id": 5}, "must be numeric"),
+        ([5, -0.5], "must be numeric"),
+    ],
+)
+def test_every_logprob_entry_is_checked(entry: object, problem: str) -> None:
+    content = [{"token_id": 4, "logprob": -0.1}, entry]
+    with pytest.raises((GenerationError, MalformedTokensError), match=problem):
+        parse_generate_response(answer(token_ids=[4, 5], logprobs={"content": content}), "r")
+
+
+@pytest.mark.parametrize("token_ids", [[1, -2], [1, 2.0], [1, True], "12", None])
+def test_token_ids_must_be_a_list_of_non_negative_ints(token_ids: object) -> None:
+    with pytest.raises(MalformedTokensError, match="non-negative integer"):
+        parse_generate_response(answer(token_ids=token_ids, logprobs={"content": []}), "r")
+
+
+def test_an_empty_turn_is_valid() -> None:
+    turn = parse_generate_response(answer(token_ids=[], logprobs={"content": []}), "r")
+    assert (turn.token_ids, turn.logprobs) == ([], [])
+
+
 def test_boolean_token_ids_are_rejected() -> None:
     with pytest.raises(MalformedTokensError):
         parse_generate_response(answer(token_ids=[True], logprobs={"content": [{"logprob": 0}]}), "r")
