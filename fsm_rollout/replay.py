@@ -929,7 +929,7 @@ class _ComparingTracer(Tracer):
     def enabled(self) -> bool:
         return True
 
-    def transition(self, **fields: Any) -> None:
+    def emit(self, fields: dict[str, Any]) -> None:
         self._player.on_transition(fields)
 
 

@@ -498,7 +498,7 @@ class Rollout:
             fields["failed_trigger"] = self._failed_trigger
             fields["error_type"] = type(self.error).__name__
             fields["error"] = str(self.error)[:500]
-        self.tracer.transition(**fields)
+        self.tracer.emit(fields)
 
     def _fail(self, error: BaseException, trigger: str | None) -> None:
         self.error = error

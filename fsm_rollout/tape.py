@@ -711,8 +711,8 @@ class RecordingTracer(Tracer):
     def enabled(self) -> bool:
         return True
 
-    def transition(self, **fields: Any) -> None:
-        self._inner.transition(**fields)
+    def emit(self, fields: dict[str, Any]) -> None:
+        self._inner.emit(dict(fields))  # the inner tracer's sink adds to the dict it is given
         self._recorder.transition(fields)
 
     def flush(self) -> None:

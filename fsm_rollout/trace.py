@@ -54,14 +54,23 @@ def _stamp_and_render(_logger: Any, _method: str, event_dict: MutableMapping[str
 
 class _TransitionLogger(structlog.BoundLoggerBase):
     """structlog wrapper class with the one method the tracer needs: run the processor chain on a transition's
-    fields (passed as the dict it already is, not as keywords) and hand the line to the logger."""
+    fields and hand the rendered line to the logger.
+
+    It does what ``BoundLoggerBase._process_event`` does (bound context, then the fields, then ``event``; each
+    processor in turn; :class:`structlog.DropEvent` drops the line) on the fields dict itself, which the caller
+    builds fresh for each transition, instead of copying it twice through keyword arguments.
+    """
 
     def transition(self, fields: dict[str, Any]) -> None:
+        event_dict: Any = {**self._context, **fields} if self._context else fields
+        event_dict["event"] = TRANSITION_EVENT
+        logger = self._logger
         try:
-            args, kwargs = self._process_event("info", TRANSITION_EVENT, fields)
+            for processor in self._processors:
+                event_dict = processor(logger, "info", event_dict)
         except structlog.DropEvent:
             return
-        self._logger.msg(*args, **kwargs)
+        logger.msg(event_dict)
 
 
 class _LineWriter:
@@ -97,12 +106,17 @@ class Tracer:
 
     def transition(self, **fields: Any) -> None:
         """Emit one transition event (see the module docstring for the fields)."""
-        if self._log is not None:
-            self._log.transition(fields)
-        if _CAPTURES:
+        self.emit(fields)
+
+    def emit(self, fields: dict[str, Any]) -> None:
+        """Emit one transition event from a dict the tracer may keep and change (the rollout builds one per
+        transition). Tracers that forward or inspect events override this method."""
+        if _CAPTURES:  # before the sink's processors add to ``fields``
             event = {"event": TRANSITION_EVENT, **get_contextvars(), **fields}
             for captured in _CAPTURES:
                 captured.append(dict(event))
+        if self._log is not None:
+            self._log.transition(fields)
 
     def flush(self) -> None:
         """Push buffered lines to the sink (called when a sample reaches a terminal state)."""

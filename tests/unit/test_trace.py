@@ -50,3 +50,28 @@ def test_stream_tracer_writes_bytes(tmp_path: Path) -> None:
     with path.open("wb") as stream:
         Tracer(stream).transition(trigger="render", src="pending", dst="rendered", dwell_ms=1.5)
     assert orjson.loads(path.read_bytes())["dwell_ms"] == 1.5
+
+
+def test_a_capture_and_a_file_sink_each_get_the_event_as_emitted(tmp_path: Path) -> None:
+    path = tmp_path / "both.jsonl"
+    tracer = get_tracer(path)
+    fields = {"trigger": "render", "src": "pending", "dst": "rendered", "turn": 0}
+    with capture_transitions() as events, bound_contextvars(sample_id="s9", session_id=None, step=4):
+        tracer.emit(dict(fields))
+    tracer.close()
+    (line,) = [orjson.loads(raw) for raw in path.read_bytes().splitlines()]
+    assert line == {**fields, "event": "transition", "sample_id": "s9", "session_id": None, "step": 4,
+                    "schema": TRACE_SCHEMA_VERSION, "ts": line["ts"]}
+    assert events == [{**fields, "event": "transition", "sample_id": "s9", "session_id": None, "step": 4}]
+
+
+def test_a_closed_file_tracer_is_reopened_by_the_next_lookup(tmp_path: Path) -> None:
+    path = tmp_path / "again.jsonl"
+    first = get_tracer(path)
+    first.transition(trigger="render", src="pending", dst="rendered")
+    first.close()
+    second = get_tracer(path)
+    assert second is not first
+    second.transition(trigger="generate", src="rendered", dst="generating")
+    second.close()
+    assert [orjson.loads(raw)["trigger"] for raw in path.read_bytes().splitlines()] == ["render", "generate"]
