@@ -160,6 +160,7 @@ class Rollout:
         self._running = False
         self._done = asyncio.Event()
         self._pacer: LoopPacer | None = None
+        self._start_waiter: asyncio.Future[None] | None = None
 
         self._recorder: SampleRecorder | None = None
         if tape is None and config.record:
@@ -444,18 +445,21 @@ class Rollout:
         task: asyncio.Future[T] = asyncio.ensure_future(call)
         self._inflight = task
         try:
-            result = await task
-        except asyncio.CancelledError:
-            self._cancelled_request_id = request_id
-            current = asyncio.current_task()
-            if current is not None and current.cancelling():
-                raise
-            if self._abort_reason is None:
-                raise
-            raise _AbortRequested from None
+            try:
+                result = await task
+            except asyncio.CancelledError:
+                self._cancelled_request_id = request_id
+                current = asyncio.current_task()
+                if current is not None and current.cancelling():
+                    raise
+                if self._abort_reason is None:
+                    raise
+                raise _AbortRequested from None
+            # The answer is in; wait for this loop iteration's share of CPU work. The request still counts as in
+            # flight, so an abort asked for meanwhile is one "just after its answer" (and replays as such).
+            await self._paced()
         finally:
             self._inflight = None
-        await self._paced()
         if self._abort_reason is not None:
             raise _AbortRequested
         return result
@@ -525,8 +529,6 @@ class Rollout:
                 await waiter
 
     async def _run_activity(self) -> None:
-        if self.state == lifecycle.INITIAL:  # starting: the first piece of work waits its turn like the others
-            await self._paced()
         for name in lifecycle.STATE_BY_NAME[self.state].activity:
             result = _ACTIVITIES[name](self)
             if result is not None:
@@ -571,18 +573,32 @@ class Rollout:
         ``asyncio.CancelledError`` when the calling task was cancelled (after the sample reached ``aborted`` with
         reason ``cancelled``).
         """
-        if self._running:
+        if self._running or self._start_waiter is not None:
             raise RolloutError(f"sample {self.sample_id}: the rollout is already running")
         if self.terminal:
             return self.sample
+        if self.config.loop_slice_ms is not None:
+            self._pacer = pacer_for(asyncio.get_running_loop(), self.config.loop_slice_ms)
+            # Starting waits its turn like every other piece of work. A rollout waiting here has not started:
+            # an abort ends it at once (nothing built, nothing sent), as before any start.
+            waiter = self._pacer.admit()
+            if waiter is not None:
+                self._start_waiter = waiter
+                try:
+                    await waiter
+                except asyncio.CancelledError:
+                    self.request_abort("cancelled")
+                    raise
+                finally:
+                    self._start_waiter = None
+            if self.terminal:
+                return self.sample
         self._running = True
         context = bind_contextvars(sample_id=self.sample_id, session_id=self.sample.session_id)
         deferring_gc = self.config.defer_full_gc
         if deferring_gc:
             gc_policy.rollout_started()
         try:
-            if self.config.loop_slice_ms is not None:
-                self._pacer = pacer_for(asyncio.get_running_loop(), self.config.loop_slice_ms)
             await self._drive()
         finally:
             if deferring_gc:
@@ -615,6 +631,8 @@ class Rollout:
                 reset_contextvars(**context)
             self._done.set()
             self.tracer.flush()
+            if self._start_waiter is not None and not self._start_waiter.done():
+                self._start_waiter.set_result(None)  # waiting for the pacer to start: return now, it has ended
 
     async def abort(self, reason: str = "cancelled") -> None:
         """End the rollout ``aborted`` with ``reason`` and wait until it has (no request is sent after this)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,8 +13,11 @@ import pytest
 from fsm_rollout import Rollout, RolloutConfig, Sample, Status, VLLMClient
 from fsm_rollout.errors import ConfigError
 from fsm_rollout.pacing import pacer_for
+from fsm_rollout.replay import replay
+from fsm_rollout.tape import TapeWriter, tape_path_for
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
+from fsm_rollout.trace import Tracer
 
 SAMPLING = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0}
 
@@ -97,3 +101,52 @@ async def test_full_collections_are_deferred_while_rollouts_run(
 def test_loop_slice_must_be_a_positive_number(value: Any) -> None:
     with pytest.raises(ConfigError, match="loop_slice_ms"):
         RolloutConfig(engine_url="http://127.0.0.1:1", model="m", max_turns=1, loop_slice_ms=value)
+
+
+async def test_aborts_that_land_while_rollouts_wait_for_the_pacer_replay_identically(
+    tmp_path: Path, fake_vllm: FakeVLLMServer, client: VLLMClient, tokenizer: Any,
+    make_config: Callable[..., RolloutConfig],
+) -> None:
+    """Two new places an abort can land: waiting to start (ends at once, nothing built or sent) and waiting for
+    the pacer after an answer (the turn counts as just answered). Both record and replay identically."""
+    trace = tmp_path / "run.jsonl"
+    tracer = Tracer(trace.open("ab"), owns_stream=True)
+    writer = TapeWriter(tape_path_for(trace))
+    config = make_config(router_policy="consistent_hash")
+    envs = [ScriptedEnvFactory(steps=[("again", False), ("ok", True)]) for _ in range(40)]
+    rollouts = []
+    for i in range(40):
+        fake_vllm.script([ScriptedTurn(text=f"turn {turn}") for turn in range(2)], session=f"s{i}")
+        rollouts.append(Rollout(Sample(prompt=f"q{i}", index=i, session_id=f"s{i}"), config=config,
+                                sampling_params=SAMPLING, client=client, tokenizer=tokenizer, env_factory=envs[i],
+                                tracer=tracer, tape=writer))
+    tasks = [asyncio.ensure_future(rollout.run()) for rollout in rollouts]
+    await asyncio.sleep(0)
+    waiting = rollouts[-1]
+    assert waiting._start_waiter is not None  # the last ones wait for the pacer to start
+    waiting.request_abort("shutdown")
+    caught: list[Rollout] = []
+
+    def abort_one_that_just_got_its_answer() -> None:
+        for rollout in rollouts:
+            inflight = rollout._inflight
+            if rollout.state == "generating" and inflight is not None and inflight.done():
+                rollout.request_abort("weight_update")
+                caught.append(rollout)
+                return
+        if not all(task.done() for task in tasks):
+            asyncio.get_running_loop().call_soon(abort_one_that_just_got_its_answer)
+
+    asyncio.get_running_loop().call_soon(abort_one_that_just_got_its_answer)
+    await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
+    writer.close()
+    tracer.close()
+
+    assert (waiting.state, waiting.reason, waiting.env) == ("aborted", "shutdown", None)
+    assert envs[-1].built == []
+    assert not [r for r in fake_vllm.requests if r.headers.get("x-session-id") == "s39"]
+    (answered,) = caught
+    assert (answered.state, answered.reason) == ("aborted", "weight_update")
+    report = await asyncio.to_thread(replay, trace, tokenizer=tokenizer)
+    assert report.exit_code == 0, report.render(verbose=True)
+    assert report.counts() == {"identical": 40}
