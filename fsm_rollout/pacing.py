@@ -7,11 +7,11 @@ request leaves. It also sends 10,000 requests at once, which overflows a server'
 the SYNs, and TCP retries them a second or more later).
 
 A :class:`LoopPacer` (one per event loop) admits rollouts to their next piece of CPU work a few at a time: a
-rollout calls ``await pacer.admit(...)`` before each piece of work that follows I/O. When the iteration's allowance
-is used up, the rollout waits its turn (first come, first served) and is admitted in a later iteration. The
-allowance adapts: each iteration's duration is measured, and the number of admissions per iteration shrinks when
-iterations run longer than the target slice and grows while they stay under it. Throughput is unchanged (the work
-is the same, only spread out); what changes is that the loop stays responsive and requests leave steadily.
+rollout asks for admission before it starts and after each engine answer. When the iteration's allowance is used
+up, the rollout waits its turn (first come, first served) and is admitted in a later iteration. The allowance
+adapts: the admitted work of each iteration is timed, and the number of admissions per iteration shrinks when that
+work runs longer than the target slice and grows while it stays under it. The work is the same, only spread out;
+what changes is that the loop stays responsive and requests leave steadily.
 """
 
 from __future__ import annotations
@@ -22,26 +22,59 @@ import weakref
 from collections import deque
 
 DEFAULT_SLICE_MS = 5.0
-"""Target duration of one loop iteration's admitted work (milliseconds)."""
+"""Target duration of one loop iteration (milliseconds)."""
+
+MIN_LIMIT = 4
+"""Admissions per iteration the pacer always allows, however long iterations run: a loop kept busy by other work
+slows the rollouts down but cannot stop them."""
 
 
 class LoopPacer:
-    """Admits rollouts to CPU work on one event loop, at most ``limit`` per loop iteration (adapted to the slice)."""
+    """Admits rollouts to CPU work on one event loop: at most ``limit`` per loop iteration, with ``limit`` adapted so
+    that an iteration takes about ``slice_s``.
 
-    __slots__ = ("_granted", "_mark", "_tick_pending", "_waiters", "admitted", "limit", "slice_s", "waited")
+    Waiters are admitted in batches: a tick wakes up to ``limit`` of them, and they run one after another early in
+    the next iteration, followed by the next tick, which so measures the whole iteration the batch ran in. The
+    allowance shrinks (not below :data:`MIN_LIMIT`) when an iteration overran the slice, and grows when the
+    allowance was used and the iteration stayed within it. The whole iteration is what counts, not only the admitted
+    work: what a rollout does after its admitted step (sending its next request, reading the answer) runs in later
+    callbacks the pacer does not see one by one, and the loop's responsiveness is the point.
+    ``batch_work_s`` is the last batch's own share (for inspection).
+    """
 
-    def __init__(self, slice_ms: float = DEFAULT_SLICE_MS) -> None:
+    __slots__ = (
+        "__weakref__",
+        "_batch",
+        "_batch_started",
+        "_granted",
+        "_last_tick",
+        "_loop",
+        "_tick_pending",
+        "_waiters",
+        "admitted",
+        "batch_work_s",
+        "limit",
+        "slice_s",
+        "waited",
+    )
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, slice_ms: float = DEFAULT_SLICE_MS) -> None:
+        self._loop = weakref.ref(loop)
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._granted = 0
+        self._batch = 0
+        self._batch_started = 0.0
+        self._last_tick = 0.0
         self._tick_pending = False
-        self._mark = 0.0
         self.limit = 4
-        """Admissions allowed in the current loop iteration (adapted)."""
+        """Admissions allowed per loop iteration (adapted)."""
         self.slice_s = slice_ms / 1000.0
         self.waited = 0
         """How many admissions had to wait for a later iteration."""
         self.admitted = 0
-        """How many admissions were granted in all."""
+        """How many admissions were asked for in all."""
+        self.batch_work_s = 0.0
+        """Seconds the last batch of woken rollouts took (its share of an iteration)."""
 
     def admit(self) -> asyncio.Future[None] | None:
         """``None`` when the caller may go on now, else a future to await (resolved in a later iteration)."""
@@ -59,37 +92,52 @@ class LoopPacer:
     def _arm(self) -> None:
         if not self._tick_pending:
             self._tick_pending = True
-            self._mark = time.perf_counter()
             asyncio.get_running_loop().call_soon(self._tick)
 
+    def _start_batch(self) -> None:
+        self._batch_started = time.perf_counter()
+
     def _tick(self) -> None:
-        """Runs once per iteration while there is work: adapt the allowance, then admit the next waiters."""
+        """Runs once per iteration while there is work: adapt the allowance, then wake the next batch."""
+        now = time.perf_counter()
         self._tick_pending = False
-        elapsed = time.perf_counter() - self._mark
-        if elapsed > self.slice_s:
-            self.limit = max(1, self.limit * 3 // 4)
-        elif self._granted >= self.limit:  # the allowance was used and the iteration stayed short: allow more
-            self.limit += max(1, self.limit // 8)
-        self._granted = 0
+        if self._batch:  # the batch woken by the previous tick has run, and the iteration it ran in
+            iteration = now - self._last_tick
+            if iteration > self.slice_s:
+                self.limit = max(MIN_LIMIT, self.limit * 3 // 4)
+            elif self._batch >= self.limit:  # the allowance was used and the iteration stayed short: allow more
+                self.limit += max(1, self.limit // 8)
+            self.batch_work_s = now - self._batch_started
+        self._last_tick = now
+        self._granted = self._batch = 0
         waiters = self._waiters
-        while waiters and self._granted < self.limit:
-            waiter = waiters.popleft()
-            if waiter.done():  # its rollout was cancelled while waiting
-                continue
-            waiter.set_result(None)
-            self._granted += 1
+        if waiters:
+            loop = asyncio.get_running_loop()
+            loop.call_soon(self._start_batch)  # runs just before the woken rollouts, in the next iteration
+            while waiters and self._batch < self.limit:
+                waiter = waiters.popleft()
+                if waiter.done():  # its rollout was cancelled while waiting
+                    continue
+                waiter.set_result(None)  # schedules the rollout's next step, after the start marker
+                self._batch += 1
+            self._granted = self._batch
         if self._granted or waiters:
-            self._arm()
+            self._arm()  # the next tick runs just after the woken rollouts
 
 
-_PACERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, LoopPacer] = weakref.WeakKeyDictionary()
+_PACERS: weakref.WeakValueDictionary[int, LoopPacer] = weakref.WeakValueDictionary()
+"""Pacers by ``id(loop)``. Held weakly: the rollouts using a pacer (and, while it has waiters, its scheduled tick
+on the loop) keep it alive, so a loop that is closed and dropped with rollouts still waiting is collected with them
+(their ``finally`` blocks run), instead of a registry keeping the loop, its tasks and their rollouts forever."""
 
 
 def pacer_for(loop: asyncio.AbstractEventLoop, slice_ms: float = DEFAULT_SLICE_MS) -> LoopPacer:
-    """The pacer of ``loop`` (created on first use); ``slice_ms`` updates its target slice."""
-    pacer = _PACERS.get(loop)
-    if pacer is None:
-        pacer = _PACERS[loop] = LoopPacer(slice_ms)
+    """The pacer of ``loop`` (created on first use). The slice is the loop's: ``slice_ms`` replaces the pacer's, so
+    rollouts sharing a loop should share one value."""
+    pacer = _PACERS.get(id(loop))
+    if pacer is None or pacer._loop() is not loop:
+        pacer = LoopPacer(loop, slice_ms)
+        _PACERS[id(loop)] = pacer
     else:
         pacer.slice_s = slice_ms / 1000.0
     return pacer
