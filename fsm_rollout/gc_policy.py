@@ -10,7 +10,8 @@ The rollout path itself makes next to no cyclic garbage (about 3 objects per sam
 nothing needs those passes while rollouts run. While at least one rollout of the process is running, the oldest
 generation's threshold is raised 100-fold, so a full pass needs 100 times as many young collections (none in a
 10,000-sample batch); young collections go on as usual. The previous thresholds come back when the last running
-rollout ends, and full collections resume on Python's normal schedule. Rollouts opt out with
+rollout ends (unless other code set thresholds of its own meanwhile: those are kept), and full collections resume
+on Python's normal schedule. Rollouts opt out with
 ``RolloutConfig(defer_full_gc=False)``.
 
 ``gc.freeze()`` is not used: telling whether the process froze objects itself (so as not to unfreeze them) costs
@@ -29,27 +30,30 @@ FULL_GC_THRESHOLD_FACTOR = 100
 _lock = threading.Lock()
 _running = 0
 _saved_thresholds: tuple[int, int, int] | None = None
+_raised_thresholds: tuple[int, int, int] | None = None
 
 
 def rollout_started() -> None:
     """Note a rollout starting; the first one in flight starts deferring full collections."""
-    global _running, _saved_thresholds
+    global _running, _saved_thresholds, _raised_thresholds
     with _lock:
         _running += 1
         if _running == 1:
             young, middle, old = gc.get_threshold()
             _saved_thresholds = (young, middle, old)
-            gc.set_threshold(young, middle, old * FULL_GC_THRESHOLD_FACTOR)
+            _raised_thresholds = (young, middle, old * FULL_GC_THRESHOLD_FACTOR)
+            gc.set_threshold(*_raised_thresholds)
 
 
 def rollout_ended() -> None:
     """Note a rollout ending; the last one in flight restores the collector."""
-    global _running, _saved_thresholds
+    global _running, _saved_thresholds, _raised_thresholds
     with _lock:
         _running -= 1
         if _running == 0 and _saved_thresholds is not None:
-            gc.set_threshold(*_saved_thresholds)
-            _saved_thresholds = None
+            if gc.get_threshold() == _raised_thresholds:  # thresholds someone set meanwhile are theirs to keep
+                gc.set_threshold(*_saved_thresholds)
+            _saved_thresholds = _raised_thresholds = None
 
 
 @contextmanager

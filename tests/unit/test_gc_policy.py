@@ -74,3 +74,13 @@ def test_rollouts_on_several_threads_share_one_count() -> None:
     for thread in threads:
         thread.join()
     assert gc.get_threshold() == (700, 10, 10)
+
+
+def test_thresholds_set_while_rollouts_run_are_kept() -> None:
+    gc.set_threshold(700, 10, 10)
+    with gc_policy.rollouts_in_flight():
+        gc.set_threshold(1000, 20, 30)  # the process's own choice, made meanwhile
+    assert gc.get_threshold() == (1000, 20, 30)
+    with gc_policy.rollouts_in_flight():
+        assert gc.get_threshold() == (1000, 20, 30 * gc_policy.FULL_GC_THRESHOLD_FACTOR)
+    assert gc.get_threshold() == (1000, 20, 30)
