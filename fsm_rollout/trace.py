@@ -153,7 +153,10 @@ def get_tracer(sink: str | Path | None) -> Tracer:
     if sink is None or sink == "off":
         return NULL_TRACER
     given = str(sink)
-    fast_key: Any = given if os.path.isabs(given) or given in ("stdout", "-") else (os.getcwd(), given)
+    if isinstance(sink, str) and sink in ("stdout", "-"):
+        fast_key: Any = ("stdout",)
+    else:  # a path (a Path("stdout") is a file called stdout)
+        fast_key = ("path", given) if os.path.isabs(given) else ("path", os.getcwd(), given)
     tracer = _TRACERS_BY_SINK.get(fast_key)
     if tracer is not None:
         return tracer

@@ -75,3 +75,22 @@ def test_a_closed_file_tracer_is_reopened_by_the_next_lookup(tmp_path: Path) -> 
     second.transition(trigger="generate", src="rendered", dst="generating")
     second.close()
     assert [orjson.loads(raw)["trigger"] for raw in path.read_bytes().splitlines()] == ["render", "generate"]
+
+
+def test_a_path_called_stdout_is_a_file_and_the_word_stdout_is_the_stream(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import sys
+
+    from fsm_rollout import trace
+
+    monkeypatch.setattr(trace, "_TRACERS", {})  # this test's own registry: the process's stdout tracer stays as is
+    monkeypatch.setattr(trace, "_TRACERS_BY_SINK", {})
+    monkeypatch.chdir(tmp_path)
+    as_file = get_tracer(Path("stdout"))
+    as_stream = get_tracer("stdout")
+    assert as_file is not as_stream
+    assert as_stream._stream is sys.stdout.buffer
+    assert get_tracer(Path("stdout")) is as_file
+    as_file.close()
+    assert (tmp_path / "stdout").exists()
