@@ -18,8 +18,9 @@ Workloads:
 * ``tracing``: the small scale workload with tracing off and on (file sink); ``baseline``: the seed's way as a
   plain imperative loop (same aiohttp session and tokenizer, stdlib json, two template renders per observation).
   The three run interleaved with a machine-only run, seven times each in a full run; each figure is the run with
-  the median CPU per turn, with the least and greatest reported beside it, and ratios (tracing overhead, the
-  machine's share of a turn, ours vs the baseline) are ratios of those medians.
+  the median CPU per turn, with the least and greatest reported beside it, and ratios (tracing overhead, ours vs
+  the baseline) are ratios of those medians. The machine-only runs are CPU-only loops, so their least is the
+  machine's cost (interference only adds), divided by the client's median turn for its share.
 * ``replay``: a batch recorded with ``record=True``, re-executed with :func:`fsm_rollout.replay.replay`.
 * ``goals``: each goal of issue 9 with its figure, target and met/missed.
 
@@ -35,7 +36,6 @@ import contextlib
 import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -236,8 +236,12 @@ def bench_turn(samples: int = 300, turns: int = 3) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as tmp:
         trace_path = str(Path(tmp) / "trace.jsonl")
         run(None)  # warm the observation-prefix cache and imports
-        off = statistics.median(run(None) for _ in range(3))
-        on = statistics.median(run(trace_path) for _ in range(3))
+        # CPU-only work: interference only adds, so the least of five interleaved runs is the figure (as timeit)
+        offs, ons = [], []
+        for _ in range(5):
+            offs.append(run(None))
+            ons.append(run(trace_path))
+        off, on = min(offs), min(ons)
         get_tracer(trace_path).close()
 
     encoder_message = {"role": "user", "content": "Continue the reasoning."}
@@ -660,9 +664,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _interleaved_runs(
     repeats: int, runs: dict[str, Callable[[], dict[str, float]]]
-) -> tuple[dict[str, dict[str, float]], dict[str, list[float]]]:
-    """Run each workload ``repeats`` times, interleaved. Returns the run with the median CPU per turn of each and
-    every run's CPU per turn (sorted), for the spread.
+) -> dict[str, list[dict[str, float]]]:
+    """Run each workload ``repeats`` times, interleaved; every run of each, sorted by CPU per turn.
 
     On this shared machine single runs of the HTTP workloads land anywhere within about +-15 % (other processes,
     the collector's young passes, where the pacer's iterations fall), in both directions relative to the median;
@@ -673,10 +676,7 @@ def _interleaved_runs(
     for _ in range(repeats):
         for name, run in runs.items():
             collected[name].append(run())
-    medians = {name: sorted(results, key=lambda r: r["cpu_us_per_turn"])[len(results) // 2]
-               for name, results in collected.items()}
-    spreads = {name: sorted(r["cpu_us_per_turn"] for r in results) for name, results in collected.items()}
-    return medians, spreads
+    return {name: sorted(results, key=lambda r: r["cpu_us_per_turn"]) for name, results in collected.items()}
 
 
 def _goal(figure: float, target: float, *, at_most: bool, unit: str) -> dict[str, Any]:
@@ -708,7 +708,7 @@ def run_all(quick: bool) -> dict[str, dict[str, Any]]:
         scale_big["server_cpu_s"] = server.cpu_s() - server_cpu
         with tempfile.TemporaryDirectory() as tmp:
             trace = str(Path(tmp) / "trace.jsonl")
-            side_by_side, spreads = _interleaved_runs(repeats, {
+            every_run = _interleaved_runs(repeats, {
                 "off": lambda: _run_rollouts(url, tokenizer, small),
                 "file": lambda: _run_rollouts(url, tokenizer, small, trace=trace),
                 "baseline": lambda: _baseline_rollouts(url, tokenizer, small),
@@ -723,8 +723,12 @@ def run_all(quick: bool) -> dict[str, dict[str, Any]]:
     machine, turn = results["machine"], results["turn"]
     machine["shared_vs_dict_ratio"] = machine["shared_machine_transition_us"] / machine["dict_table_transition_us"]
     # the machine's share of a turn: both figures from the same interleaved runs (the same load on the machine)
-    machine["interleaved_transition_us"] = side_by_side["machine"]["transition_us"]
-    machine_per_turn = side_by_side["machine"]["cpu_us_per_turn"]
+    # The machine-only runs are CPU-only loops (interference only adds): their least is the machine's cost. The
+    # client's turn, whose runs scatter both ways, is the median run.
+    side_by_side = {name: runs[len(runs) // 2] for name, runs in every_run.items()}  # the median run of each
+    machine_best = every_run["machine"][0]
+    machine["interleaved_transition_us"] = machine_best["transition_us"]
+    machine_per_turn = machine_best["cpu_us_per_turn"]
 
     turn["machine_us_per_turn"] = machine_per_turn
     turn["machine_share_of_turn"] = machine_per_turn / turn["turn_cpu_us_trace_off"]
@@ -738,8 +742,8 @@ def run_all(quick: bool) -> dict[str, dict[str, Any]]:
         "cpu_us_per_turn_excl_template": client_turn - turn["of_which_observation_template_us"],
         "machine_us_per_turn": machine_per_turn,
         "machine_share_of_turn": machine_per_turn / client_turn,
-        "cpu_us_per_turn_least": spreads["off"][0],
-        "cpu_us_per_turn_greatest": spreads["off"][-1],
+        "cpu_us_per_turn_least": every_run["off"][0]["cpu_us_per_turn"],
+        "cpu_us_per_turn_greatest": every_run["off"][-1]["cpu_us_per_turn"],
         # where a turn's CPU goes (tracing is on top, measured with a file sink in the in-process workload)
         "breakdown_machine_us": machine_per_turn,
         "breakdown_observation_tokens_us": turn["of_which_observation_template_us"] * (_SCALE_TURNS - 1) / _SCALE_TURNS,
@@ -765,8 +769,8 @@ def run_all(quick: bool) -> dict[str, dict[str, Any]]:
         "cpu_us_per_turn_file": on["cpu_us_per_turn"],
         "wall_s_off": off["wall_s"],
         "wall_s_file": on["wall_s"],
-        "cpu_us_per_turn_file_least": spreads["file"][0],
-        "cpu_us_per_turn_file_greatest": spreads["file"][-1],
+        "cpu_us_per_turn_file_least": every_run["file"][0]["cpu_us_per_turn"],
+        "cpu_us_per_turn_file_greatest": every_run["file"][-1]["cpu_us_per_turn"],
         "overhead": on["cpu_us_per_turn"] / off["cpu_us_per_turn"] - 1,
         "in_process_us_per_turn": turn["turn_cpu_us_trace_file"] - turn["turn_cpu_us_trace_off"],
     }
