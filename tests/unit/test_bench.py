@@ -38,13 +38,15 @@ def test_quick_bench_writes_every_figure_as_json(tmp_path: Path, capsys: pytest.
     assert {"turn_cpu_us_trace_off", "turn_cpu_us_trace_file", "machine_share_of_turn"} <= set(figures["turn"])
     assert {"time_ratio", "200_wall_s", "1000_wall_s", "1000_peak_rss_mib", "1000_kib_per_sample_beyond_tokens",
             "1000_loop_lag_p99_ms"} <= set(figures["scale"])
-    assert {"overhead", "cpu_us_per_turn_off", "cpu_us_per_turn_file", "cpu_us_per_turn_file_least",
-            "cpu_us_per_turn_file_greatest", "in_process_us_per_turn"} <= set(figures["tracing"])
+    assert {"overhead", "overhead_http_direct", "cpu_us_per_turn_off", "cpu_us_per_turn_file",
+            "cpu_us_per_turn_file_least", "cpu_us_per_turn_file_greatest",
+            "in_process_us_per_turn"} <= set(figures["tracing"])
     tracing, client = figures["tracing"], figures["client_http"]
     assert tracing["cpu_us_per_turn_file_least"] <= tracing["cpu_us_per_turn_file"]
     assert tracing["cpu_us_per_turn_file"] <= tracing["cpu_us_per_turn_file_greatest"]
     assert client["cpu_us_per_turn_least"] <= client["cpu_us_per_turn"] <= client["cpu_us_per_turn_greatest"]
-    assert {"1000_full_gc_count", "1000_server_cpu_s"} <= set(figures["scale"])
+    assert {"1000_full_gc_count", "1000_server_cpu_s", "200_wall_s_least", "1000_wall_s_greatest",
+            "loop_lag_p99_ms_greatest"} <= set(figures["scale"])
     assert figures["replay"]["turns_executed"] > 0 and "turns_per_s" in figures["replay"]
     assert {"baseline_cpu_us_per_turn", "ours_vs_baseline_cpu"} <= set(figures["baseline"])
     assert set(figures["goals"]) == GOALS
