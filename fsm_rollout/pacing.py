@@ -9,9 +9,9 @@ the SYNs, and TCP retries them a second or more later).
 A :class:`LoopPacer` (one per event loop) admits rollouts to their next piece of CPU work a few at a time: a
 rollout asks for admission before it starts and after each engine answer. When the iteration's allowance is used
 up, the rollout waits its turn (first come, first served) and is admitted in a later iteration. The allowance
-adapts: the admitted work of each iteration is timed, and the number of admissions per iteration shrinks when that
-work runs longer than the target slice and grows while it stays under it. The work is the same, only spread out;
-what changes is that the loop stays responsive and requests leave steadily.
+adapts: each iteration is timed, and the number of admissions per iteration shrinks (never below
+:data:`MIN_LIMIT`) when an iteration runs longer than the target slice and grows while it stays under it. The work
+is the same, only spread out; what changes is that the loop stays responsive and requests leave steadily.
 """
 
 from __future__ import annotations
