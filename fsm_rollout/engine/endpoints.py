@@ -3,7 +3,7 @@ test server): vLLM-shaped answers and one way to bind the routes."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any
@@ -18,6 +18,51 @@ HEALTH_PATH = "/health"
 MODELS_PATH = "/v1/models"
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+# Chat-request fields that render copies into the GenerateRequest's sampling_params unchanged.
+RENDER_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "include_stop_str_in_output",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+)
+# The fields vLLM's render always writes (its SamplingParams defaults); render also fills in max_tokens.
+RENDER_DEFAULT_SAMPLING: Mapping[str, Any] = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "repetition_penalty": 1.0,
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "stop": [],
+    "stop_token_ids": [],
+}
+
+
+def render_sampling_params(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``sampling_params`` vLLM's render writes for a chat request ``body`` (served by the embedded engine and
+    the fake test server alike)."""
+    sampling = dict(RENDER_DEFAULT_SAMPLING)
+    for name in RENDER_SAMPLING_FIELDS:
+        if body.get(name) is not None:
+            sampling[name] = body[name]
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    if max_tokens is not None:
+        sampling["max_tokens"] = max_tokens
+    if body.get("logprobs") is True:  # chat's boolean + top_logprobs become SamplingParams.logprobs
+        sampling["logprobs"] = body.get("top_logprobs") or 0
+    return sampling
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from fsm_rollout.engine.endpoints import (
     EndpointHandlers,
     error_response,
     json_response,
+    render_sampling_params,
     serve_endpoints,
 )
 
@@ -65,21 +66,6 @@ RenderFeaturesHook = Callable[[list[dict[str, Any]], list[int]], tuple[list[int]
 _CLIENT_MAX_SIZE = 64 * 1024 * 1024
 _MIN_LOGPROB = -9999.0  # vLLM clamps logprobs to this in the "token" entry style (-inf is not JSON)
 _MALFORMED_JSON_BODY = b'{"request_id": "generate-tokens-trunc", "choices": [{"index": 0, "token_ids": [1, 2'
-_RENDER_DEFAULT_SAMPLING: Mapping[str, Any] = {"n": 1, "temperature": 1.0, "top_p": 1.0, "top_k": 0}
-# Chat-request fields that render copies into the GenerateRequest's sampling_params.
-_RENDER_SAMPLING_FIELDS = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "skip_special_tokens",
-    "logprobs",
-)
-
 _T = TypeVar("_T")
 
 
@@ -423,7 +409,7 @@ class FakeVLLMServer:
                 "request_id": f"chatcmpl-{uuid.uuid4().hex}",
                 "token_ids": token_ids,
                 "features": features,
-                "sampling_params": _render_sampling_params(body),
+                "sampling_params": render_sampling_params(body),
                 "model": self.model,
                 "stream": False,
                 "stream_options": None,
@@ -675,17 +661,6 @@ async def _json_object_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise _RequestError(400, "The request body must be a JSON object")
     return body
-
-
-def _render_sampling_params(body: Mapping[str, Any]) -> dict[str, Any]:
-    sampling = dict(_RENDER_DEFAULT_SAMPLING)
-    for name in _RENDER_SAMPLING_FIELDS:
-        if body.get(name) is not None:
-            sampling[name] = body[name]
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        sampling["max_tokens"] = max_tokens
-    return sampling
 
 
 def _as_token_ids(encoded: Any) -> list[int]:

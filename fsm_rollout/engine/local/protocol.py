@@ -12,6 +12,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from fsm_rollout.engine.endpoints import render_sampling_params
+
 Finish = Literal["stop", "length", "abort"]
 
 MAX_LOGPROBS: Final = 20
@@ -61,37 +63,6 @@ _UNSUPPORTED_SAMPLING: Final[Mapping[str, tuple[Any, ...]]] = {
     "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,),
 }
-
-# Chat-request fields that render copies into the GenerateRequest's sampling_params unchanged.
-_RENDER_SAMPLING_FIELDS: Final = (
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "min_tokens",
-    "repetition_penalty",
-    "presence_penalty",
-    "frequency_penalty",
-    "include_stop_str_in_output",
-    "skip_special_tokens",
-    "spaces_between_special_tokens",
-)
-# The fields vLLM's render always writes (its SamplingParams defaults); render also fills in max_tokens.
-_RENDER_DEFAULT_SAMPLING: Final[Mapping[str, Any]] = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "repetition_penalty": 1.0,
-    "temperature": 1.0,
-    "top_p": 1.0,
-    "min_p": 0.0,
-    "stop": [],
-    "stop_token_ids": [],
-}
-
 
 class RequestError(Exception):
     """A request the server answers with a vLLM error body (``{"error": {message, type, param, code}}``)."""
@@ -426,7 +397,7 @@ def parse_render(body: Mapping[str, Any]) -> RenderInput:
         template_kwargs=template_kwargs,
         add_generation_prompt=add_generation_prompt,
         continue_final_message=continue_final_message,
-        sampling_params=_render_sampling_params(body),
+        sampling_params=render_sampling_params(body),
         image_urls=tuple(url for url, _ in images),
         image_places=tuple(place for _, place in images),
         with_tensors=mm_payload != "none",
@@ -498,19 +469,6 @@ def _placeholder(entry: Any, where: str) -> tuple[int, int]:
     raise RequestError(
         400, f"{where}: a placeholder must be {{'offset': int >= 0, 'length': int > 0}}, got {entry!r:.80}", "features"
     )
-
-
-def _render_sampling_params(body: Mapping[str, Any]) -> dict[str, Any]:
-    sampling = dict(_RENDER_DEFAULT_SAMPLING)
-    for name in _RENDER_SAMPLING_FIELDS:
-        if body.get(name) is not None:
-            sampling[name] = body[name]
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    if max_tokens is not None:
-        sampling["max_tokens"] = max_tokens
-    if body.get("logprobs") is True:  # chat's boolean + top_logprobs become SamplingParams.logprobs
-        sampling["logprobs"] = body.get("top_logprobs") or 0
-    return sampling
 
 
 def _integer(mapping: Mapping[str, Any], name: str, default: int | None) -> Any:
