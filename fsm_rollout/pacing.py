@@ -34,25 +34,22 @@ class LoopPacer:
     that an iteration takes about ``slice_s``.
 
     Waiters are admitted in batches: a tick wakes up to ``limit`` of them, and they run one after another early in
-    the next iteration, followed by the next tick, which so measures the whole iteration the batch ran in. The
+    the next iteration, followed by the next tick, which so times the whole iteration the batch ran in. The
     allowance shrinks (not below :data:`MIN_LIMIT`) when an iteration overran the slice, and grows when the
     allowance was used and the iteration stayed within it. The whole iteration is what counts, not only the admitted
     work: what a rollout does after its admitted step (sending its next request, reading the answer) runs in later
     callbacks the pacer does not see one by one, and the loop's responsiveness is the point.
-    ``batch_work_s`` is the last batch's own share (for inspection).
     """
 
     __slots__ = (
         "__weakref__",
         "_batch",
-        "_batch_started",
         "_granted",
         "_last_tick",
         "_loop",
         "_tick_pending",
         "_waiters",
         "admitted",
-        "batch_work_s",
         "limit",
         "slice_s",
         "waited",
@@ -63,7 +60,6 @@ class LoopPacer:
         self._waiters: deque[asyncio.Future[None]] = deque()
         self._granted = 0
         self._batch = 0
-        self._batch_started = 0.0
         self._last_tick = 0.0
         self._tick_pending = False
         self.limit = 4
@@ -73,8 +69,6 @@ class LoopPacer:
         """How many admissions had to wait for a later iteration."""
         self.admitted = 0
         """How many admissions were asked for in all."""
-        self.batch_work_s = 0.0
-        """Seconds the last batch of woken rollouts took (its share of an iteration)."""
 
     def admit(self) -> asyncio.Future[None] | None:
         """``None`` when the caller may go on now, else a future to await (resolved in a later iteration)."""
@@ -94,9 +88,6 @@ class LoopPacer:
             self._tick_pending = True
             asyncio.get_running_loop().call_soon(self._tick)
 
-    def _start_batch(self) -> None:
-        self._batch_started = time.perf_counter()
-
     def _tick(self) -> None:
         """Runs once per iteration while there is work: adapt the allowance, then wake the next batch."""
         now = time.perf_counter()
@@ -107,18 +98,15 @@ class LoopPacer:
                 self.limit = max(MIN_LIMIT, self.limit * 3 // 4)
             elif self._batch >= self.limit:  # the allowance was used and the iteration stayed short: allow more
                 self.limit += max(1, self.limit // 8)
-            self.batch_work_s = now - self._batch_started
         self._last_tick = now
         self._granted = self._batch = 0
         waiters = self._waiters
         if waiters:
-            loop = asyncio.get_running_loop()
-            loop.call_soon(self._start_batch)  # runs just before the woken rollouts, in the next iteration
             while waiters and self._batch < self.limit:
                 waiter = waiters.popleft()
                 if waiter.done():  # its rollout was cancelled while waiting
                     continue
-                waiter.set_result(None)  # schedules the rollout's next step, after the start marker
+                waiter.set_result(None)  # schedules the rollout's next step, before the next tick
                 self._batch += 1
             self._granted = self._batch
         if self._granted or waiters:

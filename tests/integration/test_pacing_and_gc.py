@@ -125,6 +125,10 @@ async def test_aborts_that_land_while_rollouts_wait_for_the_pacer_replay_identic
     waiting = rollouts[-1]
     assert waiting._start_waiter is not None  # the last ones wait for the pacer to start
     waiting.request_abort("shutdown")
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+    assert tasks[-1].done()  # woken at once, not left queued behind the others it will never run after
+    assert sum(not task.done() for task in tasks) > 20
     caught: list[Rollout] = []
 
     def abort_one_that_just_got_its_answer() -> None:

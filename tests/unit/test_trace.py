@@ -94,3 +94,18 @@ def test_a_path_called_stdout_is_a_file_and_the_word_stdout_is_the_stream(
     assert get_tracer(Path("stdout")) is as_file
     as_file.close()
     assert (tmp_path / "stdout").exists()
+
+
+def test_a_relative_sink_follows_the_working_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    first_dir, second_dir = tmp_path / "a", tmp_path / "b"
+    first_dir.mkdir()
+    second_dir.mkdir()
+    monkeypatch.chdir(first_dir)
+    first = get_tracer("rel.jsonl")
+    monkeypatch.chdir(second_dir)
+    second = get_tracer("rel.jsonl")
+    assert first is not second
+    assert get_tracer(str(first_dir / "rel.jsonl")) is first  # the same file, however it is named
+    first.close()
+    second.close()
+    assert (first_dir / "rel.jsonl").exists() and (second_dir / "rel.jsonl").exists()
