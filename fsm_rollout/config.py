@@ -55,8 +55,8 @@ class RolloutConfig:
     the response side together; ``max_turns`` bounds the number of generate turns. ``record`` keeps an I/O tape
     beside the ``trace`` file for offline replay (:mod:`fsm_rollout.tape`). ``loop_slice_ms`` is the event-loop
     time per iteration that rollouts' CPU work aims to stay within when many share a loop (:mod:`fsm_rollout.pacing`;
-    ``None`` turns pacing off). ``defer_full_gc`` defers Python's full garbage collections while rollouts run
-    (:mod:`fsm_rollout.gc_policy`).
+    ``None`` turns pacing off). ``tune_gc`` tunes Python's garbage collector while rollouts run: small, cache-warm
+    young collections and no full ones (:mod:`fsm_rollout.gc_policy`).
     """
 
     engine_url: str
@@ -83,7 +83,7 @@ class RolloutConfig:
     image_placeholder_token: str = "<|image_pad|>"
     image_merge_size: int | None = None
     loop_slice_ms: float | None = 5.0
-    defer_full_gc: bool = True
+    tune_gc: bool = True
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_turns) or self.max_turns <= 0:

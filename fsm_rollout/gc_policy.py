@@ -1,18 +1,31 @@
-"""Keep Python's full garbage collections off the event loop while rollouts are in flight.
+"""Tune Python's garbage collector for the rollouts a process has in flight.
 
-CPython's collector runs a full (oldest-generation) pass whenever the objects promoted since the last one reach a
-quarter of those that survived it. With thousands of samples in flight, every sample's pending request, response
-and coroutine outlives two young collections, so full passes come every few hundred milliseconds, and each one
-walks every tracked object in the process (800,000 at 10,000 samples in flight): pauses of 0.3-0.6 s on the
-event loop, and over a third of the client's CPU (``fsm-rollout bench``, workload ``scale``).
+Thousands of rollouts on one event loop keep a large population of in-flight objects alive: every pending request
+with its aiohttp machinery, every answer waiting for its share of the loop, every per-turn coroutine. They all
+outlive the young collections, which is what makes CPython's default schedule expensive for this workload (all
+figures from ``fsm-rollout bench``, workload ``scale``, on the 2-core machine of the README):
 
-The rollout path itself makes next to no cyclic garbage (about 3 objects per sample, from closed connections), so
-nothing needs those passes while rollouts run. While at least one rollout of the process is running, the oldest
-generation's threshold is raised 100-fold, so a full pass needs 100 times as many young collections (none in a
-10,000-sample batch); young collections go on as usual. The previous thresholds come back when the last running
-rollout ends (unless other code set thresholds of its own meanwhile: those are kept), and full collections resume
-on Python's normal schedule. Rollouts opt out with
-``RolloutConfig(defer_full_gc=False)``.
+* **Full passes.** CPython runs a full (oldest-generation) pass whenever the objects promoted since the last one
+  reach a quarter of those that survived it. With 10,000 samples in flight that came every few hundred
+  milliseconds, and each one walks every tracked object in the process (800,000): pauses of 0.3-0.6 s on the
+  event loop and over a third of the client's CPU. The rollout path makes next to no cyclic garbage (about 3
+  objects per sample, from closed connections), so nothing needs those passes while rollouts run.
+* **Young passes.** With the default thresholds (700, 10) the middle generation gathers eleven young passes'
+  survivors, 15,000-25,000 objects, before it is walked, by which time they are out of the CPU's caches: 5-18 ms
+  pauses, and 53-70 µs of collector time per turn, the most at 10,000 samples (whose per-sample data is furthest
+  from the cache). Collected every 300 net allocations, and the middle generation every second young pass, the
+  survivors are walked while still warm: 33-35 µs per turn at 1,000 and at 10,000 samples alike, and pauses of
+  about a millisecond.
+
+So while at least one rollout of the process runs, the thresholds become ``(300, 1, n)``, where ``n`` makes a full
+pass need :data:`FULL_GC_THRESHOLD_FACTOR` times the allocations it needs under the previous thresholds (none
+comes in a 10,000-sample batch). Young thresholds the process set lower than these are kept. The previous
+thresholds come back when the last running rollout ends, unless other code set thresholds of its own meanwhile
+(those are kept), and collections resume on Python's normal schedule. A process that turned automatic collection
+off with a zero threshold is left alone. Rollouts opt out with ``RolloutConfig(tune_gc=False)``.
+
+Only CPython's generational collector (up to 3.13) is tuned. From 3.14 the collector is incremental, with no
+full passes to defer and other meanings for the thresholds, and is left as it is.
 
 ``gc.freeze()`` is not used: telling whether the process froze objects itself (so as not to unfreeze them) costs
 a walk of every frozen object, and with full passes deferred a freeze saves nothing more.
@@ -21,11 +34,20 @@ a walk of every frozen object, and with full passes deferred a freeze saves noth
 from __future__ import annotations
 
 import gc
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+YOUNG_THRESHOLD = 300
+"""Net new container objects between young collections while rollouts run (CPython's default: 700)."""
+MIDDLE_THRESHOLD = 1
+"""Young collections between middle-generation collections, minus one, while rollouts run (default: 10)."""
 FULL_GC_THRESHOLD_FACTOR = 100
+"""How many times the allocations a full collection needs under the previous thresholds it needs while rollouts
+run."""
+
+_GENERATIONAL = sys.version_info < (3, 14)
 
 _lock = threading.Lock()
 _running = 0
@@ -33,16 +55,30 @@ _saved_thresholds: tuple[int, int, int] | None = None
 _raised_thresholds: tuple[int, int, int] | None = None
 
 
+def tuned_thresholds(saved: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The collector thresholds used while rollouts run, given the ones in force before."""
+    young, middle, old = saved
+    if not _GENERATIONAL or young <= 0:  # incremental collector, or automatic collection turned off
+        return saved
+    tuned_young, tuned_middle = min(young, YOUNG_THRESHOLD), min(middle, MIDDLE_THRESHOLD)
+    # CPython collects a generation once its count exceeds its threshold: a full pass comes every
+    # young * (middle + 1) * (old + 1) net allocations.
+    allocations = young * (middle + 1) * (old + 1) * FULL_GC_THRESHOLD_FACTOR
+    per_middle_pass = tuned_young * (tuned_middle + 1)
+    return tuned_young, tuned_middle, max(old, -(-allocations // per_middle_pass) - 1)
+
+
 def rollout_started() -> None:
-    """Note a rollout starting; the first one in flight starts deferring full collections."""
+    """Note a rollout starting; the first one in flight tunes the collector."""
     global _running, _saved_thresholds, _raised_thresholds
     with _lock:
         _running += 1
         if _running == 1:
-            young, middle, old = gc.get_threshold()
-            _saved_thresholds = (young, middle, old)
-            _raised_thresholds = (young, middle, old * FULL_GC_THRESHOLD_FACTOR)
-            gc.set_threshold(*_raised_thresholds)
+            saved = gc.get_threshold()
+            tuned = tuned_thresholds(saved)
+            if tuned != saved:
+                _saved_thresholds, _raised_thresholds = saved, tuned
+                gc.set_threshold(*tuned)
 
 
 def rollout_ended() -> None:
@@ -58,7 +94,7 @@ def rollout_ended() -> None:
 
 @contextmanager
 def rollouts_in_flight() -> Iterator[None]:
-    """Defer full collections while the block runs (reference-counted across rollouts and threads)."""
+    """Keep the collector tuned while the block runs (reference-counted across rollouts and threads)."""
     rollout_started()
     try:
         yield
@@ -66,6 +102,6 @@ def rollouts_in_flight() -> Iterator[None]:
         rollout_ended()
 
 
-def deferring() -> bool:
-    """Whether full collections are being deferred now (some rollout of the process is running)."""
+def tuning() -> bool:
+    """Whether the collector is tuned for rollouts now (some rollout of the process is running)."""
     return _running > 0

@@ -1013,8 +1013,12 @@ def _first_difference(expected: Any, actual: Any, where: str = "") -> tuple[str,
     return None if expected == actual else (where, expected, actual)
 
 
+_RENAMED_CONFIG_FIELDS = {"defer_full_gc": "tune_gc"}  # tapes recorded before a rename replay as they were
+
+
 def _config_from(recorded: Mapping[str, Any]) -> tuple[RolloutConfig, list[str]]:
     known = {item.name for item in dataclasses.fields(RolloutConfig)}
+    recorded = {_RENAMED_CONFIG_FIELDS.get(key, key): value for key, value in recorded.items()}
     values = {key: value for key, value in recorded.items() if key in known and key not in ("trace", "record")}
     dropped = sorted(set(recorded) - known)
     return RolloutConfig(**values), dropped

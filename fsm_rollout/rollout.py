@@ -595,13 +595,13 @@ class Rollout:
                 return self.sample
         self._running = True
         context = bind_contextvars(sample_id=self.sample_id, session_id=self.sample.session_id)
-        deferring_gc = self.config.defer_full_gc
-        if deferring_gc:
+        tuning_gc = self.config.tune_gc
+        if tuning_gc:
             gc_policy.rollout_started()
         try:
             await self._drive()
         finally:
-            if deferring_gc:
+            if tuning_gc:
                 gc_policy.rollout_ended()
             reset_contextvars(**context)
             self._running = False

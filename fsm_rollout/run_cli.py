@@ -64,8 +64,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--loop-slice-ms", type=float, default=5.0,
                          help="event-loop time per iteration that rollouts' CPU work aims to stay within; "
                               "0 turns pacing off (default: %(default)s)")
-    rollout.add_argument("--no-defer-full-gc", action="store_true",
-                         help="let Python's full garbage collections run while rollouts are in flight")
+    rollout.add_argument("--no-tune-gc", action="store_true",
+                         help="leave Python's garbage collector on its default schedule while rollouts run")
     rollout.add_argument("--temperature", type=float, default=1.0)
     rollout.add_argument("--top-p", type=float, default=1.0)
     rollout.add_argument("--stop", action="append", default=[], metavar="S", help="stop string (repeatable)")
@@ -207,7 +207,7 @@ async def _run(args: argparse.Namespace) -> int:
             trace=args.trace,
             record=args.record,
             loop_slice_ms=args.loop_slice_ms or None,
-            defer_full_gc=not args.no_defer_full_gc,
+            tune_gc=not args.no_tune_gc,
         )
         if args.seed is not None:
             sampling["seed"] = args.seed

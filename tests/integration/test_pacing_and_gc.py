@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from fsm_rollout import Rollout, RolloutConfig, Sample, Status, VLLMClient
+from fsm_rollout import Rollout, RolloutConfig, Sample, Status, VLLMClient, gc_policy
 from fsm_rollout.errors import ConfigError
 from fsm_rollout.pacing import pacer_for
 from fsm_rollout.replay import replay
@@ -75,7 +75,7 @@ async def test_a_rollout_cancelled_while_waiting_its_turn_sends_nothing(
     assert len(fake_vllm.requests_to(GENERATE_PATH)) == 49
 
 
-async def test_full_collections_are_deferred_while_rollouts_run(
+async def test_the_collector_is_tuned_while_rollouts_run(
     fake_vllm: FakeVLLMServer, client: VLLMClient, tokenizer: Any, make_config: Callable[..., RolloutConfig]
 ) -> None:
     before = gc.get_threshold()
@@ -90,10 +90,10 @@ async def test_full_collections_are_deferred_while_rollouts_run(
         assert rollout.sample.status == Status.COMPLETED
         return seen
 
-    deferred = await thresholds_seen()
-    assert deferred and {thresholds[2] for thresholds in deferred} == {before[2] * 100}
+    tuned = await thresholds_seen()
+    assert tuned and set(tuned) == {gc_policy.tuned_thresholds(before)} != {before}
     assert gc.get_threshold() == before
-    assert await thresholds_seen(defer_full_gc=False) == [before] * len(deferred)
+    assert await thresholds_seen(tune_gc=False) == [before] * len(tuned)
     assert gc.get_threshold() == before
 
 

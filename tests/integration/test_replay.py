@@ -427,6 +427,18 @@ async def test_a_tape_of_another_schema_version_is_a_clear_error(recording: Reco
         await run_replay_in_thread(recording)
 
 
+async def test_a_tape_from_before_a_config_rename_replays_and_names_only_unknown_fields(
+    recording: Recording,
+) -> None:
+    tape = recording.tape.read_bytes()
+    assert tape.count(b'"tune_gc":true') == len(recording.samples)
+    recording.tape.write_bytes(tape.replace(b'"tune_gc":true', b'"defer_full_gc":false,"from_the_future":1'))
+    report = await run_replay_in_thread(recording)
+    assert report.counts() == {"identical": len(recording.samples)}, report.render(verbose=True)
+    for sample in report.samples:
+        assert "config fields unknown today were ignored: from_the_future" in sample.notes
+
+
 async def test_check_finds_an_illegal_transition_with_its_line(recording: Recording) -> None:
     lines = recording.trace.read_bytes().splitlines()
     number = next(n for n, line in enumerate(lines) if b'"sample_id":"3"' in line and b'"observe"' in line)

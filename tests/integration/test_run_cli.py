@@ -105,7 +105,7 @@ async def test_pacing_and_gc_flags_run_and_a_bad_slice_exits_2(fake_vllm: FakeVL
     fake_vllm.script([ScriptedTurn(text="one"), ScriptedTurn(text="two")])
     data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q0"), done_after_one_turn("q1"))
     code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--loop-slice-ms", "0",
-                                    "--no-defer-full-gc")
+                                    "--no-tune-gc")
     assert code == 0, stderr
     assert {row["status"] for row in results(tmp_path)} == {"completed"}
     code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--loop-slice-ms", "-1")
