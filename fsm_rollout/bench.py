@@ -49,7 +49,7 @@ from typing import Any
 from orjson import dumps as orjson_dumps
 from orjson import loads as orjson_loads
 
-from fsm_rollout import lifecycle
+from fsm_rollout import gc_policy, lifecycle
 
 
 def _best_of(repeats: int, run: Callable[[], float]) -> float:
@@ -495,16 +495,19 @@ def _run_rollouts(url: str, tokenizer: Any, samples: int, *, trace: str | None =
         gc.collect()
         rss_before = _rss_bytes()
         factory = ScriptedEnvFactory()
-        records = [Sample(prompt=_PROMPT, index=i) for i in range(samples)]
-        rollouts = [
-            Rollout(sample, config=config, sampling_params=_SAMPLING, client=client, tokenizer=tokenizer,
-                    env_factory=factory)
-            for sample in records
-        ]
-        monitor.start()
-        wall, cpu = time.perf_counter(), time.process_time()
-        results = await asyncio.gather(*(rollout.run() for rollout in rollouts), return_exceptions=True)
-        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        # The collector is tuned from before the rollouts and their tasks are made, as RolloutRunner.run_batch
+        # does: tasks made before the first rollout starts would otherwise set off a full collection at 10k.
+        with gc_policy.rollouts_in_flight():
+            records = [Sample(prompt=_PROMPT, index=i) for i in range(samples)]
+            rollouts = [
+                Rollout(sample, config=config, sampling_params=_SAMPLING, client=client, tokenizer=tokenizer,
+                        env_factory=factory)
+                for sample in records
+            ]
+            monitor.start()
+            wall, cpu = time.perf_counter(), time.process_time()
+            results = await asyncio.gather(*(rollout.run() for rollout in rollouts), return_exceptions=True)
+            wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         await monitor.stop()
         await client.close()
         errors = [result for result in results if isinstance(result, BaseException)]

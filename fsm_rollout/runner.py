@@ -20,11 +20,12 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from fsm_rollout import lifecycle
+from fsm_rollout import gc_policy, lifecycle
 from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.env import EnvFactory, load_env_factory
@@ -245,6 +246,9 @@ class RolloutRunner:
                 raise
             return rollout.sample
 
+    def _gc_tuned(self) -> AbstractContextManager[None]:
+        return gc_policy.rollouts_in_flight() if self.config.tune_gc else nullcontext()
+
     # ------------------------------------------------------------------ public API
 
     async def run(self, sample: Sample) -> Sample:
@@ -275,8 +279,9 @@ class RolloutRunner:
     async def run_batch(self, samples: Iterable[Sample], *, concurrency: int = 64) -> list[Sample]:
         """Run samples with at most ``concurrency`` in flight; returns them in input order."""
         semaphore = asyncio.Semaphore(_positive(concurrency))
-        prepared = self._prepare(samples)
-        return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
+        with self._gc_tuned():  # from before the rollouts and their tasks are made, not from the first start
+            prepared = self._prepare(samples)
+            return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
 
     async def stream(self, samples: Iterable[Sample], *, concurrency: int = 64) -> AsyncIterator[Sample]:
         """Yield samples as they finish (at most ``concurrency`` in flight), for asynchronous RL trainers."""
@@ -300,11 +305,12 @@ class RolloutRunner:
             duplicate.metadata = {**(duplicate.metadata or {}), "group_member": member}
             copies.append(duplicate)
         semaphore = asyncio.Semaphore(_positive(concurrency or n))
-        prepared = self._prepare(copies)
-        for member, item in enumerate(prepared):
-            if isinstance(item, Rollout):
-                item.sample_id = f"{item.sample_id}.{member}" if sample.index is not None else item.sample_id
-        return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
+        with self._gc_tuned():
+            prepared = self._prepare(copies)
+            for member, item in enumerate(prepared):
+                if isinstance(item, Rollout):
+                    item.sample_id = f"{item.sample_id}.{member}" if sample.index is not None else item.sample_id
+            return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
 
     async def abort(self, reason: str = "cancelled") -> None:
         """End every sample this runner has not finished ``aborted`` with ``reason``.

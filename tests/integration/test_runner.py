@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 
-from fsm_rollout import RetryPolicy, RolloutConfig, Sample, Status
+from fsm_rollout import RetryPolicy, RolloutConfig, Sample, Status, gc_policy
 from fsm_rollout.runner import ConsistentHashRing, RolloutRunner
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import ABORT_PATH, GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
@@ -235,3 +236,29 @@ async def test_occupancy_always_sums_to_the_samples_in_flight(fake_vllm: FakeVLL
     assert final.reasons == {"max_turns": 10}
     assert set(final.dwell_ms_mean) >= {"pending", "rendered", "generating", "stepping", "observing"}
     assert final.samples_per_s > 0
+
+
+@pytest.mark.parametrize("tune_gc", [True, False])
+async def test_batches_and_groups_tune_the_collector_from_before_their_rollouts_are_made(
+    fake_vllm: FakeVLLMServer, tokenizer: Any, tune_gc: bool
+) -> None:
+    """A batch makes its rollouts and their tasks before any of them starts: with thousands, that alone can set
+    off a full collection unless the collector is tuned from the start."""
+    before = gc.get_threshold()
+    expected = gc_policy.tuned_thresholds(before) if tune_gc else before
+    seen: list[tuple[int, int, int]] = []
+
+    def noting(batch: list[Sample]) -> Iterator[Sample]:
+        for sample in batch:
+            seen.append(gc.get_threshold())
+            yield sample
+
+    fake_vllm.script([ScriptedTurn(text="answer")] * 5)
+    envs = ScriptedEnvFactory(steps=[("ok", True)])
+    async with runner_for(fake_vllm, tokenizer, envs=envs, config_overrides={"tune_gc": tune_gc}) as runner:
+        done = await runner.run_batch(noting(samples(3)), concurrency=2)
+        assert gc.get_threshold() == before
+        group = await runner.run_group(samples(1)[0], 2)
+    assert seen == [expected] * 3
+    assert [sample.status for sample in done + group] == [Status.COMPLETED] * 5
+    assert gc.get_threshold() == before
