@@ -14,8 +14,9 @@ Workloads:
   (timed on the server's real answers), and HTTP with the event loop (the remainder); tracing comes on top.
 * ``scale``: 1,000 and 10,000 samples in flight (``--quick``: 200 and 1,000), three turns each, 50 ms simulated
   latency per request: wall time, client CPU, peak RSS, KiB per in-flight sample beyond its token data,
-  event-loop lag (p99, max), full-GC pauses, the server's CPU, and the big/small time ratio (the median of five
-  small and three big runs, interleaved, in a full run).
+  event-loop lag (p99, max), full-GC pauses, the server's CPU, and the big/small time ratio. A full run alternates
+  five small and four big runs, a small one first and last; the ratio is the median over the big runs of each one's
+  wall over the mean of the small runs on either side (the ratio of the two sides' median walls is beside it).
 * ``tracing``: tracing's CPU per turn (the in-process rollouts with tracing off and on, a file sink) over the
   client's CPU per turn over HTTP, and the direct comparison of the small scale workload with tracing off and on,
   whose runs scatter by more than tracing costs; ``baseline``: the seed's way as a
@@ -39,6 +40,7 @@ import contextlib
 import gc
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -713,14 +715,19 @@ def run_all(quick: bool) -> dict[str, dict[str, Any]]:
             figures["server_cpu_s"] = server.cpu_s() - before
             return figures
 
-        # Small and big runs interleaved (five and three in a full run); each side's median wall time is its
-        # figure: single runs of either moved the ratio between 7.6 and 10.6 on this machine.
-        small_runs: list[dict[str, float]] = []
+        # Small and big runs alternate, a small one first and last (s b s b s b s b s in a full run). Each big run
+        # is compared with the small runs on either side of it, taken under the same load, and the ratio is the
+        # median of those pairs: the machine's load drifts over tens of seconds, and the median walls of the two
+        # sides, taken apart, moved the ratio between 7.5 and 10.6 over three runs of the same code.
+        small_runs: list[dict[str, float]] = [scale_run(small)]
         big_runs: list[dict[str, float]] = []
-        for _ in range(1 if quick else 3):
-            small_runs.append(scale_run(small))
+        for _ in range(1 if quick else 4):
             big_runs.append(scale_run(big))
-        small_runs.extend(scale_run(small) for _ in range(0 if quick else 2))
+            small_runs.append(scale_run(small))
+        pair_ratios = sorted(
+            big_run["wall_s"] * 2 / (before["wall_s"] + after["wall_s"])
+            for big_run, before, after in zip(big_runs, small_runs, small_runs[1:], strict=False)
+        )
         scale_small = dict(sorted(small_runs, key=lambda r: r["wall_s"])[len(small_runs) // 2])
         scale_big = dict(sorted(big_runs, key=lambda r: r["wall_s"])[len(big_runs) // 2])
         for median_run, runs in ((scale_small, small_runs), (scale_big, big_runs)):
@@ -782,7 +789,10 @@ def run_all(quick: bool) -> dict[str, dict[str, Any]]:
     results["scale"] = {
         **{f"{small}_{name}": value for name, value in scale_small.items() if name != "samples"},
         **{f"{big}_{name}": value for name, value in scale_big.items() if name != "samples"},
-        "time_ratio": scale_big["wall_s"] / scale_small["wall_s"],
+        "time_ratio": statistics.median(pair_ratios),
+        "time_ratio_pair_least": pair_ratios[0],
+        "time_ratio_pair_greatest": pair_ratios[-1],
+        "time_ratio_of_median_walls": scale_big["wall_s"] / scale_small["wall_s"],
         f"{small}_wall_s_least": min(r["wall_s"] for r in small_runs),
         f"{small}_wall_s_greatest": max(r["wall_s"] for r in small_runs),
         f"{big}_wall_s_least": min(r["wall_s"] for r in big_runs),

@@ -46,7 +46,9 @@ def test_quick_bench_writes_every_figure_as_json(tmp_path: Path, capsys: pytest.
     assert tracing["cpu_us_per_turn_file"] <= tracing["cpu_us_per_turn_file_greatest"]
     assert client["cpu_us_per_turn_least"] <= client["cpu_us_per_turn"] <= client["cpu_us_per_turn_greatest"]
     assert {"1000_full_gc_count", "1000_server_cpu_s", "200_wall_s_least", "1000_wall_s_greatest",
-            "loop_lag_p99_ms_greatest"} <= set(figures["scale"])
+            "loop_lag_p99_ms_greatest", "time_ratio_of_median_walls"} <= set(figures["scale"])
+    scale = figures["scale"]
+    assert scale["time_ratio_pair_least"] <= scale["time_ratio"] <= scale["time_ratio_pair_greatest"]
     assert figures["replay"]["turns_executed"] > 0 and "turns_per_s" in figures["replay"]
     assert {"baseline_cpu_us_per_turn", "ours_vs_baseline_cpu"} <= set(figures["baseline"])
     assert set(figures["goals"]) == GOALS
