@@ -11,11 +11,11 @@ figures from ``fsm-rollout bench``, workload ``scale``, on the 2-core machine of
   event loop and over a third of the client's CPU. The rollout path makes next to no cyclic garbage (about 3
   objects per sample, from closed connections), so nothing needs those passes while rollouts run.
 * **Young passes.** With the default thresholds (700, 10) the middle generation gathers eleven young passes'
-  survivors, 15,000-25,000 objects, before it is walked, by which time they are out of the CPU's caches: 5-18 ms
-  pauses, and 53-70 µs of collector time per turn, the most at 10,000 samples (whose per-sample data is furthest
-  from the cache). Collected every 300 net allocations, and the middle generation every second young pass, the
-  survivors are walked while still warm: 33-35 µs per turn at 1,000 and at 10,000 samples alike, and pauses of
-  about a millisecond.
+  survivors, 15,000-25,000 objects, before it is walked, by which time they are out of the CPU's caches: 40-64 µs
+  of collector time per turn at 1,000 samples in flight and 50-72 µs at 10,000 (whose per-sample data is furthest
+  from the cache), with pauses of 5-19 ms. Collected every 300 net allocations, and the middle generation every
+  second young pass, the survivors are walked while still warm: 27-36 µs per turn at both sizes, and pauses of
+  1-3 ms.
 
 So while at least one rollout of the process runs, the thresholds become ``(300, 1, n)``, where ``n`` makes a full
 pass need :data:`FULL_GC_THRESHOLD_FACTOR` times the allocations it needs under the previous thresholds (none
