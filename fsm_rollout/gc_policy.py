@@ -10,19 +10,20 @@ figures from ``fsm-rollout bench``, workload ``scale``, on the 2-core machine of
   milliseconds, and each one walks every tracked object in the process (800,000): pauses of 0.3-0.6 s on the
   event loop and over a third of the client's CPU. The rollout path makes next to no cyclic garbage (about 3
   objects per sample, from closed connections), so nothing needs those passes while rollouts run.
-* **Young passes.** With the default thresholds (700, 10) the middle generation gathers eleven young passes'
-  survivors, 15,000-25,000 objects, before it is walked, by which time they are out of the CPU's caches: 40-64 µs
-  of collector time per turn at 1,000 samples in flight and 50-72 µs at 10,000 (whose per-sample data is furthest
-  from the cache), with pauses of 5-19 ms. Collected every 300 net allocations, and the middle generation every
-  second young pass, the survivors are walked while still warm: 27-36 µs per turn at both sizes, and pauses of
-  1-3 ms.
+* **Young passes.** With CPython 3.11's and 3.12's default thresholds (700, 10) the middle generation gathers
+  eleven young passes' survivors, 15,000-25,000 objects, before it is walked, by which time they are out of the
+  CPU's caches: 40-64 µs of collector time per turn at 1,000 samples in flight and 50-72 µs at 10,000 (whose
+  per-sample data is furthest from the cache), with pauses of 5-19 ms. With a young collection once more than 300
+  net allocations have accumulated, and the middle generation collected with every third one, the survivors are
+  walked while still warm: 27-36 µs per turn at both sizes, and pauses of 1-3 ms.
 
 So while at least one rollout of the process runs, the thresholds become ``(300, 1, n)``, where ``n`` makes a full
-pass need :data:`FULL_GC_THRESHOLD_FACTOR` times the allocations it needs under the previous thresholds (none
-comes in a 10,000-sample batch). Young thresholds the process set lower than these are kept. The previous
-thresholds come back when the last running rollout ends, unless other code set thresholds of its own meanwhile
-(those are kept), and collections resume on Python's normal schedule. A process that turned automatic collection
-off with a zero threshold is left alone. Rollouts opt out with ``RolloutConfig(tune_gc=False)``.
+pass need :data:`FULL_GC_THRESHOLD_FACTOR` times the allocations it needs under the previous thresholds
+(:func:`full_pass_allocations`; none comes in a 10,000-sample batch). Young and middle thresholds the process set
+lower are kept. The previous thresholds come back when the last running rollout ends, unless other code set
+thresholds of its own meanwhile (those are kept), and collections resume on Python's normal schedule. A process
+that turned automatic collection off with a zero threshold is left alone. Rollouts opt out with
+``RolloutConfig(tune_gc=False)``.
 
 Only CPython's generational collector (up to 3.13) is tuned. From 3.14 the collector is incremental, with no
 full passes to defer and other meanings for the thresholds, and is left as it is.
@@ -40,14 +41,17 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 YOUNG_THRESHOLD = 300
-"""Net new container objects between young collections while rollouts run (CPython's default: 700)."""
+"""While rollouts run, a young collection runs once more than this many container objects have been allocated (net)
+since the last one (CPython 3.11's and 3.12's default: 700)."""
 MIDDLE_THRESHOLD = 1
-"""Young collections between middle-generation collections, minus one, while rollouts run (default: 10)."""
+"""While rollouts run, the middle generation is collected once more than this many young collections have run
+since its last one (CPython's default: 10)."""
 FULL_GC_THRESHOLD_FACTOR = 100
 """How many times the allocations a full collection needs under the previous thresholds it needs while rollouts
 run."""
 
 _GENERATIONAL = sys.version_info < (3, 14)
+_MAX_THRESHOLD = 2**31 - 1  # gc.set_threshold takes C ints
 
 _lock = threading.Lock()
 _running = 0
@@ -55,30 +59,41 @@ _saved_thresholds: tuple[int, int, int] | None = None
 _raised_thresholds: tuple[int, int, int] | None = None
 
 
+def full_pass_allocations(thresholds: tuple[int, int, int]) -> int:
+    """Net allocations of container objects from one full collection to the next under ``thresholds``.
+
+    CPython's generational collector runs a collection once the young count exceeds ``young`` (every ``young + 1``
+    allocations); a collection is of the middle generation once ``middle + 1`` young ones have run since its last
+    one (every ``middle + 2`` collections), and full once ``old + 1`` middle ones have. (A full one also waits until
+    the objects promoted since the last one are a quarter of those that survived it, which only defers it further.)
+    """
+    young, middle, old = thresholds
+    return (young + 1) * ((middle + 2) * (old + 1) + 1)
+
+
 def tuned_thresholds(saved: tuple[int, int, int]) -> tuple[int, int, int]:
     """The collector thresholds used while rollouts run, given the ones in force before."""
     young, middle, old = saved
-    if not _GENERATIONAL or young <= 0:  # incremental collector, or automatic collection turned off
+    if not _GENERATIONAL or young <= 0 or middle < 0 or old < 0:  # incremental collector, collection off, or odd
         return saved
     tuned_young, tuned_middle = min(young, YOUNG_THRESHOLD), min(middle, MIDDLE_THRESHOLD)
-    # CPython collects a generation once its count exceeds its threshold: a full pass comes every
-    # young * (middle + 1) * (old + 1) net allocations.
-    allocations = young * (middle + 1) * (old + 1) * FULL_GC_THRESHOLD_FACTOR
-    per_middle_pass = tuned_young * (tuned_middle + 1)
-    return tuned_young, tuned_middle, max(old, -(-allocations // per_middle_pass) - 1)
+    # the least ``n`` with full_pass_allocations((tuned_young, tuned_middle, n)) >= the factor times the saved one
+    collections = -(-full_pass_allocations(saved) * FULL_GC_THRESHOLD_FACTOR // (tuned_young + 1))
+    tuned_old = -(-(collections - 1) // (tuned_middle + 2)) - 1
+    return tuned_young, tuned_middle, min(_MAX_THRESHOLD, max(old, tuned_old))
 
 
 def rollout_started() -> None:
     """Note a rollout starting; the first one in flight tunes the collector."""
     global _running, _saved_thresholds, _raised_thresholds
     with _lock:
-        _running += 1
-        if _running == 1:
+        if _running == 0:
             saved = gc.get_threshold()
             tuned = tuned_thresholds(saved)
             if tuned != saved:
-                _saved_thresholds, _raised_thresholds = saved, tuned
                 gc.set_threshold(*tuned)
+                _saved_thresholds, _raised_thresholds = saved, tuned
+        _running += 1
 
 
 def rollout_ended() -> None:
@@ -103,5 +118,6 @@ def rollouts_in_flight() -> Iterator[None]:
 
 
 def tuning() -> bool:
-    """Whether the collector is tuned for rollouts now (some rollout of the process is running)."""
-    return _running > 0
+    """Whether the collector's thresholds are the tuned ones now (some rollout of the process is running, and there
+    was something to tune)."""
+    return _running > 0 and _raised_thresholds is not None

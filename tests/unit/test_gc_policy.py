@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -20,13 +22,6 @@ def clean_collector() -> Iterator[None]:
     gc.unfreeze()
 
 
-def full_pass_allocations(thresholds: tuple[int, int, int]) -> int:
-    """Net allocations between full collections: CPython collects a generation once its count exceeds its
-    threshold."""
-    young, middle, old = thresholds
-    return young * (middle + 1) * (old + 1)
-
-
 def test_tuned_while_in_flight_and_restored_after() -> None:
     gc.set_threshold(700, 10, 10)
     assert not gc_policy.tuning()
@@ -34,16 +29,58 @@ def test_tuned_while_in_flight_and_restored_after() -> None:
         assert gc_policy.tuning()
         young, middle, old = gc.get_threshold()
         assert (young, middle) == (gc_policy.YOUNG_THRESHOLD, gc_policy.MIDDLE_THRESHOLD) == (300, 1)
-        assert old == 14_116  # 700 * 11 * 11 * 100 net allocations between full passes, 600 per middle pass
+        assert old == 10_324  # 301 * (3 * 10_325 + 1) >= 100 * 701 * (12 * 11 + 1) net allocations per full pass
     assert not gc_policy.tuning()
     assert gc.get_threshold() == (700, 10, 10)
 
 
-@pytest.mark.parametrize("saved", [(700, 10, 10), (500, 5, 7), (1000, 20, 30), (300, 1, 10), (2000, 0, 3)])
+@pytest.mark.parametrize("saved", [(700, 10, 10), (2000, 10, 10), (500, 5, 7), (1000, 20, 30), (300, 1, 10),
+                                   (2000, 0, 3), (1, 0, 0)])
 def test_a_full_pass_needs_the_factor_times_the_allocations(saved: tuple[int, int, int]) -> None:
     tuned = gc_policy.tuned_thresholds(saved)
-    needed = full_pass_allocations(saved) * gc_policy.FULL_GC_THRESHOLD_FACTOR
-    assert needed <= full_pass_allocations(tuned) < needed + tuned[0] * (tuned[1] + 1)
+    needed = gc_policy.full_pass_allocations(saved) * gc_policy.FULL_GC_THRESHOLD_FACTOR
+    one_middle_period = (tuned[0] + 1) * (tuned[1] + 2)
+    assert needed <= gc_policy.full_pass_allocations(tuned) < needed + one_middle_period
+
+
+PERIOD = """
+import gc, sys
+gc.collect()
+gc.set_threshold(*map(int, sys.argv[1:4]))
+starts, allocated, keep = [], 0, []
+gc.callbacks.append(lambda phase, info: phase == "start" and info["generation"] == 2 and starts.append(allocated))
+while len(starts) < 3:
+    keep.append([])
+    allocated += 1
+print(starts[2] - starts[1], starts[1] - starts[0])
+"""
+
+
+@pytest.mark.skipif(not gc_policy._GENERATIONAL, reason="CPython's generational collector (3.11-3.13) only")
+@pytest.mark.parametrize("thresholds", [(300, 1, 20), (700, 10, 10), (2000, 0, 3), (50, 2, 40)])
+def test_the_full_pass_period_is_what_this_cpython_does(thresholds: tuple[int, int, int]) -> None:
+    """The arithmetic checked against the running interpreter: the net allocations between full passes, counted
+    in a fresh one (its small heap keeps the promoted-quarter condition from deferring them)."""
+    run = subprocess.run([sys.executable, "-I", "-S", "-c", PERIOD, *map(str, thresholds)],
+                         capture_output=True, text=True, timeout=60, check=True)
+    expected = gc_policy.full_pass_allocations(thresholds)
+    for period in map(int, run.stdout.split()):
+        assert expected - 2 <= period <= expected  # the callbacks' own argument tuples count too
+
+
+def test_odd_thresholds_are_left_alone() -> None:
+    gc.set_threshold(700, -1, 10)
+    with gc_policy.rollouts_in_flight():
+        assert gc.get_threshold() == (700, -1, 10)
+        assert not gc_policy.tuning()
+    assert gc.get_threshold() == (700, -1, 10)
+
+
+def test_huge_thresholds_of_the_process_stay_within_what_the_collector_takes() -> None:
+    gc.set_threshold(1_000_000, 1000, 1000)
+    with gc_policy.rollouts_in_flight():
+        assert gc.get_threshold() == (300, 1, 2**31 - 1)
+    assert gc.get_threshold() == (1_000_000, 1000, 1000)
 
 
 def test_lower_young_thresholds_of_the_process_are_kept() -> None:
