@@ -38,6 +38,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import itertools
 import json
 import os
 import statistics
@@ -499,7 +500,7 @@ def _run_rollouts(url: str, tokenizer: Any, samples: int, *, trace: str | None =
         factory = ScriptedEnvFactory()
         # The collector is tuned from before the rollouts and their tasks are made, as RolloutRunner.run_batch
         # does: tasks made before the first rollout starts would otherwise set off a full collection at 10k.
-        with gc_policy.rollouts_in_flight():
+        with gc_policy.rollouts_in_flight() if config.tune_gc else contextlib.nullcontext():
             records = [Sample(prompt=_PROMPT, index=i) for i in range(samples)]
             rollouts = [
                 Rollout(sample, config=config, sampling_params=_SAMPLING, client=client, tokenizer=tokenizer,
@@ -726,8 +727,9 @@ def run_all(quick: bool) -> dict[str, dict[str, Any]]:
             small_runs.append(scale_run(small))
         pair_ratios = sorted(
             big_run["wall_s"] * 2 / (before["wall_s"] + after["wall_s"])
-            for big_run, before, after in zip(big_runs, small_runs, small_runs[1:], strict=False)
+            for big_run, (before, after) in zip(big_runs, itertools.pairwise(small_runs), strict=True)
         )
+        # each size's other figures come from its median run by wall (of four big runs, the slower middle one)
         scale_small = dict(sorted(small_runs, key=lambda r: r["wall_s"])[len(small_runs) // 2])
         scale_big = dict(sorted(big_runs, key=lambda r: r["wall_s"])[len(big_runs) // 2])
         for median_run, runs in ((scale_small, small_runs), (scale_big, big_runs)):
@@ -792,7 +794,8 @@ def run_all(quick: bool) -> dict[str, dict[str, Any]]:
         "time_ratio": statistics.median(pair_ratios),
         "time_ratio_pair_least": pair_ratios[0],
         "time_ratio_pair_greatest": pair_ratios[-1],
-        "time_ratio_of_median_walls": scale_big["wall_s"] / scale_small["wall_s"],
+        "time_ratio_of_median_walls": statistics.median(r["wall_s"] for r in big_runs)
+        / statistics.median(r["wall_s"] for r in small_runs),
         f"{small}_wall_s_least": min(r["wall_s"] for r in small_runs),
         f"{small}_wall_s_greatest": max(r["wall_s"] for r in small_runs),
         f"{big}_wall_s_least": min(r["wall_s"] for r in big_runs),

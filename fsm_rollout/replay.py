@@ -1243,7 +1243,14 @@ async def replay_async(
 
 @contextlib.contextmanager
 def _tape_out_of_gc() -> Iterator[None]:
-    """Keep the parsed recording (millions of long-lived objects) out of the collector's scans while replaying."""
+    """Keep the parsed recording (millions of long-lived objects) out of the collector's scans while replaying.
+
+    Only in a process that has frozen nothing itself: unfreezing afterwards would also unfreeze what it froze (for
+    copy-on-write after a fork, say). Counting the frozen objects walks them once per replay, not per sample.
+    """
+    if gc.get_freeze_count():
+        yield
+        return
     gc.freeze()
     try:
         yield

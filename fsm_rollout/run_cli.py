@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                               "0 turns pacing off (default: %(default)s)")
     rollout.add_argument("--no-tune-gc", action="store_true",
                          help="leave Python's garbage collector on its default schedule while rollouts run")
+    rollout.add_argument("--no-defer-full-gc", dest="no_tune_gc", action="store_true",
+                         help=argparse.SUPPRESS)  # its former name, so existing scripts still run
     rollout.add_argument("--temperature", type=float, default=1.0)
     rollout.add_argument("--top-p", type=float, default=1.0)
     rollout.add_argument("--stop", action="append", default=[], metavar="S", help="stop string (repeatable)")

@@ -286,7 +286,8 @@ class RolloutRunner:
     async def stream(self, samples: Iterable[Sample], *, concurrency: int = 64) -> AsyncIterator[Sample]:
         """Yield samples as they finish (at most ``concurrency`` in flight), for asynchronous RL trainers."""
         semaphore = asyncio.Semaphore(_positive(concurrency))
-        tasks = [asyncio.ensure_future(self._bounded(item, semaphore)) for item in self._prepare(samples)]
+        with self._gc_tuned():  # while the rollouts and their tasks are made; each holds it while it runs
+            tasks = [asyncio.ensure_future(self._bounded(item, semaphore)) for item in self._prepare(samples)]
         try:
             for finished in asyncio.as_completed(tasks):
                 yield await finished

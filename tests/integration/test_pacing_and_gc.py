@@ -1,4 +1,4 @@
-"""Rollouts sharing a loop through the pacer, and deferring full GC while they run (real HTTP, real tokenizer)."""
+"""Rollouts sharing a loop through the pacer, and the collector tuned while they run (real HTTP, real tokenizer)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import gc
 import io
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -437,6 +438,16 @@ async def test_a_tape_from_before_a_config_rename_replays_and_names_only_unknown
     assert report.counts() == {"identical": len(recording.samples)}, report.render(verbose=True)
     for sample in report.samples:
         assert "config fields unknown today were ignored: from_the_future" in sample.notes
+
+
+async def test_replay_leaves_what_the_process_froze_frozen(recording: Recording) -> None:
+    gc.freeze()  # as a forked trainer does for copy-on-write
+    try:
+        report = await run_replay_in_thread(recording)
+        assert report.counts() == {"identical": len(recording.samples)}
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
 
 
 async def test_check_finds_an_illegal_transition_with_its_line(recording: Recording) -> None:

@@ -239,7 +239,7 @@ async def test_occupancy_always_sums_to_the_samples_in_flight(fake_vllm: FakeVLL
 
 
 @pytest.mark.parametrize("tune_gc", [True, False])
-async def test_batches_and_groups_tune_the_collector_from_before_their_rollouts_are_made(
+async def test_batches_groups_and_streams_tune_the_collector_from_before_their_rollouts_are_made(
     fake_vllm: FakeVLLMServer, tokenizer: Any, tune_gc: bool
 ) -> None:
     """A batch makes its rollouts and their tasks before any of them starts: with thousands, that alone can set
@@ -253,12 +253,13 @@ async def test_batches_and_groups_tune_the_collector_from_before_their_rollouts_
             seen.append(gc.get_threshold())
             yield sample
 
-    fake_vllm.script([ScriptedTurn(text="answer")] * 5)
+    fake_vllm.script([ScriptedTurn(text="answer")] * 8)
     envs = ScriptedEnvFactory(steps=[("ok", True)])
     async with runner_for(fake_vllm, tokenizer, envs=envs, config_overrides={"tune_gc": tune_gc}) as runner:
         done = await runner.run_batch(noting(samples(3)), concurrency=2)
         assert gc.get_threshold() == before
         group = await runner.run_group(samples(1)[0], 2)
-    assert seen == [expected] * 3
-    assert [sample.status for sample in done + group] == [Status.COMPLETED] * 5
+        streamed = [sample async for sample in runner.stream(noting(samples(3)), concurrency=2)]
+    assert seen == [expected] * 6
+    assert [sample.status for sample in done + group + streamed] == [Status.COMPLETED] * 8
     assert gc.get_threshold() == before
