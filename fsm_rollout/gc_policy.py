@@ -19,7 +19,8 @@ figures from ``fsm-rollout bench``, workload ``scale``, on the 2-core machine of
 
 So while at least one rollout of the process runs, the thresholds become ``(300, 1, n)``, where ``n`` makes a full
 pass need :data:`FULL_GC_THRESHOLD_FACTOR` times the allocations it needs under the previous thresholds
-(:func:`full_pass_allocations`; none comes in a 10,000-sample batch). Young and middle thresholds the process set
+(:func:`full_pass_allocations`: about 9.3 million net allocations with CPython 3.11's defaults, where a
+10,000-sample batch of the bench makes about 2.2 million). Young and middle thresholds the process set
 lower are kept. The previous thresholds come back when the last running rollout ends, unless other code set
 thresholds of its own meanwhile (those are kept), and collections resume on Python's normal schedule. A process
 that turned automatic collection off with a zero threshold is left alone. Rollouts opt out with
