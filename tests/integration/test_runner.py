@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -240,26 +240,38 @@ async def test_occupancy_always_sums_to_the_samples_in_flight(fake_vllm: FakeVLL
 
 @pytest.mark.parametrize("tune_gc", [True, False])
 async def test_batches_groups_and_streams_tune_the_collector_from_before_their_rollouts_are_made(
-    fake_vllm: FakeVLLMServer, tokenizer: Any, tune_gc: bool
+    fake_vllm: FakeVLLMServer, tokenizer: Any, tune_gc: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A batch makes its rollouts and their tasks before any of them starts: with thousands, that alone can set
-    off a full collection unless the collector is tuned from the start."""
+    off a full collection unless the collector is tuned from the start, and stays tuned until the last one ends
+    (it is released once per call, not whenever no rollout happens to be running)."""
     before = gc.get_threshold()
     expected = gc_policy.tuned_thresholds(before) if tune_gc else before
-    seen: list[tuple[int, int, int]] = []
+    assert (expected != before) == tune_gc
+    seen_while_making: list[tuple[int, int, int]] = []
+    released: list[int] = []
+    prepare, ended = RolloutRunner._prepare, gc_policy.rollout_ended
 
-    def noting(batch: list[Sample]) -> Iterator[Sample]:
-        for sample in batch:
-            seen.append(gc.get_threshold())
-            yield sample
+    def noting_prepare(runner: RolloutRunner, batch: Any) -> Any:
+        seen_while_making.append(gc.get_threshold())
+        return prepare(runner, batch)
 
-    fake_vllm.script([ScriptedTurn(text="answer")] * 8)
+    def noting_end() -> None:
+        ended()
+        if not gc_policy._running:
+            released.append(1)
+
+    monkeypatch.setattr(RolloutRunner, "_prepare", noting_prepare)
+    monkeypatch.setattr(gc_policy, "rollout_ended", noting_end)
+    fake_vllm.script([ScriptedTurn(text="answer", delay=0.02 * (i % 3)) for i in range(9)])
     envs = ScriptedEnvFactory(steps=[("ok", True)])
     async with runner_for(fake_vllm, tokenizer, envs=envs, config_overrides={"tune_gc": tune_gc}) as runner:
-        done = await runner.run_batch(noting(samples(3)), concurrency=2)
+        done = await runner.run_batch(samples(3), concurrency=1)
         assert gc.get_threshold() == before
-        group = await runner.run_group(samples(1)[0], 2)
-        streamed = [sample async for sample in runner.stream(noting(samples(3)), concurrency=2)]
-    assert seen == [expected] * 6
-    assert [sample.status for sample in done + group + streamed] == [Status.COMPLETED] * 8
+        group = await runner.run_group(samples(1)[0], 3, concurrency=1)
+        streamed = [sample async for sample in runner.stream(samples(3), concurrency=1)]
+    assert seen_while_making == [expected] * 3
+    # released once per call, not after each rollout (one runs at a time); never taken with tune_gc off
+    assert len(released) == (3 if tune_gc else 0)
+    assert [sample.status for sample in done + group + streamed] == [Status.COMPLETED] * 9
     assert gc.get_threshold() == before
