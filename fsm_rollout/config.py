@@ -56,7 +56,7 @@ class RolloutConfig:
     beside the ``trace`` file for offline replay (:mod:`fsm_rollout.tape`). ``loop_slice_ms`` is the event-loop
     time per iteration that rollouts' CPU work aims to stay within when many share a loop (:mod:`fsm_rollout.pacing`;
     ``None`` turns pacing off). ``tune_gc`` tunes Python's garbage collector while rollouts run: small, cache-warm
-    young collections and no full ones (:mod:`fsm_rollout.gc_policy`).
+    young collections, and full ones deferred to 100 times the allocations (:mod:`fsm_rollout.gc_policy`).
     """
 
     engine_url: str

@@ -22,12 +22,13 @@ pass need :data:`FULL_GC_THRESHOLD_FACTOR` times the allocations it needs under 
 (:func:`full_pass_allocations`: about 9.3 million net allocations with CPython 3.11's defaults, where a
 10,000-sample batch of the bench makes about 2.2 million). Young and middle thresholds the process set
 lower are kept. The previous thresholds come back when the last running rollout ends, unless other code set
-thresholds of its own meanwhile (those are kept), and collections resume on Python's normal schedule. A process
-that turned automatic collection off with a zero threshold is left alone. Rollouts opt out with
-``RolloutConfig(tune_gc=False)``.
+thresholds of its own meanwhile (those are kept), and collections resume on Python's normal schedule; a process
+forked while rollouts run gets them back at once. A process that turned automatic collection off with a zero
+threshold, or set a negative one, is left alone. Rollouts opt out with ``RolloutConfig(tune_gc=False)``.
 
-Only CPython's generational collector (up to 3.13) is tuned. From 3.14 the collector is incremental, with no
-full passes to defer and other meanings for the thresholds, and is left as it is.
+Only CPython's generational collector (up to 3.13, with the GIL) is tuned. From 3.14 the collector is
+incremental, with no full passes to defer and other meanings for the thresholds, and the free-threaded build
+walks the whole heap each time; both are left as they are.
 
 ``gc.freeze()`` is not used: telling whether the process froze objects itself (so as not to unfreeze them) costs
 a walk of every frozen object, and with full passes deferred a freeze saves nothing more.
@@ -36,7 +37,9 @@ a walk of every frozen object, and with full passes deferred a freeze saves noth
 from __future__ import annotations
 
 import gc
+import os
 import sys
+import sysconfig
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,7 +54,9 @@ FULL_GC_THRESHOLD_FACTOR = 100
 """How many times the allocations a full collection needs under the previous thresholds it needs while rollouts
 run."""
 
-_GENERATIONAL = sys.version_info < (3, 14)
+# CPython's generational collector: up to 3.13, and not the free-threaded build (which walks the whole heap each
+# time and uses only the young threshold)
+_GENERATIONAL = sys.version_info < (3, 14) and not sysconfig.get_config_var("Py_GIL_DISABLED")
 _MAX_THRESHOLD = 2**31 - 1  # gc.set_threshold takes C ints
 
 _lock = threading.Lock()
@@ -98,14 +103,31 @@ def rollout_started() -> None:
 
 
 def rollout_ended() -> None:
-    """Note a rollout ending; the last one in flight restores the collector."""
+    """Note a rollout ending; the last one in flight restores the collector. An end without a start is ignored
+    (it is called from ``finally`` blocks, where raising would skip the rest of the cleanup)."""
     global _running, _saved_thresholds, _raised_thresholds
     with _lock:
+        if _running <= 0:
+            return
         _running -= 1
         if _running == 0 and _saved_thresholds is not None:
             if gc.get_threshold() == _raised_thresholds:  # thresholds someone set meanwhile are theirs to keep
                 gc.set_threshold(*_saved_thresholds)
             _saved_thresholds = _raised_thresholds = None
+
+
+def _after_fork_in_child() -> None:
+    """A process forked while rollouts ran (a data-loader worker, say) runs none of them: it gets the collector
+    back as it was."""
+    global _lock, _running, _saved_thresholds, _raised_thresholds
+    _lock = threading.Lock()
+    if _saved_thresholds is not None and gc.get_threshold() == _raised_thresholds:
+        gc.set_threshold(*_saved_thresholds)
+    _running, _saved_thresholds, _raised_thresholds = 0, None, None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextmanager

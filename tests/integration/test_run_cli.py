@@ -173,3 +173,10 @@ async def test_the_demo_runs_on_the_embedded_engine_with_images(tmp_path: Path) 
         assert row["multimodal_train_inputs"]["pixel_values"]["dtype"] == "float32"
         assert row["multimodal_inputs"]["images"][0].startswith("data:image/png;base64,")
     assert "2/2 samples" in stdout.decode()
+
+
+def test_the_former_gc_flag_name_still_parses() -> None:
+    from fsm_rollout.cli import build_parser
+
+    assert build_parser().parse_args(["run", "--no-defer-full-gc"]).no_tune_gc is True
+    assert build_parser().parse_args(["run"]).no_tune_gc is False

@@ -1,8 +1,9 @@
-"""gc_policy: the collector tuned while rollouts run (small young passes, no full ones), restored after the last one."""
+"""gc_policy: the collector tuned while rollouts run (small young passes, full ones deferred), restored after."""
 
 from __future__ import annotations
 
 import gc
+import os
 import subprocess
 import sys
 import threading
@@ -157,3 +158,30 @@ def test_thresholds_set_while_rollouts_run_are_kept() -> None:
     with gc_policy.rollouts_in_flight():
         assert gc.get_threshold() == gc_policy.tuned_thresholds((1000, 20, 30))
     assert gc.get_threshold() == (1000, 20, 30)
+
+
+def test_an_end_without_a_start_is_ignored() -> None:
+    gc.set_threshold(700, 10, 10)
+    gc_policy.rollout_ended()
+    with gc_policy.rollouts_in_flight():
+        assert gc_policy.tuning()
+    assert gc.get_threshold() == (700, 10, 10)
+    assert not gc_policy.tuning()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_process_forked_while_rollouts_run_gets_the_collector_back() -> None:
+    gc.set_threshold(700, 10, 10)
+    read, write = os.pipe()
+    with gc_policy.rollouts_in_flight():
+        pid = os.fork()
+        if pid == 0:  # the child: report what it sees, then leave without running the parent's cleanup
+            os.write(write, repr((gc.get_threshold(), gc_policy.tuning())).encode())
+            os._exit(0)
+        os.close(write)
+        with os.fdopen(read) as pipe:
+            seen = pipe.read()
+        os.waitpid(pid, 0)
+        assert gc_policy.tuning()  # the parent's rollouts are still running
+    assert seen == repr(((700, 10, 10), False))
+    assert gc.get_threshold() == (700, 10, 10)
