@@ -4,7 +4,7 @@ test server): vLLM-shaped answers and one way to bind the routes."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from http import HTTPStatus
 from typing import Any
 
@@ -74,6 +74,12 @@ class EndpointHandlers:
     abort: Handler
     health: Handler
     models: Handler
+
+    @classmethod
+    def of(cls, server: Any) -> EndpointHandlers:
+        """The server's ``_handle_render``, ``_handle_generate``, ... methods (the embedded engine and the fake
+        test server name theirs so)."""
+        return cls(**{item.name: getattr(server, f"_handle_{item.name}") for item in fields(cls)})
 
 
 async def serve_endpoints(

@@ -210,15 +210,8 @@ class FakeVLLMServer:
         """Bind the port and start answering."""
         if self._runner is not None:
             raise RuntimeError("FakeVLLMServer is already started")
-        handlers = EndpointHandlers(
-            render=self._handle_render,
-            generate=self._handle_generate,
-            abort=self._handle_abort,
-            health=self._handle_health,
-            models=self._handle_models,
-        )
         runner, url = await serve_endpoints(
-            handlers,
+            EndpointHandlers.of(self),
             host=self.host,
             port=self.port,
             client_max_size=_CLIENT_MAX_SIZE,

@@ -178,16 +178,9 @@ class LocalEngine:
         images = ImageSupport(loaded.tokenizer)
         scheduler = Scheduler(loaded, max_num_seqs=self._max_num_seqs, torch_threads=self._torch_threads)
         scheduler.start()
-        handlers = EndpointHandlers(
-            render=self._handle_render,
-            generate=self._handle_generate,
-            abort=self._handle_abort,
-            health=self._handle_health,
-            models=self._handle_models,
-        )
         try:
             runner, url = await serve_endpoints(
-                handlers,
+                EndpointHandlers.of(self),
                 host=self.host,
                 port=self.port,
                 client_max_size=self._max_request_bytes,
