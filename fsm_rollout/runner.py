@@ -286,19 +286,11 @@ class RolloutRunner:
     async def stream(self, samples: Iterable[Sample], *, concurrency: int = 64) -> AsyncIterator[Sample]:
         """Yield samples as they finish (at most ``concurrency`` in flight), for asynchronous RL trainers."""
         semaphore = asyncio.Semaphore(_positive(concurrency))
-        # The collector stays tuned from before the rollouts and tasks are made until the last task is done: tied
-        # to the tasks, not to this generator, which its consumer may never finish.
-        tuning = self.config.tune_gc
-        if tuning:
-            gc_policy.rollout_started()
-        try:
+        with self._gc_tuned():
             tasks = [asyncio.ensure_future(self._bounded(item, semaphore)) for item in self._prepare(samples)]
-        except BaseException:
-            if tuning:
-                gc_policy.rollout_ended()
-            raise
-        if tuning:
-            _end_tuning_when_all_done(tasks)
+            if self.config.tune_gc:  # held on until the last task is done: tied to the tasks, not to this
+                gc_policy.rollout_started()  # generator, which its consumer may never finish
+                asyncio.gather(*tasks, return_exceptions=True).add_done_callback(lambda _: gc_policy.rollout_ended())
         try:
             for finished in asyncio.as_completed(tasks):
                 yield await finished
@@ -345,23 +337,6 @@ class RolloutRunner:
     def in_flight(self) -> int:
         """Samples created by this runner that have not reached a terminal state."""
         return len(self._active)
-
-
-def _end_tuning_when_all_done(tasks: Sequence[asyncio.Future[Any]]) -> None:
-    """Call :func:`gc_policy.rollout_ended` once every task is done (at once when there are none)."""
-    remaining = len(tasks)
-    if not remaining:
-        gc_policy.rollout_ended()
-        return
-
-    def one_done(_: asyncio.Future[Any]) -> None:
-        nonlocal remaining
-        remaining -= 1
-        if not remaining:
-            gc_policy.rollout_ended()
-
-    for task in tasks:
-        task.add_done_callback(one_done)
 
 
 def _positive(value: int) -> int:
