@@ -314,8 +314,9 @@ class _CannedHTTP(asyncio.Protocol):
     """A minimal HTTP/1.1 keep-alive server answering each POST path with a fixed body after a fixed delay.
 
     The scale workloads measure the client, so the server must cost next to nothing: parsing the request line
-    and ``Content-Length`` and sending prepared bytes is about 20 us a request, where the fake vLLM server (which
-    renders templates and checks every field) costs about 500 us and would be the bottleneck.
+    and ``Content-Length`` and sending prepared bytes costs the server process about 35 us a request, where the
+    fake vLLM server (which renders templates and checks every field) costs about 500 us and would be the
+    bottleneck.
     """
 
     def __init__(self, answers: dict[str, bytes], delay: float) -> None:
@@ -382,7 +383,7 @@ def serve(delay: float) -> None:
 
 
 class _Server:
-    """A fake vLLM server in a child process, so its CPU and memory are not the client's."""
+    """The canned loopback server (:func:`serve`) in a child process, so its CPU and memory are not the client's."""
 
     def __init__(self, delay: float) -> None:
         import subprocess
