@@ -487,11 +487,15 @@ def _run_rollouts(url: str, tokenizer: Any, samples: int, *, trace: str | None =
     """``samples`` rollouts of three turns each, all in flight at once, against the server at ``url``."""
     from fsm_rollout.config import RolloutConfig
     from fsm_rollout.engine.client import VLLMClient
+    from fsm_rollout.recording import recorded_rollout
     from fsm_rollout.rollout import Rollout
     from fsm_rollout.sample import Sample
     from fsm_rollout.testing.envs import ScriptedEnvFactory
 
-    config = RolloutConfig(engine_url=url, model="fake-model", max_turns=_SCALE_TURNS, trace=trace, record=record)
+    # The bench runs as `fsm-rollout run` does: with pacing and collector tuning on.
+    config = RolloutConfig(engine_url=url, model="fake-model", max_turns=_SCALE_TURNS, trace=trace, record=record,
+                           loop_slice_ms=5.0, tune_gc=True)
+    build = recorded_rollout if record else Rollout
 
     async def main() -> dict[str, float]:
         client = VLLMClient.from_config(config)
@@ -504,8 +508,8 @@ def _run_rollouts(url: str, tokenizer: Any, samples: int, *, trace: str | None =
         with gc_policy.rollouts_in_flight() if config.tune_gc else contextlib.nullcontext():
             records = [Sample(prompt=_PROMPT, index=i) for i in range(samples)]
             rollouts = [
-                Rollout(sample, config=config, sampling_params=_SAMPLING, client=client, tokenizer=tokenizer,
-                        env_factory=factory)
+                build(sample, config=config, sampling_params=_SAMPLING, client=client, tokenizer=tokenizer,
+                      env_factory=factory)
                 for sample in records
             ]
             monitor.start()
@@ -542,8 +546,8 @@ def _baseline_rollouts(url: str, tokenizer: Any, samples: int) -> dict[str, floa
     """The seed's way, as a plain imperative loop: same HTTP session and tokenizer, stdlib json, and two
     chat-template renders per observation (the dummy conversation with and without the observation)."""
     from fsm_rollout.chat import DUMMY_MESSAGES
-    from fsm_rollout.engine.client import VLLMClient
     from fsm_rollout.engine.endpoints import GENERATE_PATH, RENDER_PATH
+    from fsm_rollout.engine.transport import AiohttpTransport
     from fsm_rollout.testing.envs import ScriptedEnv
 
     headers = {"Content-Type": "application/json"}
@@ -589,8 +593,8 @@ def _baseline_rollouts(url: str, tokenizer: Any, samples: int) -> dict[str, floa
         return turns
 
     async def main() -> dict[str, float]:
-        client = VLLMClient(url)
-        session = client._get_session()  # the same pooled aiohttp session the library uses
+        client = AiohttpTransport(url)
+        session = client.session()  # the same pooled aiohttp session the library uses
         wall, cpu = time.perf_counter(), time.process_time()
         turns = sum(await asyncio.gather(*(one(session, i) for i in range(samples))))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -645,8 +649,8 @@ def _json_costs(url: str, repeats: int = 2_000) -> dict[str, float]:
 
 def _replay_rate(url: str, tokenizer: Any, samples: int) -> dict[str, float]:
     """Record ``samples`` rollouts (trace and tape), then re-execute them offline with :func:`replay`."""
+    from fsm_rollout.recording import get_tape_writer, tape_path_for
     from fsm_rollout.replay import replay
-    from fsm_rollout.tape import get_tape_writer, tape_path_for
     from fsm_rollout.trace import get_tracer
 
     with tempfile.TemporaryDirectory() as tmp:

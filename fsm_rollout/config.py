@@ -19,21 +19,26 @@ DEFAULT_ENV_MODULE = "examples.geo3k_vlm_multi_turn.env_geo3k"
 class RetryPolicy:
     """Which engine failures are retried, how often, and how long to wait between attempts.
 
-    Only failures that are safe to repeat are retried: connection errors and HTTP 429/502/503/504. Any other
-    status fails at once with the server's message. Waits grow exponentially from ``base_delay_s`` up to
+    Only failures that are safe to repeat are retried: connection errors and HTTP 429/500/502/503/504 (render and
+    generate have no side effects, and a 500 from vLLM or a router in front of it is often transient). Any other
+    status, and every 4xx but 429, fails at once with the server's message; a retryable one that persists fails
+    after ``max_attempts`` with the last answer's message. Waits grow exponentially from ``base_delay_s`` up to
     ``max_delay_s`` with full jitter.
     """
 
     max_attempts: int = 4
     base_delay_s: float = 0.2
     max_delay_s: float = 5.0
-    retry_statuses: frozenset[int] = frozenset({429, 502, 503, 504})
+    retry_statuses: frozenset[int] = frozenset({429, 500, 502, 503, 504})
 
     def __post_init__(self) -> None:
         if isinstance(self.max_attempts, bool) or not isinstance(self.max_attempts, int) or self.max_attempts < 1:
             raise ConfigError(f"RetryPolicy.max_attempts must be an int >= 1, got {self.max_attempts!r}")
         if self.base_delay_s < 0 or self.max_delay_s < 0:
             raise ConfigError("RetryPolicy delays must be non-negative")
+        client_errors = sorted(status for status in self.retry_statuses if 400 <= status < 500 and status != 429)
+        if client_errors:
+            raise ConfigError(f"RetryPolicy.retry_statuses must not hold request errors (4xx but 429): {client_errors}")
 
     def delay(self, attempt: int) -> float:
         """Seconds to wait before retry number ``attempt`` (1 for the first retry), with full jitter."""
@@ -47,16 +52,20 @@ def _is_int(value: Any) -> bool:
 
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
-    """Options of a multi-turn rollout (contract section 2) and of its engine client.
+    """Options of a multi-turn rollout and of its engine client.
 
     ``engine_url`` is the vLLM server or router base URL (``http://host:port``). ``model`` is the served model name
     sent with every render request (the seed's ``hf_checkpoint``). ``tokenizer_path`` is where the local tokenizer
     is loaded from (defaults to ``model``). ``rollout_max_context_len`` and the sampling ``max_new_tokens`` bound
     the response side together; ``max_turns`` bounds the number of generate turns. ``record`` keeps an I/O tape
-    beside the ``trace`` file for offline replay (:mod:`fsm_rollout.tape`). ``loop_slice_ms`` is the event-loop
-    time per iteration that rollouts' CPU work aims to stay within when many share a loop (:mod:`fsm_rollout.pacing`;
-    ``None`` turns pacing off). ``tune_gc`` tunes Python's garbage collector while rollouts run: small, cache-warm
-    young collections, and full ones deferred to 100 times the allocations (:mod:`fsm_rollout.gc_policy`).
+    beside the ``trace`` file for offline replay (:mod:`fsm_rollout.recording`). ``api_key`` is sent as
+    ``Authorization: Bearer …`` on every engine request and is never written to a trace, tape, result or message.
+
+    Two options change the whole process, so they are off unless asked for (``fsm-rollout run`` and ``bench`` turn
+    them on): ``loop_slice_ms`` is the event-loop time per iteration that rollouts' CPU work aims to stay within when
+    many share a loop (:mod:`fsm_rollout.pacing`; ``None``, the default, turns pacing off), and ``tune_gc`` tunes
+    Python's garbage collector while rollouts run: small, cache-warm young collections, and full ones deferred
+    (:mod:`fsm_rollout.gc_policy`).
     """
 
     engine_url: str
@@ -82,8 +91,9 @@ class RolloutConfig:
     check_invariants: bool = False
     image_placeholder_token: str = "<|image_pad|>"
     image_merge_size: int | None = None
-    loop_slice_ms: float | None = 5.0
-    tune_gc: bool = True
+    loop_slice_ms: float | None = None
+    tune_gc: bool = False
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_turns) or self.max_turns <= 0:

@@ -24,7 +24,9 @@ pass need :data:`FULL_GC_THRESHOLD_FACTOR` times the allocations it needs under 
 lower are kept. The previous thresholds come back when the last running rollout ends, unless other code set
 thresholds of its own meanwhile (those are kept), and collections resume on Python's normal schedule; a process
 forked while rollouts run gets them back at once. A process that turned automatic collection off with a zero
-threshold, or set a negative one, is left alone. Rollouts opt out with ``RolloutConfig(tune_gc=False)``.
+threshold, or set a negative one, is left alone. Nothing here runs unless asked for: rollouts opt in with
+``RolloutConfig(tune_gc=True)`` (``fsm-rollout run`` and ``bench`` do), and the fork hook is installed the first
+time the collector is tuned.
 
 Only CPython's generational collector (up to 3.13, with the GIL) is tuned. From 3.14 the collector is
 incremental, with no full passes to defer and other meanings for the thresholds, and the free-threaded build
@@ -63,6 +65,7 @@ _lock = threading.Lock()
 _running = 0
 _saved_thresholds: tuple[int, int, int] | None = None
 _raised_thresholds: tuple[int, int, int] | None = None
+_fork_hook_registered = False
 
 
 def full_pass_allocations(thresholds: tuple[int, int, int]) -> int:
@@ -91,12 +94,17 @@ def tuned_thresholds(saved: tuple[int, int, int]) -> tuple[int, int, int]:
 
 def rollout_started() -> None:
     """Note a rollout starting; the first one in flight tunes the collector."""
-    global _running, _saved_thresholds, _raised_thresholds
+    global _running, _saved_thresholds, _raised_thresholds, _fork_hook_registered
     with _lock:
         if _running == 0:
             saved = gc.get_threshold()
             tuned = tuned_thresholds(saved)
             if tuned != saved:
+                if not _fork_hook_registered and hasattr(os, "register_at_fork"):
+                    # installed when tuning is first used, never at import: a process that does not ask for
+                    # tuning gets no hook
+                    os.register_at_fork(after_in_child=_after_fork_in_child)
+                    _fork_hook_registered = True
                 gc.set_threshold(*tuned)
                 _saved_thresholds, _raised_thresholds = saved, tuned
         _running += 1
@@ -124,10 +132,6 @@ def _after_fork_in_child() -> None:
     if _saved_thresholds is not None and gc.get_threshold() == _raised_thresholds:
         gc.set_threshold(*_saved_thresholds)
     _running, _saved_thresholds, _raised_thresholds = 0, None, None
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 @contextmanager

@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING, Any
 from fsm_rollout.replay_cli import use_color
 
 if TYPE_CHECKING:
+    from fsm_rollout.recording import LineProblem, TapeFile, TapeSample
     from fsm_rollout.replay import TracedPath
-    from fsm_rollout.tape import LineProblem, TapeFile, TapeSample
 
 EXIT_OK, EXIT_UNUSABLE = 0, 2
 MASK_OPEN, MASK_CLOSE = "⟦", "⟧"
@@ -229,8 +229,8 @@ def _event_summary(event: dict[str, Any]) -> str:
 
 
 def _turn_lines(record: TapeSample, tape: TapeFile, tokenizer: Any, painter: Painter) -> list[str]:
+    from fsm_rollout.recording.format import RecordingFormatError, answer_token_ids, expand_run_lengths, expand_tokens
     from fsm_rollout.replay import revive
-    from fsm_rollout.tape import RecordingFormatError, answer_token_ids, expand_run_lengths, expand_tokens
 
     base: list[int] = []
     steps: list[dict[str, Any]] = []
@@ -330,8 +330,8 @@ def _record_for(path: TracedPath, records: Sequence[TapeSample], index: int) -> 
 
 
 def _tokenizer(explicit: str | None, records: Sequence[TapeSample]) -> Any:
+    from fsm_rollout.recording import RecordingFormatError
     from fsm_rollout.replay import load_recorded_tokenizer
-    from fsm_rollout.tape import RecordingFormatError
 
     try:
         return load_recorded_tokenizer(records, explicit)

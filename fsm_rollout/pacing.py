@@ -6,7 +6,8 @@ next request) in the same iteration: seconds during which no timer fires, no hea
 request leaves. It also sends 10,000 requests at once, which overflows a server's accept backlog (the kernel drops
 the SYNs, and TCP retries them a second or more later).
 
-A :class:`LoopPacer` (one per event loop) admits rollouts to their next piece of CPU work a few at a time: a
+Pacing is off unless a rollout's config asks for it (``RolloutConfig.loop_slice_ms``; ``fsm-rollout run`` does).
+A :class:`LoopPacer` (one per event loop and slice) admits rollouts to their next piece of CPU work a few at a time: a
 rollout asks for admission before it starts and after each engine answer. When the iteration's allowance is used
 up, the rollout waits its turn (first come, first served) and is admitted in a later iteration. The allowance
 adapts: each iteration is timed, and the number of admissions per iteration shrinks (never below
@@ -113,19 +114,22 @@ class LoopPacer:
             self._arm()  # the next tick runs just after the woken rollouts
 
 
-_PACERS: weakref.WeakValueDictionary[int, LoopPacer] = weakref.WeakValueDictionary()
-"""Pacers by ``id(loop)``. Held weakly: the rollouts using a pacer (and, while it has waiters, its scheduled tick
-on the loop) keep it alive, so a loop that is closed and dropped with rollouts still waiting is collected with them
-(their ``finally`` blocks run), instead of a registry keeping the loop, its tasks and their rollouts forever."""
+_PACERS: weakref.WeakValueDictionary[tuple[int, float], LoopPacer] = weakref.WeakValueDictionary()
+"""Pacers by ``(id(loop), slice_ms)``. Held weakly: the rollouts using a pacer (and, while it has waiters, its
+scheduled tick on the loop) keep it alive, so a loop that is closed and dropped with rollouts still waiting is
+collected with them (their ``finally`` blocks run), instead of a registry keeping the loop, its tasks and their
+rollouts forever."""
 
 
 def pacer_for(loop: asyncio.AbstractEventLoop, slice_ms: float = DEFAULT_SLICE_MS) -> LoopPacer:
-    """The pacer of ``loop`` (created on first use). The slice is the loop's: ``slice_ms`` replaces the pacer's, so
-    rollouts sharing a loop should share one value."""
-    pacer = _PACERS.get(id(loop))
+    """The pacer of ``loop`` for ``slice_ms`` (created on first use).
+
+    Rollouts that ask for the same slice on one loop share a pacer; a rollout asking for another slice gets a pacer
+    of its own, so no rollout changes the pacing others asked for.
+    """
+    key = (id(loop), float(slice_ms))
+    pacer = _PACERS.get(key)
     if pacer is None or pacer._loop() is not loop:
         pacer = LoopPacer(loop, slice_ms)
-        _PACERS[id(loop)] = pacer
-    else:
-        pacer.slice_s = slice_ms / 1000.0
+        _PACERS[key] = pacer
     return pacer

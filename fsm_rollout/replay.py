@@ -4,7 +4,7 @@
 edge of today's table (:mod:`fsm_rollout.lifecycle`), with a reason the edge can give, and that the path ends in a
 terminal state.
 
-*Re-execute* runs each sample recorded on the I/O tape (:mod:`fsm_rollout.tape`) through today's
+*Re-execute* runs each sample recorded on the I/O tape (:mod:`fsm_rollout.recording`) through today's
 :class:`~fsm_rollout.rollout.Rollout` with an engine client and an environment that answer from the tape: no
 server, no environment code, only the tokenizer. Every request today's code sends and every environment call it
 makes is compared with the recorded one before the recorded answer is given; every transition is compared with the
@@ -21,9 +21,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import SimpleNamespace
@@ -35,25 +34,22 @@ from fsm_rollout import gc_policy, lifecycle
 from fsm_rollout.chat import ObservationEncoder
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
-from fsm_rollout.rollout import Rollout
-from fsm_rollout.sample import Sample
-from fsm_rollout.tape import (
+from fsm_rollout.hooks import RolloutHooks
+from fsm_rollout.recording.format import (
     ENGINE_OPS,
-    LineProblem,
     RecordingFormatError,
     SchemaVersionError,
-    TapeFile,
-    TapeSample,
     answer_token_ids,
     expand_run_lengths,
     expand_tokens,
     jsonable,
-    read_json_lines,
-    read_tape,
     tape_path_for,
     tokenizer_fingerprint,
 )
-from fsm_rollout.trace import TRACE_SCHEMA_VERSION, TRANSITION_EVENT, Tracer
+from fsm_rollout.recording.reader import LineProblem, TapeFile, TapeSample, read_json_lines, read_tape
+from fsm_rollout.rollout import Rollout
+from fsm_rollout.sample import Sample
+from fsm_rollout.trace import NULL_TRACER, TRACE_SCHEMA_VERSION, TRANSITION_EVENT
 
 VERDICTS = ("identical", "legal", "diverged", "illegal", "unfinished", "damaged")
 """Per-sample outcomes, from best to worst. ``legal``: checked only (not re-executed)."""
@@ -124,8 +120,8 @@ def read_trace(path: str | Path) -> TraceFile:
     """Read a trace and rebuild each sample's path; unreadable lines are reported, the rest is used.
 
     Events are grouped by ``(sample_id, session_id)``; a ``pending`` event after a terminal one starts a new path
-    (a trace appended to by several runs). Raises :class:`~fsm_rollout.tape.SchemaVersionError` for events of
-    another schema version and :class:`~fsm_rollout.tape.RecordingFormatError` when there is no transition event.
+    (a trace appended to by several runs). Raises :class:`~fsm_rollout.recording.SchemaVersionError` for events of
+    another schema version and :class:`~fsm_rollout.recording.RecordingFormatError` when there is no transition event.
     """
     trace = TraceFile(Path(path))
     rows, problems = read_json_lines(trace.path)
@@ -878,12 +874,16 @@ class _Player:
         return last if isinstance(last, int) else None
 
 
-class _TapeClient(VLLMClient):
-    """An engine client whose every POST is answered by the tape (the parsing is today's :class:`VLLMClient`)."""
+class _TapeTransport:
+    """A transport whose every POST is answered by the tape (the parsing is today's :class:`VLLMClient`'s)."""
+
+    base_url = "http://replay.invalid"
 
     def __init__(self, player: _Player) -> None:
-        super().__init__("http://replay.invalid")
         self._player = player
+
+    async def close(self) -> None:
+        """Nothing to release."""
 
     async def post_json(
         self, path: str, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
@@ -918,19 +918,19 @@ def _env_class(name: str) -> type[_TapeEnv]:
     return cls
 
 
-class _ComparingTracer(Tracer):
-    """Hands every transition of a replayed rollout to its player for comparison; writes nothing."""
+class _ComparingHooks(RolloutHooks):
+    """Hands every transition of a replayed rollout to its player for comparison."""
+
+    wants_events = True
 
     def __init__(self, player: _Player) -> None:
-        super().__init__(None)
         self._player = player
 
-    @property
-    def enabled(self) -> bool:
-        return True
-
-    def emit(self, fields: dict[str, Any]) -> None:
-        self._player.on_transition(fields)
+    def transition(
+        self, rollout: Rollout, trigger: str, src: str, dwell_ms: float, fields: Mapping[str, Any] | None
+    ) -> None:
+        assert fields is not None
+        self._player.on_transition(dict(fields))
 
 
 # ---------------------------------------------------------------------------------------------------- helpers
@@ -1057,19 +1057,19 @@ async def reexecute(
             sample,
             config=config,
             sampling_params=record.sampling_params,
-            client=_TapeClient(player),
+            client=VLLMClient(transport=_TapeTransport(player)),
             tokenizer=tokenizer,
             env_factory=player.build_env,
             processor=_processor_for(record.processor_merge_size),
-            tracer=_ComparingTracer(player),
+            tracer=NULL_TRACER,
             encoder=encoder,
+            hooks=_ComparingHooks(player),
+            sample_id=record.sample_id,
+            request_prefix=record.request_prefix,  # request ids are part of what is compared
         )
     except Exception as error:
         return Divergence("setup", f"today's code rejects the recorded sample or config: "
                           f"{type(error).__name__}: {error}", line=record.line), 0, notes
-    if record.sample_id is not None:
-        rollout.sample_id = record.sample_id
-    rollout._request_prefix = record.request_prefix  # request ids are part of what is compared
     player.rollout = rollout
     early_abort = player.abort_before_start()
     if early_abort is not None:
@@ -1084,7 +1084,7 @@ async def reexecute(
 def load_recorded_tokenizer(records: Sequence[TapeSample], explicit: str | Path | None = None) -> Any:
     """Load ``explicit``, else the tokenizer the recording used: its ``name_or_path``, ``tokenizer_path``, ``model``.
 
-    Raises :class:`~fsm_rollout.tape.RecordingFormatError` naming every candidate that failed.
+    Raises :class:`~fsm_rollout.recording.RecordingFormatError` naming every candidate that failed.
     """
     return _load_tokenizer([str(explicit)] if explicit is not None else _tokenizer_candidates(records))
 
@@ -1181,6 +1181,7 @@ async def replay_async(
     sample_ids: Iterable[str] | None = None,
     statuses: Iterable[str] | None = None,
     execute: bool = True,
+    tune_gc: bool = False,
 ) -> ReplayReport:
     """:func:`replay` inside a running event loop."""
     wanted_ids = None if sample_ids is None else {str(item) for item in sample_ids}
@@ -1234,28 +1235,12 @@ async def replay_async(
         assert tape_file is not None
         report.executed = True
         started, started_cpu = time.perf_counter(), time.process_time()
-        with _tape_out_of_gc(), gc_policy.rollouts_in_flight():  # one span: no full passes between samples
+        # One span of collector tuning, when asked for: no full passes between samples.
+        with gc_policy.rollouts_in_flight() if tune_gc else contextlib.nullcontext():
             await _run_all(report, to_run, tape_file, tokenizer, from_trace=trace_file is not None)
         report.seconds = time.perf_counter() - started
         report.cpu_seconds = time.process_time() - started_cpu
     return report
-
-
-@contextlib.contextmanager
-def _tape_out_of_gc() -> Iterator[None]:
-    """Keep the parsed recording (millions of long-lived objects) out of the collector's scans while replaying.
-
-    Only in a process that has frozen nothing itself: unfreezing afterwards would also unfreeze what it froze (for
-    copy-on-write after a fork, say). Counting the frozen objects walks them once per replay, not per sample.
-    """
-    if gc.get_freeze_count():
-        yield
-        return
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
 
 
 async def _run_all(
@@ -1346,6 +1331,7 @@ def replay(
     sample_ids: Iterable[str] | None = None,
     statuses: Iterable[str] | None = None,
     execute: bool = True,
+    tune_gc: bool = False,
 ) -> ReplayReport:
     """Check a recorded run against today's machine and re-execute it offline; returns a :class:`ReplayReport`.
 
@@ -1353,11 +1339,12 @@ def replay(
     give ``tape``), or a tape alone (its own copy of the transitions is checked). ``tokenizer`` is a tokenizer
     object or a path/name to load; by default the recorded ``name_or_path`` (then ``tokenizer_path``, then
     ``model``) is loaded. ``sample_ids`` and ``statuses`` (terminal states, or ``"unfinished"``) select samples;
-    ``execute=False`` only checks. Raises :class:`~fsm_rollout.tape.RecordingFormatError` (a
+    ``execute=False`` only checks; ``tune_gc`` tunes the process's collector while re-executing, as
+    ``RolloutConfig.tune_gc`` does for rollouts. Raises :class:`~fsm_rollout.recording.RecordingFormatError` (a
     :class:`~fsm_rollout.errors.RolloutError`) for unusable input; use :func:`replay_async` inside an event loop.
     """
     return asyncio.run(replay_async(trace, tape=tape, tokenizer=tokenizer, sample_ids=sample_ids, statuses=statuses,
-                                    execute=execute))
+                                    execute=execute, tune_gc=tune_gc))
 
 
 __all__ = [

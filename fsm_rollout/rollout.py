@@ -29,11 +29,13 @@ from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.env import EnvFactory, check_environment, load_env_factory, unpack_step_result
 from fsm_rollout.errors import (
     BudgetExceededError,
+    ConfigError,
     RenderError,
     RolloutError,
     RoutingReplayError,
     SampleStateError,
 )
+from fsm_rollout.hooks import RolloutHooks
 from fsm_rollout.multimodal import (
     build_initial_messages,
     decode_train_features,
@@ -42,14 +44,10 @@ from fsm_rollout.multimodal import (
 )
 from fsm_rollout.pacing import LoopPacer, pacer_for
 from fsm_rollout.sample import Sample, Status
-from fsm_rollout.tape import SampleRecorder, TapeWriter, tape_writer_for
 from fsm_rollout.trace import NULL_TRACER, Tracer, get_tracer
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
 
 T = TypeVar("T")
-
-TransitionObserver = Callable[["Rollout", str, str, float], None]
-"""Called after every transition with ``(rollout, trigger, src, dwell_ms)``; ``rollout.state`` is the new state."""
 
 _ENCODERS: dict[int, ObservationEncoder] = {}
 
@@ -61,6 +59,16 @@ def observation_encoder_for(tokenizer: Any) -> ObservationEncoder:
         encoder = ObservationEncoder(tokenizer)
         _ENCODERS[id(tokenizer)] = encoder
     return encoder
+
+
+def default_sample_id(sample: Sample) -> str:
+    """How a rollout names its sample unless told otherwise: the sample's index, else a random id."""
+    return str(sample.index) if sample.index is not None else uuid.uuid4().hex[:12]
+
+
+def default_request_prefix(sample: Sample) -> str:
+    """The prefix of a rollout's generate request ids unless told otherwise: the session id, else a random one."""
+    return sample.session_id or f"fsm-{uuid.uuid4().hex}"
 
 
 class _AbortRequested(Exception):
@@ -92,8 +100,8 @@ class Rollout:
     cancelled and named to the server's abort endpoint, and no further request is sent. Errors end it ``failed``
     (data so far kept, environment closed once) and are then raised to the caller of :meth:`run`.
 
-    With a ``tape`` (or ``config.record``) every engine and environment exchange is recorded for offline replay
-    (:mod:`fsm_rollout.tape`); without one nothing is wrapped.
+    The rollout knows nothing of recording or replay: those plug in as the client's transport, the environment
+    factory and ``hooks`` (:mod:`fsm_rollout.recording`, :mod:`fsm_rollout.replay`).
     """
 
     def __init__(
@@ -109,10 +117,16 @@ class Rollout:
         processor: Any = None,
         tracer: Tracer | None = None,
         encoder: ObservationEncoder | None = None,
-        observer: TransitionObserver | None = None,
-        tape: TapeWriter | None = None,
+        hooks: RolloutHooks | None = None,
+        sample_id: str | None = None,
+        request_prefix: str | None = None,
     ) -> None:
         check_startable(sample)
+        if config.record and (hooks is None or not hooks.records_io):
+            raise ConfigError(
+                "config.record is set but this rollout is not recorded: build it with RolloutRunner or "
+                "fsm_rollout.recording.recorded_rollout, which wire the recorder in"
+            )
         self.sample = sample
         self.config = config
         self.client = client
@@ -124,15 +138,18 @@ class Rollout:
         self.tracer = tracer if tracer is not None else get_tracer(config.trace) if config.trace else NULL_TRACER
         self._env_factory = env_factory
         self._env_args = env_args if env_args is not None else config
-        self._observer = observer
+        self._hooks = hooks
+        self._wants_events = hooks is not None and hooks.wants_events
 
         sample.metadata = dict(sample.metadata or {})
         self.headers: dict[str, str] | None = None
         if config.router_policy == "consistent_hash":
             sample.session_id = sample.session_id or str(uuid.uuid4())
             self.headers = {"x-session-id": sample.session_id}
-        self.sample_id = str(sample.index) if sample.index is not None else uuid.uuid4().hex[:12]
-        self._request_prefix = sample.session_id or f"fsm-{uuid.uuid4().hex}"
+        self.sample_id = sample_id if sample_id is not None else default_sample_id(sample)
+        """How traces, tapes and errors name this sample."""
+        self.request_prefix = request_prefix if request_prefix is not None else default_request_prefix(sample)
+        """Generate request ids are ``<request_prefix>-turn<N>``."""
 
         self.state: str = lifecycle.INITIAL
         self.reason: str | None = None
@@ -161,16 +178,6 @@ class Rollout:
         self._done = asyncio.Event()
         self._pacer: LoopPacer | None = None
         self._start_waiter: asyncio.Future[None] | None = None
-
-        self._recorder: SampleRecorder | None = None
-        if tape is None and config.record:
-            tape = tape_writer_for(config)
-        if tape is not None:  # recording: the client, tracer and environment go through the recorder
-            recorder = tape.recorder(self, sampling_params, request_prefix=self._request_prefix)
-            self.client = recorder.recording_client(self.client)
-            self.tracer = recorder.recording_tracer(self.tracer)
-            self._env_factory = recorder.recording_env_factory(self._env_factory)
-            self._recorder = recorder
 
     # ------------------------------------------------------------------ derived context
 
@@ -373,9 +380,11 @@ class Rollout:
         params = dict(self.inference_params)
         if remaining is not None:
             params["max_tokens"] = remaining
-        elif params["max_tokens"] is None:
-            del params["max_tokens"]  # unbounded: the server allows up to its context limit
-        request_id = f"{self._request_prefix}-turn{self.turn_index}"
+        else:
+            # Unbounded: an explicit null means "up to the context limit" on every vLLM version, where an omitted
+            # key meant the SamplingParams default of 16 on older ones.
+            params["max_tokens"] = None
+        request_id = f"{self.request_prefix}-turn{self.turn_index}"
         body = {
             **self.rendered.generate_body,
             "token_ids": self.sample.tokens,
@@ -471,13 +480,14 @@ class Rollout:
         if self.config.check_invariants and self.prompt_length is not None:
             self.sample.check_invariants(self.prompt_length)
         dwell_ms = (now - self._entered_at) * 1000.0
-        if self.tracer.enabled:
-            self._trace(trigger, src, dwell_ms)
-        if self._observer is not None:
-            self._observer(self, trigger, src, dwell_ms)
+        fields = self._event_fields(trigger, src, dwell_ms) if self.tracer.enabled or self._wants_events else None
+        if fields is not None and self.tracer.enabled:
+            self.tracer.emit(dict(fields) if self._wants_events else fields)  # the sink adds to the dict it is given
+        if self._hooks is not None:
+            self._hooks.transition(self, trigger, src, dwell_ms, fields)
         self._entered_at = now
 
-    def _trace(self, trigger: str, src: str, dwell_ms: float) -> None:
+    def _event_fields(self, trigger: str, src: str, dwell_ms: float) -> dict[str, Any]:
         fields: dict[str, Any] = {
             "trigger": trigger,
             "src": src,
@@ -502,7 +512,7 @@ class Rollout:
             fields["failed_trigger"] = self._failed_trigger
             fields["error_type"] = type(self.error).__name__
             fields["error"] = str(self.error)[:500]
-        self.tracer.emit(fields)
+        return fields
 
     def _fail(self, error: BaseException, trigger: str | None) -> None:
         self.error = error
@@ -616,8 +626,8 @@ class Rollout:
         """
         if self.terminal or self._abort_reason is not None:
             return
-        if self._recorder is not None:
-            self._recorder.abort_requested(reason, running=self._running, in_flight=self._inflight is not None)
+        if self._hooks is not None:
+            self._hooks.abort_requested(self, reason, running=self._running, in_flight=self._inflight is not None)
         self._abort_reason = reason
         if self._inflight is not None:
             self._inflight.cancel()

@@ -25,9 +25,9 @@ import orjson
 
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError
+from fsm_rollout.recording import tape_path_for
 from fsm_rollout.runner import MetricsSnapshot, RolloutRunner
 from fsm_rollout.sample import Sample
-from fsm_rollout.tape import tape_path_for
 
 DEMO_ENV = "fsm_rollout.envs.geo3k"
 EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130

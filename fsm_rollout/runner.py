@@ -30,9 +30,10 @@ from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.env import EnvFactory, load_env_factory
 from fsm_rollout.errors import ConfigError, RolloutError
+from fsm_rollout.hooks import RolloutHooks, combine_hooks
+from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_writer_for
 from fsm_rollout.rollout import Rollout
-from fsm_rollout.sample import Sample
-from fsm_rollout.tape import TapeWriter, tape_writer_for
+from fsm_rollout.sample import Sample, Status
 from fsm_rollout.trace import Tracer, get_tracer
 
 
@@ -82,8 +83,8 @@ class MetricsSnapshot:
     tokens_per_s: float
 
 
-@dataclass
-class _Metrics:
+@dataclass(eq=False)
+class _Metrics(RolloutHooks):
     started: float = field(default_factory=time.perf_counter)
     occupancy: Counter[str] = field(default_factory=Counter)
     dwell_sum: Counter[str] = field(default_factory=Counter)
@@ -94,7 +95,12 @@ class _Metrics:
     tokens_generated: int = 0
     done: int = 0
 
-    def observe(self, rollout: Rollout, trigger: str, src: str, dwell_ms: float) -> None:
+    active: set[Rollout] = field(default_factory=set)
+    """The runner's rollouts that have not ended (each leaves the set at its terminal transition)."""
+
+    def transition(
+        self, rollout: Rollout, trigger: str, src: str, dwell_ms: float, fields: Mapping[str, Any] | None
+    ) -> None:
         dst = rollout.state
         self.occupancy[src] -= 1
         self.dwell_sum[src] += dwell_ms  # type: ignore[assignment]
@@ -106,6 +112,7 @@ class _Metrics:
             self.statuses[dst] += 1
             self.reasons[rollout.reason or "unknown"] += 1
             self.done += 1
+            self.active.discard(rollout)
         else:
             self.occupancy[dst] += 1
 
@@ -142,7 +149,8 @@ class RolloutRunner:
     pinned to one URL by consistent hashing. With ``raise_on_error=False`` (the default) a sample whose rollout
     raises ends ``failed`` with the error in ``metadata["rollout_error"]`` and the batch goes on; with True the
     error propagates. ``tape`` (default: beside the trace when ``config.record`` is on) records every sample's
-    engine and environment exchanges for ``fsm-rollout replay``.
+    engine and environment exchanges for ``fsm-rollout replay``. ``hooks`` observe every rollout of the runner
+    (after the runner's own metrics).
     """
 
     def __init__(
@@ -157,6 +165,7 @@ class RolloutRunner:
         raise_on_error: bool = False,
         tracer: Tracer | None = None,
         tape: TapeWriter | None = None,
+        hooks: RolloutHooks | None = None,
     ) -> None:
         self.config = config
         self.sampling_params = dict(sampling_params)
@@ -169,18 +178,14 @@ class RolloutRunner:
         self.tape = tape if tape is not None else tape_writer_for(config)
         self._ring = ConsistentHashRing(self.engine_urls)
         self._clients: dict[str, VLLMClient] = {}
-        self._active: set[Rollout] = set()
         self._metrics = _Metrics()
+        self._active = self._metrics.active
+        self._hooks = combine_hooks(self._metrics, hooks)
         self._entered = False
 
     async def __aenter__(self) -> RolloutRunner:
         for url in self.engine_urls:
-            self._clients[url] = VLLMClient(
-                url,
-                connect_timeout_s=self.config.connect_timeout_s,
-                request_timeout_s=self.config.request_timeout_s,
-                retry=self.config.retry,
-            )
+            self._clients[url] = VLLMClient.from_config(self.config, base_url=url)
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer_path or self.config.model)
         if self.env_factory is None:
@@ -213,28 +218,23 @@ class RolloutRunner:
             raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
         if len(self._clients) > 1 and not sample.session_id:
             sample.session_id = str(uuid.uuid4())
-        rollout = Rollout(
-            sample,
-            config=self.config,
-            sampling_params=self.sampling_params,
-            client=self._client_for(sample),
-            tokenizer=self.tokenizer,
-            env_factory=self.env_factory,
-            processor=self.processor,
-            tracer=self.tracer,
-            observer=self._observe,
-            tape=self.tape,
-        )
-        if sample_id is not None:
-            rollout.sample_id = sample_id
+        options: dict[str, Any] = {
+            "config": self.config,
+            "sampling_params": self.sampling_params,
+            "client": self._client_for(sample),
+            "tokenizer": self.tokenizer,
+            "env_factory": self.env_factory,
+            "processor": self.processor,
+            "tracer": self.tracer,
+            "sample_id": sample_id,
+        }
+        if self.tape is not None:
+            rollout = recorded_rollout(sample, tape=self.tape, hooks=self._hooks, **options)
+        else:
+            rollout = Rollout(sample, hooks=self._hooks, **options)
         self._active.add(rollout)
         self._metrics.occupancy[rollout.state] += 1
         return rollout
-
-    def _observe(self, rollout: Rollout, trigger: str, src: str, dwell_ms: float) -> None:
-        self._metrics.observe(rollout, trigger, src, dwell_ms)
-        if rollout.state in lifecycle.TERMINAL:
-            self._active.discard(rollout)
 
     async def _drive(self, rollout: Rollout) -> Sample:
         try:
@@ -255,20 +255,34 @@ class RolloutRunner:
         """Run one sample to a terminal state and return it."""
         return await self._drive(self._rollout(sample))
 
-    def _prepare(self, samples: Iterable[Sample]) -> list[Rollout | Sample]:
+    def _prepare(self, samples: Iterable[Sample], sample_ids: Sequence[str | None] = ()) -> list[Rollout | Sample]:
         prepared: list[Rollout | Sample] = []
-        for sample in samples:
+        for position, sample in enumerate(samples):
             try:
-                prepared.append(self._rollout(sample))
-            except RolloutError as error:
+                sample_id = sample_ids[position] if position < len(sample_ids) else None
+                prepared.append(self._rollout(sample, sample_id=sample_id))
+            except Exception as error:
                 if self.raise_on_error:
                     raise
-                sample.metadata = {
-                    **(sample.metadata or {}),
-                    "rollout_error": {"type": type(error).__name__, "message": str(error), "state": None},
-                }
-                prepared.append(sample)
+                prepared.append(self._unbuildable(sample, error))
         return prepared
+
+    def _unbuildable(self, sample: Sample, error: Exception) -> Sample:
+        """A sample whose rollout could not be built ends ``failed`` with the error (its data is left as it was).
+
+        A sample that was not pending (already run, say) keeps its status: it is not this batch's to end.
+        """
+        sample.metadata = {
+            **(sample.metadata if isinstance(sample.metadata, dict) else {}),
+            "rollout_error": {"type": type(error).__name__, "message": str(error), "state": None, "trigger": None},
+            "rollout_reason": "error",
+        }
+        if sample.status == Status.PENDING:
+            sample.status = Status.FAILED
+        self._metrics.statuses["failed"] += 1
+        self._metrics.reasons["error"] += 1
+        self._metrics.done += 1
+        return sample
 
     async def _bounded(self, item: Rollout | Sample, semaphore: asyncio.Semaphore) -> Sample:
         if isinstance(item, Sample):
@@ -310,10 +324,8 @@ class RolloutRunner:
             copies.append(duplicate)
         semaphore = asyncio.Semaphore(_positive(concurrency or n))
         with self._gc_tuned():
-            prepared = self._prepare(copies)
-            for member, item in enumerate(prepared):
-                if isinstance(item, Rollout):
-                    item.sample_id = f"{item.sample_id}.{member}" if sample.index is not None else item.sample_id
+            ids = [f"{sample.index}.{member}" if sample.index is not None else None for member in range(len(copies))]
+            prepared = self._prepare(copies, ids)
             return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
 
     async def abort(self, reason: str = "cancelled") -> None:

@@ -1,80 +1,79 @@
-"""The vLLM HTTP client: render, generate and abort over one pooled aiohttp session, with a safe retry policy."""
+"""The vLLM engine client: render, generate and abort, parsed strictly, over a pluggable transport."""
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
 
 import aiohttp
-import orjson
 
 from fsm_rollout.config import RetryPolicy, RolloutConfig
 from fsm_rollout.engine.endpoints import ABORT_PATH, GENERATE_PATH, RENDER_PATH
-from fsm_rollout.engine.protocol import error_message, parse_generate_response, parse_render_response
-from fsm_rollout.errors import (
-    EngineConnectionError,
-    EngineHTTPError,
-    EngineTimeoutError,
-    GenerationError,
-    RenderError,
-)
+from fsm_rollout.engine.protocol import parse_generate_response, parse_render_response
+from fsm_rollout.engine.transport import AiohttpTransport, Transport
+from fsm_rollout.errors import GenerationError, RenderError
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt
 
 GENERATE_REQUEST_ID_PREFIX = "generate-tokens-"
 
-_JSON_HEADERS = {"Content-Type": "application/json"}
-
 
 class VLLMClient:
-    """Client of one vLLM server (or router) speaking the token-in/token-out endpoints.
+    """Client of one vLLM server (or router) speaking the token-in/token-out endpoints over a transport.
 
-    One client holds one pooled ``aiohttp`` session, created on first use inside the running event loop and
-    closed by :meth:`close` (or ``async with``). Share one client among all samples of a process.
+    By default the transport is an :class:`~fsm_rollout.engine.transport.AiohttpTransport` for ``base_url`` (one
+    pooled session, created on first use inside the running event loop and closed by :meth:`close` or ``async
+    with``); pass ``transport=`` to send through anything else that implements
+    :class:`~fsm_rollout.engine.transport.Transport` (recording, replay, tests). Share one client among all samples
+    of a process.
     """
 
     def __init__(
         self,
-        base_url: str,
+        base_url: str | None = None,
         *,
+        transport: Transport | None = None,
         connect_timeout_s: float = 10.0,
         request_timeout_s: float | None = 600.0,
         retry: RetryPolicy | None = None,
         max_connections: int = 0,
         session: aiohttp.ClientSession | None = None,
+        api_key: str | None = None,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.retry = retry or RetryPolicy()
-        self._timeout = aiohttp.ClientTimeout(total=request_timeout_s, sock_connect=connect_timeout_s)
-        self._max_connections = max_connections
-        self._session = session
-        self._owns_session = session is None
+        if transport is None:
+            if base_url is None:
+                raise TypeError("VLLMClient needs a base_url or a transport")
+            transport = AiohttpTransport(
+                base_url,
+                connect_timeout_s=connect_timeout_s,
+                request_timeout_s=request_timeout_s,
+                retry=retry,
+                max_connections=max_connections,
+                session=session,
+                api_key=api_key,
+            )
+        self.transport: Transport = transport
 
     @classmethod
-    def from_config(cls, config: RolloutConfig) -> VLLMClient:
-        """A client for ``config.engine_url`` with the config's timeouts and retry policy."""
+    def from_config(cls, config: RolloutConfig, *, base_url: str | None = None) -> VLLMClient:
+        """A client for ``base_url`` (default ``config.engine_url``) with the config's timeouts, retry policy and
+        API key."""
         return cls(
-            config.engine_url,
+            base_url or config.engine_url,
             connect_timeout_s=config.connect_timeout_s,
             request_timeout_s=config.request_timeout_s,
             retry=config.retry,
+            api_key=config.api_key,
         )
 
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=self._max_connections, enable_cleanup_closed=True)
-            self._session = aiohttp.ClientSession(
-                connector=connector, timeout=self._timeout, trust_env=False, json_serialize=_dumps
-            )
-            self._owns_session = True
-        return self._session
+    @property
+    def base_url(self) -> str:
+        """Where the transport sends requests."""
+        return self.transport.base_url
 
     async def close(self) -> None:
-        """Close the pooled session if this client created it."""
-        if self._session is not None and self._owns_session and not self._session.closed:
-            await self._session.close()
-        self._session = None
+        """Close the transport (its pooled session, if it created one)."""
+        await self.transport.close()
 
     async def __aenter__(self) -> VLLMClient:
         return self
@@ -87,55 +86,14 @@ class VLLMClient:
     async def post_json(
         self, path: str, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
     ) -> Any:
-        """POST ``payload`` as JSON and return the decoded JSON answer, retrying what is safe to retry.
-
-        Raises :class:`EngineHTTPError` with the server's message for a non-retryable status (or a retryable one
-        that persists), :class:`EngineConnectionError` when the server stays unreachable, and
-        :class:`EngineTimeoutError` on timeout (not retried: the server may still be working on the request).
-        """
-        url = self.base_url + path
-        data = orjson.dumps(payload)
-        send_headers = {**_JSON_HEADERS, **headers} if headers else _JSON_HEADERS
-        session = self._get_session()
-        attempt = 1
-        while True:
-            try:
-                async with session.post(url, data=data, headers=send_headers) as response:
-                    raw = await response.read()
-                    status = response.status
-            except TimeoutError as error:
-                raise EngineTimeoutError(f"POST {url} timed out: {error or 'no answer in time'}") from error
-            except aiohttp.ClientConnectionError as error:
-                if attempt >= self.retry.max_attempts:
-                    raise EngineConnectionError(
-                        f"POST {url} failed after {attempt} attempt(s): {type(error).__name__}: {error}"
-                    ) from error
-            else:
-                if status < 400:
-                    try:
-                        return orjson.loads(raw)
-                    except orjson.JSONDecodeError:
-                        return raw.decode("utf-8", errors="replace")
-                if status not in self.retry.retry_statuses or attempt >= self.retry.max_attempts:
-                    text = raw.decode("utf-8", errors="replace")
-                    try:
-                        message = error_message(orjson.loads(raw))
-                    except orjson.JSONDecodeError:
-                        message = text[:500]
-                    raise EngineHTTPError(
-                        f"POST {url} answered HTTP {status} (attempt {attempt}): {message}",
-                        status=status,
-                        url=url,
-                        body=text,
-                    )
-            await asyncio.sleep(self.retry.delay(attempt))
-            attempt += 1
+        """POST ``payload`` as JSON through the transport (see :meth:`Transport.post_json`)."""
+        return await self.transport.post_json(path, payload, headers=headers)
 
     async def render(
         self, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
     ) -> RenderedPrompt:
         """Render a chat request into prompt token ids (``POST /v1/chat/completions/render``)."""
-        answer = await self.post_json(RENDER_PATH, payload, headers=headers)
+        answer = await self.transport.post_json(RENDER_PATH, payload, headers=headers)
         if isinstance(answer, str):
             raise RenderError(f"chat/render: answer is not JSON: {answer[:200]!r}")
         return parse_render_response(answer, str(payload.get("model", "")))
@@ -144,7 +102,7 @@ class VLLMClient:
         self, body: Mapping[str, Any], *, request_id: str, headers: Mapping[str, str] | None = None
     ) -> GeneratedTurn:
         """Generate one turn from token ids (``POST /inference/v1/generate``) and parse it strictly."""
-        answer = await self.post_json(GENERATE_PATH, body, headers=headers)
+        answer = await self.transport.post_json(GENERATE_PATH, body, headers=headers)
         if isinstance(answer, str):
             raise GenerationError(f"vLLM generate answer is not JSON: {answer[:200]!r}")
         return parse_generate_response(answer, request_id)
@@ -156,13 +114,10 @@ class VLLMClient:
         (``generate-tokens-<id>``, what vLLM 0.32 registers); the endpoint ignores ids it does not know.
         """
         ids = [alias for request_id in request_ids for alias in server_request_ids(request_id)]
-        await self.post_json(ABORT_PATH, {"request_ids": ids}, headers=headers)
+        await self.transport.post_json(ABORT_PATH, {"request_ids": ids}, headers=headers)
 
 
 def server_request_ids(request_id: str) -> tuple[str, str]:
     """The ids a generate request may be known by at the server: as sent, and vLLM's prefixed internal id."""
     return (request_id, GENERATE_REQUEST_ID_PREFIX + request_id)
 
-
-def _dumps(value: Any) -> str:
-    return orjson.dumps(value).decode()

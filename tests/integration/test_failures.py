@@ -71,7 +71,7 @@ async def test_failed_sample_records_the_error_and_keeps_earlier_turns(
     assert envs.last.close_count == 1
 
 
-@pytest.mark.parametrize("status", [429, 502, 503, 504])
+@pytest.mark.parametrize("status", [429, 500, 502, 503, 504])
 async def test_transient_statuses_are_retried_and_end_as_if_nothing_happened(
     run_rollout: Any, fake_vllm: FakeVLLMServer, status: int
 ) -> None:
@@ -92,7 +92,51 @@ async def test_persistent_transient_status_fails_after_the_retry_budget(
     assert len(fake_vllm.requests_to(GENERATE_PATH)) == 3
 
 
-@pytest.mark.parametrize("status", [400, 404, 422, 500])
+@pytest.mark.parametrize("path", [RENDER_PATH, GENERATE_PATH])
+async def test_a_transient_500_changes_nothing_in_the_result(
+    run_rollout: Any, fake_vllm: FakeVLLMServer, path: str
+) -> None:
+    fake_vllm.script([ScriptedTurn(text="ok")])
+    clean = (await run_rollout(max_turns=1, retry=FAST_RETRY)).sample
+    fake_vllm.script([ScriptedTurn(text="ok")])
+    fake_vllm.fail_next(path, status=500)
+    retried = (await run_rollout(max_turns=1, retry=FAST_RETRY)).sample
+    assert len(fake_vllm.requests_to(path)) == 3  # one clean, one failed, one retried
+    assert (retried.status, retried.response, retried.tokens, retried.loss_mask, retried.rollout_log_probs) == (
+        clean.status, clean.response, clean.tokens, clean.loss_mask, clean.rollout_log_probs
+    )
+
+
+async def test_a_persistent_500_fails_after_the_bounded_attempts_with_the_servers_message(
+    run_rollout: Any, fake_vllm: FakeVLLMServer
+) -> None:
+    fake_vllm.fail_next(GENERATE_PATH, status=500, times=5)
+    error, events = await run_failing(run_rollout, EngineHTTPError, retry=FAST_RETRY)
+    assert error.status == 500
+    assert "attempt 3" in str(error) and "injected" in str(error).lower()
+    assert len(fake_vllm.requests_to(GENERATE_PATH)) == 3
+    assert events[-1]["dst"] == "failed"
+
+
+async def test_a_policy_without_500_fails_on_the_first_500(fake_vllm: FakeVLLMServer) -> None:
+    from fsm_rollout import VLLMClient
+
+    policy = RetryPolicy(max_attempts=3, base_delay_s=0.001, retry_statuses=frozenset({503}))
+    fake_vllm.fail_next(GENERATE_PATH, status=500)
+    async with VLLMClient(fake_vllm.url, retry=policy) as client:
+        with pytest.raises(EngineHTTPError) as caught:
+            await client.post_json(GENERATE_PATH, {"token_ids": [1]})
+    assert caught.value.status == 500
+    assert len(fake_vllm.requests_to(GENERATE_PATH)) == 1
+
+
+@pytest.mark.parametrize("statuses", [{400}, {404, 503}, {422}])
+def test_a_retry_policy_refuses_to_retry_request_errors(statuses: set[int]) -> None:
+    with pytest.raises(ConfigError, match="4xx"):
+        RetryPolicy(retry_statuses=frozenset(statuses))
+
+
+@pytest.mark.parametrize("status", [400, 404, 422])
 async def test_non_retryable_statuses_fail_with_the_servers_message(
     run_rollout: Any, fake_vllm: FakeVLLMServer, status: int
 ) -> None:

@@ -12,9 +12,10 @@ import pytest
 
 from fsm_rollout import Rollout, RolloutConfig, Sample, Status, VLLMClient, gc_policy
 from fsm_rollout.errors import ConfigError
+from fsm_rollout.hooks import RolloutHooks
 from fsm_rollout.pacing import pacer_for
+from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_path_for
 from fsm_rollout.replay import replay
-from fsm_rollout.tape import TapeWriter, tape_path_for
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.trace import Tracer
@@ -42,7 +43,8 @@ async def test_paced_rollouts_end_exactly_as_unpaced_ones(
 ) -> None:
     pacer = pacer_for(asyncio.get_running_loop())
     waited = pacer.waited
-    paced = await _batch(fake_vllm, client, tokenizer, make_config(router_policy="consistent_hash"), 60)
+    paced_config = make_config(router_policy="consistent_hash", loop_slice_ms=5.0)
+    paced = await _batch(fake_vllm, client, tokenizer, paced_config, 60)
     assert pacer.waited > waited  # 60 rollouts starting together did not all run in one iteration
     unpaced = await _batch(fake_vllm, client, tokenizer,
                            make_config(router_policy="consistent_hash", loop_slice_ms=None), 60)
@@ -54,7 +56,7 @@ async def test_paced_rollouts_end_exactly_as_unpaced_ones(
 async def test_a_rollout_cancelled_while_waiting_its_turn_sends_nothing(
     fake_vllm: FakeVLLMServer, client: VLLMClient, tokenizer: Any, make_config: Callable[..., RolloutConfig]
 ) -> None:
-    config = make_config()
+    config = make_config(loop_slice_ms=5.0)
     fake_vllm.script([ScriptedTurn(text="x")] * 200)
     rollouts = [
         Rollout(Sample(prompt=f"q {i}", index=i), config=config, sampling_params=SAMPLING, client=client,
@@ -75,6 +77,14 @@ async def test_a_rollout_cancelled_while_waiting_its_turn_sends_nothing(
     assert len(fake_vllm.requests_to(GENERATE_PATH)) == 49
 
 
+class ThresholdsSeen(RolloutHooks):
+    def __init__(self, seen: list[tuple[int, int, int]]) -> None:
+        self.seen = seen
+
+    def transition(self, *_: Any) -> None:
+        self.seen.append(gc.get_threshold())
+
+
 async def test_the_collector_is_tuned_while_rollouts_run(
     fake_vllm: FakeVLLMServer, client: VLLMClient, tokenizer: Any, make_config: Callable[..., RolloutConfig]
 ) -> None:
@@ -85,12 +95,12 @@ async def test_the_collector_is_tuned_while_rollouts_run(
         fake_vllm.script([ScriptedTurn(text="x")])
         rollout = Rollout(Sample(prompt="q", index=0), config=make_config(**config), sampling_params=SAMPLING,
                           client=client, tokenizer=tokenizer, env_factory=ScriptedEnvFactory(steps=[("ok", True)]),
-                          observer=lambda *_: seen.append(gc.get_threshold()))
+                          hooks=ThresholdsSeen(seen))
         await rollout.run()
         assert rollout.sample.status == Status.COMPLETED
         return seen
 
-    tuned = await thresholds_seen()
+    tuned = await thresholds_seen(tune_gc=True)
     assert tuned and set(tuned) == {gc_policy.tuned_thresholds(before)} != {before}
     assert gc.get_threshold() == before
     assert await thresholds_seen(tune_gc=False) == [before] * len(tuned)
@@ -112,14 +122,14 @@ async def test_aborts_that_land_while_rollouts_wait_for_the_pacer_replay_identic
     trace = tmp_path / "run.jsonl"
     tracer = Tracer(trace.open("ab"), owns_stream=True)
     writer = TapeWriter(tape_path_for(trace))
-    config = make_config(router_policy="consistent_hash")
+    config = make_config(router_policy="consistent_hash", loop_slice_ms=5.0)
     envs = [ScriptedEnvFactory(steps=[("again", False), ("ok", True)]) for _ in range(40)]
     rollouts = []
     for i in range(40):
         fake_vllm.script([ScriptedTurn(text=f"turn {turn}") for turn in range(2)], session=f"s{i}")
-        rollouts.append(Rollout(Sample(prompt=f"q{i}", index=i, session_id=f"s{i}"), config=config,
-                                sampling_params=SAMPLING, client=client, tokenizer=tokenizer, env_factory=envs[i],
-                                tracer=tracer, tape=writer))
+        rollouts.append(recorded_rollout(Sample(prompt=f"q{i}", index=i, session_id=f"s{i}"), config=config,
+                                         sampling_params=SAMPLING, client=client, tokenizer=tokenizer,
+                                         env_factory=envs[i], tracer=tracer, tape=writer))
     tasks = [asyncio.ensure_future(rollout.run()) for rollout in rollouts]
     await asyncio.sleep(0)
     waiting = rollouts[-1]

@@ -17,8 +17,15 @@ import pytest
 from fsm_rollout import Rollout, Sample, lifecycle
 from fsm_rollout import rollout as rollout_module
 from fsm_rollout.cli import main as cli_main
+from fsm_rollout.recording import (
+    RecordingFormatError,
+    SchemaVersionError,
+    TapeWriter,
+    read_tape,
+    recorded_rollout,
+    tape_path_for,
+)
 from fsm_rollout.replay import ReplayReport, replay
-from fsm_rollout.tape import RecordingFormatError, SchemaVersionError, TapeWriter, read_tape, tape_path_for
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
@@ -166,8 +173,9 @@ async def record(
         sample = Sample(prompt=case.prompt, index=case.index, session_id=session,
                         multimodal_inputs={"images": case.images} if case.images else None)
         config = make_config(**({"router_policy": "consistent_hash"} if session else {}), **case.config)
-        rollout = Rollout(sample, config=config, sampling_params=case.sampling, client=client, tokenizer=tokenizer,
-                          env_factory=case.envs or ScriptedEnvFactory(), tracer=tracer, tape=writer)
+        rollout = recorded_rollout(sample, config=config, sampling_params=case.sampling, client=client,
+                                   tokenizer=tokenizer, env_factory=case.envs or ScriptedEnvFactory(), tracer=tracer,
+                                   tape=writer)
         samples[case.index] = sample
         if isinstance(case.envs, AbortingEnvFactory):
             case.envs.rollout = rollout
@@ -432,8 +440,8 @@ async def test_a_tape_from_before_a_config_rename_replays_and_names_only_unknown
     recording: Recording,
 ) -> None:
     tape = recording.tape.read_bytes()
-    assert tape.count(b'"tune_gc":true') == len(recording.samples)
-    recording.tape.write_bytes(tape.replace(b'"tune_gc":true', b'"defer_full_gc":false,"from_the_future":1'))
+    assert tape.count(b'"tune_gc":false') == len(recording.samples)
+    recording.tape.write_bytes(tape.replace(b'"tune_gc":false', b'"defer_full_gc":false,"from_the_future":1'))
     report = await run_replay_in_thread(recording)
     assert report.counts() == {"identical": len(recording.samples)}, report.render(verbose=True)
     for sample in report.samples:

@@ -252,9 +252,9 @@ async def test_batches_groups_and_streams_tune_the_collector_from_before_their_r
     released: list[int] = []
     prepare, ended = RolloutRunner._prepare, gc_policy.rollout_ended
 
-    def noting_prepare(runner: RolloutRunner, batch: Any) -> Any:
+    def noting_prepare(runner: RolloutRunner, batch: Any, *ids: Any) -> Any:
         seen_while_making.append(gc.get_threshold())
-        return prepare(runner, batch)
+        return prepare(runner, batch, *ids)
 
     def noting_end() -> None:
         ended()

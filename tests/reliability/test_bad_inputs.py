@@ -32,8 +32,8 @@ from fsm_rollout.errors import (
     RenderError,
     SampleStateError,
 )
+from fsm_rollout.recording import RecordingFormatError
 from fsm_rollout.replay import replay
-from fsm_rollout.tape import RecordingFormatError
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer
 
 # ------------------------------------------------------------ samples

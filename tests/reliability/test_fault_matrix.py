@@ -87,16 +87,19 @@ class ServerFault:
 
 
 SERVER_FAULTS = [
-    ServerFault("500-once", {"status": 500}, EngineHTTPError, "HTTP 500"),
     ServerFault(
-        "500-once-500-retryable",
+        "500-once-500-not-retryable",
         {"status": 500},
-        None,
-        retry=RetryPolicy(max_attempts=3, base_delay_s=0.001, max_delay_s=0.001, retry_statuses=frozenset({500})),
-        extra_requests=1,
+        EngineHTTPError,
+        "HTTP 500",
+        retry=RetryPolicy(max_attempts=3, base_delay_s=0.001, max_delay_s=0.001, retry_statuses=frozenset({503})),
     ),
-    *[ServerFault(f"{s}-transient", {"status": s, "times": 2}, None, extra_requests=2) for s in (502, 503, 429)],
-    *[ServerFault(f"{s}-persistent", {"status": s, "times": 3}, EngineHTTPError, f"HTTP {s}") for s in (502, 503, 429)],
+    ServerFault("500-once", {"status": 500}, None, extra_requests=1),
+    *[ServerFault(f"{s}-transient", {"status": s, "times": 2}, None, extra_requests=2) for s in (500, 502, 503, 429)],
+    *[
+        ServerFault(f"{s}-persistent", {"status": s, "times": 3}, EngineHTTPError, f"HTTP {s}")
+        for s in (500, 502, 503, 429)
+    ],
     ServerFault("reset-transient", {"reset": True, "times": 2}, None, extra_requests=2),
     ServerFault("reset-persistent", {"reset": True, "times": 3}, EngineConnectionError, "3 attempt"),
     ServerFault("timeout", {"status": 503, "delay": 5.0}, EngineTimeoutError, "timed out", timeout_s=0.2),
@@ -401,7 +404,7 @@ async def test_caller_abort(fake_vllm: FakeVLLMServer, tokenizer: Any, state: st
     assert envs.last.close_count == 1
     if state.startswith("generating"):
         turn = 0 if state.endswith("0") else 1
-        assert f"{outcome.rollout._request_prefix}-turn{turn}" in fake_vllm.aborted_request_ids
+        assert f"{outcome.rollout.request_prefix}-turn{turn}" in fake_vllm.aborted_request_ids
     else:
         assert fake_vllm.requests_to(ABORT_PATH) == []  # no request was in flight: no notice
     if state in ("stepping", "observing"):

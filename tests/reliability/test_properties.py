@@ -27,8 +27,8 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from fsm_rollout import Rollout, Sample, VLLMClient, capture_transitions
+from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_path_for
 from fsm_rollout.replay import replay
-from fsm_rollout.tape import TapeWriter, tape_path_for
 from fsm_rollout.testing.envs import ScriptedEnv
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.trace import Tracer
@@ -196,7 +196,7 @@ async def play(
 
     try:
         if tracer is not None:
-            rollout = Rollout(
+            rollout = recorded_rollout(
                 sample, config=_config(server, scenario), sampling_params=scenario.sampling(), client=client,
                 tokenizer=tokenizer, env_factory=envs, tracer=tracer, tape=tape,
             )

@@ -31,13 +31,11 @@ Known, intended differences, deliberately not asserted equal here:
 * the library does not retry HTTP 4xx answers (the seed's ``post`` retries everything); the fault scenarios here
   use only failures both sides retry (HTTP 503, a dropped connection), and the stand-in's ``post`` makes only 3
   attempts 10 ms apart instead of vime's 60 one second apart (documented in
-  ``vime_standin/vime/utils/http_utils.py``). The README also lists HTTP 500 as not retried, so no scenario uses it.
+  ``vime_standin/vime/utils/http_utils.py``).
 
-Also treated as intended, because the README's "Differences from the seed" names it: with no token budget at all
-(``max_new_tokens=None`` and no context limit) the library leaves ``max_tokens`` out of ``sampling_params`` where
-the seed sends ``"max_tokens": null``. Generate ``sampling_params`` are compared with a null ``max_tokens`` removed,
-and the ``unlimited_budget`` scenario asserts that exact difference. Likewise the library's additive
-``metadata["rollout_reason"]`` / ``metadata["rollout_error"]`` (README) are left out when metadata is compared.
+With no token budget at all (``max_new_tokens=None`` and no context limit) both sides send ``"max_tokens": null``;
+the ``unlimited_budget`` scenario asserts it. The library's additive ``metadata["rollout_reason"]`` /
+``metadata["rollout_error"]`` (README) are left out when metadata is compared.
 """
 
 from __future__ import annotations
@@ -872,21 +870,11 @@ def outcome(sample: Any) -> dict[str, Any]:
     }
 
 
-def comparable_sampling_params(params: Any) -> Any:
-    """Generate ``sampling_params`` with a null ``max_tokens`` removed (README-documented difference)."""
-    if isinstance(params, dict) and "max_tokens" in params and params["max_tokens"] is None:
-        return {key: value for key, value in params.items() if key != "max_tokens"}
-    return params
-
-
 def comparable_body(path: str, body: Any) -> Any:
     """A request body as compared: generate bodies lose the keys only the library sends (``request_id``)."""
     if path != GENERATE_PATH or not isinstance(body, dict):
         return body
-    kept = {key: value for key, value in body.items() if key not in LIBRARY_ONLY_GENERATE_KEYS}
-    if "sampling_params" in kept:
-        kept["sampling_params"] = comparable_sampling_params(kept["sampling_params"])
-    return kept
+    return {key: value for key, value in body.items() if key not in LIBRARY_ONLY_GENERATE_KEYS}
 
 
 def request_summary(run: Run) -> list[tuple[str, Any, Any]]:
@@ -906,13 +894,14 @@ def full_bodies(run: Run) -> list[tuple[str, Any]]:
     return [(request.path, comparable_body(request.path, request.body)) for request in run.requests]
 
 
-def assert_null_max_tokens_is_omitted(seed_run: Run, library_run: Run) -> None:
-    """Where the seed sends ``"max_tokens": null`` the library sends no ``max_tokens`` (README-documented)."""
+def assert_null_max_tokens_is_sent(seed_run: Run, library_run: Run) -> None:
+    """Where the seed sends ``"max_tokens": null`` the library sends it too (an omitted key meant 16 on old vLLM)."""
     seed_generates = [r.body for r in seed_run.requests if r.path == GENERATE_PATH]
     library_generates = [r.body for r in library_run.requests if r.path == GENERATE_PATH]
     for seed_body, library_body in zip(seed_generates, library_generates, strict=True):
         if seed_body["sampling_params"].get("max_tokens", 0) is None:
-            assert "max_tokens" not in library_body["sampling_params"]
+            assert "max_tokens" in library_body["sampling_params"]
+            assert library_body["sampling_params"]["max_tokens"] is None
 
 
 def session_headers(run: Run) -> list[str | None]:
@@ -952,7 +941,7 @@ async def test_library_matches_seed(
     assert outcome(library_run.sample) == outcome(seed_run.sample)
     assert request_summary(library_run) == request_summary(seed_run)
     assert full_bodies(library_run) == full_bodies(seed_run)
-    assert_null_max_tokens_is_omitted(seed_run, library_run)
+    assert_null_max_tokens_is_sent(seed_run, library_run)
     assert library_run.caller_metadata_changed == seed_run.caller_metadata_changed
     assert env_record(library_run.env) == env_record(seed_run.env)
 

@@ -73,11 +73,14 @@ async def test_a_cancelled_waiter_does_not_hold_up_the_others() -> None:
     await asyncio.wait_for(asyncio.gather(waiters[1], waiters[2]), timeout=5)
 
 
-async def test_one_pacer_per_loop_and_the_slice_follows_the_latest_caller() -> None:
+async def test_rollouts_asking_for_one_slice_share_a_pacer_and_no_caller_changes_anothers_slice() -> None:
     loop = asyncio.get_running_loop()
     pacer = pacer_for(loop, 10.0)
-    assert pacer_for(loop, 25.0) is pacer
-    assert pacer.slice_s == pytest.approx(0.025)
+    assert pacer_for(loop, 10.0) is pacer
+    other = pacer_for(loop, 25.0)
+    assert other is not pacer
+    assert pacer.slice_s == pytest.approx(0.010)
+    assert other.slice_s == pytest.approx(0.025)
 
 
 def test_separate_loops_get_separate_pacers() -> None:

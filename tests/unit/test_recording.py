@@ -10,26 +10,28 @@ import pytest
 
 from fsm_rollout import RolloutConfig
 from fsm_rollout.errors import ConfigError, EngineHTTPError, RolloutError
-from fsm_rollout.replay import TracedPath, check_path, rebuild_error, revive
-from fsm_rollout.tape import (
+from fsm_rollout.recording import (
     BLOB_MIN_CHARS,
     LineProblem,
     RecordingFormatError,
     SchemaVersionError,
     TapeFile,
     TapeWriter,
+    read_json_lines,
+    read_tape,
+    tape_path_for,
+    tape_writer_for,
+)
+from fsm_rollout.recording.format import (
     describe_error,
     encode_sample_record,
     expand_run_lengths,
     expand_tokens,
     jsonable,
-    read_json_lines,
-    read_tape,
     run_lengths,
-    tape_path_for,
-    tape_writer_for,
     token_delta,
 )
+from fsm_rollout.replay import TracedPath, check_path, rebuild_error, revive
 
 LONG = "data:image/png;base64," + "A" * BLOB_MIN_CHARS
 

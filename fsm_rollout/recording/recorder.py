@@ -1,0 +1,312 @@
+"""Recording one rollout: a transport and an environment wrapper that keep every exchange, and hooks that submit
+the sample's record to a :class:`~fsm_rollout.recording.writer.TapeWriter` when it reaches a terminal state.
+
+The recorder plugs into the rollout's seams only: the engine client's transport, the environment factory and the
+rollout's hooks. :func:`recorded_rollout` builds a rollout wired that way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from fsm_rollout import lifecycle
+from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig
+from fsm_rollout.engine.client import VLLMClient
+from fsm_rollout.engine.transport import Transport
+from fsm_rollout.env import EnvFactory, load_env_factory
+from fsm_rollout.errors import RolloutError
+from fsm_rollout.hooks import RolloutHooks, combine_hooks
+from fsm_rollout.multimodal import processor_merge_size
+from fsm_rollout.recording.format import (
+    ENGINE_OPS,
+    ENV_METHODS,
+    TAPE_SCHEMA_VERSION,
+    answer_token_ids,
+    compact_json,
+    config_to_json,
+    describe_error,
+    jsonable,
+    run_lengths,
+    token_delta,
+)
+from fsm_rollout.recording.writer import TapeWriter, tape_writer_for
+from fsm_rollout.rollout import Rollout
+
+if TYPE_CHECKING:
+    from fsm_rollout.sample import Sample
+
+
+class SampleRecorder(RolloutHooks):
+    """Records one rollout's engine and environment exchanges and, at its terminal transition, submits the record.
+
+    Wire it in with :meth:`client` (the engine client to use), :meth:`env_factory` and as the rollout's hooks, then
+    call :meth:`begin` once the rollout is built; :func:`recorded_rollout` does all of that.
+    """
+
+    wants_events = True
+    records_io = True
+
+    def __init__(self, writer: TapeWriter, *, config: RolloutConfig, sampling_params: Mapping[str, Any]) -> None:
+        if writer.closed:
+            raise RolloutError(f"the tape {writer.path} is closed")
+        self._writer = writer
+        self._config_object = config
+        self._config = config_to_json(config)
+        self._sampling_params = jsonable(dict(sampling_params))
+        self._started = time.time()
+        self._sample: Any = None
+        self._tokenizer: dict[str, Any] = {}
+        self._merge_size: int | None = None
+        self._io: list[dict[str, Any]] = []
+        self._transitions: list[dict[str, Any]] = []
+        self._base_tokens: list[int] = []
+        self._finished = False
+
+    # ------------------------------------------------------------------ wiring
+
+    def client(self, client: VLLMClient) -> VLLMClient:
+        """A client that sends through ``client``'s transport and records each exchange."""
+        return VLLMClient(transport=RecordingTransport(client.transport, self))
+
+    def env_factory(self, factory: EnvFactory | None) -> EnvFactory:
+        """A ``build_env`` that builds through ``factory`` (or the configured module) and records the environment."""
+        config = self._config_object
+
+        def build_env(**kwargs: Any) -> Any:
+            entry = self._entry("env_build")
+            try:
+                inner = factory or load_env_factory(config.env_path or DEFAULT_ENV_MODULE)
+                env = inner(**kwargs)
+            except Exception as error:
+                entry["error"] = describe_error(error)
+                raise
+            entry["type"] = type(env).__name__
+            missing = [name for name in ENV_METHODS if not callable(getattr(env, name, None))]
+            if missing:  # the rollout rejects it; calls on it are not recorded
+                entry["missing"] = missing
+                return env
+            return RecordingEnv(env, self)
+
+        return build_env
+
+    def begin(self, rollout: Rollout) -> None:
+        """Snapshot what the record needs from the rollout as built (before it runs)."""
+        self._started = time.time()
+        self._sample = jsonable(rollout.sample.to_dict(), images_as_urls=True)
+        self._tokenizer = self._writer.tokenizer_info(rollout.tokenizer)
+        self._merge_size = processor_merge_size(rollout.processor)
+
+    # ------------------------------------------------------------------ recording
+
+    def _entry(self, op: str, **fields: Any) -> dict[str, Any]:
+        entry = {"op": op, **fields}
+        self._io.append(entry)
+        return entry
+
+    def begin_engine(self, path: str, payload: Mapping[str, Any], headers: Mapping[str, str] | None) -> dict[str, Any]:
+        """Record a request as it is sent (the outcome is filled in by the transport)."""
+        op = ENGINE_OPS.get(path, "post")
+        entry = self._entry(op, headers=dict(headers) if headers else None)
+        if op == "post":
+            entry["path"] = path
+        if op == "generate" and isinstance(payload.get("token_ids"), list):
+            tokens = payload["token_ids"]
+            entry["request"] = {key: value for key, value in payload.items() if key != "token_ids"}
+            entry["tokens"] = token_delta(tokens, self._base_tokens)
+            self._base_tokens = list(tokens)  # the list keeps growing: keep a copy
+        else:
+            entry["request"] = dict(payload)
+        return entry
+
+    def end_engine(self, entry: dict[str, Any]) -> None:
+        """The request ended (answered, failed or cancelled)."""
+        if entry["op"] == "render":
+            token_ids = answer_token_ids(entry.get("answer"))
+            if token_ids is not None:
+                self._base_tokens = list(token_ids)
+
+    def env_call(self, op: str, **fields: Any) -> dict[str, Any]:
+        """Record an environment call as it starts."""
+        return self._entry(op, **fields)
+
+    # ------------------------------------------------------------------ hooks
+
+    def abort_requested(self, rollout: Rollout, reason: str, *, running: bool, in_flight: bool) -> None:
+        self._entry("abort_requested", reason=reason, state=rollout.state, running=running, in_flight=in_flight)
+
+    def transition(
+        self, rollout: Rollout, trigger: str, src: str, dwell_ms: float, fields: Mapping[str, Any] | None
+    ) -> None:
+        """Keep the transition's traced fields; submit the record when the rollout reached a terminal state."""
+        if fields is None:
+            return
+        kept = dict(fields)
+        kept.pop("dwell_ms", None)
+        self._transitions.append(kept)
+        if rollout.state in lifecycle.TERMINAL and not self._finished:
+            self._finished = True
+            self._writer.submit(self._record(rollout))
+            self._io = []
+            self._transitions = []
+
+    def _record(self, rollout: Rollout) -> dict[str, Any]:
+        sample = rollout.sample
+        return {
+            "kind": "sample",
+            "schema": TAPE_SCHEMA_VERSION,
+            "run": self._writer.run_id,
+            "sample_id": rollout.sample_id,
+            "session_id": sample.session_id,
+            "request_prefix": rollout.request_prefix,
+            "started": self._started,
+            "ended": time.time(),
+            "tokenizer": self._tokenizer,
+            "processor_merge_size": self._merge_size,
+            "config": self._config,
+            "sampling_params": self._sampling_params,
+            "sample": self._sample,
+            "io": self._io,
+            "transitions": self._transitions,
+            "result": {
+                "status": str(getattr(sample.status, "value", sample.status)),
+                "reason": rollout.reason,
+                "prompt_length": rollout.prompt_length,
+                "response_length": sample.response_length,
+                "tokens": token_delta(list(sample.tokens), self._base_tokens),
+                "loss_mask": run_lengths(sample.loss_mask),
+                "rollout_log_probs": None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
+                "error": jsonable(sample.metadata.get("rollout_error")),
+            },
+        }
+
+
+class RecordingTransport:
+    """A transport that sends through another one and records every exchange with its recorder.
+
+    The client parses the answers exactly as without recording; the tape keeps the raw JSON.
+    """
+
+    def __init__(self, inner: Transport, recorder: SampleRecorder) -> None:
+        self._inner = inner
+        self._recorder = recorder
+
+    @property
+    def base_url(self) -> str:
+        return self._inner.base_url
+
+    async def close(self) -> None:
+        """Nothing to release: the inner transport is shared and closed by its owner."""
+
+    async def post_json(
+        self, path: str, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
+    ) -> Any:
+        entry = self._recorder.begin_engine(path, payload, headers)
+        try:
+            answer = await self._inner.post_json(path, payload, headers=headers)
+        except asyncio.CancelledError:
+            entry["cancelled"] = True
+            raise
+        except Exception as error:
+            entry["error"] = describe_error(error)
+            raise
+        else:
+            if isinstance(answer, str):
+                entry["text"] = answer
+            else:
+                entry["answer"] = compact_json(answer) if entry["op"] == "generate" else answer
+        finally:
+            self._recorder.end_engine(entry)
+        return answer
+
+
+class RecordingEnv:
+    """Wraps one environment: calls go through unchanged and are recorded (results as JSON, errors described)."""
+
+    def __init__(self, env: Any, recorder: SampleRecorder) -> None:
+        self._env = env
+        self._recorder = recorder
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._env, name)
+
+    def reset(self) -> Any:
+        entry = self._recorder.env_call("reset")
+        try:
+            return self._env.reset()
+        except Exception as error:
+            entry["error"] = describe_error(error)
+            raise
+
+    def step(self, response_text: str) -> Any:
+        entry = self._recorder.env_call("step", text=response_text)
+        try:
+            result = self._env.step(response_text)
+            if isinstance(result, tuple) and len(result) == 3:
+                entry["result"] = {"observation": jsonable(result[0]), "done": bool(result[1])}
+            elif isinstance(result, tuple):
+                entry["result"] = {"tuple_len": len(result)}
+            else:
+                entry["result"] = {"type": type(result).__name__}
+        except Exception as error:  # bool(done) raising fails the rollout the same way unpacking it would
+            entry.pop("result", None)
+            entry["error"] = describe_error(error)
+            raise
+        return result
+
+    def format_observation(self, observation: Any) -> Any:
+        entry = self._recorder.env_call("format_observation")
+        try:
+            message = self._env.format_observation(observation)
+        except Exception as error:
+            entry["error"] = describe_error(error)
+            raise
+        entry["message"] = jsonable(message)
+        return message
+
+    def close(self) -> Any:
+        entry = self._recorder.env_call("close")
+        try:
+            return self._env.close()
+        except Exception as error:
+            entry["error"] = describe_error(error)
+            raise
+
+
+def recorded_rollout(
+    sample: Sample,
+    *,
+    config: RolloutConfig,
+    sampling_params: Mapping[str, Any],
+    client: VLLMClient,
+    tape: TapeWriter | None = None,
+    env_factory: EnvFactory | None = None,
+    hooks: RolloutHooks | None = None,
+    **rollout_options: Any,
+) -> Rollout:
+    """A :class:`~fsm_rollout.rollout.Rollout` whose engine and environment I/O is recorded on ``tape`` (default:
+    the tape beside ``config.trace``, which then needs ``config.record``).
+
+    ``rollout_options`` are the rollout's other arguments (``tokenizer``, ``processor``, ``tracer``, ``sample_id``,
+    ...); ``hooks`` run after the recorder's.
+    """
+    writer = tape if tape is not None else tape_writer_for(config)
+    if writer is None:
+        raise RolloutError("recorded_rollout needs a tape: pass tape= or set config.record with a trace file")
+    recorder = SampleRecorder(writer, config=config, sampling_params=sampling_params)
+    rollout = Rollout(
+        sample,
+        config=config,
+        sampling_params=sampling_params,
+        client=recorder.client(client),
+        env_factory=recorder.env_factory(env_factory),
+        hooks=combine_hooks(recorder, hooks),
+        **rollout_options,
+    )
+    recorder.begin(rollout)
+    return rollout
+
+
+__all__ = ["RecordingEnv", "RecordingTransport", "SampleRecorder", "recorded_rollout"]

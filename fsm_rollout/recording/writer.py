@@ -1,0 +1,171 @@
+"""Writing a tape: one file per trace, appended to from a background thread so the event loop never waits on disk."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import queue
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from fsm_rollout.config import RolloutConfig
+from fsm_rollout.errors import ConfigError, RolloutError
+from fsm_rollout.recording.format import (
+    TAPE_SCHEMA_VERSION,
+    dumps_line,
+    encode_sample_record,
+    tape_path_for,
+    tokenizer_fingerprint,
+)
+
+
+class TapeWriter:
+    """Appends sample records to one tape file; the file is written by a background thread.
+
+    :meth:`submit` encodes a record on the caller's thread (JSON, blob hashing) and queues the bytes;
+    the writer thread appends them and flushes whenever the queue runs empty, so the event loop never waits on the
+    disk. :meth:`flush` blocks until everything queued so far is on disk. Writers are shared per path
+    (:func:`get_tape_writer`) and closed at interpreter exit.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path).expanduser()
+        self.run_id = uuid.uuid4().hex[:12]
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._stream = self.path.open("ab")
+        self._written_blobs: set[str] = set()
+        self._encode_lock = threading.Lock()
+        self._queue: queue.SimpleQueue[bytes | threading.Event | None] = queue.SimpleQueue()
+        self._tokenizer_info: dict[int, tuple[Any, dict[str, Any]]] = {}
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._drain, name=f"fsm-rollout-tape-{self.run_id}", daemon=True)
+        self._thread.start()
+        from fsm_rollout import __version__
+
+        header = {"kind": "header", "schema": TAPE_SCHEMA_VERSION, "run": self.run_id, "created": time.time(),
+                  "fsm_rollout": __version__}
+        self._queue.put(dumps_line(header))
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called (records submitted after it are dropped)."""
+        return self._closed
+
+    def submit(self, record: Mapping[str, Any]) -> None:
+        """Encode one sample record and queue it for writing (a no-op once closed or after a write failed)."""
+        if self._closed or self._error is not None:
+            return
+        with self._encode_lock:
+            data = encode_sample_record(record, self._written_blobs)
+        self._queue.put(data)
+
+    def tokenizer_info(self, tokenizer: Any) -> dict[str, Any]:
+        """What the tape says about a tokenizer (computed once per tokenizer object)."""
+        cached = self._tokenizer_info.get(id(tokenizer))
+        if cached is None or cached[0] is not tokenizer:
+            cached = (tokenizer, tokenizer_fingerprint(tokenizer))
+            self._tokenizer_info[id(tokenizer)] = cached
+        return cached[1]
+
+    def flush(self, timeout: float | None = 60.0) -> None:
+        """Block until every record queued so far is written and flushed; raises if writing failed."""
+        if not self._closed and self._thread.is_alive():
+            done = threading.Event()
+            self._queue.put(done)
+            done.wait(timeout)
+        self._raise_if_failed()
+
+    def close(self) -> None:
+        """Write what is queued, then close the file (later records are dropped); raises if writing failed."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            self._thread.join(timeout=60.0)
+        self._raise_if_failed()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RolloutError(
+                f"writing the tape {self.path} failed ({type(self._error).__name__}: {self._error}); records after "
+                "the failure were dropped"
+            ) from self._error
+
+    def _drain(self) -> None:
+        stream = self._stream
+        try:
+            while True:
+                item = self._queue.get()
+                while True:
+                    if item is None:
+                        stream.flush()
+                        stream.close()
+                        return
+                    if isinstance(item, threading.Event):
+                        stream.flush()
+                        item.set()
+                    else:
+                        stream.write(item)
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                stream.flush()
+        except BaseException as error:  # a full disk must not hang flush(): release every waiter
+            self._error = error
+            with contextlib.suppress(OSError):
+                stream.close()
+            while True:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+                if isinstance(item, threading.Event):
+                    item.set()
+
+
+_WRITERS: dict[Path, TapeWriter] = {}
+_WRITERS_LOCK = threading.Lock()
+_EXIT_HOOK_REGISTERED = False
+
+
+def get_tape_writer(path: str | Path) -> TapeWriter:
+    """The process-wide writer of a tape file (opened once, appended to, closed at exit).
+
+    The exit hook that closes shared writers is registered when the first one is opened, not at import.
+    """
+    global _EXIT_HOOK_REGISTERED
+    key = Path(path).expanduser().resolve()
+    with _WRITERS_LOCK:
+        writer = _WRITERS.get(key)
+        if writer is None or writer.closed:
+            writer = TapeWriter(key)
+            _WRITERS[key] = writer
+        if not _EXIT_HOOK_REGISTERED:
+            atexit.register(_close_writers)
+            _EXIT_HOOK_REGISTERED = True
+    return writer
+
+
+def tape_writer_for(config: RolloutConfig) -> TapeWriter | None:
+    """The tape writer a config asks for: beside its trace file when ``record`` is on, else None."""
+    if not config.record:
+        return None
+    if config.trace is None or str(config.trace) in ("off", "stdout", "-"):
+        raise ConfigError("record=True needs a trace file path: the tape is written beside it")
+    return get_tape_writer(tape_path_for(config.trace))
+
+
+def _close_writers() -> None:
+    with _WRITERS_LOCK:
+        writers = list(_WRITERS.values())
+    for writer in writers:
+        try:
+            writer.close()
+        except RolloutError as error:
+            print(f"fsm-rollout: {error}", file=sys.stderr)
