@@ -2,8 +2,8 @@
 
 The canonical token history of a sample is what vLLM rendered and generated; it is never re-rendered. To append an
 observation, only the *boundary* is encoded: the tokens that close the assistant turn, add the observation turn and
-open the next assistant turn. They are cut out of a fixed dummy conversation rendered with the local chat template
-(contract section 7). The dummy prefix is rendered once per (tokenizer, tools, template kwargs) and cached, so each
+open the next assistant turn. They are cut out of a fixed dummy conversation rendered with the local chat template.
+The dummy prefix is rendered once per (tokenizer, tools, template kwargs) and cached, so each
 new observation costs one template render; boundaries of recently seen observation messages are cached too
 (environments often repeat the same feedback), so a repeated one costs none.
 """

@@ -213,7 +213,7 @@ SAMPLING_REQUIRED_KEYS = ("max_new_tokens", "temperature", "top_p")
 
 
 def build_inference_sampling_params(sampling_params: Mapping[str, Any]) -> dict[str, Any]:
-    """Map slime/vime sampling parameters to vLLM's ``sampling_params`` (contract section 5).
+    """Map slime/vime sampling parameters to vLLM's ``sampling_params``.
 
     ``max_new_tokens`` (may be None: unlimited) becomes ``max_tokens``; ``logprobs`` is always 1; optional keys
     are copied only when set, with ``top_k`` kept only when positive or -1.

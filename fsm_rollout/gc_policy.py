@@ -2,26 +2,23 @@
 
 Thousands of rollouts on one event loop keep a large population of in-flight objects alive: every pending request
 with its aiohttp machinery, every answer waiting for its share of the loop, every per-turn coroutine. They all
-outlive the young collections, which is what makes CPython's default schedule expensive for this workload (all
-figures from ``fsm-rollout bench``, workload ``scale``, on the 2-core machine of the README):
+outlive the young collections, which is what makes CPython's default schedule expensive for this workload (the
+figures are in ``fsm-rollout bench``'s output, workload ``scale``, and the README):
 
 * **Full passes.** CPython runs a full (oldest-generation) pass whenever the objects promoted since the last one
-  reach a quarter of those that survived it. With 10,000 samples in flight that came every few hundred
-  milliseconds, and each one walks every tracked object in the process (800,000): pauses of 0.3-0.6 s on the
-  event loop and over a third of the client's CPU. The rollout path makes next to no cyclic garbage (about 3
-  objects per sample, from closed connections), so nothing needs those passes while rollouts run.
+  reach a quarter of those that survived it. With thousands of samples in flight that comes often, and each one
+  walks every tracked object in the process: long pauses of the event loop and a large share of the client's CPU.
+  The rollout path makes next to no cyclic garbage (a few objects per sample, from closed connections), so nothing
+  needs those passes while rollouts run.
 * **Young passes.** With CPython 3.11's and 3.12's default thresholds (700, 10) the middle generation gathers
-  eleven young passes' survivors, 15,000-25,000 objects, before it is walked, by which time they are out of the
-  CPU's caches: 40-64 µs of collector time per turn at 1,000 samples in flight and 50-72 µs at 10,000 (whose
-  per-sample data is furthest from the cache), with pauses of 5-19 ms. With a young collection once more than 300
-  net allocations have accumulated, and the middle generation collected with every third one, the survivors are
-  walked while still warm: 27-36 µs per turn at both sizes, and pauses of 1-3 ms.
+  eleven young passes' survivors before it is walked, by which time they are out of the CPU's caches. With a
+  young collection once more than 300 net allocations have accumulated, and the middle generation collected with
+  every third one, the survivors are walked while still warm: less collector time per turn and shorter pauses.
 
 So while at least one rollout of the process runs, the thresholds become ``(300, 1, n)``, where ``n`` makes a full
 pass need :data:`FULL_GC_THRESHOLD_FACTOR` times the allocations it needs under the previous thresholds
-(:func:`full_pass_allocations`: about 9.3 million net allocations with CPython 3.11's defaults, where a
-10,000-sample batch of the bench makes about 2.2 million). Young and middle thresholds the process set
-lower are kept. The previous thresholds come back when the last running rollout ends, unless other code set
+(:func:`full_pass_allocations`), far more than a large batch allocates. Young and middle thresholds the process
+set lower are kept. The previous thresholds come back when the last running rollout ends, unless other code set
 thresholds of its own meanwhile (those are kept), and collections resume on Python's normal schedule; a process
 forked while rollouts run gets them back at once. A process that turned automatic collection off with a zero
 threshold, or set a negative one, is left alone. Nothing here runs unless asked for: rollouts opt in with

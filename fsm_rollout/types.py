@@ -20,7 +20,7 @@ Finish = Literal["stop", "length", "abort"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class TurnMeta:
-    """Per-turn bookkeeping from a generate answer that the sample accumulates (contract section 5).
+    """Per-turn bookkeeping from a generate answer that the sample accumulates.
 
     ``weight_version`` is vime's top-level ``weight_version``, else the version of the last span of
     ``choices[0].weight_versions`` (what upstream vLLM sends).

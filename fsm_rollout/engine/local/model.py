@@ -346,7 +346,7 @@ def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
 
     A token stays when the mass of the tokens likelier than it is below ``top_p``. A peaked distribution is settled
     within its top 1024 tokens; a flat one (like the random tiny model's) by :func:`_top_p_cutoff`, so neither pays
-    for sorting the whole vocabulary (12 ms per token for 150k entries on this kind of CPU).
+    for sorting the whole vocabulary, which is slow on a CPU.
     """
     probs = torch.softmax(logits, dim=0)
     values, ids = torch.topk(probs, min(probs.numel(), _TOP_P_FIRST_CANDIDATES))

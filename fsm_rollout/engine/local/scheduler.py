@@ -3,8 +3,8 @@
 Generate jobs are admitted first come, first served, up to ``max_num_seqs`` at a time; the admitted ones take
 turns one decode step each (round robin), each with its own KV cache and batch size 1, so a short request is not
 stuck behind a long one and a request's tokens never depend on what else runs. Jobs beyond ``max_num_seqs`` wait
-in a FIFO queue. Tokenizer and image tasks (render, and the check of a generate request's image features; about
-10 ms for a 256 x 256 image) run before the next decode step.
+in a FIFO queue. Tokenizer and image tasks (render, and the check of a generate request's image features) run before
+the next decode step.
 
 An aborted or disconnected job is dropped between two decode steps: a waiting one before it starts, a running one
 after the step in progress, and answered with ``finish_reason="abort"`` and the tokens it had so far.
