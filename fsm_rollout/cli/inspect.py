@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsm_rollout.replay_cli import use_color
+from fsm_rollout.cli.common import use_color
 
 if TYPE_CHECKING:
     from fsm_rollout.replay import TracedPath

@@ -12,11 +12,11 @@ damaged path; 2 unusable input (missing file, not a trace, another schema versio
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from fsm_rollout import lifecycle
+from fsm_rollout.cli.common import use_color
 
 EXIT_UNUSABLE = 2
 
@@ -37,13 +37,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="list every sample, not only the failing ones")
     parser.add_argument("--color", choices=["auto", "always", "never"], default="auto",
                         help="colour the verdicts (default: when printing to a terminal)")
-
-
-def use_color(choice: str) -> bool:
-    """Whether to print ANSI colours: ``always``, ``never``, or ``auto`` (a terminal, and no ``NO_COLOR``)."""
-    if choice == "auto":
-        return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    return choice == "always"
 
 
 def main(args: argparse.Namespace) -> int:

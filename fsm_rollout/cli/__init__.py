@@ -1,25 +1,26 @@
-"""The ``fsm-rollout`` command line: one subcommand per job, each implemented in its own module.
+"""The ``fsm-rollout`` command line: one subcommand per module of this package.
 
-A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``; it must import cheaply (no torch or
-transformers at import time), since every subcommand module is imported to build the parser.
+Library modules hold no argument parsing: everything that reads command-line arguments lives in
+:mod:`fsm_rollout.cli`. A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``; it must
+import cheaply (no torch or transformers at import time), since every subcommand module is imported to build the
+parser.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import sys
 from collections.abc import Sequence
 
 from fsm_rollout import __version__
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("fsm_rollout.run_cli", "roll a dataset out (default: the demo on the embedded CPU engine)"),
+    "run": ("fsm_rollout.cli.run", "roll a dataset out (default: the demo on the embedded CPU engine)"),
     "bench": ("fsm_rollout.bench", "measure the machine and the client against plain alternatives"),
     "diagram": ("fsm_rollout.diagrams", "write the lifecycle state diagrams (Mermaid, Graphviz) from the table"),
-    "replay": ("fsm_rollout.replay_cli", "check a recorded run against today's machine and re-execute it offline"),
-    "inspect": ("fsm_rollout.inspect_cli", "summarise a recorded run, or show one sample's timeline and text"),
-    "serve": ("fsm_rollout.engine.local.cli", "run the embedded CPU engine speaking vLLM's token-in/token-out API"),
+    "replay": ("fsm_rollout.cli.replay", "check a recorded run against today's machine and re-execute it offline"),
+    "inspect": ("fsm_rollout.cli.inspect", "summarise a recorded run, or show one sample's timeline and text"),
+    "serve": ("fsm_rollout.cli.serve", "run the embedded CPU engine speaking vLLM's token-in/token-out API"),
 }
 """Subcommand name → (module, one-line help)."""
 
@@ -46,6 +47,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     code: int = args._module.main(args)
     return code
 
-
-if __name__ == "__main__":
-    sys.exit(main())
