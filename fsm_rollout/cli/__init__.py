@@ -16,7 +16,7 @@ from fsm_rollout import __version__
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("fsm_rollout.cli.run", "roll a dataset out (default: the demo on the embedded CPU engine)"),
-    "bench": ("fsm_rollout.bench", "measure the machine and the client against plain alternatives"),
+    "bench": ("fsm_rollout.cli.bench", "measure the machine and the client against plain alternatives"),
     "diagram": ("fsm_rollout.diagrams", "write the lifecycle state diagrams (Mermaid, Graphviz) from the table"),
     "replay": ("fsm_rollout.cli.replay", "check a recorded run against today's machine and re-execute it offline"),
     "inspect": ("fsm_rollout.cli.inspect", "summarise a recorded run, or show one sample's timeline and text"),
