@@ -23,6 +23,7 @@ from typing import Any, TextIO
 
 import orjson
 
+from fsm_rollout.cli.common import add_process_settings
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.runner import MetricsSnapshot, RolloutRunner
@@ -61,13 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--max-new-tokens", type=int, default=128, help="response budget over all turns")
     rollout.add_argument("--max-context-len", type=int, help="context limit (prompt + response)")
     rollout.add_argument("--concurrency", type=int, default=16)
-    rollout.add_argument("--loop-slice-ms", type=float, default=5.0,
-                         help="event-loop time per iteration that rollouts' CPU work aims to stay within; "
-                              "0 turns pacing off (default: %(default)s)")
-    rollout.add_argument("--no-tune-gc", action="store_true",
-                         help="leave Python's garbage collector on its default schedule while rollouts run")
-    rollout.add_argument("--no-defer-full-gc", dest="no_tune_gc", action="store_true",
-                         help=argparse.SUPPRESS)  # its former name, so existing scripts still run
+    add_process_settings(rollout)
     rollout.add_argument("--temperature", type=float, default=1.0)
     rollout.add_argument("--top-p", type=float, default=1.0)
     rollout.add_argument("--stop", action="append", default=[], metavar="S", help="stop string (repeatable)")
@@ -182,6 +177,30 @@ def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, t
     return "\n".join(lines)
 
 
+def build_config(args: argparse.Namespace, url: str, model: str, tokenizer_path: str | None,
+                 merge_size: int | None) -> RolloutConfig:
+    """The rollouts' configuration from the options and the engine.
+
+    Pacing and the collector tuning are process-wide, so the library leaves them off by default; the command turns
+    both on unless ``--loop-slice-ms 0`` / ``--no-tune-gc`` say otherwise, and passes them explicitly so that its
+    behaviour does not follow the library's defaults.
+    """
+    return RolloutConfig(
+        engine_url=url,
+        model=model,
+        tokenizer_path=tokenizer_path,
+        max_turns=args.max_turns,
+        rollout_max_context_len=args.max_context_len,
+        router_policy=args.router_policy,
+        image_merge_size=merge_size,
+        env_path=args.env or DEMO_ENV,
+        trace=args.trace,
+        record=args.record,
+        loop_slice_ms=args.loop_slice_ms or None,
+        tune_gc=not args.no_tune_gc,
+    )
+
+
 async def _run(args: argparse.Namespace) -> int:
     samples, skipped = _load_samples(args)
     sampling: dict[str, Any] = {
@@ -197,20 +216,7 @@ async def _run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, interrupted.set)
     async with _engine(args) as (urls, model, tokenizer_path, merge_size):
-        config = RolloutConfig(
-            engine_url=urls[0],
-            model=model,
-            tokenizer_path=tokenizer_path,
-            max_turns=args.max_turns,
-            rollout_max_context_len=args.max_context_len,
-            router_policy=args.router_policy,
-            image_merge_size=merge_size,
-            env_path=args.env or DEMO_ENV,
-            trace=args.trace,
-            record=args.record,
-            loop_slice_ms=args.loop_slice_ms or None,
-            tune_gc=not args.no_tune_gc,
-        )
+        config = build_config(args, urls[0], model, tokenizer_path, merge_size)
         if args.seed is not None:
             sampling["seed"] = args.seed
         async with RolloutRunner(config, sampling_params=sampling, engine_urls=urls) as runner:
