@@ -10,6 +10,23 @@ DEFAULT_LOOP_SLICE_MS = 5.0
 """The commands pace rollouts by default; the library leaves pacing to the caller."""
 
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with every option's default, and descriptions and epilogs printed as written.
+
+    A default is appended to an option's help unless the help already says it or there is nothing to say (no
+    value, a flag that is off, an empty list).
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        help_text = action.help or ""
+        default = action.default
+        if "%(default)" in help_text or "(default:" in help_text or default is None or default is False:
+            return help_text
+        if isinstance(default, list | tuple) and not default:
+            return help_text
+        return super()._get_help_string(action)
+
+
 def use_color(choice: str) -> bool:
     """Whether to print ANSI colours: ``always``, ``never``, or ``auto`` (a terminal, and no ``NO_COLOR``)."""
     if choice == "auto":

@@ -45,9 +45,15 @@ from pathlib import Path
 from fsm_rollout.cli.bench.params import Settings
 from fsm_rollout.cli.common import add_process_settings
 
+EPILOG = """\
+Prints each workload's figures, then each goal with its figure, target and met/missed; --json FILE writes them too.
+--quick is a smoke run (fewer samples and repeats). The rollouts run with pacing and the tuned collector, as
+`fsm-rollout run` does, unless --loop-slice-ms 0 or --no-tune-gc turn them off."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fsm-rollout bench``."""
+    parser.epilog = EPILOG
     parser.add_argument("--quick", action="store_true", help="fewer samples and repeats (a smoke run)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON to this file")
     add_process_settings(parser.add_argument_group("process-wide settings of the measured rollouts"))
