@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import json
 import re
 import shutil
@@ -12,6 +14,7 @@ from typing import Any
 import pytest
 
 from fsm_rollout import diagrams, lifecycle
+from fsm_rollout.cli import build_parser, docs
 from fsm_rollout.cli import diagram as diagram_cli
 from fsm_rollout.cli import main as cli_main
 
@@ -446,6 +449,60 @@ def test_overlay_usage_errors_exit_2(
     assert cli_main(argv) == 2
     assert capsys.readouterr().err.startswith("fsm-rollout diagram: ")
 
+
+# ----------------------------------------------------------------------------------- the README's other sections
+
+
+def test_the_readme_holds_every_generated_section_once() -> None:
+    text = (REPO / "README.md").read_text()
+    for section in diagram_cli.README_SECTIONS:
+        assert text.count(section.begin) == 1 and text.count(section.end) == 1, section.name
+        assert text.index(section.begin) < text.index(section.end), section.name
+
+
+def test_the_lifecycle_table_has_one_row_per_edge_in_table_order() -> None:
+    rows = [row.split(" | ") for row in docs.lifecycle_table().splitlines()[3:]]
+    grouped = {index for group in diagrams.catch_all_groups(lifecycle.TRANSITIONS) for index in group[1:]}
+    edges = [edge for index, edge in enumerate(lifecycle.TRANSITIONS) if index not in grouped]
+    assert len(rows) == len(edges)
+    for row, edge in zip(rows, edges, strict=True):
+        source, trigger, guard, dest, reason = row[0].lstrip("| "), row[1], row[2], row[3], row[4]
+        assert source in (edge.source, "any non-terminal")
+        assert (trigger, dest) == (edge.trigger, edge.dest)
+        assert guard == (f"`{edge.guard}`" if edge.guard else "—")
+        assert reason == (f"`{edge.reason}`" if edge.reason else "—")
+
+
+def test_an_edited_edge_description_makes_the_readme_table_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+    first = dataclasses.replace(lifecycle.TRANSITIONS[0], work="something else entirely")
+    monkeypatch.setattr(lifecycle, "TRANSITIONS", (first, *lifecycle.TRANSITIONS[1:]))
+    problems = diagram_cli.stale_diagrams(REPO / "diagrams", REPO / "README.md")
+    assert problems == [f"{REPO / 'README.md'}: the generated lifecycle table section differs from the code"]
+
+
+def test_an_added_option_makes_the_readme_command_line_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+    from fsm_rollout.cli import serve
+
+    original = serve.add_arguments
+
+    def with_extra_option(parser: argparse.ArgumentParser) -> None:
+        original(parser)
+        parser.add_argument("--brand-new", help="an option the README does not list")
+
+    monkeypatch.setattr(serve, "add_arguments", with_extra_option)
+    problems = diagram_cli.stale_diagrams(REPO / "diagrams", REPO / "README.md")
+    assert problems == [f"{REPO / 'README.md'}: the generated command line section differs from the code"]
+
+
+def test_the_command_line_reference_lists_every_command_and_option() -> None:
+    text = docs.command_line()
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    for name, subparser in subcommands.items():
+        assert f"### `fsm-rollout {name}`" in text
+        for action in subparser._actions:
+            if action.help != argparse.SUPPRESS and action.option_strings and "--help" not in action.option_strings:
+                assert f"`{action.option_strings[-1]}" in text or f", {action.option_strings[-1]}" in text, action
 
 
 def test_diagram_finds_the_checkout_from_a_subdirectory_and_nothing_outside_one(tmp_path: Path) -> None:
