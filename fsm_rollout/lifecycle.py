@@ -26,7 +26,11 @@ from transitions.core import Condition, Event, EventData
 
 @dataclass(frozen=True)
 class StateSpec:
-    """A lifecycle state: the driver's activity in it and the trigger fired after, or its arrival actions."""
+    """A lifecycle state: the driver's activity in it and the trigger fired after, or its arrival actions.
+
+    ``doc`` says in a few words what the state means or, for a state with an activity, what that activity does
+    (the README's lifecycle table shows it on the edges into the state).
+    """
 
     name: str
     activity: tuple[str, ...] = ()
@@ -38,7 +42,11 @@ class StateSpec:
 
 @dataclass(frozen=True)
 class Edge:
-    """One guarded transition: ``trigger`` moves ``source`` to ``dest`` when ``guard`` holds (None: always)."""
+    """One guarded transition: ``trigger`` moves ``source`` to ``dest`` when ``guard`` holds (None: always).
+
+    ``work`` says in a few words what taking the edge does to the sample (its actions, or what it skips), for the
+    README's lifecycle table.
+    """
 
     trigger: str
     source: str
@@ -46,6 +54,7 @@ class Edge:
     guard: str | None = None
     actions: tuple[str, ...] = ()
     reason: str | None = None
+    work: str = ""
 
 
 INITIAL = "pending"
@@ -55,10 +64,10 @@ STATES: tuple[StateSpec, ...] = (
               doc="build and reset the environment, render the prompt (one HTTP call)"),
     StateSpec("rendered", trigger="generate", doc="prompt tokens and response budget known"),
     StateSpec("generating", activity=("request_turn",), trigger="step",
-              doc="one generate request in flight; its answer is parsed and validated"),
-    StateSpec("stepping", activity=("step_environment",), trigger="observe", doc="env.step(text)"),
+              doc="one generate request in flight, its answer parsed and validated"),
+    StateSpec("stepping", activity=("step_environment",), trigger="observe", doc="`env.step(text)`"),
     StateSpec("observing", activity=("encode_observation",), trigger="generate",
-              doc="format_observation, text check, boundary tokens"),
+              doc="`format_observation`, text check, boundary tokens"),
     StateSpec("completed", terminal=True, on_arrival=("finalize", "close_environment")),
     StateSpec("truncated", terminal=True, on_arrival=("finalize", "close_environment")),
     StateSpec("aborted", terminal=True, on_arrival=("finalize", "close_environment")),
@@ -70,23 +79,34 @@ NON_TERMINAL: tuple[str, ...] = tuple(state.name for state in STATES if not stat
 TERMINAL: frozenset[str] = frozenset(state.name for state in STATES if state.terminal)
 
 TRANSITIONS: tuple[Edge, ...] = (
-    Edge("render", "pending", "rendered", actions=("start_response",)),
-    Edge("generate", "rendered", "truncated", guard="budget_exhausted", reason="budget_exhausted"),
+    Edge("render", "pending", "rendered", actions=("start_response",),
+         work="the response is started, the budget computed"),
+    Edge("generate", "rendered", "truncated", guard="budget_exhausted", reason="budget_exhausted",
+         work="no request sent"),
     Edge("generate", "rendered", "generating"),
     Edge("generate", "observing", "truncated", guard="observation_exceeds_budget",
-         reason="insufficient_budget_for_next_turn", actions=("note_observation_truncation",)),
-    Edge("generate", "observing", "generating", actions=("append_observation", "next_turn")),
-    Edge("step", "generating", "aborted", guard="server_aborted", reason="server_abort"),
+         reason="insufficient_budget_for_next_turn", actions=("note_observation_truncation",),
+         work="nothing appended"),
+    Edge("generate", "observing", "generating", actions=("append_observation", "next_turn"),
+         work="observation appended (mask 0), next turn"),
+    Edge("step", "generating", "aborted", guard="server_aborted", reason="server_abort",
+         work="that turn's tokens are dropped"),
     Edge("step", "generating", "truncated", guard="no_budget_for_stop_eos",
-         reason="insufficient_budget_for_stop_eos", actions=("append_turn", "note_stop_eos_truncation")),
-    Edge("step", "generating", "truncated", guard="finished_by_length", reason="length", actions=("append_turn",)),
-    Edge("step", "generating", "stepping", guard="stop_eos_due", actions=("append_turn", "append_stop_eos")),
-    Edge("step", "generating", "stepping", actions=("append_turn",)),
+         reason="insufficient_budget_for_stop_eos", actions=("append_turn", "note_stop_eos_truncation"),
+         work="turn appended, no EOS"),
+    Edge("step", "generating", "truncated", guard="finished_by_length", reason="length", actions=("append_turn",),
+         work="turn appended; the environment is not stepped"),
+    Edge("step", "generating", "stepping", guard="stop_eos_due", actions=("append_turn", "append_stop_eos"),
+         work="turn appended, then the masked EOS"),
+    Edge("step", "generating", "stepping", actions=("append_turn",), work="turn appended"),
     Edge("observe", "stepping", "completed", guard="env_done", reason="env_done"),
-    Edge("observe", "stepping", "truncated", guard="turn_limit_reached", reason="max_turns"),
+    Edge("observe", "stepping", "truncated", guard="turn_limit_reached", reason="max_turns",
+         work="no observation appended"),
     Edge("observe", "stepping", "observing"),
-    *(Edge("abort", state, "aborted", actions=("note_abort",)) for state in NON_TERMINAL),
-    *(Edge("fail", state, "failed") for state in NON_TERMINAL),
+    *(Edge("abort", state, "aborted", actions=("note_abort",),
+           work="the reason is the caller's (`cancelled`, `weight_update`, …)") for state in NON_TERMINAL),
+    *(Edge("fail", state, "failed", work="reason `error`; the error is recorded, the sample's data so far is kept")
+      for state in NON_TERMINAL),
 )
 """The transition table. ``abort`` takes the caller's reason (``cancelled``, ``weight_update``, ...)."""
 

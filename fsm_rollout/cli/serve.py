@@ -1,7 +1,7 @@
 """``fsm-rollout serve``: run the embedded engine (vLLM's token-in/token-out endpoints on a CPU model) until stopped.
 
-Prints the base URL alone on stdout once the engine answers requests (details go to stderr), then serves until
-SIGINT or SIGTERM.
+What the command prints is in :data:`EPILOG` (printed by ``--help`` and in the README); the engine is
+:class:`fsm_rollout.engine.local.LocalEngine`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,16 @@ import signal
 import sys
 import time
 
+EPILOG = """\
+Prints the base URL alone on stdout once the engine answers requests (details go to stderr), then serves until
+SIGINT or SIGTERM. It is a development and test engine; production is vLLM."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``serve`` options to ``parser``."""
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: 127.0.0.1, loopback only)")
-    parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one (default: 8000)")
+    parser.epilog = EPILOG
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s, loopback only)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind; 0 picks a free one")
     parser.add_argument(
         "--model",
         metavar="DIR",
@@ -28,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-model-len", type=int, metavar="N", default=None, help="context length (default: the model config's)"
     )
     parser.add_argument(
-        "--max-num-seqs", type=int, metavar="N", default=8, help="generations decoded in turn at once (default: 8)"
+        "--max-num-seqs", type=int, metavar="N", default=8, help="generations decoded in turn at once"
     )
     parser.add_argument(
         "--torch-threads",

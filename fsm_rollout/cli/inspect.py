@@ -1,12 +1,7 @@
 """``fsm-rollout inspect``: what a recorded run did — a batch summary, or one sample's timeline.
 
-``fsm-rollout inspect run.jsonl`` summarises the trace: samples per status and reason, a histogram of turns per
-sample, token statistics, and how long samples dwelt in each state (p50/p95). ``--sample ID`` shows that sample's
-timeline: every transition with its time and dwell, and, when the run was recorded with a tape, per turn the
-model's decoded text and the observation appended after it. Trainable tokens (loss mask 1) are shown apart from
-masked ones: green and dim in a terminal, masked text in ``⟦…⟧`` when the output is piped.
-
-Exit codes: 0 shown; 2 unusable input (missing file, not a trace, another schema version, unknown sample).
+What the command shows and its exit codes are in :data:`EPILOG` (printed by ``--help`` and in the README). The
+summarising and rendering below serve only this command, so they live here rather than in the library.
 """
 
 from __future__ import annotations
@@ -20,13 +15,22 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from fsm_rollout.replay_cli import use_color
+from fsm_rollout.cli.common import use_color
 
 if TYPE_CHECKING:
     from fsm_rollout.recording import LineProblem, TapeFile, TapeSample
     from fsm_rollout.replay import TracedPath
 
 EXIT_OK, EXIT_UNUSABLE = 0, 2
+
+EPILOG = """\
+Without --sample it summarises the trace: samples per status and reason, a histogram of turns per sample, token
+statistics, and how long samples dwelt in each state (p50/p95). --sample ID shows that sample's timeline: every
+transition with its time and dwell, and, when the run was recorded with a tape, per turn the model's decoded text,
+the environment's answer and the observation appended after it. Trainable tokens (loss mask 1) are shown apart
+from masked ones: green and dim in a terminal, masked text in ⟦…⟧ when the output is piped.
+
+Exit codes: 0 shown; 2 unusable input (missing file, not a trace, another schema version, unknown sample)."""
 MASK_OPEN, MASK_CLOSE = "⟦", "⟧"
 _GREEN, _DIM, _BOLD, _RESET = "\033[32m", "\033[2m", "\033[1m", "\033[0m"
 _BAR_WIDTH = 40
@@ -34,10 +38,13 @@ _BAR_WIDTH = 40
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fsm-rollout inspect``."""
-    parser.add_argument("trace", type=Path, help="the transition trace (JSONL), or a tape")
-    parser.add_argument("--tape", type=Path, help="the I/O tape (default: beside the trace), for decoded text")
+    parser.epilog = EPILOG
+    parser.add_argument("trace", type=Path, metavar="TRACE", help="the transition trace (JSONL), or a tape")
+    parser.add_argument("--tape", type=Path, metavar="FILE",
+                        help="the I/O tape (default: beside the trace), for decoded text")
     parser.add_argument("--sample", metavar="ID", help="show this sample's timeline instead of the batch summary")
-    parser.add_argument("--tokenizer", help="tokenizer for decoding text (default: the one the recording used)")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="tokenizer for decoding text (default: the one the recording used)")
     parser.add_argument("--color", choices=["auto", "always", "never"], default="auto",
                         help="colour trainable/masked text (default: when printing to a terminal)")
 

@@ -1,12 +1,6 @@
 """``fsm-rollout run``: the main job — roll a dataset out against vLLM (or the embedded engine) and write results.
 
-With no ``--engine-url`` the embedded CPU engine is started in-process; with no ``--data`` the bundled demo
-dataset runs with the built-in Geo3K environment. Results are JSONL (``Sample.to_dict()`` per line, in input
-order); the trace is JSONL too (one line per transition). Ctrl-C aborts the samples in flight, writes what finished
-plus the aborted partials, and exits 130.
-
-Exit codes: 0 every sample ended (completed, truncated or aborted by the server); 1 some sample failed; 2 bad input
-(dataset, options); 130 interrupted.
+What the command does, its outputs and exit codes are in :data:`EPILOG` (printed by ``--help`` and in the README).
 """
 
 from __future__ import annotations
@@ -23,6 +17,7 @@ from typing import Any, TextIO
 
 import orjson
 
+from fsm_rollout.cli.common import add_process_settings
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.recording import tape_path_for
@@ -32,47 +27,61 @@ from fsm_rollout.sample import Sample
 DEMO_ENV = "fsm_rollout.envs.geo3k"
 EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
+EPILOG = """\
+With no --engine-url the embedded CPU engine is started in-process; with no --data the bundled demo dataset runs
+with the built-in Geo3K environment. A live progress line shows samples done, per-state occupancy and tokens/s;
+the run ends with a summary (status and reason counts, turns, tokens, throughput).
+
+Dataset lines are `{"prompt": str | messages, "images": [...], "label": ..., "metadata": {...}, "tools": [...]}`;
+a bad line is an error naming its line number (or is skipped and counted with --skip-bad). Results are JSONL,
+`Sample.to_dict()` per line in input order, with decoded image features as dtype and shape unless
+--include-features (pixel values are megabytes per image); the trace is JSONL too, one line per transition.
+
+Ctrl-C aborts the samples in flight, writes what finished plus the aborted partials, and exits 130.
+
+Exit codes: 0 every sample ended (completed, truncated, or aborted by the server); 1 some sample failed; 2 bad
+input (dataset, options); 130 interrupted."""
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fsm-rollout run``."""
+    parser.epilog = EPILOG
     data = parser.add_argument_group("data and outputs")
-    data.add_argument("--data", type=Path, help="JSONL dataset (default: the bundled Geo3K-style demo)")
-    data.add_argument("--out", type=Path, default=Path("results.jsonl"), help="results JSONL (default: %(default)s)")
-    data.add_argument("--trace", type=Path, help="write the transition trace (JSONL) here")
+    data.add_argument("--data", type=Path, metavar="FILE",
+                      help="JSONL dataset (default: the bundled Geo3K-style demo)")
+    data.add_argument("--out", type=Path, default=Path("results.jsonl"), metavar="FILE", help="results JSONL")
+    data.add_argument("--trace", type=Path, metavar="FILE", help="write the transition trace (JSONL) here")
     data.add_argument("--record", action="store_true",
                       help="also record the I/O tape beside the trace (X.jsonl -> X.tape.jsonl) so that "
                       "`fsm-rollout replay` can re-execute the run offline (needs --trace)")
     data.add_argument("--include-features", action="store_true",
                       help="write decoded image features in full (default: dtype and shape only)")
     data.add_argument("--skip-bad", action="store_true", help="skip invalid dataset lines (counted) instead of failing")
-    data.add_argument("--limit", type=int, help="run only the first N samples")
+    data.add_argument("--limit", type=int, metavar="N", help="run only the first N samples")
+    data.add_argument("--quiet", action="store_true", help="no progress line")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--engine-url", action="append", default=[], metavar="URL",
-                        help="vLLM server or router URL; repeat for several servers (sticky consistent hashing). "
-                        "Default: start the embedded CPU engine")
-    engine.add_argument("--model", help="served model name (default: the embedded engine's model)")
-    engine.add_argument("--tokenizer", help="local tokenizer path (default: --model, or the embedded engine's)")
+                        help="vLLM server or router URL; repeat for several servers (sticky consistent hashing) "
+                        "(default: start the embedded CPU engine)")
+    engine.add_argument("--model", metavar="NAME", help="served model name (default: the embedded engine's model)")
+    engine.add_argument("--tokenizer", metavar="PATH",
+                        help="local tokenizer path (default: --model, or the embedded engine's)")
     engine.add_argument("--router-policy", choices=["consistent_hash"], help="send x-session-id on every request")
-    engine.add_argument("--image-merge-size", type=int,
+    engine.add_argument("--image-merge-size", type=int, metavar="N",
                         help="vision merge size for the image-token check (Qwen-VL: 2; default: the engine's)")
     rollout = parser.add_argument_group("rollout")
-    rollout.add_argument("--env", help=f"environment module or .py file (default with the demo: {DEMO_ENV})")
-    rollout.add_argument("--max-turns", type=int, default=3)
-    rollout.add_argument("--max-new-tokens", type=int, default=128, help="response budget over all turns")
-    rollout.add_argument("--max-context-len", type=int, help="context limit (prompt + response)")
-    rollout.add_argument("--concurrency", type=int, default=16)
-    rollout.add_argument("--loop-slice-ms", type=float, default=5.0,
-                         help="event-loop time per iteration that rollouts' CPU work aims to stay within; "
-                              "0 turns pacing off (default: %(default)s)")
-    rollout.add_argument("--no-tune-gc", action="store_true",
-                         help="leave Python's garbage collector on its default schedule while rollouts run")
-    rollout.add_argument("--no-defer-full-gc", dest="no_tune_gc", action="store_true",
-                         help=argparse.SUPPRESS)  # its former name, so existing scripts still run
-    rollout.add_argument("--temperature", type=float, default=1.0)
-    rollout.add_argument("--top-p", type=float, default=1.0)
+    rollout.add_argument("--env", metavar="MODULE|FILE",
+                         help=f"environment module or .py file (default with the demo: {DEMO_ENV})")
+    rollout.add_argument("--max-turns", type=int, default=3, metavar="N", help="turns per sample at most")
+    rollout.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+                         help="response budget over all turns")
+    rollout.add_argument("--max-context-len", type=int, metavar="N", help="context limit (prompt + response)")
+    rollout.add_argument("--concurrency", type=int, default=16, metavar="N", help="samples in flight at once")
+    rollout.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature")
+    rollout.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: top-p")
     rollout.add_argument("--stop", action="append", default=[], metavar="S", help="stop string (repeatable)")
-    rollout.add_argument("--seed", type=int, help="sampling seed sent with every request")
-    parser.add_argument("--quiet", action="store_true", help="no progress line")
+    rollout.add_argument("--seed", type=int, metavar="N", help="sampling seed sent with every request")
+    add_process_settings(parser.add_argument_group("process-wide settings"))
 
 
 def _load_samples(args: argparse.Namespace) -> tuple[list[Sample], int]:
@@ -182,6 +191,30 @@ def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, t
     return "\n".join(lines)
 
 
+def build_config(args: argparse.Namespace, url: str, model: str, tokenizer_path: str | None,
+                 merge_size: int | None) -> RolloutConfig:
+    """The rollouts' configuration from the options and the engine.
+
+    Pacing and the collector tuning are process-wide, so the library leaves them off by default; the command turns
+    both on unless ``--loop-slice-ms 0`` / ``--no-tune-gc`` say otherwise, and passes them explicitly so that its
+    behaviour does not follow the library's defaults.
+    """
+    return RolloutConfig(
+        engine_url=url,
+        model=model,
+        tokenizer_path=tokenizer_path,
+        max_turns=args.max_turns,
+        rollout_max_context_len=args.max_context_len,
+        router_policy=args.router_policy,
+        image_merge_size=merge_size,
+        env_path=args.env or DEMO_ENV,
+        trace=args.trace,
+        record=args.record,
+        loop_slice_ms=args.loop_slice_ms or None,
+        tune_gc=not args.no_tune_gc,
+    )
+
+
 async def _run(args: argparse.Namespace) -> int:
     samples, skipped = _load_samples(args)
     sampling: dict[str, Any] = {
@@ -197,20 +230,7 @@ async def _run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, interrupted.set)
     async with _engine(args) as (urls, model, tokenizer_path, merge_size):
-        config = RolloutConfig(
-            engine_url=urls[0],
-            model=model,
-            tokenizer_path=tokenizer_path,
-            max_turns=args.max_turns,
-            rollout_max_context_len=args.max_context_len,
-            router_policy=args.router_policy,
-            image_merge_size=merge_size,
-            env_path=args.env or DEMO_ENV,
-            trace=args.trace,
-            record=args.record,
-            loop_slice_ms=args.loop_slice_ms or None,
-            tune_gc=not args.no_tune_gc,
-        )
+        config = build_config(args, urls[0], model, tokenizer_path, merge_size)
         if args.seed is not None:
             sampling["seed"] = args.seed
         async with RolloutRunner(config, sampling_params=sampling, engine_urls=urls) as runner:

@@ -1,33 +1,40 @@
 """``fsm-rollout replay``: check a recorded run against today's lifecycle and re-execute it offline from its tape.
 
-``fsm-rollout replay run.jsonl`` checks every sample's logged path against today's transition table and, when the
-run was recorded (``fsm-rollout run --trace run.jsonl --record`` writes ``run.tape.jsonl``), re-executes each
-sample through today's code with the engine and the environment answered from the tape. Only the tokenizer is
-needed locally: the recorded one, or ``--tokenizer PATH``.
-
-Exit codes: 0 every sample identical (or legal, when only checked); 1 a divergence, or an illegal, unfinished or
-damaged path; 2 unusable input (missing file, not a trace, another schema version, no tokenizer, nothing selected).
+What the command does and its exit codes are in :data:`EPILOG` (printed by ``--help`` and in the README); the work
+is :func:`fsm_rollout.replay.replay`'s.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 from fsm_rollout import lifecycle
+from fsm_rollout.cli.common import use_color
 
 EXIT_UNUSABLE = 2
+
+EPILOG = """\
+Checks every sample's logged path against today's transition table and, when the run was recorded
+(`fsm-rollout run --trace run.jsonl --record` writes `run.tape.jsonl`), re-executes each sample through today's
+code with the engine and the environment answered from the tape. Only the tokenizer is needed locally: the
+recorded one, or --tokenizer PATH.
+
+Exit codes: 0 every sample identical (or legal, when only checked); 1 a divergence, or an illegal, unfinished or
+damaged path; 2 unusable input (missing file, not a trace, another schema version, no tokenizer, nothing
+selected)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fsm-rollout replay``."""
-    parser.add_argument("trace", type=Path,
+    parser.epilog = EPILOG
+    parser.add_argument("trace", type=Path, metavar="TRACE",
                         help="the transition trace (JSONL); its tape is read from beside it (X.jsonl -> X.tape.jsonl). "
                         "A tape alone works too")
-    parser.add_argument("--tape", type=Path, help="the I/O tape (default: beside the trace)")
-    parser.add_argument("--tokenizer", help="local tokenizer path or name (default: the one the recording used)")
+    parser.add_argument("--tape", type=Path, metavar="FILE", help="the I/O tape (default: beside the trace)")
+    parser.add_argument("--tokenizer", metavar="PATH",
+                        help="local tokenizer path or name (default: the one the recording used)")
     parser.add_argument("--check-only", action="store_true",
                         help="only check the paths against today's table; do not re-execute")
     parser.add_argument("--sample", action="append", metavar="ID", help="only this sample id (repeatable)")
@@ -37,13 +44,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-v", "--verbose", action="store_true", help="list every sample, not only the failing ones")
     parser.add_argument("--color", choices=["auto", "always", "never"], default="auto",
                         help="colour the verdicts (default: when printing to a terminal)")
-
-
-def use_color(choice: str) -> bool:
-    """Whether to print ANSI colours: ``always``, ``never``, or ``auto`` (a terminal, and no ``NO_COLOR``)."""
-    if choice == "auto":
-        return sys.stdout.isatty() and not os.environ.get("NO_COLOR")
-    return choice == "always"
 
 
 def main(args: argparse.Namespace) -> int:
@@ -61,6 +61,7 @@ def main(args: argparse.Namespace) -> int:
             sample_ids=args.sample,
             statuses=args.status,
             execute=not args.check_only,
+            tune_gc=True,  # the command owns its process: collector tuning as `run` has it
         )
     except (RolloutError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)

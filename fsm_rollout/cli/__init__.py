@@ -1,0 +1,51 @@
+"""The ``fsm-rollout`` command line: one subcommand per module of this package.
+
+Library modules hold no argument parsing: everything that reads command-line arguments lives in
+:mod:`fsm_rollout.cli`. A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``; it must
+import cheaply (no torch or transformers at import time), since every subcommand module is imported to build the
+parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+from collections.abc import Sequence
+
+from fsm_rollout import __version__
+from fsm_rollout.cli.common import HelpFormatter
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("fsm_rollout.cli.run", "roll a dataset out (default: the demo on the embedded CPU engine)"),
+    "replay": ("fsm_rollout.cli.replay", "check a recorded run against today's machine and re-execute it offline"),
+    "inspect": ("fsm_rollout.cli.inspect", "summarise a recorded run, or show one sample's timeline and text"),
+    "diagram": ("fsm_rollout.cli.diagram", "write the lifecycle diagrams and the README's generated sections"),
+    "serve": ("fsm_rollout.cli.serve", "run the embedded CPU engine speaking vLLM's token-in/token-out API"),
+    "bench": ("fsm_rollout.cli.bench", "measure the machine and the client against plain alternatives"),
+}
+"""Subcommand name → (module, one-line help)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of every subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="fsm-rollout",
+        description="Multi-turn LLM/VLM rollouts for RL training as explicit, traced state machines.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"fsm-rollout {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, (module_name, help_text) in SUBCOMMANDS.items():
+        module = importlib.import_module(module_name)
+        subparser = subparsers.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
+        module.add_arguments(subparser)
+        subparser.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen subcommand; returns the process exit code."""
+    args = build_parser().parse_args(argv)
+    code: int = args._module.main(args)
+    return code
+

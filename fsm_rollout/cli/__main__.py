@@ -1,0 +1,7 @@
+"""``python -m fsm_rollout.cli``: the ``fsm-rollout`` command without the console script."""
+
+from __future__ import annotations
+
+from fsm_rollout.cli import main
+
+raise SystemExit(main())

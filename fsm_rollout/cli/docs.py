@@ -1,0 +1,158 @@
+"""The README's generated reference texts: the lifecycle table and the command-line synopsis, in Markdown.
+
+Both are made from what the code runs (the transition table in :mod:`fsm_rollout.lifecycle`, the parsers of
+:mod:`fsm_rollout.cli`), and ``fsm-rollout diagram`` writes them between their README markers, so the README
+cannot describe a table or an option that is not there. The output depends on nothing but the code (not on the
+terminal width or the Python version's help layout), so a check on another machine compares equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from fsm_rollout import lifecycle
+from fsm_rollout.diagrams import catch_all_groups
+
+SYNOPSIS_WIDTH = 100
+"""Where the synopsis lines wrap."""
+
+_NONE = "—"
+
+
+# ---------------------------------------------------------------------------------------------- lifecycle table
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|") if text else _NONE
+
+
+def _work(edge_work: str, dest: lifecycle.StateSpec) -> str:
+    """What taking an edge does: its own work, then the activity of the state it enters."""
+    parts = [edge_work] if edge_work else []
+    if dest.activity and dest.doc:
+        parts.append(f"activity: {dest.doc}")
+    return "; ".join(parts)
+
+
+def lifecycle_table() -> str:
+    """The transition table as a Markdown table, one row per edge in table order.
+
+    Edges that exist alike from every non-terminal state (``abort``, ``fail``) are one row "any non-terminal"; the
+    first row is the start, with the initial state's activity. Guards are listed in the order they are tried.
+    """
+    transitions = lifecycle.TRANSITIONS
+    groups = catch_all_groups(transitions)
+    group_of = {index: group for group in groups for index in group}
+    initial = lifecycle.STATE_BY_NAME[lifecycle.INITIAL]
+    rows = [
+        "| from | trigger | guard (first match wins) | to | reason | work |",
+        "|---|---|---|---|---|---|",
+        f"| [*] | {_NONE} | {_NONE} | {initial.name} | {_NONE} | {_cell(_work('', initial))} |",
+    ]
+    for index, edge in enumerate(transitions):
+        group = group_of.get(index)
+        if group is not None and index != group[0]:
+            continue
+        source = "any non-terminal" if group is not None else edge.source
+        guard = f"`{edge.guard}`" if edge.guard else ""
+        reason = f"`{edge.reason}`" if edge.reason else ""
+        work = _work(edge.work, lifecycle.STATE_BY_NAME[edge.dest]) if edge.dest in lifecycle.STATE_BY_NAME else ""
+        rows.append(
+            f"| {source} | {edge.trigger} | {_cell(guard)} | {edge.dest} | {_cell(reason)} | {_cell(work)} |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- command line
+
+
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return dict(action.choices)
+    return {}
+
+
+def _option(action: argparse.Action) -> str:
+    """An option as the synopsis and the table show it: ``--name METAVAR`` (or the positional's name)."""
+    if not action.option_strings:
+        return str(action.metavar or action.dest)
+    names = ", ".join(action.option_strings)
+    if action.nargs == 0:
+        return names
+    if action.metavar is not None:
+        metavar = str(action.metavar)
+    elif action.choices is not None:
+        metavar = "{" + ",".join(str(choice) for choice in action.choices) + "}"
+    else:
+        metavar = action.dest.upper()
+    return f"{names} {metavar}"
+
+
+def _shown(action: argparse.Action) -> bool:
+    return action.help != argparse.SUPPRESS and not isinstance(action, argparse._HelpAction)
+
+
+def _synopsis(prog: str, parser: argparse.ArgumentParser) -> str:
+    """``prog [--a A] [--b | --c] POSITIONAL``, wrapped at :data:`SYNOPSIS_WIDTH`."""
+    exclusive = {id(action): group for group in parser._mutually_exclusive_groups for action in group._group_actions}
+    parts: list[str] = []
+    done: set[int] = set()
+    for action in parser._actions:
+        if not _shown(action) or id(action) in done:
+            continue
+        if not action.option_strings:
+            parts.append(_option(action))
+            continue
+        group = exclusive.get(id(action))
+        members = [member for member in group._group_actions if _shown(member)] if group is not None else [action]
+        done.update(id(member) for member in members)
+        shortest = [_option(member).split(", ")[-1] for member in members]  # the long name reads better
+        parts.append("[" + " | ".join(shortest) + "]")
+    positionals = [part for part in parts if not part.startswith("[")]
+    options = [part for part in parts if part.startswith("[")]
+    indent = " " * (len(prog) + 1)
+    lines = [prog]
+    for part in [*options, *positionals]:  # wrapped between items, never inside one
+        if len(lines[-1]) + 1 + len(part) > SYNOPSIS_WIDTH and lines[-1] != prog:
+            lines.append(indent + part)
+        else:
+            lines[-1] += " " + part
+    return "\n".join(lines)
+
+
+def _help(formatter: argparse.HelpFormatter, action: argparse.Action) -> str:
+    """An option's help as ``--help`` prints it (its default included), on one line."""
+    if not action.help:
+        return ""
+    return " ".join(formatter._expand_help(action).split())
+
+
+def _option_rows(parser: argparse.ArgumentParser) -> list[str]:
+    formatter = parser._get_formatter()
+    rows = ["| option | meaning |", "|---|---|"]
+    for group in parser._action_groups:
+        actions = [action for action in group._group_actions if _shown(action)]
+        if not actions:
+            continue
+        if group is not parser._positionals and group is not parser._optionals and group.title:
+            rows.append(f"| *{group.title}* | |")
+        rows.extend(f"| `{_cell(_option(action))}` | {_cell(_help(formatter, action))} |" for action in actions)
+    return rows
+
+
+def command_line() -> str:
+    """Every subcommand: its one-line help, synopsis, options with their help and defaults, and its epilog."""
+    from fsm_rollout.cli import SUBCOMMANDS, build_parser
+
+    parsers = _subcommands(build_parser())
+    blocks = ["Every command takes `-h`/`--help`, which prints the same with the current defaults."]
+    for name, (_module, help_text) in SUBCOMMANDS.items():
+        parser = parsers[name]
+        prog = f"fsm-rollout {name}"
+        block = [f"### `{prog}`", "", help_text[0].upper() + help_text[1:] + ".", "", "```text",
+                 _synopsis(prog, parser), "```", "", *_option_rows(parser)]
+        if parser.epilog:
+            block += ["", parser.epilog]
+        blocks.append("\n".join(block))
+    return "\n\n".join(blocks) + "\n"

@@ -1,0 +1,90 @@
+"""The command line's layering: argument parsing only in fsm_rollout/cli, cheap to import, explicit settings."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fsm_rollout.cli import SUBCOMMANDS, build_parser
+from fsm_rollout.cli.bench import settings as bench_settings
+from fsm_rollout.cli.bench.params import Settings
+from fsm_rollout.cli.run import build_config
+
+PACKAGE = Path(__file__).resolve().parents[2] / "fsm_rollout"
+
+
+def test_only_the_cli_package_parses_arguments() -> None:
+    parsing = sorted(
+        str(path.relative_to(PACKAGE))
+        for path in PACKAGE.rglob("*.py")
+        if re.search(r"^\s*(import argparse|from argparse import)", path.read_text(), re.MULTILINE)
+    )
+    assert parsing and all(name.startswith("cli/") for name in parsing), parsing
+
+
+def test_building_the_parser_imports_neither_torch_nor_transformers() -> None:
+    code = (
+        "import sys\n"
+        "from fsm_rollout.cli import build_parser\n"
+        "build_parser()\n"
+        "print(sorted(name for name in ('torch', 'transformers') if name in sys.modules))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"
+
+
+def test_every_subcommand_lives_in_the_cli_package() -> None:
+    assert set(SUBCOMMANDS) == {"run", "replay", "inspect", "diagram", "serve", "bench"}
+    assert all(module.startswith("fsm_rollout.cli.") for module, _help in SUBCOMMANDS.values())
+
+
+def run_config(*argv: str) -> tuple[float | None, bool]:
+    args = build_parser().parse_args(["run", *argv])
+    config = build_config(args, "http://127.0.0.1:1", "m", None, None)
+    return config.loop_slice_ms, config.tune_gc
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ((), (5.0, True)),
+        (("--loop-slice-ms", "0"), (None, True)),
+        (("--loop-slice-ms", "2.5", "--no-tune-gc"), (2.5, False)),
+        (("--no-defer-full-gc",), (5.0, False)),
+    ],
+)
+def test_run_turns_the_process_wide_settings_on_unless_told_not_to(
+    argv: tuple[str, ...], expected: tuple[float | None, bool]
+) -> None:
+    assert run_config(*argv) == expected
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [((), Settings(5.0, True)), (("--loop-slice-ms", "0", "--no-tune-gc"), Settings(None, False))],
+)
+def test_bench_turns_the_process_wide_settings_on_unless_told_not_to(
+    argv: tuple[str, ...], expected: Settings
+) -> None:
+    assert bench_settings(build_parser().parse_args(["bench", *argv])) == expected
+
+
+@pytest.mark.parametrize("command", sorted(SUBCOMMANDS))
+def test_help_shows_defaults_but_not_empty_ones(
+    command: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("COLUMNS", "250")  # one line per option, so no default is wrapped apart
+    with pytest.raises(SystemExit):
+        build_parser().parse_args([command, "--help"])
+    out = capsys.readouterr().out
+    assert "(default: None)" not in out and "(default: False)" not in out and "(default: [])" not in out
+    expected = {"run": ["--max-turns N         turns per sample at most (default: 3)", "(default: results.jsonl)",
+                        "(default: 5.0)", "Exit codes:"],
+                "bench": ["(default: 5.0)"], "serve": ["(default: 8000)", "(default: 127.0.0.1, loopback only)"],
+                "replay": ["Exit codes:"], "inspect": ["Exit codes:"], "diagram": ["Exit codes:"]}[command]
+    for text in expected:
+        assert text in out, text
