@@ -285,7 +285,7 @@ def _canned_answers() -> dict[str, bytes]:
     captured as raw JSON bodies by asking it once."""
     import aiohttp
 
-    from fsm_rollout.engine.endpoints import GENERATE_PATH, RENDER_PATH
+    from fsm_rollout.engine.schema import GENERATE_PATH, RENDER_PATH
     from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
     from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
 
@@ -543,7 +543,7 @@ def _baseline_rollouts(url: str, tokenizer: Any, samples: int) -> dict[str, floa
     chat-template renders per observation (the dummy conversation with and without the observation)."""
     from fsm_rollout.chat import DUMMY_MESSAGES
     from fsm_rollout.engine.client import VLLMClient
-    from fsm_rollout.engine.endpoints import GENERATE_PATH, RENDER_PATH
+    from fsm_rollout.engine.schema import GENERATE_PATH, RENDER_PATH
     from fsm_rollout.testing.envs import ScriptedEnv
 
     headers = {"Content-Type": "application/json"}
@@ -607,8 +607,7 @@ def _json_costs(url: str, repeats: int = 2_000) -> dict[str, float]:
     import aiohttp
 
     from fsm_rollout.config import build_inference_sampling_params
-    from fsm_rollout.engine.endpoints import GENERATE_PATH, RENDER_PATH
-    from fsm_rollout.engine.protocol import parse_generate_response, parse_render_response
+    from fsm_rollout.engine.schema import GENERATE_PATH, RENDER_PATH, parse_generate_response, parse_render_response
 
     render_payload = {"model": "fake-model", "messages": [{"role": "user", "content": _PROMPT}]}
 

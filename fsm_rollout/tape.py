@@ -77,7 +77,7 @@ import orjson
 from fsm_rollout import lifecycle
 from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
-from fsm_rollout.engine.endpoints import ABORT_PATH, GENERATE_PATH, RENDER_PATH
+from fsm_rollout.engine.schema import ABORT_PATH, GENERATE_PATH, RENDER_PATH
 from fsm_rollout.env import EnvFactory, load_env_factory
 from fsm_rollout.errors import ConfigError, EngineHTTPError, RolloutError
 from fsm_rollout.multimodal import encode_pil_image, processor_merge_size

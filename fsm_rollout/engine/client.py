@@ -11,8 +11,15 @@ import aiohttp
 import orjson
 
 from fsm_rollout.config import RetryPolicy, RolloutConfig
-from fsm_rollout.engine.endpoints import ABORT_PATH, GENERATE_PATH, RENDER_PATH
-from fsm_rollout.engine.protocol import error_message, parse_generate_response, parse_render_response
+from fsm_rollout.engine.schema import (
+    ABORT_PATH,
+    GENERATE_PATH,
+    RENDER_PATH,
+    error_message,
+    parse_generate_response,
+    parse_render_response,
+)
+from fsm_rollout.engine.schema import server_request_ids as server_request_ids  # re-exported: callers import it here
 from fsm_rollout.errors import (
     EngineConnectionError,
     EngineHTTPError,
@@ -21,8 +28,6 @@ from fsm_rollout.errors import (
     RenderError,
 )
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt
-
-GENERATE_REQUEST_ID_PREFIX = "generate-tokens-"
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 
@@ -157,11 +162,6 @@ class VLLMClient:
         """
         ids = [alias for request_id in request_ids for alias in server_request_ids(request_id)]
         await self.post_json(ABORT_PATH, {"request_ids": ids}, headers=headers)
-
-
-def server_request_ids(request_id: str) -> tuple[str, str]:
-    """The ids a generate request may be known by at the server: as sent, and vLLM's prefixed internal id."""
-    return (request_id, GENERATE_REQUEST_ID_PREFIX + request_id)
 
 
 def _dumps(value: Any) -> str:

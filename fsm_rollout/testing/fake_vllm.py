@@ -31,17 +31,14 @@ from typing import Any, Literal, TypeVar
 import orjson
 from aiohttp import web
 
-from fsm_rollout.engine.endpoints import (
+from fsm_rollout.engine.endpoints import EndpointHandlers, error_response, json_response, serve_endpoints
+from fsm_rollout.engine.schema import (
     ABORT_PATH,
     GENERATE_PATH,
     HEALTH_PATH,
     MODELS_PATH,
     RENDER_PATH,
-    EndpointHandlers,
-    error_response,
-    json_response,
     render_sampling_params,
-    serve_endpoints,
 )
 
 __all__ = [

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from fsm_rollout.engine.endpoints import render_sampling_params
+from fsm_rollout.engine.schema import render_sampling_params
 
 Finish = Literal["stop", "length", "abort"]
 
