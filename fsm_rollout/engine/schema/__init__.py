@@ -1,11 +1,12 @@
 """vLLM's token-in/token-out wire schema, in one place for the client, the embedded engine and the fake server.
 
-It is a package because its parts together are too long for one module:
+It is a package because the three parts together are too long for one module:
 
 * :mod:`~fsm_rollout.engine.schema.wire`: endpoint paths, the JSON records, finish reasons, request ids, token-id
   checks, error bodies and render's sampling parameters (shared by both directions);
 * :mod:`~fsm_rollout.engine.schema.answers`: the client's side, strict parsing of answers into
-  :mod:`fsm_rollout.types` records.
+  :mod:`fsm_rollout.types` records;
+* :mod:`~fsm_rollout.engine.schema.requests`: the servers' side, validating request bodies field by field.
 
 Nothing here imports aiohttp: serving lives in :mod:`fsm_rollout.engine.endpoints`.
 """
@@ -21,6 +22,28 @@ from fsm_rollout.engine.schema.answers import (
     parse_render_response,
     parse_turn_meta,
     sampling_mask_to_top_p,
+)
+from fsm_rollout.engine.schema.requests import (
+    RequestError,
+    abort_request_ids,
+    boolean_field,
+    check_message,
+    check_model,
+    check_prompt_room,
+    check_single_prompt_extra,
+    decode_json_object,
+    generate_request_id,
+    integer_field,
+    message_list,
+    number_field,
+    render_messages,
+    render_template_kwargs,
+    render_tools,
+    request_sampling_params,
+    request_token_ids,
+    resolve_max_tokens,
+    stop_strings,
+    stop_token_ids,
 )
 from fsm_rollout.engine.schema.wire import (
     ABORT_FINISH_REASONS,
@@ -88,30 +111,50 @@ __all__ = [
     "ModelCard",
     "ModelList",
     "RenderAnswer",
+    "RequestError",
     "TopLogprob",
     "Usage",
     "WeightVersionSpan",
+    "abort_request_ids",
+    "boolean_field",
+    "check_message",
+    "check_model",
+    "check_prompt_room",
+    "check_single_prompt_extra",
     "coerce_flat_int_token_ids",
+    "decode_json_object",
     "decode_routed_experts",
     "error_body",
     "error_message",
     "error_type",
+    "generate_request_id",
+    "integer_field",
     "is_int",
     "is_int_list",
     "is_number",
     "is_token_id_list",
     "last_span_version",
+    "message_list",
     "model_list",
+    "number_field",
     "parse_finish_reason",
     "parse_generate_response",
     "parse_logprobs",
     "parse_render_response",
     "parse_turn_meta",
+    "render_messages",
     "render_sampling_params",
+    "render_template_kwargs",
+    "render_tools",
+    "request_sampling_params",
+    "request_token_ids",
+    "resolve_max_tokens",
     "sampling_mask_to_top_p",
     "sent_request_id",
     "server_request_id",
     "server_request_ids",
+    "stop_strings",
+    "stop_token_ids",
     "token_text",
     "weight_version_spans",
 ]
