@@ -9,13 +9,17 @@ from typing import Any
 import aiohttp
 
 from fsm_rollout.config import RetryPolicy, RolloutConfig
-from fsm_rollout.engine.endpoints import ABORT_PATH, GENERATE_PATH, RENDER_PATH
-from fsm_rollout.engine.protocol import parse_generate_response, parse_render_response
+from fsm_rollout.engine.schema import (
+    ABORT_PATH,
+    GENERATE_PATH,
+    RENDER_PATH,
+    parse_generate_response,
+    parse_render_response,
+)
+from fsm_rollout.engine.schema import server_request_ids as server_request_ids  # re-exported: callers import it here
 from fsm_rollout.engine.transport import AiohttpTransport, Transport
 from fsm_rollout.errors import GenerationError, RenderError
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt
-
-GENERATE_REQUEST_ID_PREFIX = "generate-tokens-"
 
 
 class VLLMClient:
@@ -115,9 +119,3 @@ class VLLMClient:
         """
         ids = [alias for request_id in request_ids for alias in server_request_ids(request_id)]
         await self.transport.post_json(ABORT_PATH, {"request_ids": ids}, headers=headers)
-
-
-def server_request_ids(request_id: str) -> tuple[str, str]:
-    """The ids a generate request may be known by at the server: as sent, and vLLM's prefixed internal id."""
-    return (request_id, GENERATE_REQUEST_ID_PREFIX + request_id)
-

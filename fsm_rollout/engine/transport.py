@@ -17,7 +17,7 @@ import aiohttp
 import orjson
 
 from fsm_rollout.config import RetryPolicy
-from fsm_rollout.engine.protocol import error_message
+from fsm_rollout.engine.schema import error_message
 from fsm_rollout.errors import EngineConnectionError, EngineHTTPError, EngineTimeoutError
 
 _JSON_HEADERS = {"Content-Type": "application/json"}

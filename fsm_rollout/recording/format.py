@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from fsm_rollout.engine.endpoints import ABORT_PATH, GENERATE_PATH, RENDER_PATH
+from fsm_rollout.engine.schema import ABORT_PATH, GENERATE_PATH, RENDER_PATH
 from fsm_rollout.errors import EngineHTTPError, RolloutError
 from fsm_rollout.multimodal import encode_pil_image
 

@@ -31,17 +31,38 @@ from typing import Any, Literal, TypeVar
 import orjson
 from aiohttp import web
 
-from fsm_rollout.engine.endpoints import (
+from fsm_rollout.engine.endpoints import EndpointHandlers, error_response, json_response, serve_endpoints
+from fsm_rollout.engine.schema import (
     ABORT_PATH,
     GENERATE_PATH,
     HEALTH_PATH,
     MODELS_PATH,
     RENDER_PATH,
-    EndpointHandlers,
-    error_response,
-    json_response,
+    Finish,
+    GenerateAnswer,
+    GenerateChoice,
+    LogprobEntry,
+    RenderAnswer,
+    RequestError,
+    abort_request_ids,
+    boolean_field,
+    check_model,
+    check_prompt_room,
+    check_single_prompt_extra,
+    decode_json_object,
+    generate_request_id,
+    model_list,
+    render_messages,
     render_sampling_params,
-    serve_endpoints,
+    render_template_kwargs,
+    render_tools,
+    request_sampling_params,
+    request_token_ids,
+    resolve_max_tokens,
+    server_request_id,
+    stop_strings,
+    stop_token_ids,
+    token_text,
 )
 
 __all__ = [
@@ -58,14 +79,15 @@ __all__ = [
 SESSION_HEADER = "x-session-id"
 """Header naming the script queue a generate request draws its turn from."""
 
-Finish = Literal["stop", "length", "abort"]
 LogprobEntryStyle = Literal["token_id", "token"]
 RenderFeaturesHook = Callable[[list[dict[str, Any]], list[int]], tuple[list[int], dict[str, Any] | None]]
 """``(messages, template_ids) -> (prompt_ids, features)``: how render answers a conversation with images."""
 
 _CLIENT_MAX_SIZE = 64 * 1024 * 1024
 _MIN_LOGPROB = -9999.0  # vLLM clamps logprobs to this in the "token" entry style (-inf is not JSON)
-_MALFORMED_JSON_BODY = b'{"request_id": "generate-tokens-trunc", "choices": [{"index": 0, "token_ids": [1, 2'
+_MALFORMED_JSON_BODY = b'{"request_id": "%s", "choices": [{"index": 0, "token_ids": [1, 2' % (
+    server_request_id("trunc").encode()
+)
 _T = TypeVar("_T")
 
 
@@ -126,16 +148,6 @@ class _Fault:
     malformed_json: bool
     reset: bool
     delay: float
-
-
-class _RequestError(Exception):
-    """A request the server answers with a vLLM error body instead of a result."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
 
 
 @dataclass(frozen=True)
@@ -312,7 +324,7 @@ class FakeVLLMServer:
         except web.HTTPException:  # e.g. 413: the body exceeds client_max_size
             self.requests.append(RecordedRequest(request.path, dict(request.headers), None, arrived))
             raise
-        body, _ = _parse_body(raw)
+        body = _recorded_body(raw)
         self.requests.append(RecordedRequest(request.path, dict(request.headers), body, arrived))
 
         fault_queue = self._faults.get(request.path)
@@ -320,7 +332,7 @@ class FakeVLLMServer:
             return await self._answer_fault(request, fault_queue.popleft())
         try:
             return await handler(request)
-        except _RequestError as error:
+        except RequestError as error:
             return error_response(error.status, error.message, error.param)
         except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as error:
             return json_response({"detail": error.reason}, status=error.status)
@@ -343,23 +355,11 @@ class FakeVLLMServer:
         return web.Response(status=200)
 
     async def _handle_models(self, request: web.Request) -> web.StreamResponse:
-        card = {
-            "id": self.model,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "vllm",
-            "root": self.model,
-            "parent": None,
-            "max_model_len": self.max_model_len,
-        }
-        return json_response({"object": "list", "data": [card]})
+        return json_response(model_list(self.model, root=self.model, max_model_len=self.max_model_len))
 
     async def _handle_abort(self, request: web.Request) -> web.StreamResponse:
         body = await _json_object_body(request)
-        request_ids = body.get("request_ids")
-        if not isinstance(request_ids, list) or not all(isinstance(rid, str) for rid in request_ids):
-            raise _RequestError(400, "request_ids: Input should be a valid list of strings", "request_ids")
-        for request_id in request_ids:
+        for request_id in abort_request_ids(body):
             self.aborted_request_ids.append(request_id)
             for event in self._waiting.get(request_id, ()):
                 event.set()
@@ -367,59 +367,42 @@ class FakeVLLMServer:
 
     async def _handle_render(self, request: web.Request) -> web.StreamResponse:
         body = await _json_object_body(request)
-        self._check_model(body)
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise _RequestError(400, "messages: Field required (a non-empty list of messages)", "messages")
-        if not all(
-            isinstance(message, dict) and isinstance(message.get("role"), str) for message in messages
-        ):
-            raise _RequestError(
-                400, "messages: every message must be an object with a string 'role'", "messages"
-            )
-        tools = body.get("tools")
-        if tools is not None and not isinstance(tools, list):
-            raise _RequestError(400, "tools: Input should be a valid list", "tools")
-        template_kwargs = body.get("chat_template_kwargs")
-        if template_kwargs is None:
-            template_kwargs = {}
-        elif not isinstance(template_kwargs, dict):
-            raise _RequestError(
-                400, "chat_template_kwargs: Input should be a valid dictionary", "chat_template_kwargs"
-            )
+        check_model(body, self.model)
+        messages = render_messages(body)
+        tools = render_tools(body)
+        template_kwargs = render_template_kwargs(body)
         try:
             token_ids = await self._in_tokenizer_thread(self._render_ids, messages, tools, template_kwargs)
         except Exception as error:  # a template that cannot render these messages is the request's fault
-            raise _RequestError(400, f"chat template rendering failed: {error}") from error
+            raise RequestError(400, f"chat template rendering failed: {error}") from error
         features: dict[str, Any] | None = None
         if self.render_features is not None:
             try:
                 token_ids, features = await self._in_tokenizer_thread(self.render_features, messages, token_ids)
             except Exception as error:  # like vLLM's answer to an image it cannot load or process
-                raise _RequestError(400, f"multimodal processing failed: {error}") from error
-        return json_response(
-            {
-                "request_id": f"chatcmpl-{uuid.uuid4().hex}",
-                "token_ids": token_ids,
-                "features": features,
-                "sampling_params": render_sampling_params(body),
-                "model": self.model,
-                "stream": False,
-                "stream_options": None,
-                "cache_salt": None,
-                "priority": 0,
-            }
-        )
+                raise RequestError(400, f"multimodal processing failed: {error}") from error
+        answer: RenderAnswer = {
+            "request_id": f"chatcmpl-{uuid.uuid4().hex}",
+            "token_ids": token_ids,
+            "features": features,
+            "sampling_params": render_sampling_params(body),
+            "model": self.model,
+            "stream": False,
+            "stream_options": None,
+            "cache_salt": None,
+            "priority": 0,
+        }
+        return json_response(answer)
 
     async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json_object_body(request)
-        self._check_model(body)
+        check_model(body, self.model)
         params = self._generate_params(body)
         session = request.headers.get(SESSION_HEADER)
         queue = self._queues[session if session in self._queues else None]
         if not queue:
             name = "<default>" if session is None else session
-            raise _RequestError(500, f"fake vLLM: no scripted turn left for session {name}")
+            raise RequestError(500, f"fake vLLM: no scripted turn left for session {name}")
         turn = queue.popleft()
 
         if await self._wait_unless_aborted(params.request_id, turn):
@@ -435,70 +418,21 @@ class FakeVLLMServer:
 
     # ---------------------------------------------------------------- generate helpers
 
-    def _check_model(self, body: Mapping[str, Any]) -> None:
-        model = body.get("model")
-        if model is not None and model != self.model:
-            raise _RequestError(404, f"The model `{model}` does not exist.", "model")
-
     def _generate_params(self, body: Mapping[str, Any]) -> _GenerateParams:
-        token_ids = body.get("token_ids")
-        if not isinstance(token_ids, list) or not token_ids:
-            raise _RequestError(400, "token_ids: List should have at least 1 item", "token_ids")
-        if not all(type(token) is int and token >= 0 for token in token_ids):
-            raise _RequestError(400, "token_ids: every item must be a non-negative integer", "token_ids")
-        sampling = body.get("sampling_params")
-        if not isinstance(sampling, dict):
-            raise _RequestError(400, "sampling_params: Input should be a valid dictionary", "sampling_params")
-        if body.get("features") is not None and body.get("content_parts") is not None:
-            raise _RequestError(400, "Only one of features and content_parts may be given")
-        request_id = body.get("request_id")
-        if request_id is None:
-            request_id = uuid.uuid4().hex
-        elif not isinstance(request_id, str):
-            raise _RequestError(400, "request_id: Input should be a valid string", "request_id")
-
+        # vLLM's field checks, in this server's order; everything else in the body is accepted and ignored
+        token_ids = request_token_ids(body)
+        sampling = request_sampling_params(body)
+        check_single_prompt_extra(body)
+        request_id = generate_request_id(body, uuid.uuid4().hex)
         prompt_len = len(token_ids)
-        if prompt_len >= self.max_model_len:
-            raise _RequestError(
-                400,
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your request "
-                f"has {prompt_len} input tokens. Please reduce the length of the input messages.",
-            )
-        max_tokens = sampling.get("max_tokens")
-        if max_tokens is None:  # vLLM fills in the rest of the context, not the dataclass default of 16
-            max_tokens = self.max_model_len - prompt_len
-        elif type(max_tokens) is not int or max_tokens < 1:
-            raise _RequestError(400, f"max_tokens must be at least 1, got {max_tokens!r}.", "max_tokens")
-        elif prompt_len + max_tokens > self.max_model_len:
-            raise _RequestError(
-                400,
-                f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is "
-                f"{self.max_model_len} tokens and your request has {prompt_len} input tokens "
-                f"({max_tokens} > {self.max_model_len} - {prompt_len}).",
-                "max_tokens",
-            )
-        stop = sampling.get("stop")
-        if stop is None:
-            stop = []
-        elif isinstance(stop, str):
-            stop = [stop]
-        if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop):
-            raise _RequestError(400, "stop: Input should be a string or a list of strings", "stop")
-        stop_token_ids = sampling.get("stop_token_ids")
-        if stop_token_ids is None:
-            stop_token_ids = []
-        if not isinstance(stop_token_ids, list) or not all(type(t) is int for t in stop_token_ids):
-            raise _RequestError(400, "stop_token_ids: Input should be a list of integers", "stop_token_ids")
-        ignore_eos = sampling.get("ignore_eos", False)
-        if not isinstance(ignore_eos, bool):
-            raise _RequestError(400, "ignore_eos: Input should be a valid boolean", "ignore_eos")
+        check_prompt_room(prompt_len, self.max_model_len)
         return _GenerateParams(
             request_id=request_id,
             prompt_len=prompt_len,
-            max_tokens=max_tokens,
-            stop=tuple(s for s in stop if s),
-            stop_token_ids=frozenset(stop_token_ids),
-            ignore_eos=ignore_eos,
+            max_tokens=resolve_max_tokens(sampling, prompt_len=prompt_len, max_model_len=self.max_model_len),
+            stop=stop_strings(sampling.get("stop")),
+            stop_token_ids=stop_token_ids(sampling.get("stop_token_ids")),
+            ignore_eos=boolean_field(sampling, "ignore_eos", False),
         )
 
     async def _wait_unless_aborted(self, request_id: str, turn: ScriptedTurn) -> bool:
@@ -537,10 +471,10 @@ class FakeVLLMServer:
         else:
             logprobs = [-0.01 * (i + 1) for i in range(len(token_ids))]
         if len(logprobs) != len(token_ids):
-            raise _RequestError(
+            raise RequestError(
                 500, f"fake vLLM: the scripted turn has {len(logprobs)} logprobs for {len(token_ids)} tokens"
             )
-        choice: dict[str, Any] = {
+        choice: GenerateChoice = {
             "index": 0,
             "finish_reason": finish,
             "token_ids": token_ids,
@@ -550,9 +484,8 @@ class FakeVLLMServer:
             "routed_experts": None,
             "sampling_mask": None,
         }
-        choice.update(turn.choice_extra)
-        answer: dict[str, Any] = {
-            "request_id": f"generate-tokens-{params.request_id}",
+        answer: GenerateAnswer = {
+            "request_id": server_request_id(params.request_id),
             "model": self.model,
             "created": int(time.time()),
             "choices": [choice],
@@ -562,13 +495,13 @@ class FakeVLLMServer:
                 "total_tokens": params.prompt_len + len(token_ids),
             },
         }
-        answer.update(turn.top_extra)
-        return answer
+        # the extras are free-form (for schema-violation tests): merged outside the record types
+        return {**answer, "choices": [{**choice, **turn.choice_extra}], **turn.top_extra}
 
-    def _logprob_entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+    def _logprob_entry(self, token_id: int, logprob: float) -> LogprobEntry:
         if self.logprob_entry_style == "token":
             return {
-                "token": f"token_id:{token_id}",
+                "token": token_text(token_id),
                 "logprob": max(logprob, _MIN_LOGPROB),
                 "top_logprobs": [],
             }
@@ -637,23 +570,19 @@ class FakeVLLMServer:
 # -------------------------------------------------------------------- module helpers
 
 
-def _parse_body(raw: bytes) -> tuple[Any, bool]:
+def _recorded_body(raw: bytes) -> Any:
+    """A request body as :class:`RecordedRequest` keeps it: the JSON, else the text, else None when empty."""
     if not raw:
-        return None, False
+        return None
     try:
-        return orjson.loads(raw), True
+        return orjson.loads(raw)
     except orjson.JSONDecodeError:
-        return raw.decode("utf-8", errors="replace"), False
+        return raw.decode("utf-8", errors="replace")
 
 
 async def _json_object_body(request: web.Request) -> dict[str, Any]:
     # aiohttp caches the body the middleware read, so this reads no bytes from the socket.
-    body, is_json = _parse_body(await request.read())
-    if not is_json:
-        raise _RequestError(400, "The request body is not valid JSON")
-    if not isinstance(body, dict):
-        raise _RequestError(400, "The request body must be a JSON object")
-    return body
+    return decode_json_object(await request.read())
 
 
 def _as_token_ids(encoded: Any) -> list[int]:

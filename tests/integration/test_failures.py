@@ -264,7 +264,7 @@ async def test_render_with_empty_token_ids_is_a_render_error(run_rollout: Any, f
     from unittest import mock
 
     async def empty_render(*_: Any, **__: Any) -> Any:
-        from fsm_rollout.engine.protocol import parse_render_response
+        from fsm_rollout.engine.schema import parse_render_response
 
         return parse_render_response({"token_ids": []}, "fake-model")
 

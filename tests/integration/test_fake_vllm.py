@@ -131,7 +131,7 @@ async def test_render_of_an_unknown_model_is_vllms_404(
     assert status == 404
     assert body == {
         "error": {
-            "message": "The model `other` does not exist.",
+            "message": f"The model `other` does not exist. Valid aliases: {MODEL}.",
             "type": "NotFoundError",
             "param": "model",
             "code": 404,
@@ -293,8 +293,11 @@ async def test_generate_with_a_prompt_filling_the_context_is_400(
         {"token_ids": [1, 2.0], "sampling_params": {}},
         {"token_ids": [1, 2]},
         {"token_ids": [1, 2], "sampling_params": []},
+        {"token_ids": [1, 2], "sampling_params": {}, "request_id": ""},
     ],
-    ids=["empty", "negative", "string", "float", "no-sampling-params", "sampling-params-not-object"],
+    ids=[
+        "empty", "negative", "string", "float", "no-sampling-params", "sampling-params-not-object", "empty-request-id"
+    ],
 )
 async def test_generate_rejects_an_invalid_request_with_400(
     server: FakeVLLMServer, http: aiohttp.ClientSession, body: dict[str, Any]

@@ -969,7 +969,8 @@ async def test_a_tokenizer_without_the_image_placeholder_refuses_images() -> Non
     from types import SimpleNamespace
 
     from fsm_rollout.engine.local.images import ImageSupport
-    from fsm_rollout.engine.local.protocol import ImageFeatures, RequestError
+    from fsm_rollout.engine.local.protocol import ImageFeatures
+    from fsm_rollout.engine.schema import RequestError
 
     text_only = SimpleNamespace(convert_tokens_to_ids=lambda token: 0, unk_token_id=0)  # every token is unknown
     support = ImageSupport(text_only)

@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from fsm_rollout.engine.protocol import (
+from fsm_rollout.engine.schema import (
     coerce_flat_int_token_ids,
     decode_routed_experts,
     error_message,

@@ -26,7 +26,7 @@ import aiohttp
 import pytest
 from vllm_helpers import ABORT_PATH, GENERATE_PATH, RENDER_PATH, SERVED_MODEL, metrics
 
-from fsm_rollout.engine.protocol import error_message, parse_generate_response, parse_render_response
+from fsm_rollout.engine.schema import error_message, parse_generate_response, parse_render_response
 
 pytestmark = pytest.mark.vllm
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import aiohttp
 
-from fsm_rollout.engine.endpoints import ABORT_PATH, GENERATE_PATH, RENDER_PATH
+from fsm_rollout.engine.schema import ABORT_PATH, GENERATE_PATH, RENDER_PATH
 
 __all__ = [
     "ABORT_PATH",

@@ -152,7 +152,7 @@ def baseline_rollouts(url: str, tokenizer: Any, samples: int) -> dict[str, float
     """The seed's way, as a plain imperative loop: same HTTP session and tokenizer, stdlib json, and two
     chat-template renders per observation (the dummy conversation with and without the observation)."""
     from fsm_rollout.chat import DUMMY_MESSAGES
-    from fsm_rollout.engine.endpoints import GENERATE_PATH, RENDER_PATH
+    from fsm_rollout.engine.schema import GENERATE_PATH, RENDER_PATH
     from fsm_rollout.engine.transport import AiohttpTransport
     from fsm_rollout.testing.envs import ScriptedEnv
 
@@ -217,8 +217,7 @@ def measure_json_costs(url: str, repeats: int = 2_000) -> dict[str, float]:
     import aiohttp
 
     from fsm_rollout.config import build_inference_sampling_params
-    from fsm_rollout.engine.endpoints import GENERATE_PATH, RENDER_PATH
-    from fsm_rollout.engine.protocol import parse_generate_response, parse_render_response
+    from fsm_rollout.engine.schema import GENERATE_PATH, RENDER_PATH, parse_generate_response, parse_render_response
 
     render_payload = {"model": "fake-model", "messages": [{"role": "user", "content": PROMPT}]}
 

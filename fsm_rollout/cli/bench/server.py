@@ -20,7 +20,7 @@ def _canned_answers() -> dict[str, bytes]:
     captured as raw JSON bodies by asking it once."""
     import aiohttp
 
-    from fsm_rollout.engine.endpoints import GENERATE_PATH, RENDER_PATH
+    from fsm_rollout.engine.schema import GENERATE_PATH, RENDER_PATH
     from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
     from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
 

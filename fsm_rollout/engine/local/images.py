@@ -34,7 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
 
-from fsm_rollout.engine.local.protocol import ImageFeatures, RequestError
+from fsm_rollout.engine.local.protocol import ImageFeatures
+from fsm_rollout.engine.schema import RequestError
 
 if TYPE_CHECKING:
     import torch

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from fsm_rollout.engine.local.errors import ModelLoadError
-from fsm_rollout.engine.local.protocol import Finish, SamplingSettings
+from fsm_rollout.engine.local.protocol import SamplingSettings
+from fsm_rollout.engine.schema import Finish
 
 __all__ = ["Generation", "LoadedModel", "TokenLogprob", "load_model", "quiet_progress_bars", "top_p_filter"]
 

@@ -1,26 +1,40 @@
-"""Validation of the embedded engine's request bodies into typed records, with vLLM's error semantics.
+"""The embedded engine's request bodies as typed records: vLLM's field checks
+(:mod:`fsm_rollout.engine.schema.requests`) plus what this engine does not implement.
 
-Everything here is pure Python (no torch, no aiohttp): a bad request becomes a :class:`RequestError` that the
-server answers with vLLM's error body, a good one a frozen record the model code can trust.
+Everything here is pure Python (no torch, no aiohttp): a bad request becomes a
+:class:`~fsm_rollout.engine.schema.RequestError` that the server answers with vLLM's error body, a good one a frozen
+record the model code can trust.
 """
 
 from __future__ import annotations
 
 import itertools
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final
 
-from fsm_rollout.engine.endpoints import render_sampling_params
-
-Finish = Literal["stop", "length", "abort"]
+from fsm_rollout.engine.schema import (
+    RequestError,
+    boolean_field,
+    check_message,
+    check_prompt_room,
+    generate_request_id,
+    integer_field,
+    is_int,
+    message_list,
+    number_field,
+    render_sampling_params,
+    render_template_kwargs,
+    render_tools,
+    request_sampling_params,
+    request_token_ids,
+    resolve_max_tokens,
+    stop_strings,
+    stop_token_ids,
+)
 
 MAX_LOGPROBS: Final = 20
 """The most ``logprobs`` (top candidates per token) a request may ask for, as vLLM's default ``max_logprobs``."""
-
-GENERATE_ID_PREFIX: Final = "generate-tokens-"
-"""vLLM answers a generate request under ``generate-tokens-<request_id>``; abort accepts either form."""
 
 REMOTE_IMAGES_REFUSED: Final = (
     "fetching remote images is not supported by the embedded engine ({where}); send the image inline as a "
@@ -63,15 +77,6 @@ _UNSUPPORTED_SAMPLING: Final[Mapping[str, tuple[Any, ...]]] = {
     "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,),
 }
-
-class RequestError(Exception):
-    """A request the server answers with a vLLM error body (``{"error": {message, type, param, code}}``)."""
-
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,25 +160,11 @@ class RenderInput:
     with_tensors: bool = True
 
 
-def check_model(body: Mapping[str, Any], served_model_name: str) -> None:
-    """Refuse (404, like vLLM) a request naming another model; a missing or null ``model`` is fine."""
-    model = body.get("model")
-    if model is not None and model != served_model_name:
-        raise RequestError(404, f"The model `{model}` does not exist. Valid aliases: {served_model_name}.", "model")
-
-
 def parse_generate(
     body: Mapping[str, Any], *, max_model_len: int, vocab_size: int, new_request_id: str
 ) -> GenerateInput:
     """Validate a generate body; ``new_request_id`` is used when the body names none."""
-    token_ids = body.get("token_ids")
-    if not isinstance(token_ids, list) or not token_ids:
-        raise RequestError(400, "token_ids: List should have at least 1 item", "token_ids")
-    for token in token_ids:
-        if type(token) is not int or token < 0:
-            raise RequestError(400, f"token_ids: every item must be a non-negative integer, got {token!r}", "token_ids")
-        if token >= vocab_size:
-            raise RequestError(400, f"Token id {token} is out of vocabulary (vocab size {vocab_size})", "token_ids")
+    token_ids = request_token_ids(body, vocab_size=vocab_size)
     if body.get("content_parts") is not None:
         raise RequestError(
             400,
@@ -189,23 +180,10 @@ def parse_generate(
         raise RequestError(
             400, f"output_mode {output_mode!r} is not supported by the embedded engine; use 'tokens'", "output_mode"
         )
-    request_id = body.get("request_id")
-    if request_id is None:
-        request_id = new_request_id
-    elif not isinstance(request_id, str) or not request_id:
-        raise RequestError(400, "request_id: Input should be a non-empty string", "request_id")
-    sampling = body.get("sampling_params")
-    if not isinstance(sampling, dict):
-        raise RequestError(400, "sampling_params: Field required (a JSON object)", "sampling_params")
+    request_id = generate_request_id(body, new_request_id)
+    sampling = request_sampling_params(body)
     prompt_len = len(token_ids)
-    if prompt_len >= max_model_len:
-        raise RequestError(
-            400,
-            f"This model's maximum context length is {max_model_len} tokens. However, your request has "
-            f"{prompt_len} input tokens, which leaves no room for output tokens. Please reduce the length of the "
-            "input.",
-            "token_ids",
-        )
+    check_prompt_room(prompt_len, max_model_len)
     settings = parse_sampling_params(sampling, prompt_len=prompt_len, max_model_len=max_model_len)
     return GenerateInput(request_id=request_id, token_ids=token_ids, settings=settings, features=features)
 
@@ -287,54 +265,41 @@ def parse_sampling_params(sampling: Mapping[str, Any], *, prompt_len: int, max_m
     for name, neutral in _UNSUPPORTED_SAMPLING.items():
         if name in sampling and sampling[name] not in neutral:
             raise RequestError(400, f"sampling_params.{name} is not supported by the embedded engine", name)
-    n = _integer(sampling, "n", 1)
+    n = integer_field(sampling, "n", 1)
     if n != 1:
         raise RequestError(400, f"n must be 1 on the embedded engine, got {n}.", "n")
 
-    room = max_model_len - prompt_len
-    max_tokens = _integer(sampling, "max_tokens", None)
-    if max_tokens is None:  # vLLM fills in the rest of the context, not the dataclass default of 16
-        max_tokens = room
-    elif max_tokens < 1:
-        raise RequestError(400, f"max_tokens must be at least 1, got {max_tokens}.", "max_tokens")
-    elif max_tokens > room:
-        raise RequestError(
-            400,
-            f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is {max_model_len} "
-            f"tokens and your request has {prompt_len} input tokens ({max_tokens} > {max_model_len} - "
-            f"{prompt_len}).",
-            "max_tokens",
-        )
-    min_tokens = _integer(sampling, "min_tokens", 0)
+    max_tokens = resolve_max_tokens(sampling, prompt_len=prompt_len, max_model_len=max_model_len)
+    min_tokens = integer_field(sampling, "min_tokens", 0)
     if not 0 <= min_tokens <= max_tokens:
         raise RequestError(400, f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}.", "min_tokens")
 
-    temperature = _number(sampling, "temperature", 1.0)
+    temperature = number_field(sampling, "temperature", 1.0)
     if temperature < 0:
         raise RequestError(400, f"temperature must be non-negative, got {temperature}.", "temperature")
-    top_p = _number(sampling, "top_p", 1.0)
+    top_p = number_field(sampling, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise RequestError(400, f"top_p must be in (0, 1], got {top_p}.", "top_p")
-    top_k = _integer(sampling, "top_k", 0)
+    top_k = integer_field(sampling, "top_k", 0)
     if top_k < -1:
         raise RequestError(400, f"top_k must be 0 or -1 (disabled) or at least 1, got {top_k}.", "top_k")
-    min_p = _number(sampling, "min_p", 0.0)
+    min_p = number_field(sampling, "min_p", 0.0)
     if not 0 <= min_p <= 1:
         raise RequestError(400, f"min_p must be in [0, 1], got {min_p}.", "min_p")
-    repetition_penalty = _number(sampling, "repetition_penalty", 1.0)
+    repetition_penalty = number_field(sampling, "repetition_penalty", 1.0)
     if repetition_penalty <= 0:
         raise RequestError(
             400, f"repetition_penalty must be greater than zero, got {repetition_penalty}.", "repetition_penalty"
         )
     penalties = {}
     for name in ("presence_penalty", "frequency_penalty"):
-        penalties[name] = _number(sampling, name, 0.0)
+        penalties[name] = number_field(sampling, name, 0.0)
         if not -2 <= penalties[name] <= 2:
             raise RequestError(400, f"{name} must be in [-2, 2], got {penalties[name]}.", name)
 
-    _boolean(sampling, "include_stop_str_in_output", False)  # checked only: see SamplingSettings
-    seed = _integer(sampling, "seed", None)
-    logprobs = _integer(sampling, "logprobs", None)
+    boolean_field(sampling, "include_stop_str_in_output", False)  # checked only: see SamplingSettings
+    seed = integer_field(sampling, "seed", None)
+    logprobs = integer_field(sampling, "logprobs", None)
     if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
         raise RequestError(
             400, f"logprobs must be in [0, {MAX_LOGPROBS}] on the embedded engine, got {logprobs}.", "logprobs"
@@ -347,10 +312,10 @@ def parse_sampling_params(sampling: Mapping[str, Any], *, prompt_len: int, max_m
         top_k=max(top_k, 0),
         min_p=min_p,
         seed=seed,
-        stop=_stop_strings(sampling.get("stop")),
-        stop_token_ids=_stop_token_ids(sampling.get("stop_token_ids")),
-        ignore_eos=_boolean(sampling, "ignore_eos", False),
-        skip_special_tokens=_boolean(sampling, "skip_special_tokens", True),
+        stop=stop_strings(sampling.get("stop")),
+        stop_token_ids=stop_token_ids(sampling.get("stop_token_ids")),
+        ignore_eos=boolean_field(sampling, "ignore_eos", False),
+        skip_special_tokens=boolean_field(sampling, "skip_special_tokens", True),
         logprobs=logprobs,
         repetition_penalty=repetition_penalty,
         presence_penalty=penalties["presence_penalty"],
@@ -364,26 +329,15 @@ def parse_render(body: Mapping[str, Any]) -> RenderInput:
     Image parts (``image_url``/``input_image``) must carry ``data:`` URLs: ``http(s)`` and ``file`` URLs, other
     schemes and other media parts (video, audio, embeddings, unconverted ``image`` parts) are refused with 400.
     """
-    messages = body.get("messages")
-    if not isinstance(messages, list) or not messages:
-        raise RequestError(400, "messages: Field required (a non-empty list of messages)", "messages")
+    messages = message_list(body)
     images: list[tuple[str, str]] = []
     for index, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-            raise RequestError(
-                400, f"messages[{index}]: every message must be an object with a string 'role'", "messages"
-            )
+        check_message(message, index)  # each message before its images, so the first fault is the one named
         images.extend(_image_urls(message.get("content"), f"messages[{index}]"))
-    tools = body.get("tools")
-    if tools is not None and not isinstance(tools, list):
-        raise RequestError(400, "tools: Input should be a valid list", "tools")
-    template_kwargs = body.get("chat_template_kwargs")
-    if template_kwargs is None:
-        template_kwargs = {}
-    elif not isinstance(template_kwargs, dict):
-        raise RequestError(400, "chat_template_kwargs: Input should be a valid dictionary", "chat_template_kwargs")
-    add_generation_prompt = _boolean(body, "add_generation_prompt", True)
-    continue_final_message = _boolean(body, "continue_final_message", False)
+    tools = render_tools(body)
+    template_kwargs = render_template_kwargs(body)
+    add_generation_prompt = boolean_field(body, "add_generation_prompt", True)
+    continue_final_message = boolean_field(body, "continue_final_message", False)
     if add_generation_prompt and continue_final_message:
         raise RequestError(
             400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", "messages"
@@ -464,53 +418,8 @@ def _placeholder(entry: Any, where: str) -> tuple[int, int]:
     """``(offset, length)`` of one ``{"offset", "length"}`` placeholder (vLLM's ``PlaceholderRangeInfo``)."""
     if isinstance(entry, dict):
         offset, length = entry.get("offset"), entry.get("length")
-        if type(offset) is int and type(length) is int and offset >= 0 and length > 0:
+        if is_int(offset) and is_int(length) and offset >= 0 and length > 0:
             return offset, length
     raise RequestError(
         400, f"{where}: a placeholder must be {{'offset': int >= 0, 'length': int > 0}}, got {entry!r:.80}", "features"
     )
-
-
-def _integer(mapping: Mapping[str, Any], name: str, default: int | None) -> Any:
-    value = mapping.get(name)
-    if value is None:
-        return default
-    if type(value) is not int:
-        raise RequestError(400, f"{name}: Input should be a valid integer, got {value!r}", name)
-    return value
-
-
-def _number(mapping: Mapping[str, Any], name: str, default: float) -> float:
-    value = mapping.get(name)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise RequestError(400, f"{name}: Input should be a finite number, got {value!r}", name)
-    return float(value)
-
-
-def _boolean(mapping: Mapping[str, Any], name: str, default: bool) -> bool:
-    value = mapping.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise RequestError(400, f"{name}: Input should be a valid boolean, got {value!r}", name)
-    return value
-
-
-def _stop_strings(value: Any) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
-        raise RequestError(400, "stop: Input should be a string or a list of strings", "stop")
-    return tuple(item for item in value if item)
-
-
-def _stop_token_ids(value: Any) -> frozenset[int]:
-    if value is None:
-        return frozenset()
-    if not isinstance(value, list) or not all(type(item) is int for item in value):
-        raise RequestError(400, "stop_token_ids: Input should be a list of integers", "stop_token_ids")
-    return frozenset(value)

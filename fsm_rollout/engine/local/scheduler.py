@@ -23,7 +23,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fsm_rollout.engine.local.errors import LocalEngineError
-from fsm_rollout.engine.local.protocol import Finish, SamplingSettings
+from fsm_rollout.engine.local.protocol import SamplingSettings
+from fsm_rollout.engine.schema import Finish
 
 if TYPE_CHECKING:
     from fsm_rollout.engine.local.model import Generation, LoadedModel, TokenLogprob

@@ -26,21 +26,28 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
-import orjson
 from aiohttp import web
 
 from fsm_rollout.engine.endpoints import EndpointHandlers, error_response, json_response, serve_endpoints
 from fsm_rollout.engine.local.errors import LocalEngineError
 from fsm_rollout.engine.local.images import IMAGE_MERGE_SIZE, IMAGE_PAD_TOKEN
-from fsm_rollout.engine.local.protocol import (
-    GENERATE_ID_PREFIX,
-    RenderInput,
-    RequestError,
-    check_model,
-    parse_generate,
-    parse_render,
-)
+from fsm_rollout.engine.local.protocol import RenderInput, parse_generate, parse_render
 from fsm_rollout.engine.local.scheduler import GenerateJob, GenerationOutcome, Scheduler
+from fsm_rollout.engine.schema import (
+    GenerateAnswer,
+    GenerateChoice,
+    LogprobEntry,
+    RenderAnswer,
+    RequestError,
+    TopLogprob,
+    abort_request_ids,
+    check_model,
+    decode_json_object,
+    model_list,
+    sent_request_id,
+    server_request_id,
+    weight_version_spans,
+)
 
 if TYPE_CHECKING:
     from fsm_rollout.engine.local.images import ImageSupport
@@ -267,19 +274,12 @@ class LocalEngine:
 
     async def _handle_models(self, request: web.Request) -> web.StreamResponse:
         loaded = self._require_loaded()
-        card = {
-            "id": self.served_model_name,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "vllm",
-            "root": str(loaded.model_dir),
-            "parent": None,
-            "max_model_len": loaded.max_model_len,
-        }
-        return json_response({"object": "list", "data": [card]})
+        return json_response(
+            model_list(self.served_model_name, root=str(loaded.model_dir), max_model_len=loaded.max_model_len)
+        )
 
     async def _handle_render(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_object(request)
+        body = decode_json_object(await request.read())
         check_model(body, self.served_model_name)
         render = parse_render(body)
         loaded = self._require_loaded()
@@ -295,30 +295,29 @@ class LocalEngine:
                 "messages",
             )
         sampling_params = {"max_tokens": loaded.max_model_len - len(token_ids), **render.sampling_params}
-        return json_response(
-            {
-                "request_id": f"chatcmpl-{uuid.uuid4().hex}",
-                "token_ids": token_ids,
-                "token_offsets": None,
-                "features": features,
-                "content_parts": None,
-                "sampling_params": sampling_params,
-                "model": self.served_model_name,
-                "reasoning_ended": None,
-                "reasoning_parser_kwargs": None,
-                "return_token_ids": None,
-                "output_mode": "tokens",
-                "stream": False,
-                "stream_options": None,
-                "cache_salt": None,
-                "priority": 0,
-                "kv_transfer_params": None,
-                "ec_transfer_params": None,
-            }
-        )
+        answer: RenderAnswer = {
+            "request_id": f"chatcmpl-{uuid.uuid4().hex}",
+            "token_ids": token_ids,
+            "token_offsets": None,
+            "features": features,
+            "content_parts": None,
+            "sampling_params": sampling_params,
+            "model": self.served_model_name,
+            "reasoning_ended": None,
+            "reasoning_parser_kwargs": None,
+            "return_token_ids": None,
+            "output_mode": "tokens",
+            "stream": False,
+            "stream_options": None,
+            "cache_salt": None,
+            "priority": 0,
+            "kv_transfer_params": None,
+            "ec_transfer_params": None,
+        }
+        return json_response(answer)
 
     async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_object(request)
+        body = decode_json_object(await request.read())
         check_model(body, self.served_model_name)
         loaded = self._require_loaded()
         parsed = parse_generate(
@@ -346,22 +345,19 @@ class LocalEngine:
         return json_response(self._generate_answer(parsed.request_id, outcome, parsed.settings.logprobs))
 
     async def _handle_abort(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_object(request)
-        request_ids = body.get("request_ids")
-        if not isinstance(request_ids, list) or not all(isinstance(rid, str) for rid in request_ids):
-            raise RequestError(400, "request_ids: Input should be a valid list of strings", "request_ids")
-        for request_id in request_ids:
-            for name in {request_id, request_id.removeprefix(GENERATE_ID_PREFIX)}:
+        body = decode_json_object(await request.read())
+        for request_id in abort_request_ids(body):
+            for name in {request_id, sent_request_id(request_id)}:
                 for job in self._jobs.get(name, ()):
                     job.cancel()
         return web.Response(status=200)  # vLLM answers an empty 200
 
     # ---------------------------------------------------------------- answers
 
-    def _generate_answer(self, request_id: str, outcome: GenerationOutcome, logprobs: int | None) -> dict[str, Any]:
+    def _generate_answer(self, request_id: str, outcome: GenerationOutcome, logprobs: int | None) -> GenerateAnswer:
         """vLLM 0.32's non-streaming GenerateResponse (``output_mode="tokens"``), every field it sends."""
         completion = len(outcome.token_ids)
-        choice = {
+        choice: GenerateChoice = {
             "index": 0,
             "finish_reason": outcome.finish_reason,
             "stop_reason": outcome.stop_reason,
@@ -369,11 +365,11 @@ class LocalEngine:
             "routed_experts": None,
             "sampling_mask": None,
             # One weight version for the whole output: this engine never swaps weights mid-generation.
-            "weight_versions": [{"version": "default", "start": 0, "end": completion}] if completion else [],
+            "weight_versions": weight_version_spans("default", completion),
             "logprobs": None if logprobs is None else {"content": [_logprob_entry(e) for e in outcome.logprobs]},
         }
         return {
-            "request_id": f"{GENERATE_ID_PREFIX}{request_id}",
+            "request_id": server_request_id(request_id),
             "model": self.served_model_name,
             "created": int(time.time()),
             "usage": {
@@ -432,23 +428,12 @@ def _render_ids(tokenizer: Any, render: RenderInput) -> list[int]:
     return [int(token) for token in rendered]
 
 
-def _logprob_entry(entry: TokenLogprob) -> dict[str, Any]:
+def _logprob_entry(entry: TokenLogprob) -> LogprobEntry:
     # vLLM's order: the sampled token first, then the other top candidates in rank order.
-    top = [{"token_id": entry.token_id, "logprob": entry.logprob, "rank": entry.rank}]
+    top: list[TopLogprob] = [{"token_id": entry.token_id, "logprob": entry.logprob, "rank": entry.rank}]
     top.extend(
         {"token_id": token, "logprob": logprob, "rank": rank}
         for token, logprob, rank in entry.top
         if token != entry.token_id
     )
     return {"token_id": entry.token_id, "logprob": entry.logprob, "rank": entry.rank, "top_logprobs": top}
-
-
-async def _json_object(request: web.Request) -> dict[str, Any]:
-    raw = await request.read()
-    try:
-        body = orjson.loads(raw)
-    except orjson.JSONDecodeError as error:
-        raise RequestError(400, f"The request body is not valid JSON: {error}") from error
-    if not isinstance(body, dict):
-        raise RequestError(400, "The request body must be a JSON object")
-    return body

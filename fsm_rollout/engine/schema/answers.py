@@ -1,4 +1,4 @@
-"""Strict parsing of vLLM's render and generate answers into typed records (contract sections 4, 5, 10, 12).
+"""The client's side of the wire: strict parsing of vLLM's render and generate answers into typed records.
 
 Everything the engine sends is untrusted: shapes, types and lengths are checked here, at the edge, and the rest of
 the library only sees :class:`~fsm_rollout.types.RenderedPrompt` and :class:`~fsm_rollout.types.GeneratedTurn`.
@@ -14,10 +14,16 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from fsm_rollout.engine.schema.wire import (
+    ABORT_FINISH_REASONS,
+    TOKEN_TEXT_PREFIX,
+    is_int,
+    is_int_list,
+    is_number,
+    is_token_id_list,
+)
 from fsm_rollout.errors import GenerationError, MalformedRenderError, MalformedTokensError, RenderError
 from fsm_rollout.types import Finish, GeneratedTurn, RenderedPrompt, TokenIds, TurnMeta
-
-_ABORT_REASONS = frozenset({"abort", "cancelled"})
 
 
 def coerce_flat_int_token_ids(value: Any) -> TokenIds:
@@ -33,12 +39,12 @@ def coerce_flat_int_token_ids(value: Any) -> TokenIds:
         for item in value:
             if isinstance(item, list | tuple) or hasattr(item, "tolist"):
                 flat.extend(coerce_flat_int_token_ids(item))
-            elif isinstance(item, bool) or not isinstance(item, int):
+            elif not is_int(item):
                 raise MalformedRenderError(f"token_ids must hold integers, found {item!r}")
             else:
                 flat.append(item)
         return flat
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise MalformedRenderError(f"token_ids must hold integers, found {value!r}")
     return [value]
 
@@ -80,7 +86,7 @@ def parse_render_response(data: Any, model: str) -> RenderedPrompt:
 def parse_finish_reason(value: Any) -> Finish:
     """``stop``/``length`` as is; ``abort``/``cancelled`` as ``abort``; anything else is a protocol error."""
     reason = value.get("type") if isinstance(value, dict) else value
-    if reason in _ABORT_REASONS:
+    if reason in ABORT_FINISH_REASONS:
         return "abort"
     if reason == "stop":
         return "stop"
@@ -89,12 +95,8 @@ def parse_finish_reason(value: Any) -> Finish:
     raise GenerationError(f"Unsupported vLLM finish_reason: {reason!r} (expected 'stop', 'length' or 'abort')")
 
 
-_INT_ONLY = frozenset({int})
-
-
 def _require_token_ids(value: Any) -> TokenIds:
-    # set(map(type, ...)) and min() loop in C: a third of the time of a generator over the ids
-    if not isinstance(value, list) or (value and (set(map(type, value)) != _INT_ONLY or min(value) < 0)):
+    if not is_token_id_list(value):
         raise MalformedTokensError(
             f"choices[0].token_ids must be a list of non-negative integer token ids, got {_preview(value)}"
         )
@@ -103,12 +105,12 @@ def _require_token_ids(value: Any) -> TokenIds:
 
 def _entry_token_id(entry: Mapping[str, Any]) -> int | None:
     token_id = entry.get("token_id")
-    if type(token_id) is int:
+    if is_int(token_id):
         return token_id
     token = entry.get("token")
-    if isinstance(token, str) and token.startswith("token_id:"):
+    if isinstance(token, str) and token.startswith(TOKEN_TEXT_PREFIX):
         try:
-            return int(token[len("token_id:") :])
+            return int(token[len(TOKEN_TEXT_PREFIX) :])
         except ValueError:
             return None
     return None
@@ -128,12 +130,13 @@ def parse_logprobs(choice: Mapping[str, Any], token_ids: TokenIds) -> list[float
         if type(entry) is dict:
             logprob = entry.get("logprob")
             entry_id = entry.get("token_id")
+            # the common shape, checked inline: this loop runs once per generated token
             if type(logprob) is float and type(entry_id) is int and entry_id == token_ids[index]:
-                append(logprob)  # the common shape, already checked
+                append(logprob)
                 continue
         else:
             logprob = entry.get("logprob") if isinstance(entry, dict) else None
-        if isinstance(logprob, bool) or not isinstance(logprob, int | float):
+        if not is_number(logprob):
             raise MalformedTokensError(f"choices[0].logprobs.content[{index}].logprob must be numeric, got {entry!r}")
         entry_id = _entry_token_id(entry) if isinstance(entry, dict) else None
         if entry_id is not None and entry_id != token_ids[index]:
@@ -170,14 +173,14 @@ def sampling_mask_to_top_p(mask: Any) -> tuple[TokenIds, list[int]]:
     ids: TokenIds = []
     offsets = [0]
     for index, kept in enumerate(mask):
-        if not isinstance(kept, list) or not all(type(token) is int for token in kept):
+        if not is_int_list(kept):
             raise GenerationError(f"sampling_mask[{index}] must be a list of integer token ids")
         ids.extend(kept)
         offsets.append(len(ids))
     return ids, offsets
 
 
-def _last_span_version(spans: Any) -> Any:
+def last_span_version(spans: Any) -> Any:
     """The weight version that produced a turn's last token, from vLLM's ``weight_versions`` spans."""
     if isinstance(spans, list) and spans and isinstance(spans[-1], dict):
         return spans[-1].get("version")
@@ -189,7 +192,7 @@ def _mapping(value: Any) -> Mapping[str, Any]:
 
 
 def _int_or_none(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    return value if is_int(value) else None
 
 
 def _first_int(mapping: Mapping[str, Any], *keys: str) -> int | None:
@@ -207,7 +210,7 @@ def parse_turn_meta(output: Mapping[str, Any], choice: Mapping[str, Any], finish
     spec = _mapping(_mapping(output.get("metrics")).get("speculative_decoding"))
     weight_version = output.get("weight_version")
     if weight_version is None:
-        weight_version = _last_span_version(choice.get("weight_versions"))
+        weight_version = last_span_version(choice.get("weight_versions"))
     routed = choice.get("routed_experts")
     mask = choice.get("sampling_mask")
     top_p_ids, top_p_offsets = sampling_mask_to_top_p(mask) if mask is not None else (None, None)
