@@ -20,6 +20,7 @@ from typing import Any
 
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
+from fsm_rollout.multimodal import load_image_processor
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import PrefixCacheInfo, Sample, SpecInfo, Status
 
@@ -40,7 +41,8 @@ def _load_tokenizer_and_processor(path: str) -> tuple[Any, Any]:
             try:
                 processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)  # type: ignore[no-untyped-call]
             except (OSError, ValueError, ImportError):
-                processor = None  # text-only checkpoints have no processor; image checks then use merge_size 1
+                # e.g. Qwen2-VL's processor needs torchvision; the image processor alone gives the merge size
+                processor = load_image_processor(path)  # None for text-only checkpoints
             cached = (tokenizer, processor)
             _TOKENIZERS[path] = cached
     return cached

@@ -143,6 +143,10 @@ class ImageFeaturesMissingError(MultimodalError):
     """The prompt has images, but the render answer carries no image tensors for (some of) them."""
 
 
+class ImageMergeSizeUnknownError(MultimodalError):
+    """The prompt has image grids, but neither the processor nor the config gives the image merge size."""
+
+
 class ImageTokenMismatchError(MultimodalError):
     """The number of image placeholder tokens differs from what the image grids imply (contract section 9)."""
 

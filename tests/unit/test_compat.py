@@ -1,10 +1,17 @@
-"""compat.generate's shared resources: one HTTP client per event loop and engine URL."""
+"""compat.generate's shared resources: one HTTP client per event loop and engine URL, tokenizer and processor."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
 
 from fsm_rollout import RolloutConfig, VLLMClient, compat
+from fsm_rollout.multimodal import IMAGE_PAD_TOKEN, processor_merge_size, validate_image_tokens
 
 
 def clients_seen() -> tuple[VLLMClient, VLLMClient, VLLMClient]:
@@ -27,3 +34,31 @@ def test_a_new_event_loop_gets_new_clients() -> None:
     first_loop, _, _ = clients_seen()
     second_loop, _, _ = clients_seen()
     assert second_loop is not first_loop
+
+
+def test_a_checkpoint_whose_processor_needs_torchvision_still_gives_the_image_merge_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tokenizer: Any
+) -> None:
+    """Qwen2-VL's AutoProcessor fails without torchvision; the merge size then comes from the image processor
+    (a checkpoint's preprocessor_config.json is all it needs), so 4 placeholders for a 4x4 grid pass the check."""
+    import transformers
+
+    checkpoint = tmp_path / "qwen2-vl-checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "preprocessor_config.json").write_text(json.dumps({
+        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor", "merge_size": 2,
+        "patch_size": 14, "temporal_patch_size": 2, "min_pixels": 3136, "max_pixels": 12845056,
+    }))
+
+    def needs_torchvision(*_: Any, **__: Any) -> Any:
+        raise ImportError("Qwen2VLVideoProcessor requires the Torchvision library but it was not found")
+
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", needs_torchvision)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", lambda *_, **__: tokenizer)
+    monkeypatch.setattr(compat, "_TOKENIZERS", {})
+    loaded_tokenizer, processor = compat._load_tokenizer_and_processor(str(checkpoint))
+    assert loaded_tokenizer is tokenizer
+    assert processor_merge_size(processor) == 2
+    pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD_TOKEN)
+    grid = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
+    validate_image_tokens([1, *[pad] * 4, 2], tokenizer, processor, grid)  # merge size 1 would expect 16
