@@ -1,9 +1,13 @@
-"""compat.generate's shared resources: one HTTP client per event loop and engine URL, tokenizer and processor."""
+"""compat.generate's shared resources: one HTTP client per event loop and engine URL (closed with the loop), the
+tokenizer and the processor."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +16,8 @@ import torch
 
 from fsm_rollout import RolloutConfig, VLLMClient, compat
 from fsm_rollout.multimodal import IMAGE_PAD_TOKEN, processor_merge_size, validate_image_tokens
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 def clients_seen() -> tuple[VLLMClient, VLLMClient, VLLMClient]:
@@ -62,3 +68,53 @@ def test_a_checkpoint_whose_processor_needs_torchvision_still_gives_the_image_me
     pad = tokenizer.convert_tokens_to_ids(IMAGE_PAD_TOKEN)
     grid = {"image_grid_thw": torch.tensor([[1, 4, 4]])}
     validate_image_tokens([1, *[pad] * 4, 2], tokenizer, processor, grid)  # merge size 1 would expect 16
+
+
+TRAINER = '''
+import asyncio, sys, threading
+from types import SimpleNamespace
+from urllib.parse import urlsplit
+
+from fsm_rollout import Sample, compat, loop_shutdown
+from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
+from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
+
+TOKENIZER = load_qwen_tokenizer()
+compat.register_tokenizer("fake-model", TOKENIZER)
+
+
+async def one_rollout():
+    async with FakeVLLMServer(TOKENIZER, model="fake-model") as server:
+        server.script([ScriptedTurn(text="42")])
+        url = urlsplit(server.url)
+        args = SimpleNamespace(vllm_router_ip=url.hostname, vllm_router_port=url.port, hf_checkpoint="fake-model",
+                               max_turns=1, rollout_max_context_len=None, partial_rollout=False,
+                               rollout_interaction_env_path="fsm_rollout.testing.envs")
+        sampling = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0}
+        sample = await compat.generate(args, Sample(prompt="What is 6 * 7?"), sampling)
+        print("rollout", sample.status.value, flush=True)
+
+
+asyncio.run(one_rollout())
+asyncio.run(one_rollout())
+print("after asyncio.run:", len(compat._CLIENTS), len(loop_shutdown._PENDING), flush=True)
+background = asyncio.new_event_loop()  # a trainer's loop thread, still running at exit
+threading.Thread(target=background.run_forever, daemon=True).start()
+asyncio.run_coroutine_threadsafe(one_rollout(), background).result()
+left_open = asyncio.new_event_loop()  # a loop never closed
+left_open.run_until_complete(one_rollout())
+'''
+
+
+def test_clients_never_closed_by_the_caller_leave_no_unclosed_session_warning(tmp_path: Path) -> None:
+    """asyncio.run twice, a loop thread and a loop left open, and close_clients() never called: the clients are
+    closed when their loop shuts down, or at exit, so aiohttp has no unclosed session or connector to report."""
+    script = tmp_path / "trainer.py"
+    script.write_text(TRAINER)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    result = subprocess.run([sys.executable, "-X", "dev", str(script)], cwd=tmp_path, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.count("rollout truncated") == 4, result.stdout + result.stderr
+    assert "after asyncio.run: 0 0" in result.stdout  # nothing kept for the loops asyncio.run closed
+    assert "unclosed" not in result.stderr.lower(), result.stderr
