@@ -23,7 +23,7 @@ import inspect
 import logging
 import warnings
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, cast
+from typing import Any
 
 import transitions
 from transitions import Machine, State, Transition
@@ -145,9 +145,10 @@ class LeanState(State):
 class LeanCondition(Condition):
     """A condition that calls its guard with the trigger's arguments (guards are callables here)."""
 
+    func: Callable[..., Any]  # never a name here (the machine refuses names)
+
     def check(self, event_data: EventData) -> bool:
-        func = cast(Callable[..., Any], self.func)
-        return bool(func(*event_data.args, **event_data.kwargs) == self.target)
+        return bool(self.func(*event_data.args, **event_data.kwargs) == self.target)
 
 
 class LeanTransition(Transition):
