@@ -20,6 +20,8 @@ from typing import Any
 
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
+from fsm_rollout.loop_shutdown import at_loop_shutdown
+from fsm_rollout.multimodal import load_image_processor
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import PrefixCacheInfo, Sample, SpecInfo, Status
 
@@ -40,7 +42,8 @@ def _load_tokenizer_and_processor(path: str) -> tuple[Any, Any]:
             try:
                 processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)  # type: ignore[no-untyped-call]
             except (OSError, ValueError, ImportError):
-                processor = None  # text-only checkpoints have no processor; image checks then use merge_size 1
+                # e.g. Qwen2-VL's processor needs torchvision; the image processor alone gives the merge size
+                processor = load_image_processor(path)  # None for text-only checkpoints
             cached = (tokenizer, processor)
             _TOKENIZERS[path] = cached
     return cached
@@ -53,7 +56,11 @@ def register_tokenizer(path: str, tokenizer: Any, processor: Any = None) -> None
 
 
 def _client_for(config: RolloutConfig) -> VLLMClient:
-    clients = _CLIENTS.setdefault(asyncio.get_running_loop(), {})
+    loop = asyncio.get_running_loop()
+    clients = _CLIENTS.get(loop)
+    if clients is None:
+        clients = _CLIENTS[loop] = {}
+        at_loop_shutdown(close_clients)  # trainers seldom call close_clients(): close them with their loop
     client = clients.get(config.engine_url)
     if client is None:
         client = VLLMClient.from_config(config)
@@ -62,7 +69,12 @@ def _client_for(config: RolloutConfig) -> VLLMClient:
 
 
 async def close_clients() -> None:
-    """Close the HTTP clients ``generate`` opened in the running event loop."""
+    """Close the HTTP clients ``generate`` opened in the running event loop.
+
+    Optional: they are also closed when the loop shuts down (``asyncio.run`` and ``asyncio.Runner`` do that) or at
+    interpreter exit if it is still open (see :mod:`fsm_rollout.loop_shutdown`). Call it before closing a loop by
+    hand without ``loop.shutdown_asyncgens()``.
+    """
     for client in _CLIENTS.pop(asyncio.get_running_loop(), {}).values():
         await client.close()
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
-from fsm_rollout.errors import EnvironmentContractError, EnvironmentLoadError
+from fsm_rollout.errors import EnvironmentContractError, EnvironmentLoadError, EnvironmentNotFoundError
 
 
 @runtime_checkable
@@ -43,7 +43,7 @@ def load_env_module(target: str) -> ModuleType:
     path = Path(target).expanduser()
     if path.suffix == ".py":
         if not path.exists():
-            raise EnvironmentLoadError(f"environment file {target!r} does not exist")
+            raise EnvironmentNotFoundError(f"environment file {target!r} does not exist", path=str(path))
         resolved = path.resolve()
         with _FILE_MODULES_LOCK:
             module = _FILE_MODULES.get(resolved)
@@ -54,10 +54,13 @@ def load_env_module(target: str) -> ModuleType:
     try:
         return importlib.import_module(target)
     except ModuleNotFoundError as error:
-        raise EnvironmentLoadError(
-            f"cannot import environment module {target!r}: {error} (give a dotted module name on sys.path or a "
-            "path to a .py file)",
-            name=target,
+        missing = error.name or target
+        if target == missing or target.startswith(f"{missing}."):
+            hint = "give a dotted module name on sys.path or a path to a .py file"
+        else:  # the module exists but one of its own imports does not
+            hint = f"the environment module imports {missing!r}, which is not installed"
+        raise EnvironmentNotFoundError(
+            f"cannot import environment module {target!r}: {error} ({hint})", name=missing, path=error.path
         ) from error
 
 

@@ -96,6 +96,13 @@ class EnvironmentLoadError(RolloutError, ImportError):
     """The environment module cannot be imported."""
 
 
+class EnvironmentNotFoundError(EnvironmentLoadError, ModuleNotFoundError):
+    """The environment module or file does not exist, or a module it imports is not installed.
+
+    A ``ModuleNotFoundError`` as well, as the seed raised there; ``name`` is the module that was not found.
+    """
+
+
 class EnvironmentContractError(RolloutError, ValueError):
     """The environment module or object does not follow the environment protocol."""
 
@@ -134,6 +141,10 @@ class FeatureCodecError(MultimodalError, ValueError):
 
 class ImageFeaturesMissingError(MultimodalError):
     """The prompt has images, but the render answer carries no image tensors for (some of) them."""
+
+
+class ImageMergeSizeUnknownError(MultimodalError):
+    """The prompt has image grids, but neither the processor nor the config gives the image merge size."""
 
 
 class ImageTokenMismatchError(MultimodalError):

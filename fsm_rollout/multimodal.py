@@ -10,7 +10,9 @@ The rules (contract sections 4 and 9, with the seed's fragile spots made strict)
 * The render answer's ``features.kwargs_data["image"]`` items are decoded into training tensors with vLLM's codec
   when it is importable, else with :mod:`fsm_rollout.mm_codec` (same wire format, bit-identical tensors).
 * The image placeholder tokens must number ``sum(t*h*w) / merge_size**2``. The placeholder token is configurable;
-  a text-only sample never fails because the tokenizer lacks it.
+  a text-only sample never fails because the tokenizer lacks it. The merge size comes from the config or the
+  processor (:func:`load_image_processor` finds one for checkpoints whose full processor does not load); when
+  neither knows it, image features are an error that says so.
 * Only content hashes of the images (:attr:`RenderMessages.image_hashes`) are meant for traces, never the images.
 """
 
@@ -34,6 +36,7 @@ from fsm_rollout.errors import (
     FeatureCodecError,
     ImageFeaturesMissingError,
     ImageInputError,
+    ImageMergeSizeUnknownError,
     ImageTokenMismatchError,
     MalformedFeaturesError,
     MultimodalError,
@@ -487,10 +490,53 @@ def processor_merge_size(processor: Any) -> int | None:
     if processor is None:
         return None
     image_processor = getattr(processor, "image_processor", processor)
-    value = getattr(image_processor, "merge_size", None)
+    return _positive_int(getattr(image_processor, "merge_size", None))
+
+
+def _positive_int(value: Any) -> int | None:
     if isinstance(value, int) and not isinstance(value, bool) and value > 0:
         return value
     return None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointImageConfig:
+    """What the image-token check needs of an image processor, read from a checkpoint's preprocessor config."""
+
+    merge_size: int
+    source: str
+
+
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
+
+
+def checkpoint_merge_size(path: str | os.PathLike[str]) -> int | None:
+    """``merge_size`` from ``preprocessor_config.json`` in a local checkpoint directory, or None."""
+    config_file = Path(path).expanduser() / PREPROCESSOR_CONFIG
+    try:
+        config = json.loads(config_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return _positive_int(config.get("merge_size")) if isinstance(config, dict) else None
+
+
+def load_image_processor(path: str) -> Any:
+    """An object with the checkpoint's image ``merge_size``, for when its full processor cannot be loaded.
+
+    Qwen2-VL's ``AutoProcessor`` also builds a video processor that needs torchvision; its image processor does
+    not. Tried in order: ``AutoImageProcessor``, then ``merge_size`` from a local ``preprocessor_config.json``
+    (as a :class:`CheckpointImageConfig`). None when neither exists, as for a text-only checkpoint.
+    """
+    try:
+        from transformers import AutoImageProcessor
+
+        return AutoImageProcessor.from_pretrained(path, trust_remote_code=True)  # type: ignore[no-untyped-call]
+    except Exception:  # any failure (missing files, backends, remote code): the config file is read next
+        pass
+    merge_size = checkpoint_merge_size(path)
+    if merge_size is None:
+        return None
+    return CheckpointImageConfig(merge_size=merge_size, source=str(Path(path).expanduser() / PREPROCESSOR_CONFIG))
 
 
 def validate_image_tokens(
@@ -508,8 +554,9 @@ def validate_image_tokens(
 
     The placeholders in all of ``tokens`` must number ``sum(t*h*w) // merge_size**2`` over
     ``train_inputs["image_grid_thw"]``. ``merge_size`` (the config's) and the processor's must agree when both
-    are known; with neither it is 1. A sample without image features and without placeholders passes, whether
-    or not the tokenizer knows ``placeholder_token``. ``prompt_length`` only refines the error message.
+    are known; with neither, image grids are an :class:`~fsm_rollout.errors.ImageMergeSizeUnknownError` (no
+    merge size is guessed). A sample without image features and without placeholders passes, whether or not the
+    tokenizer knows ``placeholder_token``. ``prompt_length`` only refines the error message.
     """
     prefix = _sample_prefix(sample_id)
     image_token_id = image_pad_token_id(tokenizer, placeholder_token)
@@ -544,6 +591,14 @@ def validate_image_tokens(
         raise MalformedFeaturesError(
             f"{prefix}image_grid_thw of shape {tuple(grid.shape)} is not a list of (t, h, w) rows"
         ) from error
+    if effective_merge is None:
+        raise ImageMergeSizeUnknownError(
+            f"{prefix}the prompt has image features (image_grid_thw={grid.tolist()}, {image_tokens} "
+            f"{placeholder_token!r} tokens), but the image merge size is unknown: "
+            f"{'no processor was given' if processor is None else 'the processor has no merge_size'} and the "
+            "config sets no image_merge_size. Pass the checkpoint's processor or image processor, or set "
+            f"image_merge_size{_matching_merge_hint(grid, image_tokens)}"
+        )
     expected = int((grid.prod(dim=1) // (effective_merge * effective_merge)).sum().item())
     if image_tokens != expected:
         where = ""
@@ -559,10 +614,17 @@ def validate_image_tokens(
         )
 
 
-def _merge_size(configured: int | None, processor: Any, prefix: str) -> int:
+def _merge_size(configured: int | None, processor: Any, prefix: str) -> int | None:
     from_processor = processor_merge_size(processor)
     if configured is not None and from_processor is not None and configured != from_processor:
         raise MultimodalError(
             f"{prefix}merge_size {configured} from the config differs from the processor's {from_processor}"
         )
-    return configured or from_processor or 1
+    return configured or from_processor
+
+
+def _matching_merge_hint(grid: Any, image_tokens: int) -> str:
+    """Which merge size the placeholder count fits, as a hint (the grids alone do not determine it)."""
+    fitting = [merge for merge in range(1, 9)
+               if int((grid.prod(dim=1) // (merge * merge)).sum().item()) == image_tokens]
+    return f" (the placeholder count fits merge_size {fitting[0]})" if len(fitting) == 1 and image_tokens else ""

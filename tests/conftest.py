@@ -1,11 +1,27 @@
-"""Shared fixtures: the real Qwen tokenizer, a fake vLLM server on loopback, a client, configs and a runner."""
+"""Shared fixtures (the real Qwen tokenizer, a fake vLLM server on loopback, a client, configs and a runner) and the
+Hypothesis profiles of the property tests.
+
+Hypothesis profiles, chosen with ``HYPOTHESIS_PROFILE`` (or ``--hypothesis-profile``):
+
+* ``repeatable`` (the default, and what CI runs): ``derandomize=True`` and no example database, so every run
+  tries the same examples and a red CI run is red again on any machine.
+* ``explore``: new random examples on every run, from one seed for the whole session. The seed is printed in the
+  session header and again in the summary; ``HYPOTHESIS_PROFILE=explore HYPOTHESIS_SEED=<seed> pytest ...`` (or
+  ``--hypothesis-seed=<seed>``) replays the same examples. Failures also print a ``@reproduce_failure`` blob.
+
+Per-test budgets (``max_examples``, deadlines, health checks) stay with the tests; only the choice of examples
+is the profile's.
+"""
 
 from __future__ import annotations
 
+import os
+import random
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, VLLMClient, capture_transitions
 from fsm_rollout.testing.envs import ScriptedEnvFactory
@@ -14,6 +30,37 @@ from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
 
 MODEL = "fake-model"
 SAMPLING = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0}
+
+PROFILE_ENV_VAR = "HYPOTHESIS_PROFILE"
+SEED_ENV_VAR = "HYPOTHESIS_SEED"
+settings.register_profile("repeatable", derandomize=True, database=None)
+settings.register_profile("explore", derandomize=False, database=None, print_blob=True)
+settings.load_profile(os.environ.get(PROFILE_ENV_VAR) or "repeatable")
+
+
+@pytest.hookimpl(tryfirst=True)  # before Hypothesis' own plugin reads --hypothesis-seed
+def pytest_configure(config: pytest.Config) -> None:
+    if settings.get_current_profile_name() != "explore" or config.getoption("hypothesis_seed", None) is not None:
+        return
+    config.option.hypothesis_seed = int(os.environ.get(SEED_ENV_VAR) or random.SystemRandom().getrandbits(32))
+
+
+def _exploring_with(config: pytest.Config) -> str | None:
+    seed = config.getoption("hypothesis_seed", None)
+    if settings.get_current_profile_name() != "explore" or seed is None:
+        return None
+    return f"{PROFILE_ENV_VAR}=explore {SEED_ENV_VAR}={seed}"
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    exploring = _exploring_with(config)
+    return None if exploring is None else f"hypothesis: exploring new examples; replay them with {exploring}"
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    exploring = _exploring_with(config)
+    if exploring is not None:
+        terminalreporter.write_sep("=", f"hypothesis examples explored with {exploring}")
 
 
 @pytest.fixture(scope="session")

@@ -265,7 +265,9 @@ def check_outcome(outcome: Outcome, scenario: Scenario, server: FakeVLLMServer, 
 
 
 def budget(examples: int) -> settings:
-    return settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+    """The test's example budget; which examples (the same every run, or new ones) is the profile's
+    (``tests/conftest.py``)."""
+    return settings(max_examples=examples, deadline=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 

@@ -7,7 +7,7 @@ requests. The seed's ``vime`` imports are served by the test-only stand-in in ``
 from the seed contract, importing nothing from ``fsm_rollout``), which is on ``sys.path`` only during a test.
 
 The seed is found at ``<repository>/../shared/seed/geo3k_rollout_seed.py`` or at ``$FSM_ROLLOUT_SEED``. When it is
-missing the tests fail if ``$CI`` is set and are skipped otherwise.
+missing the tests fail if ``$CI`` is set and are skipped loudly otherwise (``conftest.py`` says how).
 
 Compared after a successful run: ``tokens``, ``loss_mask``, ``rollout_log_probs``, ``response_length``,
 ``response``, the status value, ``metadata`` (including ``multiturn_truncation``), ``weight_versions``, the top-p
@@ -45,7 +45,6 @@ import copy
 import importlib
 import importlib.util
 import io
-import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -64,7 +63,6 @@ from fsm_rollout.testing import envs as scripted_envs
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 
 HERE = Path(__file__).resolve().parent
-SEED_ENV_VAR = "FSM_ROLLOUT_SEED"
 SEED_MODULE_NAME = "geo3k_rollout_seed_under_test"
 ENV_MODULE = "fsm_rollout.testing.envs"
 NO_BUILD_ENV_FILE = HERE / "env_without_build_env.py"
@@ -81,23 +79,10 @@ LIBRARY_ONLY_GENERATE_KEYS = frozenset({"request_id"})
 LIBRARY_ONLY_METADATA_KEYS = frozenset({"rollout_reason", "rollout_error"})
 
 
-def seed_path() -> Path:
-    """``$FSM_ROLLOUT_SEED``, else ``shared/seed/geo3k_rollout_seed.py`` beside the repository."""
-    override = os.environ.get(SEED_ENV_VAR)
-    if override:
-        return Path(override).expanduser()
-    return Path(__file__).resolve().parents[2].parent / "shared/seed/geo3k_rollout_seed.py"
-
-
 @pytest.fixture
-def seed(vime_standin: ModuleType) -> Iterator[ModuleType]:
+def seed(seed_file: Path, vime_standin: ModuleType) -> Iterator[ModuleType]:
     """The seed rollout module, executed from its path against the vime stand-in."""
-    path = seed_path()
-    if not path.is_file():
-        reason = f"seed rollout not found at {path} (set ${SEED_ENV_VAR} or copy shared/ beside the repository)"
-        if os.environ.get("CI"):
-            pytest.fail(reason)
-        pytest.skip(reason)
+    path = seed_file
     spec = importlib.util.spec_from_file_location(SEED_MODULE_NAME, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from fsm_rollout.env import check_environment, load_env_factory, load_env_module, unpack_step_result
-from fsm_rollout.errors import EnvironmentContractError, EnvironmentLoadError
+from fsm_rollout.errors import EnvironmentContractError, EnvironmentLoadError, EnvironmentNotFoundError
 from fsm_rollout.testing.envs import ScriptedEnv, build_env
 
 
@@ -40,6 +40,34 @@ def test_a_missing_module_is_a_load_error_and_an_import_error() -> None:
     with pytest.raises(EnvironmentLoadError, match="no_such_env_module") as caught:
         load_env_module("no_such_env_module")
     assert isinstance(caught.value, ImportError)
+
+
+@pytest.mark.parametrize(
+    ("target", "missing"),
+    [("no_such_env_module", "no_such_env_module"), ("no_such_pkg.env", "no_such_pkg"),
+     ("os.no_such_env", "os.no_such_env")],
+)
+def test_a_missing_module_is_a_module_not_found_error_as_in_the_seed(target: str, missing: str) -> None:
+    with pytest.raises(ModuleNotFoundError) as caught:  # what code written against the seed catches
+        load_env_module(target)
+    assert isinstance(caught.value, EnvironmentNotFoundError) and isinstance(caught.value, EnvironmentLoadError)
+    assert caught.value.name == missing
+    assert "dotted module name" in str(caught.value)
+
+
+def test_a_missing_py_file_is_a_module_not_found_error_as_in_the_seed(tmp_path: Path) -> None:
+    with pytest.raises(ModuleNotFoundError, match="does not exist") as caught:
+        load_env_module(str(tmp_path / "absent.py"))
+    assert isinstance(caught.value, EnvironmentNotFoundError)
+
+
+def test_a_missing_import_of_the_environment_module_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    write_env(tmp_path / "env_with_missing_dep.py", "import no_such_dependency_xyz\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(EnvironmentNotFoundError, match="imports 'no_such_dependency_xyz', which is not installed") \
+            as caught:
+        load_env_module("env_with_missing_dep")
+    assert isinstance(caught.value, ModuleNotFoundError) and caught.value.name == "no_such_dependency_xyz"
 
 
 def test_a_module_without_build_env_is_a_contract_error(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from fsm_rollout.errors import (
     FeatureCodecError,
     ImageFeaturesMissingError,
     ImageInputError,
+    ImageMergeSizeUnknownError,
     ImageTokenMismatchError,
     MalformedFeaturesError,
     MultimodalError,
@@ -31,13 +32,16 @@ from fsm_rollout.errors import (
 from fsm_rollout.mm_codec import FieldElem, FieldSpec, KwargsItem, encode_item, qwen_vl_image_items, render_features
 from fsm_rollout.multimodal import (
     IMAGE_PAD_TOKEN,
+    CheckpointImageConfig,
     build_initial_messages,
+    checkpoint_merge_size,
     decode_train_features,
     feature_item_decoder,
     image_content_hash,
     image_pad_token_id,
     image_to_render_url,
     is_image_part,
+    load_image_processor,
     messages_for_render,
     prepare_render_messages,
     processor_merge_size,
@@ -528,7 +532,9 @@ def test_the_placeholder_token_is_configurable() -> None:
         [1, 32000, 32000, 2], tokenizer, None, grid_inputs((1, 2, 4)), placeholder_token="<image>", merge_size=2
     )
     with pytest.raises(ImageTokenMismatchError, match="placeholder='<image>'"):
-        validate_image_tokens([1, 32000, 2], tokenizer, None, grid_inputs((1, 2, 4)), placeholder_token="<image>")
+        validate_image_tokens(
+            [1, 32000, 2], tokenizer, None, grid_inputs((1, 2, 4)), placeholder_token="<image>", merge_size=2
+        )
 
 
 @pytest.mark.parametrize(
@@ -549,8 +555,72 @@ def test_merge_size_from_the_config_works_without_a_processor() -> None:
     validate_image_tokens([PAD] * 4, QWEN, None, grid_inputs((1, 4, 4)), merge_size=2)
 
 
-def test_merge_size_defaults_to_one_without_processor_or_config() -> None:
-    validate_image_tokens([PAD] * 16, QWEN, None, grid_inputs((1, 4, 4)))
+@pytest.mark.parametrize("processor", [None, SimpleNamespace(image_processor=SimpleNamespace())])
+def test_image_features_without_a_known_merge_size_say_so_instead_of_assuming_one(processor: Any) -> None:
+    with pytest.raises(ImageMergeSizeUnknownError) as caught:
+        validate_image_tokens([PAD] * 4, QWEN, processor, grid_inputs((1, 4, 4)), sample_id="s-2")
+    message = str(caught.value)
+    assert message.startswith("sample s-2: ") and "the image merge size is unknown" in message
+    assert ("no processor was given" if processor is None else "the processor has no merge_size") in message
+    assert "set image_merge_size (the placeholder count fits merge_size 2)" in message
+    assert not isinstance(caught.value, ImageTokenMismatchError) and isinstance(caught.value, MultimodalError)
+
+
+def test_merge_size_one_is_used_when_configured() -> None:
+    validate_image_tokens([PAD] * 16, QWEN, None, grid_inputs((1, 4, 4)), merge_size=1)
+
+
+def test_text_only_samples_need_no_merge_size() -> None:
+    validate_image_tokens([1, 2, 3], QWEN, None, None)
+    validate_image_tokens([1, 2, 3], QWEN, None, {})
+
+
+QWEN2_VL_PREPROCESSOR_CONFIG = {
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "processor_class": "Qwen2VLProcessor",
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "patch_size": 14,
+    "temporal_patch_size": 2,
+    "merge_size": 2,
+    "image_mean": [0.48145466, 0.4578275, 0.40821073],
+    "image_std": [0.26862954, 0.26130258, 0.27577711],
+}
+
+
+def qwen2_vl_checkpoint(directory: Path) -> Path:
+    """A checkpoint directory with only the image processor's config (enough for the image processor alone)."""
+    directory.mkdir(exist_ok=True)
+    (directory / "preprocessor_config.json").write_text(json.dumps(QWEN2_VL_PREPROCESSOR_CONFIG))
+    return directory
+
+
+def test_the_image_processor_gives_the_merge_size_when_the_processor_cannot_load(tmp_path: Path) -> None:
+    processor = load_image_processor(str(qwen2_vl_checkpoint(tmp_path / "qwen2-vl")))
+    assert processor_merge_size(processor) == 2
+    validate_image_tokens([PAD] * 4, QWEN, processor, grid_inputs((1, 4, 4)))
+
+
+def test_the_preprocessor_config_gives_the_merge_size_when_no_image_processor_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import transformers
+
+    def unavailable(*_: Any, **__: Any) -> Any:
+        raise ImportError("this image processor requires the Torchvision library")
+
+    monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained", unavailable)
+    checkpoint = qwen2_vl_checkpoint(tmp_path / "qwen2-vl")
+    processor = load_image_processor(str(checkpoint))
+    assert processor == CheckpointImageConfig(merge_size=2, source=str(checkpoint / "preprocessor_config.json"))
+    assert processor_merge_size(processor) == 2
+    assert checkpoint_merge_size(checkpoint) == 2
+
+
+def test_a_text_only_checkpoint_has_no_image_processor(tmp_path: Path) -> None:
+    assert load_image_processor(str(tmp_path)) is None
+    (tmp_path / "preprocessor_config.json").write_text('{"merge_size": "two"}')
+    assert checkpoint_merge_size(tmp_path) is None
 
 
 def test_config_and_processor_merge_sizes_must_agree() -> None:
