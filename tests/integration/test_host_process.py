@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from fsm_rollout import RolloutConfig, RolloutRunner, Sample, Status
+from fsm_rollout import RolloutConfig, RolloutRunner, Sample, Status, get_tracer
 from fsm_rollout.hooks import RolloutHooks
 from fsm_rollout.pacing import _PACERS
 from fsm_rollout.replay import replay_async
@@ -96,6 +96,7 @@ async def test_default_config_rollouts_and_replay_leave_the_collector_and_the_lo
     assert process_state() == before
     assert library_threads() == threads_before
     assert [key for key in _PACERS if key[0] == id(asyncio.get_running_loop())] == loop_pacers
+    get_tracer(config.trace).close()
 
 
 async def test_replaying_a_recording_freezes_nothing_and_leaves_the_collector_alone(
@@ -120,3 +121,4 @@ async def test_replaying_a_recording_freezes_nothing_and_leaves_the_collector_al
     assert report.counts() == {"identical": 4}, report.render(verbose=True)
     assert calls == []
     assert process_state() == before
+    get_tracer(str(trace)).close()
