@@ -2,13 +2,20 @@
 
 Format: JSON lines, schema :data:`TAPE_SCHEMA_VERSION`. Three kinds of line:
 
-``{"kind": "header", "schema": 1, "run": ID, "created": TS, "fsm_rollout": VERSION}``
+``{"kind": "header", "schema": 2, "run": ID, "created": TS, "fsm_rollout": VERSION}``
     written each time a process opens the tape (tapes are appended to, like traces).
 ``{"kind": "blob", "hash": "sha256:<64 hex>", "data": TEXT}``
     one long string (an image data URL, a base64 feature tensor, routed experts ...), stored once per run and
     referenced as ``{"$blob": HASH}`` wherever it occurs. Strings of at least :data:`BLOB_MIN_CHARS` characters
-    become blobs; a blob line always comes before the records that use it.
-``{"kind": "sample", "schema": 1, "run": ID, ...}``
+    become blobs; a blob line always comes before the records that use it. The hash is that of TEXT.
+``{"kind": "blob", "hash": ..., "encoding": "zlib+base64", "data": PACKED}``
+    the same for a long base64 string whose bytes compress well (vLLM's multimodal feature items, float patches
+    of mostly uniform images): PACKED is the base64 of the zlib-compressed decoded bytes, and TEXT is their
+    canonical base64 again, so the string comes back exactly. Only strings of at least
+    :data:`PACK_MIN_CHARS` characters that are canonical base64 and shrink to under :data:`PACK_MAX_RATIO` of
+    their size are packed; the packing runs on the writer's thread. (Schema 1 tapes, written before packing, have
+    no ``encoding`` and are read as they are.)
+``{"kind": "sample", "schema": 2, "run": ID, ...}``
     one finished rollout:
 
     ``sample_id``, ``session_id``, ``request_prefix``   identity; the prefix makes generate request ids
@@ -51,8 +58,11 @@ Format: JSON lines, schema :data:`TAPE_SCHEMA_VERSION`. Three kinds of line:
 
 from __future__ import annotations
 
+import base64
+import binascii
 import dataclasses
 import hashlib
+import zlib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -66,7 +76,14 @@ from fsm_rollout.multimodal import encode_pil_image
 if TYPE_CHECKING:
     from fsm_rollout.config import RolloutConfig
 
-TAPE_SCHEMA_VERSION = 1
+TAPE_SCHEMA_VERSION = 2
+READABLE_TAPE_SCHEMAS = frozenset({1, 2})
+"""Tape schemas this version reads: 2 adds packed blobs to 1 and changes nothing else."""
+PACK_MIN_CHARS = 64 * 1024
+"""Blob strings at least this long are considered for packing."""
+PACK_MAX_RATIO = 0.75
+"""A blob is packed only when its packed form is under this share of its text."""
+PACKED_ENCODING = "zlib+base64"
 BLOB_MIN_CHARS = 1024
 """Strings at least this long are stored once as blobs and referenced by hash."""
 
@@ -188,7 +205,7 @@ class _Externalizer:
     def __init__(self, written: set[str]) -> None:
         self._written = written
         self._memo: dict[int, str] = {}  # id(string) → hash: one features string recurs in every generate body
-        self.new_blobs: list[bytes] = []
+        self.new_blobs: list[bytes | PendingBlob] = []
         self.refs = 0
 
     def value(self, value: Any) -> Any:
@@ -211,7 +228,7 @@ class _Externalizer:
             self._memo[id(text)] = digest
         if digest not in self._written:
             self._written.add(digest)
-            self.new_blobs.append(dumps_line({"kind": "blob", "hash": digest, "data": text}))
+            self.new_blobs.append(PendingBlob(digest, text) if len(text) >= PACK_MIN_CHARS else blob_line(digest, text))
         self.refs += 1
         return {"$blob": digest}
 
@@ -252,8 +269,52 @@ def _opaque_default(value: Any) -> Any:
     return opaque(value)
 
 
-def encode_sample_record(record: Mapping[str, Any], written_blobs: set[str]) -> bytes:
-    """A sample record as tape lines: the blob lines it needs that ``written_blobs`` lacks, then the record.
+@dataclasses.dataclass(frozen=True, slots=True)
+class PendingBlob:
+    """A blob line still to be made (and maybe packed), so that the packing can run off the caller's thread."""
+
+    digest: str
+    text: str
+
+    def line(self) -> bytes:
+        return blob_line(self.digest, self.text)
+
+
+def blob_line(digest: str, text: str) -> bytes:
+    """The tape line of one blob: packed when it is long canonical base64 that compresses well, else as it is."""
+    if len(text) >= PACK_MIN_CHARS:
+        packed = _packed(text)
+        if packed is not None:
+            return dumps_line({"kind": "blob", "hash": digest, "encoding": PACKED_ENCODING, "data": packed})
+    return dumps_line({"kind": "blob", "hash": digest, "data": text})
+
+
+def _packed(text: str) -> str | None:
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError):
+        return None
+    if base64.b64encode(raw).decode("ascii") != text:  # only what unpacks to the very same string
+        return None
+    packed = base64.b64encode(zlib.compress(raw, 6)).decode("ascii")
+    return packed if len(packed) < PACK_MAX_RATIO * len(text) else None
+
+
+def unpack_blob(encoding: str | None, data: str) -> str:
+    """A blob's text from its stored form; raises :class:`RecordingFormatError` for an unknown or damaged one."""
+    if encoding is None:
+        return data
+    if encoding != PACKED_ENCODING:
+        raise RecordingFormatError(f"unknown blob encoding {encoding!r}")
+    try:
+        return base64.b64encode(zlib.decompress(base64.b64decode(data, validate=True))).decode("ascii")
+    except (binascii.Error, ValueError, zlib.error) as error:
+        raise RecordingFormatError(f"a packed blob does not unpack: {error}") from error
+
+
+def encode_sample_parts(record: Mapping[str, Any], written_blobs: set[str]) -> list[bytes | PendingBlob]:
+    """A sample record as tape lines, the blob lines it needs that ``written_blobs`` lacks first; long blobs come as
+    :class:`PendingBlob` for the writer's thread to pack.
 
     Only the exchanges (``io``) and the ``sample`` snapshot are searched for long strings: they carry the images,
     feature tensors and routed experts that repeat; the other fields are written as they are.
@@ -270,7 +331,13 @@ def encode_sample_record(record: Mapping[str, Any], written_blobs: set[str]) -> 
             converted["refs"] = True
         entries.append(converted)
     encoded["io"] = entries
-    return b"".join(externalizer.new_blobs) + dumps_line(encoded)
+    return [*externalizer.new_blobs, dumps_line(encoded)]
+
+
+def encode_sample_record(record: Mapping[str, Any], written_blobs: set[str]) -> bytes:
+    """:func:`encode_sample_parts` as the bytes of the lines."""
+    return b"".join(part.line() if isinstance(part, PendingBlob) else part
+                    for part in encode_sample_parts(record, written_blobs))
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -10,7 +11,14 @@ from typing import Any
 
 import orjson
 
-from fsm_rollout.recording.format import TAPE_SCHEMA_VERSION, RecordingFormatError, SchemaVersionError
+from fsm_rollout.recording.format import (
+    PACKED_ENCODING,
+    READABLE_TAPE_SCHEMAS,
+    TAPE_SCHEMA_VERSION,
+    RecordingFormatError,
+    SchemaVersionError,
+    unpack_blob,
+)
 
 _SAMPLE_ID_IN_LINE = re.compile(rb'"sample_id":\s*"((?:[^"\\]|\\.)*)"')
 
@@ -106,13 +114,51 @@ _REQUIRED_SAMPLE_FIELDS: Mapping[str, type] = {
 }
 
 
+class Blobs(Mapping[str, str]):
+    """A tape's blobs by hash. Packed ones are kept packed and unpacked when looked up (the last few are kept
+    unpacked: one feature item recurs in every generate request of its sample)."""
+
+    _KEEP_UNPACKED = 4
+
+    def __init__(self) -> None:
+        self._stored: dict[str, tuple[str | None, str]] = {}
+        self._unpacked: OrderedDict[str, str] = OrderedDict()
+
+    def store(self, digest: str, data: str, encoding: str | None = None) -> None:
+        """Keep one blob line's content (``encoding`` None: stored as it is)."""
+        self._stored[digest] = (encoding, data)
+
+    def __getitem__(self, digest: str) -> str:
+        encoding, data = self._stored[digest]
+        if encoding is None:
+            return data
+        text = self._unpacked.get(digest)
+        if text is None:
+            text = unpack_blob(encoding, data)
+            self._unpacked[digest] = text
+            if len(self._unpacked) > self._KEEP_UNPACKED:
+                self._unpacked.popitem(last=False)
+        else:
+            self._unpacked.move_to_end(digest)
+        return text
+
+    def __contains__(self, digest: object) -> bool:
+        return digest in self._stored
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._stored)
+
+    def __len__(self) -> int:
+        return len(self._stored)
+
+
 @dataclass
 class TapeFile:
     """A tape read from disk: its sample records, its blobs, and the lines that could not be used."""
 
     path: Path
     samples: list[TapeSample] = field(default_factory=list)
-    blobs: dict[str, str] = field(default_factory=dict)
+    blobs: Blobs = field(default_factory=Blobs)
     problems: list[LineProblem] = field(default_factory=list)
     runs: list[str] = field(default_factory=list)
 
@@ -156,18 +202,22 @@ def read_tape(path: str | Path) -> TapeFile:
     for number, row in rows:
         kind = row.get("kind")
         schema = row.get("schema")
-        if kind in ("header", "sample") and schema != TAPE_SCHEMA_VERSION:
+        if kind in ("header", "sample") and schema not in READABLE_TAPE_SCHEMAS:
+            older = ", ".join(str(version) for version in sorted(READABLE_TAPE_SCHEMAS - {TAPE_SCHEMA_VERSION}))
             raise SchemaVersionError(
                 f"{tape.path} line {number}: tape schema {schema!r}, but this fsm-rollout reads tape schema "
-                f"{TAPE_SCHEMA_VERSION}; replay it with the fsm-rollout version that recorded it"
+                f"{TAPE_SCHEMA_VERSION} (and the older {older}); replay it with the fsm-rollout version that "
+                "recorded it"
             )
         if kind == "header":
             if isinstance(row.get("run"), str):
                 tape.runs.append(row["run"])
         elif kind == "blob":
-            digest, data = row.get("hash"), row.get("data")
-            if isinstance(digest, str) and isinstance(data, str):
-                tape.blobs[digest] = data
+            digest, data, encoding = row.get("hash"), row.get("data"), row.get("encoding")
+            if encoding is not None and encoding != PACKED_ENCODING:
+                tape.problems.append(LineProblem(tape.path, number, f"blob encoding {encoding!r} is unknown; skipped"))
+            elif isinstance(digest, str) and isinstance(data, str):
+                tape.blobs.store(digest, data, encoding)
             else:
                 tape.problems.append(LineProblem(tape.path, number, "blob line lacks a hash or its data; skipped"))
         elif kind == "sample":

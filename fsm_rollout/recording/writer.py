@@ -17,8 +17,9 @@ from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import ConfigError, RolloutError
 from fsm_rollout.recording.format import (
     TAPE_SCHEMA_VERSION,
+    PendingBlob,
     dumps_line,
-    encode_sample_record,
+    encode_sample_parts,
     tape_path_for,
     tokenizer_fingerprint,
 )
@@ -40,7 +41,7 @@ class TapeWriter:
         self._stream = self.path.open("ab")
         self._written_blobs: set[str] = set()
         self._encode_lock = threading.Lock()
-        self._queue: queue.SimpleQueue[bytes | threading.Event | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[bytes | PendingBlob | threading.Event | None] = queue.SimpleQueue()
         self._tokenizer_info: dict[int, tuple[Any, dict[str, Any]]] = {}
         self._closed = False
         self._error: BaseException | None = None
@@ -62,8 +63,9 @@ class TapeWriter:
         if self._closed or self._error is not None:
             return
         with self._encode_lock:
-            data = encode_sample_record(record, self._written_blobs)
-        self._queue.put(data)
+            parts = encode_sample_parts(record, self._written_blobs)
+            for part in parts:  # in order, under the lock: a blob line always precedes the records using it
+                self._queue.put(part)
 
     def tokenizer_info(self, tokenizer: Any) -> dict[str, Any]:
         """What the tape says about a tokenizer (computed once per tokenizer object)."""
@@ -109,6 +111,8 @@ class TapeWriter:
                     if isinstance(item, threading.Event):
                         stream.flush()
                         item.set()
+                    elif isinstance(item, PendingBlob):
+                        stream.write(item.line())  # packing (zlib) runs here, off the event loop
                     else:
                         stream.write(item)
                     try:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import base64
+import hashlib
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import orjson
 import pytest
 
@@ -148,9 +151,83 @@ def test_a_missing_file_is_a_recording_format_error(tmp_path: Path) -> None:
 
 def test_a_tape_of_another_schema_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "t.tape.jsonl"
-    path.write_bytes(orjson.dumps({"kind": "header", "schema": 2, "run": "r"}) + b"\n")
-    with pytest.raises(SchemaVersionError, match="tape schema 2, but this fsm-rollout reads tape schema 1"):
+    path.write_bytes(orjson.dumps({"kind": "header", "schema": 3, "run": "r"}) + b"\n")
+    with pytest.raises(SchemaVersionError, match=r"tape schema 3, but this fsm-rollout reads tape schema 2 \(and the "
+                                                 r"older 1\)"):
         read_tape(path)
+
+
+def test_a_schema_1_tape_is_still_read(tmp_path: Path) -> None:
+    path = tmp_path / "t.tape.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in (
+        {"kind": "header", "schema": 1, "run": "r"},
+        {"kind": "blob", "hash": "sha256:a", "data": LONG},
+        {**sample_record("0"), "schema": 1},
+    )))
+    tape = read_tape(path)
+    assert [record.sample_id for record in tape.samples] == ["0"]
+    assert tape.blobs["sha256:a"] == LONG
+
+
+def feature_like_base64(size: int) -> str:
+    """Base64 of float32 patches of a mostly uniform image, like vLLM's multimodal feature items."""
+    values = np.full(size // 4, 1.9303, dtype=np.float32)
+    values[:: 97] = np.linspace(-1.0, 1.0, len(values[:: 97]), dtype=np.float32)
+    return base64.b64encode(values.tobytes()).decode("ascii")
+
+
+def test_long_compressible_base64_blobs_are_packed_and_come_back_exactly(tmp_path: Path) -> None:
+    text = feature_like_base64(300_000)
+    record = sample_record("0", io=[{"op": "render", "answer": {"features": {"kwargs_data": {"image": [text]}}}}])
+    data = encode_sample_record(record, set())
+    blob = orjson.loads(data.splitlines()[0])
+    assert blob["encoding"] == "zlib+base64"
+    assert len(blob["data"]) < len(text) / 10
+    assert blob["hash"] == "sha256:" + hashlib.sha256(text.encode()).hexdigest()  # the hash of the text itself
+    path = tmp_path / "t.tape.jsonl"
+    path.write_bytes(orjson.dumps({"kind": "header", "schema": 2, "run": "r"}) + b"\n" + data)
+    tape = read_tape(path)
+    (entry,) = tape.samples[0].io
+    assert tape.resolve(entry)["answer"]["features"]["kwargs_data"]["image"] == [text]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "A" * 70_000 + "!",  # not base64
+        base64.b64encode(np.random.default_rng(0).bytes(60_000)).decode("ascii"),  # does not compress
+        "data:image/png;base64," + base64.b64encode(b"x" * 60_000).decode("ascii"),  # a data URL, not bare base64
+    ],
+    ids=["not-base64", "incompressible", "data-url"],
+)
+def test_blobs_that_would_not_come_back_exactly_or_would_not_shrink_are_stored_as_they_are(text: str) -> None:
+    record = sample_record("0", io=[{"op": "render", "answer": {"x": text}}])
+    blob = orjson.loads(encode_sample_record(record, set()).splitlines()[0])
+    assert "encoding" not in blob
+    assert blob["data"] == text
+
+
+def test_a_tape_writer_packs_blobs_on_its_own_thread_and_keeps_blobs_before_their_records(tmp_path: Path) -> None:
+    text = feature_like_base64(300_000)
+    writer = TapeWriter(tmp_path / "t.tape.jsonl")
+    for index in range(3):
+        writer.submit(sample_record(str(index), io=[{"op": "render", "answer": {"features": text}}]))
+    writer.close()
+    kinds = [orjson.loads(line)["kind"] for line in (tmp_path / "t.tape.jsonl").read_bytes().splitlines()]
+    assert kinds == ["header", "blob", "sample", "sample", "sample"]
+    assert [record.sample_id for record in read_tape(tmp_path / "t.tape.jsonl").samples] == ["0", "1", "2"]
+
+
+def test_an_unknown_blob_encoding_is_a_problem_and_the_sample_that_needs_it_lacks_it(tmp_path: Path) -> None:
+    path = tmp_path / "t.tape.jsonl"
+    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in (
+        {"kind": "header", "schema": 2, "run": "r"},
+        {"kind": "blob", "hash": "sha256:a", "encoding": "brotli", "data": "xx"},
+        sample_record("0", io=[{"op": "render", "answer": {"$blob": "sha256:a"}, "refs": True}]),
+    )))
+    tape = read_tape(path)
+    assert any("blob encoding 'brotli' is unknown" in problem.message for problem in tape.problems)
+    assert tape.missing_blobs(tape.samples[0].io) == ["sha256:a"]
 
 
 def test_a_file_without_tape_records_is_not_a_tape(tmp_path: Path) -> None:
