@@ -471,6 +471,27 @@ async def test_check_finds_an_illegal_transition_with_its_line(recording: Record
     assert any(finding.startswith(f"line {number + 1}: ") for finding in sample.findings)
 
 
+async def test_with_a_tape_the_trace_is_checked_and_the_tape_re_executed(recording: Recording) -> None:
+    lines = recording.trace.read_bytes().splitlines()
+    number = next(n for n, line in enumerate(lines) if b'"sample_id":"3"' in line and b'"observe"' in line)
+    event = orjson.loads(lines[number])
+    event["dst"] = "completed"
+    lines[number] = orjson.dumps(event)
+    step = next(n for n, line in enumerate(lines) if b'"sample_id":"0"' in line and b'"step"' in line)
+    summary = orjson.loads(lines[step])
+    summary["generated_tokens"] += 100  # the trace's own summary is not what re-execution compares with
+    lines[step] = orjson.dumps(summary)
+    recording.trace.write_bytes(b"\n".join(lines) + b"\n")
+    report = await run_replay_in_thread(recording)
+    assert report.exit_code == 1
+    sample = report.sample("3")
+    assert sample.verdict == "illegal"
+    assert sample.findings[0].startswith(f"trace: line {number + 1}: ")
+    assert sample.divergence is None and sample.turns == 2  # re-executed from its tape record all the same
+    assert len(report.samples) == len(recording.samples)
+    assert [other.verdict for other in report.samples if other.sample_id != "3"] == ["identical"] * 17
+
+
 async def test_check_only_needs_no_tape(recording: Recording) -> None:
     recording.tape.unlink()
     report = await run_replay_in_thread(recording)
