@@ -8,9 +8,9 @@ edge can give, and that the path ends in a terminal state.
 :class:`~fsm_rollout.rollout.Rollout` with an engine transport and an environment that answer from its tape record
 alone: no server, no environment code, only the tokenizer. Every request today's code sends and every environment
 call it makes is compared with the recorded one before the recorded answer is given; every transition is compared
-with the recorded event as it fires; at the end tokens, loss mask, logprobs, status and reason are compared. The
-first difference stops the sample and is reported with its turn, state or token index, expected and actual values
-and the decoded text around it. A call the tape has no answer for is such a difference, never a crash.
+with the recorded event as it fires; at the end tokens, loss mask, logprobs, status, reason and error are compared.
+The first difference stops the sample and is reported with its turn, state or token index, expected and actual
+values and the decoded text around it. A call the tape has no answer for is such a difference, never a crash.
 
 The parts:
 

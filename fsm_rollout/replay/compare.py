@@ -9,7 +9,8 @@ difference, or None. They do no I/O, raise nothing and keep no state; the re-exe
 * an environment call: :func:`compare_env_call`;
 * a transition event: :func:`compare_transition`, :func:`extra_transition`, :func:`compare_transition_count`;
 * the final result (an :class:`Outcome` each): :func:`compare_tokens`, :func:`compare_loss_mask`,
-  :func:`compare_logprobs`, :func:`compare_status`, :func:`compare_reason`, in that order :func:`compare_outcome`.
+  :func:`compare_logprobs`, :func:`compare_status`, :func:`compare_reason`, :func:`compare_error`, in that order
+  :func:`compare_outcome`.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from fsm_rollout.replay.paths import arrow
 
 DivergenceKind = Literal[
     "transition", "request", "unexpected call", "missing answer", "tokens", "loss_mask", "logprobs", "status",
-    "reason", "leftover", "setup", "tape",
+    "reason", "error", "leftover", "setup", "tape",
 ]
 
 CORE_FIELDS = ("trigger", "src", "dst", "turn", "reason", "response_length", "remaining_budget")
@@ -50,9 +51,9 @@ class Divergence:
 
     kind: DivergenceKind
     """``transition``, ``request`` (a request or environment call differs), ``unexpected call``, ``missing answer``
-    (the tape has no answer), ``tokens``, ``loss_mask``, ``logprobs``, ``status``, ``reason``, ``leftover``
-    (the recording made more calls), ``setup`` (today's code rejects the recorded sample or config) or ``tape``
-    (the record itself is malformed)."""
+    (the tape has no answer), ``tokens``, ``loss_mask``, ``logprobs``, ``status``, ``reason``, ``error``,
+    ``leftover`` (the recording made more calls), ``setup`` (today's code rejects the recorded sample or config)
+    or ``tape`` (the record itself is malformed)."""
     message: str
     turn: int | None = None
     state: str | None = None
@@ -75,6 +76,8 @@ class Outcome:
     rollout_log_probs: Sequence[float] | None
     status: str | None
     reason: str | None
+    error: Any = None
+    """``metadata["rollout_error"]`` as JSON; None when the sample did not fail (or the tape predates it)."""
 
 
 # ---------------------------------------------------------------------------------------------------- requests
@@ -254,16 +257,29 @@ def compare_reason(recorded: Outcome, today: Outcome, *, turn: int | None) -> Di
                       actual=today.reason)
 
 
+def compare_error(recorded: Outcome, today: Outcome, *, turn: int | None) -> Divergence | None:
+    """The error a failed sample ended with (class name, message, state, trigger).
+
+    A recorded result without an error (a sample that did not fail, or a tape from before errors were kept) has
+    nothing to compare: a sample failing today where the recording did not is a status divergence.
+    """
+    if recorded.error is None or recorded.error == today.error:
+        return None
+    return Divergence("error", "the sample fails with another error", turn=turn, expected=recorded.error,
+                      actual=today.error)
+
+
 def compare_outcome(
     recorded: Outcome, today: Outcome, *, tokenizer: Any, transitions: Sequence[Mapping[str, Any]], turn: int | None
 ) -> Divergence | None:
-    """The first of tokens, loss mask, logprobs, status and reason that differs (``transitions``: the
+    """The first of tokens, loss mask, logprobs, status, reason and error that differs (``transitions``: the
     recorded ones, which place a token index in its turn; ``turn``: the one today's rollout ended in)."""
     return (compare_tokens(recorded, today, tokenizer=tokenizer, transitions=transitions)
             or compare_loss_mask(recorded, today, tokenizer=tokenizer, transitions=transitions)
             or compare_logprobs(recorded, today, transitions=transitions)
             or compare_status(recorded, today, turn=turn)
-            or compare_reason(recorded, today, turn=turn))
+            or compare_reason(recorded, today, turn=turn)
+            or compare_error(recorded, today, turn=turn))
 
 
 def turn_of(transitions: Sequence[Mapping[str, Any]], response_index: int) -> int | None:
@@ -347,6 +363,7 @@ __all__ = [
     "TextContext",
     "compare_engine_request",
     "compare_env_call",
+    "compare_error",
     "compare_logprobs",
     "compare_loss_mask",
     "compare_outcome",

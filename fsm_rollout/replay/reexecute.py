@@ -30,7 +30,7 @@ from fsm_rollout.chat import ObservationEncoder
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.hooks import RolloutHooks
-from fsm_rollout.recording.format import ENGINE_OPS
+from fsm_rollout.recording.format import ENGINE_OPS, jsonable
 from fsm_rollout.recording.reader import TapeFile, TapeSample
 from fsm_rollout.replay.compare import (
     Divergence,
@@ -130,6 +130,7 @@ class _Replay:
             rollout_log_probs=sample.rollout_log_probs,
             status=str(getattr(sample.status, "value", sample.status)),
             reason=rollout.reason,
+            error=jsonable(sample.metadata.get("rollout_error")),
         )
         found = compare_outcome(recorded, today, tokenizer=self.tokenizer, transitions=self.cursor.transitions,
                                 turn=rollout.turn_index)

@@ -194,6 +194,7 @@ class TapeCursor:
             rollout_log_probs=result.get("rollout_log_probs"),
             status=result.get("status"),
             reason=result.get("reason"),
+            error=result.get("error"),
         )
 
 

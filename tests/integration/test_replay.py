@@ -345,6 +345,19 @@ async def test_a_tampered_result_token_is_reported_with_its_index_and_text(
     assert divergence.context is not None and divergence.context.expected == " banana"
 
 
+async def test_another_error_of_a_failed_sample_is_a_divergence(recording: Recording) -> None:
+    def edit(record: dict[str, Any]) -> None:
+        assert record["result"]["error"]["message"] == "the checker crashed"
+        record["result"]["error"]["message"] = "the checker crashed differently"
+
+    tamper(recording.tape, "10", edit)
+    report = await run_replay_in_thread(recording, sample_ids=["10"])
+    divergence = report.sample("10").divergence
+    assert divergence is not None and divergence.kind == "error"
+    assert (divergence.expected["message"], divergence.actual["message"]) == (
+        "the checker crashed differently", "the checker crashed")
+
+
 async def test_a_request_the_tape_does_not_have_is_a_divergence_not_a_crash(
     recording: Recording, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -446,6 +459,16 @@ async def test_a_tape_from_before_a_config_rename_replays_and_names_only_unknown
     assert report.counts() == {"identical": len(recording.samples)}, report.render(verbose=True)
     for sample in report.samples:
         assert "config fields unknown today were ignored: from_the_future" in sample.notes
+
+
+async def test_a_tape_whose_results_keep_no_error_replays(recording: Recording) -> None:
+    lines = [orjson.loads(line) for line in recording.tape.read_bytes().splitlines()]
+    for line in lines:
+        if line["kind"] == "sample":
+            del line["result"]["error"]
+    recording.tape.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    report = await run_replay_in_thread(recording)
+    assert report.counts() == {"identical": len(recording.samples)}, report.render(verbose=True)
 
 
 async def test_replay_leaves_what_the_process_froze_frozen(recording: Recording) -> None:

@@ -13,6 +13,7 @@ from fsm_rollout.replay import Divergence, Outcome, TapeCursor
 from fsm_rollout.replay.compare import (
     compare_engine_request,
     compare_env_call,
+    compare_error,
     compare_logprobs,
     compare_loss_mask,
     compare_outcome,
@@ -69,6 +70,7 @@ def outcome(**overrides: Any) -> Outcome:
     values: dict[str, Any] = {
         "tokens": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "prompt_length": 2, "loss_mask": [1, 1, 1, 0, 0, 1, 1, 1],
         "rollout_log_probs": [-0.5] * 8, "status": "failed", "reason": "error",
+        "error": {"type": "ValueError", "message": "boom", "state": "stepping", "trigger": "observe"},
     }
     values.update(overrides)
     return Outcome(**values)
@@ -231,6 +233,17 @@ def test_status_and_reason_are_reported_at_the_turn_the_rollout_ended_in() -> No
         "status", 4, "failed", "truncated")
     found = compare_reason(outcome(), outcome(reason="max_turns"), turn=4)
     assert found is not None and (found.kind, found.expected, found.actual) == ("reason", "error", "max_turns")
+
+
+def test_another_error_of_a_failed_sample_diverges() -> None:
+    today = outcome(error={**outcome().error, "message": "bang"})
+    found = compare_error(outcome(), today, turn=1)
+    assert found is not None and found.kind == "error"
+    assert (found.expected["message"], found.actual["message"]) == ("boom", "bang")
+
+
+def test_a_tape_without_the_error_has_none_to_compare() -> None:
+    assert compare_error(outcome(error=None), outcome(), turn=1) is None
 
 
 def test_the_outcome_reports_the_first_difference_in_order() -> None:
