@@ -14,7 +14,7 @@ every seam it has answered by the tape:
 Recorded caller aborts are re-issued where they landed: before the start, inside an environment call, during a
 request (which is then cut off) or just after its answer. When the rollout ends, its outcome is compared with the
 recorded result. The first difference is kept; every later call raises :class:`ReplayDiverged` so that the
-rollout ends at once.
+rollout ends at once. Nothing here touches process-wide state.
 """
 
 from __future__ import annotations
@@ -318,10 +318,14 @@ _NOT_REPLAYED_CONFIG_FIELDS = frozenset({"trace", "record"})
 
 
 def config_from(recorded: Mapping[str, Any]) -> tuple[RolloutConfig, list[str]]:
-    """The recorded config as today's :class:`RolloutConfig`, and the recorded fields unknown today."""
+    """The recorded config as today's :class:`RolloutConfig`, and the recorded fields unknown today.
+
+    The collector is never tuned: it is the whole process's, and the rollout's behaviour does not depend on it.
+    """
     known = {item.name for item in dataclasses.fields(RolloutConfig)}
     recorded = {_RENAMED_CONFIG_FIELDS.get(key, key): value for key, value in recorded.items()}
     values = {key: value for key, value in recorded.items() if key in known and key not in _NOT_REPLAYED_CONFIG_FIELDS}
+    values["tune_gc"] = False
     return RolloutConfig(**values), sorted(set(recorded) - known)
 
 

@@ -11,7 +11,6 @@ checked.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import time
 from collections import deque
@@ -22,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from fsm_rollout import gc_policy, lifecycle
+from fsm_rollout import lifecycle
 from fsm_rollout.recording.format import RecordingFormatError, tape_path_for, tokenizer_fingerprint
 from fsm_rollout.recording.reader import LineProblem, TapeFile, TapeSample, read_tape
 from fsm_rollout.replay.compare import Divergence
@@ -217,7 +216,6 @@ async def replay_async(
     sample_ids: Iterable[str] | None = None,
     statuses: Iterable[str] | None = None,
     execute: bool = True,
-    tune_gc: bool = False,
 ) -> ReplayReport:
     """:func:`replay` inside a running event loop."""
     wanted_ids = None if sample_ids is None else {str(item) for item in sample_ids}
@@ -251,10 +249,8 @@ async def replay_async(
         _warn_tokenizer(report, tokenizer, records)
         report.executed = True
         started, started_cpu = time.perf_counter(), time.process_time()
-        # One span of collector tuning, when asked for: no full passes between samples.
-        with gc_policy.rollouts_in_flight() if tune_gc else contextlib.nullcontext():
-            for entry in to_run:
-                await _reexecute(report, entry, tape_file, tokenizer)
+        for entry in to_run:
+            await _reexecute(report, entry, tape_file, tokenizer)
         report.seconds = time.perf_counter() - started
         report.cpu_seconds = time.process_time() - started_cpu
     return report
@@ -301,7 +297,6 @@ def replay(
     sample_ids: Iterable[str] | None = None,
     statuses: Iterable[str] | None = None,
     execute: bool = True,
-    tune_gc: bool = False,
 ) -> ReplayReport:
     """Check a recorded run against today's machine and re-execute it offline; returns a :class:`ReplayReport`.
 
@@ -309,12 +304,12 @@ def replay(
     give ``tape``), or a tape alone (its own copy of the transitions is checked). ``tokenizer`` is a tokenizer
     object or a path/name to load; by default the recorded ``name_or_path`` (then ``tokenizer_path``, then
     ``model``) is loaded. ``sample_ids`` and ``statuses`` (terminal states, or ``"unfinished"``) select samples;
-    ``execute=False`` only checks; ``tune_gc`` tunes the process's collector while re-executing, as
-    ``RolloutConfig.tune_gc`` does for rollouts. Raises :class:`~fsm_rollout.recording.RecordingFormatError` (a
+    ``execute=False`` only checks. Replaying changes no process-wide setting (the garbage collector is left as it
+    is, whatever the recorded config's ``tune_gc``). Raises :class:`~fsm_rollout.recording.RecordingFormatError` (a
     :class:`~fsm_rollout.errors.RolloutError`) for unusable input; use :func:`replay_async` inside an event loop.
     """
     return asyncio.run(replay_async(trace, tape=tape, tokenizer=tokenizer, sample_ids=sample_ids, statuses=statuses,
-                                    execute=execute, tune_gc=tune_gc))
+                                    execute=execute))
 
 
 __all__ = ["STATUS_FILTERS", "load_recorded_tokenizer", "load_recording", "replay", "replay_async"]

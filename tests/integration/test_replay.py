@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import pytest
 
-from fsm_rollout import Rollout, Sample, lifecycle
+from fsm_rollout import Rollout, Sample, gc_policy, lifecycle
 from fsm_rollout import rollout as rollout_module
 from fsm_rollout.cli import main as cli_main
 from fsm_rollout.recording import (
@@ -513,6 +513,18 @@ async def test_with_a_tape_the_trace_is_checked_and_the_tape_re_executed(recordi
     assert sample.divergence is None and sample.turns == 2  # re-executed from its tape record all the same
     assert len(report.samples) == len(recording.samples)
     assert [other.verdict for other in report.samples if other.sample_id != "3"] == ["identical"] * 17
+
+
+async def test_a_recording_made_with_collector_tuning_replays_without_tuning_it(
+    recording: Recording, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tape = recording.tape.read_bytes()
+    recording.tape.write_bytes(tape.replace(b'"tune_gc":false', b'"tune_gc":true'))
+    calls: list[str] = []
+    monkeypatch.setattr(gc_policy, "rollout_started", lambda: calls.append("started"))
+    report = await run_replay_in_thread(recording)
+    assert report.counts() == {"identical": len(recording.samples)}, report.render(verbose=True)
+    assert calls == []
 
 
 async def test_check_only_needs_no_tape(recording: Recording) -> None:
