@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import pytest
 
-from fsm_rollout import Rollout, Sample, lifecycle
+from fsm_rollout import Rollout, Sample, gc_policy, lifecycle
 from fsm_rollout import rollout as rollout_module
 from fsm_rollout.cli import main as cli_main
 from fsm_rollout.recording import (
@@ -345,6 +345,19 @@ async def test_a_tampered_result_token_is_reported_with_its_index_and_text(
     assert divergence.context is not None and divergence.context.expected == " banana"
 
 
+async def test_another_error_of_a_failed_sample_is_a_divergence(recording: Recording) -> None:
+    def edit(record: dict[str, Any]) -> None:
+        assert record["result"]["error"]["message"] == "the checker crashed"
+        record["result"]["error"]["message"] = "the checker crashed differently"
+
+    tamper(recording.tape, "10", edit)
+    report = await run_replay_in_thread(recording, sample_ids=["10"])
+    divergence = report.sample("10").divergence
+    assert divergence is not None and divergence.kind == "error"
+    assert (divergence.expected["message"], divergence.actual["message"]) == (
+        "the checker crashed differently", "the checker crashed")
+
+
 async def test_a_request_the_tape_does_not_have_is_a_divergence_not_a_crash(
     recording: Recording, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -448,6 +461,16 @@ async def test_a_tape_from_before_a_config_rename_replays_and_names_only_unknown
         assert "config fields unknown today were ignored: from_the_future" in sample.notes
 
 
+async def test_a_tape_whose_results_keep_no_error_replays(recording: Recording) -> None:
+    lines = [orjson.loads(line) for line in recording.tape.read_bytes().splitlines()]
+    for line in lines:
+        if line["kind"] == "sample":
+            del line["result"]["error"]
+    recording.tape.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in lines))
+    report = await run_replay_in_thread(recording)
+    assert report.counts() == {"identical": len(recording.samples)}, report.render(verbose=True)
+
+
 async def test_replay_leaves_what_the_process_froze_frozen(recording: Recording) -> None:
     gc.freeze()  # as a forked trainer does for copy-on-write
     try:
@@ -469,6 +492,39 @@ async def test_check_finds_an_illegal_transition_with_its_line(recording: Record
     sample = report.sample("3")
     assert sample.verdict == "illegal"
     assert any(finding.startswith(f"line {number + 1}: ") for finding in sample.findings)
+
+
+async def test_with_a_tape_the_trace_is_checked_and_the_tape_re_executed(recording: Recording) -> None:
+    lines = recording.trace.read_bytes().splitlines()
+    number = next(n for n, line in enumerate(lines) if b'"sample_id":"3"' in line and b'"observe"' in line)
+    event = orjson.loads(lines[number])
+    event["dst"] = "completed"
+    lines[number] = orjson.dumps(event)
+    step = next(n for n, line in enumerate(lines) if b'"sample_id":"0"' in line and b'"step"' in line)
+    summary = orjson.loads(lines[step])
+    summary["generated_tokens"] += 100  # the trace's own summary is not what re-execution compares with
+    lines[step] = orjson.dumps(summary)
+    recording.trace.write_bytes(b"\n".join(lines) + b"\n")
+    report = await run_replay_in_thread(recording)
+    assert report.exit_code == 1
+    sample = report.sample("3")
+    assert sample.verdict == "illegal"
+    assert sample.findings[0].startswith(f"trace: line {number + 1}: ")
+    assert sample.divergence is None and sample.turns == 2  # re-executed from its tape record all the same
+    assert len(report.samples) == len(recording.samples)
+    assert [other.verdict for other in report.samples if other.sample_id != "3"] == ["identical"] * 17
+
+
+async def test_a_recording_made_with_collector_tuning_replays_without_tuning_it(
+    recording: Recording, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tape = recording.tape.read_bytes()
+    recording.tape.write_bytes(tape.replace(b'"tune_gc":false', b'"tune_gc":true'))
+    calls: list[str] = []
+    monkeypatch.setattr(gc_policy, "rollout_started", lambda: calls.append("started"))
+    report = await run_replay_in_thread(recording)
+    assert report.counts() == {"identical": len(recording.samples)}, report.render(verbose=True)
+    assert calls == []
 
 
 async def test_check_only_needs_no_tape(recording: Recording) -> None:

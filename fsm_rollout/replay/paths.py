@@ -1,0 +1,218 @@
+"""Checking logged paths against today's lifecycle table.
+
+A path is one sample run's transitions in order, rebuilt from a transition trace (:func:`read_trace`) or from the
+copy a tape keeps of them (:func:`paths_from_tape`). :func:`check_path` verifies that every transition is an edge
+of today's table (:mod:`fsm_rollout.lifecycle`), carrying a reason that edge can give, that each leaves the state
+the previous one entered, and that the path ends in a terminal state. Nothing here re-executes anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from fsm_rollout import lifecycle
+from fsm_rollout.recording.format import RecordingFormatError, SchemaVersionError
+from fsm_rollout.recording.reader import LineProblem, TapeFile, read_json_lines
+from fsm_rollout.trace import TRACE_SCHEMA_VERSION, TRANSITION_EVENT
+
+CheckVerdict = Literal["legal", "illegal", "unfinished", "damaged"]
+
+
+@dataclass
+class TracedPath:
+    """One sample's transitions as logged, in order, with the line each came from."""
+
+    sample_id: str | None
+    session_id: str | None
+    events: list[dict[str, Any]] = field(default_factory=list)
+    lines: list[int] = field(default_factory=list)
+    damage: list[LineProblem] = field(default_factory=list)
+    """Unreadable lines that belonged to this sample."""
+
+    @property
+    def terminal(self) -> bool:
+        """Whether the last transition ends in a terminal state."""
+        return bool(self.events) and self.events[-1].get("dst") in lifecycle.TERMINAL
+
+    @property
+    def status(self) -> str | None:
+        """The terminal state reached, or None when the path is unfinished."""
+        return str(self.events[-1]["dst"]) if self.terminal else None
+
+    @property
+    def reason(self) -> str | None:
+        """The terminal reason, or None."""
+        value = self.events[-1].get("reason") if self.terminal else None
+        return value if isinstance(value, str) else None
+
+    @property
+    def turns(self) -> int:
+        """Generate turns answered (``step`` transitions)."""
+        return sum(1 for event in self.events if event.get("trigger") == "step")
+
+    def triples(self) -> list[tuple[Any, Any, Any]]:
+        """The path as ``(src, trigger, dst)`` triples."""
+        return [(event.get("src"), event.get("trigger"), event.get("dst")) for event in self.events]
+
+
+@dataclass
+class TraceFile:
+    """A transition trace read from disk: one path per sample run, and the lines that could not be used."""
+
+    path: Path
+    paths: list[TracedPath] = field(default_factory=list)
+    problems: list[LineProblem] = field(default_factory=list)
+    transitions: int = 0
+    orphans: list[int] = field(default_factory=list)
+    """Lines of transitions without a ``sample_id`` (belonging to no path)."""
+
+
+def read_trace(path: str | Path) -> TraceFile:
+    """Read a trace and rebuild each sample's path; unreadable lines are reported, the rest is used.
+
+    Events are grouped by ``(sample_id, session_id)``; a ``pending`` event after a terminal one starts a new path
+    (a trace appended to by several runs). An unreadable line whose text names a sample is given to that sample's
+    path (:attr:`TracedPath.damage`). Raises :class:`~fsm_rollout.recording.SchemaVersionError` for events of
+    another schema version and :class:`~fsm_rollout.recording.RecordingFormatError` when there is no transition event.
+    """
+    trace = TraceFile(Path(path))
+    rows, problems = read_json_lines(trace.path)
+    trace.problems.extend(problems)
+    open_paths: dict[tuple[str, str | None], TracedPath] = {}
+    for number, row in rows:
+        if row.get("event") != TRANSITION_EVENT:
+            continue
+        if row.get("schema") != TRACE_SCHEMA_VERSION:
+            raise SchemaVersionError(
+                f"{trace.path} line {number}: transition schema {row.get('schema')!r}, but this fsm-rollout reads "
+                f"trace schema {TRACE_SCHEMA_VERSION}; check it with the fsm-rollout version that wrote it"
+            )
+        trace.transitions += 1
+        sample_id, session_id = row.get("sample_id"), row.get("session_id")
+        if not isinstance(sample_id, str):
+            trace.orphans.append(number)
+            continue
+        key = (sample_id, session_id if isinstance(session_id, str) else None)
+        current = open_paths.get(key)
+        if current is None or (current.terminal and row.get("src") == lifecycle.INITIAL):
+            current = TracedPath(sample_id=key[0], session_id=key[1])
+            trace.paths.append(current)
+            open_paths[key] = current
+        current.events.append(row)
+        current.lines.append(number)
+    if trace.transitions == 0:
+        raise RecordingFormatError(f"{trace.path} holds no transition events: not an fsm-rollout trace")
+    _attribute_damage(trace.paths, trace.problems)
+    return trace
+
+
+def _attribute_damage(paths: Sequence[TracedPath], problems: Sequence[LineProblem]) -> None:
+    """Give each unreadable line that names a sample to that sample's path that was open at that line."""
+    for problem in problems:
+        if problem.sample_id is None:
+            continue
+        owners = [path for path in paths if path.sample_id == problem.sample_id and path.lines
+                  and path.lines[0] < problem.line]
+        if owners:
+            owners[-1].damage.append(problem)
+
+
+def paths_from_tape(tape: TapeFile) -> list[TracedPath]:
+    """Paths rebuilt from the transitions kept on a tape (each transition's line is its record's)."""
+    paths = []
+    for record in tape.samples:
+        path = TracedPath(sample_id=record.sample_id, session_id=record.session_id)
+        path.events = list(record.transitions)
+        path.lines = [record.line] * len(record.transitions)
+        paths.append(path)
+    return paths
+
+
+def _edge_reasons() -> dict[tuple[str, str, str], frozenset[str | None] | None]:
+    """For each ``(src, trigger, dst)`` of today's table: the reasons it may carry (None: the caller's reason)."""
+    reasons: dict[tuple[str, str, str], set[str | None] | None] = {}
+    for edge in lifecycle.TRANSITIONS:
+        key = (edge.source, edge.trigger, edge.dest)
+        if edge.trigger == "abort":
+            reasons[key] = None
+            continue
+        reason = "error" if edge.trigger == "fail" else edge.reason
+        allowed = reasons.setdefault(key, set())
+        if allowed is not None:
+            allowed.add(reason)
+    return {key: None if value is None else frozenset(value) for key, value in reasons.items()}
+
+
+def check_path(path: TracedPath, problems: Sequence[LineProblem] = ()) -> tuple[CheckVerdict, list[str]]:
+    """Check one path against today's table; returns its verdict (legal, illegal, unfinished, damaged) and findings.
+
+    ``problems`` are the file's unreadable lines: a break in the path across one of them makes it damaged rather
+    than illegal.
+    """
+    findings: list[str] = [f"line {problem.line} belonged to this sample and is unreadable" for problem in path.damage]
+    edges = _edge_reasons()
+    unreadable = sorted(problem.line for problem in problems if problem.sample_id is None)
+    state = lifecycle.INITIAL
+    previous_line: int | None = None
+    damaged = bool(path.damage)
+    illegal = False
+    for event, line in zip(path.events, path.lines, strict=True):
+        src, trigger, dst = event.get("src"), event.get("trigger"), event.get("dst")
+        if state in lifecycle.TERMINAL:
+            findings.append(f"line {line}: {arrow(src, trigger, dst)} after the sample ended in {state}")
+            illegal = True
+        elif src != state:
+            gap = [number for number in unreadable if previous_line is not None and previous_line < number < line]
+            if gap:
+                findings.append(f"line {line}: leaves {src}, but the sample was in {state}; unreadable line {gap[0]} "
+                                "lies in between")
+                damaged = True
+            else:
+                where = "starts" if previous_line is None else "leaves"
+                findings.append(f"line {line}: {where} in {src}, but the sample was in {state}")
+                illegal = True
+        finding = _edge_finding(edges, event, line)
+        if finding is not None:
+            findings.append(finding)
+            illegal = True
+        state = str(dst)
+        previous_line = line
+    if state not in lifecycle.TERMINAL:
+        last = path.lines[-1] if path.lines else "?"
+        findings.append(f"unfinished: the last transition (line {last}) leaves the sample in {state}")
+    if damaged:
+        return "damaged", findings
+    if illegal:
+        return "illegal", findings
+    if state not in lifecycle.TERMINAL:
+        return "unfinished", findings
+    return "legal", findings
+
+
+def _edge_finding(
+    edges: dict[tuple[str, str, str], frozenset[str | None] | None], event: dict[str, Any], line: int
+) -> str | None:
+    """What is wrong with one transition as an edge of today's table (its edge and its reason), or None."""
+    src, trigger, dst = event.get("src"), event.get("trigger"), event.get("dst")
+    key = (str(src), str(trigger), str(dst))
+    if key not in edges:
+        return f"line {line}: {arrow(src, trigger, dst)} is not a transition of today's table"
+    allowed = edges[key]
+    reason = event.get("reason")
+    if dst in lifecycle.TERMINAL and allowed is None and not (isinstance(reason, str) and reason):
+        return f"line {line}: {arrow(src, trigger, dst)} without the caller's abort reason"
+    if allowed is not None and reason not in allowed:
+        expected = " or ".join(repr(item) for item in sorted(allowed, key=str))
+        return f"line {line}: {arrow(src, trigger, dst)} with reason {reason!r}; today's table gives {expected}"
+    return None
+
+
+def arrow(src: Any, trigger: Any, dst: Any) -> str:
+    """A transition as text: ``src --trigger--> dst``."""
+    return f"{src} --{trigger}--> {dst}"
+
+
+__all__ = ["CheckVerdict", "TraceFile", "TracedPath", "arrow", "check_path", "paths_from_tape", "read_trace"]

@@ -1,0 +1,385 @@
+"""Re-executing one recorded sample through today's rollout, answered from its tape record alone.
+
+Today's :class:`~fsm_rollout.rollout.Rollout` runs with the record's sample, config and sampling parameters, and
+every seam it has answered by the tape:
+
+* the engine client's transport (:class:`_TapeTransport`): each request must be the next recorded one (compared
+  with :func:`~fsm_rollout.replay.compare.compare_engine_request`), then gets the recorded answer, error or
+  cancellation; today's :class:`~fsm_rollout.engine.client.VLLMClient` parses it;
+* the environment (:class:`_TapeEnv`, named after the recorded class, with the environment protocol's ``reset``,
+  ``step``, ``format_observation`` and ``close``): each call must be the next recorded one, ``step`` with the same
+  text, and returns what the environment returned or raises what it raised;
+* the hooks (:class:`_ComparingHooks`): each transition is compared with the recorded one as it fires.
+
+Recorded caller aborts are re-issued where they landed: before the start, inside an environment call, during a
+request (which is then cut off) or just after its answer. When the rollout ends, its outcome is compared with the
+recorded result. The first difference is kept; every later call raises :class:`ReplayDiverged` so that the
+rollout ends at once. Nothing here touches process-wide state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+from collections.abc import Mapping
+from types import SimpleNamespace
+from typing import Any
+
+from fsm_rollout.chat import ObservationEncoder
+from fsm_rollout.config import RolloutConfig
+from fsm_rollout.engine.client import VLLMClient
+from fsm_rollout.hooks import RolloutHooks
+from fsm_rollout.recording.format import ENGINE_OPS, jsonable
+from fsm_rollout.recording.reader import TapeFile, TapeSample
+from fsm_rollout.replay.compare import (
+    Divergence,
+    Outcome,
+    TextContext,
+    compare_engine_request,
+    compare_env_call,
+    compare_outcome,
+    compare_transition,
+    compare_transition_count,
+    extra_transition,
+    first_index,
+    token_context,
+)
+from fsm_rollout.replay.tape import TapeCursor, describe_entry, rebuild_error, revive
+from fsm_rollout.rollout import Rollout
+from fsm_rollout.sample import Sample
+from fsm_rollout.trace import NULL_TRACER
+
+
+class ReplayDiverged(Exception):
+    """Today's rollout did something the recording did not; its replay stops (see :class:`Divergence`)."""
+
+
+class _Replay:
+    """What the seams of one re-executed sample share: the tape cursor, the rollout, the first divergence."""
+
+    def __init__(self, record: TapeSample, tape: TapeFile, tokenizer: Any) -> None:
+        self.cursor = TapeCursor(record, tape)
+        self.tokenizer = tokenizer
+        self.rollout: Rollout | None = None
+        self.divergence: Divergence | None = None
+        self.transitions: list[dict[str, Any]] = []
+        """Today's transition events so far."""
+        self.env_passthrough = False
+
+    def stop(self, found: Divergence, *, here: bool = True) -> ReplayDiverged:
+        """Keep ``found`` unless a divergence came first; ``here``: it happened at the rollout's turn and state."""
+        if self.divergence is None:
+            rollout = self.rollout
+            if here and rollout is not None:
+                found = dataclasses.replace(found, turn=rollout.turn_index, state=rollout.state)
+            self.divergence = found
+        return ReplayDiverged(found.message)
+
+    def check_going(self) -> None:
+        """Stop a rollout that goes on after a divergence."""
+        if self.divergence is not None:
+            raise ReplayDiverged(self.divergence.message)
+
+    def take(self, op: str, call: str) -> dict[str, Any]:
+        taken = self.cursor.take(op, call)
+        if isinstance(taken, Divergence):
+            raise self.stop(taken)
+        return taken
+
+    def value(self, entry: Mapping[str, Any], key: str) -> Any:
+        value = self.cursor.value(entry, key)
+        if isinstance(value, Divergence):
+            raise self.stop(value)
+        return value
+
+    def differs(self, found: Divergence | None) -> None:
+        """Stop on a request or environment call that differs from the recorded one (at the record's tape line)."""
+        if found is not None:
+            raise self.stop(dataclasses.replace(found, line=self.cursor.record.line))
+
+    def abort_landing(self, *, in_flight: bool) -> str | None:
+        rollout = self.rollout
+        return None if rollout is None else self.cursor.abort_landing(rollout.state, in_flight=in_flight)
+
+    def token_context_now(self) -> TextContext | None:
+        """Where today's tokens so far part from the recording's final ones, if they do."""
+        rollout = self.rollout
+        recorded = self.cursor.recorded_tokens()
+        if rollout is None or recorded is None:
+            return None
+        today = list(rollout.sample.tokens)
+        index = first_index(recorded, today)
+        if index >= min(len(recorded), len(today)):
+            return None
+        return token_context(self.tokenizer, recorded, today, index)
+
+    def finish(self, rollout: Rollout) -> None:
+        """Compare how the rollout ended with the recorded result, then that nothing recorded is left over."""
+        if self.divergence is not None:
+            return
+        recorded = self.cursor.recorded_outcome()
+        if isinstance(recorded, Divergence):
+            self.stop(recorded)
+            return
+        sample = rollout.sample
+        today = Outcome(
+            tokens=list(sample.tokens),
+            prompt_length=rollout.prompt_length or 0,
+            loss_mask=sample.loss_mask,
+            rollout_log_probs=sample.rollout_log_probs,
+            status=str(getattr(sample.status, "value", sample.status)),
+            reason=rollout.reason,
+            error=jsonable(sample.metadata.get("rollout_error")),
+        )
+        found = compare_outcome(recorded, today, tokenizer=self.tokenizer, transitions=self.cursor.transitions,
+                                turn=rollout.turn_index)
+        if found is not None:
+            self.stop(found, here=False)
+            return
+        found = compare_transition_count(self.cursor.transitions, len(self.transitions))
+        if found is not None:
+            self.stop(found)
+            return
+        leftover = self.cursor.peek()
+        if leftover is not None:
+            self.stop(Divergence("leftover", "today's rollout ended without the recording's next call: "
+                                 f"{describe_entry(leftover)}", turn=rollout.turn_index), here=False)
+
+
+class _TapeTransport:
+    """The engine, answered from the tape: a transport whose every POST gets the recorded outcome."""
+
+    base_url = "http://replay.invalid"
+
+    def __init__(self, replay: _Replay) -> None:
+        self._replay = replay
+
+    async def close(self) -> None:
+        """Nothing to release."""
+
+    async def post_json(
+        self, path: str, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
+    ) -> Any:
+        replay = self._replay
+        replay.check_going()
+        op = ENGINE_OPS.get(path, "post")
+        reason = replay.abort_landing(in_flight=True)
+        if reason is not None:  # the recording's abort came before this request even started
+            await self._cut_off(reason)
+        entry = replay.take(op, f"POST {path}" if op == "post" else f"the {op} endpoint")
+        recorded_tokens = replay.cursor.generate_tokens(entry)
+        if isinstance(recorded_tokens, Divergence):
+            raise replay.stop(recorded_tokens)
+        replay.differs(compare_engine_request(
+            f"the {op} request" if op != "post" else f"POST {entry.get('path')}",
+            recorded_request=replay.value(entry, "request"),
+            recorded_headers=entry.get("headers"),
+            recorded_tokens=recorded_tokens,
+            payload=payload,
+            headers=headers,
+            tokenizer=replay.tokenizer,
+        ))
+        if entry.get("cancelled"):
+            if op == "abort":
+                raise TimeoutError  # the abort notice ran out of time in the recording
+            await self._cut_off(replay.abort_landing(in_flight=True) or "cancelled")
+        error = entry.get("error")
+        if isinstance(error, dict):
+            raise rebuild_error(error)
+        if "text" in entry:
+            return replay.value(entry, "text")
+        if "answer" not in entry:
+            raise replay.stop(Divergence("tape", f"the recorded {op} call has no outcome "
+                                         f"(tape line {replay.cursor.record.line})"))
+        answer = replay.value(entry, "answer")
+        replay.cursor.answered(entry)
+        late = replay.abort_landing(in_flight=True)
+        if late is not None and replay.rollout is not None:  # arrived after the answer, before the rollout resumed
+            asyncio.get_running_loop().call_soon(replay.rollout.request_abort, late)
+        return answer
+
+    async def _cut_off(self, reason: str) -> None:
+        """Re-issue the recording's abort while this request is pending: today's rollout must cancel it."""
+        replay = self._replay
+        assert replay.rollout is not None
+        replay.rollout.request_abort(reason)
+        await asyncio.sleep(0)  # the rollout cancels this request: CancelledError lands here
+        raise replay.stop(Divergence("transition", f"the recording's abort ({reason}) cut this request off, but "
+                                     "today's rollout did not cancel it"))
+
+
+class _TapeEnv:
+    """The environment, answered from the tape (its class is renamed after the recorded one)."""
+
+    def __init__(self, replay: _Replay) -> None:
+        self._replay = replay
+
+    def _call(self, op: str, *, text: str | None = None) -> dict[str, Any] | None:
+        replay = self._replay
+        if replay.divergence is not None:
+            if op == "close":  # the rollout closes its environment on the way out: let it
+                return None
+            raise ReplayDiverged(replay.divergence.message)
+        if replay.env_passthrough:
+            return None
+        entry = replay.take(op, f"env.{op}()")
+        if op == "step":
+            replay.differs(compare_env_call(op, replay.value(entry, "text"), text))
+        reason = replay.abort_landing(in_flight=False)
+        if reason is not None and replay.rollout is not None:  # the environment itself asked for the abort
+            replay.rollout.request_abort(reason)
+        error = entry.get("error")
+        if isinstance(error, dict):
+            raise rebuild_error(error)
+        return entry
+
+    def reset(self) -> None:
+        self._call("reset")
+
+    def step(self, response_text: str) -> Any:
+        entry = self._call("step", text=response_text)
+        result = self._replay.value(entry, "result") if entry is not None else None
+        if not isinstance(result, dict):
+            return (None, False, {})
+        if isinstance(result.get("tuple_len"), int):
+            return tuple([None] * result["tuple_len"])
+        if isinstance(result.get("type"), str):
+            return revive({"$object": {"type": result["type"], "repr": ""}})
+        return (revive(result.get("observation")), bool(result.get("done")), {})
+
+    def format_observation(self, observation: Any) -> Any:
+        entry = self._call("format_observation")
+        return None if entry is None else revive(self._replay.value(entry, "message"))
+
+    def close(self) -> None:
+        self._call("close")
+
+
+_ENV_CLASSES: dict[str, type[_TapeEnv]] = {}
+
+
+def _env_class(name: str) -> type[_TapeEnv]:
+    cls = _ENV_CLASSES.get(name)
+    if cls is None:
+        cls = type(name, (_TapeEnv,), {})
+        _ENV_CLASSES[name] = cls
+    return cls
+
+
+def _env_factory(replay: _Replay) -> Any:
+    """A ``build_env`` that gives what the recorded one gave: an environment of its class, or its error."""
+
+    def build_env(**_: Any) -> Any:
+        replay.check_going()
+        entry = replay.take("env_build", "build_env()")
+        error = entry.get("error")
+        if isinstance(error, dict):
+            raise rebuild_error(error)
+        env = _env_class(str(entry.get("type") or "Environment"))(replay)
+        missing = entry.get("missing")
+        if isinstance(missing, list) and missing:  # the rollout rejects it, as it did the recorded one
+            replay.env_passthrough = True
+            for method in missing:
+                setattr(env, str(method), None)
+        return env
+
+    return build_env
+
+
+class _ComparingHooks(RolloutHooks):
+    """Compares every transition of the re-executed rollout with the recorded one as it fires."""
+
+    wants_events = True
+
+    def __init__(self, replay: _Replay) -> None:
+        self._replay = replay
+
+    def transition(
+        self, rollout: Rollout, trigger: str, src: str, dwell_ms: float, fields: Mapping[str, Any] | None
+    ) -> None:
+        assert fields is not None
+        replay = self._replay
+        index = len(replay.transitions)
+        replay.transitions.append(dict(fields))
+        if replay.divergence is not None:
+            return
+        recorded = replay.cursor.transitions
+        if index >= len(recorded):
+            replay.stop(extra_transition(index, fields), here=False)
+            return
+        found = compare_transition(index, recorded[index], fields)
+        if found is not None:
+            replay.stop(dataclasses.replace(found, context=replay.token_context_now()), here=False)
+
+
+_RENAMED_CONFIG_FIELDS = {"defer_full_gc": "tune_gc"}  # tapes recorded before a rename replay as they were
+_NOT_REPLAYED_CONFIG_FIELDS = frozenset({"trace", "record"})
+
+
+def config_from(recorded: Mapping[str, Any]) -> tuple[RolloutConfig, list[str]]:
+    """The recorded config as today's :class:`RolloutConfig`, and the recorded fields unknown today.
+
+    The collector is never tuned: it is the whole process's, and the rollout's behaviour does not depend on it.
+    """
+    known = {item.name for item in dataclasses.fields(RolloutConfig)}
+    recorded = {_RENAMED_CONFIG_FIELDS.get(key, key): value for key, value in recorded.items()}
+    values = {key: value for key, value in recorded.items() if key in known and key not in _NOT_REPLAYED_CONFIG_FIELDS}
+    values["tune_gc"] = False
+    return RolloutConfig(**values), sorted(set(recorded) - known)
+
+
+def _processor_for(merge_size: int | None) -> Any:
+    if merge_size is None:
+        return None
+    return SimpleNamespace(image_processor=SimpleNamespace(merge_size=merge_size))
+
+
+async def reexecute(
+    record: TapeSample,
+    tape: TapeFile,
+    *,
+    tokenizer: Any,
+    encoder: ObservationEncoder | None = None,
+) -> tuple[Divergence | None, int, list[str]]:
+    """Re-run one recorded sample through today's rollout; returns (first divergence or None, turns run, notes)."""
+    notes: list[str] = []
+    missing = tape.missing_blobs([record.sample, *(entry for entry in record.io if entry.get("refs"))])
+    if missing:
+        return Divergence("tape", f"the tape lacks {len(missing)} blob(s) this sample needs, e.g. {missing[0]}",
+                          line=record.line), 0, notes
+    replay = _Replay(record, tape, tokenizer)
+    try:
+        config, dropped = config_from(record.config)
+        if dropped:
+            notes.append(f"config fields unknown today were ignored: {', '.join(dropped)}")
+        sample = Sample.from_dict(revive(tape.resolve(record.sample)))
+        rollout = Rollout(
+            sample,
+            config=config,
+            sampling_params=record.sampling_params,
+            client=VLLMClient(transport=_TapeTransport(replay)),
+            tokenizer=tokenizer,
+            env_factory=_env_factory(replay),
+            processor=_processor_for(record.processor_merge_size),
+            tracer=NULL_TRACER,
+            encoder=encoder,
+            hooks=_ComparingHooks(replay),
+            sample_id=record.sample_id,
+            request_prefix=record.request_prefix,  # request ids are part of what is compared
+        )
+    except Exception as error:
+        return Divergence("setup", f"today's code rejects the recorded sample or config: "
+                          f"{type(error).__name__}: {error}", line=record.line), 0, notes
+    replay.rollout = rollout
+    early_abort = replay.cursor.abort_before_start()
+    if early_abort is not None:
+        rollout.request_abort(early_abort)
+    with contextlib.suppress(Exception):  # the recorded sample may have failed too: the outcome is compared after
+        await rollout.run()
+    replay.finish(rollout)
+    turns = sum(1 for event in replay.transitions if event.get("trigger") == "step")
+    return replay.divergence, turns, notes
+
+
+__all__ = ["ReplayDiverged", "config_from", "reexecute"]
