@@ -61,7 +61,6 @@ def main(args: argparse.Namespace) -> int:
             sample_ids=args.sample,
             statuses=args.status,
             execute=not args.check_only,
-            tune_gc=True,  # the command owns its process: collector tuning as `run` has it
         )
     except (RolloutError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
