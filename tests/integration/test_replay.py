@@ -253,7 +253,7 @@ async def test_the_tape_sits_beside_the_trace_and_names_its_schema(recording: Re
     assert tape.problems == []
     first = orjson.loads(recording.tape.read_bytes().splitlines()[0])
     assert first["kind"] == "header"
-    assert first["schema"] == 1
+    assert first["schema"] == 2
 
 
 # --------------------------------------------------------------------------- divergences
@@ -443,7 +443,7 @@ async def test_a_trace_of_another_schema_version_is_a_clear_error(recording: Rec
 
 async def test_a_tape_of_another_schema_version_is_a_clear_error(recording: Recording) -> None:
     lines = recording.tape.read_bytes().splitlines()
-    lines[0] = lines[0].replace(b'"schema":1', b'"schema":7')
+    lines[0] = lines[0].replace(b'"schema":2', b'"schema":7')
     recording.tape.write_bytes(b"\n".join(lines) + b"\n")
     with pytest.raises(SchemaVersionError, match="tape schema 7"):
         await run_replay_in_thread(recording)
