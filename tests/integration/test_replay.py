@@ -673,3 +673,18 @@ async def test_run_refuses_record_without_trace(fake_vllm: FakeVLLMServer, tmp_p
     _, stderr = await process.communicate()
     assert process.returncode == 2
     assert b"--record needs --trace" in stderr
+
+
+async def test_a_schema_1_recording_made_before_the_transport_seam_still_replays_identically(
+    tokenizer: Any, tmp_path: Path
+) -> None:
+    """tests/fixtures/tapes/schema1: three multi-turn samples recorded by fsm-rollout before recording moved to the
+    transport seam and tapes to schema 2 (its config still has pacing and collector tuning on by default)."""
+    fixture = Path(__file__).parents[1] / "fixtures" / "tapes" / "schema1"
+    for name in ("run.jsonl", "run.tape.jsonl"):
+        (tmp_path / name).write_bytes((fixture / name).read_bytes())
+    assert b'"schema":1' in (tmp_path / "run.tape.jsonl").read_bytes().splitlines()[0]
+    before = gc.get_threshold()
+    report = await asyncio.to_thread(replay, tmp_path / "run.jsonl", tokenizer=tokenizer)
+    assert report.counts() == {"identical": 3}, report.render(verbose=True)
+    assert gc.get_threshold() == before
