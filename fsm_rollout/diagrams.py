@@ -225,9 +225,10 @@ def match_edge(event: Mapping[str, Any], transitions: Sequence[lifecycle.Edge]) 
 def build_overlay(events: Iterable[Mapping[str, Any]], sample: str | None = None) -> Overlay:
     """Summarise transition events (in the order they happened) on the current transition table.
 
-    ``sample`` (compared with ``str(event["sample_id"])``) selects a sample whose path is highlighted; raises
-    :class:`DiagramError` if the events hold no transition of it. Events without a ``sample_id``, ``trigger``,
-    ``src`` or ``dst`` are skipped.
+    Samples are counted by rollout (``rollout_id``, or the sample id in traces without one), so a sample index
+    that ran several times counts once per run. ``sample`` (compared with ``str(event["sample_id"])``) selects a
+    sample whose path is highlighted (its first run); raises :class:`DiagramError` if the events hold no transition
+    of it. Events without a ``sample_id``, ``trigger``, ``src`` or ``dst`` are skipped.
     """
     transitions = lifecycle.TRANSITIONS
     edge_transitions = [0] * len(transitions)
@@ -237,12 +238,16 @@ def build_overlay(events: Iterable[Mapping[str, Any]], sample: str | None = None
     sample_steps: dict[int, list[int]] = {}
     sample_states: set[str] = set()
     path_lengths: Counter[str] = Counter()
+    highlighted: str | None = None  # the run of ``sample`` that is highlighted
     unmatched: Counter[tuple[str, str, str]] = Counter()
     for event in events:
         sample_id, trigger, src, dst = (event.get(key) for key in ("sample_id", "trigger", "src", "dst"))
         if sample_id is None or not all(isinstance(value, str) for value in (trigger, src, dst)):
             continue
-        sid = str(sample_id)
+        rollout_id = event.get("rollout_id")
+        sid = str(rollout_id) if isinstance(rollout_id, str) else str(sample_id)
+        if highlighted is None and str(sample_id) == sample:
+            highlighted = sid
         path_lengths[sid] += 1
         if src == lifecycle.INITIAL and src in entered:
             entered[src].add(sid)
@@ -257,11 +262,11 @@ def build_overlay(events: Iterable[Mapping[str, Any]], sample: str | None = None
         else:
             edge_transitions[index] += 1
             edge_samples[index].add(sid)
-        if sid == sample:
+        if sid == highlighted:
             sample_states.update((str(src), str(dst)))
             if index is not None:
                 sample_steps.setdefault(index, []).append(path_lengths[sid])
-    if sample is not None and sample not in path_lengths:
+    if sample is not None and highlighted is None:
         known = ", ".join(sorted(path_lengths)[:5]) or "none"
         raise DiagramError(
             f"sample {sample!r} has no transitions in the trace ({len(path_lengths)} samples there, e.g. {known})"

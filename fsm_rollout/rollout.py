@@ -150,6 +150,8 @@ class Rollout:
         """How traces, tapes and errors name this sample."""
         self.request_prefix = request_prefix if request_prefix is not None else default_request_prefix(sample)
         """Generate request ids are ``<request_prefix>-turn<N>``."""
+        self.rollout_id = uuid.uuid4().hex[:16]
+        """Unique to this rollout (a sample index may repeat across a trainer's steps): traces and tapes carry it."""
 
         self.state: str = lifecycle.INITIAL
         self.reason: str | None = None
@@ -604,7 +606,8 @@ class Rollout:
             if self.terminal:
                 return self.sample
         self._running = True
-        context = bind_contextvars(sample_id=self.sample_id, session_id=self.sample.session_id)
+        context = bind_contextvars(sample_id=self.sample_id, session_id=self.sample.session_id,
+                                   rollout_id=self.rollout_id)
         tuning_gc = self.config.tune_gc
         if tuning_gc:
             gc_policy.rollout_started()
@@ -632,7 +635,8 @@ class Rollout:
         if self._inflight is not None:
             self._inflight.cancel()
         elif not self._running:
-            context = bind_contextvars(sample_id=self.sample_id, session_id=self.sample.session_id)
+            context = bind_contextvars(sample_id=self.sample_id, session_id=self.sample.session_id,
+                                       rollout_id=self.rollout_id)
             try:
                 self._fire("abort")
             except Exception as error:

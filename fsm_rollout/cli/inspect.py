@@ -42,7 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("trace", type=Path, metavar="TRACE", help="the transition trace (JSONL), or a tape")
     parser.add_argument("--tape", type=Path, metavar="FILE",
                         help="the I/O tape (default: beside the trace), for decoded text")
-    parser.add_argument("--sample", metavar="ID", help="show this sample's timeline instead of the batch summary")
+    parser.add_argument("--sample", metavar="ID",
+                        help="show this sample's timeline instead of the batch summary; a sample id that ran "
+                             "more than once shows every run, named ID#1, ID#2, ... (give ID#N for one of them)")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="tokenizer for decoding text (default: the one the recording used)")
     parser.add_argument("--color", choices=["auto", "always", "never"], default="auto",
@@ -210,7 +212,7 @@ def render_timeline(path: TracedPath, record: TapeSample | None, tape: TapeFile 
     """One sample run: its transitions with times, then per turn the decoded text (when the tape has it)."""
     outcome = f"{path.status}/{path.reason}" if path.status else "unfinished"
     where = f"trace lines {path.lines[0]}-{path.lines[-1]}" if from_trace and path.lines else "from the tape"
-    lines = [painter.bold(f"sample {path.sample_id}") + f"  {outcome}, {path.turns} turn(s), "
+    lines = [painter.bold(f"sample {path.label or path.sample_id}") + f"  {outcome}, {path.turns} turn(s), "
              f"{len(path.events)} transitions ({where})"]
     if path.session_id:
         lines.append(f"  session {path.session_id}")
@@ -313,11 +315,12 @@ def main(args: argparse.Namespace) -> int:
         orphans = len(trace.orphans) if trace is not None else 0
         print(render_summary(path.name, summarize(paths), problems, orphans))
         return EXIT_OK
-    chosen = [item for item in paths if item.sample_id == args.sample]
+    chosen = [item for item in paths if args.sample in (item.label, item.sample_id)]
     if not chosen:
         print(f"error: {path} has no sample {args.sample!r}", file=sys.stderr)
         return EXIT_UNUSABLE
-    records = [record for record in tape.samples if record.sample_id == args.sample] if tape is not None else []
+    wanted_ids = {item.sample_id for item in chosen}
+    records = [record for record in tape.samples if record.sample_id in wanted_ids] if tape is not None else []
     tokenizer = _tokenizer(args.tokenizer, records) if records else None
     painter = Painter(use_color(args.color))
     blocks = []
@@ -329,6 +332,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _record_for(path: TracedPath, records: Sequence[TapeSample], index: int) -> TapeSample | None:
+    if path.rollout_id is not None:  # the exact record of this run
+        return next((record for record in records if record.rollout_id == path.rollout_id), None)
     triples = path.triples()
     for record in records:
         if [(e.get("src"), e.get("trigger"), e.get("dst")) for e in record.transitions] == triples:

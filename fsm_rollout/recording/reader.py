@@ -89,6 +89,8 @@ class TapeSample:
     tokenizer: dict[str, Any]
     processor_merge_size: int | None
     run: str | None = None
+    rollout_id: str | None = None
+    """Unique to the rollout (schema 2; None in older tapes)."""
 
     @property
     def status(self) -> str | None:
@@ -257,6 +259,7 @@ def _tape_sample(number: int, row: dict[str, Any]) -> TapeSample | str:
         tokenizer=tokenizer if isinstance(tokenizer, dict) else {},
         processor_merge_size=merge if isinstance(merge, int) and not isinstance(merge, bool) else None,
         run=_str_or_none(row.get("run")),
+        rollout_id=_str_or_none(row.get("rollout_id")),
     )
 
 

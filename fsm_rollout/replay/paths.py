@@ -28,6 +28,11 @@ class TracedPath:
     sample_id: str | None
     session_id: str | None
     events: list[dict[str, Any]] = field(default_factory=list)
+    rollout_id: str | None = None
+    """Unique to the rollout, when the trace or tape carries it (a sample index may repeat across runs)."""
+    label: str = ""
+    """How reports and ``inspect`` name this path: the sample id, with ``#N`` for its N-th run when the id repeats
+    (set by :func:`label_paths`)."""
     lines: list[int] = field(default_factory=list)
     damage: list[LineProblem] = field(default_factory=list)
     """Unreadable lines that belonged to this sample."""
@@ -73,15 +78,16 @@ class TraceFile:
 def read_trace(path: str | Path) -> TraceFile:
     """Read a trace and rebuild each sample's path; unreadable lines are reported, the rest is used.
 
-    Events are grouped by ``(sample_id, session_id)``; a ``pending`` event after a terminal one starts a new path
-    (a trace appended to by several runs). An unreadable line whose text names a sample is given to that sample's
-    path (:attr:`TracedPath.damage`). Raises :class:`~fsm_rollout.recording.SchemaVersionError` for events of
-    another schema version and :class:`~fsm_rollout.recording.RecordingFormatError` when there is no transition event.
+    Events are grouped by ``rollout_id``, or, in traces written before it existed, by ``(sample_id, session_id)``,
+    where a ``pending`` event after a terminal one starts a new path (a trace appended to by several runs). An
+    unreadable line whose text names a sample is given to that sample's path (:attr:`TracedPath.damage`). Raises
+    :class:`~fsm_rollout.recording.SchemaVersionError` for events of another schema version and
+    :class:`~fsm_rollout.recording.RecordingFormatError` when there is no transition event.
     """
     trace = TraceFile(Path(path))
     rows, problems = read_json_lines(trace.path)
     trace.problems.extend(problems)
-    open_paths: dict[tuple[str, str | None], TracedPath] = {}
+    open_paths: dict[tuple[str, str | None, str | None], TracedPath] = {}
     for number, row in rows:
         if row.get("event") != TRANSITION_EVENT:
             continue
@@ -95,10 +101,11 @@ def read_trace(path: str | Path) -> TraceFile:
         if not isinstance(sample_id, str):
             trace.orphans.append(number)
             continue
-        key = (sample_id, session_id if isinstance(session_id, str) else None)
+        rollout_id = row.get("rollout_id") if isinstance(row.get("rollout_id"), str) else None
+        key = (sample_id, session_id if isinstance(session_id, str) else None, rollout_id)
         current = open_paths.get(key)
         if current is None or (current.terminal and row.get("src") == lifecycle.INITIAL):
-            current = TracedPath(sample_id=key[0], session_id=key[1])
+            current = TracedPath(sample_id=key[0], session_id=key[1], rollout_id=rollout_id)
             trace.paths.append(current)
             open_paths[key] = current
         current.events.append(row)
@@ -106,7 +113,20 @@ def read_trace(path: str | Path) -> TraceFile:
     if trace.transitions == 0:
         raise RecordingFormatError(f"{trace.path} holds no transition events: not an fsm-rollout trace")
     _attribute_damage(trace.paths, trace.problems)
+    label_paths(trace.paths)
     return trace
+
+
+def label_paths(paths: Sequence[TracedPath]) -> None:
+    """Name each path by its sample id, adding ``#N`` (1-based, in order) to every run of an id that repeats."""
+    runs: dict[str | None, int] = {}
+    for path in paths:
+        runs[path.sample_id] = runs.get(path.sample_id, 0) + 1
+    seen: dict[str | None, int] = {}
+    for path in paths:
+        seen[path.sample_id] = seen.get(path.sample_id, 0) + 1
+        name = str(path.sample_id)
+        path.label = f"{name}#{seen[path.sample_id]}" if runs[path.sample_id] > 1 else name
 
 
 def _attribute_damage(paths: Sequence[TracedPath], problems: Sequence[LineProblem]) -> None:
@@ -124,10 +144,11 @@ def paths_from_tape(tape: TapeFile) -> list[TracedPath]:
     """Paths rebuilt from the transitions kept on a tape (each transition's line is its record's)."""
     paths = []
     for record in tape.samples:
-        path = TracedPath(sample_id=record.sample_id, session_id=record.session_id)
+        path = TracedPath(sample_id=record.sample_id, session_id=record.session_id, rollout_id=record.rollout_id)
         path.events = list(record.transitions)
         path.lines = [record.line] * len(record.transitions)
         paths.append(path)
+    label_paths(paths)
     return paths
 
 

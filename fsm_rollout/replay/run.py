@@ -173,13 +173,15 @@ def _entries(trace: TraceFile | None, tape: TapeFile | None) -> list[_Entry]:
         return [_from_trace(path, trace.problems) for path in trace.paths]
     if trace is None:
         return [_from_tape(record) for record in tape.samples]
-    queued: dict[tuple[str | None, str | None], deque[TapeSample]] = {}
+    # A rollout id pairs a trace path with its record exactly; traces and tapes without one pair by sample and
+    # session, in order of occurrence.
+    queued: dict[tuple[str | None, str | None, str | None], deque[TapeSample]] = {}
     for record in tape.samples:
-        queued.setdefault((record.sample_id, record.session_id), deque()).append(record)
+        queued.setdefault((record.sample_id, record.session_id, record.rollout_id), deque()).append(record)
     entries: list[_Entry] = []
     reported: set[int] = set()
     for path in trace.paths:
-        waiting = queued.get((path.sample_id, path.session_id))
+        waiting = queued.get((path.sample_id, path.session_id, path.rollout_id))
         if not waiting:
             entry = _from_trace(path, trace.problems)
             if path.terminal:

@@ -688,3 +688,40 @@ async def test_a_schema_1_recording_made_before_the_transport_seam_still_replays
     report = await asyncio.to_thread(replay, tmp_path / "run.jsonl", tokenizer=tokenizer)
     assert report.counts() == {"identical": 3}, report.render(verbose=True)
     assert gc.get_threshold() == before
+
+
+async def test_a_sample_index_reused_across_steps_keeps_each_runs_own_timeline_tokens_and_counts(
+    fake_vllm: FakeVLLMServer, tokenizer: Any, make_config: Callable[..., Any], tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A trainer loop that builds ``Sample(index=i)`` again each step: inspect names the runs ``0#1``, ``0#2``,
+    shows each with its own tokens, and the overlay counts two runs."""
+    from fsm_rollout import RolloutRunner
+    from fsm_rollout.diagrams import build_overlay, read_trace
+
+    trace = tmp_path / "run.jsonl"
+    config = make_config(max_turns=2, trace=str(trace), record=True)
+    envs = ScriptedEnvFactory(steps=[("again", False), ("ok", True)])
+    sampling = {"max_new_tokens": 32, "temperature": 1.0, "top_p": 1.0}
+    async with RolloutRunner(config, sampling_params=sampling, tokenizer=tokenizer, env_factory=envs) as runner:
+        for step in ("alpha", "bravo"):
+            fake_vllm.script([ScriptedTurn(text=f"{step} one"), ScriptedTurn(text=f"{step} two")])
+            (sample,) = await runner.run_batch([Sample(prompt="What is 6 * 7?", index=0)])
+            assert sample.status.value == "completed"
+
+    assert await asyncio.to_thread(cli, "inspect", str(trace), "--sample", "0", "--color", "never") == 0
+    both = capsys.readouterr().out
+    first, second = both.split("sample 0#2")
+    assert "sample 0#1" in first and "alpha one" in first and "bravo" not in first
+    assert "bravo one" in second and "alpha" not in second
+    assert await asyncio.to_thread(cli, "inspect", str(trace), "--sample", "0#2", "--color", "never") == 0
+    only = capsys.readouterr().out
+    assert "sample 0#2" in only and "bravo two" in only and "alpha" not in only and "0#1" not in only
+
+    overlay = build_overlay(read_trace(trace))
+    assert overlay.total_samples == 2
+    render_edge = next(usage for usage, edge in zip(overlay.edges, lifecycle.TRANSITIONS, strict=True)
+                       if edge.trigger == "render")
+    assert render_edge.samples == render_edge.transitions == 2
+    report = await asyncio.to_thread(replay, trace, tokenizer=tokenizer)
+    assert report.counts() == {"identical": 2}, report.render(verbose=True)
