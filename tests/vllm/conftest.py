@@ -359,7 +359,9 @@ class RecordingProxy:
 
     async def __aenter__(self) -> RecordingProxy:
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+            # A new upstream connection per request: no reuse of a keep-alive connection vLLM is closing.
+            timeout=aiohttp.ClientTimeout(total=None),
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
         )
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._handle)

@@ -31,6 +31,7 @@ from vllm_helpers import (
     frozen,
     generation_started,
     quiet_server,
+    server_session,
 )
 
 from fsm_rollout.engine.protocol import error_message, parse_generate_response, parse_render_response
@@ -224,7 +225,7 @@ def check_with_library(name: str, answer: Answer) -> None:
 @pytest.fixture(scope="module")
 def answers(vllm_server: Any) -> dict[str, Answer]:
     async def collect() -> dict[str, Answer]:
-        async with aiohttp.ClientSession() as session:
+        async with server_session() as session:
             return {name: await case(session, vllm_server.url) for name, case in CASES.items()}
 
     collected = asyncio.run(collect())

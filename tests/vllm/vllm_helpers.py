@@ -36,6 +36,7 @@ __all__ = [
     "pick_stop_token",
     "quiet_server",
     "server_idle",
+    "server_session",
     "wait_until",
 ]
 
@@ -47,8 +48,17 @@ OBSERVATION = "Continue the reasoning."
 ASCII_STOPS = list(string.ascii_letters)
 
 
+def server_session() -> aiohttp.ClientSession:
+    """A client session for direct calls to vLLM that opens a new connection for every request.
+
+    uvicorn closes a keep-alive connection after 5 idle seconds; a pooled connection reused just then fails with
+    ``ServerDisconnectedError`` (seen after a slow step between two calls on a loaded machine).
+    """
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+
 async def post(url: str, body: dict[str, Any]) -> Any:
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as answer:
+    async with server_session() as session, session.post(url, json=body) as answer:
         answer.raise_for_status()
         return await answer.json()
 
@@ -121,7 +131,7 @@ def partial_stop_string(probe: GreedyProbe, tokenizer: Any, k: int, candidate: s
 
 async def metrics(base_url: str) -> dict[str, float]:
     """vLLM's Prometheus counters and gauges, summed over labels (``name -> value``)."""
-    async with aiohttp.ClientSession() as session, session.get(base_url + "/metrics") as answer:
+    async with server_session() as session, session.get(base_url + "/metrics") as answer:
         text = await answer.text()
     values: dict[str, float] = {}
     for line in text.splitlines():
@@ -212,7 +222,7 @@ async def frozen(base_url: str) -> AsyncIterator[None]:
     made before the freeze). A request not aborted would carry on after ``/resume``. Needs
     ``VLLM_SERVER_DEV_MODE=1`` on the server (``conftest.SERVE_ENV``).
     """
-    async with aiohttp.ClientSession() as session:
+    async with server_session() as session:
         async with session.post(base_url + "/pause", params={"mode": "keep", "clear_cache": "false"}) as answer:
             if answer.status != 200:
                 raise AssertionError(
