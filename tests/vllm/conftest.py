@@ -13,10 +13,12 @@ Running it:
 * ``FSM_ROLLOUT_SKIP_VLLM=1`` skips the tier on a developer machine. It is refused when ``CI`` is set: in CI a
   venv that cannot be built, or a server that does not come up, fails the run loudly.
 * ``FSM_ROLLOUT_VLLM_URL=http://127.0.0.1:PORT`` uses an already running server instead of starting one (it must
-  serve ``tiny-qwen2`` with the flags below); handy while writing tests.
+  serve ``tiny-qwen2`` with the flags and the environment below); handy while writing tests.
 
 Every test reaches the server through a :class:`RecordingProxy` on loopback, so tests can assert on the exact
-requests the library sent and the exact answers vLLM gave (including for requests the client gave up on).
+requests the library sent and the exact answers vLLM gave (including for requests the client gave up on). The proxy
+can keep vLLM's answers to a path until the test releases them, and tells when a request has arrived, so tests wait
+on events instead of sleeping.
 """
 
 from __future__ import annotations
@@ -44,18 +46,19 @@ from aiohttp import web
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import build_vllm_env
+from vllm_helpers import ABORT_PATH, GENERATE_PATH, MAX_MODEL_LEN, SERVED_MODEL
 
 from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, VLLMClient, capture_transitions
+from fsm_rollout.engine.client import server_request_ids
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 
-SERVED_MODEL = "tiny-qwen2"
 HEALTH_TIMEOUT_S = float(os.environ.get("FSM_ROLLOUT_VLLM_STARTUP_TIMEOUT", "300"))
 STOP_TIMEOUT_S = 30.0
 LOG_TAIL_LINES = 80
 SERVE_FLAGS = (
     "--enable-scale-out",
     "--dtype", "float32",
-    "--max-model-len", "1024",
+    "--max-model-len", str(MAX_MODEL_LEN),
     "--max-num-seqs", "8",
     "--enforce-eager",
     "--served-model-name", SERVED_MODEL,
@@ -70,6 +73,9 @@ SERVE_ENV = {
     "VLLM_TARGET_DEVICE": "cpu",
     "VLLM_NO_USAGE_STATS": "1",
     "DO_NOT_TRACK": "1",
+    # /pause?mode=keep and /resume: the abort tests freeze the scheduler so that a generation cannot finish while
+    # its abort is on the way (vllm_helpers.frozen).
+    "VLLM_SERVER_DEV_MODE": "1",
 }
 
 TIMINGS: dict[str, float | str] = {}
@@ -313,10 +319,17 @@ class Exchange:
     answered_at: float | None = None
     client_gone: bool = False
     upstream_error: str | None = None
+    #: Set once the upstream call is over: vLLM answered, the call failed, or it was dropped with its client.
+    upstream_done: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
 
     @property
     def request_id(self) -> str | None:
         return self.body.get("request_id") if isinstance(self.body, dict) else None
+
+    @property
+    def answered(self) -> bool:
+        """vLLM's answer (or an upstream error) is in."""
+        return self.answered_at is not None
 
 
 class RecordingProxy:
@@ -326,6 +339,11 @@ class RecordingProxy:
     request, the proxy drops its upstream connection too, so vLLM sees the disconnect. With ``False`` the proxy
     behaves like a router that keeps the upstream request going: vLLM only learns of an abandoned request through
     ``/inference/v1/abort_requests``, and the proxy records vLLM's eventual answer (``client_gone`` is then set).
+
+    :meth:`hold_answers` keeps vLLM's answers to one path at the proxy until :meth:`release_answers` (the requests
+    still go upstream at once), so a client can never see an answer the test is not ready for; :meth:`arrival`
+    waits until a request to a path has reached the proxy. At exit, every generate request vLLM has not answered is
+    named to vLLM's abort endpoint, so a test never leaves a generation running into the next one.
     """
 
     def __init__(self, upstream: str, *, forward_disconnects: bool = True) -> None:
@@ -335,11 +353,15 @@ class RecordingProxy:
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
         self._pending: set[asyncio.Future[Any]] = set()
+        self._holds: dict[str, asyncio.Event] = {}
+        self._arrived = asyncio.Condition()
         self.url = ""
 
     async def __aenter__(self) -> RecordingProxy:
         self._session = aiohttp.ClientSession(
-            timeout=aiohttp.ClientTimeout(total=None), connector=aiohttp.TCPConnector(limit=0)
+            # A new upstream connection per request: no reuse of a keep-alive connection vLLM is closing.
+            timeout=aiohttp.ClientTimeout(total=None),
+            connector=aiohttp.TCPConnector(limit=0, force_close=True),
         )
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._handle)
@@ -351,11 +373,43 @@ class RecordingProxy:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        for path in list(self._holds):
+            self.release_answers(path)
+        await self._abort_unanswered()
         await self.settle(30.0)
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
             await self._session.close()
+
+    async def _abort_unanswered(self) -> None:
+        assert self._session is not None
+        ids = [
+            alias
+            for exchange in self.to(GENERATE_PATH)
+            if not exchange.answered and exchange.request_id
+            for alias in server_request_ids(exchange.request_id)
+        ]
+        if ids:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with self._session.post(self.upstream + ABORT_PATH, json={"request_ids": ids}):
+                    pass
+
+    def hold_answers(self, path: str) -> None:
+        """Keep vLLM's answers to requests to ``path`` that arrive from now on, until :meth:`release_answers`."""
+        self._holds.setdefault(path, asyncio.Event())
+
+    def release_answers(self, path: str) -> None:
+        """Pass the held answers to ``path`` on to their clients (and stop holding that path)."""
+        hold = self._holds.pop(path, None)
+        if hold is not None:
+            hold.set()
+
+    async def arrival(self, path: str, limit_s: float = 60.0) -> Exchange:
+        """The first request to ``path``, once it has reached the proxy."""
+        async with asyncio.timeout(limit_s), self._arrived:
+            await self._arrived.wait_for(lambda: bool(self.to(path)))
+        return self.to(path)[0]
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -364,22 +418,38 @@ class RecordingProxy:
         except ValueError:
             body = raw.decode("utf-8", errors="replace")
         exchange = Exchange(path=request.path, body=body, headers=dict(request.headers), received_at=time.monotonic())
+        hold = self._holds.get(request.path)
         self.exchanges.append(exchange)
+        async with self._arrived:
+            self._arrived.notify_all()
         forward = asyncio.ensure_future(self._forward(request, raw, exchange))
         self._pending.add(forward)
         forward.add_done_callback(self._pending.discard)
         try:
             # Shielded: with forward_disconnects=False the upstream call outlives a client that went away.
             status, payload, content_type = await asyncio.shield(forward)
+            self._note_client_gone(request, exchange)
+            if hold is not None:
+                await hold.wait()
+                self._note_client_gone(request, exchange)
         except asyncio.CancelledError:  # only with forward_disconnects=True: the client went away
             exchange.client_gone = True
             forward.cancel()  # closes the upstream connection: vLLM sees the disconnect
             raise
-        if request.transport is None or request.transport.is_closing():
-            exchange.client_gone = True
         return web.Response(status=status, body=payload, content_type=content_type)
 
+    @staticmethod
+    def _note_client_gone(request: web.Request, exchange: Exchange) -> None:
+        if request.transport is None or request.transport.is_closing():
+            exchange.client_gone = True
+
     async def _forward(self, request: web.Request, raw: bytes, exchange: Exchange) -> tuple[int, bytes, str]:
+        try:
+            return await self._call_upstream(request, raw, exchange)
+        finally:
+            exchange.upstream_done.set()
+
+    async def _call_upstream(self, request: web.Request, raw: bytes, exchange: Exchange) -> tuple[int, bytes, str]:
         assert self._session is not None
         headers = {k: v for k, v in request.headers.items() if k.lower() not in {"host", "content-length"}}
         url = self.upstream + request.path_qs

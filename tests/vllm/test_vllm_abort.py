@@ -1,14 +1,33 @@
-"""Aborting a long generation on a real ``vllm serve``: the sample ends aborted, the server stops, nothing follows."""
+"""Aborting a long generation on a real ``vllm serve``: the sample ends aborted, the server stops, nothing follows.
+
+The tests wait on events, never on time. Each starts on a quiet server and takes its own baseline of vLLM's
+generated-token count (``quiet_server``), so the first token counted after it is its own request's. The proxy keeps
+vLLM's answer to the generate request until the test is over, so the rollout can only see the abort, however fast
+vLLM is; and the tests that check vLLM's side abort while its scheduler is frozen (``frozen``), so the generation
+cannot finish before the abort lands. After ``/resume`` a short sentinel request shows whether anything else still
+generates (``generated_alongside``).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-from vllm_helpers import ABORT_PATH, GENERATE_PATH, RENDER_PATH, SERVED_MODEL, metrics
+from vllm_helpers import (
+    ABORT_PATH,
+    GENERATE_PATH,
+    RENDER_PATH,
+    SERVED_MODEL,
+    frozen,
+    generated_alongside,
+    generation_started,
+    generation_tokens,
+    quiet_server,
+    server_idle,
+    wait_until,
+)
 
 from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, Status, VLLMClient
 from fsm_rollout.testing.envs import ScriptedEnvFactory
@@ -16,45 +35,28 @@ from fsm_rollout.testing.envs import ScriptedEnvFactory
 pytestmark = pytest.mark.vllm
 
 PROMPT = "Write a very long story."
-#: Far more than the ~0.5 s the tests wait before aborting (the tiny model makes ~75 tokens/s on 2 cores).
+#: A generation that would run for many seconds (the tiny model makes ~55-75 tokens/s on 2 cores); the tests do
+#: not rely on that: they freeze the scheduler or hold vLLM's answer at the proxy while the abort is on its way.
 LONG = {"max_new_tokens": 900, "temperature": 1.0, "top_p": 1.0, "seed": 7}
 
 
-async def eventually(predicate: Callable[[], Any], limit_s: float = 30.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + limit_s
-    while True:
-        result = predicate()
-        if asyncio.iscoroutine(result):
-            result = await result
-        if result:
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {limit_s} s waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
-async def generating(base_url: str) -> bool:
-    return (await metrics(base_url)).get("vllm:num_requests_running", 0.0) >= 1
-
-
-async def server_idle(base_url: str) -> bool:
-    return (await metrics(base_url)).get("vllm:num_requests_running", 0.0) == 0
-
-
 async def test_abort_of_a_long_generation_stops_it_at_the_server_and_sends_nothing_after(
-    make_real_rollout: Any, proxy: Any, vllm_server: Any, vllm_tokenizer: Any
+    make_real_rollout: Any, proxy: Any, vllm_server: Any
 ) -> None:
+    tokens_before = await quiet_server(vllm_server.url)
     rollout, envs = make_real_rollout(Sample(prompt=PROMPT, index=0, session_id="abort-1"), sampling=dict(LONG))
-    tokens_before = (await metrics(vllm_server.url))["vllm:generation_tokens_total"]
+    proxy.hold_answers(GENERATE_PATH)
     task = asyncio.create_task(rollout.run())
-    await eventually(lambda: proxy.to(GENERATE_PATH), what="the generate request")
-    await eventually(lambda: generating(vllm_server.url), what="vLLM to run the request")
-    await asyncio.sleep(0.3)
+    generate = await proxy.arrival(GENERATE_PATH)
+    await generation_started(vllm_server.url, tokens_before)
 
-    started = time.monotonic()
-    await rollout.abort("weight_update")
-    assert time.monotonic() - started < 5.0
-    assert await task is rollout.sample
+    async with frozen(vllm_server.url):
+        started = time.monotonic()
+        await rollout.abort("weight_update")
+        assert time.monotonic() - started < 5.0
+        assert await task is rollout.sample
+        # the rollout ended while its generation was still going at the server: it did not wait for the answer
+        assert not generate.answered
 
     sample = rollout.sample
     assert rollout.state == "aborted"
@@ -63,7 +65,6 @@ async def test_abort_of_a_long_generation_stops_it_at_the_server_and_sends_nothi
     assert "abort_notice_error" not in sample.metadata
     # the request in flight was named to the abort endpoint, and it is the last request
     assert proxy.paths == [RENDER_PATH, GENERATE_PATH, ABORT_PATH]
-    (generate,) = proxy.to(GENERATE_PATH)
     (abort,) = proxy.to(ABORT_PATH)
     assert generate.body["request_id"] == "abort-1-turn0"
     assert abort.body == {"request_ids": ["abort-1-turn0", "generate-tokens-abort-1-turn0"]}
@@ -74,24 +75,25 @@ async def test_abort_of_a_long_generation_stops_it_at_the_server_and_sends_nothi
     assert sample.response_length == 0 and sample.loss_mask == [] and sample.rollout_log_probs == []
     assert sample.response == ""
     assert envs.last.close_count == 1
-    # the server stopped generating long before max_tokens
-    await eventually(lambda: server_idle(vllm_server.url), limit_s=5.0, what="vLLM to drop the request")
-    settled = (await metrics(vllm_server.url))["vllm:generation_tokens_total"]
-    await asyncio.sleep(1.0)
-    assert (await metrics(vllm_server.url))["vllm:generation_tokens_total"] == settled
+    # the server dropped the request: after /resume it generates nothing beside a sentinel request
+    assert await generated_alongside(vllm_server.url) == 0
+    await wait_until(lambda: server_idle(vllm_server.url), "vLLM to drop the request", limit_s=5.0)
+    settled = await generation_tokens(vllm_server.url)
     assert settled - tokens_before < LONG["max_new_tokens"]
-    # no request follows the abort
-    await asyncio.sleep(0.5)
+    # no request follows the abort (the rollout's task is over, so nothing of it can still send one)
+    assert task.done()
     assert len(proxy.exchanges) == 3
 
 
 async def test_cancelling_the_rollout_task_aborts_with_reason_cancelled(
     make_real_rollout: Any, proxy: Any, vllm_server: Any
 ) -> None:
+    tokens_before = await quiet_server(vllm_server.url)
     rollout, envs = make_real_rollout(Sample(prompt=PROMPT, index=1, session_id="cancel-1"), sampling=dict(LONG))
+    proxy.hold_answers(GENERATE_PATH)  # the turn is in flight when the task is cancelled, whatever vLLM's speed
     task = asyncio.create_task(rollout.run())
-    await eventually(lambda: proxy.to(GENERATE_PATH), what="the generate request")
-    await asyncio.sleep(0.3)
+    await proxy.arrival(GENERATE_PATH)
+    await generation_started(vllm_server.url, tokens_before)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
@@ -99,14 +101,17 @@ async def test_cancelling_the_rollout_task_aborts_with_reason_cancelled(
     assert proxy.paths == [RENDER_PATH, GENERATE_PATH, ABORT_PATH]
     assert proxy.to(ABORT_PATH)[0].body == {"request_ids": ["cancel-1-turn0", "generate-tokens-cancel-1-turn0"]}
     assert envs.last.close_count == 1
-    await eventually(lambda: server_idle(vllm_server.url), limit_s=5.0, what="vLLM to drop the request")
+    await wait_until(lambda: server_idle(vllm_server.url), "vLLM to drop the request", limit_s=5.0)
+    assert await generated_alongside(vllm_server.url) == 0
 
 
 async def test_abort_notice_alone_stops_the_request_at_the_server(
     holding_proxy: Any, vllm_server: Any, vllm_tokenizer: Any
 ) -> None:
+    tokens_before = await quiet_server(vllm_server.url)
     retry = RetryPolicy(max_attempts=2, base_delay_s=0.05)
     config = RolloutConfig(engine_url=holding_proxy.url, model=SERVED_MODEL, max_turns=2, retry=retry)
+    holding_proxy.hold_answers(GENERATE_PATH)
     async with VLLMClient(holding_proxy.url, retry=retry) as client:
         rollout = Rollout(
             Sample(prompt=PROMPT, index=2, session_id="held-1"),
@@ -117,11 +122,13 @@ async def test_abort_notice_alone_stops_the_request_at_the_server(
             env_factory=ScriptedEnvFactory(),
         )
         task = asyncio.create_task(rollout.run())
-        await eventually(lambda: holding_proxy.to(GENERATE_PATH), what="the generate request")
-        await eventually(lambda: generating(vllm_server.url), what="vLLM to run the request")
-        await asyncio.sleep(0.3)
-        await rollout.abort("weight_update")
-        await task
+        generate = await holding_proxy.arrival(GENERATE_PATH)
+        await generation_started(vllm_server.url, tokens_before)
+        async with frozen(vllm_server.url):
+            await rollout.abort("weight_update")
+            await task
+            # the proxy kept the upstream request going: only the abort notice can end it, and vLLM answers it
+            await asyncio.wait_for(generate.upstream_done.wait(), 60.0)
     assert rollout.sample.status == Status.ABORTED
     assert holding_proxy.to(ABORT_PATH)[0].body == {"request_ids": ["held-1-turn0", "generate-tokens-held-1-turn0"]}
     await holding_proxy.settle(60.0)
@@ -132,3 +139,5 @@ async def test_abort_notice_alone_stops_the_request_at_the_server(
         f"vLLM finished the abandoned request with {answer['finish_reason']!r} after {len(answer['token_ids'])} "
         f"tokens; its id at the server was {generate.response['request_id']!r}"
     )
+    # the engine dropped it too: after /resume nothing generates beside a sentinel request
+    assert await generated_alongside(vllm_server.url) == 0

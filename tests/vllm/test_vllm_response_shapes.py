@@ -17,14 +17,22 @@ import asyncio
 import json
 import os
 import pathlib
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
 import pytest
-from vllm_helpers import ABORT_PATH, GENERATE_PATH, RENDER_PATH, SERVED_MODEL, metrics
+from vllm_helpers import (
+    ABORT_PATH,
+    GENERATE_PATH,
+    RENDER_PATH,
+    SERVED_MODEL,
+    frozen,
+    generation_started,
+    quiet_server,
+    server_session,
+)
 
 from fsm_rollout.engine.schema import error_message, parse_generate_response, parse_render_response
 
@@ -132,15 +140,13 @@ async def generate_abort(session: aiohttp.ClientSession, base_url: str) -> Answe
     prompt = await rendered_prompt(session, base_url)
     request = generate_request(prompt, max_tokens=900, temperature=1.0, seed=5)
     request["request_id"] = "shape-abort"
+    tokens_before = await quiet_server(base_url)
     pending = asyncio.ensure_future(call(session, base_url, GENERATE_PATH, request))
-    deadline = time.monotonic() + 30
-    while (await metrics(base_url)).get("vllm:num_requests_running", 0.0) < 1:
-        assert time.monotonic() < deadline, "the request never started"
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.3)
-    async with session.post(base_url + ABORT_PATH, json={"request_ids": ["generate-tokens-shape-abort"]}) as abort:
-        abort_status, abort_body = abort.status, await abort.text()
-    answer = await pending
+    await generation_started(base_url, tokens_before)  # registered and running, with at least one token
+    async with frozen(base_url):  # it cannot finish before the abort lands
+        async with session.post(base_url + ABORT_PATH, json={"request_ids": ["generate-tokens-shape-abort"]}) as abort:
+            abort_status, abort_body = abort.status, await abort.text()
+        answer = await pending
     answer.notes.append(
         f"aborted via POST {ABORT_PATH} {{'request_ids': ['generate-tokens-shape-abort']}} -> HTTP {abort_status}, "
         f"body {abort_body!r}. The server's id is 'generate-tokens-' + the body's request_id; the bare "
@@ -208,6 +214,8 @@ def check_with_library(name: str, answer: Answer) -> None:
     choice = answer.body["choices"][0]
     if name == "generate_abort":
         assert choice["finish_reason"] == "abort" and turn.finish == "abort" and turn.token_ids == []
+        # vLLM keeps the tokens made before the abort (the library drops them)
+        assert choice["token_ids"] and len(choice["logprobs"]["content"]) == len(choice["token_ids"])
         return
     assert turn.token_ids == choice["token_ids"]
     assert turn.logprobs == [entry["logprob"] for entry in choice["logprobs"]["content"]]
@@ -217,7 +225,7 @@ def check_with_library(name: str, answer: Answer) -> None:
 @pytest.fixture(scope="module")
 def answers(vllm_server: Any) -> dict[str, Answer]:
     async def collect() -> dict[str, Answer]:
-        async with aiohttp.ClientSession() as session:
+        async with server_session() as session:
             return {name: await case(session, vllm_server.url) for name, case in CASES.items()}
 
     collected = asyncio.run(collect())

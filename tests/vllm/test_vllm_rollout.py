@@ -15,6 +15,7 @@ import pytest
 from vllm_helpers import (
     ASCII_STOPS,
     GENERATE_PATH,
+    MAX_MODEL_LEN,
     OBSERVATION,
     RENDER_PATH,
     GreedyProbe,
@@ -33,6 +34,8 @@ pytestmark = pytest.mark.vllm
 PROMPT = "What is 6 * 7?"
 EOS = "<|im_end|>"
 OBSERVATION_SUFFIX = f"{EOS}\n<|im_start|>user\n{OBSERVATION}{EOS}\n<|im_start|>assistant\n"
+#: A prompt of about 950 tokens: a turn without a budget reaches the served context limit after about 70 tokens.
+CONTEXT_FILLING_PROMPT = "Summarise: " + " ".join(["lorem"] * 930)
 
 
 @pytest.fixture(scope="session")
@@ -160,6 +163,27 @@ async def test_max_tokens_is_honoured_on_every_turn_including_16_on_a_later_turn
     assert result.sample.status == Status.TRUNCATED and result.rollout.reason == "length"
     for exchange in proxy.to(GENERATE_PATH):
         assert len(choice(exchange)["token_ids"]) <= exchange.body["sampling_params"]["max_tokens"]
+
+
+async def test_a_turn_without_a_budget_sends_max_tokens_null_and_runs_to_the_context_limit(
+    run_real: Any, proxy: Any
+) -> None:
+    sampling = greedy_sampling(max_new_tokens=None)
+    result = await run_real(Sample(prompt=CONTEXT_FILLING_PROMPT, index=0), sampling=sampling, max_turns=1)
+    (request,) = proxy.to(GENERATE_PATH)
+    turn = choice(request)
+    # greedy decoding of this prompt never emits EOS: vLLM generates up to its context limit, not 16 tokens
+    assert turn["finish_reason"] == "length"
+    assert len(request.body["token_ids"]) + len(turn["token_ids"]) == MAX_MODEL_LEN
+    assert len(turn["token_ids"]) > 16
+    assert result.sample.response_length == len(turn["token_ids"])
+    assert result.sample.status == Status.TRUNCATED and result.rollout.reason == "length"
+    # the request said "no budget" explicitly: a null max_tokens means the context limit on every vLLM, while an
+    # absent one means 16 on servers older than 0.32
+    params = request.body["sampling_params"]
+    if "max_tokens" not in params:
+        pytest.xfail("Rollout.request_turn still leaves max_tokens out instead of sending null (issue item 6)")
+    assert params["max_tokens"] is None
 
 
 async def test_length_finish_truncates_without_stepping_the_environment(

@@ -1,10 +1,13 @@
-"""Helpers of the real-vLLM tier: direct calls to the server (probes, metrics) and assertions shared by tests."""
+"""Helpers of the real-vLLM tier: direct calls to the server (probes, metrics, pause) and shared assertions."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import math
 import string
-from collections.abc import Sequence
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,26 +19,46 @@ __all__ = [
     "ABORT_PATH",
     "ASCII_STOPS",
     "GENERATE_PATH",
+    "MAX_MODEL_LEN",
     "OBSERVATION",
     "RENDER_PATH",
     "SERVED_MODEL",
     "GreedyProbe",
     "assert_logprobs_aligned",
+    "frozen",
+    "generated_alongside",
+    "generation_started",
+    "generation_tokens",
     "greedy_probe",
     "metrics",
     "partial_stop_string",
     "pick_stop_string",
     "pick_stop_token",
+    "quiet_server",
+    "server_idle",
+    "server_session",
+    "wait_until",
 ]
 
 SERVED_MODEL = "tiny-qwen2"
+#: The served context length (``--max-model-len``): prompt plus generated tokens never exceed it.
+MAX_MODEL_LEN = 1024
 OBSERVATION = "Continue the reasoning."
 #: Stop strings that end almost every turn of the random model within a few tokens (any ASCII letter).
 ASCII_STOPS = list(string.ascii_letters)
 
 
+def server_session() -> aiohttp.ClientSession:
+    """A client session for direct calls to vLLM that opens a new connection for every request.
+
+    uvicorn closes a keep-alive connection after 5 idle seconds; a pooled connection reused just then fails with
+    ``ServerDisconnectedError`` (seen after a slow step between two calls on a loaded machine).
+    """
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True))
+
+
 async def post(url: str, body: dict[str, Any]) -> Any:
-    async with aiohttp.ClientSession() as session, session.post(url, json=body) as answer:
+    async with server_session() as session, session.post(url, json=body) as answer:
         answer.raise_for_status()
         return await answer.json()
 
@@ -108,7 +131,7 @@ def partial_stop_string(probe: GreedyProbe, tokenizer: Any, k: int, candidate: s
 
 async def metrics(base_url: str) -> dict[str, float]:
     """vLLM's Prometheus counters and gauges, summed over labels (``name -> value``)."""
-    async with aiohttp.ClientSession() as session, session.get(base_url + "/metrics") as answer:
+    async with server_session() as session, session.get(base_url + "/metrics") as answer:
         text = await answer.text()
     values: dict[str, float] = {}
     for line in text.splitlines():
@@ -139,3 +162,100 @@ def assert_logprobs_aligned(response: dict[str, Any]) -> list[float]:
 
 def model_positions(loss_mask: Sequence[int]) -> list[int]:
     return [index for index, bit in enumerate(loss_mask) if bit == 1]
+
+
+# --------------------------------------------------------------------------- waiting on the server's state
+
+
+async def wait_until(predicate: Callable[[], Awaitable[bool] | bool], what: str, limit_s: float = 60.0) -> None:
+    """Poll ``predicate`` until it holds; the limit only turns a hang into a failure that names ``what``."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        result = predicate()
+        if not isinstance(result, bool):
+            result = await result
+        if result:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {limit_s} s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+async def generation_tokens(base_url: str) -> float:
+    """vLLM's count of tokens generated since it started (all requests)."""
+    return (await metrics(base_url))["vllm:generation_tokens_total"]
+
+
+async def server_idle(base_url: str) -> bool:
+    values = await metrics(base_url)
+    return values.get("vllm:num_requests_running", 0.0) == 0 and values.get("vllm:num_requests_waiting", 0.0) == 0
+
+
+async def quiet_server(base_url: str) -> float:
+    """Wait until vLLM runs and queues nothing, then return its generated-token count: a test's own baseline.
+
+    vLLM's request gauges are only refreshed by an engine step (after an abort they read 1 until the next one), so
+    a sentinel request then checks that nothing generates beside it. From the baseline on, every generated token
+    belongs to the test that took it (tests run one at a time).
+    """
+    await wait_until(lambda: server_idle(base_url), "vLLM to have no request running or waiting")
+    leftover = await generated_alongside(base_url)
+    assert leftover == 0, f"a request of an earlier test still generates at the server ({leftover} tokens)"
+    return await generation_tokens(base_url)
+
+
+async def generation_started(base_url: str, baseline: float) -> None:
+    """Wait until vLLM has generated a token since ``baseline``: the test's request is registered and running."""
+
+    async def started() -> bool:
+        return await generation_tokens(base_url) > baseline
+
+    await wait_until(started, "vLLM to generate the first token of the request")
+
+
+@contextlib.asynccontextmanager
+async def frozen(base_url: str) -> AsyncIterator[None]:
+    """Freeze vLLM's scheduler (``/pause?mode=keep``) for the block, then ``/resume``.
+
+    While frozen, running requests keep their place but no step runs, so a generation cannot finish whatever the
+    time an abort takes to land; vLLM still answers an aborted request (``finish_reason: "abort"``, with the tokens
+    made before the freeze). A request not aborted would carry on after ``/resume``. Needs
+    ``VLLM_SERVER_DEV_MODE=1`` on the server (``conftest.SERVE_ENV``).
+    """
+    async with server_session() as session:
+        async with session.post(base_url + "/pause", params={"mode": "keep", "clear_cache": "false"}) as answer:
+            if answer.status != 200:
+                raise AssertionError(
+                    f"POST /pause?mode=keep answered HTTP {answer.status}: {await answer.text()!r}; the tier's "
+                    "server must run with VLLM_SERVER_DEV_MODE=1"
+                )
+        try:
+            yield
+        finally:
+            async with session.post(base_url + "/resume") as answer:
+                answer.raise_for_status()
+
+
+#: The sentinel of :func:`generated_alongside`: a short prompt ("Hello, world!") and a fixed number of tokens.
+SENTINEL_PROMPT = [9707, 11, 1879, 0]
+SENTINEL_TOKENS = 8
+
+
+async def generated_alongside(base_url: str) -> float:
+    """Tokens vLLM generated for other requests while it generated a short sentinel request of its own.
+
+    vLLM schedules every running request in each step, so a request still alive at the server generates tokens
+    alongside the sentinel: 0 means the server runs nothing else. This waits on the sentinel's answer, not on time.
+    """
+    before = await generation_tokens(base_url)
+    answer = await post(
+        base_url + GENERATE_PATH,
+        {
+            "token_ids": SENTINEL_PROMPT,
+            "model": SERVED_MODEL,
+            "sampling_params": {"max_tokens": SENTINEL_TOKENS, "min_tokens": SENTINEL_TOKENS, "ignore_eos": True,
+                                "temperature": 0.0},
+        },
+    )  # fmt: skip
+    assert len(answer["choices"][0]["token_ids"]) == SENTINEL_TOKENS, answer
+    return await generation_tokens(base_url) - before - SENTINEL_TOKENS
