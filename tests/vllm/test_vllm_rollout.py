@@ -181,8 +181,7 @@ async def test_a_turn_without_a_budget_sends_max_tokens_null_and_runs_to_the_con
     # the request said "no budget" explicitly: a null max_tokens means the context limit on every vLLM, while an
     # absent one means 16 on servers older than 0.32
     params = request.body["sampling_params"]
-    if "max_tokens" not in params:
-        pytest.xfail("Rollout.request_turn still leaves max_tokens out instead of sending null (issue item 6)")
+    assert "max_tokens" in params
     assert params["max_tokens"] is None
 
 
