@@ -16,7 +16,7 @@ from fsm_rollout.errors import EnvironmentContractError, EnvironmentLoadError, E
 
 @runtime_checkable
 class Environment(Protocol):
-    """One sample's interaction environment (contract section 3).
+    """One sample's interaction environment.
 
     ``step`` receives the decoded text of a generated turn and returns exactly ``(observation, done, info)``;
     ``format_observation`` turns an observation into a text-only chat message ``{"role", "content"}``.

@@ -148,7 +148,7 @@ class ImageMergeSizeUnknownError(MultimodalError):
 
 
 class ImageTokenMismatchError(MultimodalError):
-    """The number of image placeholder tokens differs from what the image grids imply (contract section 9)."""
+    """The number of image placeholder tokens differs from ``sum(t*h*w) / merge_size**2`` over the image grids."""
 
     def __init__(self, message: str, *, image_tokens: int, expected: int) -> None:
         super().__init__(message)

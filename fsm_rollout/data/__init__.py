@@ -2,4 +2,5 @@
 
 * :mod:`fsm_rollout.data.demo`: Geo3K-style geometry questions with figures drawn at load time, for a first run
   of ``fsm-rollout run`` with the built-in Geo3K environment.
+* :mod:`fsm_rollout.data.figures`: the Pillow drawings of the demo's figures.
 """

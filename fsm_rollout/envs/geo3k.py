@@ -1,7 +1,7 @@
 """The built-in Geo3K environment: the model submits a geometry answer through a ``calc_score`` tool call.
 
 Load it with ``--env fsm_rollout.envs.geo3k`` (or ``env_path="fsm_rollout.envs.geo3k"``); the module exposes
-``build_env(*, sample, args)`` as the environment contract asks.
+``build_env(*, sample, args)`` as the environment protocol (:mod:`fsm_rollout.env`) asks.
 
 **Building.** ``build_env`` takes the ground truth from ``sample.label`` and the turn limit from
 ``args.max_turns`` (a ``RolloutConfig`` or a slime/vime argument namespace). A missing or empty label, or a

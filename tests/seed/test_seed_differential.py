@@ -4,7 +4,7 @@ Each scenario runs the seed (``shared/seed/geo3k_rollout_seed.py``, loaded from 
 then the library's drop-in ``generate``, each against a fresh copy of the same scripted turns and the same scripted
 environment (``fsm_rollout.testing.envs``), and asserts they leave the same sample behind and send the same HTTP
 requests. The seed's ``vime`` imports are served by the test-only stand-in in ``tests/seed/vime_standin`` (written
-from the seed contract, importing nothing from ``fsm_rollout``), which is on ``sys.path`` only during a test.
+independently of the library, importing nothing from ``fsm_rollout``), which is on ``sys.path`` only during a test.
 
 The seed is found at ``<repository>/../shared/seed/geo3k_rollout_seed.py`` or at ``$FSM_ROLLOUT_SEED``. When it is
 missing the tests fail if ``$CI`` is set and are skipped loudly otherwise (``conftest.py`` says how).
@@ -863,7 +863,7 @@ def comparable_body(path: str, body: Any) -> Any:
 
 
 def request_summary(run: Run) -> list[tuple[str, Any, Any]]:
-    """(path, token_ids, sampling_params) per request: the comparison the seed contract pins down."""
+    """(path, token_ids, sampling_params) per request: what both sides must send alike."""
     summary: list[tuple[str, Any, Any]] = []
     for request in run.requests:
         body = comparable_body(request.path, request.body)

@@ -1,4 +1,5 @@
-"""The vime stand-in against the behaviours the seed contract records from vime's own tests (sections 10, 11, 13).
+"""The vime stand-in against behaviours vime's own tests pin down: ``Sample`` appends, sampling params, render
+and generate bodies, image encoding and ``post`` retries.
 
 The differential test trusts the stand-in as an oracle; these checks keep it honest.
 """

@@ -1,5 +1,5 @@
 """Specification of ``fsm_rollout.multimodal``: prompt messages, images as render URLs, training features and
-the image-token check (contract sections 4 and 9). Images are drawn with Pillow at test time."""
+the image-token check. Images are drawn with Pillow at test time."""
 
 from __future__ import annotations
 

@@ -161,7 +161,7 @@ def run_all(quick: bool, settings: Settings) -> dict[str, dict[str, Any]]:
         # tracing off and on), over the client's CPU per turn over HTTP
         "overhead": (turn["turn_cpu_us_trace_file"] - turn["turn_cpu_us_trace_off"]) / off["cpu_us_per_turn"],
         # the same workload over HTTP with tracing off and on, median of seven each: the direct figure, but its
-        # runs scatter by more than tracing costs (between 2 % and 10 % across full runs here)
+        # runs scatter by more than tracing costs
         "overhead_http_direct": on["cpu_us_per_turn"] / off["cpu_us_per_turn"] - 1,
     }
     results["replay"] = replayed

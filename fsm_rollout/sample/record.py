@@ -1,115 +1,31 @@
-"""The training sample a rollout fills in: a slime/vime-compatible ``Sample``, its ``Status`` and statistics.
-
-``Sample`` keeps the field names and defaults of ``vime.utils.types.Sample`` so a trainer written against
-vime can consume it unchanged. ``Sample.append_response_tokens`` is the only way the rollout grows the
-response side: it keeps ``tokens``, ``loss_mask``, ``rollout_log_probs``, the top-p replay spans and the
-routed experts in step, and applies one turn's ``TurnMeta`` (status, weight version, cache and
-speculative-decoding statistics).
-An append either succeeds completely or raises before changing the sample.
-
-Importing this module needs numpy only; torch is imported lazily, and only to restore serialised tensors.
-"""
+"""The slime/vime-compatible ``Sample``: its fields, the append that grows its response side, its invariant
+checks and its ``to_dict``/``from_dict``."""
 
 from __future__ import annotations
 
-import enum
-import numbers
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field, fields
-from itertools import pairwise
-from typing import Any, ClassVar, Protocol, TypeAlias
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
 
-from fsm_rollout.errors import InvariantViolation, RoutingReplayError, SampleAppendError
-from fsm_rollout.types import Finish, Logprobs, TokenIds, TurnMeta
-
-__all__ = ["FloatsLike", "IntsLike", "PrefixCacheInfo", "Sample", "SpecInfo", "Status"]
-
-
-class _SupportsToList(Protocol):
-    """Anything that converts itself to (nested) Python lists: numpy arrays, torch tensors."""
-
-    def tolist(self) -> Any: ...
-
-
-IntsLike: TypeAlias = Sequence[int] | _SupportsToList
-"""Token ids as a list, tuple, 1-D numpy array or 1-D tensor."""
-
-FloatsLike: TypeAlias = Sequence[float] | _SupportsToList
-"""Logprobs as a list, tuple, 1-D numpy array or 1-D tensor."""
-
-
-class Status(enum.StrEnum):
-    """Where a sample stands; the values are vime's, so ``Status("completed")`` and JSON both work."""
-
-    PENDING = "pending"
-    COMPLETED = "completed"
-    TRUNCATED = "truncated"
-    ABORTED = "aborted"
-    FAILED = "failed"
-
+from fsm_rollout.errors import InvariantViolation, SampleAppendError
+from fsm_rollout.sample.append_inputs import (
+    FloatsLike,
+    IntsLike,
+    describe,
+    float_list,
+    int_list,
+    routed_experts_array,
+    top_p_spans,
+)
+from fsm_rollout.sample.serialise import decode, encode
+from fsm_rollout.sample.status import STATUS_BY_FINISH, PrefixCacheInfo, SpecInfo, Status
+from fsm_rollout.types import Logprobs, TokenIds, TurnMeta
 
 # Inside ``Sample`` the name ``Status`` is the class attribute ``Sample.Status``; fields use this alias.
 _Status = Status
-
-_STATUS_BY_FINISH: dict[Finish, Status] = {
-    "stop": Status.COMPLETED,
-    "length": Status.TRUNCATED,
-    "abort": Status.ABORTED,
-}
-
-
-@dataclass
-class PrefixCacheInfo:
-    """Prompt tokens the engine served from its prefix cache, summed over a sample's turns."""
-
-    cached_tokens: int = 0
-    total_prompt_tokens: int = 0
-
-    def add(self, cached_tokens: int, prompt_tokens: int) -> None:
-        """Count one request: ``cached_tokens`` of its ``prompt_tokens`` came from the cache."""
-        self.cached_tokens += cached_tokens
-        self.total_prompt_tokens += prompt_tokens
-
-    @property
-    def hit_rate(self) -> float:
-        """Share of prompt tokens served from the cache; 0.0 before any prompt token was counted."""
-        if self.total_prompt_tokens == 0:
-            return 0.0
-        return self.cached_tokens / self.total_prompt_tokens
-
-
-@dataclass
-class SpecInfo:
-    """Speculative-decoding counters summed over a sample's turns."""
-
-    spec_accept_token_num: int = 0
-    spec_draft_token_num: int = 0
-    spec_verify_ct: int = 0
-    completion_token_num: int = 0
-
-    def add(self, accept_tokens: int, draft_tokens: int, verify_count: int, completion_tokens: int) -> None:
-        """Count one request's accepted and drafted tokens, verification steps and generated tokens."""
-        self.spec_accept_token_num += accept_tokens
-        self.spec_draft_token_num += draft_tokens
-        self.spec_verify_ct += verify_count
-        self.completion_token_num += completion_tokens
-
-    @property
-    def accept_rate(self) -> float:
-        """Share of drafted tokens the target model accepted; 0.0 when nothing was drafted."""
-        if self.spec_draft_token_num == 0:
-            return 0.0
-        return self.spec_accept_token_num / self.spec_draft_token_num
-
-    @property
-    def accept_length(self) -> float:
-        """Generated tokens per verification step; 0.0 when no step was counted."""
-        if self.spec_verify_ct == 0:
-            return 0.0
-        return self.completion_token_num / self.spec_verify_ct
 
 
 @dataclass(eq=False)
@@ -193,8 +109,8 @@ class Sample:
         ``RoutingReplayError`` for routed experts of the wrong type or size, and ``InvariantViolation`` when
         the sample's arrays did not line up before the append. Nothing is changed when an error is raised.
         """
-        new_tokens = _int_list(tokens, "tokens", self)
-        new_log_probs = None if log_probs is None else _float_list(log_probs, "log_probs", self)
+        new_tokens = int_list(tokens, "tokens", self)
+        new_log_probs = None if log_probs is None else float_list(log_probs, "log_probs", self)
         self._check_append_arguments(new_tokens, new_log_probs, trainable)
         self._validate_response_metadata_lengths()
 
@@ -202,7 +118,7 @@ class Sample:
         routed_experts = None
         if meta is not None:
             rows = max(len(self.tokens) + len(new_tokens) - 1, 0)
-            routed_experts = _routed_experts_array(meta.routed_experts, expert_dims, rows, self)
+            routed_experts = routed_experts_array(meta.routed_experts, expert_dims, rows, self)
 
         # Everything is validated; from here on the append cannot fail half-way.
         existing = self.response_length
@@ -269,7 +185,7 @@ class Sample:
         ``{"__ndarray__": True, "dtype", "shape", "data"}`` and tensors
         ``{"__tensor__": True, "dtype", "shape", "data"}``, with ``data`` flattened; tuples become lists.
         """
-        return {name: _encode(value) for name, value in vars(self).items()}
+        return {name: encode(value) for name, value in vars(self).items()}
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Sample:
@@ -282,7 +198,7 @@ class Sample:
         known: dict[str, Any] = {}
         extra: dict[str, Any] = {}
         for key, raw in data.items():
-            (known if key in field_names else extra)[key] = _decode(raw)
+            (known if key in field_names else extra)[key] = decode(raw)
         if "status" in known:
             known["status"] = Status(known["status"])
         if isinstance(known.get("spec_info"), Mapping):
@@ -299,7 +215,7 @@ class Sample:
         return "None" if values is None else f"{len(values)} entries"
 
     def _describe(self) -> str:
-        return f"sample index={self.index} session_id={self.session_id}"
+        return describe(self)
 
     def _check_append_arguments(
         self, new_tokens: TokenIds, new_log_probs: Logprobs | None, trainable: bool
@@ -333,7 +249,7 @@ class Sample:
         New spans come from the meta. Without them, non-trainable tokens get empty spans when spans exist;
         trainable tokens cannot go without spans once the sample has them.
         """
-        spans = _top_p_spans(meta, new_count, self) if meta is not None else None
+        spans = top_p_spans(meta, new_count, self) if meta is not None else None
         if spans is not None:
             ids, offsets = spans
             shift = len(self.rollout_top_p_token_ids or [])
@@ -362,7 +278,7 @@ class Sample:
         if new_count > 0 and meta.weight_version is not None:
             self.weight_versions.append(meta.weight_version)
         # A finish reason outside the Finish literal (only possible by ignoring the types) keeps the status.
-        status = _STATUS_BY_FINISH.get(meta.finish_reason)
+        status = STATUS_BY_FINISH.get(meta.finish_reason)
         if status is not None:
             self.status = status
 
@@ -396,162 +312,3 @@ class Sample:
                 f"{self._describe()}: expected the last top-p offset to equal the {len(ids)} top-p ids; "
                 f"got {offsets[-1]}"
             )
-
-
-def _int_list(values: Any, what: str, sample: Sample) -> list[int]:
-    """``values`` as a flat list of Python ints, or ``SampleAppendError`` saying what was wrong."""
-    if type(values) is list and all(type(item) is int for item in values):
-        return list(values)  # the common case, without ABC isinstance checks per token
-    items = _flat_items(values, what, sample)
-    for item in items:
-        if not isinstance(item, numbers.Integral) or isinstance(item, bool):
-            raise SampleAppendError(
-                f"{sample._describe()}: expected {what} to hold integers; got {type(item).__name__} {item!r}"
-            )
-    return [int(item) for item in items]
-
-
-def _float_list(values: Any, what: str, sample: Sample) -> list[float]:
-    """``values`` as a flat list of Python floats, or ``SampleAppendError`` saying what was wrong."""
-    if type(values) is list and all(type(item) is float for item in values):
-        return list(values)
-    items = _flat_items(values, what, sample)
-    for item in items:
-        if not isinstance(item, numbers.Real) or isinstance(item, bool):
-            raise SampleAppendError(
-                f"{sample._describe()}: expected {what} to hold numbers; got {type(item).__name__} {item!r}"
-            )
-    return [float(item) for item in items]
-
-
-def _flat_items(values: Any, what: str, sample: Sample) -> list[Any]:
-    if hasattr(values, "tolist"):
-        values = values.tolist()
-    if isinstance(values, str | bytes) or not isinstance(values, Sequence):
-        raise SampleAppendError(
-            f"{sample._describe()}: expected {what} as a list, tuple, 1-D array or 1-D tensor; "
-            f"got {type(values).__name__}"
-        )
-    items = list(values)
-    if any(isinstance(item, Sequence) and not isinstance(item, str | bytes) for item in items):
-        raise SampleAppendError(
-            f"{sample._describe()}: expected {what} to be one-dimensional; got nested values"
-        )
-    return items
-
-
-def _top_p_spans(meta: TurnMeta, new_count: int, sample: Sample) -> tuple[TokenIds, list[int]] | None:
-    """The meta's top-p ids and offsets for ``new_count`` tokens, checked; None when the meta has none."""
-    raw_ids, raw_offsets = meta.top_p_token_ids, meta.top_p_token_offsets
-    if raw_ids is None and raw_offsets is None:
-        return None
-    if raw_ids is None or raw_offsets is None:
-        missing = "top_p_token_ids" if raw_ids is None else "top_p_token_offsets"
-        raise SampleAppendError(
-            f"{sample._describe()}: top-p spans need both top_p_token_ids and top_p_token_offsets; "
-            f"got {missing}=None"
-        )
-    ids = _int_list(raw_ids, "top_p_token_ids", sample)
-    offsets = _int_list(raw_offsets, "top_p_token_offsets", sample)
-    if len(offsets) != new_count + 1:
-        raise SampleAppendError(
-            f"{sample._describe()}: expected {new_count + 1} top-p offsets for {new_count} tokens; "
-            f"got {len(offsets)}"
-        )
-    if offsets[0] != 0:
-        raise SampleAppendError(
-            f"{sample._describe()}: expected top-p offsets to start at 0; got {offsets[0]}"
-        )
-    if offsets[-1] != len(ids):
-        raise SampleAppendError(
-            f"{sample._describe()}: expected the last top-p offset to equal the {len(ids)} top-p ids; "
-            f"got {offsets[-1]}"
-        )
-    if any(later < earlier for earlier, later in pairwise(offsets)):
-        raise SampleAppendError(f"{sample._describe()}: expected non-decreasing top-p offsets; got {offsets}")
-    return ids, offsets
-
-
-def _routed_experts_array(
-    raw: Any, expert_dims: tuple[int, int] | None, rows: int, sample: Sample
-) -> npt.NDArray[np.int32] | None:
-    """The turn's routing as int32 ``(rows, num_layers, topk)``; None when absent or its shape is unknown."""
-    if raw is None or expert_dims is None:
-        return None
-    num_layers, topk = expert_dims
-    if num_layers <= 0 or topk <= 0:
-        raise RoutingReplayError(
-            f"{sample._describe()}: expected expert_dims as positive (num_layers, topk); got {expert_dims}"
-        )
-    if not isinstance(raw, np.ndarray) or not np.issubdtype(raw.dtype, np.integer):
-        got = f"array of {raw.dtype}" if isinstance(raw, np.ndarray) else type(raw).__name__
-        raise RoutingReplayError(
-            f"{sample._describe()}: expected routed_experts as an integer array; got {got}"
-        )
-    expected = rows * num_layers * topk
-    if raw.size != expected:
-        raise RoutingReplayError(
-            f"{sample._describe()}: routed_experts element count {raw.size} does not match rows * num_layers "
-            f"* topk = {rows} * {num_layers} * {topk} = {expected}"
-        )
-    limits = np.iinfo(np.int32)
-    if raw.size and (int(raw.min()) < limits.min or int(raw.max()) > limits.max):
-        raise RoutingReplayError(f"{sample._describe()}: routed_experts values do not fit in int32")
-    return raw.astype(np.int32).reshape(rows, num_layers, topk)
-
-
-def _is_tensor(value: Any) -> bool:
-    """Duck-typed torch tensor check, so serialising never imports torch."""
-    return (
-        not isinstance(value, np.ndarray)
-        and hasattr(value, "detach")
-        and (hasattr(value, "numpy") or hasattr(value, "tolist"))
-    )
-
-
-def _encode(value: Any) -> Any:
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, SpecInfo | PrefixCacheInfo):
-        return asdict(value)
-    if isinstance(value, np.ndarray):
-        return {
-            "__ndarray__": True,
-            "dtype": str(value.dtype),
-            "shape": list(value.shape),
-            "data": value.ravel().tolist(),
-        }
-    if isinstance(value, np.generic):
-        return value.item()
-    if _is_tensor(value):
-        tensor = value.detach().cpu()
-        return {
-            "__tensor__": True,
-            "dtype": str(tensor.dtype).removeprefix("torch."),
-            "shape": list(tensor.shape),
-            "data": tensor.reshape(-1).tolist(),
-        }
-    if isinstance(value, Mapping):
-        return {key: _encode(item) for key, item in value.items()}
-    if isinstance(value, list | tuple):
-        return [_encode(item) for item in value]
-    return value
-
-
-def _decode(value: Any) -> Any:
-    if isinstance(value, Mapping):
-        if value.get("__ndarray__") is True:
-            return np.asarray(value["data"], dtype=np.dtype(value["dtype"])).reshape(value["shape"])
-        if value.get("__tensor__") is True:
-            return _tensor_from(value)
-        return {key: _decode(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_decode(item) for item in value]
-    return value
-
-
-def _tensor_from(encoded: Mapping[str, Any]) -> Any:
-    import torch  # only samples that carry tensors need torch
-
-    dtype = getattr(torch, encoded["dtype"])
-    return torch.tensor(encoded["data"], dtype=dtype).reshape(encoded["shape"])

@@ -1,19 +1,4 @@
-"""A fake vLLM server for tests: vLLM's token-in/token-out HTTP endpoints, answered from scripted turns.
-
-``FakeVLLMServer`` listens on loopback over real HTTP (aiohttp) and answers the endpoints the rollout client
-uses with vLLM's JSON shapes:
-
-* ``POST /v1/chat/completions/render`` renders the conversation with the tokenizer's chat template;
-* ``POST /inference/v1/generate`` answers with the next ``ScriptedTurn`` of the request's session, cut by
-  ``stop`` strings, ``stop_token_ids``, EOS and ``max_tokens`` the way vLLM would cut a real generation;
-* ``POST /inference/v1/abort_requests`` ends delayed or hanging generate requests with
-  ``finish_reason="abort"``;
-* ``GET /health`` and ``GET /v1/models``.
-
-Every request is recorded (``requests``); ``fail_next`` injects faults (HTTP errors, malformed JSON, dropped
-connections) ahead of the normal handling. Tokenizer work runs in one worker thread so the event loop stays
-free.
-"""
+"""The fake vLLM server itself: lifecycle, scripting, request recording and the endpoint handlers."""
 
 from __future__ import annotations
 
@@ -22,142 +7,49 @@ import functools
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
-import orjson
 from aiohttp import web
 
 from fsm_rollout.engine.endpoints import EndpointHandlers, error_response, json_response, serve_endpoints
 from fsm_rollout.engine.schema import (
-    ABORT_PATH,
-    GENERATE_PATH,
-    HEALTH_PATH,
-    MODELS_PATH,
-    RENDER_PATH,
     Finish,
-    GenerateAnswer,
-    GenerateChoice,
-    LogprobEntry,
     RenderAnswer,
     RequestError,
     abort_request_ids,
-    boolean_field,
     check_model,
-    check_prompt_room,
-    check_single_prompt_extra,
     decode_json_object,
-    generate_request_id,
     model_list,
     render_messages,
     render_sampling_params,
     render_template_kwargs,
     render_tools,
-    request_sampling_params,
-    request_token_ids,
-    resolve_max_tokens,
-    server_request_id,
-    stop_strings,
-    stop_token_ids,
-    token_text,
+)
+from fsm_rollout.testing.fake_vllm.faults import Fault, answer_fault, make_fault
+from fsm_rollout.testing.fake_vllm.generation import (
+    GenerateParams,
+    LogprobEntryStyle,
+    as_token_ids,
+    complete,
+    generate_answer,
+    generate_params,
+)
+from fsm_rollout.testing.fake_vllm.scripting import (
+    SESSION_HEADER,
+    RecordedRequest,
+    ScriptedTurn,
+    check_turns,
+    recorded_body,
 )
 
-__all__ = [
-    "ABORT_PATH",
-    "GENERATE_PATH",
-    "HEALTH_PATH",
-    "MODELS_PATH",
-    "RENDER_PATH",
-    "FakeVLLMServer",
-    "RecordedRequest",
-    "ScriptedTurn",
-]
-
-SESSION_HEADER = "x-session-id"
-"""Header naming the script queue a generate request draws its turn from."""
-
-LogprobEntryStyle = Literal["token_id", "token"]
 RenderFeaturesHook = Callable[[list[dict[str, Any]], list[int]], tuple[list[int], dict[str, Any] | None]]
 """``(messages, template_ids) -> (prompt_ids, features)``: how render answers a conversation with images."""
 
 _CLIENT_MAX_SIZE = 64 * 1024 * 1024
-_MIN_LOGPROB = -9999.0  # vLLM clamps logprobs to this in the "token" entry style (-inf is not JSON)
-_MALFORMED_JSON_BODY = b'{"request_id": "%s", "choices": [{"index": 0, "token_ids": [1, 2' % (
-    server_request_id("trunc").encode()
-)
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True, kw_only=True)
-class ScriptedTurn:
-    """One answer of the fake model to one generate request.
-
-    Give the output as ``text`` (encoded with ``add_special_tokens=False``) or as exact ``token_ids``, unless
-    ``raw`` is set: then ``raw`` is sent verbatim as the JSON body (for schema-violation tests). A ``status``
-    other than 200 answers with a vLLM-like error body (or with ``raw``, when set).
-
-    ``finish=None`` lets the server decide like vLLM: the output is cut at the first stop string, stop token
-    or EOS (the token is kept; "stop") and capped to ``max_tokens`` ("length"). A set ``finish`` overrides the
-    reason but not the cuts. ``logprobs`` default to ``-0.01 * (i + 1)`` for the i-th returned token.
-
-    ``delay`` waits before answering and ``hang`` never answers by itself; both end early, with
-    ``finish_reason="abort"`` and no tokens, when the request is named by ``/inference/v1/abort_requests``.
-    ``choice_extra`` is merged into ``choices[0]`` and ``top_extra`` into the top level of the answer.
-    """
-
-    text: str | None = None
-    token_ids: list[int] | None = None
-    finish: Finish | None = None
-    logprobs: list[float] | None = None
-    delay: float = 0.0
-    hang: bool = False
-    raw: Any = None
-    status: int = 200
-    choice_extra: Mapping[str, Any] = field(default_factory=dict)
-    top_extra: Mapping[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.raw is None and self.status == 200 and (self.text is None) == (self.token_ids is None):
-            raise ValueError(
-                "ScriptedTurn needs exactly one of text= or token_ids= (unless raw= or status= is set)"
-            )
-        if self.delay < 0:
-            raise ValueError(f"ScriptedTurn.delay must be >= 0, got {self.delay}")
-
-
-@dataclass(frozen=True)
-class RecordedRequest:
-    """One request as the server received it.
-
-    ``body`` is the parsed JSON, the raw text when the body is not JSON, or None when it is empty;
-    ``at`` is ``time.monotonic()`` on arrival.
-    """
-
-    path: str
-    headers: dict[str, str]
-    body: Any
-    at: float
-
-
-@dataclass(frozen=True)
-class _Fault:
-    status: int
-    malformed_json: bool
-    reset: bool
-    delay: float
-
-
-@dataclass(frozen=True)
-class _GenerateParams:
-    request_id: str
-    prompt_len: int
-    max_tokens: int
-    stop: tuple[str, ...]
-    stop_token_ids: frozenset[int]
-    ignore_eos: bool
 
 
 class FakeVLLMServer:
@@ -202,7 +94,7 @@ class FakeVLLMServer:
         self.aborted_request_ids: list[str] = []
         self.disconnected_request_ids: list[str] = []
         self._queues: dict[str | None, deque[ScriptedTurn]] = {None: deque()}
-        self._faults: dict[str, deque[_Fault]] = {}
+        self._faults: dict[str, deque[Fault]] = {}
         self._waiting: dict[str, set[asyncio.Event]] = {}
         self._runner: web.AppRunner | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -268,17 +160,7 @@ class FakeVLLMServer:
         ``session=None`` is the default queue, used by generate requests without an ``x-session-id`` header
         and by requests naming a session that was never scripted.
         """
-        for turn in turns:
-            if not isinstance(turn, ScriptedTurn):
-                raise TypeError(f"script() takes ScriptedTurn objects, got {type(turn).__name__}")
-            if (
-                turn.token_ids is not None
-                and turn.logprobs is not None
-                and len(turn.logprobs) != len(turn.token_ids)
-            ):
-                raise ValueError(
-                    f"ScriptedTurn has {len(turn.logprobs)} logprobs for {len(turn.token_ids)} token ids"
-                )
+        check_turns(turns)
         self._queues.setdefault(session, deque()).extend(turns)
 
     def fail_next(
@@ -297,15 +179,7 @@ class FakeVLLMServer:
         ``malformed_json`` (a 200 whose body is not valid JSON) or ``reset`` (the connection is closed without
         an answer). ``delay`` seconds pass before the fault. Faults queue up in call order per path.
         """
-        if sum((status is not None, malformed_json, reset)) > 1:
-            raise ValueError("fail_next takes one of status=, malformed_json=, reset=")
-        if times < 1:
-            raise ValueError(f"fail_next times must be >= 1, got {times}")
-        if status is not None and not 400 <= status <= 599:
-            raise ValueError(f"fail_next status must be an HTTP error status, got {status}")
-        fault = _Fault(
-            status=500 if status is None else status, malformed_json=malformed_json, reset=reset, delay=delay
-        )
+        fault = make_fault(status=status, malformed_json=malformed_json, reset=reset, delay=delay, times=times)
         self._faults.setdefault(path, deque()).extend([fault] * times)
 
     def requests_to(self, path: str) -> list[RecordedRequest]:
@@ -324,30 +198,18 @@ class FakeVLLMServer:
         except web.HTTPException:  # e.g. 413: the body exceeds client_max_size
             self.requests.append(RecordedRequest(request.path, dict(request.headers), None, arrived))
             raise
-        body = _recorded_body(raw)
+        body = recorded_body(raw)
         self.requests.append(RecordedRequest(request.path, dict(request.headers), body, arrived))
 
         fault_queue = self._faults.get(request.path)
         if fault_queue:
-            return await self._answer_fault(request, fault_queue.popleft())
+            return await answer_fault(request, fault_queue.popleft())
         try:
             return await handler(request)
         except RequestError as error:
             return error_response(error.status, error.message, error.param)
         except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as error:
             return json_response({"detail": error.reason}, status=error.status)
-
-    async def _answer_fault(self, request: web.Request, fault: _Fault) -> web.StreamResponse:
-        if fault.delay > 0:
-            await asyncio.sleep(fault.delay)
-        if fault.reset:
-            transport = request.transport
-            if transport is not None:
-                transport.abort()
-            return web.Response(status=500)  # never sent: the connection is gone
-        if fault.malformed_json:
-            return web.Response(status=200, body=_MALFORMED_JSON_BODY, content_type="application/json")
-        return error_response(fault.status, f"fake vLLM: injected fault ({fault.status})")
 
     # ---------------------------------------------------------------- handlers
 
@@ -397,7 +259,7 @@ class FakeVLLMServer:
     async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
         body = await _json_object_body(request)
         check_model(body, self.model)
-        params = self._generate_params(body)
+        params = generate_params(body, self.max_model_len)
         session = request.headers.get(SESSION_HEADER)
         queue = self._queues[session if session in self._queues else None]
         if not queue:
@@ -412,28 +274,11 @@ class FakeVLLMServer:
         if turn.status != 200:
             return error_response(turn.status, f"fake vLLM: scripted error ({turn.status})")
 
-        token_ids, natural_finish = await self._in_tokenizer_thread(self._complete, turn, params)
+        token_ids, natural_finish = await self._in_tokenizer_thread(complete, self.tokenizer, turn, params)
         answer = self._generate_answer(params, turn, token_ids, turn.finish or natural_finish)
         return json_response(answer)
 
     # ---------------------------------------------------------------- generate helpers
-
-    def _generate_params(self, body: Mapping[str, Any]) -> _GenerateParams:
-        # vLLM's field checks, in this server's order; everything else in the body is accepted and ignored
-        token_ids = request_token_ids(body)
-        sampling = request_sampling_params(body)
-        check_single_prompt_extra(body)
-        request_id = generate_request_id(body, uuid.uuid4().hex)
-        prompt_len = len(token_ids)
-        check_prompt_room(prompt_len, self.max_model_len)
-        return _GenerateParams(
-            request_id=request_id,
-            prompt_len=prompt_len,
-            max_tokens=resolve_max_tokens(sampling, prompt_len=prompt_len, max_model_len=self.max_model_len),
-            stop=stop_strings(sampling.get("stop")),
-            stop_token_ids=stop_token_ids(sampling.get("stop_token_ids")),
-            ignore_eos=boolean_field(sampling, "ignore_eos", False),
-        )
 
     async def _wait_unless_aborted(self, request_id: str, turn: ScriptedTurn) -> bool:
         """Sleep for the turn's delay (forever if it hangs); True when abort_requests named the request first.
@@ -464,48 +309,11 @@ class FakeVLLMServer:
                     del self._waiting[request_id]
 
     def _generate_answer(
-        self, params: _GenerateParams, turn: ScriptedTurn, token_ids: list[int], finish: Finish
+        self, params: GenerateParams, turn: ScriptedTurn, token_ids: list[int], finish: Finish
     ) -> dict[str, Any]:
-        if turn.logprobs is not None:
-            logprobs = list(turn.logprobs[: len(token_ids)])
-        else:
-            logprobs = [-0.01 * (i + 1) for i in range(len(token_ids))]
-        if len(logprobs) != len(token_ids):
-            raise RequestError(
-                500, f"fake vLLM: the scripted turn has {len(logprobs)} logprobs for {len(token_ids)} tokens"
-            )
-        choice: GenerateChoice = {
-            "index": 0,
-            "finish_reason": finish,
-            "token_ids": token_ids,
-            "logprobs": {
-                "content": [self._logprob_entry(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]
-            },
-            "routed_experts": None,
-            "sampling_mask": None,
-        }
-        answer: GenerateAnswer = {
-            "request_id": server_request_id(params.request_id),
-            "model": self.model,
-            "created": int(time.time()),
-            "choices": [choice],
-            "usage": {
-                "prompt_tokens": params.prompt_len,
-                "completion_tokens": len(token_ids),
-                "total_tokens": params.prompt_len + len(token_ids),
-            },
-        }
-        # the extras are free-form (for schema-violation tests): merged outside the record types
-        return {**answer, "choices": [{**choice, **turn.choice_extra}], **turn.top_extra}
-
-    def _logprob_entry(self, token_id: int, logprob: float) -> LogprobEntry:
-        if self.logprob_entry_style == "token":
-            return {
-                "token": token_text(token_id),
-                "logprob": max(logprob, _MIN_LOGPROB),
-                "top_logprobs": [],
-            }
-        return {"token_id": token_id, "logprob": logprob, "rank": 1, "top_logprobs": []}
+        return generate_answer(
+            params, turn, token_ids, finish, model=self.model, logprob_entry_style=self.logprob_entry_style
+        )
 
     # ---------------------------------------------------------------- tokenizer work (worker thread)
 
@@ -521,78 +329,9 @@ class FakeVLLMServer:
         rendered = self.tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=True, **template_kwargs
         )
-        return _as_token_ids(rendered)
-
-    def _complete(self, turn: ScriptedTurn, params: _GenerateParams) -> tuple[list[int], Finish]:
-        """The tokens vLLM would return for this scripted output, and why it would have stopped."""
-        if turn.token_ids is not None:
-            scripted = list(turn.token_ids)
-        else:
-            scripted = _as_token_ids(self.tokenizer.encode(turn.text, add_special_tokens=False))
-        end = len(scripted)
-        stopped_by_token = False
-        stop_at = self._first_stop_string_end(scripted, params.stop)
-        if stop_at is not None:
-            end = stop_at
-            stopped_by_token = True
-        eos = None if params.ignore_eos else self.tokenizer.eos_token_id
-        for index, token in enumerate(scripted[:end]):
-            if token in params.stop_token_ids or token == eos:
-                end = index + 1
-                stopped_by_token = True
-                break
-        # Like vLLM's stop check: a stop condition on the last token wins over reaching max_tokens ("length").
-        if end > params.max_tokens or (end == params.max_tokens and not stopped_by_token):
-            return scripted[: params.max_tokens], "length"
-        return scripted[:end], "stop"
-
-    def _first_stop_string_end(self, token_ids: list[int], stop: tuple[str, ...]) -> int | None:
-        """Length of the shortest prefix whose text contains a stop string, or None.
-
-        Containment only grows with the prefix, so a binary search over prefix lengths needs log(n) decodes.
-        """
-        if not stop or not token_ids or not self._contains_stop(token_ids, stop):
-            return None
-        low, high = 1, len(token_ids)
-        while low < high:
-            middle = (low + high) // 2
-            if self._contains_stop(token_ids[:middle], stop):
-                high = middle
-            else:
-                low = middle + 1
-        return low
-
-    def _contains_stop(self, token_ids: list[int], stop: tuple[str, ...]) -> bool:
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=False)
-        return any(s in text for s in stop)
-
-
-# -------------------------------------------------------------------- module helpers
-
-
-def _recorded_body(raw: bytes) -> Any:
-    """A request body as :class:`RecordedRequest` keeps it: the JSON, else the text, else None when empty."""
-    if not raw:
-        return None
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return raw.decode("utf-8", errors="replace")
+        return as_token_ids(rendered)
 
 
 async def _json_object_body(request: web.Request) -> dict[str, Any]:
     # aiohttp caches the body the middleware read, so this reads no bytes from the socket.
     return decode_json_object(await request.read())
-
-
-def _as_token_ids(encoded: Any) -> list[int]:
-    """Token ids from a tokenizer result: a list, a mapping (``BatchEncoding``) with ``input_ids``, or a batch
-    of one."""
-    if isinstance(encoded, Mapping) or hasattr(encoded, "input_ids"):
-        encoded = encoded["input_ids"]
-    if hasattr(encoded, "tolist"):
-        encoded = encoded.tolist()
-    ids = list(encoded)
-    if len(ids) == 1 and isinstance(ids[0], list | tuple):
-        ids = list(ids[0])
-    return [int(token) for token in ids]

@@ -1,0 +1,40 @@
+"""A fake vLLM server for tests: vLLM's token-in/token-out HTTP endpoints, answered from scripted turns.
+
+``FakeVLLMServer`` listens on loopback over real HTTP (aiohttp) and answers the endpoints the rollout client
+uses with vLLM's JSON shapes:
+
+* ``POST /v1/chat/completions/render`` renders the conversation with the tokenizer's chat template;
+* ``POST /inference/v1/generate`` answers with the next ``ScriptedTurn`` of the request's session, cut by
+  ``stop`` strings, ``stop_token_ids``, EOS and ``max_tokens`` the way vLLM would cut a real generation;
+* ``POST /inference/v1/abort_requests`` ends delayed or hanging generate requests with
+  ``finish_reason="abort"``;
+* ``GET /health`` and ``GET /v1/models``.
+
+Every request is recorded (``requests``); ``fail_next`` injects faults (HTTP errors, malformed JSON, dropped
+connections) ahead of the normal handling. Tokenizer work runs in one worker thread so the event loop stays
+free.
+
+The parts: :mod:`~fsm_rollout.testing.fake_vllm.scripting` (scripted turns and recorded requests),
+:mod:`~fsm_rollout.testing.fake_vllm.faults` (fault injection), :mod:`~fsm_rollout.testing.fake_vllm.generation`
+(a scripted turn cut and answered the way vLLM would) and :mod:`~fsm_rollout.testing.fake_vllm.server` (the
+server). Their names are importable from here.
+"""
+
+from fsm_rollout.engine.schema import ABORT_PATH, GENERATE_PATH, HEALTH_PATH, MODELS_PATH, RENDER_PATH
+from fsm_rollout.testing.fake_vllm.generation import LogprobEntryStyle
+from fsm_rollout.testing.fake_vllm.scripting import SESSION_HEADER, RecordedRequest, ScriptedTurn
+from fsm_rollout.testing.fake_vllm.server import FakeVLLMServer, RenderFeaturesHook
+
+__all__ = [
+    "ABORT_PATH",
+    "GENERATE_PATH",
+    "HEALTH_PATH",
+    "MODELS_PATH",
+    "RENDER_PATH",
+    "SESSION_HEADER",
+    "FakeVLLMServer",
+    "LogprobEntryStyle",
+    "RecordedRequest",
+    "RenderFeaturesHook",
+    "ScriptedTurn",
+]
