@@ -5,6 +5,9 @@ guards are pure predicates over the rollout, actions change the sample, and acti
 does while the sample sits in a state (render, generate, step the environment, encode the observation). The
 driver runs the current state's activity, fires the state's trigger, and traces the transition, until a terminal
 state is reached.
+
+The module is longer than most because it is one class: every guard, action and activity the table names is a
+method reading the same sample's state, and keeping them together keeps each name the table uses in one place.
 """
 
 from __future__ import annotations
