@@ -18,6 +18,7 @@ from typing import Any, TextIO
 import orjson
 
 from fsm_rollout.cli.common import add_process_settings
+from fsm_rollout.cli.preflight import option_problem
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.recording import tape_path_for
@@ -97,7 +98,7 @@ def _load_samples(args: argparse.Namespace) -> tuple[list[Sample], int]:
         for bad in dataset.skipped:
             print(f"skipped: {bad}", file=sys.stderr)
     if args.limit is not None:
-        samples = samples[: max(args.limit, 0)]
+        samples = samples[: args.limit]
     return samples, skipped
 
 
@@ -260,12 +261,17 @@ def main(args: argparse.Namespace) -> int:
     """Run ``fsm-rollout run``."""
     from fsm_rollout.dataset import DatasetError
 
-    for name in ("max_turns", "concurrency"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
-            return EXIT_BAD_INPUT
-    if args.record and args.trace is None:
-        print("error: --record needs --trace (the tape is written beside the trace)", file=sys.stderr)
+    problem = option_problem(args)
+    if problem is None and args.record and args.trace is None:
+        problem = "--record needs --trace (the tape is written beside the trace)"
+    if problem is None:
+        try:  # what the library's config checks, before anything starts rather than once the engine runs
+            build_config(args, (args.engine_url or ["http://127.0.0.1:0"])[0], args.model or "-", None,
+                         args.image_merge_size)
+        except RolloutError as error:
+            problem = str(error)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         return asyncio.run(_run(args))

@@ -6,6 +6,7 @@ import asyncio
 import os
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,32 @@ async def run_cli(server: FakeVLLMServer, tmp_path: Path, *extra: str, interrupt
         process.send_signal(signal.SIGINT)
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
     return process.returncode, stdout.decode(), stderr.decode()
+
+
+def cli_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    environment = {name: value for name, value in os.environ.items() if name != "VLLM_API_KEY"}
+    return {**environment, "HF_HUB_OFFLINE": "1", **(extra or {})}
+
+
+async def run_command(*argv: str, env: Mapping[str, str] | None = None) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fsm_rollout.cli", *argv,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env(env),
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=300)
+    assert process.returncode is not None
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+def one_error_line(stderr: str) -> str:
+    """The command's only stderr line, an ``error: ...`` (no traceback, no progress)."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    return lines[0]
+
+
+def names_in(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir())
 
 
 def results(tmp_path: Path) -> list[dict[str, Any]]:
@@ -180,3 +207,15 @@ def test_the_former_gc_flag_name_still_parses() -> None:
 
     assert build_parser().parse_args(["run", "--no-defer-full-gc"]).no_tune_gc is True
     assert build_parser().parse_args(["run"]).no_tune_gc is False
+
+
+# -------------------------------------------------------------------- checks before anything runs
+
+
+async def test_a_negative_budget_exits_2_before_the_engine_starts(tmp_path: Path) -> None:
+    code, stdout, stderr = await run_command("run", "--max-new-tokens", "-5", "--out", str(tmp_path / "r.jsonl"),
+                                             "--trace", str(tmp_path / "t.jsonl"))
+    assert code == 2
+    assert one_error_line(stderr) == "error: --max-new-tokens -5: max_new_tokens must be at least 1"
+    assert stdout == ""
+    assert names_in(tmp_path) == []  # no results, no trace
