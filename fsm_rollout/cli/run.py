@@ -11,6 +11,7 @@ import contextlib
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -25,6 +26,7 @@ from fsm_rollout.cli.preflight import (
     api_key,
     discover_engine,
     load_run_tokenizer,
+    one_line,
     option_problem,
     redacted,
 )
@@ -32,7 +34,7 @@ from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.recording import tape_path_for
 from fsm_rollout.runner import MetricsSnapshot, RolloutRunner
-from fsm_rollout.sample import Sample
+from fsm_rollout.sample import Sample, Status
 
 DEMO_ENV = "fsm_rollout.envs.geo3k"
 EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -40,7 +42,8 @@ EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 EPILOG = """\
 With no --engine-url the embedded CPU engine is started in-process; with no --data the bundled demo dataset runs
 with the built-in Geo3K environment. A live progress line shows samples done, per-state occupancy and tokens/s;
-the run ends with a summary (status and reason counts, turns, tokens, throughput).
+the run ends with a summary (status and reason counts, turns, tokens, throughput) and the most frequent errors of
+the failed samples.
 
 Before a sample runs, the options are checked, then each --engine-url must answer GET /health, and GET /v1/models
 fills in what the flags leave out: the served model name when the engine serves one model, and, from
@@ -204,8 +207,9 @@ def write_results(samples: Sequence[Sample], path: Path, *, include_features: bo
             stream.write(orjson.dumps(row, default=_json_default) + b"\n")
 
 
-def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, trace: Path | None) -> str:
-    """The end-of-run table."""
+def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, trace: Path | None,
+            errors: Sequence[str] = ()) -> str:
+    """The end-of-run table, with ``errors`` (see :func:`error_lines`) under the counts."""
     lines = [
         f"{snapshot.samples_done}/{total} samples in {snapshot.elapsed_s:.1f}s "
         f"({snapshot.samples_per_s:.2f} samples/s, {snapshot.turns} turns, "
@@ -217,8 +221,33 @@ def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, t
     lines.extend(f"  {status:<32}{count:>6}" for status, count in sorted(snapshot.statuses.items()))
     lines.append(f"{'reason':<34}{'count':>6}")
     lines.extend(f"  {reason:<32}{count:>6}" for reason, count in sorted(snapshot.reasons.items()))
+    lines.extend(errors)
     lines.append(f"results: {out}" + (f"   trace: {trace}" if trace else ""))
     return "\n".join(lines)
+
+
+def error_lines(samples: Sequence[Sample], *, limit: int = 5) -> list[str]:
+    """The failed samples' distinct errors (class, message, count), most frequent first, at most ``limit``.
+
+    Messages are shortened to one line; the full ones are in the results' ``metadata["rollout_error"]``.
+    """
+    counts: Counter[tuple[str, str]] = Counter()
+    for sample in samples:
+        if sample.status != Status.FAILED:
+            continue
+        metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
+        error = metadata.get("rollout_error")
+        if isinstance(error, dict):
+            counts[(str(error.get("type")), one_line(str(error.get("message")), 200))] += 1
+        else:
+            counts[("?", f"no error recorded (reason {metadata.get('rollout_reason', '?')})")] += 1
+    if not counts:
+        return []
+    lines = [f"errors ({sum(counts.values())} failed sample(s), {len(counts)} distinct)"]
+    lines.extend(f"  {count:>4} x {kind}: {message}" for (kind, message), count in counts.most_common(limit))
+    if len(counts) > limit:
+        lines.append(f"  ... {len(counts) - limit} more distinct error(s), see metadata.rollout_error in the results")
+    return lines
 
 
 def build_config(args: argparse.Namespace, url: str, model: str, tokenizer_path: str | None,
@@ -285,7 +314,8 @@ async def _run(args: argparse.Namespace) -> int:
                 print(file=sys.stderr)
             snapshot = runner.metrics()
     write_results(samples, args.out, include_features=args.include_features)
-    print(summary(snapshot, total=len(samples), skipped=skipped, out=args.out, trace=args.trace))
+    errors = [redacted(line, key) for line in error_lines(samples)]
+    print(summary(snapshot, total=len(samples), skipped=skipped, out=args.out, trace=args.trace, errors=errors))
     if args.record:
         print(f"tape: {tape_path_for(args.trace)}")
     if interrupted.is_set():

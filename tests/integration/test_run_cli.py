@@ -253,6 +253,24 @@ async def test_nothing_listening_at_the_engine_url_exits_2_with_one_line(
     assert fake_vllm.requests_to(RENDER_PATH) == []
 
 
+async def test_failed_samples_print_their_distinct_errors_under_the_summary(
+    fake_vllm: FakeVLLMServer, tmp_path: Path
+) -> None:
+    fake_vllm.fail_next(RENDER_PATH, status=400, times=3)
+    fake_vllm.script([ScriptedTurn(text="one")])
+    data = dataset(tmp_path / "d.jsonl", *(done_after_one_turn(f"q{i}") for i in range(4)))
+    code, stdout, _ = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--concurrency", "1")
+    assert code == 1
+    lines = stdout.splitlines()
+    errors_at = lines.index("errors (3 failed sample(s), 1 distinct)")
+    assert lines[errors_at - 1].split() == ["error", "3"]  # under the reason counts
+    assert lines[errors_at + 1:] == [
+        f"     3 x EngineHTTPError: POST {fake_vllm.url}{RENDER_PATH} answered HTTP 400 (attempt 1): "
+        "fake vLLM: injected fault (400)",
+        f"results: {tmp_path / 'results.jsonl'}   trace: {tmp_path / 'trace.jsonl'}",
+    ]
+
+
 # -------------------------------------------------------------------- what the engine says
 
 
@@ -310,6 +328,7 @@ async def test_the_api_key_is_sent_but_never_printed_or_written(fake_vllm: FakeV
                                          "--concurrency", "1", env={"VLLM_API_KEY": SECRET})
     assert code == 1, stderr
     assert sorted(row["status"] for row in results(tmp_path)) == ["completed", "failed"]
+    assert "answered HTTP 401" in stdout
     assert {request.headers.get("Authorization") for request in fake_vllm.requests} == {f"Bearer {SECRET}"}
     assert SECRET not in stdout + stderr
     assert names_in(tmp_path) == ["d.jsonl", "results.jsonl", "trace.jsonl", "trace.tape.jsonl"]

@@ -13,7 +13,8 @@ import pytest
 from fsm_rollout.cli import SUBCOMMANDS, build_parser, main
 from fsm_rollout.cli.bench import settings as bench_settings
 from fsm_rollout.cli.bench.params import Settings
-from fsm_rollout.cli.run import build_config
+from fsm_rollout.cli.run import build_config, error_lines
+from fsm_rollout.sample import Sample, Status
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fsm_rollout"
 
@@ -125,3 +126,23 @@ def test_run_refuses_a_bad_option_in_one_line_before_starting_anything(
     captured = capsys.readouterr()
     assert (captured.out, captured.err) == ("", f"error: {message}\n")
     assert list(tmp_path.iterdir()) == []
+
+
+def failed(kind: str, message: str) -> Sample:
+    sample = Sample(prompt="q", status=Status.FAILED)
+    sample.metadata = {"rollout_error": {"type": kind, "message": message, "state": None, "trigger": None}}
+    return sample
+
+
+def test_the_error_lines_count_distinct_errors_most_frequent_first() -> None:
+    samples = [failed("EngineHTTPError", "HTTP 500\ndetails"), Sample(prompt="q", status=Status.COMPLETED),
+               failed("ConfigError", "bad"), failed("EngineHTTPError", "HTTP 500\nother details")]
+    assert error_lines(samples) == [
+        "errors (3 failed sample(s), 2 distinct)",
+        "     2 x EngineHTTPError: HTTP 500",
+        "     1 x ConfigError: bad",
+    ]
+    many = [failed("E", f"message {number}") for number in range(7)]
+    lines = error_lines(many, limit=5)
+    assert len(lines) == 7 and lines[-1].startswith("  ... 2 more distinct error(s)")
+    assert error_lines([Sample(prompt="q", status=Status.TRUNCATED)]) == []
