@@ -68,6 +68,10 @@ class EngineHTTPError(EngineError, RuntimeError):
         self.body = body
 
 
+class ModelListError(EngineError, ValueError):
+    """The ``GET /v1/models`` answer does not list models in vLLM's shape."""
+
+
 class RenderError(EngineError, ValueError):
     """The render endpoint's answer cannot be used as a prompt."""
 

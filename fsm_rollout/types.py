@@ -66,3 +66,18 @@ class RenderedPrompt:
 
     token_ids: TokenIds
     generate_body: dict[str, Any] = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class ServedModel:
+    """One model an engine lists in ``GET /v1/models``.
+
+    ``root`` is where the engine loaded the model from (vLLM's ``--model`` path or hub id). ``tokenizer`` and
+    ``image_merge_size`` are sent by the embedded engine only; None when the engine does not say.
+    """
+
+    name: str
+    root: str | None = None
+    max_model_len: int | None = None
+    tokenizer: str | None = None
+    image_merge_size: int | None = None

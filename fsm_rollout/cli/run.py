@@ -11,6 +11,7 @@ import contextlib
 import signal
 import sys
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any, TextIO
@@ -18,11 +19,22 @@ from typing import Any, TextIO
 import orjson
 
 from fsm_rollout.cli.common import add_process_settings
+from fsm_rollout.cli.preflight import (
+    API_KEY_ENV_VAR,
+    EngineChoice,
+    PreflightError,
+    api_key,
+    discover_engine,
+    load_run_tokenizer,
+    one_line,
+    option_problem,
+    redacted,
+)
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.recording import tape_path_for
 from fsm_rollout.runner import MetricsSnapshot, RolloutRunner
-from fsm_rollout.sample import Sample
+from fsm_rollout.sample import Sample, Status
 
 DEMO_ENV = "fsm_rollout.envs.geo3k"
 EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
@@ -30,7 +42,14 @@ EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 EPILOG = """\
 With no --engine-url the embedded CPU engine is started in-process; with no --data the bundled demo dataset runs
 with the built-in Geo3K environment. A live progress line shows samples done, per-state occupancy and tokens/s;
-the run ends with a summary (status and reason counts, turns, tokens, throughput).
+the run ends with a summary (status and reason counts, turns, tokens, throughput) and the most frequent errors of
+the failed samples.
+
+Before a sample runs, the options are checked, then each --engine-url must answer GET /health, and GET /v1/models
+fills in what the flags leave out: the served model name when the engine serves one model, and, from
+`fsm-rollout serve`, the tokenizer directory and the image merge size (a real vLLM names its model path, used as
+the tokenizer, and no merge size). A tokenizer that is neither a local directory nor in the Hugging Face cache is
+downloaded only when the hub answers one first request for it; with HF_HUB_OFFLINE set it is an error at once.
 
 Dataset lines are `{"prompt": str | messages, "images": [...], "label": ..., "metadata": {...}, "tools": [...]}`;
 a bad line is an error naming its line number (or is skipped and counted with --skip-bad). Results are JSONL,
@@ -39,8 +58,9 @@ a bad line is an error naming its line number (or is skipped and counted with --
 
 Ctrl-C aborts the samples in flight, writes what finished plus the aborted partials, and exits 130.
 
-Exit codes: 0 every sample ended (completed, truncated, or aborted by the server); 1 some sample failed; 2 bad
-input (dataset, options); 130 interrupted."""
+Exit codes: 0 every sample ended (completed, truncated, or aborted by the server); 1 some sample failed; 2 nothing
+was run: bad input (dataset, options) or no usable engine or tokenizer (nothing answers /health, the API key is
+missing or refused, no tokenizer found); 130 interrupted."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -63,12 +83,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--engine-url", action="append", default=[], metavar="URL",
                         help="vLLM server or router URL; repeat for several servers (sticky consistent hashing) "
                         "(default: start the embedded CPU engine)")
-    engine.add_argument("--model", metavar="NAME", help="served model name (default: the embedded engine's model)")
+    engine.add_argument("--model", metavar="NAME",
+                        help="served model name (default: the engine's, when it serves one model)")
     engine.add_argument("--tokenizer", metavar="PATH",
-                        help="local tokenizer path (default: --model, or the embedded engine's)")
+                        help="tokenizer directory or Hugging Face id (default: the one the engine names, else its "
+                        "model path, else --model)")
     engine.add_argument("--router-policy", choices=["consistent_hash"], help="send x-session-id on every request")
     engine.add_argument("--image-merge-size", type=int, metavar="N",
-                        help="vision merge size for the image-token check (Qwen-VL: 2; default: the engine's)")
+                        help="vision merge size for the image-token check (Qwen-VL: 2; default: the engine's, "
+                        "when it says)")
+    engine.add_argument("--api-key", metavar="KEY",
+                        help=f"sent as `Authorization: Bearer KEY` on every engine request, never printed or "
+                        f"recorded (default: ${API_KEY_ENV_VAR})")
     rollout = parser.add_argument_group("rollout")
     rollout.add_argument("--env", metavar="MODULE|FILE",
                          help=f"environment module or .py file (default with the demo: {DEMO_ENV})")
@@ -97,27 +123,34 @@ def _load_samples(args: argparse.Namespace) -> tuple[list[Sample], int]:
         for bad in dataset.skipped:
             print(f"skipped: {bad}", file=sys.stderr)
     if args.limit is not None:
-        samples = samples[: max(args.limit, 0)]
+        samples = samples[: args.limit]
     return samples, skipped
 
 
 @contextlib.asynccontextmanager
-async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[list[str], str, str | None, int | None]]:
-    """Yield (engine URLs, served model name, tokenizer path, image merge size).
+async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[list[str], EngineChoice]]:
+    """Yield the engine URLs and what the run uses from them (flags first, then what the engine says).
 
-    Starts the embedded engine when no URL is given.
+    Probes the given URLs (see :func:`~fsm_rollout.cli.preflight.discover_engine`), or starts the embedded engine,
+    which needs no API key, when no URL is given.
     """
     if args.engine_url:
-        if not args.model:
-            raise RolloutError("--model (the served model name) is required with --engine-url")
-        yield list(args.engine_url), args.model, args.tokenizer, args.image_merge_size
+        urls = list(args.engine_url)
+        yield urls, await discover_engine(
+            urls, model=args.model, tokenizer=args.tokenizer, image_merge_size=args.image_merge_size,
+            api_key=api_key(args),
+        )
         return
     from fsm_rollout.engine.local import LocalEngine
 
     print("starting the embedded CPU engine ...", file=sys.stderr)
     async with LocalEngine() as engine:
-        merge_size = args.image_merge_size or getattr(engine, "image_merge_size", None)
-        yield [engine.url], engine.served_model_name, str(engine.model_dir), merge_size
+        if args.model and args.model != engine.served_model_name:
+            raise PreflightError(f"--model {args.model!r}: the embedded engine serves {engine.served_model_name!r}")
+        tokenizer, named_by = ((args.tokenizer, "--tokenizer") if args.tokenizer
+                               else (str(engine.model_dir), "the embedded engine's model directory"))
+        merge_size = args.image_merge_size or engine.image_merge_size
+        yield [engine.url], EngineChoice(engine.served_model_name, tokenizer, named_by, merge_size)
 
 
 def _progress_line(snapshot: MetricsSnapshot, total: int) -> str:
@@ -174,8 +207,9 @@ def write_results(samples: Sequence[Sample], path: Path, *, include_features: bo
             stream.write(orjson.dumps(row, default=_json_default) + b"\n")
 
 
-def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, trace: Path | None) -> str:
-    """The end-of-run table."""
+def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, trace: Path | None,
+            errors: Sequence[str] = ()) -> str:
+    """The end-of-run table, with ``errors`` (see :func:`error_lines`) under the counts."""
     lines = [
         f"{snapshot.samples_done}/{total} samples in {snapshot.elapsed_s:.1f}s "
         f"({snapshot.samples_per_s:.2f} samples/s, {snapshot.turns} turns, "
@@ -187,12 +221,37 @@ def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, t
     lines.extend(f"  {status:<32}{count:>6}" for status, count in sorted(snapshot.statuses.items()))
     lines.append(f"{'reason':<34}{'count':>6}")
     lines.extend(f"  {reason:<32}{count:>6}" for reason, count in sorted(snapshot.reasons.items()))
+    lines.extend(errors)
     lines.append(f"results: {out}" + (f"   trace: {trace}" if trace else ""))
     return "\n".join(lines)
 
 
+def error_lines(samples: Sequence[Sample], *, limit: int = 5) -> list[str]:
+    """The failed samples' distinct errors (class, message, count), most frequent first, at most ``limit``.
+
+    Messages are shortened to one line; the full ones are in the results' ``metadata["rollout_error"]``.
+    """
+    counts: Counter[tuple[str, str]] = Counter()
+    for sample in samples:
+        if sample.status != Status.FAILED:
+            continue
+        metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
+        error = metadata.get("rollout_error")
+        if isinstance(error, dict):
+            counts[(str(error.get("type")), one_line(str(error.get("message")), 200))] += 1
+        else:
+            counts[("?", f"no error recorded (reason {metadata.get('rollout_reason', '?')})")] += 1
+    if not counts:
+        return []
+    lines = [f"errors ({sum(counts.values())} failed sample(s), {len(counts)} distinct)"]
+    lines.extend(f"  {count:>4} x {kind}: {message}" for (kind, message), count in counts.most_common(limit))
+    if len(counts) > limit:
+        lines.append(f"  ... {len(counts) - limit} more distinct error(s), see metadata.rollout_error in the results")
+    return lines
+
+
 def build_config(args: argparse.Namespace, url: str, model: str, tokenizer_path: str | None,
-                 merge_size: int | None) -> RolloutConfig:
+                 merge_size: int | None, *, api_key: str | None = None) -> RolloutConfig:
     """The rollouts' configuration from the options and the engine.
 
     Pacing and the collector tuning are process-wide, so the library leaves them off by default; the command turns
@@ -212,11 +271,16 @@ def build_config(args: argparse.Namespace, url: str, model: str, tokenizer_path:
         record=args.record,
         loop_slice_ms=args.loop_slice_ms or None,
         tune_gc=not args.no_tune_gc,
+        api_key=api_key,
     )
 
 
 async def _run(args: argparse.Namespace) -> int:
+    from fsm_rollout.env import load_env_factory
+
     samples, skipped = _load_samples(args)
+    env_factory = load_env_factory(args.env or DEMO_ENV)  # a bad --env fails before any engine starts
+    key = api_key(args)
     sampling: dict[str, Any] = {
         "max_new_tokens": args.max_new_tokens,
         "temperature": args.temperature,
@@ -229,11 +293,13 @@ async def _run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, interrupted.set)
-    async with _engine(args) as (urls, model, tokenizer_path, merge_size):
-        config = build_config(args, urls[0], model, tokenizer_path, merge_size)
+    async with _engine(args) as (urls, choice):
+        tokenizer = await asyncio.to_thread(load_run_tokenizer, choice.tokenizer, named_by=choice.tokenizer_named_by)
+        config = build_config(args, urls[0], choice.model, choice.tokenizer, choice.image_merge_size, api_key=key)
         if args.seed is not None:
             sampling["seed"] = args.seed
-        async with RolloutRunner(config, sampling_params=sampling, engine_urls=urls) as runner:
+        async with RolloutRunner(config, sampling_params=sampling, engine_urls=urls, tokenizer=tokenizer,
+                                 env_factory=env_factory) as runner:
             progress = None if args.quiet else asyncio.ensure_future(_show_progress(runner, len(samples), sys.stderr))
             batch = asyncio.ensure_future(runner.run_batch(samples, concurrency=args.concurrency))
             stop_waiter = asyncio.ensure_future(interrupted.wait())
@@ -248,7 +314,8 @@ async def _run(args: argparse.Namespace) -> int:
                 print(file=sys.stderr)
             snapshot = runner.metrics()
     write_results(samples, args.out, include_features=args.include_features)
-    print(summary(snapshot, total=len(samples), skipped=skipped, out=args.out, trace=args.trace))
+    errors = [redacted(line, key) for line in error_lines(samples)]
+    print(summary(snapshot, total=len(samples), skipped=skipped, out=args.out, trace=args.trace, errors=errors))
     if args.record:
         print(f"tape: {tape_path_for(args.trace)}")
     if interrupted.is_set():
@@ -260,15 +327,20 @@ def main(args: argparse.Namespace) -> int:
     """Run ``fsm-rollout run``."""
     from fsm_rollout.dataset import DatasetError
 
-    for name in ("max_turns", "concurrency"):
-        if getattr(args, name) < 1:
-            print(f"error: --{name.replace('_', '-')} must be at least 1", file=sys.stderr)
-            return EXIT_BAD_INPUT
-    if args.record and args.trace is None:
-        print("error: --record needs --trace (the tape is written beside the trace)", file=sys.stderr)
+    problem = option_problem(args)
+    if problem is None and args.record and args.trace is None:
+        problem = "--record needs --trace (the tape is written beside the trace)"
+    if problem is None:
+        try:  # what the library's config checks, before anything starts rather than once the engine runs
+            build_config(args, (args.engine_url or ["http://127.0.0.1:0"])[0], args.model or "-", None,
+                         args.image_merge_size)
+        except RolloutError as error:
+            problem = str(error)
+    if problem is not None:
+        print(f"error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         return asyncio.run(_run(args))
-    except (DatasetError, RolloutError) as error:
-        print(f"error: {error}", file=sys.stderr)
+    except (DatasetError, RolloutError, PreflightError) as error:
+        print(f"error: {redacted(str(error), api_key(args))}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -8,13 +8,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import signal
 import sys
 import time
 
+API_KEY_ENV_VAR = "VLLM_API_KEY"
+"""Where ``--api-key`` defaults from, as for ``vllm serve``."""
+
 EPILOG = """\
 Prints the base URL alone on stdout once the engine answers requests (details go to stderr), then serves until
-SIGINT or SIGTERM. It is a development and test engine; production is vLLM."""
+SIGINT or SIGTERM. /v1/models also names the tokenizer directory and the image merge size, so `fsm-rollout run
+--engine-url URL` needs no --model, --tokenizer or --image-merge-size. With an API key every request but
+GET /health must send `Authorization: Bearer KEY` and is answered 401 otherwise. It is a development and test
+engine; production is vLLM."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         default=1,
         help="torch intra-op threads of the worker; 0 keeps torch's default (default: 1, fastest on 2 cores)",
+    )
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=None,
+        help=f"require this key as `Authorization: Bearer KEY` on every request but /health "
+        f"(default: ${API_KEY_ENV_VAR}, else no key)",
     )
 
 
@@ -69,6 +83,7 @@ async def _serve(args: argparse.Namespace) -> int:
             port=args.port,
             max_num_seqs=args.max_num_seqs,
             torch_threads=args.torch_threads or None,
+            api_key=args.api_key or os.environ.get(API_KEY_ENV_VAR) or None,
         )
         await engine.start()
     except (LocalEngineError, ValueError, OSError) as error:
@@ -77,7 +92,8 @@ async def _serve(args: argparse.Namespace) -> int:
     try:
         print(
             f"fsm-rollout serve: model {engine.served_model_name!r} from {engine.model_dir} "
-            f"(max_model_len {engine.max_model_len}) ready in {time.perf_counter() - started:.1f} s",
+            f"(max_model_len {engine.max_model_len}{', API key required' if engine.requires_api_key else ''}) "
+            f"ready in {time.perf_counter() - started:.1f} s",
             file=sys.stderr,
             flush=True,
         )

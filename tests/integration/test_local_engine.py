@@ -159,6 +159,20 @@ async def test_models_lists_the_served_model_and_its_context_length(
     assert isinstance(card["created"], int)
 
 
+async def test_models_names_the_tokenizer_and_the_image_merge_size_for_the_client(
+    engine: LocalEngine, http: aiohttp.ClientSession
+) -> None:
+    from fsm_rollout.engine.probe import probe_engine
+
+    async with http.get(engine.url + "/v1/models") as response:
+        (card,) = (await response.json())["data"]
+    assert card["tokenizer"] == str(engine.model_dir.resolve())
+    assert card["image_merge_size"] == engine.image_merge_size == 2
+    (served,) = await probe_engine(engine.url) or []
+    assert (served.name, served.tokenizer, served.image_merge_size, served.max_model_len) == (
+        engine.served_model_name, card["tokenizer"], 2, MAX_MODEL_LEN)
+
+
 @pytest.mark.parametrize("case", ["render_text", "render_with_sampling"])
 async def test_render_answers_the_shape_vllm_answers(
     engine: LocalEngine, http: aiohttp.ClientSession, case: str
@@ -624,6 +638,62 @@ async def test_serve_command_prints_the_url_and_stops_on_sigterm() -> None:
         if process.returncode is None:
             process.kill()
             await process.wait()
+
+
+# -------------------------------------------------------------------- API key
+
+API_KEY = "test-key-0f1e2d"
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def keyed_engine() -> AsyncIterator[LocalEngine]:
+    async with LocalEngine(max_model_len=MAX_MODEL_LEN, torch_threads=1, api_key=API_KEY) as server:
+        yield server
+
+
+@pytest.mark.parametrize("path", [RENDER, GENERATE, ABORT, "/v1/models", "/no/such/path"])
+@pytest.mark.parametrize("authorization", [None, "Bearer wrong", API_KEY, f"Bearer {API_KEY}x"])
+async def test_a_keyed_engine_answers_401_to_a_request_without_the_key(
+    keyed_engine: LocalEngine, http: aiohttp.ClientSession, path: str, authorization: str | None
+) -> None:
+    headers = {} if authorization is None else {"Authorization": authorization}
+    method = http.get if path == "/v1/models" else http.post
+    async with method(keyed_engine.url + path, json={"messages": MESSAGES}, headers=headers) as response:
+        assert response.status == 401
+        assert await response.json() == {"error": "Unauthorized"}  # vLLM's body for a missing or wrong key
+
+
+async def test_a_keyed_engine_keeps_health_open_and_answers_the_key(
+    keyed_engine: LocalEngine, http: aiohttp.ClientSession
+) -> None:
+    assert keyed_engine.requires_api_key
+    async with http.get(keyed_engine.url + "/health") as response:
+        assert response.status == 200
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    async with http.get(keyed_engine.url + "/v1/models", headers=headers) as response:
+        assert response.status == 200
+    async with http.post(keyed_engine.url + RENDER, json={"messages": MESSAGES}, headers=headers) as response:
+        assert response.status == 200
+
+
+async def test_the_client_with_the_key_succeeds_and_without_it_gets_one_401(keyed_engine: LocalEngine) -> None:
+    from fsm_rollout.engine.probe import probe_engine
+    from fsm_rollout.errors import EngineHTTPError
+
+    body = {"model": keyed_engine.served_model_name, "messages": MESSAGES}
+    async with VLLMClient(keyed_engine.url, api_key=API_KEY) as client:
+        assert (await client.render(body)).token_ids
+    retry = RetryPolicy(max_attempts=4, base_delay_s=0.0)
+    for key in (None, "wrong"):
+        async with VLLMClient(keyed_engine.url, api_key=key, retry=retry) as client:
+            with pytest.raises(EngineHTTPError, match=r"answered HTTP 401 \(attempt 1\): Unauthorized$") as caught:
+                await client.render(body)
+        assert caught.value.status == 401
+        assert API_KEY not in str(caught.value)
+        with pytest.raises(EngineHTTPError, match=r"/v1/models answered HTTP 401: Unauthorized$"):
+            await probe_engine(keyed_engine.url, api_key=key)  # health answers; the model list needs the key
+    assert [model.name for model in await probe_engine(keyed_engine.url, api_key=API_KEY) or []] == [
+        keyed_engine.served_model_name]
 
 
 # -------------------------------------------------------------------- images

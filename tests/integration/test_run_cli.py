@@ -5,13 +5,17 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
+import subprocess
 import sys
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
-from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
+from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
 
 
@@ -24,18 +28,24 @@ def done_after_one_turn(prompt: str) -> dict[str, Any]:
     return {"prompt": prompt, "label": "1", "metadata": {"scripted_env": {"steps": [["ok", True]]}}}
 
 
-async def run_cli(server: FakeVLLMServer, tmp_path: Path, *extra: str, interrupt_after: int | None = None) -> Any:
+async def run_cli(
+    server: FakeVLLMServer,
+    tmp_path: Path,
+    *extra: str,
+    interrupt_after: int | None = None,
+    engine: tuple[str, ...] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Any:
+    """Run ``fsm-rollout run`` against ``server``; ``engine`` replaces the engine options (URL, model, tokenizer),
+    ``env`` is added to the environment (HF_HUB_OFFLINE=1 and no VLLM_API_KEY unless given)."""
+    if engine is None:
+        engine = ("--engine-url", server.url, "--model", "fake-model", "--tokenizer", str(qwen_tokenizer_dir()))
     command = [
         sys.executable,
         "-m",
         "fsm_rollout.cli",
         "run",
-        "--engine-url",
-        server.url,
-        "--model",
-        "fake-model",
-        "--tokenizer",
-        str(qwen_tokenizer_dir()),
+        *engine,
         "--env",
         "fsm_rollout.testing.envs",
         "--out",
@@ -50,7 +60,7 @@ async def run_cli(server: FakeVLLMServer, tmp_path: Path, *extra: str, interrupt
         *command,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        env=cli_env(env),
     )
     if interrupt_after is not None:
         for _ in range(3000):
@@ -60,6 +70,32 @@ async def run_cli(server: FakeVLLMServer, tmp_path: Path, *extra: str, interrupt
         process.send_signal(signal.SIGINT)
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
     return process.returncode, stdout.decode(), stderr.decode()
+
+
+def cli_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
+    environment = {name: value for name, value in os.environ.items() if name != "VLLM_API_KEY"}
+    return {**environment, "HF_HUB_OFFLINE": "1", **(extra or {})}
+
+
+async def run_command(*argv: str, env: Mapping[str, str] | None = None) -> tuple[int, str, str]:
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fsm_rollout.cli", *argv,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env(env),
+    )
+    stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=300)
+    assert process.returncode is not None
+    return process.returncode, stdout.decode(), stderr.decode()
+
+
+def one_error_line(stderr: str) -> str:
+    """The command's only stderr line, an ``error: ...`` (no traceback, no progress)."""
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), stderr
+    return lines[0]
+
+
+def names_in(directory: Path) -> list[str]:
+    return sorted(path.name for path in directory.iterdir())
 
 
 def results(tmp_path: Path) -> list[dict[str, Any]]:
@@ -180,3 +216,168 @@ def test_the_former_gc_flag_name_still_parses() -> None:
 
     assert build_parser().parse_args(["run", "--no-defer-full-gc"]).no_tune_gc is True
     assert build_parser().parse_args(["run"]).no_tune_gc is False
+
+
+# -------------------------------------------------------------------- checks before anything runs
+
+
+async def test_a_negative_budget_exits_2_before_the_engine_starts(tmp_path: Path) -> None:
+    code, stdout, stderr = await run_command("run", "--max-new-tokens", "-5", "--out", str(tmp_path / "r.jsonl"),
+                                             "--trace", str(tmp_path / "t.jsonl"))
+    assert code == 2
+    assert one_error_line(stderr) == "error: --max-new-tokens -5: max_new_tokens must be at least 1"
+    assert stdout == ""
+    assert names_in(tmp_path) == []  # no results, no trace
+
+
+def closed_port_url() -> str:
+    with socket.socket() as probe:  # a port that was free a moment ago, and nothing listens on it now
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return f"http://127.0.0.1:{port}"
+
+
+async def test_nothing_listening_at_the_engine_url_exits_2_with_one_line(
+    fake_vllm: FakeVLLMServer, tmp_path: Path
+) -> None:
+    url = closed_port_url()
+    data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q"))
+    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet",
+                                    engine=("--engine-url", fake_vllm.url, "--engine-url", url, "--model",
+                                            "fake-model", "--tokenizer", str(qwen_tokenizer_dir())))
+    assert code == 2
+    line = one_error_line(stderr)
+    assert line.startswith(f"error: no engine answers at {url} (GET {url}/health failed: ")
+    assert line.endswith("start it or check --engine-url")
+    assert not (tmp_path / "results.jsonl").exists()
+    assert fake_vllm.requests_to(RENDER_PATH) == []
+
+
+async def test_failed_samples_print_their_distinct_errors_under_the_summary(
+    fake_vllm: FakeVLLMServer, tmp_path: Path
+) -> None:
+    fake_vllm.fail_next(RENDER_PATH, status=400, times=3)
+    fake_vllm.script([ScriptedTurn(text="one")])
+    data = dataset(tmp_path / "d.jsonl", *(done_after_one_turn(f"q{i}") for i in range(4)))
+    code, stdout, _ = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--concurrency", "1")
+    assert code == 1
+    lines = stdout.splitlines()
+    errors_at = lines.index("errors (3 failed sample(s), 1 distinct)")
+    assert lines[errors_at - 1].split() == ["error", "3"]  # under the reason counts
+    assert lines[errors_at + 1:] == [
+        f"     3 x EngineHTTPError: POST {fake_vllm.url}{RENDER_PATH} answered HTTP 400 (attempt 1): "
+        "fake vLLM: injected fault (400)",
+        f"results: {tmp_path / 'results.jsonl'}   trace: {tmp_path / 'trace.jsonl'}",
+    ]
+
+
+# -------------------------------------------------------------------- what the engine says
+
+
+async def test_the_model_name_comes_from_the_engine(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
+    fake_vllm.script([ScriptedTurn(text="one")])
+    data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q"))
+    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet",
+                                    engine=("--engine-url", fake_vllm.url, "--tokenizer", str(qwen_tokenizer_dir())))
+    assert code == 0, stderr
+    assert results(tmp_path)[0]["status"] == "completed"
+    assert {request.body["model"] for request in fake_vllm.requests_to(RENDER_PATH)} == {"fake-model"}
+
+
+async def test_a_model_the_engine_does_not_serve_exits_2_naming_what_it_serves(
+    fake_vllm: FakeVLLMServer, tmp_path: Path
+) -> None:
+    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--quiet", engine=(
+        "--engine-url", fake_vllm.url, "--model", "other", "--tokenizer", str(qwen_tokenizer_dir())))
+    assert code == 2
+    assert one_error_line(stderr) == (
+        f"error: --model 'other': the engine at {fake_vllm.url} serves 'fake-model', not 'other'")
+
+
+async def test_a_tokenizer_that_is_not_local_fails_at_once_naming_the_flag(
+    fake_vllm: FakeVLLMServer, tmp_path: Path
+) -> None:
+    # The fake server's model card names "fake-model" as its model path: no directory, not cached, hub offline.
+    code, stdout, stderr = await run_cli(fake_vllm, tmp_path, "--quiet", engine=("--engine-url", fake_vllm.url))
+    assert code == 2
+    assert one_error_line(stderr) == (
+        f"error: the model path that {fake_vllm.url} names 'fake-model' is neither a local directory nor in the "
+        "Hugging Face cache, and the hub is offline (HF_HUB_OFFLINE): pass --tokenizer DIR")
+    assert stdout == ""
+    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--quiet", engine=(
+        "--engine-url", fake_vllm.url, "--tokenizer", str(tmp_path / "no-such-dir")))
+    assert code == 2
+    assert one_error_line(stderr) == (
+        f"error: --tokenizer {str(tmp_path / 'no-such-dir')!r} is not a tokenizer directory: pass --tokenizer DIR")
+
+
+# -------------------------------------------------------------------- the API key
+
+SECRET = "sk-test-9f8e7d6c5b4a"
+
+
+def files_holding(directory: Path, text: str) -> list[str]:
+    return sorted(path.name for path in directory.rglob("*") if path.is_file() and text.encode() in path.read_bytes())
+
+
+async def test_the_api_key_is_sent_but_never_printed_or_written(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
+    fake_vllm.fail_next(RENDER_PATH, status=401)  # one sample's request is refused
+    fake_vllm.script([ScriptedTurn(text="one")])
+    data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q0"), done_after_one_turn("q1"))
+    code, stdout, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--record",
+                                         "--concurrency", "1", env={"VLLM_API_KEY": SECRET})
+    assert code == 1, stderr
+    assert sorted(row["status"] for row in results(tmp_path)) == ["completed", "failed"]
+    assert "answered HTTP 401" in stdout
+    assert {request.headers.get("Authorization") for request in fake_vllm.requests} == {f"Bearer {SECRET}"}
+    assert SECRET not in stdout + stderr
+    assert names_in(tmp_path) == ["d.jsonl", "results.jsonl", "trace.jsonl", "trace.tape.jsonl"]
+    assert files_holding(tmp_path, SECRET) == []
+
+
+@pytest.fixture(scope="module")
+def keyed_serve() -> Iterator[str]:
+    """``fsm-rollout serve`` with an API key (from VLLM_API_KEY, as vLLM reads it); yields its URL."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "fsm_rollout.cli", "serve", "--port", "0", "--max-model-len", "2048"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env({"VLLM_API_KEY": SECRET}), text=True,
+    )
+    try:
+        assert process.stdout is not None
+        url = process.stdout.readline().strip()  # printed once the engine answers; empty if it died
+        assert url.startswith("http://"), process.stderr.read() if process.stderr else ""
+        yield url
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+async def test_run_against_a_keyed_serve_needs_only_the_url_and_the_key(keyed_serve: str, tmp_path: Path) -> None:
+    # The demo has images: the tokenizer and the merge size come from the engine's /v1/models.
+    code, stdout, stderr = await run_command(
+        "run", "--engine-url", keyed_serve, "--api-key", SECRET, "--limit", "2", "--max-new-tokens", "8", "--quiet",
+        "--out", str(tmp_path / "results.jsonl"), "--trace", str(tmp_path / "trace.jsonl"), "--record")
+    assert code == 0, stderr
+    rows = results(tmp_path)
+    assert {row["status"] for row in rows} <= {"completed", "truncated"}
+    assert all(row["multimodal_train_inputs"]["image_grid_thw"]["shape"] == [1, 3] for row in rows)
+    assert "2/2 samples" in stdout
+    assert SECRET not in stdout + stderr
+    assert files_holding(tmp_path, SECRET) == []
+
+
+async def test_run_against_a_keyed_serve_without_the_right_key_exits_2_clearly(
+    keyed_serve: str, tmp_path: Path
+) -> None:
+    out = ("--out", str(tmp_path / "results.jsonl"), "--trace", str(tmp_path / "trace.jsonl"), "--quiet")
+    code, stdout, stderr = await run_command("run", "--engine-url", keyed_serve, *out)
+    assert code == 2
+    assert one_error_line(stderr) == (
+        f"error: GET {keyed_serve}/v1/models answered HTTP 401: Unauthorized; the engine needs an API key: "
+        "pass --api-key or set $VLLM_API_KEY")
+    wrong = SECRET[:-1]  # a near miss must not be printed either
+    code, stdout, stderr = await run_command("run", "--engine-url", keyed_serve, "--api-key", wrong, *out)
+    assert code == 2
+    assert one_error_line(stderr).endswith("Unauthorized; the API key was refused: check --api-key (or $VLLM_API_KEY)")
+    assert wrong not in stdout + stderr
+    assert names_in(tmp_path) == []

@@ -6,13 +6,15 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from fsm_rollout.cli import SUBCOMMANDS, build_parser
+from fsm_rollout.cli import SUBCOMMANDS, build_parser, main
 from fsm_rollout.cli.bench import settings as bench_settings
 from fsm_rollout.cli.bench.params import Settings
-from fsm_rollout.cli.run import build_config
+from fsm_rollout.cli.run import build_config, error_lines
+from fsm_rollout.sample import Sample, Status
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fsm_rollout"
 
@@ -88,3 +90,59 @@ def test_help_shows_defaults_but_not_empty_ones(
                 "replay": ["Exit codes:"], "inspect": ["Exit codes:"], "diagram": ["Exit codes:"]}[command]
     for text in expected:
         assert text in out, text
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (("--max-new-tokens", "-5"), "--max-new-tokens -5: max_new_tokens must be at least 1"),
+        (("--max-new-tokens", "0"), "--max-new-tokens 0: max_new_tokens must be at least 1"),
+        (("--max-turns", "0"), "--max-turns 0: max_turns must be at least 1"),
+        (("--max-context-len", "-1"), "--max-context-len -1: max_context_len must be at least 1"),
+        (("--concurrency", "0"), "--concurrency 0: concurrency must be at least 1"),
+        (("--limit", "-2"), "--limit -2: limit must be 0 or more"),
+        (("--temperature", "-0.5"), "--temperature -0.5: temperature must be a number >= 0"),
+        (("--temperature", "inf"), "--temperature inf: temperature must be a number >= 0"),
+        (("--top-p", "0"), "--top-p 0: top_p must be in (0, 1]"),
+        (("--top-p", "1.5"), "--top-p 1.5: top_p must be in (0, 1]"),
+        (("--top-p", "nan"), "--top-p nan: top_p must be in (0, 1]"),
+        (("--image-merge-size", "0"), "--image-merge-size 0: image_merge_size must be at least 1"),
+        (("--loop-slice-ms", "-1"),
+         "--loop-slice-ms -1: loop_slice_ms must be a positive number of milliseconds, or 0 to turn pacing off"),
+        (("--engine-url", "localhost:8000"),
+         "--engine-url localhost:8000: engine_url must be an http(s) URL such as http://127.0.0.1:8000"),
+        (("--record",), "--record needs --trace (the tape is written beside the trace)"),
+    ],
+)
+def test_run_refuses_a_bad_option_in_one_line_before_starting_anything(
+    argv: tuple[str, ...], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    def started(args: Any) -> int:
+        raise AssertionError("the run started")
+
+    monkeypatch.setattr("fsm_rollout.cli.run._run", started)
+    assert main(["run", *argv, "--out", str(tmp_path / "r.jsonl")]) == 2
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", f"error: {message}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def failed(kind: str, message: str) -> Sample:
+    sample = Sample(prompt="q", status=Status.FAILED)
+    sample.metadata = {"rollout_error": {"type": kind, "message": message, "state": None, "trigger": None}}
+    return sample
+
+
+def test_the_error_lines_count_distinct_errors_most_frequent_first() -> None:
+    samples = [failed("EngineHTTPError", "HTTP 500\ndetails"), Sample(prompt="q", status=Status.COMPLETED),
+               failed("ConfigError", "bad"), failed("EngineHTTPError", "HTTP 500\nother details")]
+    assert error_lines(samples) == [
+        "errors (3 failed sample(s), 2 distinct)",
+        "     2 x EngineHTTPError: HTTP 500",
+        "     1 x ConfigError: bad",
+    ]
+    many = [failed("E", f"message {number}") for number in range(7)]
+    lines = error_lines(many, limit=5)
+    assert len(lines) == 7 and lines[-1].startswith("  ... 2 more distinct error(s)")
+    assert error_lines([Sample(prompt="q", status=Status.TRUNCATED)]) == []

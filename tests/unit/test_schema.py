@@ -22,12 +22,15 @@ from fsm_rollout.engine.schema import (
     coerce_flat_int_token_ids,
     decode_json_object,
     error_body,
+    error_message,
     generate_request_id,
     is_int,
     is_int_list,
     is_number,
     is_token_id_list,
+    model_list,
     parse_generate_response,
+    parse_model_list,
     render_messages,
     request_sampling_params,
     request_token_ids,
@@ -230,3 +233,30 @@ def test_render_messages_errors_name_the_message() -> None:
     # The fake server did not say which message; the engine's message, which does, is kept.
     error = _refused(render_messages, {"messages": [*messages, {"content": "no role"}]})
     assert error.message == "messages[1]: every message must be an object with a string 'role'"
+
+
+def test_a_model_list_parses_with_the_embedded_engines_extra_fields_and_without() -> None:
+    from fsm_rollout.types import ServedModel
+
+    ours = model_list("m", root="/models/m", max_model_len=512, tokenizer="/models/m", image_merge_size=2)
+    vllm = model_list("m", root="/models/m", max_model_len=512)
+    assert "tokenizer" not in vllm["data"][0] and "image_merge_size" not in vllm["data"][0]
+    assert parse_model_list(ours) == [ServedModel(name="m", root="/models/m", max_model_len=512,
+                                                  tokenizer="/models/m", image_merge_size=2)]
+    assert parse_model_list(vllm) == [ServedModel(name="m", root="/models/m", max_model_len=512)]
+    # Optional fields of the wrong type are dropped: they only fill in defaults the caller can give itself.
+    assert parse_model_list({"data": [{"id": "m", "image_merge_size": True, "tokenizer": 3}]}) == [
+        ServedModel(name="m")]
+
+
+@pytest.mark.parametrize("answer", [[], {"data": {}}, {"data": [{"id": ""}]}, {"data": [{"root": "x"}]}])
+def test_a_model_list_of_the_wrong_shape_is_a_model_list_error(answer: Any) -> None:
+    from fsm_rollout.errors import ModelListError
+
+    with pytest.raises(ModelListError, match="GET /v1/models"):
+        parse_model_list(answer)
+
+
+def test_the_error_message_of_vllms_api_key_answer_is_its_string() -> None:
+    assert error_message({"error": "Unauthorized"}) == "Unauthorized"
+    assert error_message(error_body(400, "bad")) == "bad"

@@ -9,15 +9,19 @@ Endpoints, with vLLM's request and response shapes (``vllm serve --enable-scale-
   → generated token ids with processed logprobs (non-streaming);
 * ``POST /inference/v1/abort_requests``: ``{"request_ids": [...]}`` ends those generations with
   ``finish_reason="abort"``;
-* ``GET /health`` and ``GET /v1/models``.
+* ``GET /health`` and ``GET /v1/models`` (whose model card also names the tokenizer directory and the image
+  merge size, so that a client needs neither flag).
 
 Invalid requests get vLLM's error body ``{"error": {"message", "type", "param", "code"}}`` (400, or 404 for another
-model name). All model and tokenizer work runs on the scheduler's worker thread, never on the event loop.
+model name). With an API key, every request but ``GET /health`` needs ``Authorization: Bearer <key>`` and is
+otherwise answered 401 ``{"error": "Unauthorized"}``, as vLLM's ``--api-key`` check answers. All model and
+tokenizer work runs on the scheduler's worker thread, never on the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import pathlib
 import time
@@ -34,6 +38,7 @@ from fsm_rollout.engine.local.images import IMAGE_MERGE_SIZE, IMAGE_PAD_TOKEN
 from fsm_rollout.engine.local.protocol import RenderInput, parse_generate, parse_render
 from fsm_rollout.engine.local.scheduler import GenerateJob, GenerationOutcome, Scheduler
 from fsm_rollout.engine.schema import (
+    HEALTH_PATH,
     GenerateAnswer,
     GenerateChoice,
     LogprobEntry,
@@ -75,7 +80,8 @@ class LocalEngine:
     (built on first use); otherwise any local Hugging Face causal-LM directory with a tokenizer (and a chat
     template for render). ``served_model_name`` defaults to ``tiny-qwen2-v1`` or to ``model_dir`` as given, as vLLM
     names a model after its ``--model`` argument. ``max_model_len`` defaults to the config's context length.
-    ``port=0`` picks a free port. See :mod:`fsm_rollout.engine.local.scheduler` for ``max_num_seqs``.
+    ``port=0`` picks a free port. See :mod:`fsm_rollout.engine.local.scheduler` for ``max_num_seqs``. ``api_key``
+    (None: no check) is the key every request but ``GET /health`` must send as ``Authorization: Bearer <key>``.
 
     ``torch_threads`` is applied with ``torch.set_num_threads`` on the worker thread, which changes torch's
     process-wide default (threads that already ran torch ops keep theirs); None leaves torch's setting alone. The
@@ -107,6 +113,7 @@ class LocalEngine:
         max_num_seqs: int = 8,
         torch_threads: int | None = 1,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        api_key: str | None = None,
     ) -> None:
         if max_model_len is not None and max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -124,6 +131,7 @@ class LocalEngine:
         self._max_num_seqs = max_num_seqs
         self._torch_threads = torch_threads
         self._max_request_bytes = max_request_bytes
+        self._authorization = None if not api_key else f"Bearer {api_key}".encode()
         self._loaded: LoadedModel | None = None
         self._images: ImageSupport | None = None
         self._scheduler: Scheduler | None = None
@@ -166,6 +174,11 @@ class LocalEngine:
         return IMAGE_MERGE_SIZE
 
     @property
+    def requires_api_key(self) -> bool:
+        """Whether requests (but ``GET /health``) must carry the API key."""
+        return self._authorization is not None
+
+    @property
     def image_placeholder_token(self) -> str:
         """The image placeholder token render expands (``<|image_pad|>``, ``RolloutConfig``'s default)."""
         return IMAGE_PAD_TOKEN
@@ -191,7 +204,7 @@ class LocalEngine:
                 host=self.host,
                 port=self.port,
                 client_max_size=self._max_request_bytes,
-                middlewares=[self._errors_as_vllm],
+                middlewares=[self._check_api_key, self._errors_as_vllm],
                 shutdown_timeout=2.0,
             )
         except BaseException:
@@ -248,6 +261,17 @@ class LocalEngine:
     # ---------------------------------------------------------------- middleware
 
     @web.middleware
+    async def _check_api_key(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if self._authorization is None or request.path == HEALTH_PATH:  # health stays open, as in vLLM
+            return await handler(request)
+        sent = request.headers.get("Authorization", "").encode()
+        if not hmac.compare_digest(sent, self._authorization):  # constant time: the key is not guessable by timing
+            return json_response({"error": "Unauthorized"}, status=401)  # vLLM's body for a missing or wrong key
+        return await handler(request)
+
+    @web.middleware
     async def _errors_as_vllm(
         self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
     ) -> web.StreamResponse:
@@ -275,7 +299,14 @@ class LocalEngine:
     async def _handle_models(self, request: web.Request) -> web.StreamResponse:
         loaded = self._require_loaded()
         return json_response(
-            model_list(self.served_model_name, root=str(loaded.model_dir), max_model_len=loaded.max_model_len)
+            model_list(
+                self.served_model_name,
+                root=str(loaded.model_dir),
+                max_model_len=loaded.max_model_len,
+                # load_model reads the tokenizer from the model directory; absolute: the client's cwd may differ
+                tokenizer=str(loaded.model_dir.resolve()),
+                image_merge_size=self.image_merge_size,
+            )
         )
 
     async def _handle_render(self, request: web.Request) -> web.StreamResponse:

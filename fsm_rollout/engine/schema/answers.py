@@ -22,8 +22,14 @@ from fsm_rollout.engine.schema.wire import (
     is_number,
     is_token_id_list,
 )
-from fsm_rollout.errors import GenerationError, MalformedRenderError, MalformedTokensError, RenderError
-from fsm_rollout.types import Finish, GeneratedTurn, RenderedPrompt, TokenIds, TurnMeta
+from fsm_rollout.errors import (
+    GenerationError,
+    MalformedRenderError,
+    MalformedTokensError,
+    ModelListError,
+    RenderError,
+)
+from fsm_rollout.types import Finish, GeneratedTurn, RenderedPrompt, ServedModel, TokenIds, TurnMeta
 
 
 def coerce_flat_int_token_ids(value: Any) -> TokenIds:
@@ -248,12 +254,48 @@ def parse_generate_response(output: Any, request_id: str) -> GeneratedTurn:
     return GeneratedTurn(request_id=request_id, finish=finish, token_ids=token_ids, logprobs=logprobs, meta=meta)
 
 
+def parse_model_list(data: Any) -> list[ServedModel]:
+    """The models of a ``GET /v1/models`` answer (``{"data": [{"id", ...}, ...]}``), in the order listed.
+
+    Every card needs a string ``id``; the other fields are kept when they have the right type and dropped otherwise
+    (they only fill in defaults the caller can also give itself).
+    """
+    cards = data.get("data") if isinstance(data, dict) else None
+    if not isinstance(cards, list):
+        raise ModelListError(f"GET /v1/models must answer {{'data': [...]}}, got {_preview(data)}")
+    models: list[ServedModel] = []
+    for card in cards:
+        if not isinstance(card, dict) or not isinstance(card.get("id"), str) or not card["id"]:
+            raise ModelListError(f"GET /v1/models lists a model without a string id: {_preview(card)}")
+        models.append(
+            ServedModel(
+                name=card["id"],
+                root=_optional_str(card.get("root")),
+                max_model_len=_optional_positive_int(card.get("max_model_len")),
+                tokenizer=_optional_str(card.get("tokenizer")),
+                image_merge_size=_optional_positive_int(card.get("image_merge_size")),
+            )
+        )
+    return models
+
+
+def _optional_str(value: Any) -> str | None:
+    return value if isinstance(value, str) and value else None
+
+
+def _optional_positive_int(value: Any) -> int | None:
+    return value if is_int(value) and value > 0 else None
+
+
 def error_message(body: Any) -> str:
-    """The human message of a vLLM/OpenAI error body (``{"error": {"message"}}`` or ``{"message"}``)."""
+    """The human message of a vLLM/OpenAI error body (``{"error": {"message"}}``, ``{"error": "..."}`` as vLLM's
+    API-key check answers, or ``{"message"}``)."""
     if isinstance(body, dict):
         error = body.get("error")
         if isinstance(error, dict) and isinstance(error.get("message"), str):
             return str(error["message"])
+        if isinstance(error, str):
+            return error
         if isinstance(body.get("message"), str):
             return str(body["message"])
         if isinstance(body.get("detail"), str):

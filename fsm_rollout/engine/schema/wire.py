@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from http import HTTPStatus
-from typing import Any, Final, TypedDict, TypeGuard, get_args
+from typing import Any, Final, NotRequired, TypedDict, TypeGuard, get_args
 
 from fsm_rollout.types import Finish
 
@@ -207,7 +207,11 @@ class ErrorBody(TypedDict):
 
 
 class ModelCard(TypedDict):
-    """One served model in ``GET /v1/models``."""
+    """One served model in ``GET /v1/models``.
+
+    ``tokenizer`` and ``image_merge_size`` are the embedded engine's additions, so that a client can take them from
+    the engine instead of its flags; a real vLLM sends neither (its ``root`` is the model path it loaded).
+    """
 
     id: str
     object: str
@@ -216,6 +220,8 @@ class ModelCard(TypedDict):
     root: str
     parent: str | None
     max_model_len: int
+    tokenizer: NotRequired[str]
+    image_merge_size: NotRequired[int]
 
 
 class ModelList(TypedDict):
@@ -240,8 +246,11 @@ def weight_version_spans(version: str, token_count: int) -> list[WeightVersionSp
     return [{"version": version, "start": 0, "end": token_count}] if token_count else []
 
 
-def model_list(name: str, *, root: str, max_model_len: int) -> ModelList:
-    """The ``GET /v1/models`` answer of a server with one model."""
+def model_list(
+    name: str, *, root: str, max_model_len: int, tokenizer: str | None = None, image_merge_size: int | None = None
+) -> ModelList:
+    """The ``GET /v1/models`` answer of a server with one model (``tokenizer`` and ``image_merge_size`` only when
+    given: see :class:`ModelCard`)."""
     card: ModelCard = {
         "id": name,
         "object": "model",
@@ -251,6 +260,10 @@ def model_list(name: str, *, root: str, max_model_len: int) -> ModelList:
         "parent": None,
         "max_model_len": max_model_len,
     }
+    if tokenizer is not None:
+        card["tokenizer"] = tokenizer
+    if image_merge_size is not None:
+        card["image_merge_size"] = image_merge_size
     return {"object": "list", "data": [card]}
 
 
