@@ -25,4 +25,4 @@ __all__ = [
     "capture_transitions",
     "get_tracer",
 ]
-__version__ = "0.1.0"
+__version__ = "0.2.0"

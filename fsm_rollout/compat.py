@@ -60,7 +60,7 @@ def _client_for(config: RolloutConfig) -> VLLMClient:
     clients = _CLIENTS.get(loop)
     if clients is None:
         clients = _CLIENTS[loop] = {}
-        at_loop_shutdown(close_clients)  # trainers seldom call close_clients(): close them with their loop
+        at_loop_shutdown(_close_at_shutdown)  # trainers seldom call close_clients(): close them with their loop
     client = clients.get(config.engine_url)
     if client is None:
         client = VLLMClient.from_config(config)
@@ -75,8 +75,18 @@ async def close_clients() -> None:
     interpreter exit if it is still open (see :mod:`fsm_rollout.loop_shutdown`). Call it before closing a loop by
     hand without ``loop.shutdown_asyncgens()``.
     """
-    for client in _CLIENTS.pop(asyncio.get_running_loop(), {}).values():
+    # The loop keeps its (now empty) entry: its shutdown hook is registered once, however often this is called.
+    clients = _CLIENTS.get(asyncio.get_running_loop(), {})
+    opened = list(clients.values())
+    clients.clear()
+    for client in opened:
         await client.close()
+
+
+async def _close_at_shutdown() -> None:
+    """The loop is shutting down: close its clients and forget it."""
+    await close_clients()
+    _CLIENTS.pop(asyncio.get_running_loop(), None)
 
 
 def _to_library_sample(foreign: Any) -> Sample:

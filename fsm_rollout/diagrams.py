@@ -225,7 +225,7 @@ def match_edge(event: Mapping[str, Any], transitions: Sequence[lifecycle.Edge]) 
 def build_overlay(events: Iterable[Mapping[str, Any]], sample: str | None = None) -> Overlay:
     """Summarise transition events (in the order they happened) on the current transition table.
 
-    Samples are counted by rollout (``rollout_id``, or the sample id in traces without one), so a sample index
+    Samples are counted by rollout (``rollout_uid``, or the sample id in traces without one), so a sample index
     that ran several times counts once per run. ``sample`` (compared with ``str(event["sample_id"])``) selects a
     sample whose path is highlighted (its first run); raises :class:`DiagramError` if the events hold no transition
     of it. Events without a ``sample_id``, ``trigger``, ``src`` or ``dst`` are skipped.
@@ -239,13 +239,15 @@ def build_overlay(events: Iterable[Mapping[str, Any]], sample: str | None = None
     sample_states: set[str] = set()
     path_lengths: Counter[str] = Counter()
     highlighted: str | None = None  # the run of ``sample`` that is highlighted
+    sample_ids: set[str] = set()
     unmatched: Counter[tuple[str, str, str]] = Counter()
     for event in events:
         sample_id, trigger, src, dst = (event.get(key) for key in ("sample_id", "trigger", "src", "dst"))
         if sample_id is None or not all(isinstance(value, str) for value in (trigger, src, dst)):
             continue
-        rollout_id = event.get("rollout_id")
-        sid = str(rollout_id) if isinstance(rollout_id, str) else str(sample_id)
+        rollout_uid = event.get("rollout_uid")
+        sid = str(rollout_uid) if isinstance(rollout_uid, str) else str(sample_id)
+        sample_ids.add(str(sample_id))
         if highlighted is None and str(sample_id) == sample:
             highlighted = sid
         path_lengths[sid] += 1
@@ -267,9 +269,9 @@ def build_overlay(events: Iterable[Mapping[str, Any]], sample: str | None = None
             if index is not None:
                 sample_steps.setdefault(index, []).append(path_lengths[sid])
     if sample is not None and highlighted is None:
-        known = ", ".join(sorted(path_lengths)[:5]) or "none"
+        known = ", ".join(sorted(sample_ids)[:5]) or "none"
         raise DiagramError(
-            f"sample {sample!r} has no transitions in the trace ({len(path_lengths)} samples there, e.g. {known})"
+            f"sample {sample!r} has no transitions in the trace ({len(sample_ids)} samples there, e.g. {known})"
         )
     return Overlay(
         total_samples=len(path_lengths),

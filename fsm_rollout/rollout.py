@@ -153,7 +153,7 @@ class Rollout:
         """How traces, tapes and errors name this sample."""
         self.request_prefix = request_prefix if request_prefix is not None else default_request_prefix(sample)
         """Generate request ids are ``<request_prefix>-turn<N>``."""
-        self.rollout_id = uuid.uuid4().hex[:16]
+        self.rollout_uid = uuid.uuid4().hex[:16]
         """Unique to this rollout (a sample index may repeat across a trainer's steps): traces and tapes carry it."""
 
         self.state: str = lifecycle.INITIAL
@@ -610,7 +610,7 @@ class Rollout:
                 return self.sample
         self._running = True
         context = bind_contextvars(sample_id=self.sample_id, session_id=self.sample.session_id,
-                                   rollout_id=self.rollout_id)
+                                   rollout_uid=self.rollout_uid)
         tuning_gc = self.config.tune_gc
         if tuning_gc:
             gc_policy.rollout_started()
@@ -639,7 +639,7 @@ class Rollout:
             self._inflight.cancel()
         elif not self._running:
             context = bind_contextvars(sample_id=self.sample_id, session_id=self.sample.session_id,
-                                       rollout_id=self.rollout_id)
+                                       rollout_uid=self.rollout_uid)
             try:
                 self._fire("abort")
             except Exception as error:

@@ -268,17 +268,19 @@ class RolloutRunner:
         return prepared
 
     def _unbuildable(self, sample: Sample, error: Exception) -> Sample:
-        """A sample whose rollout could not be built ends ``failed`` with the error (its data is left as it was).
+        """A pending sample whose rollout could not be built ends ``failed`` with the error recorded (its data is
+        left as it was), and counts as failed in the metrics.
 
-        A sample that was not pending (already run, say) keeps its status: it is not this batch's to end.
+        A sample that was not pending (already run, say) is not this batch's to end: its status and reason stay as
+        they were and it is not counted; the error is noted under ``metadata["rollout_error"]``.
         """
-        sample.metadata = {
-            **(sample.metadata if isinstance(sample.metadata, dict) else {}),
-            "rollout_error": {"type": type(error).__name__, "message": str(error), "state": None, "trigger": None},
-            "rollout_reason": "error",
-        }
-        if sample.status == Status.PENDING:
-            sample.status = Status.FAILED
+        described = {"type": type(error).__name__, "message": str(error), "state": None, "trigger": None}
+        metadata = dict(sample.metadata) if isinstance(sample.metadata, Mapping) else {}
+        if sample.status != Status.PENDING:
+            sample.metadata = {**metadata, "rollout_error": described}
+            return sample
+        sample.metadata = {**metadata, "rollout_error": described, "rollout_reason": "error"}
+        sample.status = Status.FAILED
         self._metrics.statuses["failed"] += 1
         self._metrics.reasons["error"] += 1
         self._metrics.done += 1

@@ -7,7 +7,7 @@ Schema (``schema`` = :data:`TRACE_SCHEMA_VERSION`), one object per line:
 ``ts``               wall-clock time of the transition, seconds since the epoch (float)
 ``sample_id``        the sample's id (its ``index`` when set, else a generated id)
 ``session_id``       the sample's session id (``x-session-id``), or null
-``rollout_id``       unique to one rollout of the sample (an index reused across steps gets a new one)
+``rollout_uid``       unique to one rollout of the sample (an index reused across steps gets a new one)
 ``trigger``          the event fired: ``render``, ``generate``, ``step``, ``observe``, ``abort``, ``fail``
 ``src`` / ``dst``    states before and after
 ``turn``             0-based turn index when the transition fired
@@ -20,7 +20,7 @@ payload summaries    ``prompt_tokens`` and ``image_hashes`` (render; one ``sha25
                      ``eos_inserted`` (step), ``observation_tokens`` (generate from observing),
                      ``error_type``/``error`` and ``failed_trigger`` (fail)
 
-Never raw images or whole token arrays. Per-sample keys (``sample_id``, ``session_id``, ``rollout_id``) are bound
+Never raw images or whole token arrays. Per-sample keys (``sample_id``, ``session_id``, ``rollout_uid``) are bound
 as structlog contextvars in the task that drives the sample, so the user's own structlog lines inside environment
 code carry them too. Tracing never configures structlog globally.
 """

@@ -332,8 +332,8 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _record_for(path: TracedPath, records: Sequence[TapeSample], index: int) -> TapeSample | None:
-    if path.rollout_id is not None:  # the exact record of this run
-        return next((record for record in records if record.rollout_id == path.rollout_id), None)
+    if path.rollout_uid is not None:  # the exact record of this run
+        return next((record for record in records if record.rollout_uid == path.rollout_uid), None)
     triples = path.triples()
     for record in records:
         if [(e.get("src"), e.get("trigger"), e.get("dst")) for e in record.transitions] == triples:

@@ -21,6 +21,15 @@ from fsm_rollout.engine.transport import AiohttpTransport, Transport
 from fsm_rollout.errors import GenerationError, RenderError
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt
 
+_HTTP_DEFAULTS: dict[str, Any] = {
+    "connect_timeout_s": 10.0,
+    "request_timeout_s": 600.0,
+    "retry": None,
+    "max_connections": 0,
+    "session": None,
+    "api_key": None,
+}
+
 
 class VLLMClient:
     """Client of one vLLM server (or router) speaking the token-in/token-out endpoints over a transport.
@@ -44,18 +53,23 @@ class VLLMClient:
         session: aiohttp.ClientSession | None = None,
         api_key: str | None = None,
     ) -> None:
+        options: dict[str, Any] = {
+            "connect_timeout_s": connect_timeout_s,
+            "request_timeout_s": request_timeout_s,
+            "retry": retry,
+            "max_connections": max_connections,
+            "session": session,
+            "api_key": api_key,
+        }
         if transport is None:
             if base_url is None:
                 raise TypeError("VLLMClient needs a base_url or a transport")
-            transport = AiohttpTransport(
-                base_url,
-                connect_timeout_s=connect_timeout_s,
-                request_timeout_s=request_timeout_s,
-                retry=retry,
-                max_connections=max_connections,
-                session=session,
-                api_key=api_key,
-            )
+            transport = AiohttpTransport(base_url, **options)
+        else:  # HTTP options beside a transport would be silently ignored (a key, a retry policy): refuse them
+            given = sorted(name for name, value in options.items() if value != _HTTP_DEFAULTS[name])
+            if given:
+                raise TypeError(f"VLLMClient(transport=...) takes no HTTP options ({', '.join(given)}): give them "
+                                "to the transport")
         self.transport: Transport = transport
 
     @classmethod

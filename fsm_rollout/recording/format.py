@@ -18,7 +18,7 @@ Format: JSON lines, schema :data:`TAPE_SCHEMA_VERSION`. Three kinds of line:
 ``{"kind": "sample", "schema": 2, "run": ID, ...}``
     one finished rollout:
 
-    ``sample_id``, ``session_id``, ``rollout_id``,      identity (``rollout_id`` is unique per rollout, from
+    ``sample_id``, ``session_id``, ``rollout_uid``,     identity (``rollout_uid`` is unique per rollout, from
     ``request_prefix``                                  schema 2); the prefix makes generate request ids
     ``started``, ``ended``                              wall-clock seconds
     ``config``, ``sampling_params``                     the ``RolloutConfig`` fields and the sampling parameters

@@ -89,7 +89,7 @@ class TapeSample:
     tokenizer: dict[str, Any]
     processor_merge_size: int | None
     run: str | None = None
-    rollout_id: str | None = None
+    rollout_uid: str | None = None
     """Unique to the rollout (schema 2; None in older tapes)."""
 
     @property
@@ -182,6 +182,17 @@ class TapeFile:
         """Blob references in ``value`` that the tape does not hold."""
         return [digest for digest in _blob_refs(value) if digest not in self.blobs]
 
+    def damaged_blobs(self, value: Any) -> list[tuple[str, str]]:
+        """Blob references in ``value`` whose stored (packed) form does not unpack, with the reason."""
+        damaged = []
+        for digest in _blob_refs(value):
+            if digest in self.blobs:
+                try:
+                    self.blobs[digest]
+                except RecordingFormatError as error:
+                    damaged.append((digest, str(error)))
+        return damaged
+
 
 def _blob_refs(value: Any) -> Iterator[str]:
     if isinstance(value, dict):
@@ -259,7 +270,7 @@ def _tape_sample(number: int, row: dict[str, Any]) -> TapeSample | str:
         tokenizer=tokenizer if isinstance(tokenizer, dict) else {},
         processor_merge_size=merge if isinstance(merge, int) and not isinstance(merge, bool) else None,
         run=_str_or_none(row.get("run")),
-        rollout_id=_str_or_none(row.get("rollout_id")),
+        rollout_uid=_str_or_none(row.get("rollout_uid")),
     )
 
 

@@ -160,7 +160,7 @@ class SampleRecorder(RolloutHooks):
             "run": self._writer.run_id,
             "sample_id": rollout.sample_id,
             "session_id": sample.session_id,
-            "rollout_id": rollout.rollout_id,
+            "rollout_uid": rollout.rollout_uid,
             "request_prefix": rollout.request_prefix,
             "started": self._started,
             "ended": time.time(),

@@ -45,6 +45,8 @@ class TapeWriter:
         self._tokenizer_info: dict[int, tuple[Any, dict[str, Any]]] = {}
         self._closed = False
         self._error: BaseException | None = None
+        self.dropped_blobs: list[str] = []
+        """Blobs that could not be written (hash and why); the samples using them replay as lacking them."""
         self._thread = threading.Thread(target=self._drain, name=f"fsm-rollout-tape-{self.run_id}", daemon=True)
         self._thread.start()
         from fsm_rollout import __version__
@@ -98,6 +100,15 @@ class TapeWriter:
                 "the failure were dropped"
             ) from self._error
 
+    def _blob_line(self, blob: PendingBlob) -> bytes | None:
+        """One blob's line; a blob that cannot be written at all is left out (the one sample using it replays as
+        lacking it) instead of stopping the tape."""
+        try:
+            return blob.line()
+        except Exception as error:
+            self.dropped_blobs.append(f"{blob.digest}: {type(error).__name__}: {error}")
+            return None
+
     def _drain(self) -> None:
         stream = self._stream
         try:
@@ -112,7 +123,9 @@ class TapeWriter:
                         stream.flush()
                         item.set()
                     elif isinstance(item, PendingBlob):
-                        stream.write(item.line())  # packing (zlib) runs here, off the event loop
+                        line = self._blob_line(item)  # packing (zlib) runs here, off the event loop
+                        if line is not None:
+                            stream.write(line)
                     else:
                         stream.write(item)
                     try:

@@ -28,7 +28,7 @@ class TracedPath:
     sample_id: str | None
     session_id: str | None
     events: list[dict[str, Any]] = field(default_factory=list)
-    rollout_id: str | None = None
+    rollout_uid: str | None = None
     """Unique to the rollout, when the trace or tape carries it (a sample index may repeat across runs)."""
     label: str = ""
     """How reports and ``inspect`` name this path: the sample id, with ``#N`` for its N-th run when the id repeats
@@ -78,7 +78,7 @@ class TraceFile:
 def read_trace(path: str | Path) -> TraceFile:
     """Read a trace and rebuild each sample's path; unreadable lines are reported, the rest is used.
 
-    Events are grouped by ``rollout_id``, or, in traces written before it existed, by ``(sample_id, session_id)``,
+    Events are grouped by ``rollout_uid``, or, in traces written before it existed, by ``(sample_id, session_id)``,
     where a ``pending`` event after a terminal one starts a new path (a trace appended to by several runs). An
     unreadable line whose text names a sample is given to that sample's path (:attr:`TracedPath.damage`). Raises
     :class:`~fsm_rollout.recording.SchemaVersionError` for events of another schema version and
@@ -101,11 +101,11 @@ def read_trace(path: str | Path) -> TraceFile:
         if not isinstance(sample_id, str):
             trace.orphans.append(number)
             continue
-        rollout_id = row.get("rollout_id") if isinstance(row.get("rollout_id"), str) else None
-        key = (sample_id, session_id if isinstance(session_id, str) else None, rollout_id)
+        rollout_uid = row.get("rollout_uid") if isinstance(row.get("rollout_uid"), str) else None
+        key = (sample_id, session_id if isinstance(session_id, str) else None, rollout_uid)
         current = open_paths.get(key)
         if current is None or (current.terminal and row.get("src") == lifecycle.INITIAL):
-            current = TracedPath(sample_id=key[0], session_id=key[1], rollout_id=rollout_id)
+            current = TracedPath(sample_id=key[0], session_id=key[1], rollout_uid=rollout_uid)
             trace.paths.append(current)
             open_paths[key] = current
         current.events.append(row)
@@ -144,7 +144,7 @@ def paths_from_tape(tape: TapeFile) -> list[TracedPath]:
     """Paths rebuilt from the transitions kept on a tape (each transition's line is its record's)."""
     paths = []
     for record in tape.samples:
-        path = TracedPath(sample_id=record.sample_id, session_id=record.session_id, rollout_id=record.rollout_id)
+        path = TracedPath(sample_id=record.sample_id, session_id=record.session_id, rollout_uid=record.rollout_uid)
         path.events = list(record.transitions)
         path.lines = [record.line] * len(record.transitions)
         paths.append(path)

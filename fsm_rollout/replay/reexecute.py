@@ -348,6 +348,11 @@ async def reexecute(
     if missing:
         return Divergence("tape", f"the tape lacks {len(missing)} blob(s) this sample needs, e.g. {missing[0]}",
                           line=record.line), 0, notes
+    damaged = tape.damaged_blobs([record.sample, *(entry for entry in record.io if entry.get("refs"))])
+    if damaged:
+        digest, why = damaged[0]
+        return Divergence("tape", f"{len(damaged)} blob(s) this sample needs are damaged, e.g. {digest}: {why}",
+                          line=record.line), 0, notes
     replay = _Replay(record, tape, tokenizer)
     try:
         config, dropped = config_from(record.config)

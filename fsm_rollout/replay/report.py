@@ -38,6 +38,10 @@ class SampleReport:
     trace_lines: tuple[int, int] | None = None
     tape_line: int | None = None
     notes: list[str] = field(default_factory=list)
+    rollout_uid: str | None = None
+    """Unique to the run (None in recordings made before it existed)."""
+    label: str = ""
+    """The sample id, with ``#N`` for its N-th run when the id ran more than once."""
 
     @property
     def failing(self) -> bool:
@@ -80,7 +84,10 @@ class ReplayReport:
         return {verdict: count for verdict, count in found.items() if count}
 
     def sample(self, sample_id: str) -> SampleReport:
-        """The (first) report of a sample id."""
+        """The report of a run label (``3#2``), else the first of a sample id."""
+        for sample in self.samples:
+            if sample.label == sample_id:
+                return sample
         for sample in self.samples:
             if sample.sample_id == sample_id:
                 return sample
@@ -159,7 +166,7 @@ def render_sample(sample: SampleReport, paint: Paint, *, verbose: bool) -> list[
         where.append(f"trace lines {sample.trace_lines[0]}-{sample.trace_lines[1]}")
     if sample.tape_line is not None:
         where.append(f"tape line {sample.tape_line}")
-    head = (f"sample {sample.sample_id} [{outcome}, {sample.turns} turn(s)] "
+    head = (f"sample {sample.label or sample.sample_id} [{outcome}, {sample.turns} turn(s)] "
             f"{paint(sample.verdict.upper(), _VERDICT_COLOR[sample.verdict])}")
     lines = [head + (f"  ({', '.join(where)})" if where else "")]
     if sample.divergence is not None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -127,7 +127,7 @@ class _Entry:
 def _from_trace(path: TracedPath, problems: Sequence[LineProblem]) -> _Entry:
     verdict, findings = check_path(path, problems)
     report = SampleReport(path.sample_id, path.session_id, path.status, path.reason, verdict, findings=findings,
-                          turns=path.turns)
+                          turns=path.turns, rollout_uid=path.rollout_uid)
     if path.lines:
         report.trace_lines = (path.lines[0], path.lines[-1])
     return _Entry(report)
@@ -139,7 +139,7 @@ def _from_tape(record: TapeSample) -> _Entry:
     verdict, findings = check_path(copy)
     report = SampleReport(record.sample_id, record.session_id, copy.status or record.status,
                           copy.reason if copy.terminal else record.reason, verdict, findings=findings,
-                          turns=copy.turns, tape_line=record.line)
+                          turns=copy.turns, tape_line=record.line, rollout_uid=record.rollout_uid)
     return _Entry(report, record, runnable=verdict == "legal")
 
 
@@ -167,6 +167,13 @@ def _triples(record: TapeSample) -> list[tuple[Any, Any, Any]]:
 
 
 def _entries(trace: TraceFile | None, tape: TapeFile | None) -> list[_Entry]:
+    """Every sample run to report (see :func:`_paired_entries`), each named by :func:`_label`."""
+    entries = _paired_entries(trace, tape)
+    _label([entry.report for entry in entries])
+    return entries
+
+
+def _paired_entries(trace: TraceFile | None, tape: TapeFile | None) -> list[_Entry]:
     """Every sample run to report, in the trace's order, then the tape's samples the trace does not have."""
     if tape is None:
         assert trace is not None
@@ -177,11 +184,11 @@ def _entries(trace: TraceFile | None, tape: TapeFile | None) -> list[_Entry]:
     # session, in order of occurrence.
     queued: dict[tuple[str | None, str | None, str | None], deque[TapeSample]] = {}
     for record in tape.samples:
-        queued.setdefault((record.sample_id, record.session_id, record.rollout_id), deque()).append(record)
+        queued.setdefault((record.sample_id, record.session_id, record.rollout_uid), deque()).append(record)
     entries: list[_Entry] = []
     reported: set[int] = set()
     for path in trace.paths:
-        waiting = queued.get((path.sample_id, path.session_id, path.rollout_id))
+        waiting = queued.get((path.sample_id, path.session_id, path.rollout_uid))
         if not waiting:
             entry = _from_trace(path, trace.problems)
             if path.terminal:
@@ -201,8 +208,18 @@ def _entries(trace: TraceFile | None, tape: TapeFile | None) -> list[_Entry]:
     return entries
 
 
+def _label(reports: Sequence[SampleReport]) -> None:
+    """Name each report by its sample id, with ``#N`` on every run of an id that ran more than once."""
+    runs = Counter(report.sample_id for report in reports)
+    seen: Counter[str | None] = Counter()
+    for report in reports:
+        seen[report.sample_id] += 1
+        name = str(report.sample_id)
+        report.label = f"{name}#{seen[report.sample_id]}" if runs[report.sample_id] > 1 else name
+
+
 def _wanted(report: SampleReport, sample_ids: set[str] | None, statuses: set[str] | None) -> bool:
-    if sample_ids is not None and report.sample_id not in sample_ids:
+    if sample_ids is not None and report.sample_id not in sample_ids and report.label not in sample_ids:
         return False
     return statuses is None or (report.status or "unfinished") in statuses
 

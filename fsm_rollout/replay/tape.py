@@ -121,6 +121,8 @@ class TapeCursor:
             return self.tape.resolve(value)
         except KeyError as error:
             return Divergence("tape", f"the tape lacks blob {error.args[0]} (tape line {self.record.line})")
+        except RecordingFormatError as error:
+            return Divergence("tape", f"a blob of this sample is damaged: {error} (tape line {self.record.line})")
 
     def generate_tokens(self, entry: Mapping[str, Any]) -> list[int] | Divergence | None:
         """The ``token_ids`` a generate entry recorded (None when it kept none); they become the next base."""

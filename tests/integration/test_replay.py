@@ -675,18 +675,20 @@ async def test_run_refuses_record_without_trace(fake_vllm: FakeVLLMServer, tmp_p
     assert b"--record needs --trace" in stderr
 
 
+@pytest.mark.parametrize(("fixture_name", "samples"), [("schema1", 3), ("schema1-unbounded", 2)])
 async def test_a_schema_1_recording_made_before_the_transport_seam_still_replays_identically(
-    tokenizer: Any, tmp_path: Path
+    tokenizer: Any, tmp_path: Path, fixture_name: str, samples: int
 ) -> None:
-    """tests/fixtures/tapes/schema1: three multi-turn samples recorded by fsm-rollout before recording moved to the
-    transport seam and tapes to schema 2 (its config still has pacing and collector tuning on by default)."""
-    fixture = Path(__file__).parents[1] / "fixtures" / "tapes" / "schema1"
+    """tests/fixtures/tapes/schema1*: multi-turn samples recorded by fsm-rollout before recording moved to the
+    transport seam and tapes to schema 2 (their config still has pacing and collector tuning on by default). The
+    unbounded ones were generated without ``max_tokens``, which the library now sends as null."""
+    fixture = Path(__file__).parents[1] / "fixtures" / "tapes" / fixture_name
     for name in ("run.jsonl", "run.tape.jsonl"):
         (tmp_path / name).write_bytes((fixture / name).read_bytes())
     assert b'"schema":1' in (tmp_path / "run.tape.jsonl").read_bytes().splitlines()[0]
     before = gc.get_threshold()
     report = await asyncio.to_thread(replay, tmp_path / "run.jsonl", tokenizer=tokenizer)
-    assert report.counts() == {"identical": 3}, report.render(verbose=True)
+    assert report.counts() == {"identical": samples}, report.render(verbose=True)
     assert gc.get_threshold() == before
 
 
@@ -725,3 +727,6 @@ async def test_a_sample_index_reused_across_steps_keeps_each_runs_own_timeline_t
     assert render_edge.samples == render_edge.transitions == 2
     report = await asyncio.to_thread(replay, trace, tokenizer=tokenizer)
     assert report.counts() == {"identical": 2}, report.render(verbose=True)
+    assert [sample.label for sample in report.samples] == ["0#1", "0#2"]
+    assert report.sample("0#2") is report.samples[1] and report.samples[1].rollout_uid is not None
+    assert "sample 0#2 [" in report.render()

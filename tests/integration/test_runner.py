@@ -275,3 +275,40 @@ async def test_batches_groups_and_streams_tune_the_collector_from_before_their_r
     assert len(released) == (3 if tune_gc else 0)
     assert [sample.status for sample in done + group + streamed] == [Status.COMPLETED] * 9
     assert gc.get_threshold() == before
+
+
+async def test_a_pending_sample_whose_rollout_cannot_be_built_ends_failed_with_its_data_kept(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    fake_vllm.script([ScriptedTurn(text="ok")], session="s0")
+    batch = samples(2)
+    batch[1].metadata = ["not", "a", "dict"]  # type: ignore[assignment]  # what a buggy data loader hands over
+    envs = ScriptedEnvFactory(steps=[("ok", True)])
+    async with runner_for(fake_vllm, tokenizer, envs=envs) as runner:
+        done = await runner.run_batch(batch)
+        metrics = runner.metrics()
+    assert done[0].status == Status.COMPLETED
+    assert done[1].status == Status.FAILED
+    assert done[1].prompt == "question 1" and done[1].session_id == "s1"
+    assert done[1].metadata["rollout_error"]["type"] == "SampleStateError"
+    assert done[1].metadata["rollout_reason"] == "error"
+    assert metrics.statuses == {"completed": 1, "failed": 1}
+
+
+@pytest.mark.parametrize("how", ["batch", "group", "stream"])
+async def test_no_finished_batch_returns_a_pending_sample_when_no_rollout_can_be_built(
+    fake_vllm: FakeVLLMServer, tokenizer: Any, how: str
+) -> None:
+    config = config_for(fake_vllm.url)
+    bad_sampling = {**SAMPLING, "max_new_tokens": -5}
+    async with RolloutRunner(config, sampling_params=bad_sampling, tokenizer=tokenizer,
+                             env_factory=ScriptedEnvFactory()) as runner:
+        if how == "batch":
+            done = await runner.run_batch(samples(3))
+        elif how == "group":
+            done = await runner.run_group(samples(1)[0], 3)
+        else:
+            done = [sample async for sample in runner.stream(samples(3))]
+    assert [sample.status for sample in done] == [Status.FAILED] * 3
+    assert {sample.metadata["rollout_error"]["type"] for sample in done} == {"ConfigError"}
+    assert fake_vllm.requests == []

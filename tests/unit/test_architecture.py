@@ -115,3 +115,15 @@ def test_no_module_writes_a_private_attribute_of_another_object() -> None:
                     ):
                         writes.append(f"{path.relative_to(PACKAGE.parent)}:{item.lineno} {ast.unparse(item)}")
     assert writes == []
+
+
+def test_a_client_given_a_transport_refuses_http_options_it_would_ignore() -> None:
+    import pytest
+
+    from fsm_rollout import VLLMClient
+    from fsm_rollout.engine.transport import AiohttpTransport
+
+    transport = AiohttpTransport("http://127.0.0.1:9")
+    assert VLLMClient(transport=transport).transport is transport
+    with pytest.raises(TypeError, match="api_key, retry"):
+        VLLMClient(transport=transport, api_key="k", retry=fsm_rollout.RetryPolicy())

@@ -118,3 +118,17 @@ def test_clients_never_closed_by_the_caller_leave_no_unclosed_session_warning(tm
     assert result.stdout.count("rollout truncated") == 4, result.stdout + result.stderr
     assert "after asyncio.run: 0 0" in result.stdout  # nothing kept for the loops asyncio.run closed
     assert "unclosed" not in result.stderr.lower(), result.stderr
+
+
+def test_closing_clients_every_step_registers_one_shutdown_hook_per_loop() -> None:
+    from fsm_rollout import loop_shutdown
+
+    async def steps() -> int:
+        loop = asyncio.get_running_loop()
+        config = RolloutConfig(engine_url="http://127.0.0.1:9", model="m", max_turns=1)
+        for _ in range(20):
+            compat._client_for(config)
+            await compat.close_clients()
+        return len(loop_shutdown._PENDING.get(loop, {}))
+
+    assert asyncio.run(steps()) == 1

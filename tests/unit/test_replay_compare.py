@@ -9,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 from fsm_rollout.recording import TapeFile, TapeSample
+from fsm_rollout.recording.format import PACKED_ENCODING
+from fsm_rollout.recording.reader import Blobs
 from fsm_rollout.replay import Divergence, Outcome, TapeCursor
 from fsm_rollout.replay.compare import (
     compare_engine_request,
@@ -109,6 +111,20 @@ def test_a_field_only_one_side_has_is_absent_on_the_other() -> None:
     found = compare_engine_request(**request(payload={**request()["payload"], "priority": 3}))
     assert found is not None
     assert (found.expected, found.actual) == ("(absent)", 3)
+
+
+def test_an_unbounded_turn_recorded_without_max_tokens_equals_todays_explicit_null() -> None:
+    """Releases before schema 2 left max_tokens out of an unbounded generate; today it is sent as null."""
+    payload = {**request()["payload"], "sampling_params": {"temperature": 1.0, "stop": ["</a>"], "max_tokens": None}}
+    assert compare_engine_request(**request(payload=payload)) is None
+
+
+def test_a_null_max_tokens_still_differs_from_a_recorded_number() -> None:
+    recorded = {"model": "m", "sampling_params": {"temperature": 1.0, "stop": ["</a>"], "max_tokens": 5}}
+    payload = {**request()["payload"], "sampling_params": {"temperature": 1.0, "stop": ["</a>"], "max_tokens": None}}
+    found = compare_engine_request(**request(payload=payload, recorded_request=recorded))
+    assert found is not None
+    assert (found.expected, found.actual) == (5, None)
 
 
 def test_different_headers_diverge_and_no_headers_equal_empty_ones() -> None:
@@ -310,6 +326,16 @@ def test_a_missing_blob_is_a_tape_divergence() -> None:
     assert cursor.value({"op": "step", "refs": True, "text": {"$blob": "sha256:a"}}, "text") == "text"
     found = cursor.value({"op": "step", "refs": True, "text": {"$blob": "sha256:b"}}, "text")
     assert isinstance(found, Divergence) and "lacks blob sha256:b (tape line 7)" in found.message
+
+
+def test_a_packed_blob_that_does_not_unpack_is_a_tape_divergence_not_a_crash() -> None:
+    blobs = Blobs()
+    blobs.store("sha256:a", "bm90IHpsaWI=", PACKED_ENCODING)  # base64 of bytes that are no zlib stream
+    tape = TapeFile(Path("t"), blobs=blobs)
+    cursor = TapeCursor(record([]), tape)
+    found = cursor.value({"op": "step", "refs": True, "text": {"$blob": "sha256:a"}}, "text")
+    assert isinstance(found, Divergence) and found.kind == "tape" and "damaged" in found.message
+    assert [digest for digest, _ in tape.damaged_blobs({"x": {"$blob": "sha256:a"}})] == ["sha256:a"]
 
 
 def test_a_recorded_abort_lands_only_where_it_was_requested() -> None:
