@@ -729,4 +729,4 @@ async def test_a_sample_index_reused_across_steps_keeps_each_runs_own_timeline_t
     assert report.counts() == {"identical": 2}, report.render(verbose=True)
     assert [sample.label for sample in report.samples] == ["0#1", "0#2"]
     assert report.sample("0#2") is report.samples[1] and report.samples[1].rollout_uid is not None
-    assert "sample 0#2 [" in report.render()
+    assert "sample 0#2 [" in report.render(verbose=True)
