@@ -698,7 +698,7 @@ async def test_a_sample_index_reused_across_steps_keeps_each_runs_own_timeline_t
 ) -> None:
     """A trainer loop that builds ``Sample(index=i)`` again each step: inspect names the runs ``0#1``, ``0#2``,
     shows each with its own tokens, and the overlay counts two runs."""
-    from fsm_rollout import RolloutRunner
+    from fsm_rollout import RolloutRunner, get_tracer
     from fsm_rollout.diagrams import build_overlay, read_trace
 
     trace = tmp_path / "run.jsonl"
@@ -730,3 +730,4 @@ async def test_a_sample_index_reused_across_steps_keeps_each_runs_own_timeline_t
     assert [sample.label for sample in report.samples] == ["0#1", "0#2"]
     assert report.sample("0#2") is report.samples[1] and report.samples[1].rollout_uid is not None
     assert "sample 0#2 [" in report.render(verbose=True)
+    get_tracer(str(trace)).close()
