@@ -8,7 +8,8 @@ the previous one entered, and that the path ends in a terminal state. Nothing he
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -32,7 +33,7 @@ class TracedPath:
     """Unique to the rollout, when the trace or tape carries it (a sample index may repeat across runs)."""
     label: str = ""
     """How reports and ``inspect`` name this path: the sample id, with ``#N`` for its N-th run when the id repeats
-    (set by :func:`label_paths`)."""
+    (set by :func:`run_labels`)."""
     lines: list[int] = field(default_factory=list)
     damage: list[LineProblem] = field(default_factory=list)
     """Unreadable lines that belonged to this sample."""
@@ -113,20 +114,21 @@ def read_trace(path: str | Path) -> TraceFile:
     if trace.transitions == 0:
         raise RecordingFormatError(f"{trace.path} holds no transition events: not an fsm-rollout trace")
     _attribute_damage(trace.paths, trace.problems)
-    label_paths(trace.paths)
+    for traced, label in zip(trace.paths, run_labels(traced.sample_id for traced in trace.paths), strict=True):
+        traced.label = label
     return trace
 
 
-def label_paths(paths: Sequence[TracedPath]) -> None:
-    """Name each path by its sample id, adding ``#N`` (1-based, in order) to every run of an id that repeats."""
-    runs: dict[str | None, int] = {}
-    for path in paths:
-        runs[path.sample_id] = runs.get(path.sample_id, 0) + 1
-    seen: dict[str | None, int] = {}
-    for path in paths:
-        seen[path.sample_id] = seen.get(path.sample_id, 0) + 1
-        name = str(path.sample_id)
-        path.label = f"{name}#{seen[path.sample_id]}" if runs[path.sample_id] > 1 else name
+def run_labels(sample_ids: Iterable[str | None]) -> list[str]:
+    """How runs are named, in order: the sample id, with ``#N`` (1-based) on every run of an id that repeats."""
+    ids = list(sample_ids)
+    runs = Counter(ids)
+    seen: Counter[str | None] = Counter()
+    labels = []
+    for sample_id in ids:
+        seen[sample_id] += 1
+        labels.append(f"{sample_id}#{seen[sample_id]}" if runs[sample_id] > 1 else str(sample_id))
+    return labels
 
 
 def _attribute_damage(paths: Sequence[TracedPath], problems: Sequence[LineProblem]) -> None:
@@ -148,7 +150,8 @@ def paths_from_tape(tape: TapeFile) -> list[TracedPath]:
         path.events = list(record.transitions)
         path.lines = [record.line] * len(record.transitions)
         paths.append(path)
-    label_paths(paths)
+    for traced, label in zip(paths, run_labels(traced.sample_id for traced in paths), strict=True):
+        traced.label = label
     return paths
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections import Counter, deque
+from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,7 +25,7 @@ from fsm_rollout import lifecycle
 from fsm_rollout.recording.format import RecordingFormatError, tape_path_for, tokenizer_fingerprint
 from fsm_rollout.recording.reader import LineProblem, TapeFile, TapeSample, read_tape
 from fsm_rollout.replay.compare import Divergence
-from fsm_rollout.replay.paths import CheckVerdict, TracedPath, TraceFile, check_path, read_trace
+from fsm_rollout.replay.paths import CheckVerdict, TracedPath, TraceFile, check_path, read_trace, run_labels
 from fsm_rollout.replay.reexecute import reexecute
 from fsm_rollout.replay.report import ReplayReport, SampleReport
 
@@ -167,9 +167,10 @@ def _triples(record: TapeSample) -> list[tuple[Any, Any, Any]]:
 
 
 def _entries(trace: TraceFile | None, tape: TapeFile | None) -> list[_Entry]:
-    """Every sample run to report (see :func:`_paired_entries`), each named by :func:`_label`."""
+    """Every sample run to report (see :func:`_paired_entries`), each named by :func:`run_labels`."""
     entries = _paired_entries(trace, tape)
-    _label([entry.report for entry in entries])
+    for entry, label in zip(entries, run_labels(entry.report.sample_id for entry in entries), strict=True):
+        entry.report.label = label
     return entries
 
 
@@ -206,16 +207,6 @@ def _paired_entries(trace: TraceFile | None, tape: TapeFile | None) -> list[_Ent
             entry.report.notes.append("not found in the trace; the tape's own copy of the path was checked")
             entries.append(entry)
     return entries
-
-
-def _label(reports: Sequence[SampleReport]) -> None:
-    """Name each report by its sample id, with ``#N`` on every run of an id that ran more than once."""
-    runs = Counter(report.sample_id for report in reports)
-    seen: Counter[str | None] = Counter()
-    for report in reports:
-        seen[report.sample_id] += 1
-        name = str(report.sample_id)
-        report.label = f"{name}#{seen[report.sample_id]}" if runs[report.sample_id] > 1 else name
 
 
 def _wanted(report: SampleReport, sample_ids: set[str] | None, statuses: set[str] | None) -> bool:
