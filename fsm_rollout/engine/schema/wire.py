@@ -22,6 +22,28 @@ ABORT_PATH: Final = "/inference/v1/abort_requests"
 HEALTH_PATH: Final = "/health"
 MODELS_PATH: Final = "/v1/models"
 
+# Weight-update endpoints (vLLM serves them with VLLM_SERVER_DEV_MODE=1).
+PAUSE_PATH: Final = "/pause"
+"""``POST /pause?mode=abort|wait|keep`` answers ``{"status": "paused"}``."""
+RESUME_PATH: Final = "/resume"
+"""``POST /resume`` answers ``{"status": "resumed"}``."""
+IS_PAUSED_PATH: Final = "/is_paused"
+"""``GET /is_paused`` answers ``{"is_paused": bool}``."""
+UPDATE_WEIGHT_VERSION_PATH: Final = "/update_weight_version"
+"""``POST /update_weight_version {"new_version": str}`` answers ``{"success": true, "new_version": str}``."""
+WEIGHT_INFO_PATH: Final = "/weight_info"
+"""``GET /weight_info`` answers ``{"weight_version": str}``."""
+UPDATE_WEIGHTS_PATH: Final = "/update_weights"
+"""``POST /update_weights {"update_info": {...}}``: the payload is the weight-transfer backend's; the embedded engine
+takes ``{"path": <local .safetensors file>, "weight_version": str | None}``."""
+
+PAUSE_MODES: Final = ("abort", "wait", "keep")
+"""How ``/pause`` treats requests in flight: abort them (they answer ``abort`` with their tokens so far), let them
+finish, or freeze them until ``/resume``."""
+
+DEFAULT_WEIGHT_VERSION: Final = "default"
+"""The weight version vLLM reports until ``/update_weight_version`` sets one."""
+
 # ---------------------------------------------------------------------------------------------------- finish reasons
 
 FINISH_REASONS: Final[frozenset[str]] = frozenset(get_args(Finish))
