@@ -10,7 +10,20 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from fsm_rollout.engine.schema import ABORT_PATH, GENERATE_PATH, HEALTH_PATH, MODELS_PATH, RENDER_PATH, error_body
+from fsm_rollout.engine.schema import (
+    ABORT_PATH,
+    GENERATE_PATH,
+    HEALTH_PATH,
+    IS_PAUSED_PATH,
+    MODELS_PATH,
+    PAUSE_PATH,
+    RENDER_PATH,
+    RESUME_PATH,
+    UPDATE_WEIGHT_VERSION_PATH,
+    UPDATE_WEIGHTS_PATH,
+    WEIGHT_INFO_PATH,
+    error_body,
+)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -32,6 +45,24 @@ class EndpointHandlers:
         return cls(**{item.name: getattr(server, f"_handle_{item.name}") for item in fields(cls)})
 
 
+@dataclass(frozen=True)
+class WeightUpdateHandlers:
+    """The handlers of vLLM's weight-update endpoints (``VLLM_SERVER_DEV_MODE=1``): pause, resume, the weight
+    version, and loading new weights."""
+
+    pause: Handler
+    resume: Handler
+    is_paused: Handler
+    update_weight_version: Handler
+    weight_info: Handler
+    update_weights: Handler
+
+    @classmethod
+    def of(cls, server: Any) -> WeightUpdateHandlers:
+        """The server's ``_handle_pause``, ``_handle_resume``, ... methods."""
+        return cls(**{item.name: getattr(server, f"_handle_{item.name}") for item in fields(cls)})
+
+
 async def serve_endpoints(
     handlers: EndpointHandlers,
     *,
@@ -40,6 +71,7 @@ async def serve_endpoints(
     client_max_size: int,
     middlewares: Iterable[Any] = (),
     shutdown_timeout: float = 5.0,
+    weight_updates: WeightUpdateHandlers | None = None,
 ) -> tuple[web.AppRunner, str]:
     """Bind the endpoints on ``host:port`` (0: a free port); returns the runner (to clean up) and the base URL.
 
@@ -52,6 +84,13 @@ async def serve_endpoints(
     app.router.add_post(ABORT_PATH, handlers.abort)
     app.router.add_get(HEALTH_PATH, handlers.health)
     app.router.add_get(MODELS_PATH, handlers.models)
+    if weight_updates is not None:
+        app.router.add_post(PAUSE_PATH, weight_updates.pause)
+        app.router.add_post(RESUME_PATH, weight_updates.resume)
+        app.router.add_get(IS_PAUSED_PATH, weight_updates.is_paused)
+        app.router.add_post(UPDATE_WEIGHT_VERSION_PATH, weight_updates.update_weight_version)
+        app.router.add_get(WEIGHT_INFO_PATH, weight_updates.weight_info)
+        app.router.add_post(UPDATE_WEIGHTS_PATH, weight_updates.update_weights)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
