@@ -12,13 +12,17 @@ from fsm_rollout.config import RetryPolicy, RolloutConfig
 from fsm_rollout.engine.schema import (
     ABORT_PATH,
     GENERATE_PATH,
+    PAUSE_MODES,
+    PAUSE_PATH,
     RENDER_PATH,
+    RESUME_PATH,
+    UPDATE_WEIGHT_VERSION_PATH,
     parse_generate_response,
     parse_render_response,
 )
 from fsm_rollout.engine.schema import server_request_ids as server_request_ids  # re-exported: callers import it here
 from fsm_rollout.engine.transport import AiohttpTransport, Transport
-from fsm_rollout.errors import GenerationError, RenderError
+from fsm_rollout.errors import ConfigError, GenerationError, RenderError
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt
 
 _HTTP_DEFAULTS: dict[str, Any] = {
@@ -133,3 +137,22 @@ class VLLMClient:
         """
         ids = [alias for request_id in request_ids for alias in server_request_ids(request_id)]
         await self.transport.post_json(ABORT_PATH, {"request_ids": ids}, headers=headers)
+
+    async def pause(self, mode: str = "keep") -> None:
+        """Pause the engine's generation (``POST /pause?mode=...``): ``abort`` ends the requests in flight (they answer
+        ``abort`` with their tokens so far), ``wait`` lets them finish, ``keep`` freezes them until :meth:`resume`.
+        New requests wait at the engine until then. vLLM serves this with ``VLLM_SERVER_DEV_MODE=1``."""
+        if mode not in PAUSE_MODES:
+            raise ConfigError(f"pause mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}")
+        await self.transport.post_json(f"{PAUSE_PATH}?mode={mode}", {})
+
+    async def resume(self) -> None:
+        """Resume the engine's generation after :meth:`pause` (``POST /resume``)."""
+        await self.transport.post_json(RESUME_PATH, {})
+
+    async def update_weight_version(self, version: str) -> None:
+        """Set the weight version the engine labels the tokens it samples from now on (``POST
+        /update_weight_version``); answers then carry it in ``choices[0].weight_versions``."""
+        if not isinstance(version, str) or not version:
+            raise ConfigError(f"a weight version is a non-empty string; got {version!r}")
+        await self.transport.post_json(UPDATE_WEIGHT_VERSION_PATH, {"new_version": version})
