@@ -61,6 +61,13 @@ class RolloutConfig:
     beside the ``trace`` file for offline replay (:mod:`fsm_rollout.recording`). ``api_key`` is sent as
     ``Authorization: Bearer …`` on every engine request and is never written to a trace, tape, result or message.
 
+    Weight updates (:meth:`RolloutRunner.weight_update <fsm_rollout.runner.RolloutRunner.weight_update>`) suspend the
+    rollouts and resume them without losing a token. ``weight_update_strategy`` says how: ``"abort"`` aborts the
+    requests in flight at the engine and continues each turn from the tokens it had (any vLLM with the scale-out
+    endpoints), ``"keep"`` has the engine freeze them (``/pause?mode=keep``, vLLM with ``VLLM_SERVER_DEV_MODE=1``).
+    ``partial_rollout`` (slime/vime's flag, for :mod:`fsm_rollout.compat`) hands a suspended sample back to the
+    trainer instead of waiting (status ``aborted``, ``metadata["resume_state"]``); passing it again resumes it.
+
     Two options change the whole process, so they are off unless asked for (``fsm-rollout run`` and ``bench`` turn
     them on): ``loop_slice_ms`` is the event-loop time per iteration that rollouts' CPU work aims to stay within when
     many share a loop (:mod:`fsm_rollout.pacing`; ``None``, the default, turns pacing off), and ``tune_gc`` tunes
@@ -94,6 +101,7 @@ class RolloutConfig:
     loop_slice_ms: float | None = None
     tune_gc: bool = False
     api_key: str | None = field(default=None, repr=False)
+    weight_update_strategy: str = "abort"
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_turns) or self.max_turns <= 0:
@@ -102,8 +110,10 @@ class RolloutConfig:
             raise ConfigError(f"engine_url must be an http(s) URL, got {self.engine_url!r}")
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model (the served model name) must be a non-empty string")
-        if self.partial_rollout:
-            raise ConfigError("Partial rollout is not supported for interaction rollouts.")
+        if self.weight_update_strategy not in ("abort", "keep"):
+            raise ConfigError(
+                f"weight_update_strategy must be 'abort' or 'keep', got {self.weight_update_strategy!r}"
+            )
         if self.record and (self.trace is None or str(self.trace) in ("off", "stdout", "-")):
             raise ConfigError("record=True needs a trace file path: the I/O tape is written beside the trace")
         if self.rollout_max_context_len is not None and (

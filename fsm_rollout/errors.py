@@ -158,3 +158,8 @@ class ImageTokenMismatchError(MultimodalError):
         super().__init__(message)
         self.image_tokens = image_tokens
         self.expected = expected
+
+
+class ResumeError(SampleStateError):
+    """A suspended sample cannot be resumed here (its resume state is missing, damaged, or needs an environment
+    that can restore a snapshot)."""

@@ -6,6 +6,10 @@ trigger's edges are listed in order: the first edge whose guard holds is taken, 
 Guards are pure predicates over the rollout; actions change the sample. Their implementations live in
 :mod:`fsm_rollout.rollout`, which hands them to :func:`build_machine` by name.
 
+Two triggers are the driver's choice rather than a state's: ``suspend`` (a weight update closed the rollout's
+gate while it was generating, or as it was about to) and, like ``abort`` and ``fail``, they can interrupt the
+state's own trigger.
+
 Every edge into a terminal state runs the edge's actions, then records the outcome (the state as the sample's
 status, and the edge's ``reason``; ``abort`` takes the caller's reason, ``fail`` the reason ``error``), then the
 terminal state's arrival actions (finalize the sample, close the environment), all as part of the transition:
@@ -72,6 +76,8 @@ STATES: tuple[StateSpec, ...] = (
     StateSpec("rendered", trigger="generate", doc="prompt tokens and response budget known"),
     StateSpec("generating", activity=("request_turn",), trigger="step",
               doc="one generate request in flight, its answer parsed and validated"),
+    StateSpec("suspended", activity=("await_resume",), trigger="resume",
+              doc="waiting out a weight update; the partial turn is kept"),
     StateSpec("stepping", activity=("step_environment",), trigger="observe", doc="`env.step(text)`"),
     StateSpec("observing", activity=("encode_observation",), trigger="generate",
               doc="`format_observation`, text check, boundary tokens"),
@@ -96,6 +102,10 @@ TRANSITIONS: tuple[Edge, ...] = (
          work="nothing appended"),
     Edge("generate", "observing", "generating", actions=("append_observation", "next_turn"),
          work="observation appended (mask 0), next turn"),
+    Edge("suspend", "generating", "suspended", actions=("hold_partial_turn",),
+         work="the request in flight is aborted at the engine; the tokens it produced are kept as the partial turn"),
+    Edge("resume", "suspended", "generating",
+         work="the same turn continues: its tokens so far are sent, `max_tokens` is what the budget has left"),
     Edge("step", "generating", "aborted", guard="server_aborted", reason="server_abort",
          work="that turn's tokens are dropped"),
     Edge("step", "generating", "truncated", guard="no_budget_for_stop_eos",

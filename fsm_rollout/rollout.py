@@ -34,6 +34,7 @@ from fsm_rollout.errors import (
     BudgetExceededError,
     ConfigError,
     RenderError,
+    ResumeError,
     RolloutError,
     RoutingReplayError,
     SampleStateError,
@@ -46,7 +47,10 @@ from fsm_rollout.multimodal import (
     validate_image_tokens,
 )
 from fsm_rollout.pacing import LoopPacer, pacer_for
+from fsm_rollout.partial_turn import Span, answer_spans, join_spans, merge_turns, shift_spans
+from fsm_rollout.resume_state import RESUME_STATE_KEY, capture_resume_state, restore_resume_state
 from fsm_rollout.sample import Sample, Status
+from fsm_rollout.suspension import HandBack, SuspensionGate
 from fsm_rollout.trace import NULL_TRACER, Tracer, get_tracer
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
 
@@ -79,7 +83,10 @@ class _AbortRequested(Exception):
 
 
 def check_startable(sample: Sample) -> None:
-    """A rollout starts only from a pending sample without response data (the seed's preconditions)."""
+    """A rollout starts only from a pending sample without response data (the seed's preconditions), or from a
+    sample handed back suspended (``metadata["resume_state"]``), which resumes."""
+    if isinstance(sample.metadata, dict) and RESUME_STATE_KEY in sample.metadata:
+        return
     if sample.status != Status.PENDING:
         raise SampleStateError(
             f"sample {sample.index!r}: a rollout requires a pending sample, got status {Status(sample.status).value!r}"
@@ -105,6 +112,11 @@ class Rollout:
 
     The rollout knows nothing of recording or replay: those plug in as the client's transport, the environment
     factory and ``hooks`` (:mod:`fsm_rollout.recording`, :mod:`fsm_rollout.replay`).
+
+    ``suspender`` is the gate a weight update closes (:mod:`fsm_rollout.suspension`): the rollout then suspends
+    when it is generating or next about to (the request in flight aborted, its tokens kept as the partial turn) and
+    continues the same turn when the gate opens. A sample handed back suspended (``metadata["resume_state"]``)
+    resumes where it stopped.
     """
 
     def __init__(
@@ -123,6 +135,7 @@ class Rollout:
         hooks: RolloutHooks | None = None,
         sample_id: str | None = None,
         request_prefix: str | None = None,
+        suspender: SuspensionGate | None = None,
     ) -> None:
         check_startable(sample)
         if config.record and (hooks is None or not hooks.records_io):
@@ -183,6 +196,27 @@ class Rollout:
         self._done = asyncio.Event()
         self._pacer: LoopPacer | None = None
         self._start_waiter: asyncio.Future[None] | None = None
+
+        self._gate = suspender
+        self._gate_waiter: asyncio.Future[None] | None = None
+        self._next_trigger: str | None = None
+        self.partial_parts: list[GeneratedTurn] = []
+        """The answers of the turn in progress that a suspension cut off (their tokens are the partial turn)."""
+        self.turn_spans: list[Span] = []
+        """The weight-version spans of the turn just generated, over its own tokens."""
+        self.suspensions = 0
+        """How often this rollout was suspended."""
+        self.turn_requests = 0
+        """Generate requests sent for the turn in progress (more than one after a suspension)."""
+        self.suspended_since: float | None = None
+        self.suspend_reason: str | None = None
+        self.env_snapshot: dict[str, Any] | None = None
+        """A restored environment's snapshot, applied when the environment is rebuilt in another process."""
+        self.status_before_hand_back: Status | None = None
+        self._start_epoch = 0
+        resume_state = sample.metadata.pop(RESUME_STATE_KEY, None)
+        if resume_state is not None:
+            restore_resume_state(self, resume_state)
 
     # ------------------------------------------------------------------ derived context
 
@@ -257,10 +291,16 @@ class Rollout:
         self.budget = response_budget(
             self.inference_params["max_tokens"], self.config.rollout_max_context_len, self.prompt_length
         )
+        if self._gate is not None:
+            version = self._gate.weight_version
+            if version is not None:
+                sample.metadata["start_weight_version"] = version
+            self._start_epoch = self._gate.weight_updates
 
     def append_turn(self) -> None:
         turn = self.turn
         assert turn is not None
+        offset = self.sample.response_length
         self.sample.append_response_tokens(
             turn.token_ids,
             turn.logprobs,
@@ -270,6 +310,11 @@ class Rollout:
             track_spec_stats=self.config.track_speculative_stats,
         )
         self.response_token_ids.extend(turn.token_ids)
+        if self.turn_spans:
+            spans = self.sample.metadata.setdefault("weight_version_spans", [])
+            joined = join_spans([(span["version"], span["start"], span["end"]) for span in spans[-1:]],
+                                shift_spans(self.turn_spans, offset))
+            spans[-1:] = [{"version": v, "start": start, "end": end} for v, start, end in joined]
 
     def append_stop_eos(self) -> None:
         assert self.encoder.eos_token_id is not None
@@ -296,6 +341,13 @@ class Rollout:
 
     def note_abort(self) -> None:
         """Nothing to undo: an aborted turn's tokens were never appended."""
+        self.partial_parts = []
+
+    def hold_partial_turn(self) -> None:
+        """The partial turn stays in :attr:`partial_parts` until the rollout resumes."""
+        self.suspensions += 1
+        self.suspended_since = time.perf_counter()
+        self.suspend_reason = getattr(self._gate, "reason", None) or "weight_update"
 
     def finalize(self) -> None:
         features = self.rendered.generate_body.get("features") if self.rendered is not None else None
@@ -381,24 +433,77 @@ class Rollout:
 
     async def request_turn(self) -> None:
         assert self.rendered is not None
+        gate = self._gate
+        if gate is not None and gate.should_suspend(self):  # before anything is sent
+            self._next_trigger = "suspend"
+            return
         remaining = self.remaining_budget
+        held = sum(len(part.token_ids) for part in self.partial_parts)
+        if remaining is not None and held >= remaining:  # the partial turn used the whole budget
+            self._take_turn([*self.partial_parts[:-1], _length_finished(self.partial_parts[-1])], remaining)
+            return
         params = dict(self.inference_params)
         if remaining is not None:
-            params["max_tokens"] = remaining
+            params["max_tokens"] = remaining - held
         else:
             # Unbounded: an explicit null means "up to the context limit" on every vLLM version, where an omitted
             # key meant the SamplingParams default of 16 on older ones.
             params["max_tokens"] = None
+        token_ids = self.sample.tokens
+        if held:
+            token_ids = token_ids + [token for part in self.partial_parts for token in part.token_ids]
+            if isinstance(params.get("min_tokens"), int):
+                params["min_tokens"] = max(0, params["min_tokens"] - held)
         request_id = f"{self.request_prefix}-turn{self.turn_index}"
+        if self.turn_requests:
+            request_id += f"-part{self.turn_requests}"
+        self.turn_requests += 1
         body = {
             **self.rendered.generate_body,
-            "token_ids": self.sample.tokens,
+            "token_ids": token_ids,
             "sampling_params": params,
             "request_id": request_id,
         }
-        turn = await self._engine(self.client.generate(body, request_id=request_id, headers=self.headers), request_id)
+        call = self.client.generate(body, request_id=request_id, headers=self.headers)
+        if gate is None:
+            answer = await self._engine(call, request_id)
+        else:
+            gate.request_started(self, self.client, request_id)
+            try:
+                answer = await self._engine(call, request_id)
+            finally:
+                gate.request_ended(self, request_id)
+        spans = answer.meta.weight_version_spans
+        if spans or answer.meta.weight_version is not None:
+            first = spans[0][0] if spans else answer.meta.weight_version
+            if gate is not None:
+                gate.saw_version(first if answer.meta.weight_version is None else answer.meta.weight_version)
+            if "start_weight_version" not in self.sample.metadata and (gate is None or
+                                                                       gate.weight_updates == self._start_epoch):
+                # no update since the start: the first token's version is the one the sample started at
+                self.sample.metadata["start_weight_version"] = first
+        if gate is not None and answer.finish == "abort" and gate.suspended_request(self, request_id):
+            if answer.token_ids:
+                self.partial_parts.append(answer)
+            self._next_trigger = "suspend"
+            return
+        self._take_turn([*self.partial_parts, answer], remaining)
+
+    def _take_turn(self, parts: list[GeneratedTurn], remaining: int | None) -> None:
+        """The turn is complete (or the server aborted it): merge its answers, check it and find its stop."""
+        fallback = self._gate.weight_version if self._gate is not None else None
+        answer = parts[-1]
+        if len(parts) > 1 and answer.finish != "abort":
+            turn, spans = merge_turns(parts, request_id=answer.request_id, fallback_version=fallback,
+                                      cut_at_stop=self._stop_string_end)
+        else:
+            turn = answer
+            spans = answer_spans(answer, fallback) if answer.finish != "abort" else []
+        self.partial_parts = []
+        self.turn_requests = 0
         self.eos_due = False
         self.turn_text = ""
+        self.turn_spans = spans
         if turn.finish != "abort":
             self._validate_turn(turn, remaining)
             self.turn_text = self._decode(turn.token_ids) if turn.token_ids else ""
@@ -410,6 +515,21 @@ class Rollout:
                 eos_token_id=self.encoder.eos_token_id,
             )
         self.turn = turn
+
+    def _stop_string_end(self, token_ids: TokenIds) -> int | None:
+        """The length of the shortest prefix of ``token_ids`` whose text holds a stop string (None: none does)."""
+        stop = self.inference_params.get("stop")
+        stops = [stop] if isinstance(stop, str) else [item for item in stop or () if isinstance(item, str) and item]
+        if not stops or not token_ids or not any(item in self._decode(token_ids) for item in stops):
+            return None
+        low, high = 1, len(token_ids)  # holding a stop string only grows with the prefix: binary search
+        while low < high:
+            middle = (low + high) // 2
+            if any(item in self._decode(token_ids[:middle]) for item in stops):
+                high = middle
+            else:
+                low = middle + 1
+        return low
 
     def _validate_turn(self, turn: GeneratedTurn, remaining: int | None) -> None:
         if remaining is not None and len(turn.token_ids) > remaining:
@@ -430,6 +550,27 @@ class Rollout:
                 "vLLM routed experts shape does not match the generated sequence: "
                 f"actual_size={routed.size}, expected_size={expected}"
             )
+
+    async def await_resume(self) -> None:
+        gate = self._gate
+        if gate is not None:
+            await self._engine(gate.wait_resumed(self), None)
+        if self.env is None:  # restored from a resume state in another process: rebuild the environment
+            self._restore_environment()
+
+    def _restore_environment(self) -> None:
+        factory = self._env_factory or load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
+        env = factory(sample=self.sample, args=self._env_args)
+        self.env = env
+        check_environment(env)
+        restore = getattr(env, "restore", None)
+        if not callable(restore):
+            raise ResumeError(
+                f"sample {self.sample_id}: resuming in another process needs an environment with restore(state); "
+                f"{type(env).__name__} has none (resume the sample in the process that suspended it, or implement "
+                "snapshot() -> dict and restore(state))"
+            )
+        restore(self.env_snapshot)
 
     def step_environment(self) -> None:
         self.observation, self.env_done = unpack_step_result(self.env.step(self.turn_text))
@@ -513,6 +654,16 @@ class Rollout:
             fields["eos_inserted"] = self.state == "stepping" and self.eos_due
         elif trigger == "generate" and src == "observing":
             fields["observation_tokens"] = len(self.observation_tokens)
+        elif trigger == "suspend":
+            fields["suspend_reason"] = self.suspend_reason
+            fields["partial_tokens"] = sum(len(part.token_ids) for part in self.partial_parts)
+        elif trigger == "resume":
+            fields["partial_tokens"] = sum(len(part.token_ids) for part in self.partial_parts)
+            if self.suspended_since is not None:
+                fields["suspended_ms"] = round((time.perf_counter() - self.suspended_since) * 1000.0, 3)
+            version = self._gate.weight_version if self._gate is not None else None
+            if version is not None:
+                fields["weight_version"] = version
         elif trigger == "fail":
             fields["failed_trigger"] = self._failed_trigger
             fields["error_type"] = type(self.error).__name__
@@ -560,7 +711,13 @@ class Rollout:
                         await self._run_activity()
                         if self._abort_reason is not None:  # asked for during the activity: abort wins
                             trigger = "abort"
+                        elif self._next_trigger is not None:
+                            trigger = self._next_trigger
+                    self._next_trigger = None
                     self._fire(trigger)
+                except HandBack:
+                    self._hand_back()
+                    break
                 except _AbortRequested:
                     await self._send_abort_notice()
                 except asyncio.CancelledError:
@@ -572,7 +729,8 @@ class Rollout:
                     self._fail(error, trigger)
                     raise
         finally:
-            if self.state not in lifecycle.TERMINAL:  # cancelled again while ending: end it synchronously
+            if self.state not in lifecycle.TERMINAL and RESUME_STATE_KEY not in self.sample.metadata:
+                # cancelled again while ending: end it synchronously
                 self._abort_reason = self._abort_reason or "cancelled"
                 try:
                     self._fire("abort")
@@ -580,6 +738,17 @@ class Rollout:
                     self._fail(error, "abort")
         if cancelled_by_caller:
             raise asyncio.CancelledError
+
+    def _hand_back(self) -> None:
+        """Return the suspended rollout to its caller: status ``aborted`` with the suspension's reason, its data
+        so far, and ``metadata["resume_state"]`` to resume it from."""
+        sample = self.sample
+        self.status_before_hand_back = Status(sample.status)
+        state = capture_resume_state(self)
+        sample.status = Status.ABORTED
+        sample.metadata["rollout_reason"] = self.suspend_reason or "weight_update"
+        sample.metadata[RESUME_STATE_KEY] = state
+        self.salvage_response()
 
     async def run(self) -> Sample:
         """Run the rollout to a terminal state and return the sample (mutated in place).
@@ -608,7 +777,22 @@ class Rollout:
                     self._start_waiter = None
             if self.terminal:
                 return self.sample
+        gate = self._gate
+        if gate is not None and self.state == lifecycle.INITIAL and gate.should_suspend(self):
+            # Not started yet: wait for the weight update to end. An abort ends it at once, as before any start.
+            waiter = self._gate_waiter = asyncio.ensure_future(gate.wait_to_start(self))
+            try:
+                await waiter
+            except asyncio.CancelledError:
+                if not self.terminal:
+                    self.request_abort("cancelled")
+                    raise
+            finally:
+                self._gate_waiter = None
+            if self.terminal:
+                return self.sample
         self._running = True
+        self._done.clear()
         context = bind_contextvars(sample_id=self.sample_id, session_id=self.sample.session_id,
                                    rollout_uid=self.rollout_uid)
         tuning_gc = self.config.tune_gc
@@ -650,12 +834,20 @@ class Rollout:
             self.tracer.flush()
             if self._start_waiter is not None and not self._start_waiter.done():
                 self._start_waiter.set_result(None)  # waiting for the pacer to start: return now, it has ended
+            if self._gate_waiter is not None and not self._gate_waiter.done():
+                self._gate_waiter.cancel()  # waiting for a weight update to end: return now, it has ended
 
     async def abort(self, reason: str = "cancelled") -> None:
         """End the rollout ``aborted`` with ``reason`` and wait until it has (no request is sent after this)."""
         self.request_abort(reason)
         if self._running:
             await self._done.wait()
+
+
+def _length_finished(part: GeneratedTurn) -> GeneratedTurn:
+    """The last answer of a partial turn that used the whole budget, as the ``length`` finish it amounts to."""
+    return GeneratedTurn(request_id=part.request_id, finish="length", token_ids=part.token_ids,
+                         logprobs=part.logprobs, meta=part.meta)
 
 
 _GUARDS: dict[str, Callable[[Rollout], bool]] = {
@@ -680,6 +872,7 @@ _ACTIONS: dict[str, Callable[..., None]] = {
         "append_observation",
         "next_turn",
         "note_abort",
+        "hold_partial_turn",
         "finalize",
         "salvage_response",
         "record_failure",

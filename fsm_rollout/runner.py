@@ -20,7 +20,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -34,6 +34,7 @@ from fsm_rollout.hooks import RolloutHooks, combine_hooks
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_writer_for
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import Sample, Status
+from fsm_rollout.suspension import Suspender, SuspendStats
 from fsm_rollout.trace import Tracer, get_tracer
 
 
@@ -81,6 +82,10 @@ class MetricsSnapshot:
     samples_per_s: float
     turns_per_s: float
     tokens_per_s: float
+    suspended: int = 0
+    """Samples in ``suspended`` right now (waiting out a weight update)."""
+    suspensions: int = 0
+    """Suspensions since the runner started (a sample suspended twice counts twice)."""
 
 
 @dataclass(eq=False)
@@ -94,6 +99,7 @@ class _Metrics(RolloutHooks):
     turns: int = 0
     tokens_generated: int = 0
     done: int = 0
+    suspensions: int = 0
 
     active: set[Rollout] = field(default_factory=set)
     """The runner's rollouts that have not ended (each leaves the set at its terminal transition)."""
@@ -105,6 +111,8 @@ class _Metrics(RolloutHooks):
         self.occupancy[src] -= 1
         self.dwell_sum[src] += dwell_ms  # type: ignore[assignment]
         self.dwell_count[src] += 1
+        if trigger == "suspend":
+            self.suspensions += 1
         if trigger == "step" and rollout.turn is not None:
             self.turns += 1
             self.tokens_generated += len(rollout.turn.token_ids)
@@ -132,6 +140,8 @@ class _Metrics(RolloutHooks):
             samples_per_s=self.done / elapsed,
             turns_per_s=self.turns / elapsed,
             tokens_per_s=self.tokens_generated / elapsed,
+            suspended=occupancy.get("suspended", 0),
+            suspensions=self.suspensions,
         )
 
 
@@ -151,6 +161,13 @@ class RolloutRunner:
     error propagates. ``tape`` (default: beside the trace when ``config.record`` is on) records every sample's
     engine and environment exchanges for ``fsm-rollout replay``. ``hooks`` observe every rollout of the runner
     (after the runner's own metrics).
+
+    Weight updates: ``async with runner.weight_update(version="7"):`` around the trainer's weight push suspends the
+    runner's rollouts (none is lost: each turn in flight continues from the tokens it had), sets the engines'
+    weight version and resumes them; :meth:`suspend` and :meth:`resume` are the two halves.
+    ``config.weight_update_strategy`` picks how requests in flight are treated (see
+    :class:`~fsm_rollout.config.RolloutConfig`). Every generated token's weight version ends up in
+    ``sample.metadata["weight_version_spans"]``.
     """
 
     def __init__(
@@ -182,6 +199,8 @@ class RolloutRunner:
         self._active = self._metrics.active
         self._hooks = combine_hooks(self._metrics, hooks)
         self._entered = False
+        self.suspender = Suspender(lambda: self._clients.values(), strategy=config.weight_update_strategy)
+        """The gate every rollout of this runner consults (:mod:`fsm_rollout.suspension`)."""
 
     async def __aenter__(self) -> RolloutRunner:
         for url in self.engine_urls:
@@ -227,6 +246,7 @@ class RolloutRunner:
             "processor": self.processor,
             "tracer": self.tracer,
             "sample_id": sample_id,
+            "suspender": self.suspender,
         }
         if self.tape is not None:
             rollout = recorded_rollout(sample, tape=self.tape, hooks=self._hooks, **options)
@@ -342,6 +362,29 @@ class RolloutRunner:
                 continue
             waiting.append(rollout.abort(reason))
         await asyncio.gather(*waiting)
+
+    async def suspend(self, reason: str = "weight_update") -> None:
+        """Suspend every rollout of this runner; returns once no generate request of the runner is in flight at any
+        engine (``abort`` strategy) or every engine has frozen its requests (``keep``).
+
+        Rollouts stepping their environment or encoding an observation carry on and suspend when they next reach
+        ``generating``, before sending anything; samples that have not started, and new ``run`` calls, wait.
+        """
+        await self.suspender.suspend(reason)
+
+    async def resume(self) -> None:
+        """Resume every suspended rollout where it stopped, and let waiting samples start."""
+        await self.suspender.resume()
+
+    def weight_update(self, version: str | None = None) -> AbstractAsyncContextManager[None]:
+        """``async with runner.weight_update(version="7"):`` suspends, runs the body (push the weights), sets every
+        engine's weight version to ``version`` (when given) and resumes, also when the body raises."""
+        return self.suspender.weight_update(version)
+
+    @property
+    def last_suspension(self) -> SuspendStats:
+        """What the last suspension and resume cost: requests in flight, abort or pause calls, client time."""
+        return self.suspender.stats
 
     def metrics(self) -> MetricsSnapshot:
         """A consistent snapshot of occupancy, dwell times, outcomes and throughput."""

@@ -25,6 +25,9 @@ class TurnMeta:
     ``weight_version`` is vime's top-level ``weight_version``, else the version of the last span of
     ``choices[0].weight_versions`` (what upstream vLLM sends).
 
+    ``weight_version_spans`` are ``choices[0].weight_versions`` as ``(version, start, end)`` over the answer's output
+    tokens (None when the engine sent none).
+
     ``routed_experts`` is the decoded ``.npy`` array (any integer dtype) or None; ``top_p_token_ids`` and
     ``top_p_token_offsets`` are the CSR form of ``choices[0].sampling_mask`` (offsets start at 0).
     """
@@ -40,13 +43,16 @@ class TurnMeta:
     routed_experts: Any = None
     top_p_token_ids: TokenIds | None = None
     top_p_token_offsets: list[int] | None = None
+    weight_version_spans: tuple[tuple[str, int, int], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class GeneratedTurn:
     """One parsed generate answer: the model's tokens, their logprobs, and how the turn ended.
 
-    For ``finish == "abort"`` the tokens and logprobs are empty: an aborted turn's partial output is dropped.
+    For ``finish == "abort"`` the tokens and logprobs are what the engine produced before the abort (vLLM sends
+    them), or empty when the answer has none that parse. A turn continued after a suspension is the merge of its
+    answers (:mod:`fsm_rollout.partial_turn`).
     """
 
     request_id: str

@@ -23,9 +23,11 @@ def test_max_turns_must_be_a_positive_int_and_not_a_bool(max_turns: Any) -> None
         config(max_turns=max_turns)
 
 
-def test_partial_rollout_is_rejected() -> None:
-    with pytest.raises(ConfigError, match="Partial rollout"):
-        config(partial_rollout=True)
+def test_partial_rollout_is_accepted_and_the_weight_update_strategy_is_checked() -> None:
+    assert config(partial_rollout=True).partial_rollout is True
+    assert config(weight_update_strategy="keep").weight_update_strategy == "keep"
+    with pytest.raises(ConfigError, match="weight_update_strategy"):
+        config(weight_update_strategy="pause")
 
 
 @pytest.mark.parametrize("limit", [-1, 1.5, True])

@@ -22,6 +22,7 @@ from fsm_rollout.engine.schema.answers import (
     parse_model_list,
     parse_render_response,
     parse_turn_meta,
+    parse_weight_version_spans,
     sampling_mask_to_top_p,
 )
 from fsm_rollout.engine.schema.requests import (
@@ -160,6 +161,7 @@ __all__ = [
     "parse_model_list",
     "parse_render_response",
     "parse_turn_meta",
+    "parse_weight_version_spans",
     "render_messages",
     "render_sampling_params",
     "render_template_kwargs",

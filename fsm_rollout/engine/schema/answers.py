@@ -193,6 +193,26 @@ def last_span_version(spans: Any) -> Any:
     return None
 
 
+def parse_weight_version_spans(spans: Any) -> tuple[tuple[str, int, int], ...] | None:
+    """``choices[0].weight_versions`` as ``(version, start, end)`` triples (None when absent)."""
+    if spans is None:
+        return None
+    if not isinstance(spans, list):
+        raise GenerationError(f"choices[0].weight_versions must be a list of spans, got {_preview(spans)}")
+    parsed: list[tuple[str, int, int]] = []
+    for index, span in enumerate(spans):
+        version = span.get("version") if isinstance(span, dict) else None
+        start = span.get("start") if isinstance(span, dict) else None
+        end = span.get("end") if isinstance(span, dict) else None
+        if version is None or not is_int(start) or not is_int(end) or not 0 <= start <= end:
+            raise GenerationError(
+                f"choices[0].weight_versions[{index}] must be {{version, start, end}} with 0 <= start <= end, "
+                f"got {_preview(span)}"
+            )
+        parsed.append((str(version), start, end))
+    return tuple(parsed)
+
+
 def _mapping(value: Any) -> Mapping[str, Any]:
     return value if isinstance(value, dict) else {}
 
@@ -217,6 +237,8 @@ def parse_turn_meta(output: Mapping[str, Any], choice: Mapping[str, Any], finish
     weight_version = output.get("weight_version")
     if weight_version is None:
         weight_version = last_span_version(choice.get("weight_versions"))
+    # vime's top-level version wins over the spans; then the answer's tokens all carry it
+    spans = parse_weight_version_spans(choice.get("weight_versions")) if output.get("weight_version") is None else None
     routed = choice.get("routed_experts")
     mask = choice.get("sampling_mask")
     top_p_ids, top_p_offsets = sampling_mask_to_top_p(mask) if mask is not None else (None, None)
@@ -232,19 +254,25 @@ def parse_turn_meta(output: Mapping[str, Any], choice: Mapping[str, Any], finish
         routed_experts=None if routed is None else decode_routed_experts(routed),
         top_p_token_ids=top_p_ids,
         top_p_token_offsets=top_p_offsets,
+        weight_version_spans=spans,
     )
 
 
 def parse_generate_response(output: Any, request_id: str) -> GeneratedTurn:
-    """Validate a generate answer and keep ``choices[0]``; an aborted turn keeps no tokens."""
+    """Validate a generate answer and keep ``choices[0]``.
+
+    An aborted turn keeps the tokens and logprobs it produced when they parse (a suspended rollout continues from
+    them); an abort answer is never an error, so anything else about it that does not parse leaves it without
+    tokens, as the seed reads every abort.
+    """
     choices = output.get("choices") if isinstance(output, dict) else None
     if not isinstance(choices, list) or not choices or not isinstance(choices[0], dict):
         raise GenerationError(f"vLLM generate response must contain choices[0], got {_preview(output)}")
     choice = choices[0]
     finish = parse_finish_reason(choice.get("finish_reason"))
-    meta = parse_turn_meta(output, choice, finish)
     if finish == "abort":
-        return GeneratedTurn(request_id=request_id, finish=finish, token_ids=[], logprobs=[], meta=meta)
+        return _aborted_turn(output, choice, request_id)
+    meta = parse_turn_meta(output, choice, finish)
     token_ids = _require_token_ids(choice.get("token_ids"))
     logprobs = parse_logprobs(choice, token_ids)
     if meta.top_p_token_offsets is not None and len(meta.top_p_token_offsets) != len(token_ids) + 1:
@@ -252,6 +280,25 @@ def parse_generate_response(output: Any, request_id: str) -> GeneratedTurn:
             f"sampling_mask has {len(meta.top_p_token_offsets) - 1} entries for {len(token_ids)} generated tokens"
         )
     return GeneratedTurn(request_id=request_id, finish=finish, token_ids=token_ids, logprobs=logprobs, meta=meta)
+
+
+def _aborted_turn(output: Mapping[str, Any], choice: Mapping[str, Any], request_id: str) -> GeneratedTurn:
+    try:
+        meta = parse_turn_meta(output, choice, "abort")
+    except GenerationError:
+        meta = TurnMeta(finish_reason="abort")
+    try:
+        token_ids = _require_token_ids(choice.get("token_ids"))
+        logprobs = parse_logprobs(choice, token_ids) if token_ids else []
+    except GenerationError:
+        token_ids, logprobs = [], []
+    spans = meta.weight_version_spans
+    offsets = meta.top_p_token_offsets
+    if (spans is not None and sum(end - start for _, start, end in spans) != len(token_ids)) or (
+        offsets is not None and len(offsets) != len(token_ids) + 1
+    ):
+        token_ids, logprobs = [], []
+    return GeneratedTurn(request_id=request_id, finish="abort", token_ids=token_ids, logprobs=logprobs, meta=meta)
 
 
 def parse_model_list(data: Any) -> list[ServedModel]:
