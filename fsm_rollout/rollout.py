@@ -474,13 +474,13 @@ class Rollout:
             finally:
                 gate.request_ended(self, request_id)
         spans = answer.meta.weight_version_spans
-        if spans or answer.meta.weight_version is not None:
-            first = spans[0][0] if spans else answer.meta.weight_version
+        first = spans[0][0] if spans else answer.meta.weight_version
+        if first is not None:
             if gate is not None:
-                gate.saw_version(first if answer.meta.weight_version is None else answer.meta.weight_version)
-            if "start_weight_version" not in self.sample.metadata and (gate is None or
-                                                                       gate.weight_updates == self._start_epoch):
-                # no update since the start: the first token's version is the one the sample started at
+                gate.saw_version(answer.meta.weight_version or first)
+            if "start_weight_version" not in self.sample.metadata and (
+                gate is None or gate.weight_updates == self._start_epoch
+            ):  # no update since the start: the first token's version is the one the sample started at
                 self.sample.metadata["start_weight_version"] = first
         if gate is not None and answer.finish == "abort" and gate.suspended_request(self, request_id):
             if answer.token_ids:

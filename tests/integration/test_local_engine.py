@@ -651,13 +651,17 @@ async def keyed_engine() -> AsyncIterator[LocalEngine]:
         yield server
 
 
-@pytest.mark.parametrize("path", [RENDER, GENERATE, ABORT, "/v1/models", "/no/such/path"])
+WEIGHT_PATHS = ["/pause", "/resume", "/is_paused", "/update_weight_version", "/weight_info", "/update_weights"]
+GET_PATHS = {"/v1/models", "/is_paused", "/weight_info"}
+
+
+@pytest.mark.parametrize("path", [RENDER, GENERATE, ABORT, "/v1/models", "/no/such/path", *WEIGHT_PATHS])
 @pytest.mark.parametrize("authorization", [None, "Bearer wrong", API_KEY, f"Bearer {API_KEY}x"])
 async def test_a_keyed_engine_answers_401_to_a_request_without_the_key(
     keyed_engine: LocalEngine, http: aiohttp.ClientSession, path: str, authorization: str | None
 ) -> None:
     headers = {} if authorization is None else {"Authorization": authorization}
-    method = http.get if path == "/v1/models" else http.post
+    method = http.get if path in GET_PATHS else http.post
     async with method(keyed_engine.url + path, json={"messages": MESSAGES}, headers=headers) as response:
         assert response.status == 401
         assert await response.json() == {"error": "Unauthorized"}  # vLLM's body for a missing or wrong key
@@ -674,6 +678,9 @@ async def test_a_keyed_engine_keeps_health_open_and_answers_the_key(
         assert response.status == 200
     async with http.post(keyed_engine.url + RENDER, json={"messages": MESSAGES}, headers=headers) as response:
         assert response.status == 200
+    async with http.get(keyed_engine.url + "/is_paused", headers=headers) as response:
+        assert (response.status, await response.json()) == (200, {"is_paused": False})
+    assert not keyed_engine.is_paused  # the 401 answers above paused nothing
 
 
 async def test_the_client_with_the_key_succeeds_and_without_it_gets_one_401(keyed_engine: LocalEngine) -> None:

@@ -15,6 +15,8 @@ import pytest
 from fsm_rollout.engine.schema import (
     FINISH_REASONS,
     GENERATE_REQUEST_ID_PREFIX,
+    PAUSE_MODES,
+    PauseMode,
     RequestError,
     boolean_field,
     check_model,
@@ -29,8 +31,10 @@ from fsm_rollout.engine.schema import (
     is_number,
     is_token_id_list,
     model_list,
+    new_weight_version,
     parse_generate_response,
     parse_model_list,
+    pause_mode,
     render_messages,
     request_sampling_params,
     request_token_ids,
@@ -116,6 +120,22 @@ def test_an_answer_under_the_servers_id_parses_for_the_clients_id() -> None:
 def test_weight_version_spans_cover_the_output() -> None:
     assert weight_version_spans("default", 3) == [{"version": "default", "start": 0, "end": 3}]
     assert weight_version_spans("default", 0) == []
+
+
+def test_pause_mode_defaults_to_abort_and_refuses_other_modes_naming_the_valid_ones() -> None:
+    assert PAUSE_MODES == get_args(PauseMode) == ("abort", "wait", "keep")
+    assert pause_mode(None) == "abort"  # vLLM's default
+    assert [pause_mode(mode) for mode in PAUSE_MODES] == list(PAUSE_MODES)
+    error = _refused(pause_mode, "Keep")
+    assert (error.status, error.param) == (400, "mode")
+    assert error.message == "mode: Input should be one of 'abort', 'wait', 'keep', got 'Keep'"
+
+
+def test_new_weight_version_is_a_string_and_anything_else_is_400() -> None:
+    assert new_weight_version({"new_version": "step-3"}) == "step-3"
+    for body in ({}, {"new_version": None}, {"new_version": 3}, {"new_version": ["v"]}):
+        error = _refused(new_weight_version, body)
+        assert (error.status, error.param) == (400, "new_version")
 
 
 # -------------------------------------------------------------------- request validation

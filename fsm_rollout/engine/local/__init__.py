@@ -10,11 +10,15 @@ multimodal ``features``; generate checks them and then generates with the text m
 ``<|image_pad|>`` tokens as ordinary tokens (see :mod:`fsm_rollout.engine.local.images`). Configure the client's
 image-token check with ``RolloutConfig(image_merge_size=engine.image_merge_size)``.
 
+Weight updates: vLLM's ``/pause``, ``/resume``, ``/update_weight_version`` and ``/update_weights`` endpoints, or
+in process ``await engine.pause("keep")``, ``await engine.load_weights(state_dict, version="step-1")``,
+``await engine.resume()``; answers label every output token with the weight version it was sampled under.
+
 Importing this package is cheap: torch and transformers load only when an engine starts or the tiny model is built.
 """
 
-from fsm_rollout.engine.local.errors import LocalEngineError, ModelLoadError
+from fsm_rollout.engine.local.errors import LocalEngineError, ModelLoadError, WeightLoadError
 from fsm_rollout.engine.local.server import LocalEngine
 from fsm_rollout.engine.local.tiny import TINY_MODEL_NAME, tiny_model_dir
 
-__all__ = ["TINY_MODEL_NAME", "LocalEngine", "LocalEngineError", "ModelLoadError", "tiny_model_dir"]
+__all__ = ["TINY_MODEL_NAME", "LocalEngine", "LocalEngineError", "ModelLoadError", "WeightLoadError", "tiny_model_dir"]

@@ -11,3 +11,7 @@ class LocalEngineError(RolloutError, RuntimeError):
 
 class ModelLoadError(LocalEngineError):
     """The model directory cannot be built or loaded (missing files, not a causal LM, bad max_model_len)."""
+
+
+class WeightLoadError(LocalEngineError, ValueError):
+    """New weights do not fit the model (unknown parameter names, wrong shapes) or cannot be read."""

@@ -6,6 +6,9 @@ follows vLLM's order and semantics: penalties and the ``min_tokens`` mask on the
 temperature, ``min_p``, ``top_k`` and ``top_p``; the token's logprob is the log-softmax of that *processed*
 distribution (vLLM's ``--logprobs-mode processed_logprobs``).
 
+:func:`load_weights` copies new parameter values into a loaded model (:func:`read_safetensors` reads them from a
+file); the scheduler calls both on its worker thread, between two decode steps.
+
 This module imports torch and transformers at import time; the server imports it only when an engine starts.
 """
 
@@ -15,22 +18,32 @@ import contextlib
 import inspect
 import pathlib
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from fsm_rollout.engine.local.errors import ModelLoadError
+from fsm_rollout.engine.local.errors import ModelLoadError, WeightLoadError
 from fsm_rollout.engine.local.protocol import SamplingSettings
 from fsm_rollout.engine.schema import Finish
 
-__all__ = ["Generation", "LoadedModel", "TokenLogprob", "load_model", "quiet_progress_bars", "top_p_filter"]
+__all__ = [
+    "Generation",
+    "LoadedModel",
+    "TokenLogprob",
+    "load_model",
+    "load_weights",
+    "quiet_progress_bars",
+    "read_safetensors",
+    "top_p_filter",
+]
 
 _MIN_JSON_LOGPROB = -9999.0  # vLLM clamps logprobs to this: -inf has no JSON spelling
 _TOP_P_FIRST_CANDIDATES = 1024  # top_p first looks at this many of the likeliest tokens
 _TOP_P_BUCKETS = 1024  # log-probability buckets of the top_p search on flat distributions
 _MAX_LEN_CONFIG_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+_LISTED_NAMES = 10  # a weight error names at most this many offending parameters
 
 
 @dataclass(frozen=True)
@@ -141,6 +154,61 @@ def load_model(model_dir: pathlib.Path, *, max_model_len: int | None = None) -> 
         cache_argument="cache" if "cache" in parameters else "past_key_values",
         takes_logits_to_keep="logits_to_keep" in parameters,
     )
+
+
+def load_weights(loaded: LoadedModel, state_dict: Mapping[str, Any]) -> None:
+    """Copy ``state_dict`` (parameter name → tensor, any subset of the model's ``state_dict()`` names) into the model.
+
+    Like ``model.load_state_dict(state_dict, strict=False)``: parameters left out keep their values, values are
+    copied (converted to the model's dtype), and tied parameters (the tiny model's embedding and LM head) share the
+    new value. Unlike it, unknown names and shape mismatches are refused, and nothing is copied then.
+
+    Raises:
+        WeightLoadError: Naming the parameters that are unknown, not tensors, or of the wrong shape.
+    """
+    current = loaded.model.state_dict()
+    unknown = sorted(name for name in state_dict if name not in current)
+    not_tensors = sorted(
+        name for name, value in state_dict.items() if name in current and not isinstance(value, torch.Tensor)
+    )
+    mismatched = [
+        f"{name} {list(value.shape)} (the model's is {list(current[name].shape)})"
+        for name, value in state_dict.items()
+        if name in current and isinstance(value, torch.Tensor) and value.shape != current[name].shape
+    ]
+    problems = []
+    if unknown:
+        problems.append(f"unknown parameter names: {_listed(unknown)}")
+    if not_tensors:
+        problems.append(f"values that are not tensors: {_listed(not_tensors)}")
+    if mismatched:
+        problems.append(f"shape mismatches: {_listed(mismatched)}")
+    if problems:
+        raise WeightLoadError(f"the new weights do not fit {loaded.model_dir.name}: {'; '.join(problems)}")
+    loaded.model.load_state_dict(dict(state_dict), strict=False)
+
+
+def read_safetensors(path: str | pathlib.Path) -> dict[str, torch.Tensor]:
+    """The tensors of a local ``.safetensors`` file, on the CPU.
+
+    Raises:
+        WeightLoadError: When the file is missing or is not a safetensors file.
+    """
+    from safetensors.torch import load_file
+
+    file = pathlib.Path(path).expanduser()
+    if not file.is_file():
+        raise WeightLoadError(f"no weights file at {path}")
+    try:
+        tensors: dict[str, torch.Tensor] = load_file(str(file), device="cpu")
+    except Exception as error:  # safetensors raises its own SafetensorError (and OSError) for unreadable files
+        raise WeightLoadError(f"cannot read {path} as a safetensors file: {error}") from error
+    return tensors
+
+
+def _listed(names: list[str]) -> str:
+    shown = ", ".join(names[:_LISTED_NAMES])
+    return shown if len(names) <= _LISTED_NAMES else f"{shown} and {len(names) - _LISTED_NAMES} more"
 
 
 @contextlib.contextmanager

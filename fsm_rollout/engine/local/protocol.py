@@ -160,6 +160,34 @@ class RenderInput:
     with_tensors: bool = True
 
 
+@dataclass(frozen=True)
+class UpdateWeightsInput:
+    """A validated ``POST /update_weights`` body: the local ``.safetensors`` file to load, and the weight version to
+    set with it (None keeps the current one)."""
+
+    path: str
+    weight_version: str | None
+
+
+def parse_update_weights(body: Mapping[str, Any]) -> UpdateWeightsInput:
+    """``{"update_info": {"path": str, "weight_version": str | null}}``, the embedded engine's weight-transfer
+    payload (vLLM's ``update_info`` is whatever its weight-transfer backend takes)."""
+    info = body.get("update_info")
+    if not isinstance(info, dict):
+        raise RequestError(400, "update_info: Field required (an object with a 'path')", "update_info")
+    path = info.get("path")
+    if not isinstance(path, str) or not path:
+        raise RequestError(
+            400, f"update_info.path: Field required (a local .safetensors file), got {path!r}", "update_info"
+        )
+    version = info.get("weight_version")
+    if version is not None and not isinstance(version, str):
+        raise RequestError(
+            400, f"update_info.weight_version: Input should be a string or null, got {version!r}", "update_info"
+        )
+    return UpdateWeightsInput(path=path, weight_version=version)
+
+
 def parse_generate(
     body: Mapping[str, Any], *, max_model_len: int, vocab_size: int, new_request_id: str
 ) -> GenerateInput:

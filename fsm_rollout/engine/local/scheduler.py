@@ -8,6 +8,17 @@ the next decode step.
 
 An aborted or disconnected job is dropped between two decode steps: a waiting one before it starts, a running one
 after the step in progress, and answered with ``finish_reason="abort"`` and the tokens it had so far.
+
+Pausing (vLLM's ``/pause``) also acts between two decode steps. Every mode holds the jobs that arrive while paused in
+a separate queue until :meth:`Scheduler.resume`; they are admitted behind the jobs already waiting. The modes differ
+in what they do to the jobs in flight (running or waiting) when the pause lands: ``abort`` answers them at once with
+``finish_reason="abort"``, ``wait`` lets them run to their end (the pause call returns when they have), ``keep``
+freezes them: no decode step runs until resume, when they carry on with their KV caches. Each pause call applies its
+mode to what is in flight then, so ``abort`` after ``keep`` ends the frozen jobs. Tasks run while paused.
+
+Weights: the weight version and new parameter values are set by tasks, so they land between two decode steps; every
+sampled token is labelled with the version current at its step, and a job's KV cache made with the old weights is
+kept.
 """
 
 from __future__ import annotations
@@ -17,14 +28,14 @@ import contextlib
 import queue
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future as ThreadFuture
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from fsm_rollout.engine.local.errors import LocalEngineError
 from fsm_rollout.engine.local.protocol import SamplingSettings
-from fsm_rollout.engine.schema import Finish
+from fsm_rollout.engine.schema import DEFAULT_WEIGHT_VERSION, Finish, PauseMode, WeightVersionSpan
 
 if TYPE_CHECKING:
     from fsm_rollout.engine.local.model import Generation, LoadedModel, TokenLogprob
@@ -43,6 +54,8 @@ class GenerationOutcome:
     finish_reason: Finish
     stop_reason: str | int | None
     prompt_len: int
+    weight_versions: list[WeightVersionSpan]
+    """The weight version of every output token, as consecutive half-open spans."""
 
 
 class GenerateJob:
@@ -65,6 +78,9 @@ class GenerateJob:
         self.future: asyncio.Future[GenerationOutcome] = loop.create_future()
         self._loop = loop
         self._cancelled = threading.Event()
+        self._waker: Callable[[], None] | None = None
+        self._spans: list[WeightVersionSpan] = []
+        self._token_count = 0
         self.generation: Generation | None = None
 
     @property
@@ -72,9 +88,29 @@ class GenerateJob:
         """Whether an abort or a disconnect asked for the job to stop."""
         return self._cancelled.is_set()
 
+    @property
+    def token_count(self) -> int:
+        """Output tokens sampled so far (readable from any thread)."""
+        return self._token_count
+
+    def set_waker(self, waker: Callable[[], None]) -> None:
+        """Called by :meth:`cancel`: the scheduler's wake-up, so that a paused worker answers the abort at once."""
+        self._waker = waker
+
     def cancel(self) -> None:
         """Ask the worker to stop the job at its next decode step boundary."""
         self._cancelled.set()
+        if self._waker is not None:
+            self._waker()
+
+    def record_token(self, version: str) -> None:
+        """Count one more sampled token, made with weights of ``version`` (called from the worker thread)."""
+        spans = self._spans
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] += 1
+        else:
+            spans.append({"version": version, "start": self._token_count, "end": self._token_count + 1})
+        self._token_count += 1
 
     def resolve(self, outcome: GenerationOutcome | BaseException) -> None:
         """Hand the result to the job's event loop (called from the worker thread)."""
@@ -90,6 +126,7 @@ class GenerateJob:
             finish_reason=finish,
             stop_reason=generation.stop_reason if generation and finish == "stop" else None,
             prompt_len=len(self.prompt),
+            weight_versions=[span.copy() for span in self._spans],
         )
 
 
@@ -111,6 +148,7 @@ class _Task:
 
 
 _STOP = object()
+_WAKE = object()  # only wakes a worker blocked on its inbox, to look at cancelled jobs
 
 
 class Scheduler:
@@ -129,10 +167,16 @@ class Scheduler:
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: deque[GenerateJob] = deque()
         self._running: deque[GenerateJob] = deque()
+        self._held: deque[GenerateJob] = deque()  # arrived while paused
         self._live_lock = threading.Lock()
-        self._live: list[str] = []
+        self._live: list[GenerateJob] = []
         self._thread: threading.Thread | None = None
         self._closed = threading.Event()
+        # Written only by the worker thread; other threads read them (a single attribute read is atomic).
+        self._paused = False
+        self._frozen = False
+        self._weight_version: str = DEFAULT_WEIGHT_VERSION
+        self._drain_waiters: list[ThreadFuture[None]] = []
 
     # ---------------------------------------------------------------- event-loop side
 
@@ -157,8 +201,9 @@ class Scheduler:
         """Queue a generate job (FIFO)."""
         if self._closed.is_set():
             raise LocalEngineError("the embedded engine is stopped")
+        job.set_waker(self._wake)
         with self._live_lock:
-            self._live.append(job.request_id)
+            self._live.append(job)
         self._inbox.put(job)
 
     async def run_task(self, call: Callable[[], _T]) -> _T:
@@ -172,7 +217,46 @@ class Scheduler:
     def live_request_ids(self) -> list[str]:
         """Request ids of the jobs submitted and not yet finished or dropped by the worker, in arrival order."""
         with self._live_lock:
-            return list(self._live)
+            return [job.request_id for job in self._live]
+
+    def live_token_counts(self) -> dict[str, int]:
+        """Output tokens so far of each live job (0 while queued), by request id in arrival order; of jobs sharing
+        an id, the earliest."""
+        counts: dict[str, int] = {}
+        with self._live_lock:
+            for job in self._live:
+                counts.setdefault(job.request_id, job.token_count)
+        return counts
+
+    @property
+    def paused(self) -> bool:
+        """Whether a pause is in effect (from the moment the worker applied it until resume)."""
+        return self._paused
+
+    @property
+    def weight_version(self) -> str:
+        """The version the worker labels the tokens it samples with."""
+        return self._weight_version
+
+    async def pause(self, mode: PauseMode) -> None:
+        """Pause between two decode steps (see the module docstring); with ``wait``, return once the jobs in flight
+        have finished (or on resume)."""
+        drained = await self.run_task(lambda: self._pause_now(mode))
+        if drained is not None:
+            await asyncio.wrap_future(drained)
+
+    async def resume(self) -> None:
+        """End a pause: frozen jobs carry on, held jobs queue up behind the waiting ones. Fine when not paused."""
+        await self.run_task(self._resume_now)
+
+    async def set_weight_version(self, version: str) -> None:
+        """Label the tokens sampled from the next decode step on with ``version``."""
+        await self.run_task(lambda: self._set_version_now(version))
+
+    async def load_weights(self, read: Callable[[], Mapping[str, Any]], version: str | None = None) -> None:
+        """Between two decode steps, call ``read`` for the new parameter values and copy them into the model (see
+        :func:`~fsm_rollout.engine.local.model.load_weights`); then set ``version``, when given."""
+        await self.run_task(lambda: self._load_weights_now(read, version))
 
     # ---------------------------------------------------------------- worker side
 
@@ -186,20 +270,23 @@ class Scheduler:
         try:
             with torch.inference_mode():
                 while self._admit():
-                    self._drop_cancelled_waiting()
-                    while self._waiting and len(self._running) < self._max_num_seqs:
-                        self._running.append(self._waiting.popleft())
-                    if self._running:
-                        self._advance(self._running.popleft(), Generation)
+                    self._drop_cancelled()
+                    if not self._frozen:
+                        while self._waiting and len(self._running) < self._max_num_seqs:
+                            self._running.append(self._waiting.popleft())
+                        if self._running:
+                            self._advance(self._running.popleft(), Generation)
+                    self._release_drain_waiters()
         finally:
             self._shut_down()
 
     def _shut_down(self) -> None:
         """Answer everything still queued or running: jobs with "abort", tasks with an error."""
         self._closed.set()
-        leftovers = [*self._running, *self._waiting]
+        leftovers = [*self._running, *self._waiting, *self._held]
         self._running.clear()
         self._waiting.clear()
+        self._held.clear()
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -212,10 +299,18 @@ class Scheduler:
                 leftovers.append(item)
         for job in leftovers:
             self._finish(job, job.outcome("abort"))
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for waiter in waiters:
+            if waiter.set_running_or_notify_cancel():
+                waiter.set_exception(LocalEngineError("the embedded engine stopped"))
+
+    def _wake(self) -> None:
+        self._inbox.put(_WAKE)
 
     def _admit(self) -> bool:
-        """Take everything from the inbox (blocking while idle); False once stop was requested."""
-        idle = not self._running and not self._waiting
+        """Take everything from the inbox (blocking while there is no decode step to run); False once stop was
+        requested."""
+        idle = self._frozen or (not self._running and not self._waiting)
         while True:
             try:
                 item = self._inbox.get(block=idle)
@@ -226,8 +321,8 @@ class Scheduler:
                 return False
             if isinstance(item, _Task):
                 self._run_task(item)
-            else:
-                self._waiting.append(item)
+            elif isinstance(item, GenerateJob):
+                (self._held if self._paused else self._waiting).append(item)
 
     @staticmethod
     def _run_task(task: _Task) -> None:
@@ -240,11 +335,60 @@ class Scheduler:
         else:
             task.future.set_result(result)
 
-    def _drop_cancelled_waiting(self) -> None:
-        if any(job.cancelled for job in self._waiting):
-            for job in [job for job in self._waiting if job.cancelled]:
-                self._waiting.remove(job)
+    def _drop_cancelled(self) -> None:
+        """Answer cancelled jobs that will not reach :meth:`_advance` soon: waiting, held, and frozen ones."""
+        lines = (self._waiting, self._held, self._running) if self._frozen else (self._waiting, self._held)
+        for line in lines:
+            if any(job.cancelled for job in line):
+                for job in [job for job in line if job.cancelled]:
+                    line.remove(job)
+                    self._finish(job, job.outcome("abort"))
+
+    def _pause_now(self, mode: PauseMode) -> ThreadFuture[None] | None:
+        """Apply a pause (a task: runs between two decode steps); for ``wait``, the future that settles once
+        nothing is in flight."""
+        self._paused = True
+        if mode == "abort":
+            self._frozen = False
+            in_flight = [*self._running, *self._waiting]
+            self._running.clear()
+            self._waiting.clear()
+            for job in in_flight:
                 self._finish(job, job.outcome("abort"))
+            return None
+        if mode == "keep":
+            self._frozen = True
+            return None
+        self._frozen = False
+        drained: ThreadFuture[None] = ThreadFuture()
+        self._drain_waiters.append(drained)
+        self._release_drain_waiters()
+        return drained
+
+    def _resume_now(self) -> None:
+        self._paused = False
+        self._frozen = False
+        self._waiting.extend(self._held)
+        self._held.clear()
+        self._release_drain_waiters(force=True)  # no longer paused: a "wait" pause has nothing left to wait for
+
+    def _release_drain_waiters(self, *, force: bool = False) -> None:
+        if not self._drain_waiters or not (force or (not self._running and not self._waiting)):
+            return
+        waiters, self._drain_waiters = self._drain_waiters, []
+        for waiter in waiters:
+            if waiter.set_running_or_notify_cancel():  # False: the pause call was cancelled
+                waiter.set_result(None)
+
+    def _set_version_now(self, version: str) -> None:
+        self._weight_version = version
+
+    def _load_weights_now(self, read: Callable[[], Mapping[str, Any]], version: str | None) -> None:
+        from fsm_rollout.engine.local.model import load_weights
+
+        load_weights(self._loaded, read())
+        if version is not None:
+            self._weight_version = version
 
     def _advance(self, job: GenerateJob, generation_class: type[Generation]) -> None:
         """One decode step of ``job``; it goes to the back of the line unless it finished."""
@@ -258,6 +402,7 @@ class Scheduler:
         except Exception as error:
             self._finish(job, error)
             return
+        job.record_token(self._weight_version)
         if finish is None:
             self._running.append(job)
         else:
@@ -265,6 +410,6 @@ class Scheduler:
 
     def _finish(self, job: GenerateJob, outcome: GenerationOutcome | BaseException) -> None:
         with self._live_lock:
-            self._live.remove(job.request_id)
+            self._live.remove(job)
         job.resolve(outcome)
         job.generation = None  # frees the KV cache

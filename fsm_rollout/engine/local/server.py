@@ -10,7 +10,17 @@ Endpoints, with vLLM's request and response shapes (``vllm serve --enable-scale-
 * ``POST /inference/v1/abort_requests``: ``{"request_ids": [...]}`` ends those generations with
   ``finish_reason="abort"``;
 * ``GET /health`` and ``GET /v1/models`` (whose model card also names the tokenizer directory and the image
-  merge size, so that a client needs neither flag).
+  merge size, so that a client needs neither flag);
+* vLLM's weight-update endpoints (which vLLM serves with ``VLLM_SERVER_DEV_MODE=1``):
+  ``POST /pause?mode=abort|wait|keep`` → ``{"status": "paused"}`` (``abort`` when no mode is given),
+  ``POST /resume`` → ``{"status": "resumed"}``, ``GET /is_paused`` → ``{"is_paused": bool}``,
+  ``POST /update_weight_version {"new_version": str}`` → ``{"success": true, "new_version": str}``,
+  ``GET /weight_info`` → ``{"weight_version": str}``, and
+  ``POST /update_weights {"update_info": {"path": <local .safetensors file>, "weight_version": str | null}}`` →
+  ``{"message": "Weights updated"}``. See :class:`LocalEngine` for what each pause mode does.
+
+Every generate answer labels its output tokens with the weight version current when each was sampled
+(``choices[0].weight_versions``: consecutive spans, ``"default"`` until a version is set).
 
 Invalid requests get vLLM's error body ``{"error": {"message", "type", "param", "code"}}`` (400, or 404 for another
 model name). With an API key, every request but ``GET /health`` needs ``Authorization: Bearer <key>`` and is
@@ -32,16 +42,24 @@ from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
-from fsm_rollout.engine.endpoints import EndpointHandlers, error_response, json_response, serve_endpoints
-from fsm_rollout.engine.local.errors import LocalEngineError
+from fsm_rollout.engine.endpoints import (
+    EndpointHandlers,
+    WeightUpdateHandlers,
+    error_response,
+    json_response,
+    serve_endpoints,
+)
+from fsm_rollout.engine.local.errors import LocalEngineError, WeightLoadError
 from fsm_rollout.engine.local.images import IMAGE_MERGE_SIZE, IMAGE_PAD_TOKEN
-from fsm_rollout.engine.local.protocol import RenderInput, parse_generate, parse_render
+from fsm_rollout.engine.local.protocol import RenderInput, parse_generate, parse_render, parse_update_weights
 from fsm_rollout.engine.local.scheduler import GenerateJob, GenerationOutcome, Scheduler
 from fsm_rollout.engine.schema import (
     HEALTH_PATH,
+    PAUSE_MODES,
     GenerateAnswer,
     GenerateChoice,
     LogprobEntry,
+    PauseMode,
     RenderAnswer,
     RequestError,
     TopLogprob,
@@ -49,12 +67,17 @@ from fsm_rollout.engine.schema import (
     check_model,
     decode_json_object,
     model_list,
+    new_weight_version,
+    pause_mode,
     sent_request_id,
     server_request_id,
-    weight_version_spans,
 )
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
+    import torch
+
     from fsm_rollout.engine.local.images import ImageSupport
     from fsm_rollout.engine.local.model import LoadedModel, TokenLogprob
 
@@ -100,6 +123,17 @@ class LocalEngine:
     tokens as ordinary tokens and never looks at the pixels. Images change the prompt's tokens, not what the model
     perceives. ``http(s)`` image URLs are refused with 400 (no fetching), as are ``file://`` URLs and local paths
     (vLLM reads those only with ``--allowed-local-media-path``). See :mod:`fsm_rollout.engine.local.images`.
+
+    Weight updates, in process (a trainer in the same process needs no HTTP) and over vLLM's endpoints:
+    :meth:`pause` / :meth:`resume`, :meth:`update_weight_version` and :meth:`load_weights`. A pause acts between two
+    decode steps. ``abort`` answers every request in flight (queued or running) at once with
+    ``finish_reason="abort"`` and its tokens and logprobs so far; ``wait`` returns once the requests in flight have
+    finished normally; ``keep`` freezes them (no decode step runs) until :meth:`resume`, when they carry on with
+    their KV caches, nothing recomputed. In every mode, generate requests arriving while paused are accepted and
+    wait until resume; render keeps working. Pausing again applies the new mode to what is in flight then
+    (``abort`` after ``keep`` ends the frozen requests); resuming when not paused does nothing. New weights apply
+    to the tokens sampled after the load; a request's KV cache computed with the old weights is kept, as vLLM keeps
+    it across a ``keep`` pause.
     """
 
     def __init__(
@@ -187,6 +221,57 @@ class LocalEngine:
         """Generate requests queued or running on the worker, in arrival order (empty when idle)."""
         return [] if self._scheduler is None else self._scheduler.live_request_ids()
 
+    def live_token_counts(self) -> dict[str, int]:
+        """The output tokens sampled so far by each generate request queued (0), running or frozen, by request id
+        in arrival order (of requests sent with the same id, the earliest's)."""
+        return {} if self._scheduler is None else self._scheduler.live_token_counts()
+
+    # ---------------------------------------------------------------- weight updates
+
+    @property
+    def is_paused(self) -> bool:
+        """Whether generation is paused (:meth:`pause` took effect and :meth:`resume` has not)."""
+        return self._running_scheduler().paused
+
+    @property
+    def weight_version(self) -> str:
+        """The weight version the tokens sampled now are labelled with (``"default"`` until one is set)."""
+        return self._running_scheduler().weight_version
+
+    async def pause(self, mode: PauseMode = "abort") -> None:
+        """Pause generation between two decode steps (``POST /pause?mode=...``); see the class docstring for the
+        modes. Returns once the pause is in effect: for ``wait``, once the requests in flight have finished (or
+        :meth:`resume` was called meanwhile)."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}")
+        await self._running_scheduler().pause(mode)
+
+    async def resume(self) -> None:
+        """Resume generation after :meth:`pause` (``POST /resume``); does nothing when not paused."""
+        await self._running_scheduler().resume()
+
+    async def update_weight_version(self, version: str) -> None:
+        """Label the tokens sampled from the next decode step on with ``version`` (``POST
+        /update_weight_version``)."""
+        if not isinstance(version, str):
+            raise TypeError(f"a weight version is a string, got {version!r}")
+        await self._running_scheduler().set_weight_version(version)
+
+    async def load_weights(self, state_dict: Mapping[str, torch.Tensor], version: str | None = None) -> None:
+        """Copy new parameter values into the model between two decode steps, then (when given) set the weight
+        version in the same step, so no token is sampled with the new weights under the old version.
+
+        ``state_dict`` maps parameter names (any subset of the model's ``state_dict()``) to tensors of the same
+        shapes; they are copied (converted to the model's dtype), so the caller may go on changing its own.
+
+        Raises:
+            WeightLoadError: Naming the unknown parameters and the shape mismatches; nothing is loaded then.
+        """
+        if version is not None and not isinstance(version, str):
+            raise TypeError(f"a weight version is a string or None, got {version!r}")
+        tensors = dict(state_dict)  # the caller's mapping may change while the load waits for the worker
+        await self._running_scheduler().load_weights(lambda: tensors, version)
+
     async def start(self) -> None:
         """Build the default model if needed, load the model, start the worker, then bind the port."""
         if self._runner is not None:
@@ -206,6 +291,7 @@ class LocalEngine:
                 client_max_size=self._max_request_bytes,
                 middlewares=[self._check_api_key, self._errors_as_vllm],
                 shutdown_timeout=2.0,
+                weight_updates=WeightUpdateHandlers.of(self),
             )
         except BaseException:
             await asyncio.to_thread(scheduler.stop)
@@ -256,6 +342,11 @@ class LocalEngine:
     def _require_scheduler(self) -> Scheduler:
         if self._scheduler is None:
             raise RequestError(503, "The embedded engine is shutting down")
+        return self._scheduler
+
+    def _running_scheduler(self) -> Scheduler:
+        if self._scheduler is None:
+            raise LocalEngineError("the embedded engine is not started")
         return self._scheduler
 
     # ---------------------------------------------------------------- middleware
@@ -383,6 +474,34 @@ class LocalEngine:
                     job.cancel()
         return web.Response(status=200)  # vLLM answers an empty 200
 
+    async def _handle_pause(self, request: web.Request) -> web.StreamResponse:
+        await self.pause(pause_mode(request.query.get("mode")))
+        return json_response({"status": "paused"})
+
+    async def _handle_resume(self, request: web.Request) -> web.StreamResponse:
+        await self.resume()
+        return json_response({"status": "resumed"})
+
+    async def _handle_is_paused(self, request: web.Request) -> web.StreamResponse:
+        return json_response({"is_paused": self.is_paused})
+
+    async def _handle_update_weight_version(self, request: web.Request) -> web.StreamResponse:
+        version = new_weight_version(decode_json_object(await request.read()))
+        await self.update_weight_version(version)
+        return json_response({"success": True, "new_version": version})
+
+    async def _handle_weight_info(self, request: web.Request) -> web.StreamResponse:
+        return json_response({"weight_version": self.weight_version})
+
+    async def _handle_update_weights(self, request: web.Request) -> web.StreamResponse:
+        update = parse_update_weights(decode_json_object(await request.read()))
+        try:
+            # Read on the worker too: a checkpoint file is too big to read on the event loop.
+            await self._running_scheduler().load_weights(lambda: _read_weights(update.path), update.weight_version)
+        except WeightLoadError as error:
+            raise RequestError(400, str(error), "update_info") from error
+        return json_response({"message": "Weights updated"})  # vLLM's answer
+
     # ---------------------------------------------------------------- answers
 
     def _generate_answer(self, request_id: str, outcome: GenerationOutcome, logprobs: int | None) -> GenerateAnswer:
@@ -395,8 +514,7 @@ class LocalEngine:
             "token_ids": outcome.token_ids,
             "routed_experts": None,
             "sampling_mask": None,
-            # One weight version for the whole output: this engine never swaps weights mid-generation.
-            "weight_versions": weight_version_spans("default", completion),
+            "weight_versions": outcome.weight_versions,
             "logprobs": None if logprobs is None else {"content": [_logprob_entry(e) for e in outcome.logprobs]},
         }
         return {
@@ -426,6 +544,12 @@ def _load(model_dir: pathlib.Path, max_model_len: int | None) -> LoadedModel:
     from fsm_rollout.engine.local.model import load_model
 
     return load_model(model_dir, max_model_len=max_model_len)
+
+
+def _read_weights(path: str) -> dict[str, torch.Tensor]:
+    from fsm_rollout.engine.local.model import read_safetensors
+
+    return read_safetensors(path)
 
 
 def _render_prompt(tokenizer: Any, images: ImageSupport, render: RenderInput) -> tuple[list[int], Any]:

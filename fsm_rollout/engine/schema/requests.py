@@ -14,7 +14,7 @@ from typing import Any, overload
 
 import orjson
 
-from fsm_rollout.engine.schema.wire import is_int, is_int_list, is_number, is_token_id_list
+from fsm_rollout.engine.schema.wire import PAUSE_MODES, PauseMode, is_int, is_int_list, is_number, is_token_id_list
 
 
 class RequestError(Exception):
@@ -184,6 +184,29 @@ def abort_request_ids(body: Mapping[str, Any]) -> list[str]:
     if not isinstance(request_ids, list) or not all(isinstance(rid, str) for rid in request_ids):
         raise RequestError(400, "request_ids: Input should be a valid list of strings", "request_ids")
     return request_ids
+
+
+# ---------------------------------------------------------------------------------------------------- weight updates
+
+
+def pause_mode(value: str | None) -> PauseMode:
+    """The ``mode`` query parameter of ``POST /pause``: one of :data:`~fsm_rollout.engine.schema.wire.PAUSE_MODES`,
+    ``abort`` when missing (vLLM's default)."""
+    if value is None:
+        return "abort"
+    for mode in PAUSE_MODES:
+        if value == mode:
+            return mode
+    expected = ", ".join(repr(mode) for mode in PAUSE_MODES)
+    raise RequestError(400, f"mode: Input should be one of {expected}, got {value!r}", "mode")
+
+
+def new_weight_version(body: Mapping[str, Any]) -> str:
+    """The ``new_version`` of ``POST /update_weight_version``: a string."""
+    version = body.get("new_version")
+    if not isinstance(version, str):
+        raise RequestError(400, f"new_version: Field required (a string), got {version!r}", "new_version")
+    return version
 
 
 # ---------------------------------------------------------------------------------------------------- render

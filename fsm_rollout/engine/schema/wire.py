@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping
 from http import HTTPStatus
-from typing import Any, Final, NotRequired, TypedDict, TypeGuard, get_args
+from typing import Any, Final, Literal, NotRequired, TypedDict, TypeGuard, get_args
 
 from fsm_rollout.types import Finish
 
@@ -37,9 +37,12 @@ UPDATE_WEIGHTS_PATH: Final = "/update_weights"
 """``POST /update_weights {"update_info": {...}}``: the payload is the weight-transfer backend's; the embedded engine
 takes ``{"path": <local .safetensors file>, "weight_version": str | None}``."""
 
-PAUSE_MODES: Final = ("abort", "wait", "keep")
+PauseMode = Literal["abort", "wait", "keep"]
 """How ``/pause`` treats requests in flight: abort them (they answer ``abort`` with their tokens so far), let them
 finish, or freeze them until ``/resume``."""
+
+PAUSE_MODES: Final[tuple[PauseMode, ...]] = get_args(PauseMode)
+"""The :data:`PauseMode` values, in vLLM's order; ``abort`` is vLLM's default."""
 
 DEFAULT_WEIGHT_VERSION: Final = "default"
 """The weight version vLLM reports until ``/update_weight_version`` sets one."""
