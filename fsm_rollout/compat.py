@@ -7,6 +7,13 @@ sample through the lifecycle machine.
 
 Shared per process: the tokenizer and processor (loaded once per ``hf_checkpoint``, like vime's
 ``GenerateState``) and one HTTP client per event loop and engine URL.
+
+Weight updates: ``await compat.suspend()`` before the trainer pushes new weights and ``await compat.resume()``
+after (or ``async with compat.weight_update(version="7"):``) suspend every ``generate`` call of the event loop
+without losing a token. With ``args.partial_rollout=True`` a suspended sample comes back to the trainer at once,
+status ``aborted`` with reason ``weight_update``, its data so far and ``metadata["resume_state"]``; passing it to
+``generate`` again (after the resume) continues it where it stopped. Without it, ``generate`` simply waits for the
+resume.
 """
 
 from __future__ import annotations
@@ -16,19 +23,26 @@ import dataclasses
 import enum
 import threading
 import weakref
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
+from fsm_rollout.errors import ResumeError as ResumeError  # re-exported: what resuming a handed-back sample raises
 from fsm_rollout.loop_shutdown import at_loop_shutdown
 from fsm_rollout.multimodal import load_image_processor
+from fsm_rollout.resume_state import discard_suspended as discard_suspended  # re-exported for trainers
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import PrefixCacheInfo, Sample, SpecInfo, Status
+from fsm_rollout.suspension import HandBack, Suspender
 
 _LOCK = threading.Lock()
 _TOKENIZERS: dict[str, tuple[Any, Any]] = {}
 _CLIENTS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, VLLMClient]] = weakref.WeakKeyDictionary()
 """One client per event loop and engine URL: an aiohttp session belongs to the loop that created it."""
+_SUSPENDERS: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, Suspender]] = weakref.WeakKeyDictionary()
+"""Per event loop, the gate of its ``generate`` calls, by weight-update strategy."""
 _SAMPLE_FIELDS = tuple(field.name for field in dataclasses.fields(Sample))
 
 
@@ -66,6 +80,48 @@ def _client_for(config: RolloutConfig) -> VLLMClient:
         client = VLLMClient.from_config(config)
         clients[config.engine_url] = client
     return client
+
+
+def _loop_clients() -> list[VLLMClient]:
+    return list(_CLIENTS.get(asyncio.get_running_loop(), {}).values())
+
+
+def _suspenders() -> dict[str, Suspender]:
+    loop = asyncio.get_running_loop()
+    suspenders = _SUSPENDERS.get(loop)
+    if suspenders is None:
+        suspenders = _SUSPENDERS[loop] = {}
+    return suspenders
+
+
+def _suspender_for(config: RolloutConfig) -> Suspender:
+    return _suspender_for_strategy(config.weight_update_strategy)
+
+
+async def suspend(reason: str = "weight_update", *, strategy: str = "abort") -> None:
+    """Suspend every ``generate`` call of this event loop (see the module docstring); returns once no generate
+    request of theirs is in flight (``abort``) or every engine froze them (``keep``)."""
+    await _suspender_for_strategy(strategy).suspend(reason)
+
+
+async def resume(*, strategy: str = "abort") -> None:
+    """Let the suspended ``generate`` calls (and samples handed back, when passed again) go on."""
+    await _suspender_for_strategy(strategy).resume()
+
+
+@asynccontextmanager
+async def weight_update(version: str | None = None, *, strategy: str = "abort") -> AsyncIterator[None]:
+    """Suspend, run the body (push the weights), set the engines' weight version when given, resume."""
+    async with _suspender_for_strategy(strategy).weight_update(version):
+        yield
+
+
+def _suspender_for_strategy(strategy: str) -> Suspender:
+    suspenders = _suspenders()
+    suspender = suspenders.get(strategy)
+    if suspender is None:
+        suspender = suspenders[strategy] = Suspender(_loop_clients, strategy=strategy)
+    return suspender
 
 
 async def close_clients() -> None:
@@ -130,6 +186,7 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     config = RolloutConfig.from_args(args, trace=getattr(args, "fsm_rollout_trace", None))
     tokenizer, processor = _load_tokenizer_and_processor(config.tokenizer_path or config.model)
     library_sample = sample if isinstance(sample, Sample) else _to_library_sample(sample)
+    suspender = _suspender_for(config)
     rollout = Rollout(
         library_sample,
         config=config,
@@ -138,6 +195,7 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
         tokenizer=tokenizer,
         processor=processor,
         env_args=args,
+        suspender=_HandingBack(suspender) if config.partial_rollout else suspender,
     )
     try:
         await rollout.run()
@@ -145,3 +203,17 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
         if library_sample is not sample:
             _write_back(library_sample, sample)
     return sample
+
+
+class _HandingBack:
+    """The loop's gate, except that a suspended rollout goes back to the trainer instead of waiting."""
+
+    def __init__(self, suspender: Suspender) -> None:
+        self._suspender = suspender
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._suspender, name)
+
+    async def wait_resumed(self, rollout: Any) -> None:
+        if self._suspender.suspended:
+            raise HandBack

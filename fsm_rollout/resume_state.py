@@ -76,6 +76,13 @@ def restore_resume_state(rollout: Rollout, state: Any) -> None:
     if not isinstance(state, dict) or state.get("version") != RESUME_STATE_VERSION:
         raise ResumeError(f"sample {sample_id}: metadata['resume_state'] is not a resume state of version "
                           f"{RESUME_STATE_VERSION}")
+    token = str(state.get("token"))
+    if token not in _LIVE_ENVIRONMENTS:  # not suspended in this process: the environment comes from its snapshot
+        if state.get("env_snapshot") is None:
+            why = state.get("env_snapshot_error") or "no environment snapshot was taken"
+            raise ResumeError(f"sample {sample_id}: cannot resume outside the process that suspended it: {why}; "
+                              "the environment must implement snapshot() -> dict and restore(state)")
+        rollout.env_snapshot = state["env_snapshot"]
     try:
         rendered = state["rendered"]
         rollout.rendered = RenderedPrompt(token_ids=[int(t) for t in rendered["token_ids"]],
@@ -96,18 +103,9 @@ def restore_resume_state(rollout: Rollout, state: Any) -> None:
     except (KeyError, TypeError, ValueError) as error:
         raise ResumeError(f"sample {sample_id}: metadata['resume_state'] is damaged: {type(error).__name__}: "
                           f"{error}") from error
-    sample = rollout.sample
-    sample.status = Status(status) if status is not None else Status.PENDING
-    sample.metadata.pop("rollout_reason", None)
-    env = _LIVE_ENVIRONMENTS.pop(str(state.get("token")), None)
-    if env is not None:
-        rollout.env = env
-    elif state.get("env_snapshot") is None:
-        why = state.get("env_snapshot_error") or "no environment snapshot was taken"
-        raise ResumeError(f"sample {sample_id}: cannot resume outside the process that suspended it: {why}; "
-                          "the environment must implement snapshot() -> dict and restore(state)")
-    else:
-        rollout.env_snapshot = state["env_snapshot"]
+    rollout.sample.status = Status(status) if status is not None else Status.PENDING
+    rollout.sample.metadata.pop("rollout_reason", None)
+    rollout.env = _LIVE_ENVIRONMENTS.pop(token, None)
 
 
 def discard_suspended(sample: Any) -> None:

@@ -214,9 +214,10 @@ class Rollout:
         """A restored environment's snapshot, applied when the environment is rebuilt in another process."""
         self.status_before_hand_back: Status | None = None
         self._start_epoch = 0
-        resume_state = sample.metadata.pop(RESUME_STATE_KEY, None)
+        resume_state = sample.metadata.get(RESUME_STATE_KEY)
         if resume_state is not None:
-            restore_resume_state(self, resume_state)
+            restore_resume_state(self, resume_state)  # raises before changing the sample when it cannot resume
+            del sample.metadata[RESUME_STATE_KEY]
 
     # ------------------------------------------------------------------ derived context
 
@@ -478,10 +479,10 @@ class Rollout:
         if first is not None:
             if gate is not None:
                 gate.saw_version(answer.meta.weight_version or first)
-            if "start_weight_version" not in self.sample.metadata and (
-                gate is None or gate.weight_updates == self._start_epoch
-            ):  # no update since the start: the first token's version is the one the sample started at
-                self.sample.metadata["start_weight_version"] = first
+            if "start_weight_version" not in self.sample.metadata:
+                # the version current at the start, when the gate knew it by now; else the first token's
+                known = gate.version_at(self._start_epoch) if gate is not None else None
+                self.sample.metadata["start_weight_version"] = known if known is not None else first
         if gate is not None and answer.finish == "abort" and gate.suspended_request(self, request_id):
             if answer.token_ids:
                 self.partial_parts.append(answer)

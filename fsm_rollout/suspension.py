@@ -37,10 +37,6 @@ class HandBack(Exception):
 class SuspensionGate(Protocol):
     """What a rollout asks of whoever may suspend it."""
 
-    hand_back: bool
-    """A suspended rollout returns to its caller (status ``aborted``, ``metadata["resume_state"]``) instead of
-    waiting for the resume."""
-
     @property
     def weight_version(self) -> str | None:
         """The weight version current now, when known."""
@@ -48,6 +44,9 @@ class SuspensionGate(Protocol):
     @property
     def weight_updates(self) -> int:
         """How many weight updates happened so far."""
+
+    def version_at(self, updates: int) -> str | None:
+        """The weight version current after ``updates`` weight updates, when known."""
 
     def saw_version(self, version: str) -> None:
         """An engine answer carried this weight version."""
@@ -68,7 +67,9 @@ class SuspensionGate(Protocol):
         """Return once a rollout that has not started may start."""
 
     async def wait_resumed(self, rollout: Rollout) -> None:
-        """Return once a suspended rollout may go on; raises :class:`HandBack` when it goes back to its caller."""
+        """Return once a suspended rollout may go on; raises :class:`HandBack` when it goes back to its caller
+        instead (status ``aborted``, ``metadata["resume_state"]``; :mod:`fsm_rollout.compat` with
+        ``partial_rollout``)."""
 
 
 @dataclass
@@ -104,7 +105,6 @@ class Suspender:
         clients: Callable[[], Iterable[VLLMClient]],
         *,
         strategy: str = "abort",
-        hand_back: bool = False,
         abort_retry_s: float = 0.25,
     ) -> None:
         if strategy not in WEIGHT_UPDATE_STRATEGIES:
@@ -113,7 +113,6 @@ class Suspender:
             )
         self._clients = clients
         self.strategy = strategy
-        self.hand_back = hand_back
         self.abort_retry_s = abort_retry_s
         self._open = asyncio.Event()
         self._open.set()
@@ -124,6 +123,8 @@ class Suspender:
         self._lock = asyncio.Lock()
         self._weight_version: str | None = None
         self._seen_version: str | None = None
+        self._versions_before: list[str | None] = []
+        """The version current before each weight update (None when it was never known)."""
         self.version_history: list[str] = []
         """Every weight version set through :meth:`weight_update`, oldest first."""
         self.reason: str | None = None
@@ -142,6 +143,11 @@ class Suspender:
     def weight_updates(self) -> int:
         """Weight updates so far (suspensions that set a version)."""
         return len(self.version_history)
+
+    def version_at(self, updates: int) -> str | None:
+        if updates >= len(self.version_history):
+            return self.weight_version
+        return self._versions_before[updates]
 
     def saw_version(self, version: str) -> None:
         if self._weight_version is None:
@@ -180,11 +186,8 @@ class Suspender:
             await self._open.wait()
 
     async def wait_resumed(self, rollout: Rollout) -> None:
-        if self._open.is_set():
-            return
-        if self.hand_back:
-            raise HandBack
-        await self._open.wait()
+        if not self._open.is_set():
+            await self._open.wait()
 
     # ------------------------------------------------------------------ what the trainer does
 
@@ -241,6 +244,7 @@ class Suspender:
     async def set_weight_version(self, version: str) -> None:
         """Tell every engine the weight version of the tokens it samples from now on, and remember it."""
         await asyncio.gather(*(client.update_weight_version(version) for client in self._clients()))
+        self._versions_before.append(self.weight_version)
         self._weight_version = version
         self.version_history.append(version)
 

@@ -438,6 +438,20 @@ class Geo3KEnv:
     def close(self) -> None:
         """Nothing to release."""
 
+    def snapshot(self) -> dict[str, Any]:
+        """The episode so far as plain JSON, for resuming a suspended sample in another process."""
+        return {"turns": self.turns, "scores": list(self.scores)}
+
+    def restore(self, state: Any) -> None:
+        """Continue the episode a :meth:`snapshot` describes (instead of :meth:`reset`)."""
+        if not isinstance(state, dict) or not isinstance(state.get("turns"), int) or not isinstance(
+            state.get("scores"), list
+        ):
+            raise Geo3KSetupError(f"{_describe(self.sample)}: a Geo3K snapshot is {{turns, scores}}; got {state!r}")
+        self.turns = state["turns"]
+        self.scores = [float(score) for score in state["scores"]]
+        self._write_reward()
+
     def _score(self, answer: str) -> float:
         score = score_answer(answer, self.label)
         self.scores.append(score)
