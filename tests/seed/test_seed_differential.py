@@ -28,6 +28,9 @@ Known, intended differences, deliberately not asserted equal here:
   compare request paths (the exception class is still compared);
 * the library validates ``max_new_tokens`` and ``rollout_max_context_len`` before any request, while the seed
   renders the prompt first and then raises: the ``negative_*`` error scenarios do not compare request paths;
+* the library takes a turn's weight version from ``choices[0].weight_versions`` when the answer has no top-level
+  ``weight_version`` (upstream vLLM sends only the spans), while the seed reads only the top-level one: the fake
+  server here sends no spans (``weight_version_spans=False``), so ``weight_versions`` compare the top-level ones;
 * the library does not retry HTTP 4xx answers (the seed's ``post`` retries everything); the fault scenarios here
   use only failures both sides retry (HTTP 503, a dropped connection), and the stand-in's ``post`` makes only 3
   attempts 10 ms apart instead of vime's 60 one second apart (documented in
@@ -46,7 +49,7 @@ import importlib
 import importlib.util
 import io
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
@@ -93,6 +96,13 @@ def seed(seed_file: Path, vime_standin: ModuleType) -> Iterator[ModuleType]:
     finally:
         sys.modules.pop(SEED_MODULE_NAME, None)
         sys.modules.pop(f"rollout_env_{NO_BUILD_ENV_FILE.stem}", None)  # the seed registers file-loaded envs
+
+
+@pytest.fixture
+async def fake_vllm(tokenizer: Any) -> AsyncIterator[FakeVLLMServer]:
+    """The shared fake server, but without weight-version spans (see the module docstring)."""
+    async with FakeVLLMServer(tokenizer, model=MODEL, weight_version_spans=False) as server:
+        yield server
 
 
 @pytest.fixture

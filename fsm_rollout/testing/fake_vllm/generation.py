@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -15,6 +15,7 @@ from fsm_rollout.engine.schema import (
     GenerateChoice,
     LogprobEntry,
     RequestError,
+    WeightVersionSpan,
     boolean_field,
     check_prompt_room,
     check_single_prompt_extra,
@@ -27,7 +28,7 @@ from fsm_rollout.engine.schema import (
     stop_token_ids,
     token_text,
 )
-from fsm_rollout.testing.fake_vllm.scripting import ScriptedTurn
+from fsm_rollout.testing.fake_vllm.scripting import OMIT, ScriptedTurn
 
 LogprobEntryStyle = Literal["token_id", "token"]
 
@@ -39,6 +40,7 @@ class GenerateParams:
     """What of a generate request decides the answer."""
 
     request_id: str
+    prompt_ids: tuple[int, ...]
     prompt_len: int
     max_tokens: int
     stop: tuple[str, ...]
@@ -57,6 +59,7 @@ def generate_params(body: Mapping[str, Any], max_model_len: int) -> GeneratePara
     check_prompt_room(prompt_len, max_model_len)
     return GenerateParams(
         request_id=request_id,
+        prompt_ids=tuple(token_ids),
         prompt_len=prompt_len,
         max_tokens=resolve_max_tokens(sampling, prompt_len=prompt_len, max_model_len=max_model_len),
         stop=stop_strings(sampling.get("stop")),
@@ -119,12 +122,20 @@ def generate_answer(
     *,
     model: str,
     logprob_entry_style: LogprobEntryStyle,
+    weight_versions: list[WeightVersionSpan] | None,
+    offset: int = 0,
 ) -> dict[str, Any]:
-    """vLLM's generate answer for ``token_ids``, with the turn's logprobs (or the default ones) and extras."""
+    """vLLM's generate answer for ``token_ids``, with the turn's logprobs (or the default ones) and extras,
+    and ``weight_versions`` unless it is None.
+
+    ``token_ids`` are the turn's output from position ``offset`` on (an interrupted turn's continuation), so
+    the logprobs are taken from there too.
+    """
+    end = offset + len(token_ids)
     if turn.logprobs is not None:
-        logprobs = list(turn.logprobs[: len(token_ids)])
+        logprobs = list(turn.logprobs[offset:end])
     else:
-        logprobs = [-0.01 * (i + 1) for i in range(len(token_ids))]
+        logprobs = [-0.01 * (i + 1) for i in range(offset, end)]
     if len(logprobs) != len(token_ids):
         raise RequestError(
             500, f"fake vLLM: the scripted turn has {len(logprobs)} logprobs for {len(token_ids)} tokens"
@@ -141,6 +152,8 @@ def generate_answer(
         "routed_experts": None,
         "sampling_mask": None,
     }
+    if weight_versions is not None:
+        choice["weight_versions"] = weight_versions
     answer: GenerateAnswer = {
         "request_id": server_request_id(params.request_id),
         "model": model,
@@ -153,7 +166,28 @@ def generate_answer(
         },
     }
     # the extras are free-form (for schema-violation tests): merged outside the record types
-    return {**answer, "choices": [{**choice, **turn.choice_extra}], **turn.top_extra}
+    return _merged({**answer, "choices": [_merged(choice, turn.choice_extra)]}, turn.top_extra)
+
+
+def _merged(record: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
+    merged = {**record, **extra}
+    return {key: value for key, value in merged.items() if value is not OMIT}
+
+
+def version_spans(runs: Iterable[tuple[str, int]]) -> list[WeightVersionSpan]:
+    """``choices[0].weight_versions`` for consecutive runs of ``(version, token count)``: half-open spans over
+    the output, neighbours of one version merged, empty runs left out."""
+    spans: list[WeightVersionSpan] = []
+    start = 0
+    for version, count in runs:
+        if count <= 0:
+            continue
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] += count
+        else:
+            spans.append({"version": version, "start": start, "end": start + count})
+        start += count
+    return spans
 
 
 def logprob_entry(style: LogprobEntryStyle, token_id: int, logprob: float) -> LogprobEntry:

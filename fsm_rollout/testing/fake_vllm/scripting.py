@@ -14,6 +14,15 @@ SESSION_HEADER = "x-session-id"
 """Header naming the script queue a generate request draws its turn from."""
 
 
+class _Omit:
+    def __repr__(self) -> str:
+        return "OMIT"
+
+
+OMIT: Any = _Omit()
+"""A ``choice_extra`` or ``top_extra`` value that removes its key from the answer instead of setting it."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class ScriptedTurn:
     """One answer of the fake model to one generate request.
@@ -27,8 +36,20 @@ class ScriptedTurn:
     reason but not the cuts. ``logprobs`` default to ``-0.01 * (i + 1)`` for the i-th returned token.
 
     ``delay`` waits before answering and ``hang`` never answers by itself; both end early, with
-    ``finish_reason="abort"`` and no tokens, when the request is named by ``/inference/v1/abort_requests``.
-    ``choice_extra`` is merged into ``choices[0]`` and ``top_extra`` into the top level of the answer.
+    ``finish_reason="abort"``, when the request is aborted (``/inference/v1/abort_requests`` or
+    ``/pause?mode=abort``). Such an answer has no tokens, unless ``held_after`` says how many tokens of the
+    (cut) output the engine had produced when the request began to wait: then it has those first tokens and
+    their logprobs, and the turn can be continued. A later generate request of the same session (its
+    ``x-session-id``, or none) whose ``token_ids`` are the aborted request's prompt plus those tokens gets the
+    rest of the turn instead of the next scripted one, as greedy sampling would: the whole turn is cut (a stop
+    string across the interruption ends it where it would have) with the continuation's ``max_tokens`` counted
+    from its own first token, and the logprobs go on where the partial answer's ended. ``held_again_after``
+    holds the continuations too: the i-th continuation of the turn waits like the turn (``hang`` or ``delay``)
+    after producing ``held_again_after[i]`` more tokens, so one turn can be interrupted several times;
+    continuations past its end answer without waiting.
+
+    ``choice_extra`` is merged into ``choices[0]`` and ``top_extra`` into the top level of the answer; a value
+    of :data:`OMIT` removes the key (e.g. ``choice_extra={"weight_versions": OMIT}``).
     """
 
     text: str | None = None
@@ -39,6 +60,8 @@ class ScriptedTurn:
     hang: bool = False
     raw: Any = None
     status: int = 200
+    held_after: int | None = None
+    held_again_after: tuple[int, ...] = ()
     choice_extra: Mapping[str, Any] = field(default_factory=dict)
     top_extra: Mapping[str, Any] = field(default_factory=dict)
 
@@ -52,10 +75,12 @@ class ScriptedTurn:
 
 
 def check_turns(turns: Sequence[ScriptedTurn]) -> None:
-    """Refuse a script with anything but :class:`ScriptedTurn` objects, or with logprobs that do not fit."""
+    """Refuse a script with anything but :class:`ScriptedTurn` objects, with logprobs that do not fit, or with
+    holds that cannot happen."""
     for turn in turns:
         if not isinstance(turn, ScriptedTurn):
             raise TypeError(f"script() takes ScriptedTurn objects, got {type(turn).__name__}")
+        _check_holds(turn)
         if (
             turn.token_ids is not None
             and turn.logprobs is not None
@@ -64,6 +89,26 @@ def check_turns(turns: Sequence[ScriptedTurn]) -> None:
             raise ValueError(
                 f"ScriptedTurn has {len(turn.logprobs)} logprobs for {len(turn.token_ids)} token ids"
             )
+
+
+def _check_holds(turn: ScriptedTurn) -> None:
+    if turn.held_after is not None:
+        if not _is_count(turn.held_after):
+            raise ValueError(f"ScriptedTurn.held_after must be a non-negative int, got {turn.held_after!r}")
+        if not turn.hang and turn.delay <= 0:
+            raise ValueError("ScriptedTurn.held_after needs hang=True or delay > 0: only a waiting request is held")
+        if turn.raw is not None or turn.status != 200:
+            raise ValueError("ScriptedTurn.held_after needs a turn with output, not raw= or an error status")
+    if not isinstance(turn.held_again_after, tuple) or not all(map(_is_count, turn.held_again_after)):
+        raise ValueError(
+            f"ScriptedTurn.held_again_after must be a tuple of non-negative ints, got {turn.held_again_after!r}"
+        )
+    if turn.held_again_after and turn.held_after is None:
+        raise ValueError("ScriptedTurn.held_again_after needs held_after: only an interrupted turn is continued")
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
 
 
 @dataclass(frozen=True)

@@ -3,22 +3,34 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import functools
 import time
 import uuid
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
 
 from aiohttp import web
 
-from fsm_rollout.engine.endpoints import EndpointHandlers, error_response, json_response, serve_endpoints
+from fsm_rollout.engine.endpoints import (
+    EndpointHandlers,
+    WeightUpdateHandlers,
+    error_response,
+    json_response,
+    serve_endpoints,
+)
 from fsm_rollout.engine.schema import (
+    DEFAULT_WEIGHT_VERSION,
+    PAUSE_MODES,
     Finish,
     RenderAnswer,
     RequestError,
+    WeightVersionSpan,
     abort_request_ids,
     check_model,
     decode_json_object,
@@ -27,6 +39,7 @@ from fsm_rollout.engine.schema import (
     render_sampling_params,
     render_template_kwargs,
     render_tools,
+    sent_request_id,
 )
 from fsm_rollout.testing.fake_vllm.faults import Fault, answer_fault, make_fault
 from fsm_rollout.testing.fake_vllm.generation import (
@@ -36,6 +49,7 @@ from fsm_rollout.testing.fake_vllm.generation import (
     complete,
     generate_answer,
     generate_params,
+    version_spans,
 )
 from fsm_rollout.testing.fake_vllm.scripting import (
     SESSION_HEADER,
@@ -52,13 +66,77 @@ _CLIENT_MAX_SIZE = 64 * 1024 * 1024
 _T = TypeVar("_T")
 
 
+@dataclass(frozen=True)
+class _Job:
+    """What a generate request answers: its scripted turn's output from ``offset`` on.
+
+    ``waits`` says whether the request waits (the turn's ``hang`` or ``delay``) and ``held_after`` how many new
+    tokens it has produced by then (None: none, and an abort does not leave the turn to be continued).
+    ``continued`` counts the continuations of the turn up to this request (0: the turn's first request).
+    """
+
+    turn: ScriptedTurn
+    offset: int
+    waits: bool
+    held_after: int | None
+    continued: int
+
+
+@dataclass(frozen=True)
+class _Interrupted:
+    """An aborted turn that a continuation can take up: ``offset`` tokens of it were answered so far."""
+
+    turn: ScriptedTurn
+    offset: int
+    continued: int
+
+
+@dataclass(eq=False)
+class _Waiter:
+    """A generate request waiting at the server: ``held`` by its turn (hang or delay), or waiting for resume.
+
+    ``frozen`` while a ``keep`` pause stops its clock; ``resumed_version`` is the weight version current when a
+    ``keep`` pause last let it go on.
+    """
+
+    request_id: str
+    held: bool
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    aborted: bool = False
+    released: bool = False
+    frozen: bool = False
+    resumed_version: str | None = None
+
+
 class FakeVLLMServer:
-    """A scripted stand-in for ``vllm serve --enable-scale-out`` on loopback; use as an async context manager.
+    """A scripted stand-in for ``vllm serve --enable-scale-out`` (with ``VLLM_SERVER_DEV_MODE=1``) on loopback;
+    use as an async context manager.
 
     ``url`` is ``http://<host>:<port>`` once started (``port=0`` picks a free port). ``requests`` holds every
-    request in arrival order, ``aborted_request_ids`` the ids named by abort_requests, and
-    ``disconnected_request_ids`` the generate requests whose client went away before the answer.
-    ``logprob_entry_style`` picks which of vLLM's two ``logprobs.content`` entry shapes is sent.
+    request in arrival order, ``aborted_request_ids`` the ids named by abort_requests,
+    ``disconnected_request_ids`` the generate requests whose client went away before the answer,
+    ``interrupted_request_ids`` the generate requests answered ``abort`` because they were aborted while
+    waiting, and ``continuation_request_ids`` those that continued an interrupted turn (see
+    :class:`ScriptedTurn`'s ``held_after``). ``logprob_entry_style`` picks which of vLLM's two
+    ``logprobs.content`` entry shapes is sent.
+
+    Weight updates: ``POST /pause?mode=abort|wait|keep`` pauses generation (``paused``, ``pause_mode``).
+    ``abort`` aborts every held request (see :class:`ScriptedTurn`) and ``wait`` lets them finish; both answer
+    once no generate request is being answered. ``keep`` freezes held requests (a delay's clock stops) until
+    ``POST /resume`` or a pause in another mode. While paused, arriving generate requests are recorded and
+    draw their turn, then wait for resume; they are not at the engine yet, so no abort reaches them.
+    ``POST /update_weight_version`` sets ``weight_version`` (initially ``"default"``), ``GET /weight_info``
+    reports it, and ``POST /update_weights`` bodies are kept in ``weight_updates`` (there are no weights to
+    load).
+
+    Every generate answer has ``choices[0].weight_versions``: its tokens carry the version current when the
+    request started, except that a held request frozen by a ``keep`` pause gives its remaining tokens (after
+    ``held_after``) the version current when the pause let it go on. ``weight_version_spans=False`` leaves the
+    spans out of every answer, as a server that does not label its tokens.
+
+    ``waiting_request_ids`` are the generate requests waiting now (held, or waiting for resume) and
+    ``held_request_ids`` the held ones; ``await wait_until_waiting(n)`` returns once ``n`` wait, so tests act on
+    a request known to be waiting instead of sleeping, and :meth:`release` ends a hold without a clock.
 
     ``render_features``, when given, is called (in the tokenizer thread) with each render request's messages and
     the ids the chat template rendered; it returns the prompt ids to answer with (e.g. with image placeholders
@@ -76,6 +154,7 @@ class FakeVLLMServer:
         host: str = "127.0.0.1",
         port: int = 0,
         render_features: RenderFeaturesHook | None = None,
+        weight_version_spans: bool = True,
     ) -> None:
         if logprob_entry_style not in ("token_id", "token"):
             raise ValueError(
@@ -90,12 +169,21 @@ class FakeVLLMServer:
         self.host = host
         self.port = port
         self.render_features = render_features
+        self.weight_version_spans = weight_version_spans
         self.requests: list[RecordedRequest] = []
         self.aborted_request_ids: list[str] = []
         self.disconnected_request_ids: list[str] = []
+        self.interrupted_request_ids: list[str] = []
+        self.continuation_request_ids: list[str] = []
+        self.weight_updates: list[Any] = []
         self._queues: dict[str | None, deque[ScriptedTurn]] = {None: deque()}
+        self._interrupted: dict[str | None, dict[tuple[int, ...], deque[_Interrupted]]] = {}
         self._faults: dict[str, deque[Fault]] = {}
-        self._waiting: dict[str, set[asyncio.Event]] = {}
+        self._waiters: list[_Waiter] = []
+        self._watchers: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
+        self._in_flight = 0
+        self._pause_mode: str | None = None
+        self._weight_version: str = DEFAULT_WEIGHT_VERSION
         self._runner: web.AppRunner | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._url: str | None = None
@@ -120,6 +208,7 @@ class FakeVLLMServer:
             port=self.port,
             client_max_size=_CLIENT_MAX_SIZE,
             middlewares=[self._record_and_inject],
+            weight_updates=WeightUpdateHandlers.of(self),
         )
         self._runner = runner
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-vllm-tokenizer")
@@ -129,9 +218,8 @@ class FakeVLLMServer:
     async def stop(self) -> None:
         """Answer every waiting generate with "abort", then close the server."""
         self._stopping = True
-        for events in self._waiting.values():
-            for event in events:
-                event.set()
+        for waiter in self._waiters:
+            waiter.wake.set()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -190,6 +278,68 @@ class FakeVLLMServer:
         """The recorded requests to ``path``, in arrival order."""
         return [recorded for recorded in self.requests if recorded.path == path]
 
+    # ---------------------------------------------------------------- weight-update state
+
+    @property
+    def paused(self) -> bool:
+        """Whether ``/pause`` stopped generation (until ``/resume``)."""
+        return self._pause_mode is not None
+
+    @property
+    def pause_mode(self) -> str | None:
+        """The mode of the pause in force (``abort``, ``wait`` or ``keep``), None when not paused."""
+        return self._pause_mode
+
+    @property
+    def weight_version(self) -> str:
+        """The weight version new tokens are labelled with; ``/update_weight_version`` sets it."""
+        return self._weight_version
+
+    @property
+    def waiting_request_ids(self) -> list[str]:
+        """The generate requests waiting now, held by their turn or for resume, in the order they began to."""
+        return [waiter.request_id for waiter in self._waiters]
+
+    @property
+    def held_request_ids(self) -> list[str]:
+        """The generate requests held by their turn's ``hang`` or ``delay`` now (frozen ones included)."""
+        return [waiter.request_id for waiter in self._waiters if waiter.held]
+
+    def release(self, request_id: str) -> int:
+        """Let the held requests with this id (either id form) finish as if their delay had run out, a hanging
+        one too; one frozen by a ``keep`` pause finishes once the pause ends. Returns how many were released."""
+        names = {request_id, sent_request_id(request_id)}
+        released = 0
+        for waiter in self._waiters:
+            if waiter.held and waiter.request_id in names:
+                waiter.released = True
+                waiter.wake.set()
+                released += 1
+        return released
+
+    async def wait_until_waiting(self, count: int = 1) -> None:
+        """Return once at least ``count`` generate requests wait at the server (see ``waiting_request_ids``)."""
+        await self.wait_until(lambda: len(self._waiters) >= count)
+
+    async def wait_until(self, predicate: Callable[[], bool]) -> None:
+        """Return once ``predicate()`` holds; it is checked now and after every change of the server's waiting
+        requests, requests being answered, pause mode or weight version."""
+        if predicate():
+            return
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        watcher = (predicate, future)
+        self._watchers.append(watcher)
+        try:
+            await future
+        finally:
+            self._watchers.remove(watcher)
+
+    def _changed(self) -> None:
+        """Wake the :meth:`wait_until` callers whose condition holds now."""
+        for predicate, future in self._watchers:
+            if not future.done() and predicate():
+                future.set_result(None)
+
     # ---------------------------------------------------------------- middleware
 
     @web.middleware
@@ -227,9 +377,62 @@ class FakeVLLMServer:
         body = await _json_object_body(request)
         for request_id in abort_request_ids(body):
             self.aborted_request_ids.append(request_id)
-            for event in self._waiting.get(request_id, ()):
-                event.set()
+            names = {request_id, sent_request_id(request_id)}  # as sent, or vLLM's prefixed id
+            for waiter in self._waiters:
+                if waiter.held and waiter.request_id in names:
+                    _abort(waiter)
         return json_response({})
+
+    async def _handle_pause(self, request: web.Request) -> web.StreamResponse:
+        mode = request.query.get("mode", "abort")
+        if mode not in PAUSE_MODES:
+            raise RequestError(400, f"mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}", "mode")
+        self._set_pause_mode(mode)
+        if mode == "abort":
+            for waiter in self._waiters:
+                if waiter.held:
+                    _abort(waiter)
+        if mode != "keep":
+            await self.wait_until(lambda: self._in_flight == 0)
+        return json_response({"status": "paused"})
+
+    async def _handle_resume(self, request: web.Request) -> web.StreamResponse:
+        self._set_pause_mode(None)
+        return json_response({"status": "resumed"})
+
+    async def _handle_is_paused(self, request: web.Request) -> web.StreamResponse:
+        return json_response({"is_paused": self.paused})
+
+    async def _handle_update_weight_version(self, request: web.Request) -> web.StreamResponse:
+        body = await _json_object_body(request)
+        version = body.get("new_version")
+        if not isinstance(version, str):
+            raise RequestError(400, f"new_version must be a string; got {version!r}", "new_version")
+        self._weight_version = version
+        self._changed()
+        return json_response({"success": True, "new_version": version})
+
+    async def _handle_weight_info(self, request: web.Request) -> web.StreamResponse:
+        return json_response({"weight_version": self._weight_version})
+
+    async def _handle_update_weights(self, request: web.Request) -> web.StreamResponse:
+        self.weight_updates.append(recorded_body(await request.read()))
+        return json_response({"message": "Weights updated"})
+
+    def _set_pause_mode(self, mode: str | None) -> None:
+        # Synchronous with the handler, so a version set right after /resume cannot reach a frozen request.
+        self._pause_mode = mode
+        for waiter in self._waiters:
+            if waiter.held:
+                if mode == "keep":
+                    waiter.frozen = True
+                elif waiter.frozen:
+                    waiter.frozen = False
+                    waiter.resumed_version = self._weight_version
+                waiter.wake.set()
+            elif mode is None:
+                waiter.wake.set()
+        self._changed()
 
     async def _handle_render(self, request: web.Request) -> web.StreamResponse:
         body = await _json_object_body(request)
@@ -265,58 +468,155 @@ class FakeVLLMServer:
         check_model(body, self.model)
         params = generate_params(body, self.max_model_len)
         session = request.headers.get(SESSION_HEADER)
+        job = self._next_job(session, params)
+        if self._pause_mode is not None:
+            await self._wait_for_resume(params.request_id)
+            if self._stopping:
+                self.interrupted_request_ids.append(params.request_id)
+                return json_response(self._generate_answer(params, job, [], "abort", []))
+        self._in_flight += 1
+        try:
+            return await self._answer(session, params, job)
+        finally:
+            self._in_flight -= 1
+            self._changed()
+
+    # ---------------------------------------------------------------- generate helpers
+
+    def _next_job(self, session: str | None, params: GenerateParams) -> _Job:
+        """The interrupted turn these prompt ids continue, else the next scripted turn of the session."""
+        by_ids = self._interrupted.get(session, {})
+        pending = by_ids.get(params.prompt_ids)
+        if pending:
+            interrupted = pending.popleft()
+            if not pending:
+                del by_ids[params.prompt_ids]
+            self.continuation_request_ids.append(params.request_id)
+            holds = interrupted.turn.held_again_after
+            held_after = holds[interrupted.continued] if interrupted.continued < len(holds) else None
+            return _Job(
+                interrupted.turn,
+                offset=interrupted.offset,
+                waits=held_after is not None,
+                held_after=held_after,
+                continued=interrupted.continued + 1,
+            )
         queue = self._queues[session if session in self._queues else None]
         if not queue:
             name = "<default>" if session is None else session
             raise RequestError(500, f"fake vLLM: no scripted turn left for session {name}")
         turn = queue.popleft()
+        return _Job(turn, offset=0, waits=turn.hang or turn.delay > 0, held_after=turn.held_after, continued=0)
 
-        if await self._wait_unless_aborted(params.request_id, turn):
-            return json_response(self._generate_answer(params, turn, [], "abort"))
+    async def _answer(self, session: str | None, params: GenerateParams, job: _Job) -> web.StreamResponse:
+        turn = job.turn
+        version = self._weight_version
+        waiter: _Waiter | None = None
+        if job.waits:
+            waiter = _Waiter(params.request_id, held=True)
+            if await self._hold(waiter, turn):
+                return json_response(await self._aborted_answer(session, params, job, version))
         if turn.raw is not None:
             return json_response(turn.raw, status=turn.status)
         if turn.status != 200:
             return error_response(turn.status, f"fake vLLM: scripted error ({turn.status})")
 
-        token_ids, natural_finish = await self._in_tokenizer_thread(complete, self.tokenizer, turn, params)
-        answer = self._generate_answer(params, turn, token_ids, turn.finish or natural_finish)
+        token_ids, natural_finish = await self._output(job, params)
+        runs = [(version, len(token_ids))]
+        if waiter is not None and waiter.resumed_version is not None:
+            held = min(job.held_after or 0, len(token_ids))
+            runs = [(version, held), (waiter.resumed_version, len(token_ids) - held)]
+        answer = self._generate_answer(params, job, token_ids, turn.finish or natural_finish, version_spans(runs))
         return json_response(answer)
 
-    # ---------------------------------------------------------------- generate helpers
+    async def _aborted_answer(
+        self, session: str | None, params: GenerateParams, job: _Job, version: str
+    ) -> dict[str, Any]:
+        """The ``abort`` answer of a held request: the tokens it had produced, and the turn left to continue."""
+        token_ids: list[int] = []
+        if job.held_after is not None:
+            output, _ = await self._output(job, params)
+            token_ids = output[: job.held_after]
+            continued_by = params.prompt_ids + tuple(token_ids)
+            self._interrupted.setdefault(session, {}).setdefault(continued_by, deque()).append(
+                _Interrupted(job.turn, offset=job.offset + len(token_ids), continued=job.continued)
+            )
+        self.interrupted_request_ids.append(params.request_id)
+        return self._generate_answer(params, job, token_ids, "abort", version_spans([(version, len(token_ids))]))
 
-    async def _wait_unless_aborted(self, request_id: str, turn: ScriptedTurn) -> bool:
-        """Sleep for the turn's delay (forever if it hangs); True when abort_requests named the request first.
+    async def _output(self, job: _Job, params: GenerateParams) -> tuple[list[int], Finish]:
+        """The job's new tokens and finish reason: the whole turn is cut (so a stop string across an
+        interruption is found where it would have been) with ``max_tokens`` counted from ``job.offset``."""
+        whole = dataclasses.replace(params, max_tokens=job.offset + params.max_tokens)
+        token_ids, finish = await self._in_tokenizer_thread(complete, self.tokenizer, job.turn, whole)
+        return token_ids[job.offset :], finish
 
-        A client that disconnects meanwhile cancels this handler (``handler_cancellation=True``): the request
-        is recorded in ``disconnected_request_ids`` and the cancellation goes on.
+    async def _hold(self, waiter: _Waiter, turn: ScriptedTurn) -> bool:
+        """Wait for the turn's delay (forever if it hangs) or :meth:`release`; True when the request was aborted
+        first.
+
+        A ``keep`` pause stops the delay's clock until the pause ends. A client that disconnects meanwhile
+        cancels this handler (``handler_cancellation=True``): the request is recorded in
+        ``disconnected_request_ids`` and the cancellation goes on.
         """
-        if not turn.hang and turn.delay <= 0:
-            return False
-        event = asyncio.Event()
-        self._waiting.setdefault(request_id, set()).add(event)
-        try:
-            timeout = None if turn.hang else turn.delay
-            try:
-                await asyncio.wait_for(event.wait(), timeout)
-            except TimeoutError:
-                return False
+        loop = asyncio.get_running_loop()
+        remaining = None if turn.hang else turn.delay
+        waiter.frozen = self._pause_mode == "keep"
+        async with self._waiting(waiter):
+            while not (waiter.aborted or self._stopping):
+                waiter.wake.clear()
+                if waiter.released and not waiter.frozen:
+                    return False
+                if waiter.frozen or remaining is None:
+                    await waiter.wake.wait()
+                    continue
+                started = loop.time()
+                try:
+                    await asyncio.wait_for(waiter.wake.wait(), remaining)
+                except TimeoutError:
+                    return False
+                remaining = max(0.0, remaining - (loop.time() - started))
             return True
+
+    async def _wait_for_resume(self, request_id: str) -> None:
+        """Wait until the pause ends (or the server stops)."""
+        waiter = _Waiter(request_id, held=False)
+        async with self._waiting(waiter):
+            while self._pause_mode is not None and not self._stopping:
+                waiter.wake.clear()
+                await waiter.wake.wait()
+
+    @contextlib.asynccontextmanager
+    async def _waiting(self, waiter: _Waiter) -> AsyncIterator[None]:
+        self._waiters.append(waiter)
+        self._changed()
+        try:
+            yield
         except asyncio.CancelledError:
             if not self._stopping:
-                self.disconnected_request_ids.append(request_id)
+                self.disconnected_request_ids.append(waiter.request_id)
             raise
         finally:
-            events = self._waiting.get(request_id)
-            if events is not None:
-                events.discard(event)
-                if not events:
-                    del self._waiting[request_id]
+            self._waiters.remove(waiter)
+            self._changed()
 
     def _generate_answer(
-        self, params: GenerateParams, turn: ScriptedTurn, token_ids: list[int], finish: Finish
+        self,
+        params: GenerateParams,
+        job: _Job,
+        token_ids: list[int],
+        finish: Finish,
+        weight_versions: list[WeightVersionSpan],
     ) -> dict[str, Any]:
         return generate_answer(
-            params, turn, token_ids, finish, model=self.model, logprob_entry_style=self.logprob_entry_style
+            params,
+            job.turn,
+            token_ids,
+            finish,
+            model=self.model,
+            logprob_entry_style=self.logprob_entry_style,
+            weight_versions=weight_versions if self.weight_version_spans else None,
+            offset=job.offset,
         )
 
     # ---------------------------------------------------------------- tokenizer work (worker thread)
@@ -334,6 +634,12 @@ class FakeVLLMServer:
             messages, tools=tools, add_generation_prompt=True, tokenize=True, **template_kwargs
         )
         return as_token_ids(rendered)
+
+
+def _abort(waiter: _Waiter) -> None:
+    waiter.aborted = True
+    waiter.frozen = False
+    waiter.wake.set()
 
 
 async def _json_object_body(request: web.Request) -> dict[str, Any]:
