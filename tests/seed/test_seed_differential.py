@@ -31,6 +31,9 @@ Known, intended differences, deliberately not asserted equal here:
 * the library takes a turn's weight version from ``choices[0].weight_versions`` when the answer has no top-level
   ``weight_version`` (upstream vLLM sends only the spans), while the seed reads only the top-level one: the fake
   server here sends no spans (``weight_version_spans=False``), so ``weight_versions`` compare the top-level ones;
+* the seed refuses ``partial_rollout=True``; the library supports it (a sample suspended for a weight update is
+  handed back with a resume state), so without a suspension it runs the sample as usual
+  (``test_partial_rollout_the_seed_refuses_runs_as_usual``);
 * the library does not retry HTTP 4xx answers (the seed's ``post`` retries everything); the fault scenarios here
   use only failures both sides retry (HTTP 503, a dropped connection), and the stand-in's ``post`` makes only 3
   attempts 10 ms apart instead of vime's 60 one second apart (documented in
@@ -726,7 +729,6 @@ ERROR_SCENARIOS: dict[str, tuple[Builder, type[Exception]]] = {
     "pre_existing_loss_mask": (_pre_existing_loss_mask, ValueError),
     "not_pending": (_not_pending, ValueError),
     "max_turns_zero": (_max_turns_zero, ValueError),
-    "partial_rollout": (_partial_rollout, ValueError),
     "image_prompt_without_render_features": (_image_prompt_without_render_features, RuntimeError),
     "prefilled_tokens_mismatch": (_prefilled_tokens_mismatch, ValueError),
     "negative_max_new_tokens": (_negative_max_new_tokens, ValueError),
@@ -951,6 +953,23 @@ async def test_library_matches_seed(
     else:
         assert library_headers == seed_headers == [None] * len(seed_run.requests)
         assert library_run.sample.session_id == seed_run.sample.session_id
+
+
+@pytest.mark.parametrize("kind", SAMPLE_KINDS)
+async def test_partial_rollout_the_seed_refuses_runs_as_usual(
+    kind: str, seed: ModuleType, library: Any, fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    case = _partial_rollout(tokenizer)
+    seed_run = await run_side(seed.generate, make_sample(seed.Sample, case), fake_vllm, case, expect_error=True)
+    assert type(seed_run.error) is ValueError
+    case = Case(args={"partial_rollout": True, "max_turns": 1}, turns=[ScriptedTurn(text="The answer is 42.")])
+    plain = Case(args={"max_turns": 1}, turns=case.turns)
+    expected = await run_side(library.generate, make_sample(sample_class_for(kind, seed), plain), fake_vllm, plain)
+    today = await run_side(library.generate, make_sample(sample_class_for(kind, seed), case), fake_vllm, case)
+    assert today.error is None
+    assert today.sample.tokens == expected.sample.tokens
+    assert today.sample.loss_mask == expected.sample.loss_mask
+    assert today.sample.status.value == expected.sample.status.value
 
 
 @pytest.mark.parametrize("kind", SAMPLE_KINDS)
