@@ -214,6 +214,7 @@ class Rollout:
         """A restored environment's snapshot, applied when the environment is rebuilt in another process."""
         self.status_before_hand_back: Status | None = None
         self._start_epoch = 0
+        self._suspend_cut_request = False
         resume_state = sample.metadata.get(RESUME_STATE_KEY)
         if resume_state is not None:
             restore_resume_state(self, resume_state)  # raises before changing the sample when it cannot resume
@@ -437,6 +438,7 @@ class Rollout:
         gate = self._gate
         if gate is not None and gate.should_suspend(self):  # before anything is sent
             self._next_trigger = "suspend"
+            self._suspend_cut_request = False
             return
         remaining = self.remaining_budget
         held = sum(len(part.token_ids) for part in self.partial_parts)
@@ -487,6 +489,7 @@ class Rollout:
             if answer.token_ids:
                 self.partial_parts.append(answer)
             self._next_trigger = "suspend"
+            self._suspend_cut_request = True
             return
         self._take_turn([*self.partial_parts, answer], remaining)
 
@@ -657,6 +660,7 @@ class Rollout:
             fields["observation_tokens"] = len(self.observation_tokens)
         elif trigger == "suspend":
             fields["suspend_reason"] = self.suspend_reason
+            fields["cut_request"] = self._suspend_cut_request
             fields["partial_tokens"] = sum(len(part.token_ids) for part in self.partial_parts)
         elif trigger == "resume":
             fields["partial_tokens"] = sum(len(part.token_ids) for part in self.partial_parts)

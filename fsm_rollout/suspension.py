@@ -130,6 +130,7 @@ class Suspender:
         self.reason: str | None = None
         self.stats = SuspendStats(strategy=strategy)
         self.suspended_at: float | None = None
+        self._engines_paused = False
 
     # ------------------------------------------------------------------ what rollouts ask
 
@@ -191,17 +192,27 @@ class Suspender:
 
     # ------------------------------------------------------------------ what the trainer does
 
+    def request_suspend(self, reason: str = "weight_update") -> bool:
+        """Close the gate now, without waiting (from synchronous code, e.g. inside an environment step): rollouts
+        suspend before their next request. :meth:`suspend` then aborts or freezes what is in flight. True when this
+        call closed it."""
+        if not self._open.is_set():
+            return False
+        self._open.clear()
+        self.reason = reason
+        self.suspended_at = time.perf_counter()
+        self.stats = SuspendStats(reason=reason, strategy=self.strategy, requests_in_flight=len(self._in_flight))
+        self._engines_paused = False
+        return True
+
     async def suspend(self, reason: str = "weight_update") -> None:
         """Close the gate; return once no generate request is in flight (``abort``) or every engine has frozen its
         requests (``keep``). Suspending a suspended gate only waits for that."""
         async with self._lock:
             started = time.perf_counter()
-            if self._open.is_set():
-                self._open.clear()
-                self.reason = reason
-                self.suspended_at = started
-                self.stats = SuspendStats(reason=reason, strategy=self.strategy,
-                                          requests_in_flight=len(self._in_flight))
+            self.request_suspend(reason)
+            if not self._engines_paused:
+                self._engines_paused = True
                 if self.strategy == "keep":
                     clients = list(self._clients())
                     await asyncio.gather(*(client.pause("keep") for client in clients))
@@ -211,15 +222,19 @@ class Suspender:
             self.stats.suspend_s = time.perf_counter() - started
 
     async def _abort_in_flight(self) -> None:
+        # Grouped by engine, and sent through the gate's own clients: a rollout's client may be a per-sample wrapper
+        # (a recording), and the abort call is the runner's, not one sample's exchange.
+        own = {client.base_url: client for client in self._clients()}
         while self._in_flight:
-            by_client: dict[int, tuple[VLLMClient, list[str]]] = {}
+            by_engine: dict[str, tuple[VLLMClient, list[str]]] = {}
             for request_id, client in self._in_flight.items():
-                by_client.setdefault(id(client), (client, []))[1].append(request_id)
+                url = client.base_url
+                by_engine.setdefault(url, (own.get(url, client), []))[1].append(request_id)
                 self._aborted.add(request_id)
             results = await asyncio.gather(
-                *(client.abort(ids) for client, ids in by_client.values()), return_exceptions=True
+                *(client.abort(ids) for client, ids in by_engine.values()), return_exceptions=True
             )
-            self.stats.abort_calls += len(by_client)
+            self.stats.abort_calls += len(by_engine)
             self.stats.errors.extend(f"{type(error).__name__}: {error}" for error in results
                                      if isinstance(error, BaseException))
             try:

@@ -29,7 +29,7 @@ DivergenceKind = Literal[
 
 CORE_FIELDS = ("trigger", "src", "dst", "turn", "reason", "response_length", "remaining_budget")
 """Transition fields compared even when only one side has them."""
-UNCOMPARED_FIELDS = frozenset({"dwell_ms", "ts", "schema", "event", "sample_id", "session_id"})
+UNCOMPARED_FIELDS = frozenset({"dwell_ms", "suspended_ms", "ts", "schema", "event", "sample_id", "session_id"})
 """Transition fields that differ between any two runs (timing, identity the trace binds)."""
 CONTEXT_TOKENS = 12
 CONTEXT_CHARS = 60

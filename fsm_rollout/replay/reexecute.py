@@ -12,7 +12,10 @@ every seam it has answered by the tape:
 * the hooks (:class:`_ComparingHooks`): each transition is compared with the recorded one as it fires.
 
 Recorded caller aborts are re-issued where they landed: before the start, inside an environment call, during a
-request (which is then cut off) or just after its answer. When the rollout ends, its outcome is compared with the
+request (which is then cut off) or just after its answer. Recorded suspensions (weight updates) are re-issued by a
+gate (:class:`_TapeGate`) that closes exactly where the recording's next transition is a ``suspend`` and never
+waits: the aborted request's recorded answer carries the partial turn, and the continuation is the next recorded
+request. When the rollout ends, its outcome is compared with the
 recorded result. The first difference is kept; every later call raises :class:`ReplayDiverged` so that the
 rollout ends at once. Nothing here touches process-wide state.
 """
@@ -287,6 +290,48 @@ def _env_factory(replay: _Replay) -> Any:
     return build_env
 
 
+class _TapeGate:
+    """The weight-update gate, answered from the recorded transitions: suspend where the recording suspended."""
+
+    weight_version = None
+    weight_updates = 0
+
+    def __init__(self, replay: _Replay) -> None:
+        self._replay = replay
+
+    def _suspends_next(self, *, cut_request: bool) -> bool:
+        """The recording's next transition is a suspension that cut a request off (or came before sending one)."""
+        recorded = self._replay.cursor.transitions
+        index = len(self._replay.transitions)
+        if index >= len(recorded) or recorded[index].get("trigger") != "suspend":
+            return False
+        return bool(recorded[index].get("cut_request")) == cut_request
+
+    def version_at(self, updates: int) -> str | None:
+        return None
+
+    def saw_version(self, version: str) -> None:
+        """Nothing to learn."""
+
+    def should_suspend(self, rollout: Rollout) -> bool:
+        return self._suspends_next(cut_request=False)
+
+    def suspended_request(self, rollout: Rollout, request_id: str) -> bool:
+        return self._suspends_next(cut_request=True)
+
+    def request_started(self, rollout: Rollout, client: VLLMClient, request_id: str) -> None:
+        """Nothing is in flight anywhere."""
+
+    def request_ended(self, rollout: Rollout, request_id: str) -> None:
+        """Nothing is in flight anywhere."""
+
+    async def wait_to_start(self, rollout: Rollout) -> None:
+        """Never waits."""
+
+    async def wait_resumed(self, rollout: Rollout) -> None:
+        """Never waits: the recording resumed."""
+
+
 class _ComparingHooks(RolloutHooks):
     """Compares every transition of the re-executed rollout with the recorded one as it fires."""
 
@@ -372,6 +417,7 @@ async def reexecute(
             hooks=_ComparingHooks(replay),
             sample_id=record.sample_id,
             request_prefix=record.request_prefix,  # request ids are part of what is compared
+            suspender=_TapeGate(replay),
         )
     except Exception as error:
         return Divergence("setup", f"today's code rejects the recorded sample or config: "
