@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from fsm_rollout import RolloutConfig, RolloutRunner, Sample, capture_transitions
-from fsm_rollout.engine.schema import ABORT_PATH, GENERATE_PATH
+from fsm_rollout.engine.schema import GENERATE_PATH
 from fsm_rollout.replay import replay_async
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
