@@ -150,7 +150,8 @@ class Sample:
 
         Checks ``response_length == len(loss_mask) == len(rollout_log_probs)`` (None counts as empty only
         while there is no response), that the loss mask holds only 0s and 1s, that top-p offsets cover every
-        response token, and, given ``prompt_length``, that ``len(tokens) - prompt_length == response_length``.
+        response token, that ``metadata["weight_version_spans"]`` (when present) covers exactly the positions with
+        loss mask 1, and, given ``prompt_length``, that ``len(tokens) - prompt_length == response_length``.
         """
         length = self.response_length
         mask_length = None if self.loss_mask is None else len(self.loss_mask)
@@ -172,6 +173,7 @@ class Sample:
                 f"{self._describe()}: loss_mask must hold only 0 and 1; got {', '.join(bad_mask_values)}"
             )
         self._validate_top_p_spans()
+        self._validate_weight_version_spans()
         if prompt_length is not None and len(self.tokens) - prompt_length != length:
             raise InvariantViolation(
                 f"{self._describe()}: expected len(tokens) - prompt_length == response_length; got "
@@ -281,6 +283,19 @@ class Sample:
         status = STATUS_BY_FINISH.get(meta.finish_reason)
         if status is not None:
             self.status = status
+
+    def _validate_weight_version_spans(self) -> None:
+        """``metadata["weight_version_spans"]``, when present, covers exactly the generated (mask 1) positions."""
+        spans = self.metadata.get("weight_version_spans") if isinstance(self.metadata, dict) else None
+        if spans is None:
+            return
+        covered = [position for span in spans for position in range(span["start"], span["end"])]
+        generated = [position for position, mask in enumerate(self.loss_mask or []) if mask == 1]
+        if covered != generated:
+            raise InvariantViolation(
+                f"{self._describe()}: weight_version_spans must cover each generated position once, in order; they "
+                f"cover {len(covered)} positions for {len(generated)} generated ones"
+            )
 
     def _validate_response_metadata_lengths(self) -> None:
         length = self.response_length
