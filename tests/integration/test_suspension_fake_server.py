@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from fsm_rollout import RolloutConfig, RolloutRunner, Sample, capture_transitions
+from fsm_rollout import RolloutConfig, RolloutRunner, Sample, capture_transitions, get_tracer
 from fsm_rollout.engine.schema import GENERATE_PATH
 from fsm_rollout.replay import replay_async
 from fsm_rollout.testing.envs import ScriptedEnvFactory
@@ -194,6 +194,7 @@ async def test_a_recorded_run_with_suspensions_replays_identically(tokenizer: An
     async with FakeVLLMServer(tokenizer) as server:
         _, suspensions = await interrupted_run(server, random.Random(3), tmp_path)
     assert suspensions > 0
+    get_tracer(str(tmp_path / "run.jsonl")).close()  # the sink is shared per path: close it before reading
     report = await replay_async(tmp_path / "run.jsonl", tokenizer=tokenizer)
     assert report.exit_code == 0, report.render(verbose=True)
     assert report.counts() == {"identical": len(TEXTS)}

@@ -148,7 +148,7 @@ CONFIG_CASES: dict[str, tuple[dict[str, Any], str]] = {
     "max_turns-bool": ({"max_turns": True}, "max_turns must be a positive integer"),
     "engine_url-ftp": ({"engine_url": "ftp://x"}, "engine_url must be an http(s) URL"),
     "model-empty": ({"model": ""}, "model (the served model name)"),
-    "partial-rollout": ({"partial_rollout": True}, "Partial rollout is not supported"),
+    "weight-update-strategy-unknown": ({"weight_update_strategy": "pause"}, "weight_update_strategy must be"),
     "record-without-trace": ({"record": True}, "record=True needs a trace file"),
     "request-timeout-negative": ({"request_timeout_s": -1}, "request_timeout_s must be positive"),
     "connect-timeout-zero": ({"connect_timeout_s": 0}, "connect_timeout_s must be a positive number"),

@@ -213,9 +213,10 @@ def check_with_library(name: str, answer: Answer) -> None:
     turn = parse_generate_response(answer.body, "req")
     choice = answer.body["choices"][0]
     if name == "generate_abort":
-        assert choice["finish_reason"] == "abort" and turn.finish == "abort" and turn.token_ids == []
-        # vLLM keeps the tokens made before the abort (the library drops them)
-        assert choice["token_ids"] and len(choice["logprobs"]["content"]) == len(choice["token_ids"])
+        assert choice["finish_reason"] == "abort" and turn.finish == "abort"
+        # vLLM keeps the tokens made before the abort, and so does the library (a suspended turn continues them)
+        assert choice["token_ids"] and turn.token_ids == choice["token_ids"]
+        assert turn.logprobs == [entry["logprob"] for entry in choice["logprobs"]["content"]]
         return
     assert turn.token_ids == choice["token_ids"]
     assert turn.logprobs == [entry["logprob"] for entry in choice["logprobs"]["content"]]
