@@ -65,6 +65,14 @@ class RolloutConfig:
     rollouts and resume them without losing a token. ``weight_update_strategy`` says how: ``"abort"`` aborts the
     requests in flight at the engine and continues each turn from the tokens it had (any vLLM with the scale-out
     endpoints), ``"keep"`` has the engine freeze them (``/pause?mode=keep``, vLLM with ``VLLM_SERVER_DEV_MODE=1``).
+    Environments: their methods (and ``build_env``) may be coroutine functions; synchronous ones run inline unless
+    ``env_executor="thread"`` runs them in a pool of ``env_max_workers`` threads (created on first use), so a slow
+    environment does not stall the event loop. ``env_step_timeout_s`` bounds one environment call and
+    ``rollout_timeout_s`` one rollout's wall time (time ``suspended`` for a weight update excluded); either ends the
+    sample ``truncated`` (reasons ``env_timeout`` / ``rollout_timeout``, ``metadata["rollout_timeout"]``).
+    ``reward_fn`` (``(sample) -> float``, sync or async) sets ``sample.reward`` on the way into ``completed`` or
+    ``truncated``; it is never recorded.
+
     ``partial_rollout`` (slime/vime's flag, for :mod:`fsm_rollout.compat`) hands a suspended sample back to the
     trainer instead of waiting (status ``aborted``, ``metadata["resume_state"]``); passing it again resumes it.
 
@@ -102,6 +110,11 @@ class RolloutConfig:
     tune_gc: bool = False
     api_key: str | None = field(default=None, repr=False)
     weight_update_strategy: str = "abort"
+    env_executor: str = "inline"
+    env_max_workers: int = 16
+    env_step_timeout_s: float | None = None
+    rollout_timeout_s: float | None = None
+    reward_fn: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_turns) or self.max_turns <= 0:
@@ -153,6 +166,17 @@ class RolloutConfig:
                               f"got {self.loop_slice_ms!r}")
         if self.image_merge_size is not None and (not _is_int(self.image_merge_size) or self.image_merge_size < 1):
             raise ConfigError(f"image_merge_size must be a positive integer or None, got {self.image_merge_size!r}")
+        if self.env_executor not in ("inline", "thread"):
+            raise ConfigError(f"env_executor must be 'inline' or 'thread', got {self.env_executor!r}")
+        if not _is_int(self.env_max_workers) or self.env_max_workers < 1:
+            raise ConfigError(f"env_max_workers must be a positive integer, got {self.env_max_workers!r}")
+        for name in ("env_step_timeout_s", "rollout_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)
+                                      or not math.isfinite(value) or value <= 0):
+                raise ConfigError(f"{name} must be a positive number of seconds or None, got {value!r}")
+        if self.reward_fn is not None and not callable(self.reward_fn):
+            raise ConfigError(f"reward_fn must be callable (sample) -> float, got {type(self.reward_fn).__name__}")
 
     @property
     def expert_dims(self) -> tuple[int, int] | None:

@@ -7,6 +7,7 @@ import importlib.util
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
@@ -19,7 +20,10 @@ class Environment(Protocol):
     """One sample's interaction environment.
 
     ``step`` receives the decoded text of a generated turn and returns exactly ``(observation, done, info)``;
-    ``format_observation`` turns an observation into a text-only chat message ``{"role", "content"}``.
+    ``info["reward"]``, when there, becomes ``sample.reward``. ``format_observation`` turns an observation into a
+    text-only chat message ``{"role", "content"}``. Any method (and ``build_env``) may be a coroutine function or
+    return an awaitable: the rollout awaits it. Optional: ``snapshot() -> dict`` and ``restore(state)``, so that a
+    sample suspended for a weight update can resume in another process.
     """
 
     def reset(self) -> Any: ...
@@ -114,10 +118,31 @@ def check_environment(env: Any) -> Environment:
 
 def unpack_step_result(result: Any) -> tuple[Any, bool]:
     """Split ``env.step``'s result into ``(observation, done)``; it must be exactly a 3-tuple."""
+    observation, done, _info = unpack_step_info(result)
+    return observation, done
+
+
+def unpack_step_info(result: Any) -> tuple[Any, bool, Any]:
+    """Split ``env.step``'s result into ``(observation, done, info)``; it must be exactly a 3-tuple."""
     if not isinstance(result, tuple) or len(result) != 3:
         raise EnvironmentContractError(
             f"env.step must return a 3-tuple (observation, done, info), got {type(result).__name__}"
             + (f" of length {len(result)}" if isinstance(result, tuple) else "")
         )
-    observation, done, _info = result
-    return observation, bool(done)
+    observation, done, info = result
+    return observation, bool(done), info
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def env_thread_pool(max_workers: int) -> ThreadPoolExecutor:
+    """The worker pool that runs synchronous environment calls with ``env_executor="thread"``: one per size,
+    created on first use (the caller asked for threads by choosing that executor)."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(max_workers)
+        if pool is None:
+            pool = _POOLS[max_workers] = ThreadPoolExecutor(max_workers=max_workers,
+                                                            thread_name_prefix="fsm-rollout-env")
+        return pool

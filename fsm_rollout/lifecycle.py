@@ -6,9 +6,9 @@ trigger's edges are listed in order: the first edge whose guard holds is taken, 
 Guards are pure predicates over the rollout; actions change the sample. Their implementations live in
 :mod:`fsm_rollout.rollout`, which hands them to :func:`build_machine` by name.
 
-Two triggers are the driver's choice rather than a state's: ``suspend`` (a weight update closed the rollout's
-gate while it was generating, or as it was about to) and, like ``abort`` and ``fail``, they can interrupt the
-state's own trigger.
+Some triggers are the driver's choice rather than a state's: ``suspend`` (a weight update closed the rollout's
+gate while it was generating, or as it was about to), ``env_timeout`` and ``rollout_timeout`` (a limit of the
+config ran out), ``abort`` and ``fail``; they interrupt the state's own trigger.
 
 Every edge into a terminal state runs the edge's actions, then records the outcome (the state as the sample's
 status, and the edge's ``reason``; ``abort`` takes the caller's reason, ``fail`` the reason ``error``), then the
@@ -120,6 +120,12 @@ TRANSITIONS: tuple[Edge, ...] = (
     Edge("observe", "stepping", "truncated", guard="turn_limit_reached", reason="max_turns",
          work="no observation appended"),
     Edge("observe", "stepping", "observing"),
+    *(Edge("env_timeout", state, "truncated", reason="env_timeout", actions=("note_timeout",),
+           work="an environment call ran past `env_step_timeout_s`; the data so far is kept")
+      for state in ("pending", "stepping", "observing", "suspended")),
+    *(Edge("rollout_timeout", state, "truncated", reason="rollout_timeout", actions=("note_timeout",),
+           work="the rollout ran past `rollout_timeout_s` (time suspended excluded); the data so far is kept")
+      for state in NON_TERMINAL),
     *(Edge("abort", state, "aborted", actions=("note_abort",),
            work="the reason is the caller's (`cancelled`, `weight_update`, …)") for state in NON_TERMINAL),
     *(Edge("fail", state, "failed", work="reason `error`; the error is recorded, the sample's data so far is kept")

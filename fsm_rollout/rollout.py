@@ -13,6 +13,8 @@ method reading the same sample's state, and keeping them together keeps each nam
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping
@@ -29,7 +31,7 @@ from fsm_rollout.config import (
     response_budget,
 )
 from fsm_rollout.engine.client import VLLMClient
-from fsm_rollout.env import EnvFactory, check_environment, load_env_factory, unpack_step_result
+from fsm_rollout.env import EnvFactory, check_environment, env_thread_pool, load_env_factory, unpack_step_info
 from fsm_rollout.errors import (
     BudgetExceededError,
     ConfigError,
@@ -80,6 +82,15 @@ def default_request_prefix(sample: Sample) -> str:
 
 class _AbortRequested(Exception):
     """Internal: the caller asked for an abort while the driver was waiting on the engine."""
+
+
+class _EnvTimedOut(Exception):
+    """Internal: one environment call ran past ``env_step_timeout_s``."""
+
+    def __init__(self, what: str, limit_s: float) -> None:
+        super().__init__(f"{what} ran past {limit_s} s")
+        self.what = what
+        self.limit_s = limit_s
 
 
 def check_startable(sample: Sample) -> None:
@@ -213,6 +224,12 @@ class Rollout:
         self.env_snapshot: dict[str, Any] | None = None
         """A restored environment's snapshot, applied when the environment is rebuilt in another process."""
         self.status_before_hand_back: Status | None = None
+        self._stop_trigger: str | None = None
+        """``env_timeout`` or ``rollout_timeout`` once a limit ran out (the abort machinery then ends the rollout)."""
+        self._time_left = config.rollout_timeout_s
+        self._deadline: asyncio.TimerHandle | None = None
+        self._clock_started: float | None = None
+        self._closing: Any = None
         self._start_epoch = 0
         self._suspend_cut_request = False
         resume_state = sample.metadata.get(RESUME_STATE_KEY)
@@ -345,8 +362,13 @@ class Rollout:
         """Nothing to undo: an aborted turn's tokens were never appended."""
         self.partial_parts = []
 
+    def note_timeout(self) -> None:
+        """``metadata["rollout_timeout"]`` was written when the limit ran out; the partial turn is dropped."""
+        self.partial_parts = []
+
     def hold_partial_turn(self) -> None:
-        """The partial turn stays in :attr:`partial_parts` until the rollout resumes."""
+        """The partial turn stays in :attr:`partial_parts` until the rollout resumes; the rollout's clock stops."""
+        self._stop_clock()
         self.suspensions += 1
         self.suspended_since = time.perf_counter()
         self.suspend_reason = getattr(self._gate, "reason", None) or "weight_update"
@@ -387,7 +409,9 @@ class Rollout:
         if self.env is None or self._env_closed:
             return
         self._env_closed = True
-        self.env.close()
+        closing = self.env.close()
+        if inspect.isawaitable(closing):  # an async close: the driver awaits it once the rollout has ended
+            self._closing = closing
 
     def close_environment_after_error(self) -> None:
         if self.env is None or self._env_closed:
@@ -397,20 +421,64 @@ class Rollout:
         if not callable(close):
             return
         try:
-            close()
+            closing = close()
         except BaseException as close_error:
             self.sample.metadata["env_close_error"] = f"{type(close_error).__name__}: {close_error}"
             if self.error is not None and self.error is not close_error:
                 self.error.__cause__ = close_error
+            return
+        if inspect.isawaitable(closing):
+            self._closing = closing
 
     # ------------------------------------------------------------------ activities
 
-    def open_environment(self) -> None:
+    async def open_environment(self) -> None:
         factory = self._env_factory or load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
-        env = factory(sample=self.sample, args=self._env_args)
+        env = await self._env_call("build_env", functools.partial(factory, sample=self.sample, args=self._env_args))
         self.env = env
         check_environment(env)
-        env.reset()
+        await self._env_call("env.reset", env.reset)
+
+    async def _env_call(self, what: str, call: Callable[[], Any]) -> Any:
+        """One environment call as the config says: inline or in the worker pool, awaited when it is async, bounded
+        by ``env_step_timeout_s``, and cut off by an abort, a suspension's gate or a timeout like a request."""
+        limit = self.config.env_step_timeout_s
+        if self.config.env_executor == "thread" and not _is_coroutine_function(call):
+            future = env_thread_pool(self.config.env_max_workers).submit(call)
+            return await self._await_env(asyncio.wrap_future(future), what, limit, future)
+        started = time.perf_counter()
+        result = call()
+        if inspect.isawaitable(result):
+            return await self._await_env(result, what, limit, None)
+        if limit is not None and time.perf_counter() - started > limit:  # an inline call cannot be cut short
+            raise _EnvTimedOut(what, limit)
+        return result
+
+    async def _await_env(self, awaitable: Any, what: str, limit: float | None, thread: Any) -> Any:
+        if self._abort_reason is not None:
+            if inspect.iscoroutine(awaitable):
+                awaitable.close()
+            raise _AbortRequested
+        task = asyncio.ensure_future(awaitable)
+        self._inflight = task
+        try:
+            try:
+                return await (task if limit is None else asyncio.wait_for(task, limit))
+            except TimeoutError:
+                if thread is not None:  # a thread cannot be stopped: wait for it, then discard its result
+                    await _thread_done(thread)
+                if self._abort_reason is not None:
+                    raise _AbortRequested from None
+                raise _EnvTimedOut(what, limit or 0.0) from None
+            except asyncio.CancelledError:
+                if thread is not None:
+                    await _thread_done(thread)
+                current = asyncio.current_task()
+                if (current is not None and current.cancelling()) or self._abort_reason is None:
+                    raise
+                raise _AbortRequested from None
+        finally:
+            self._inflight = None
 
     async def request_render(self) -> None:
         sample = self.sample
@@ -559,12 +627,13 @@ class Rollout:
         gate = self._gate
         if gate is not None:
             await self._engine(gate.wait_resumed(self), None)
+        self._start_clock()
         if self.env is None:  # restored from a resume state in another process: rebuild the environment
-            self._restore_environment()
+            await self._restore_environment()
 
-    def _restore_environment(self) -> None:
+    async def _restore_environment(self) -> None:
         factory = self._env_factory or load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
-        env = factory(sample=self.sample, args=self._env_args)
+        env = await self._env_call("build_env", functools.partial(factory, sample=self.sample, args=self._env_args))
         self.env = env
         check_environment(env)
         restore = getattr(env, "restore", None)
@@ -574,13 +643,21 @@ class Rollout:
                 f"{type(env).__name__} has none (resume the sample in the process that suspended it, or implement "
                 "snapshot() -> dict and restore(state))"
             )
-        restore(self.env_snapshot)
+        await self._env_call("env.restore", functools.partial(restore, self.env_snapshot))
 
-    def step_environment(self) -> None:
-        self.observation, self.env_done = unpack_step_result(self.env.step(self.turn_text))
+    async def step_environment(self) -> None:
+        env = self.env
+        text = self.turn_text
+        result = await self._env_call("env.step", lambda: env.step(text))
+        self.observation, self.env_done, info = unpack_step_info(result)
+        if isinstance(info, Mapping) and "reward" in info:
+            self.sample.reward = info["reward"]
 
-    def encode_observation(self) -> None:
-        message = validate_text_observation(self.env.format_observation(self.observation))
+    async def encode_observation(self) -> None:
+        env = self.env
+        observation = self.observation
+        formatted = await self._env_call("env.format_observation", lambda: env.format_observation(observation))
+        message = validate_text_observation(formatted)
         tokens = self.sample.tokens
         self.observation_tokens = self.encoder.encode(
             message,
@@ -709,22 +786,27 @@ class Rollout:
         cancelled_by_caller = False
         try:
             while self.state not in lifecycle.TERMINAL:
-                trigger = "abort" if self._abort_reason is not None else lifecycle.STATE_BY_NAME[self.state].trigger
+                trigger = self._stopping_trigger() or lifecycle.STATE_BY_NAME[self.state].trigger
                 assert trigger is not None
                 try:
-                    if trigger != "abort":
+                    if trigger not in _STOPPING_TRIGGERS:
                         await self._run_activity()
-                        if self._abort_reason is not None:  # asked for during the activity: abort wins
-                            trigger = "abort"
+                        stopping = self._stopping_trigger()
+                        if stopping is not None:  # asked for during the activity: abort (or a timeout) wins
+                            trigger = stopping
                         elif self._next_trigger is not None:
                             trigger = self._next_trigger
                     self._next_trigger = None
+                    if self.config.reward_fn is not None and self._ends_scored(trigger):
+                        await self._score()
                     self._fire(trigger)
                 except HandBack:
                     self._hand_back()
                     break
                 except _AbortRequested:
                     await self._send_abort_notice()
+                except _EnvTimedOut as timeout:
+                    self._time_out("env_timeout", timeout.what, timeout.limit_s)
                 except asyncio.CancelledError:
                     cancelled_by_caller = True
                     if self._abort_reason is None:
@@ -743,6 +825,55 @@ class Rollout:
                     self._fail(error, "abort")
         if cancelled_by_caller:
             raise asyncio.CancelledError
+
+    def _stopping_trigger(self) -> str | None:
+        if self._abort_reason is None:
+            return None
+        return self._stop_trigger or "abort"
+
+    def _ends_scored(self, trigger: str) -> bool:
+        """Whether ``trigger`` now takes an edge into ``completed`` or ``truncated`` (guards are pure: evaluating
+        them ahead of the machine changes nothing)."""
+        for edge in _EDGES.get((self.state, trigger), ()):
+            if edge.guard is None or _GUARDS[edge.guard](self):
+                return edge.dest in ("completed", "truncated")
+        return False
+
+    async def _score(self) -> None:
+        """``reward_fn`` sets the sample's reward on its way into a scored terminal state; an error fails it."""
+        assert self.config.reward_fn is not None
+        reward = self.config.reward_fn(self.sample)
+        if inspect.isawaitable(reward):
+            reward = await reward
+        self.sample.reward = reward
+
+    def _time_out(self, trigger: str, what: str, limit_s: float) -> None:
+        """A limit ran out: end the rollout ``truncated`` through the abort machinery (the request in flight, if
+        any, is cancelled and named to the server)."""
+        if self.terminal or self._abort_reason is not None:
+            return
+        self.sample.metadata["rollout_timeout"] = {"what": what, "limit_s": limit_s, "state": self.state}
+        self._stop_trigger = trigger
+        self._abort_reason = trigger
+        if self._inflight is not None:
+            self._inflight.cancel()
+
+    def _start_clock(self) -> None:
+        limit = self.config.rollout_timeout_s
+        if self._time_left is None or limit is None or self._deadline is not None:
+            return
+        self._clock_started = time.perf_counter()
+        self._deadline = asyncio.get_running_loop().call_later(
+            max(self._time_left, 0.0), self._time_out, "rollout_timeout", "rollout", limit
+        )
+
+    def _stop_clock(self) -> None:
+        if self._deadline is None:
+            return
+        self._deadline.cancel()
+        self._deadline = None
+        if self._time_left is not None and self._clock_started is not None:
+            self._time_left -= time.perf_counter() - self._clock_started
 
     def _hand_back(self) -> None:
         """Return the suspended rollout to its caller: status ``aborted`` with the suspension's reason, its data
@@ -804,8 +935,17 @@ class Rollout:
         if tuning_gc:
             gc_policy.rollout_started()
         try:
+            if self.state != "suspended":  # a resumed rollout's clock starts when it resumes
+                self._start_clock()
             await self._drive()
         finally:
+            self._stop_clock()
+            closing, self._closing = self._closing, None
+            if closing is not None:
+                try:
+                    await closing
+                except Exception as close_error:  # the sample has ended: the error is kept, not raised
+                    self.sample.metadata["env_close_error"] = f"{type(close_error).__name__}: {close_error}"
             if tuning_gc:
                 gc_policy.rollout_ended()
             reset_contextvars(**context)
@@ -849,6 +989,33 @@ class Rollout:
             await self._done.wait()
 
 
+def _is_coroutine_function(call: Any) -> bool:
+    target = call.func if isinstance(call, functools.partial) else call
+    return inspect.iscoroutinefunction(target)
+
+
+async def _thread_done(future: Any) -> None:
+    """Wait for a worker-pool call to finish, whatever it returns or raises."""
+    loop = asyncio.get_running_loop()
+    done = loop.create_future()
+
+    def finish() -> None:
+        if not done.done():
+            done.set_result(None)
+
+    def settle(_: Any) -> None:
+        loop.call_soon_threadsafe(finish)
+
+    future.add_done_callback(settle)
+    await asyncio.shield(done)
+
+
+_STOPPING_TRIGGERS = frozenset({"abort", "env_timeout", "rollout_timeout"})
+_EDGES: dict[tuple[str, str], list[lifecycle.Edge]] = {}
+for _edge in lifecycle.TRANSITIONS:
+    _EDGES.setdefault((_edge.source, _edge.trigger), []).append(_edge)
+
+
 def _length_finished(part: GeneratedTurn) -> GeneratedTurn:
     """The last answer of a partial turn that used the whole budget, as the ``length`` finish it amounts to."""
     return GeneratedTurn(request_id=part.request_id, finish="length", token_ids=part.token_ids,
@@ -877,6 +1044,7 @@ _ACTIONS: dict[str, Callable[..., None]] = {
         "append_observation",
         "next_turn",
         "note_abort",
+        "note_timeout",
         "hold_partial_turn",
         "finalize",
         "salvage_response",

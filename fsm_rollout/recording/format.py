@@ -358,7 +358,7 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-_UNRECORDED_CONFIG_FIELDS = frozenset({"retry", "api_key"})  # a replay sends no request; a secret stays out
+_UNRECORDED_CONFIG_FIELDS = frozenset({"retry", "api_key", "reward_fn"})  # no request replayed; secrets, code stay out
 
 
 def config_to_json(config: RolloutConfig) -> dict[str, Any]:

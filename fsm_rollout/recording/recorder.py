@@ -8,6 +8,7 @@ rollout's hooks. :func:`recorded_rollout` builds a rollout wired that way.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -83,14 +84,27 @@ class SampleRecorder(RolloutHooks):
             except Exception as error:
                 entry["error"] = describe_error(error)
                 raise
-            entry["type"] = type(env).__name__
-            missing = [name for name in ENV_METHODS if not callable(getattr(env, name, None))]
-            if missing:  # the rollout rejects it; calls on it are not recorded
-                entry["missing"] = missing
-                return env
-            return RecordingEnv(env, self)
+            if inspect.isawaitable(env):  # an async build_env: recorded once it built the environment
+                return self._built_later(entry, env)
+            return self._built(entry, env)
 
         return build_env
+
+    async def _built_later(self, entry: dict[str, Any], awaitable: Any) -> Any:
+        try:
+            env = await awaitable
+        except Exception as error:
+            entry["error"] = describe_error(error)
+            raise
+        return self._built(entry, env)
+
+    def _built(self, entry: dict[str, Any], env: Any) -> Any:
+        entry["type"] = type(env).__name__
+        missing = [name for name in ENV_METHODS if not callable(getattr(env, name, None))]
+        if missing:  # the rollout rejects it; calls on it are not recorded
+            entry["missing"] = missing
+            return env
+        return RecordingEnv(env, self)
 
     def begin(self, rollout: Rollout) -> None:
         """Snapshot what the record needs from the rollout as built (before it runs)."""
@@ -224,7 +238,10 @@ class RecordingTransport:
 
 
 class RecordingEnv:
-    """Wraps one environment: calls go through unchanged and are recorded (results as JSON, errors described)."""
+    """Wraps one environment: calls go through unchanged and are recorded (results as JSON, errors described).
+
+    A method that returns an awaitable (an async environment) is recorded when the awaitable completes.
+    """
 
     def __init__(self, env: Any, recorder: SampleRecorder) -> None:
         self._env = env
@@ -233,47 +250,61 @@ class RecordingEnv:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._env, name)
 
-    def reset(self) -> Any:
-        entry = self._recorder.env_call("reset")
+    def _call(self, entry: dict[str, Any], call: Any, keep: Any = None) -> Any:
         try:
-            return self._env.reset()
+            result = call()
         except Exception as error:
             entry["error"] = describe_error(error)
             raise
+        if inspect.isawaitable(result):
+            return self._awaited(entry, result, keep)
+        return self._kept(entry, result, keep)
 
-    def step(self, response_text: str) -> Any:
-        entry = self._recorder.env_call("step", text=response_text)
+    async def _awaited(self, entry: dict[str, Any], awaitable: Any, keep: Any) -> Any:
         try:
-            result = self._env.step(response_text)
-            if isinstance(result, tuple) and len(result) == 3:
-                entry["result"] = {"observation": jsonable(result[0]), "done": bool(result[1])}
-            elif isinstance(result, tuple):
-                entry["result"] = {"tuple_len": len(result)}
-            else:
-                entry["result"] = {"type": type(result).__name__}
-        except Exception as error:  # bool(done) raising fails the rollout the same way unpacking it would
-            entry.pop("result", None)
+            result = await awaitable
+        except Exception as error:
             entry["error"] = describe_error(error)
             raise
+        return self._kept(entry, result, keep)
+
+    @staticmethod
+    def _kept(entry: dict[str, Any], result: Any, keep: Any) -> Any:
+        if keep is not None:
+            try:
+                keep(entry, result)
+            except Exception as error:  # bool(done) raising fails the rollout the same way unpacking it would
+                entry.pop("result", None)
+                entry["error"] = describe_error(error)
+                raise
         return result
 
+    def reset(self) -> Any:
+        return self._call(self._recorder.env_call("reset"), self._env.reset)
+
+    def step(self, response_text: str) -> Any:
+        return self._call(self._recorder.env_call("step", text=response_text),
+                          lambda: self._env.step(response_text), _keep_step_result)
+
     def format_observation(self, observation: Any) -> Any:
-        entry = self._recorder.env_call("format_observation")
-        try:
-            message = self._env.format_observation(observation)
-        except Exception as error:
-            entry["error"] = describe_error(error)
-            raise
-        entry["message"] = jsonable(message)
-        return message
+        return self._call(self._recorder.env_call("format_observation"),
+                          lambda: self._env.format_observation(observation), _keep_message)
 
     def close(self) -> Any:
-        entry = self._recorder.env_call("close")
-        try:
-            return self._env.close()
-        except Exception as error:
-            entry["error"] = describe_error(error)
-            raise
+        return self._call(self._recorder.env_call("close"), self._env.close)
+
+
+def _keep_step_result(entry: dict[str, Any], result: Any) -> None:
+    if isinstance(result, tuple) and len(result) == 3:
+        entry["result"] = {"observation": jsonable(result[0]), "done": bool(result[1])}
+    elif isinstance(result, tuple):
+        entry["result"] = {"tuple_len": len(result)}
+    else:
+        entry["result"] = {"type": type(result).__name__}
+
+
+def _keep_message(entry: dict[str, Any], message: Any) -> None:
+    entry["message"] = jsonable(message)
 
 
 def recorded_rollout(

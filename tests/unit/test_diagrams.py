@@ -137,14 +137,14 @@ def test_dot_draws_each_guarded_edge_with_its_order_and_reason() -> None:
             assert f"reason={edge.reason}" in matches[0]
 
 
-def test_abort_and_fail_are_one_edge_each_from_the_box_of_non_terminal_states() -> None:
+def test_abort_fail_and_the_rollout_timeout_are_one_edge_each_from_the_box_of_non_terminal_states() -> None:
     text = diagrams.dot()
     groups = diagrams.catch_all_groups(lifecycle.TRANSITIONS)
-    assert {lifecycle.TRANSITIONS[group[0]].trigger for group in groups} == {"abort", "fail"}
+    assert {lifecycle.TRANSITIONS[group[0]].trigger for group in groups} == {"abort", "fail", "rollout_timeout"}
     box = re.search(r"subgraph cluster_non_terminal \{(.*?)\n    \}", text, re.DOTALL)
     assert box
     assert set(re.findall(r"^        (?!graph )(\w+) \[", box.group(1), re.MULTILINE)) == set(lifecycle.NON_TERMINAL)
-    for trigger, dest in (("abort", "aborted"), ("fail", "failed")):
+    for trigger, dest in (("abort", "aborted"), ("fail", "failed"), ("rollout_timeout", "truncated")):
         edges = [attrs for _source, edge_dest, attrs in DOT_EDGE.findall(text) if f"label=<{trigger} (" in attrs]
         assert len(edges) == 1 and 'ltail="cluster_non_terminal"' in edges[0], trigger
         assert re.search(rf"-> {dest} \[label=<{trigger} \(from any state in the box\)", text)
@@ -155,7 +155,7 @@ def test_a_state_that_loses_its_abort_edge_gets_its_abort_edges_drawn_one_by_one
 ) -> None:
     table = tuple(edge for edge in lifecycle.TRANSITIONS if (edge.trigger, edge.source) != ("abort", "rendered"))
     monkeypatch.setattr(lifecycle, "TRANSITIONS", table)
-    assert [table[group[0]].trigger for group in diagrams.catch_all_groups(table)] == ["fail"]
+    assert [table[group[0]].trigger for group in diagrams.catch_all_groups(table)] == ["rollout_timeout", "fail"]
     abort_edges = re.findall(r"^    (\w+) -> aborted \[label=<abort>", diagrams.dot(), re.MULTILINE)
     assert sorted(abort_edges) == sorted(set(lifecycle.NON_TERMINAL) - {"rendered"})
 
