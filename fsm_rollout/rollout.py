@@ -13,7 +13,6 @@ method reading the same sample's state, and keeping them together keeps each nam
 from __future__ import annotations
 
 import asyncio
-import functools
 import inspect
 import time
 import uuid
@@ -434,20 +433,23 @@ class Rollout:
 
     async def open_environment(self) -> None:
         factory = self._env_factory or load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
-        env = await self._env_call("build_env", functools.partial(factory, sample=self.sample, args=self._env_args))
+        env = await self._env_call("build_env", factory, sample=self.sample, args=self._env_args)
         self.env = env
         check_environment(env)
         await self._env_call("env.reset", env.reset)
 
-    async def _env_call(self, what: str, call: Callable[[], Any]) -> Any:
+    async def _env_call(self, what: str, method: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One environment call as the config says: inline or in the worker pool, awaited when it is async, bounded
         by ``env_step_timeout_s``, and cut off by an abort, a suspension's gate or a timeout like a request."""
         limit = self.config.env_step_timeout_s
-        if self.config.env_executor == "thread" and not _is_coroutine_function(call):
-            future = env_thread_pool(self.config.env_max_workers).submit(call)
-            return await self._await_env(asyncio.wrap_future(future), what, limit, future)
+        if self.config.env_executor == "thread" and not inspect.iscoroutinefunction(method):
+            future = env_thread_pool(self.config.env_max_workers).submit(method, *args, **kwargs)
+            result = await self._await_env(asyncio.wrap_future(future), what, limit, future)
+            if inspect.isawaitable(result):  # a synchronous method that handed back an awaitable
+                result = await self._await_env(result, what, limit, None)
+            return result
         started = time.perf_counter()
-        result = call()
+        result = method(*args, **kwargs)
         if inspect.isawaitable(result):
             return await self._await_env(result, what, limit, None)
         if limit is not None and time.perf_counter() - started > limit:  # an inline call cannot be cut short
@@ -633,7 +635,7 @@ class Rollout:
 
     async def _restore_environment(self) -> None:
         factory = self._env_factory or load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
-        env = await self._env_call("build_env", functools.partial(factory, sample=self.sample, args=self._env_args))
+        env = await self._env_call("build_env", factory, sample=self.sample, args=self._env_args)
         self.env = env
         check_environment(env)
         restore = getattr(env, "restore", None)
@@ -643,20 +645,16 @@ class Rollout:
                 f"{type(env).__name__} has none (resume the sample in the process that suspended it, or implement "
                 "snapshot() -> dict and restore(state))"
             )
-        await self._env_call("env.restore", functools.partial(restore, self.env_snapshot))
+        await self._env_call("env.restore", restore, self.env_snapshot)
 
     async def step_environment(self) -> None:
-        env = self.env
-        text = self.turn_text
-        result = await self._env_call("env.step", lambda: env.step(text))
+        result = await self._env_call("env.step", self.env.step, self.turn_text)
         self.observation, self.env_done, info = unpack_step_info(result)
         if isinstance(info, Mapping) and "reward" in info:
             self.sample.reward = info["reward"]
 
     async def encode_observation(self) -> None:
-        env = self.env
-        observation = self.observation
-        formatted = await self._env_call("env.format_observation", lambda: env.format_observation(observation))
+        formatted = await self._env_call("env.format_observation", self.env.format_observation, self.observation)
         message = validate_text_observation(formatted)
         tokens = self.sample.tokens
         self.observation_tokens = self.encoder.encode(
@@ -987,11 +985,6 @@ class Rollout:
         self.request_abort(reason)
         if self._running:
             await self._done.wait()
-
-
-def _is_coroutine_function(call: Any) -> bool:
-    target = call.func if isinstance(call, functools.partial) else call
-    return inspect.iscoroutinefunction(target)
 
 
 async def _thread_done(future: Any) -> None:
