@@ -213,9 +213,12 @@ def check_with_library(name: str, answer: Answer) -> None:
     turn = parse_generate_response(answer.body, "req")
     choice = answer.body["choices"][0]
     if name == "generate_abort":
-        assert choice["finish_reason"] == "abort" and turn.finish == "abort" and turn.token_ids == []
-        # vLLM keeps the tokens made before the abort (the library drops them)
+        assert choice["finish_reason"] == "abort" and turn.finish == "abort"
+        # vLLM answers with the tokens made before the abort; the library keeps them (a suspended turn goes on
+        # from them)
         assert choice["token_ids"] and len(choice["logprobs"]["content"]) == len(choice["token_ids"])
+        assert turn.token_ids == choice["token_ids"]
+        assert turn.logprobs == [entry["logprob"] for entry in choice["logprobs"]["content"]]
         return
     assert turn.token_ids == choice["token_ids"]
     assert turn.logprobs == [entry["logprob"] for entry in choice["logprobs"]["content"]]
