@@ -591,15 +591,27 @@ class Rollout:
         self.turn = turn
 
     def _stop_string_end(self, token_ids: TokenIds) -> int | None:
-        """The length of the shortest prefix of ``token_ids`` whose text holds a stop string (None: none does)."""
+        """The length of the shortest prefix of ``token_ids`` whose text holds a stop string (None: none does).
+
+        As vLLM, a stop string only counts once it ends past the text of the first ``min_tokens`` tokens.
+        """
         stop = self.inference_params.get("stop")
         stops = [stop] if isinstance(stop, str) else [item for item in stop or () if isinstance(item, str) and item]
-        if not stops or not token_ids or not any(item in self._decode(token_ids) for item in stops):
+        if not stops or not token_ids:
+            return None
+        min_tokens = self.inference_params.get("min_tokens")
+        floor = len(self._decode(token_ids[:min_tokens])) if isinstance(min_tokens, int) and min_tokens > 0 else 0
+
+        def holds_stop(length: int) -> bool:
+            text = self._decode(token_ids[:length])
+            return any(text.find(item, max(0, floor + 1 - len(item))) != -1 for item in stops)
+
+        if not holds_stop(len(token_ids)):
             return None
         low, high = 1, len(token_ids)  # holding a stop string only grows with the prefix: binary search
         while low < high:
             middle = (low + high) // 2
-            if any(item in self._decode(token_ids[:middle]) for item in stops):
+            if holds_stop(middle):
                 high = middle
             else:
                 low = middle + 1

@@ -18,9 +18,11 @@ import pytest
 from fsm_rollout import RolloutConfig, Sample
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.engine.schema import ABORT_PATH, GENERATE_PATH, RENDER_PATH, server_request_id
+from fsm_rollout.partial_turn import merge_turns
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.suspension import Suspender, weight_staleness
 from fsm_rollout.trace import capture_transitions
+from fsm_rollout.types import GeneratedTurn, TurnMeta
 
 MODEL = "greedy-model"
 WORDS = list(range(1000, 1400))  # ordinary word-piece ids of the Qwen vocabulary
@@ -334,3 +336,26 @@ async def test_a_partial_turn_that_used_the_whole_budget_ends_length_without_ano
     assert rollout.sample.status.value == "truncated" and rollout.reason == "length"
     assert rollout.sample.response_length == 4
     assert sum(1 for path, _ in engine.requests if path == GENERATE_PATH) == generates_before
+
+
+@pytest.mark.parametrize(("min_new_tokens", "kept"), [(None, 2), (2, 5), (4, 5), (5, 8), (8, 8)])
+def test_a_turn_merged_from_its_answers_ends_at_the_stop_string_vllm_stops_at(
+    tokenizer: Any, min_new_tokens: int | None, kept: int
+) -> None:
+    # vLLM looks for stop strings only past the text of the first min_tokens tokens; a turn cut off by a
+    # suspension and continued must end where the uninterrupted request would have.
+    token_ids = tokenizer.encode("one cat, two cats, three cats", add_special_tokens=False)
+    assert len(token_ids) == 8  # "one", " cat", ",", " two", " cats", ",", " three", " cats"
+    sampling = {**SAMPLING, "stop": ["cat"], "min_new_tokens": min_new_tokens}
+    rollout = Rollout(Sample(prompt=PROMPTS[0], index=0), config=config(), sampling_params=sampling,
+                      client=VLLMClient(transport=GreedyEngine(tokenizer)), tokenizer=tokenizer,
+                      env_factory=lambda **_: CountingEnv())
+    parts = [
+        GeneratedTurn(request_id="r", finish=finish, token_ids=ids, logprobs=[-0.5] * len(ids),
+                      meta=TurnMeta(finish_reason=finish))
+        for finish, ids in (("abort", token_ids[:1]), ("length", token_ids[1:]))
+    ]
+    turn, spans = merge_turns(parts, request_id="r", fallback_version=None, cut_at_stop=rollout._stop_string_end)
+    assert turn.token_ids == token_ids[:kept]
+    assert turn.finish == ("stop" if kept < len(token_ids) else "length")
+    assert spans == [("default", 0, kept)]

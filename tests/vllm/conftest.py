@@ -314,6 +314,7 @@ class Exchange:
     body: Any
     headers: dict[str, str]
     received_at: float
+    query: str = ""
     status: int | None = None
     response: Any = None
     answered_at: float | None = None
@@ -332,6 +333,19 @@ class Exchange:
         return self.answered_at is not None
 
 
+@dataclass
+class AnswerHold:
+    """A one-shot hold of the first answer :meth:`RecordingProxy.hold_answer_when` matches."""
+
+    predicate: Callable[[Exchange], bool]
+    #: The held exchange, once vLLM's answer matched and is kept at the proxy.
+    held: asyncio.Future[Exchange] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    released: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def release(self) -> None:
+        self.released.set()
+
+
 class RecordingProxy:
     """An HTTP reverse proxy on 127.0.0.1 in front of vLLM that records every request and answer.
 
@@ -341,9 +355,11 @@ class RecordingProxy:
     ``/inference/v1/abort_requests``, and the proxy records vLLM's eventual answer (``client_gone`` is then set).
 
     :meth:`hold_answers` keeps vLLM's answers to one path at the proxy until :meth:`release_answers` (the requests
-    still go upstream at once), so a client can never see an answer the test is not ready for; :meth:`arrival`
-    waits until a request to a path has reached the proxy. At exit, every generate request vLLM has not answered is
-    named to vLLM's abort endpoint, so a test never leaves a generation running into the next one.
+    still go upstream at once), so a client can never see an answer the test is not ready for;
+    :meth:`hold_answer_when` keeps the first answer a predicate picks (read once vLLM's answer is in).
+    :meth:`arrival` waits until a request to a path has reached the proxy, :meth:`arrivals` until some number have.
+    At exit, every generate request vLLM has not answered is named to vLLM's abort endpoint, so a test never leaves
+    a generation running into the next one.
     """
 
     def __init__(self, upstream: str, *, forward_disconnects: bool = True) -> None:
@@ -354,6 +370,7 @@ class RecordingProxy:
         self._session: aiohttp.ClientSession | None = None
         self._pending: set[asyncio.Future[Any]] = set()
         self._holds: dict[str, asyncio.Event] = {}
+        self._answer_holds: list[AnswerHold] = []
         self._arrived = asyncio.Condition()
         self.url = ""
 
@@ -375,6 +392,8 @@ class RecordingProxy:
     async def __aexit__(self, *exc: object) -> None:
         for path in list(self._holds):
             self.release_answers(path)
+        for answer_hold in self._answer_holds:
+            answer_hold.release()
         await self._abort_unanswered()
         await self.settle(30.0)
         if self._runner is not None:
@@ -405,11 +424,29 @@ class RecordingProxy:
         if hold is not None:
             hold.set()
 
+    def hold_answer_when(self, predicate: Callable[[Exchange], bool]) -> AnswerHold:
+        """Keep the answer of the first request from now on for which ``predicate(exchange)`` holds once vLLM's
+        answer is in (``exchange.response`` is set), until :meth:`AnswerHold.release`."""
+        answer_hold = AnswerHold(predicate)
+        self._answer_holds.append(answer_hold)
+        return answer_hold
+
     async def arrival(self, path: str, limit_s: float = 60.0) -> Exchange:
         """The first request to ``path``, once it has reached the proxy."""
         async with asyncio.timeout(limit_s), self._arrived:
             await self._arrived.wait_for(lambda: bool(self.to(path)))
         return self.to(path)[0]
+
+    async def arrivals(self, path: str, count: int, limit_s: float = 60.0) -> list[Exchange]:
+        """The requests to ``path`` once at least ``count`` have reached the proxy (a timeout names the count)."""
+        try:
+            async with asyncio.timeout(limit_s), self._arrived:
+                await self._arrived.wait_for(lambda: len(self.to(path)) >= count)
+        except TimeoutError:
+            raise AssertionError(
+                f"timed out after {limit_s} s waiting for {count} requests to {path}; {len(self.to(path))} arrived"
+            ) from None
+        return self.to(path)
 
     async def _handle(self, request: web.Request) -> web.StreamResponse:
         raw = await request.read()
@@ -417,7 +454,8 @@ class RecordingProxy:
             body: Any = json.loads(raw) if raw else None
         except ValueError:
             body = raw.decode("utf-8", errors="replace")
-        exchange = Exchange(path=request.path, body=body, headers=dict(request.headers), received_at=time.monotonic())
+        exchange = Exchange(path=request.path, body=body, headers=dict(request.headers), received_at=time.monotonic(),
+                            query=request.query_string)
         hold = self._holds.get(request.path)
         self.exchanges.append(exchange)
         async with self._arrived:
@@ -432,11 +470,22 @@ class RecordingProxy:
             if hold is not None:
                 await hold.wait()
                 self._note_client_gone(request, exchange)
+            answer_hold = self._answer_hold_for(exchange)
+            if answer_hold is not None:
+                answer_hold.held.set_result(exchange)
+                await answer_hold.released.wait()
+                self._note_client_gone(request, exchange)
         except asyncio.CancelledError:  # only with forward_disconnects=True: the client went away
             exchange.client_gone = True
             forward.cancel()  # closes the upstream connection: vLLM sees the disconnect
             raise
         return web.Response(status=status, body=payload, content_type=content_type)
+
+    def _answer_hold_for(self, exchange: Exchange) -> AnswerHold | None:
+        for answer_hold in self._answer_holds:
+            if not answer_hold.held.done() and answer_hold.predicate(exchange):
+                return answer_hold
+        return None
 
     @staticmethod
     def _note_client_gone(request: web.Request, exchange: Exchange) -> None:
