@@ -19,14 +19,16 @@ class Environment(Protocol):
     """One sample's interaction environment.
 
     ``step`` receives the decoded text of a generated turn and returns exactly ``(observation, done, info)``;
-    ``format_observation`` turns an observation into a text-only chat message ``{"role", "content"}``.
+    ``format_observation`` turns an observation into a text-only chat message ``{"role", "content"}``, or a
+    non-empty list of them (one ``{"role": "tool", "content", "tool_call_id"}`` result per tool call, say), which
+    is appended as one observation rendered as the template renders those messages together.
     """
 
     def reset(self) -> Any: ...
 
     def step(self, response_text: str) -> tuple[Any, bool, Any]: ...
 
-    def format_observation(self, observation: Any) -> dict[str, Any]: ...
+    def format_observation(self, observation: Any) -> dict[str, Any] | list[dict[str, Any]]: ...
 
     def close(self) -> Any: ...
 

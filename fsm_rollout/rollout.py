@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from fsm_rollout import gc_policy, lifecycle
-from fsm_rollout.chat import ObservationEncoder, stop_string_eos_due, validate_text_observation
+from fsm_rollout.chat import ObservationEncoder, record_observation, stop_string_eos_due, validate_observation
 from fsm_rollout.config import (
     DEFAULT_ENV_MODULE,
     RolloutConfig,
@@ -183,6 +183,7 @@ class Rollout:
         self.eos_due = False
         self.env_done = False
         self.observation: Any = None
+        self.observation_messages: list[dict[str, Any]] = []
         self.observation_tokens: TokenIds = []
         self.response_token_ids: TokenIds = []
 
@@ -336,7 +337,10 @@ class Rollout:
         }
 
     def append_observation(self) -> None:
-        self.sample.append_response_tokens(self.observation_tokens, trainable=False)
+        sample = self.sample
+        start = sample.response_length
+        sample.append_response_tokens(self.observation_tokens, trainable=False)
+        record_observation(sample.metadata, self.observation_messages, start=start, end=sample.response_length)
 
     def next_turn(self) -> None:
         self.turn_index += 1
@@ -580,10 +584,10 @@ class Rollout:
         self.observation, self.env_done = unpack_step_result(self.env.step(self.turn_text))
 
     def encode_observation(self) -> None:
-        message = validate_text_observation(self.env.format_observation(self.observation))
+        self.observation_messages = validate_observation(self.env.format_observation(self.observation))
         tokens = self.sample.tokens
         self.observation_tokens = self.encoder.encode(
-            message,
+            self.observation_messages,
             ends_with_eos=bool(tokens) and tokens[-1] == self.encoder.eos_token_id,
             tools=self.sample.metadata.get("tools"),
             template_kwargs=self.config.apply_chat_template_kwargs,

@@ -454,3 +454,37 @@ async def test_abort_asked_for_inside_the_environment_sends_nothing_more(
     assert events[-1]["src"] == expected_src
     assert events[-1]["dst"] == "aborted"
     assert env.closed == 1
+
+
+async def test_a_list_of_tool_results_is_one_observation_rendered_together(
+    run_rollout: Any, fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    results = [
+        {"role": "tool", "content": "42", "tool_call_id": "call_0", "name": "calc"},
+        {"role": "tool", "content": "7", "tool_call_id": "call_1", "name": "calc"},
+    ]
+    fake_vllm.script([ScriptedTurn(text=f"Two calls.{EOS}"), ScriptedTurn(text=f"Done.{EOS}")])
+    result = await run_rollout(envs=ScriptedEnvFactory(steps=[(results, False), ("fine", True)]))
+    first, second = generate_bodies(fake_vllm)
+    start = len(first["token_ids"]) + len(tokenizer.encode(f"Two calls.{EOS}", add_special_tokens=False))
+    suffix = tokenizer.decode(second["token_ids"][start:])
+    # the bundled template renders each tool result as its own user turn, and the suffix is exactly that
+    assert suffix == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+                      "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    observation_start = start - len(first["token_ids"])
+    assert result.sample.metadata["observations"] == [
+        {"start": observation_start, "end": len(second["token_ids"]) - len(first["token_ids"]), "messages": results}
+    ]
+    assert result.sample.status == Status.COMPLETED
+
+
+async def test_an_observation_that_is_not_appended_is_not_recorded(
+    run_rollout: Any, fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    text = f"thinking{EOS}"
+    n = len(tokenizer.encode(text, add_special_tokens=False))
+    fake_vllm.script([ScriptedTurn(text=text)])
+    result = await run_rollout(sampling={"max_new_tokens": n + 3, "temperature": 1.0, "top_p": 1.0})
+    assert result.rollout.reason == "insufficient_budget_for_next_turn"
+    assert "observations" not in result.sample.metadata
+
