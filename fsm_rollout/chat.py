@@ -14,7 +14,8 @@ it, after anything else); before anything else it ends with a plain assistant me
 rendered once per (tokenizer, tools, template kwargs) and cached, so each new observation costs one template
 render; boundaries of recently seen observations are cached too (environments often repeat the same feedback), so
 a repeated one costs none. Every boundary checks that its shape's prefix renders the same with the observation
-after it (:class:`~fsm_rollout.errors.TemplateNotPrefixStable` otherwise).
+after it (:class:`~fsm_rollout.errors.TemplateNotPrefixStable` otherwise); :meth:`ObservationEncoder.probe` runs
+that check, and a whole conversation's, once at start-up instead of at the first observation.
 """
 
 from __future__ import annotations
@@ -169,7 +170,8 @@ Observation = Mapping[str, Any] | Sequence[Mapping[str, Any]]
 class ObservationEncoder:
     """Encodes observations into boundary tokens with one tokenizer's chat template.
 
-    ``tokenizer`` needs ``apply_chat_template`` and an integer ``eos_token_id`` (the chat turn terminator).
+    ``tokenizer`` needs ``apply_chat_template`` and an integer ``eos_token_id`` (the chat turn terminator);
+    :meth:`probe` also needs ``encode`` and ``decode``.
     """
 
     def __init__(self, tokenizer: Any) -> None:
@@ -178,6 +180,7 @@ class ObservationEncoder:
         self.eos_token_id: int | None = eos_token_id if type(eos_token_id) is int else None
         self._prefixes: dict[tuple[str, bytes], tuple[TokenIds, int]] = {}
         self._boundaries: OrderedDict[bytes, TokenIds] = OrderedDict()
+        self._probed: set[bytes] = set()
 
     def _prefix(
         self, shape: str, key: bytes, tools: Sequence[Mapping[str, Any]] | None, template_kwargs: Mapping[str, Any]
@@ -264,6 +267,56 @@ class ObservationEncoder:
                 "(e.g. a template that rewrites earlier assistant turns)"
             )
         return prefix[eos_index:] + rendered[len(prefix) :]
+
+    def probe(
+        self,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        shapes: Sequence[str] | None = None,
+    ) -> None:
+        """Check once, before any rollout, that the template can append observations of these shapes.
+
+        For each shape (default: ``user``, and ``tool`` too when ``tools`` are given) this encodes a sample
+        observation, which checks that shape's dummy prefix, then rebuilds a short made-up conversation of that
+        shape (assistant turns with ``<think>`` blocks, two observations) the way a rollout appends it and
+        compares it with the template's rendering of the whole conversation
+        (:func:`fsm_rollout.parity.check_template_parity`). A template that renders earlier turns differently
+        once more follows (one that drops the ``<think>`` blocks of earlier assistant turns, say) fails here
+        with :class:`~fsm_rollout.errors.TemplateNotPrefixStable` naming the template and the first differing
+        token, instead of at the first observation or silently in training data. Other template failures are
+        a :class:`~fsm_rollout.errors.TemplateError` naming the template and the shape.
+
+        A passing (tools, template kwargs, shapes) combination is remembered: calling this again is free.
+        """
+        from fsm_rollout.parity import probe_conversation  # parity builds on this module
+
+        kwargs = dict(template_kwargs or {})
+        chosen = tuple(shapes) if shapes is not None else (USER_SHAPE, TOOL_SHAPE) if tools else (USER_SHAPE,)
+        unknown = [shape for shape in chosen if shape not in DUMMY_PREFIXES]
+        if unknown:
+            raise ValueError(f"unknown observation shape(s) {unknown}; the shapes are {sorted(DUMMY_PREFIXES)}")
+        key = orjson.dumps([tools, kwargs, sorted(chosen)], option=orjson.OPT_SORT_KEYS)
+        if key in self._probed:
+            return
+        for shape in chosen:
+            try:
+                report = probe_conversation(self, shape, tools=tools, template_kwargs=kwargs)
+            except TemplateError:
+                raise
+            except Exception as error:  # the template itself raised: say which template and which shape
+                raise TemplateError(
+                    f"chat template {template_identity(self.tokenizer)} cannot render {shape} observations: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+            if not report.ok:
+                raise TemplateNotPrefixStable(
+                    f"chat template {template_identity(self.tokenizer)} is not prefix-stable for {shape} "
+                    f"observations: {report.describe()}. A rollout appends each observation to the tokens "
+                    "generated so far, so the template must render every earlier turn the same whatever follows "
+                    "it (templates that drop the <think> blocks of earlier assistant turns do not)"
+                )
+        self._probed.add(key)
 
 
 def stop_string_eos_due(
