@@ -180,7 +180,7 @@ class ObservationEncoder:
         self.eos_token_id: int | None = eos_token_id if type(eos_token_id) is int else None
         self._prefixes: dict[tuple[str, bytes], tuple[TokenIds, int]] = {}
         self._boundaries: OrderedDict[bytes, TokenIds] = OrderedDict()
-        self._probed: set[bytes] = set()
+        self._probed: OrderedDict[bytes, None] = OrderedDict()
 
     def _prefix(
         self, shape: str, key: bytes, tools: Sequence[Mapping[str, Any]] | None, template_kwargs: Mapping[str, Any]
@@ -287,7 +287,8 @@ class ObservationEncoder:
         token, instead of at the first observation or silently in training data. Other template failures are
         a :class:`~fsm_rollout.errors.TemplateError` naming the template and the shape.
 
-        A passing (tools, template kwargs, shapes) combination is remembered: calling this again is free.
+        Passing (tools, template kwargs, shapes) combinations are remembered (the most recently used
+        ``BOUNDARY_CACHE_SIZE`` of them), so calling this once per sample costs a lookup after the first.
         """
         from fsm_rollout.parity import probe_conversation  # parity builds on this module
 
@@ -296,9 +297,13 @@ class ObservationEncoder:
         unknown = [shape for shape in chosen if shape not in DUMMY_PREFIXES]
         if unknown:
             raise ValueError(f"unknown observation shape(s) {unknown}; the shapes are {sorted(DUMMY_PREFIXES)}")
-        key = orjson.dumps([tools, kwargs, sorted(chosen)], option=orjson.OPT_SORT_KEYS)
+        key = hashlib.sha256(orjson.dumps([tools, kwargs, sorted(chosen)], option=orjson.OPT_SORT_KEYS)).digest()
         if key in self._probed:
+            self._probed.move_to_end(key)
             return
+        missing = [name for name in ("encode", "decode") if not callable(getattr(self.tokenizer, name, None))]
+        if missing:
+            raise TemplateError(f"the template probe needs tokenizer.{' and tokenizer.'.join(missing)}")
         for shape in chosen:
             try:
                 report = probe_conversation(self, shape, tools=tools, template_kwargs=kwargs)
@@ -316,7 +321,9 @@ class ObservationEncoder:
                     "generated so far, so the template must render every earlier turn the same whatever follows "
                     "it (templates that drop the <think> blocks of earlier assistant turns do not)"
                 )
-        self._probed.add(key)
+        self._probed[key] = None
+        if len(self._probed) > BOUNDARY_CACHE_SIZE:  # samples may each bring their own tools
+            self._probed.popitem(last=False)
 
 
 def stop_string_eos_due(

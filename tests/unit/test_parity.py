@@ -358,3 +358,14 @@ def test_the_probe_checks_tool_results_only_when_there_are_tools_or_when_asked(t
 def test_the_probe_knows_its_shapes(tokenizer: Any) -> None:
     with pytest.raises(ValueError, match="unknown observation shape"):
         ObservationEncoder(tokenizer).probe(shapes=["assistant"])
+
+
+def test_the_probe_needs_a_tokenizer_that_encodes_and_decodes() -> None:
+    class TemplateOnly:
+        eos_token_id = 2
+
+        def apply_chat_template(self, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+            return [1, 2] * len(messages)
+
+    with pytest.raises(TemplateError, match=r"needs tokenizer\.encode and tokenizer\.decode"):
+        ObservationEncoder(TemplateOnly()).probe()
