@@ -3,16 +3,27 @@
 The canonical token history of a sample is what vLLM rendered and generated; it is never re-rendered. To append an
 observation, only the *boundary* is encoded: the tokens that close the assistant turn, add the observation turn and
 open the next assistant turn. They are cut out of a fixed dummy conversation rendered with the local chat template.
-The dummy prefix is rendered once per (tokenizer, tools, template kwargs) and cached, so each
-new observation costs one template render; boundaries of recently seen observation messages are cached too
-(environments often repeat the same feedback), so a repeated one costs none.
+
+An observation is one message or a list of messages (one ``tool`` result per call, say). A list is one suffix: its
+messages are rendered together after the dummy prefix, exactly as the template renders consecutive messages (a
+template may group consecutive ``tool`` results into one turn, which rendering them one by one would not).
+
+The dummy prefix depends on the observation's *shape*, the role of its first message: before ``tool`` results it
+ends with an assistant message that has ``tool_calls`` (templates may render a tool result differently, or refuse
+it, after anything else); before anything else it ends with a plain assistant message. Each shape's prefix is
+rendered once per (tokenizer, tools, template kwargs) and cached, so each new observation costs one template
+render; boundaries of recently seen observations are cached too (environments often repeat the same feedback), so
+a repeated one costs none. Every boundary checks that its shape's prefix renders the same with the observation
+after it (:class:`~fsm_rollout.errors.TemplateNotPrefixStable` otherwise); :meth:`ObservationEncoder.probe` runs
+that check, and a whole conversation's, once at start-up instead of at the first observation.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import orjson
 
@@ -28,6 +39,47 @@ DUMMY_MESSAGES: tuple[dict[str, str], ...] = (
     {"role": "user", "content": "I am a user."},
     {"role": "assistant", "content": "I am an assistant."},
 )
+"""The dummy prefix before any observation that does not start with a ``tool`` message."""
+
+TOOL_DUMMY_MESSAGES: tuple[dict[str, Any], ...] = (
+    *DUMMY_MESSAGES[:2],
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"id": "call_0", "type": "function", "function": {"name": "dummy_tool", "arguments": {}}},
+        ],
+    },
+)
+"""The dummy prefix before an observation that starts with a ``tool`` message: it ends with a tool call."""
+
+USER_SHAPE: Final = "user"
+TOOL_SHAPE: Final = "tool"
+DUMMY_PREFIXES: Mapping[str, tuple[dict[str, Any], ...]] = {USER_SHAPE: DUMMY_MESSAGES, TOOL_SHAPE: TOOL_DUMMY_MESSAGES}
+"""The dummy prefix of each observation shape."""
+
+OBSERVATIONS_KEY: Final = "observations"
+"""``sample.metadata`` key of the observation records: ``{"start", "end", "messages"}`` per appended observation,
+``start``/``end`` being response-side token offsets (half-open) and ``messages`` what ``format_observation``
+returned, as a list."""
+
+
+def observation_shape(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The shape of an observation: ``"tool"`` when its first message is a ``tool`` message, else ``"user"``."""
+    return TOOL_SHAPE if messages and messages[0].get("role") == "tool" else USER_SHAPE
+
+
+def template_identity(tokenizer: Any) -> str:
+    """How errors name a tokenizer's chat template: its ``name_or_path`` and a short hash of the template text."""
+    name = getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str):
+        text = template
+    elif isinstance(template, Mapping):  # named templates
+        text = orjson.dumps(dict(template), option=orjson.OPT_SORT_KEYS).decode()
+    else:
+        return f"{name} (no chat_template attribute)"
+    return f"{name} (chat template sha256:{hashlib.sha256(text.encode()).hexdigest()[:12]})"
 
 
 def template_token_ids(value: Any, *, what: str) -> TokenIds:
@@ -42,11 +94,20 @@ def template_token_ids(value: Any, *, what: str) -> TokenIds:
 
 
 def validate_text_observation(message: Any) -> dict[str, Any]:
-    """Check that an observation message is ``{"role", "content"}`` with text-only content; return it."""
+    """Check that an observation message is ``{"role", "content"}`` with text-only content; return it.
+
+    A ``tool`` message may carry ``tool_call_id`` and ``name``, as strings.
+    """
     if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
         raise ObservationError(
             f"format_observation must return a {{'role': str, 'content': ...}} message, got {message!r:.200}"
         )
+    if message["role"] == "tool":
+        for key in ("tool_call_id", "name"):
+            if key in message and not isinstance(message[key], str):
+                raise ObservationError(
+                    f"a tool observation's {key!r} must be a string, got {type(message[key]).__name__}"
+                )
     content = message["content"]
     if isinstance(content, str):
         return message
@@ -67,30 +128,71 @@ def validate_text_observation(message: Any) -> dict[str, Any]:
     return message
 
 
-class ObservationEncoder:
-    """Encodes observation messages into boundary tokens with one tokenizer's chat template.
+def validate_observation(observation: Any) -> list[dict[str, Any]]:
+    """Check what ``format_observation`` returned: one text message, or a non-empty list of them.
 
-    ``tokenizer`` needs ``apply_chat_template`` and an integer ``eos_token_id`` (the chat turn terminator).
+    Returns the messages as a list (the caller's message objects, not copies). Each message is checked as
+    :func:`validate_text_observation` checks it; an error about a list item names its index.
+    """
+    if isinstance(observation, dict):
+        return [validate_text_observation(observation)]
+    if not isinstance(observation, list | tuple):
+        raise ObservationError(
+            "format_observation must return a {'role': str, 'content': ...} message or a non-empty list of them, "
+            f"got {observation!r:.200}"
+        )
+    if not observation:
+        raise ObservationError("format_observation returned an empty list: an observation needs at least one message")
+    messages = []
+    for index, message in enumerate(observation):
+        try:
+            messages.append(validate_text_observation(message))
+        except ObservationError as error:  # same class, the item named
+            raise type(error)(f"observation message [{index}]: {error}") from None
+    return messages
+
+
+def record_observation(
+    metadata: dict[str, Any], messages: Sequence[Mapping[str, Any]], *, start: int, end: int
+) -> None:
+    """Note in a sample's metadata that response tokens ``[start, end)`` are the observation ``messages``.
+
+    The list is replaced rather than appended to, so a list shared with the caller's metadata is not changed.
+    """
+    record = {"start": start, "end": end, "messages": [dict(message) for message in messages]}
+    metadata[OBSERVATIONS_KEY] = [*metadata.get(OBSERVATIONS_KEY, ()), record]
+
+
+Observation = Mapping[str, Any] | Sequence[Mapping[str, Any]]
+"""One observation message, or a list of them encoded as one suffix."""
+
+
+class ObservationEncoder:
+    """Encodes observations into boundary tokens with one tokenizer's chat template.
+
+    ``tokenizer`` needs ``apply_chat_template`` and an integer ``eos_token_id`` (the chat turn terminator);
+    :meth:`probe` also needs ``encode`` and ``decode``.
     """
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         eos_token_id = getattr(tokenizer, "eos_token_id", None)
         self.eos_token_id: int | None = eos_token_id if type(eos_token_id) is int else None
-        self._prefixes: dict[bytes, tuple[TokenIds, int]] = {}
+        self._prefixes: dict[tuple[str, bytes], tuple[TokenIds, int]] = {}
         self._boundaries: OrderedDict[bytes, TokenIds] = OrderedDict()
+        self._probed: OrderedDict[bytes, None] = OrderedDict()
 
     def _prefix(
-        self, key: bytes, tools: Sequence[Mapping[str, Any]] | None, template_kwargs: Mapping[str, Any]
+        self, shape: str, key: bytes, tools: Sequence[Mapping[str, Any]] | None, template_kwargs: Mapping[str, Any]
     ) -> tuple[TokenIds, int]:
-        cached = self._prefixes.get(key)
+        cached = self._prefixes.get((shape, key))
         if cached is not None:
             return cached
         if self.eos_token_id is None:
             raise TemplateError("tokenizer.eos_token_id must be an integer (the chat turn terminator)")
         prefix = template_token_ids(
             self.tokenizer.apply_chat_template(
-                list(DUMMY_MESSAGES),
+                list(DUMMY_PREFIXES[shape]),
                 tools=tools,
                 tokenize=True,
                 add_generation_prompt=False,
@@ -105,28 +207,32 @@ class ObservationEncoder:
                 f"Dummy observation prefix lacks eos_token_id={self.eos_token_id}: the chat template does not "
                 "end assistant turns with the tokenizer's EOS"
             ) from error
-        self._prefixes[key] = (prefix, eos_index)
+        self._prefixes[(shape, key)] = (prefix, eos_index)
         return prefix, eos_index
 
     def encode(
         self,
-        message: Mapping[str, Any],
+        message: Observation,
         *,
         ends_with_eos: bool,
         tools: Sequence[Mapping[str, Any]] | None = None,
         template_kwargs: Mapping[str, Any] | None = None,
     ) -> TokenIds:
-        """Boundary tokens that follow the canonical history for this observation message.
+        """Boundary tokens that follow the canonical history for this observation (a message or a list of them).
 
+        A list is one suffix: the boundary once, then all its messages as the template renders them together.
         ``ends_with_eos`` says whether the canonical history already ends with EOS (the model stopped on it, or
         one was appended after a stop string); then the boundary's leading EOS is left out.
         """
+        messages = [message] if isinstance(message, Mapping) else list(message)
+        if not messages:
+            raise ObservationError("an observation needs at least one message")
         kwargs = template_kwargs or {}
         prefix_key = orjson.dumps([tools, dict(kwargs)], option=orjson.OPT_SORT_KEYS)
-        key = prefix_key + b"\x00" + orjson.dumps(message, option=orjson.OPT_SORT_KEYS)
+        key = prefix_key + b"\x00" + orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)
         cached = self._boundaries.get(key)
         if cached is None:
-            cached = self._boundary(prefix_key, message, tools, kwargs)
+            cached = self._boundary(prefix_key, messages, tools, kwargs)
             self._boundaries[key] = cached
             if len(self._boundaries) > BOUNDARY_CACHE_SIZE:
                 self._boundaries.popitem(last=False)
@@ -137,15 +243,16 @@ class ObservationEncoder:
     def _boundary(
         self,
         prefix_key: bytes,
-        message: Mapping[str, Any],
+        messages: Sequence[Mapping[str, Any]],
         tools: Sequence[Mapping[str, Any]] | None,
         kwargs: Mapping[str, Any],
     ) -> TokenIds:
         """The boundary tokens starting with the EOS that closes the assistant turn."""
-        prefix, eos_index = self._prefix(prefix_key, tools, kwargs)
+        shape = observation_shape(messages)
+        prefix, eos_index = self._prefix(shape, prefix_key, tools, kwargs)
         rendered = template_token_ids(
             self.tokenizer.apply_chat_template(
-                [*DUMMY_MESSAGES, dict(message)],
+                [*DUMMY_PREFIXES[shape], *(dict(message) for message in messages)],
                 tools=tools,
                 tokenize=True,
                 add_generation_prompt=True,
@@ -155,10 +262,68 @@ class ObservationEncoder:
         )
         if rendered[: len(prefix)] != prefix:
             raise TemplateNotPrefixStable(
-                "Observation template is not prefix-stable: rendering one more message changed the tokens of the "
-                "conversation before it (e.g. a template that rewrites earlier assistant turns)"
+                f"Observation template {template_identity(self.tokenizer)} is not prefix-stable for {shape} "
+                "observations: rendering one more message changed the tokens of the conversation before it "
+                "(e.g. a template that rewrites earlier assistant turns)"
             )
         return prefix[eos_index:] + rendered[len(prefix) :]
+
+    def probe(
+        self,
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+        shapes: Sequence[str] | None = None,
+    ) -> None:
+        """Check once, before any rollout, that the template can append observations of these shapes.
+
+        For each shape (default: ``user``, and ``tool`` too when ``tools`` are given) this encodes a sample
+        observation, which checks that shape's dummy prefix, then rebuilds a short made-up conversation of that
+        shape (assistant turns with ``<think>`` blocks, two observations) the way a rollout appends it and
+        compares it with the template's rendering of the whole conversation
+        (:func:`fsm_rollout.parity.check_template_parity`). A template that renders earlier turns differently
+        once more follows (one that drops the ``<think>`` blocks of earlier assistant turns, say) fails here
+        with :class:`~fsm_rollout.errors.TemplateNotPrefixStable` naming the template and the first differing
+        token, instead of at the first observation or silently in training data. Other template failures are
+        a :class:`~fsm_rollout.errors.TemplateError` naming the template and the shape.
+
+        Passing (tools, template kwargs, shapes) combinations are remembered (the most recently used
+        ``BOUNDARY_CACHE_SIZE`` of them), so calling this once per sample costs a lookup after the first.
+        """
+        from fsm_rollout.parity import probe_conversation  # parity builds on this module
+
+        kwargs = dict(template_kwargs or {})
+        chosen = tuple(shapes) if shapes is not None else (USER_SHAPE, TOOL_SHAPE) if tools else (USER_SHAPE,)
+        unknown = [shape for shape in chosen if shape not in DUMMY_PREFIXES]
+        if unknown:
+            raise ValueError(f"unknown observation shape(s) {unknown}; the shapes are {sorted(DUMMY_PREFIXES)}")
+        key = hashlib.sha256(orjson.dumps([tools, kwargs, sorted(chosen)], option=orjson.OPT_SORT_KEYS)).digest()
+        if key in self._probed:
+            self._probed.move_to_end(key)
+            return
+        missing = [name for name in ("encode", "decode") if not callable(getattr(self.tokenizer, name, None))]
+        if missing:
+            raise TemplateError(f"the template probe needs tokenizer.{' and tokenizer.'.join(missing)}")
+        for shape in chosen:
+            try:
+                report = probe_conversation(self, shape, tools=tools, template_kwargs=kwargs)
+            except TemplateError:
+                raise
+            except Exception as error:  # the template itself raised: say which template and which shape
+                raise TemplateError(
+                    f"chat template {template_identity(self.tokenizer)} cannot render {shape} observations: "
+                    f"{type(error).__name__}: {error}"
+                ) from error
+            if not report.ok:
+                raise TemplateNotPrefixStable(
+                    f"chat template {template_identity(self.tokenizer)} is not prefix-stable for {shape} "
+                    f"observations: {report.describe()}. A rollout appends each observation to the tokens "
+                    "generated so far, so the template must render every earlier turn the same whatever follows "
+                    "it (templates that drop the <think> blocks of earlier assistant turns do not)"
+                )
+        self._probed[key] = None
+        if len(self._probed) > BOUNDARY_CACHE_SIZE:  # samples may each bring their own tools
+            self._probed.popitem(last=False)
 
 
 def stop_string_eos_due(

@@ -21,16 +21,18 @@ class Environment(Protocol):
 
     ``step`` receives the decoded text of a generated turn and returns exactly ``(observation, done, info)``;
     ``info["reward"]``, when there, becomes ``sample.reward``. ``format_observation`` turns an observation into a
-    text-only chat message ``{"role", "content"}``. Any method (and ``build_env``) may be a coroutine function or
-    return an awaitable: the rollout awaits it. Optional: ``snapshot() -> dict`` and ``restore(state)``, so that a
-    sample suspended for a weight update can resume in another process.
+    text-only chat message ``{"role", "content"}``, or a non-empty list of them (one ``{"role": "tool", "content",
+    "tool_call_id"}`` result per tool call, say), which is appended as one observation rendered as the template
+    renders those messages together. Any method (and ``build_env``) may be a coroutine function or return an
+    awaitable: the rollout awaits it. Optional: ``snapshot() -> dict`` and ``restore(state)``, so that a sample
+    suspended for a weight update can resume in another process.
     """
 
     def reset(self) -> Any: ...
 
     def step(self, response_text: str) -> tuple[Any, bool, Any]: ...
 
-    def format_observation(self, observation: Any) -> dict[str, Any]: ...
+    def format_observation(self, observation: Any) -> dict[str, Any] | list[dict[str, Any]]: ...
 
     def close(self) -> Any: ...
 

@@ -123,6 +123,11 @@ class TemplateNotPrefixStable(TemplateError):
     """Rendering one more message changed the tokens of the messages before it."""
 
 
+class ParityInputError(RolloutError, ValueError):
+    """A sample cannot be rebuilt into a conversation for the template-parity check (its observation records are
+    missing or do not fit its tokens)."""
+
+
 class MultimodalError(RolloutError, RuntimeError):
     """Images, their render features and their placeholder tokens do not agree."""
 

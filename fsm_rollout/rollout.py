@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
 from fsm_rollout import gc_policy, lifecycle
-from fsm_rollout.chat import ObservationEncoder, stop_string_eos_due, validate_text_observation
+from fsm_rollout.chat import ObservationEncoder, record_observation, stop_string_eos_due, validate_observation
 from fsm_rollout.config import (
     DEFAULT_ENV_MODULE,
     RolloutConfig,
@@ -168,6 +168,8 @@ class Rollout:
         self._wants_events = hooks is not None and hooks.wants_events
 
         sample.metadata = dict(sample.metadata or {})
+        # A template that is not prefix-stable fails here, naming it, rather than at the first observation.
+        self.encoder.probe(tools=sample.metadata.get("tools"), template_kwargs=config.apply_chat_template_kwargs)
         self.headers: dict[str, str] | None = None
         if config.router_policy == "consistent_hash":
             sample.session_id = sample.session_id or str(uuid.uuid4())
@@ -193,6 +195,7 @@ class Rollout:
         self.eos_due = False
         self.env_done = False
         self.observation: Any = None
+        self.observation_messages: list[dict[str, Any]] = []
         self.observation_tokens: TokenIds = []
         self.response_token_ids: TokenIds = []
 
@@ -352,7 +355,10 @@ class Rollout:
         }
 
     def append_observation(self) -> None:
-        self.sample.append_response_tokens(self.observation_tokens, trainable=False)
+        sample = self.sample
+        start = sample.response_length
+        sample.append_response_tokens(self.observation_tokens, trainable=False)
+        record_observation(sample.metadata, self.observation_messages, start=start, end=sample.response_length)
 
     def next_turn(self) -> None:
         self.turn_index += 1
@@ -667,10 +673,10 @@ class Rollout:
 
     async def encode_observation(self) -> None:
         formatted = await self._env_call("env.format_observation", self.env.format_observation, self.observation)
-        message = validate_text_observation(formatted)
+        self.observation_messages = validate_observation(formatted)
         tokens = self.sample.tokens
         self.observation_tokens = self.encoder.encode(
-            message,
+            self.observation_messages,
             ends_with_eos=bool(tokens) and tokens[-1] == self.encoder.eos_token_id,
             tools=self.sample.metadata.get("tools"),
             template_kwargs=self.config.apply_chat_template_kwargs,

@@ -13,10 +13,11 @@ sample.
     <tool_call>{"name": "calc_score", "arguments": {"answer": "12\\pi"}}</tool_call>
 
 ``calc_geo3k_reward`` is accepted as the same tool. ``arguments`` may also be a JSON string holding that object;
-``answer`` may be a string or a number. Only the **last** ``<tool_call>`` in a turn counts; an unclosed last
-``<tool_call>`` (generation stopped on ``</tool_call>``) is read to the end of the text. LaTeX written with single
-backslashes inside the JSON (``"\\frac{1}{2}"`` as the model usually writes it, which strict JSON would read as a
-form feed) is read as the LaTeX the model meant.
+``answer`` may be a string or a number. Blocks are read by :func:`fsm_rollout.tool_calls.parse_tool_calls`. Only the
+**last** ``<tool_call>`` in a turn counts; an unclosed last ``<tool_call>`` (generation stopped on
+``</tool_call>``) is read to the end of the text, and an unclosed one followed by another ``<tool_call>`` ends
+where that one starts. LaTeX written with single backslashes inside the JSON (``"\\frac{1}{2}"`` as the model
+usually writes it, which strict JSON would read as a form feed) is read as the LaTeX the model meant.
 
 **Grading** (:func:`score_answer`, 1.0 or 0.0). Answer and label are both cleaned the same way: the last
 ``\\boxed{...}`` (or ``\\fbox``) is unwrapped; math delimiters (``$``, ``\\(``, ``\\[``), ``\\left``/``\\right``,
@@ -61,6 +62,7 @@ import re
 from typing import Any
 
 from fsm_rollout.errors import ConfigError
+from fsm_rollout.tool_calls import ToolCall, ToolCallProblem, parse_tool_calls
 
 __all__ = [
     "TOOL_CALL_EXAMPLE",
@@ -101,16 +103,8 @@ class _BadToolCall(Exception):
     """A tool call the environment cannot score; the message is the feedback's first sentence."""
 
 
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)(?:</tool_call>|\Z)", re.DOTALL)
-_CODE_FENCE = re.compile(r"^```(?:json)?\s*|\s*```$")
 _LATEX_AFTER_BACKSLASHES = re.compile(r"(\\+)([A-Za-z]{2,})")
 _HEX4 = re.compile(r"[0-9a-fA-F]{4}")
-
-
-def _last_tool_call_body(text: str) -> str | None:
-    """The text inside the last ``<tool_call>`` of ``text``, or None when there is none."""
-    bodies = _TOOL_CALL.findall(text)
-    return bodies[-1] if bodies else None
 
 
 def _escape_latex_backslashes(text: str) -> str:
@@ -129,35 +123,34 @@ def _escape_latex_backslashes(text: str) -> str:
 
 def _loads_json(text: str) -> Any:
     """Parse JSON, reading LaTeX backslashes as the model meant them; raises the strict parser's error."""
-    text = _CODE_FENCE.sub("", text.strip())
     try:
         return json.loads(_escape_latex_backslashes(text))
     except json.JSONDecodeError:
         return json.loads(text)
 
 
-def _read_tool_call(body: str) -> str:
-    """The ``answer`` of a tool call body, or ``_BadToolCall`` saying what is wrong with the call."""
-    try:
-        call = _loads_json(body)
-    except json.JSONDecodeError as error:
-        raise _BadToolCall(f"The tool call is not valid JSON ({error.msg} at character {error.pos}).") from None
-    if not isinstance(call, dict):
-        raise _BadToolCall(f"The tool call must be a JSON object, not {type(call).__name__}.")
-    name = call.get("name")
+def _last_tool_call(text: str) -> ToolCall | ToolCallProblem | None:
+    """The last ``<tool_call>`` block of ``text`` (an unclosed last one read to the end), or None."""
+    blocks = parse_tool_calls(text, read_unclosed=True, loads=_loads_json).blocks
+    return blocks[-1] if blocks else None
+
+
+def _answer(block: ToolCall | ToolCallProblem) -> str:
+    """The ``answer`` of the last tool call, or ``_BadToolCall`` saying what is wrong with the call."""
+    if isinstance(block, ToolCallProblem):
+        if block.kind in ("malformed_json", "not_an_object", "unclosed_tag"):
+            raise _BadToolCall(block.message)
+        if block.name not in TOOL_NAMES:  # the tool is named before its arguments are looked at
+            raise _BadToolCall(f"Unsupported tool {block.name!r}; the only tool is calc_score.")
+        if block.kind == "malformed_arguments":
+            raise _BadToolCall(block.message)
+        raise _BadToolCall(f'The {block.name} call has no "arguments" object with an "answer".')
+    name = block.name
     if name not in TOOL_NAMES:
         raise _BadToolCall(f"Unsupported tool {name!r}; the only tool is calc_score.")
-    arguments = call.get("arguments")
-    if isinstance(arguments, str):
-        try:
-            arguments = _loads_json(arguments)
-        except json.JSONDecodeError as error:
-            raise _BadToolCall(
-                f"The {name} arguments string is not valid JSON ({error.msg} at character {error.pos})."
-            ) from None
-    if not isinstance(arguments, dict):
+    if "arguments" not in block.payload:
         raise _BadToolCall(f'The {name} call has no "arguments" object with an "answer".')
-    answer = arguments.get("answer")
+    answer = block.arguments.get("answer")
     if isinstance(answer, int | float) and not isinstance(answer, bool):
         return str(answer)
     if not isinstance(answer, str) or not answer.strip():
@@ -408,8 +401,8 @@ class Geo3KEnv:
         answer: str | None = None
         score: float | None = None
         problem: str | None = None
-        body = _last_tool_call_body(response_text)
-        if body is None:
+        block = _last_tool_call(response_text)
+        if block is None:
             answer = extract_boxed(response_text)
             if answer is not None:
                 score = self._score(answer)
@@ -419,7 +412,7 @@ class Geo3KEnv:
             done = True
         else:
             try:
-                answer = _read_tool_call(body)
+                answer = _answer(block)
             except _BadToolCall as error:
                 problem = str(error)
                 observation = f"{problem} Call the tool as {TOOL_CALL_EXAMPLE}"

@@ -19,8 +19,9 @@ class ScriptedEnv:
     """An environment whose ``step`` results come from ``steps`` (then ``default`` forever).
 
     ``observations_as`` decides the message ``format_observation`` returns: ``"text"`` gives
-    ``{"role": "user", "content": observation}``, ``"parts"`` a list with one text part. A dict observation is
-    returned unchanged (so tests can feed non-text or malformed messages). ``raise_in`` maps a method name
+    ``{"role": "user", "content": observation}``, ``"parts"`` a list with one text part. A dict observation, or a
+    list of dicts (several messages, e.g. tool results), is returned unchanged (so tests can feed lists and
+    non-text or malformed messages). ``raise_in`` maps a method name
     (``reset``, ``step``, ``format_observation``, ``close``) to an exception it raises.
     """
 
@@ -57,7 +58,9 @@ class ScriptedEnv:
 
     def format_observation(self, observation: Any) -> Any:
         self._call("format_observation")
-        if isinstance(observation, dict):
+        if isinstance(observation, dict) or (
+            isinstance(observation, list) and observation and all(isinstance(item, dict) for item in observation)
+        ):
             return observation
         if self.observations_as == "parts":
             return {"role": "user", "content": [{"type": "text", "text": str(observation)}]}

@@ -454,3 +454,86 @@ async def test_abort_asked_for_inside_the_environment_sends_nothing_more(
     assert events[-1]["src"] == expected_src
     assert events[-1]["dst"] == "aborted"
     assert env.closed == 1
+
+
+async def test_a_list_of_tool_results_is_one_observation_rendered_together(
+    run_rollout: Any, fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    results = [
+        {"role": "tool", "content": "42", "tool_call_id": "call_0", "name": "calc"},
+        {"role": "tool", "content": "7", "tool_call_id": "call_1", "name": "calc"},
+    ]
+    fake_vllm.script([ScriptedTurn(text=f"Two calls.{EOS}"), ScriptedTurn(text=f"Done.{EOS}")])
+    result = await run_rollout(envs=ScriptedEnvFactory(steps=[(results, False), ("fine", True)]))
+    first, second = generate_bodies(fake_vllm)
+    start = len(first["token_ids"]) + len(tokenizer.encode(f"Two calls.{EOS}", add_special_tokens=False))
+    suffix = tokenizer.decode(second["token_ids"][start:])
+    # the bundled template renders each tool result as its own user turn, and the suffix is exactly that
+    assert suffix == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+                      "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    observation_start = start - len(first["token_ids"])
+    assert result.sample.metadata["observations"] == [
+        {"start": observation_start, "end": len(second["token_ids"]) - len(first["token_ids"]), "messages": results}
+    ]
+    assert result.sample.status == Status.COMPLETED
+
+
+async def test_an_observation_that_is_not_appended_is_not_recorded(
+    run_rollout: Any, fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    text = f"thinking{EOS}"
+    n = len(tokenizer.encode(text, add_special_tokens=False))
+    fake_vllm.script([ScriptedTurn(text=text)])
+    result = await run_rollout(sampling={"max_new_tokens": n + 3, "temperature": 1.0, "top_p": 1.0})
+    assert result.rollout.reason == "insufficient_budget_for_next_turn"
+    assert "observations" not in result.sample.metadata
+
+
+
+@pytest.mark.parametrize("template", ["bundled", "grouped"])
+@pytest.mark.parametrize("stop", [None, "masked_eos", "no_masked_eos"])
+async def test_a_tool_calling_rollout_renders_as_its_tokens(tokenizer: Any, template: str, stop: str | None) -> None:
+    from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, VLLMClient
+    from fsm_rollout.parity import check_template_parity
+    from fsm_rollout.testing.templates import GROUPED_TOOLS_CHAT_TEMPLATE, qwen_tokenizer_with_template
+    from fsm_rollout.tool_calls import parse_tool_calls
+
+    chosen = tokenizer if template == "bundled" else qwen_tokenizer_with_template(GROUPED_TOOLS_CHAT_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    call = '<tool_call>\n{"name": "calc", "arguments": {"x": "6*7"}}\n</tool_call>'
+    calls = f"{call}\n{call}" if stop is None else call  # a stop string ends generation at the first call
+
+    class ToolEnv:
+        def reset(self) -> None: ...
+
+        def step(self, text: str) -> tuple[Any, bool, dict[str, Any]]:
+            parse = parse_tool_calls(text, read_unclosed=True)
+            return [str(len(call.arguments["x"])) for call in parse.calls], not parse.calls, {}
+
+        def format_observation(self, results: list[str]) -> list[dict[str, Any]]:
+            return [{"role": "tool", "content": result, "tool_call_id": f"call_{i}"} for i, result in
+                    enumerate(results)]
+
+        def close(self) -> None: ...
+
+    sampling: dict[str, Any] = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}
+    if stop:  # the masked EOS after the stop string closes the turn, or else the boundary's leading EOS does
+        sampling["stop"] = ["</tool_call>"]
+    async with FakeVLLMServer(chosen, model="fake-model") as server:
+        server.script([ScriptedTurn(text=calls + EOS), ScriptedTurn(text=f"It is 42.{EOS}")])
+        config = RolloutConfig(engine_url=server.url, model="fake-model", max_turns=3, check_invariants=True,
+                               retry=RetryPolicy(max_attempts=2, base_delay_s=0.01),
+                               append_eos_token_after_stop_str_in_multi_turn=stop != "no_masked_eos")
+        async with VLLMClient(server.url) as client:
+            sample = await Rollout(Sample(prompt="What is 6 * 7?", index=0, metadata={"tools": tools}),
+                                   config=config, sampling_params=sampling, client=client, tokenizer=chosen,
+                                   env_factory=lambda **_: ToolEnv()).run()
+    assert sample.status == Status.COMPLETED
+    (record,) = sample.metadata["observations"]
+    assert [message["content"] for message in record["messages"]] == ["3"] * (1 if stop else 2)
+    prompt_length = len(sample.tokens) - sample.response_length
+    closing = sample.tokens[prompt_length + record["start"] - 1]
+    assert (closing == chosen.eos_token_id) is (stop != "no_masked_eos")
+    assert sample.loss_mask[record["start"] - 1] == (0 if stop == "masked_eos" else 1)
+    report = check_template_parity(sample, chosen)
+    assert report.ok, report.describe()

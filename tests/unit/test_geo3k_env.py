@@ -316,3 +316,10 @@ def test_format_observation_is_a_text_only_user_message() -> None:
     observation, _, _ = env.step(call("60"))
     message = env.format_observation(observation)
     assert message == {"role": "user", "content": [{"type": "text", "text": observation}]}
+
+
+def test_an_unclosed_tool_call_before_a_closed_one_does_not_swallow_it() -> None:
+    env, _ = make_env()
+    _, _, info = env.step('<tool_call>{"name": "calc_score", "arguments": {"answer": "60"} then ' + call("70"))
+    assert info["answer"] == "70"
+    assert info["score"] == 1.0
