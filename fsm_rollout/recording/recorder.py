@@ -78,6 +78,8 @@ class SampleRecorder(RolloutHooks):
 
         def build_env(**kwargs: Any) -> Any:
             entry = self._entry("env_build")
+            sample = kwargs.get("sample")
+            tools_before = _sample_tools(sample)
             try:
                 inner = factory or load_env_factory(config.env_path or DEFAULT_ENV_MODULE)
                 env = inner(**kwargs)
@@ -85,20 +87,23 @@ class SampleRecorder(RolloutHooks):
                 entry["error"] = describe_error(error)
                 raise
             if inspect.isawaitable(env):  # an async build_env: recorded once it built the environment
-                return self._built_later(entry, env)
-            return self._built(entry, env)
+                return self._built_later(entry, env, sample, tools_before)
+            return self._built(entry, env, sample, tools_before)
 
         return build_env
 
-    async def _built_later(self, entry: dict[str, Any], awaitable: Any) -> Any:
+    async def _built_later(self, entry: dict[str, Any], awaitable: Any, sample: Any, tools_before: Any) -> Any:
         try:
             env = await awaitable
         except Exception as error:
             entry["error"] = describe_error(error)
             raise
-        return self._built(entry, env)
+        return self._built(entry, env, sample, tools_before)
 
-    def _built(self, entry: dict[str, Any], env: Any) -> Any:
+    def _built(self, entry: dict[str, Any], env: Any, sample: Any, tools_before: Any) -> Any:
+        tools = _sample_tools(sample)
+        if tools != tools_before:  # the environment gave the sample its tools: replay gives them the same way
+            entry["sample_tools"] = jsonable(tools)
         entry["type"] = type(env).__name__
         missing = [name for name in ENV_METHODS if not callable(getattr(env, name, None))]
         if missing:  # the rollout rejects it; calls on it are not recorded
@@ -292,6 +297,11 @@ class RecordingEnv:
 
     def close(self) -> Any:
         return self._call(self._recorder.env_call("close"), self._env.close)
+
+
+def _sample_tools(sample: Any) -> Any:
+    metadata = getattr(sample, "metadata", None)
+    return metadata.get("tools") if isinstance(metadata, dict) else None
 
 
 def _keep_step_result(entry: dict[str, Any], result: Any) -> None:

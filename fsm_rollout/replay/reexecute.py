@@ -273,12 +273,15 @@ def _env_class(name: str) -> type[_TapeEnv]:
 def _env_factory(replay: _Replay) -> Any:
     """A ``build_env`` that gives what the recorded one gave: an environment of its class, or its error."""
 
-    def build_env(**_: Any) -> Any:
+    def build_env(**kwargs: Any) -> Any:
         replay.check_going()
         entry = replay.take("env_build", "build_env()")
         error = entry.get("error")
         if isinstance(error, dict):
             raise rebuild_error(error)
+        metadata = getattr(kwargs.get("sample"), "metadata", None)
+        if "sample_tools" in entry and isinstance(metadata, dict):
+            metadata["tools"] = revive(entry["sample_tools"])  # the recorded environment set them
         env = _env_class(str(entry.get("type") or "Environment"))(replay)
         missing = entry.get("missing")
         if isinstance(missing, list) and missing:  # the rollout rejects it, as it did the recorded one

@@ -115,3 +115,22 @@ async def test_slow_async_steps_of_many_samples_overlap(tokenizer: Any) -> None:
             samples = await runner.run_batch([Sample(prompt="q", label="84", index=i) for i in range(4)])
     assert peak == 4
     assert [sample.reward for sample in samples] == [1.0] * 4
+
+
+async def test_a_recorded_tool_calling_run_replays_identically(tokenizer: Any, tmp_path: Any) -> None:
+    from fsm_rollout import get_tracer
+    from fsm_rollout.replay import replay_async
+
+    turns = [ScriptedTurn(text=f"Tools first. {call('6 * 7')}{call('40 + 2')}{call('2 ** 5')}"),
+             ScriptedTurn(text="\\boxed{42}")]
+    async with FakeVLLMServer(tokenizer) as server:
+        server.script(turns)
+        config = RolloutConfig(engine_url=server.url, model=server.model, max_turns=3,
+                               env_path="fsm_rollout.envs.calculator", trace=str(tmp_path / "run.jsonl"), record=True)
+        async with RolloutRunner(config, sampling_params=SAMPLING, tokenizer=tokenizer) as runner:
+            sample = await runner.run(Sample(prompt="What is 6 * 7?", label="42", index=0))
+    assert sample.reward == 1.0
+    get_tracer(str(tmp_path / "run.jsonl")).close()
+    report = await replay_async(tmp_path / "run.jsonl", tokenizer=tokenizer)
+    assert report.exit_code == 0, report.render(verbose=True)
+    assert report.counts() == {"identical": 1}
