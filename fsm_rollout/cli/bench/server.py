@@ -8,8 +8,9 @@ For the weight-update workload it can also hold generate requests in flight (:cl
 through the ``/bench/...`` control paths): every first-turn request waits, having "produced" the first tokens of the
 canned answer, until ``abort_requests`` names it (answered ``finish_reason: "abort"`` with those tokens, their
 logprobs and ``weight_versions`` spans, as vLLM answers) or the hold is released; the continuation request (prompt
-plus those tokens) gets the rest. It counts generate requests, abort calls and the tokens it produced, and answers a
-waiting control request the moment a count is reached, so the bench needs no polling.
+plus those tokens) waits too, and gets the rest when the hold is released. It counts generate requests, abort
+calls and the tokens it produced, and answers a waiting control request the moment a count is reached, so the
+bench needs no polling.
 """
 
 from __future__ import annotations
@@ -31,9 +32,11 @@ from fsm_rollout.engine.schema.wire import (
 )
 
 HOLD_PATH = "/bench/hold"
-"""``POST {"partial_tokens": K, "weight_version": V}`` holds first-turn generate requests from now on (the counts
-start again from zero); ``POST {"partial_tokens": null}`` releases the held ones with the whole answer and stops
-holding. Answers the canned prompt and answer (token ids and logprobs) the hold works with."""
+"""``POST {"mode": "hold", "partial_tokens": K, "weight_version": V}`` holds first-turn and continuation generate
+requests from now on and counts every generate request (the counts start again from zero); ``{"mode": "release"}``
+answers the held ones with the rest of the canned answer and holds no more (requests are still counted);
+``{"mode": "off"}`` releases them too and goes back to the canned answers alone. Answers :data:`STATS_PATH`'s
+counts and the canned prompt and answer (token ids and logprobs) the hold works with."""
 WAIT_PATH = "/bench/wait"
 """``POST {"held": N}`` or ``{"continued": N}`` answers :data:`STATS_PATH`'s counts once N requests are held, or N
 continuation requests have arrived (at once when that is so already)."""
@@ -81,8 +84,11 @@ def _json_response(value: Any) -> bytes:
 class _Hold:
     """The hold mode's state, shared by every connection of the server (see the module docstring).
 
-    Times are ``time.monotonic()``: CLOCK_MONOTONIC on Linux, the same clock in the bench's process, so the bench
-    can compare a moment here with one of its own.
+    A held request is a first-turn request (its context is the canned prompt), which has produced the first
+    ``partial`` tokens of the canned answer with the weights of the moment it arrived, or a continuation (the
+    prompt and those tokens), which has produced nothing yet: the engine is still on it when the bench measures,
+    as a real engine re-filling a whole batch would be. Times are ``time.monotonic()``: CLOCK_MONOTONIC on Linux,
+    the same clock in the bench's process, so the bench can compare a moment here with one of its own.
     """
 
     def __init__(self, render_body: bytes, generate_body: bytes) -> None:
@@ -91,13 +97,16 @@ class _Hold:
         choice = self._canned["choices"][0]
         self._answer: list[int] = choice["token_ids"]
         self._entries: list[dict[str, Any]] = choice["logprobs"]["content"]
-        self._bodies: dict[tuple[int, int, str, str], bytes] = {}
+        self._bodies: dict[tuple[Any, ...], bytes] = {}
         self.partial = 0
+        self.counting = False
+        """Generate requests are looked into and counted (hold or release)."""
         self.holding = False
         self.version = "default"
         self._continuation: list[int] = []
-        self._held: dict[str, tuple[_CannedHTTP, str]] = {}
-        """Held requests by id: the connection to answer on, and the weight version their tokens so far have."""
+        self._held: dict[str, tuple[_CannedHTTP, int, str]] = {}
+        """Held requests by id: the connection to answer on, where in the canned answer the request starts, and the
+        weight version of its tokens so far."""
         self._waiters: list[tuple[str, int, _CannedHTTP]] = []
         self._reset()
 
@@ -110,42 +119,56 @@ class _Hold:
         self.disconnected = 0
         self.released = 0
         self.tokens_produced = 0
+        self.connections_opened = 0
 
     # ---------------------------------------------------------------- the answers
 
-    def _body(self, start: int, end: int, finish: str, version: str) -> bytes:
-        """A generate answer of the canned answer's tokens ``start:end``, all made with ``version``."""
-        key = (start, end, finish, version)
+    def _body(self, start: int, end: int, finish: str, spans: tuple[tuple[str, int, int], ...]) -> bytes:
+        """A generate answer of the canned answer's tokens ``start:end`` whose versions are ``spans`` (positions
+        in the answer, from ``start``)."""
+        key = (start, end, finish, spans)
         body = self._bodies.get(key)
         if body is None:
+            versions = [{"version": version, "start": first, "end": last} for version, first, last in spans]
             choice = {**self._canned["choices"][0], "finish_reason": finish, "token_ids": self._answer[start:end],
-                      "logprobs": {"content": self._entries[start:end]},
-                      "weight_versions": [{"version": version, "start": 0, "end": end - start}] if end > start
-                      else []}
+                      "logprobs": {"content": self._entries[start:end]}, "weight_versions": versions}
             usage = {"prompt_tokens": len(self._prompt) + start, "completion_tokens": end - start,
                      "total_tokens": len(self._prompt) + end}
             body = self._bodies[key] = _http_response(
                 json.dumps({**self._canned, "choices": [choice], "usage": usage}, separators=(",", ":")).encode())
         return body
 
+    def _spans(self, start: int, produced: int, end: int, version: str) -> tuple[tuple[str, int, int], ...]:
+        """Tokens ``start:produced`` made with ``version``, the rest up to ``end`` with the current one."""
+        if version == self.version or produced == end:
+            return ((version, 0, end - start),) if end > start else ()
+        if produced == start:
+            return ((self.version, 0, end - start),)
+        return ((version, 0, produced - start), (self.version, produced - start, end - start))
+
     # ---------------------------------------------------------------- what the bench asks
 
     def control(self, path: str, request: dict[str, Any], protocol: _CannedHTTP) -> bytes | None:
         """The answer to a control request, or None when it waits (:meth:`_wake` answers it)."""
         if path == HOLD_PATH:
-            partial = request.get("partial_tokens")
-            if partial is None:
+            mode = request.get("mode")
+            if mode in ("release", "off"):
                 self.holding = False
-                for request_id, (_, version) in list(self._held.items()):
-                    self._end_held(request_id, self._body(0, len(self._answer), "stop", version), len(self._answer))
+                end = len(self._answer)
+                for request_id, (_, start, version) in list(self._held.items()):
+                    spans = self._spans(start, self._produced(start), end, version)
+                    self._end_held(request_id, self._body(start, end, "stop", spans), end - start)
                     self.released += 1
-            else:
-                self.partial = min(int(partial), len(self._answer) - 1)
+                self.counting = mode == "release"
+            elif mode == "hold":
+                self.partial = min(int(request["partial_tokens"]), len(self._answer) - 1)
                 self.version = str(request.get("weight_version", self.version))
                 self._continuation = [*self._prompt, *self._answer[: self.partial]]
-                self.holding = True
+                self.counting = self.holding = True
                 self._reset()
-            return _json_response({"prompt_token_ids": self._prompt, "answer_token_ids": self._answer,
+            else:
+                raise ValueError(f"bench server: unknown hold mode {mode!r}")
+            return _json_response({**self.stats(), "prompt_token_ids": self._prompt, "answer_token_ids": self._answer,
                                    "answer_logprobs": [entry["logprob"] for entry in self._entries],
                                    "partial_tokens": self.partial})
         if path == WAIT_PATH:
@@ -168,6 +191,7 @@ class _Hold:
             "disconnected": self.disconnected,
             "released": self.released,
             "tokens_produced": self.tokens_produced,
+            "connections_opened": self.connections_opened,
             "weight_version": self.version,
         }
 
@@ -187,38 +211,49 @@ class _Hold:
         """The answer to a generate request, or None when it is held."""
         self.generate_requests += 1
         token_ids = request.get("token_ids")
-        if token_ids == self._prompt:
-            request_id = str(request.get("request_id"))
-            self._held[request_id] = (protocol, self.version)
-            protocol.held_id = request_id
-            self.held_total += 1
-            self._wake()
-            return None
+        end = len(self._answer)
         if token_ids == self._continuation:
+            start = self.partial
             self.continued_at.append(time.monotonic())
-            self.tokens_produced += len(self._answer) - self.partial
-            self._wake()
-            return self._body(self.partial, len(self._answer), "stop", self.version)
-        self.tokens_produced += len(self._answer)
-        return self._body(0, len(self._answer), "stop", self.version)
+        else:
+            start = 0
+        if not self.holding or (start == 0 and token_ids != self._prompt):  # answered: a later turn, or released
+            self.tokens_produced += end - start
+            return self._body(start, end, "stop", self._spans(start, start, end, self.version))
+        request_id = str(request.get("request_id"))
+        self._held[request_id] = (protocol, start, self.version)
+        protocol.held_id = request_id
+        self.held_total += 1
+        self._wake()
+        return None
+
+    def _produced(self, start: int) -> int:
+        """Where the tokens a held request has produced end: a first-turn one has ``partial``, a continuation none."""
+        return self.partial if start == 0 else start
 
     def abort(self, request: dict[str, Any]) -> None:
         """``abort_requests``: each held request it names answers ``abort`` with its tokens so far."""
         self.abort_calls += 1
         for name in request.get("request_ids", ()):
-            held = self._held.get(sent_request_id(name))
+            request_id = sent_request_id(name)
+            held = self._held.get(request_id)
             if held is not None:
-                self._end_held(sent_request_id(name), self._body(0, self.partial, "abort", held[1]), self.partial)
+                _, start, version = held
+                produced = self._produced(start)
+                self._end_held(request_id, self._body(start, produced, "abort",
+                                                      self._spans(start, produced, produced, version)),
+                               produced - start)
                 self.abort_answers += 1
 
     def disconnected_while_held(self, request_id: str) -> None:
         """The client went away from a held request (a cancelled request): its tokens so far are lost with it."""
-        if self._held.pop(request_id, None) is not None:
-            self.tokens_produced += self.partial
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            self.tokens_produced += self._produced(held[1]) - held[1]
             self.disconnected += 1
 
     def _end_held(self, request_id: str, response: bytes, tokens: int) -> None:
-        protocol, _ = self._held.pop(request_id)
+        protocol, _, _ = self._held.pop(request_id)
         protocol.held_id = None
         self.tokens_produced += tokens
         protocol.send(response)
@@ -250,6 +285,7 @@ class _CannedHTTP(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self._transport = transport
+        self._hold.connections_opened += 1
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -275,7 +311,7 @@ class _CannedHTTP(asyncio.Protocol):
                 return
             path = head.split(" ", 2)[1]
             hold = self._hold
-            if path in _HOLD_PATHS or (hold.holding and path == GENERATE_PATH):
+            if path in _HOLD_PATHS or (hold.counting and path == GENERATE_PATH):
                 request = json.loads(bytes(buffer[head_end + 4: end]) or b"{}")
                 del buffer[:end]
                 self._answer_hold(hold, path, request)
@@ -294,9 +330,9 @@ class _CannedHTTP(asyncio.Protocol):
         elif path == UPDATE_WEIGHT_VERSION_PATH:
             self.send(hold.set_version(str(request["new_version"])))
         else:
-            response = hold.control(path, request, self)
-            if response is not None:
-                self.send(response)
+            control = hold.control(path, request, self)
+            if control is not None:
+                self.send(control)
 
     def send(self, response: bytes) -> None:
         if self._transport is not None and not self._transport.is_closing():
