@@ -100,6 +100,7 @@ def test_weight_update_workload_loses_nothing_with_suspend_and_resume(
     assert weights["suspend_resume_samples_not_as_produced"] == 0
     assert weights["suspend_resume_samples_completed"] == samples and weights["suspend_resume_samples_lost"] == 0
     assert weights["suspend_resume_abort_calls"] == 1 and weights["suspend_resume_abort_calls_client"] == 1
+    assert {"bare_client_abort_to_all_answered_ms", "bare_client_send_to_all_arrived_ms"} <= set(weights)
     goals = figures["goals"]
     assert goals["weight_update_tokens_thrown_away"]["met"] and goals["weight_update_abort_calls_per_engine"]["met"]
     assert "[weight_update]" in capsys.readouterr().out

@@ -33,7 +33,8 @@ Workloads, one module each:
   ``runner.suspend()``/``resume()`` three times (the median run's timings, least and greatest beside): generated
   tokens thrown away (the server's count of tokens it produced, minus those the final samples hold exactly as
   produced, weight versions included), samples lost, abort calls sent, the client's time from ``suspend()`` to
-  nothing in flight and from ``resume()`` to every continuation request at the server (and its CPU in each window).
+  nothing in flight and from ``resume()`` to every continuation request at the server (and the client's and the
+  server's CPU in each window); beside them the bare engine client doing the same exchanges without rollouts.
 * ``goals`` (:mod:`.suite`, which runs everything): each goal with its figure, target and met/missed.
 
 The rollouts run with pacing and the tuned collector on, as ``fsm-rollout run`` does (``--loop-slice-ms 0`` and
