@@ -10,7 +10,7 @@ import pytest
 
 from fsm_rollout.cli import main
 
-SECTIONS = {"machine", "turn", "client_http", "scale", "tracing", "replay", "baseline", "goals"}
+SECTIONS = {"machine", "turn", "client_http", "scale", "tracing", "replay", "baseline", "weight_update", "goals"}
 GOALS = {
     "machine_share_of_client_turn_cpu",
     "client_cpu_us_per_turn_excl_template",
@@ -19,7 +19,12 @@ GOALS = {
     "time_ratio_big_vs_small",
     "tracing_overhead",
     "replay_turns_per_s",
+    "weight_update_tokens_thrown_away",
+    "weight_update_suspend_ms",
+    "weight_update_resume_to_all_resent_ms",
+    "weight_update_abort_calls_per_engine",
 }
+WEIGHT_UPDATE_GOALS = {name for name in GOALS if name.startswith("weight_update_")}
 
 
 def test_quick_bench_writes_every_figure_as_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -61,3 +66,41 @@ def test_quick_bench_writes_every_figure_as_json(tmp_path: Path, capsys: pytest.
     assert all(value >= 0 for value in figures["machine"].values())
     printed = capsys.readouterr().out
     assert "shared_machine_transition_us" in printed and "[goals]" in printed
+
+
+def test_weight_update_workload_loses_nothing_with_suspend_and_resume(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--only weight-update`, small: today's abort throws the partial turns away and loses every sample; suspend
+    and resume keep every token the server produced, exactly, with one abort call (timings are not asserted)."""
+    out = tmp_path / "weights.json"
+    samples = 20
+    assert main(["bench", "--only", "weight-update", "--quick", "--weight-update-samples", str(samples),
+                 "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert set(figures) == {"weight_update", "goals"}
+    assert set(figures["goals"]) == WEIGHT_UPDATE_GOALS
+    weights = figures["weight_update"]
+    assert all(isinstance(value, float) and math.isfinite(value) for value in weights.values())
+    partial = weights["partial_tokens_per_request"]
+    assert weights["samples"] == samples and partial > 0
+
+    assert weights["today_held_requests"] == samples
+    assert weights["today_tokens_thrown_away"] == samples * partial > 0
+    assert weights["today_tokens_kept"] == 0
+    assert weights["today_samples_lost"] == samples and weights["today_samples_completed"] == 0
+    assert weights["today_abort_calls"] == samples  # one per rollout
+
+    assert weights["suspend_resume_held_requests"] == samples
+    assert weights["suspend_resume_requests_in_flight_at_suspend"] == samples
+    assert weights["suspend_resume_in_flight_after_suspend"] == 0
+    assert weights["suspend_resume_tokens_produced"] > 0
+    assert weights["suspend_resume_tokens_thrown_away"] == 0
+    assert weights["suspend_resume_tokens_kept"] == weights["suspend_resume_tokens_produced"]
+    assert weights["suspend_resume_samples_not_as_produced"] == 0
+    assert weights["suspend_resume_samples_completed"] == samples and weights["suspend_resume_samples_lost"] == 0
+    assert weights["suspend_resume_abort_calls"] == 1 and weights["suspend_resume_abort_calls_client"] == 1
+    assert {"bare_client_abort_to_all_answered_ms", "bare_client_send_to_all_arrived_ms"} <= set(weights)
+    goals = figures["goals"]
+    assert goals["weight_update_tokens_thrown_away"]["met"] and goals["weight_update_abort_calls_per_engine"]["met"]
+    assert "[weight_update]" in capsys.readouterr().out

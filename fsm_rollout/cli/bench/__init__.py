@@ -27,6 +27,14 @@ Workloads, one module each:
   the baseline) are ratios of those medians. The machine-only runs are CPU-only loops, so their least is the
   machine's cost (interference only adds), divided by the client's median turn for its share.
 * ``replay``: a batch recorded with ``record=True``, re-executed with :func:`fsm_rollout.replay.replay`.
+* ``weight_update`` (:mod:`.weights`, ``--only weight-update`` runs it alone): a weight update with 1,000 samples'
+  generate requests in flight (``--quick``: 200; ``--weight-update-samples N``), each having produced part of its
+  answer, against the canned server holding them. Today's way (``runner.abort``) once, then
+  ``runner.suspend()``/``resume()`` three times (the median run's timings, least and greatest beside): generated
+  tokens thrown away (the server's count of tokens it produced, minus those the final samples hold exactly as
+  produced, weight versions included), samples lost, abort calls sent, the client's time from ``suspend()`` to
+  nothing in flight and from ``resume()`` to every continuation request at the server (and the client's and the
+  server's CPU in each window); beside them the bare engine client doing the same exchanges without rollouts.
 * ``goals`` (:mod:`.suite`, which runs everything): each goal with its figure, target and met/missed.
 
 The rollouts run with pacing and the tuned collector on, as ``fsm-rollout run`` does (``--loop-slice-ms 0`` and
@@ -42,13 +50,14 @@ import argparse
 import json
 from pathlib import Path
 
-from fsm_rollout.cli.bench.params import Settings
+from fsm_rollout.cli.bench.params import WORKLOADS, Settings
 from fsm_rollout.cli.common import add_process_settings
 
 EPILOG = """\
 Prints each workload's figures, then each goal with its figure, target and met/missed; --json FILE writes them too.
---quick is a smoke run (fewer samples and repeats). The rollouts run with pacing and the tuned collector, as
-`fsm-rollout run` does, unless --loop-slice-ms 0 or --no-tune-gc turn them off."""
+--quick is a smoke run (fewer samples and repeats); --only weight-update runs that workload alone. The rollouts
+run with pacing and the tuned collector, as `fsm-rollout run` does, unless --loop-slice-ms 0 or --no-tune-gc turn
+them off."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -56,7 +65,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.add_argument("--quick", action="store_true", help="fewer samples and repeats (a smoke run)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON to this file")
+    parser.add_argument("--only", choices=WORKLOADS, metavar="WORKLOAD",
+                        help="run only this workload and its goals: weight-update (the others share interleaved "
+                             "runs and always run together)")
+    parser.add_argument("--weight-update-samples", type=_positive_int, metavar="N",
+                        help="samples in flight in the weight-update workload (default: 1000, 200 with --quick)")
     add_process_settings(parser.add_argument_group("process-wide settings of the measured rollouts"))
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
 
 
 def settings(args: argparse.Namespace) -> Settings:
@@ -66,9 +87,12 @@ def settings(args: argparse.Namespace) -> Settings:
 
 def main(args: argparse.Namespace) -> int:
     """Run the workloads, print a table, write JSON if asked."""
-    from fsm_rollout.cli.bench.suite import print_table, run_all
+    from fsm_rollout.cli.bench.suite import print_table, run_all, run_weight_update
 
-    results = run_all(bool(args.quick), settings(args))
+    if args.only == "weight-update":
+        results = run_weight_update(bool(args.quick), settings(args), args.weight_update_samples)
+    else:
+        results = run_all(bool(args.quick), settings(args), weight_update_samples=args.weight_update_samples)
     print_table(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")

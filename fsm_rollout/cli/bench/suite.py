@@ -14,6 +14,7 @@ from fsm_rollout.cli.bench.params import LATENCY_S, SCALE_TURNS, Settings
 from fsm_rollout.cli.bench.rollouts import baseline_rollouts, measure_json_costs, replay_rate, run_rollouts
 from fsm_rollout.cli.bench.server import Server
 from fsm_rollout.cli.bench.turn import bench_turn
+from fsm_rollout.cli.bench.weights import bench_weight_update
 
 
 def _interleaved_runs(
@@ -37,7 +38,39 @@ def _goal(figure: float, target: float, *, at_most: bool, unit: str) -> dict[str
     return {"figure": figure, "target": f"{'<=' if at_most else '>='} {target:g} {unit}".strip(), "met": met}
 
 
-def run_all(quick: bool, settings: Settings) -> dict[str, dict[str, Any]]:
+def _weight_update_goals(figures: dict[str, float]) -> dict[str, dict[str, Any]]:
+    return {
+        "weight_update_tokens_thrown_away": _goal(figures["suspend_resume_tokens_thrown_away"], 0, at_most=True,
+                                                  unit="tokens"),
+        "weight_update_suspend_ms": _goal(figures["suspend_resume_suspend_ms"], 100, at_most=True, unit="ms"),
+        "weight_update_resume_to_all_resent_ms": _goal(figures["suspend_resume_resume_to_all_resent_ms"], 100,
+                                                       at_most=True, unit="ms"),
+        "weight_update_abort_calls_per_engine": _goal(figures["suspend_resume_abort_calls"], 1, at_most=True,
+                                                      unit="calls"),
+    }
+
+
+def _batch_size(quick: bool, samples: int | None) -> int:
+    """The weight-update workload's batch size: as asked, else 1,000 (200 with ``--quick``)."""
+    return samples if samples is not None else 200 if quick else 1_000
+
+
+def run_weight_update(quick: bool, settings: Settings, samples: int | None = None) -> dict[str, dict[str, Any]]:
+    """The weight-update workload alone (``--only weight-update``), with its goals."""
+    from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
+
+    server = Server(LATENCY_S)
+    try:
+        url = server.url()
+        tokenizer = load_qwen_tokenizer()
+        figures = bench_weight_update(url, tokenizer, settings, _batch_size(quick, samples),
+                                      repeats=1 if quick else 3)
+    finally:
+        server.stop()
+    return {"weight_update": figures, "goals": _weight_update_goals(figures)}
+
+
+def run_all(quick: bool, settings: Settings, *, weight_update_samples: int | None = None) -> dict[str, dict[str, Any]]:
     """Every workload, side by side in one run, and the goals with met/missed."""
     from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
     from fsm_rollout.trace import get_tracer
@@ -93,6 +126,8 @@ def run_all(quick: bool, settings: Settings) -> dict[str, dict[str, Any]]:
             get_tracer(trace).close()
         replayed = replay_rate(url, tokenizer, replay_samples, settings)
         json_costs = measure_json_costs(url, repeats=200 if quick else 2_000)
+        weight_update = bench_weight_update(url, tokenizer, settings, _batch_size(quick, weight_update_samples),
+                                            repeats=1 if quick else 3)
     finally:
         server.stop()
 
@@ -173,6 +208,7 @@ def run_all(quick: bool, settings: Settings) -> dict[str, dict[str, Any]]:
         "baseline_wall_s": base["wall_s"],
         "ours_wall_s": off["wall_s"],
     }
+    results["weight_update"] = weight_update
     results["goals"] = {
         "machine_share_of_client_turn_cpu": _goal(machine_per_turn / client_turn, 0.05, at_most=True, unit=""),
         "client_cpu_us_per_turn_excl_template": _goal(
@@ -182,6 +218,7 @@ def run_all(quick: bool, settings: Settings) -> dict[str, dict[str, Any]]:
         "time_ratio_big_vs_small": _goal(results["scale"]["time_ratio"], 1.05 * big / small, at_most=True, unit=""),
         "tracing_overhead": _goal(results["tracing"]["overhead"], 0.10, at_most=True, unit=""),
         "replay_turns_per_s": _goal(replayed["turns_per_s"], 2000, at_most=False, unit="turns/s"),
+        **_weight_update_goals(weight_update),
     }
     return results
 
@@ -189,12 +226,13 @@ def run_all(quick: bool, settings: Settings) -> dict[str, dict[str, Any]]:
 def print_table(results: dict[str, dict[str, Any]]) -> None:
     for section, figures in results.items():
         print(f"[{section}]")
+        width = max([40, *map(len, figures)])
         if section == "goals":
             for name, goal in figures.items():
                 verdict = "met" if goal["met"] else "MISSED"
-                print(f"  {name:<40} {goal['figure']:>12.3f}  {goal['target']:<16} {verdict}")
+                print(f"  {name:<{width}} {goal['figure']:>12.3f}  {goal['target']:<16} {verdict}")
             continue
         for name, value in figures.items():
-            print(f"  {name:<40} {value:>12.3f}")
+            print(f"  {name:<{width}} {value:>12.3f}")
 
 
