@@ -471,7 +471,11 @@ class Rollout:
         self._inflight = task
         try:
             try:
-                return await (task if limit is None else asyncio.wait_for(task, limit))
+                result = await (task if limit is None else asyncio.wait_for(task, limit))
+                # Many environment calls end together (a batch's steps, a pool's threads): each rollout's work after
+                # its call waits its turn in the loop, as after an engine answer.
+                await self._paced()
+                return result
             except TimeoutError:
                 if thread is not None:  # a thread cannot be stopped: wait for it, then discard its result
                     await _thread_done(thread)

@@ -10,7 +10,8 @@ import pytest
 
 from fsm_rollout.cli import main
 
-SECTIONS = {"machine", "turn", "client_http", "scale", "tracing", "replay", "baseline", "weight_update", "goals"}
+SECTIONS = {"machine", "turn", "client_http", "scale", "tracing", "replay", "baseline", "weight_update", "slow_env",
+            "goals"}
 GOALS = {
     "machine_share_of_client_turn_cpu",
     "client_cpu_us_per_turn_excl_template",
@@ -23,8 +24,13 @@ GOALS = {
     "weight_update_suspend_ms",
     "weight_update_resume_to_all_resent_ms",
     "weight_update_abort_calls_per_engine",
+    "slow_env_thread_loop_lag_p99_ms",
+    "slow_env_thread_wall_beyond_sleep_free_s",
+    "slow_env_async_loop_lag_p99_ms",
+    "slow_env_async_wall_beyond_sleep_free_s",
 }
 WEIGHT_UPDATE_GOALS = {name for name in GOALS if name.startswith("weight_update_")}
+SLOW_ENV_GOALS = {name for name in GOALS if name.startswith("slow_env_")}
 
 
 def test_quick_bench_writes_every_figure_as_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -104,3 +110,18 @@ def test_weight_update_workload_loses_nothing_with_suspend_and_resume(
     goals = figures["goals"]
     assert goals["weight_update_tokens_thrown_away"]["met"] and goals["weight_update_abort_calls_per_engine"]["met"]
     assert "[weight_update]" in capsys.readouterr().out
+
+
+def test_slow_environment_workload_runs_every_case(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--only slow-env --quick`: every case completes its samples and reports wall and loop lag (not asserted)."""
+    out = tmp_path / "envs.json"
+    assert main(["bench", "--only", "slow-env", "--quick", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert set(figures) == {"slow_env", "goals"} and set(figures["goals"]) == SLOW_ENV_GOALS
+    slow = figures["slow_env"]
+    assert slow["samples"] == 200 and slow["inline_samples"] == 40
+    for mode in ("none", "thread", "async", "inline"):
+        assert slow[f"{mode}_wall_s"] > 0 and slow[f"{mode}_loop_lag_p99_ms"] >= 0
+    # two steps of 50 ms each: a batch whose steps block the loop takes at least its samples' steps end to end
+    assert slow["inline_wall_s"] >= slow["inline_samples"] * slow["turns"] * slow["step_ms"] / 1000
+    assert "[slow_env]" in capsys.readouterr().out

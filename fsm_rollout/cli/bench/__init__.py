@@ -35,6 +35,10 @@ Workloads, one module each:
   produced, weight versions included), samples lost, abort calls sent, the client's time from ``suspend()`` to
   nothing in flight and from ``resume()`` to every continuation request at the server (and the client's and the
   server's CPU in each window); beside them the bare engine client doing the same exchanges without rollouts.
+* ``slow_env`` (:mod:`.envs`, ``--only slow-env``): 1,000 samples (``--quick``: 200) of two turns whose
+  environment step takes 50 ms, run in the worker pool (``env_executor="thread"``) and as a coroutine, beside the
+  same batch with steps that take no time and an inline (loop-blocking) run of 40 samples: each case's wall and loop
+  lag p99, and the overlapping cases' wall beyond the sleep-free batch.
 * ``goals`` (:mod:`.suite`, which runs everything): each goal with its figure, target and met/missed.
 
 The rollouts run with pacing and the tuned collector on, as ``fsm-rollout run`` does (``--loop-slice-ms 0`` and
@@ -55,7 +59,8 @@ from fsm_rollout.cli.common import add_process_settings
 
 EPILOG = """\
 Prints each workload's figures, then each goal with its figure, target and met/missed; --json FILE writes them too.
---quick is a smoke run (fewer samples and repeats); --only weight-update runs that workload alone. The rollouts
+--quick is a smoke run (fewer samples and repeats); --only weight-update or --only slow-env runs that workload
+alone. The rollouts
 run with pacing and the tuned collector, as `fsm-rollout run` does, unless --loop-slice-ms 0 or --no-tune-gc turn
 them off."""
 
@@ -66,8 +71,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer samples and repeats (a smoke run)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON to this file")
     parser.add_argument("--only", choices=WORKLOADS, metavar="WORKLOAD",
-                        help="run only this workload and its goals: weight-update (the others share interleaved "
-                             "runs and always run together)")
+                        help="run only this workload and its goals: weight-update or slow-env (the others share "
+                             "interleaved runs and always run together)")
     parser.add_argument("--weight-update-samples", type=_positive_int, metavar="N",
                         help="samples in flight in the weight-update workload (default: 1000, 200 with --quick)")
     add_process_settings(parser.add_argument_group("process-wide settings of the measured rollouts"))
@@ -87,10 +92,12 @@ def settings(args: argparse.Namespace) -> Settings:
 
 def main(args: argparse.Namespace) -> int:
     """Run the workloads, print a table, write JSON if asked."""
-    from fsm_rollout.cli.bench.suite import print_table, run_all, run_weight_update
+    from fsm_rollout.cli.bench.suite import print_table, run_all, run_slow_env, run_weight_update
 
     if args.only == "weight-update":
         results = run_weight_update(bool(args.quick), settings(args), args.weight_update_samples)
+    elif args.only == "slow-env":
+        results = run_slow_env(bool(args.quick), settings(args))
     else:
         results = run_all(bool(args.quick), settings(args), weight_update_samples=args.weight_update_samples)
     print_table(results)

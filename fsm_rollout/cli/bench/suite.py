@@ -9,6 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from fsm_rollout.cli.bench.envs import STEP_S, bench_slow_environments
 from fsm_rollout.cli.bench.machine import bench_machine, machine_turn_cost
 from fsm_rollout.cli.bench.params import LATENCY_S, SCALE_TURNS, Settings
 from fsm_rollout.cli.bench.rollouts import baseline_rollouts, measure_json_costs, replay_rate, run_rollouts
@@ -48,6 +49,33 @@ def _weight_update_goals(figures: dict[str, float]) -> dict[str, dict[str, Any]]
         "weight_update_abort_calls_per_engine": _goal(figures["suspend_resume_abort_calls"], 1, at_most=True,
                                                       unit="calls"),
     }
+
+
+def _slow_env_goals(figures: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """Overlapping steps keep the loop responsive and add about ``turns x 50 ms`` (twice that at most) to the batch."""
+    beyond = 2 * figures["turns"] * STEP_S
+    return {
+        f"slow_env_{mode}_{name}": goal
+        for mode in ("thread", "async")
+        for name, goal in (
+            ("loop_lag_p99_ms", _goal(figures[f"{mode}_loop_lag_p99_ms"], 50, at_most=True, unit="ms")),
+            ("wall_beyond_sleep_free_s", _goal(figures[f"{mode}_wall_beyond_sleep_free_s"], beyond, at_most=True,
+                                               unit="s")),
+        )
+    }
+
+
+def run_slow_env(quick: bool, settings: Settings) -> dict[str, dict[str, Any]]:
+    """The slow-environment workload alone (``--only slow-env``), with its goals."""
+    from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
+
+    server = Server(LATENCY_S)
+    try:
+        url = server.url()
+        figures = bench_slow_environments(url, load_qwen_tokenizer(), settings, 200 if quick else 1_000)
+    finally:
+        server.stop()
+    return {"slow_env": figures, "goals": _slow_env_goals(figures)}
 
 
 def _batch_size(quick: bool, samples: int | None) -> int:
@@ -128,6 +156,7 @@ def run_all(quick: bool, settings: Settings, *, weight_update_samples: int | Non
         json_costs = measure_json_costs(url, repeats=200 if quick else 2_000)
         weight_update = bench_weight_update(url, tokenizer, settings, _batch_size(quick, weight_update_samples),
                                             repeats=1 if quick else 3)
+        slow_env = bench_slow_environments(url, tokenizer, settings, 200 if quick else 1_000)
     finally:
         server.stop()
 
@@ -209,6 +238,7 @@ def run_all(quick: bool, settings: Settings, *, weight_update_samples: int | Non
         "ours_wall_s": off["wall_s"],
     }
     results["weight_update"] = weight_update
+    results["slow_env"] = slow_env
     results["goals"] = {
         "machine_share_of_client_turn_cpu": _goal(machine_per_turn / client_turn, 0.05, at_most=True, unit=""),
         "client_cpu_us_per_turn_excl_template": _goal(
@@ -219,6 +249,7 @@ def run_all(quick: bool, settings: Settings, *, weight_update_samples: int | Non
         "tracing_overhead": _goal(results["tracing"]["overhead"], 0.10, at_most=True, unit=""),
         "replay_turns_per_s": _goal(replayed["turns_per_s"], 2000, at_most=False, unit="turns/s"),
         **_weight_update_goals(weight_update),
+        **_slow_env_goals(slow_env),
     }
     return results
 
