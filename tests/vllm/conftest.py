@@ -66,6 +66,9 @@ SERVE_FLAGS = (
     "--generation-config", "vllm",
     # Logprobs of the distribution actually sampled from (after temperature/top-p), as RL training wants.
     "--logprobs-mode", "processed_logprobs",
+    # Render refuses a request with tools but no tool_choice (vLLM reads it as "auto") without these; the
+    # library's render of a sample with metadata["tools"] sends none.
+    "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
 )  # fmt: skip
 SERVE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache; the tiny model needs ~512 bytes per token
