@@ -488,14 +488,17 @@ async def test_client_disconnect_stops_the_generation(
     engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
 ) -> None:
     doomed = asyncio.create_task(generate(http, engine, prompt, request_id="gone-1", max_tokens=450))
-    await wait_until(lambda: "gone-1" in engine.live_request_ids())
-    doomed.cancel()  # closes the connection; the server cancels the handler
-    freed_in = await wait_until(lambda: engine.live_request_ids() == [], within=2.0)
-    assert freed_in < 1.0
-    started = time.monotonic()
-    choice = await generate(http, engine, prompt, max_tokens=4)
+    await wait_until(lambda: engine.live_token_counts().get("gone-1", 0) >= 1, within=60.0)
+    await engine.pause("keep")  # frozen: only the disconnect can end it, never its 450 tokens running out
+    try:
+        frozen_at = engine.live_token_counts()["gone-1"]
+        doomed.cancel()  # closes the connection; the server cancels the handler
+        await wait_until(lambda: engine.live_request_ids() == [], within=60.0)
+    finally:
+        await engine.resume()
+    assert frozen_at < 450
+    choice = await generate(http, engine, prompt, max_tokens=4)  # the engine is free for the next request
     assert choice["finish_reason"] == "length"
-    assert time.monotonic() - started < 2.0
 
 
 async def test_concurrent_requests_all_get_their_own_answers(
