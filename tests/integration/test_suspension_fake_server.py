@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,13 +141,15 @@ async def test_samples_not_started_and_new_runs_wait_for_the_resume(tokenizer: A
             with capture_transitions() as events:
                 batch = asyncio.ensure_future(runner.run_batch(samples()[:2]))
                 late = asyncio.ensure_future(runner.run(samples()[2]))
-                for _ in range(20):  # let every task run as far as it can
-                    await asyncio.sleep(0)
+                # Time for renders to reach the server if anything let them go: it can only make this test fail.
+                await asyncio.sleep(0.2)
                 assert server.requests == []  # nothing rendered, nothing generated
                 assert events == []
                 assert runner.metrics().in_flight == 3
+                resumed_at = time.monotonic()
                 await runner.resume()
                 done = [*await batch, await late]
+            assert server.requests and all(request.at >= resumed_at for request in server.requests)
             assert {sample.metadata["rollout_reason"] for sample in done} == {"max_turns"}
 
 
