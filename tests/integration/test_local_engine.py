@@ -24,6 +24,7 @@ import msgpack  # type: ignore[import-untyped]
 import pytest
 import pytest_asyncio
 import torch
+from engine_http import GENERATE, generate, logprob_values, post
 from PIL import Image, ImageDraw
 
 from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, Status, VLLMClient
@@ -37,7 +38,6 @@ from fsm_rollout.types import GeneratedTurn
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 RENDER = "/v1/chat/completions/render"
-GENERATE = "/inference/v1/generate"
 ABORT = "/inference/v1/abort_requests"
 MAX_MODEL_LEN = 512
 MAX_REQUEST_BYTES = 8 * 1024 * 1024
@@ -69,34 +69,12 @@ async def prompt(engine: LocalEngine, http: aiohttp.ClientSession) -> list[int]:
     return token_ids
 
 
-async def post(http: aiohttp.ClientSession, engine: LocalEngine, path: str, body: Any) -> tuple[int, Any]:
-    async with http.post(engine.url + path, json=body) as response:
-        raw = await response.read()
-        return response.status, (await response.json(content_type=None)) if raw else None
-
-
-async def generate(
-    http: aiohttp.ClientSession, engine: LocalEngine, token_ids: list[int], request_id: str = "req", **sampling: Any
-) -> dict[str, Any]:
-    params = {"temperature": 1.0, "logprobs": 1, "ignore_eos": True, **sampling}
-    status, body = await post(
-        http, engine, GENERATE, {"token_ids": token_ids, "sampling_params": params, "request_id": request_id}
-    )
-    assert status == 200, body
-    choice: dict[str, Any] = body["choices"][0]
-    return choice
-
-
 async def generate_raw(
     http: aiohttp.ClientSession, engine: LocalEngine, token_ids: list[int], request_id: str, **sampling: Any
 ) -> tuple[int, Any]:
     params = {"temperature": 1.0, "logprobs": 1, "ignore_eos": True, **sampling}
     body = {"token_ids": token_ids, "sampling_params": params, "request_id": request_id}
     return await post(http, engine, GENERATE, body)
-
-
-def logprob_values(choice: dict[str, Any]) -> list[float]:
-    return [entry["logprob"] for entry in choice["logprobs"]["content"]]
 
 
 async def wait_until(predicate: Any, within: float = 5.0) -> float:

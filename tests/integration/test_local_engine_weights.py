@@ -17,6 +17,8 @@ import aiohttp
 import pytest
 import pytest_asyncio
 import torch
+from engine_http import generate, post
+from engine_http import logprob_values as logprobs
 from safetensors.torch import load_file, save_file
 
 from fsm_rollout import VLLMClient
@@ -25,7 +27,6 @@ from fsm_rollout.engine.local import LocalEngine, WeightLoadError
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 RENDER = "/v1/chat/completions/render"
-GENERATE = "/inference/v1/generate"
 ABORT = "/inference/v1/abort_requests"
 MAX_MODEL_LEN = 512
 MESSAGES = [{"role": "user", "content": "Count to ten."}]
@@ -74,30 +75,10 @@ async def clean_engine(engine: LocalEngine) -> AsyncIterator[None]:
     assert engine.live_request_ids() == []
 
 
-async def post(
-    http: aiohttp.ClientSession, engine: LocalEngine, path: str, body: Any = None, **query: str
-) -> tuple[int, Any]:
-    async with http.post(engine.url + path, json=body if body is not None else {}, params=query) as response:
-        raw = await response.read()
-        return response.status, (await response.json(content_type=None)) if raw else None
-
-
 async def get(http: aiohttp.ClientSession, engine: LocalEngine, path: str) -> Any:
     async with http.get(engine.url + path) as response:
         assert response.status == 200
         return await response.json()
-
-
-async def generate(
-    http: aiohttp.ClientSession, engine: LocalEngine, token_ids: list[int], request_id: str, **sampling: Any
-) -> dict[str, Any]:
-    params = {"temperature": 1.0, "logprobs": 1, "ignore_eos": True, **sampling}
-    status, body = await post(
-        http, engine, GENERATE, {"token_ids": token_ids, "sampling_params": params, "request_id": request_id}
-    )
-    assert status == 200, body
-    choice: dict[str, Any] = body["choices"][0]
-    return choice
 
 
 async def greedy(
@@ -130,10 +111,6 @@ def perturbed(original: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """New values for two parameters: one layer's MLP output zeroed, and the final norm negated, which turns the
     logits around, so that greedy decoding (which repeats one token on this random model) picks other tokens."""
     return {PERTURBED: torch.zeros_like(original[PERTURBED]), "model.norm.weight": -original["model.norm.weight"]}
-
-
-def logprobs(choice: dict[str, Any]) -> list[float]:
-    return [entry["logprob"] for entry in choice["logprobs"]["content"]]
 
 
 def spans(*parts: tuple[str, int, int]) -> list[dict[str, Any]]:
