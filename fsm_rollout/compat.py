@@ -94,10 +94,6 @@ def _suspenders() -> dict[str, Suspender]:
     return suspenders
 
 
-def _suspender_for(config: RolloutConfig) -> Suspender:
-    return _suspender_for_strategy(config.weight_update_strategy)
-
-
 async def suspend(reason: str = "weight_update", *, strategy: str = "abort") -> None:
     """Suspend every ``generate`` call of this event loop (see the module docstring); returns once no generate
     request of theirs is in flight (``abort``) or every engine froze them (``keep``)."""
@@ -186,7 +182,7 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     config = RolloutConfig.from_args(args, trace=getattr(args, "fsm_rollout_trace", None))
     tokenizer, processor = _load_tokenizer_and_processor(config.tokenizer_path or config.model)
     library_sample = sample if isinstance(sample, Sample) else _to_library_sample(sample)
-    suspender = _suspender_for(config)
+    suspender = _suspender_for_strategy(config.weight_update_strategy)
     rollout = Rollout(
         library_sample,
         config=config,

@@ -129,7 +129,6 @@ class Suspender:
         """Every weight version set through :meth:`weight_update`, oldest first."""
         self.reason: str | None = None
         self.stats = SuspendStats(strategy=strategy)
-        self.suspended_at: float | None = None
         self._engines_paused = False
 
     # ------------------------------------------------------------------ what rollouts ask
@@ -200,7 +199,6 @@ class Suspender:
             return False
         self._open.clear()
         self.reason = reason
-        self.suspended_at = time.perf_counter()
         self.stats = SuspendStats(reason=reason, strategy=self.strategy, requests_in_flight=len(self._in_flight))
         self._engines_paused = False
         return True
@@ -252,7 +250,6 @@ class Suspender:
                 await asyncio.gather(*(client.resume() for client in self._clients()))
             self._aborted.clear()
             self.reason = None
-            self.suspended_at = None
             self._open.set()
             self.stats.resume_s = time.perf_counter() - started
 
