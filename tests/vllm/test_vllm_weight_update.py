@@ -233,6 +233,9 @@ async def test_keep_strategy_freezes_the_request_in_flight_and_its_tokens_carry_
             first = asyncio.create_task(runner.run(Sample(prompt=PROMPTS[0], index=0, session_id="keep-0")))
             (frozen,) = await proxy.arrivals(GENERATE_PATH, 1, limit_s=WAIT_S)
             await tokens_reach(url, tokens + EARLY)
+            # Frozen here, past the proxy, so the turn cannot end on a loaded machine before the runner's own pause
+            # lands (a second keep pause is a no-op at vLLM; the runner's resume lets it go on).
+            await post(url + PAUSE_PATH + "?mode=keep", {})
             # The second sample's render answer waits at the proxy: it reaches ``generating`` only inside the body.
             proxy.hold_answers(RENDER_PATH)
             second = asyncio.create_task(runner.run(Sample(prompt=PROMPTS[1], index=1, session_id="keep-1")))
@@ -249,8 +252,9 @@ async def test_keep_strategy_freezes_the_request_in_flight_and_its_tokens_carry_
                 assert not frozen.answered
             stats = runner.last_suspension
             results = await asyncio.wait_for(asyncio.gather(first, second), WAIT_S)
-    finally:
-        await post(url + UPDATE_WEIGHT_VERSION_PATH, {"new_version": DEFAULT_VERSION})  # the server is shared
+    finally:  # the server is shared
+        await post(url + RESUME_PATH, {})
+        await post(url + UPDATE_WEIGHT_VERSION_PATH, {"new_version": DEFAULT_VERSION})
 
     assert (stats.strategy, stats.pause_calls, stats.abort_calls, stats.requests_in_flight) == ("keep", 1, 0, 1)
     assert proxy.to(ABORT_PATH) == []
