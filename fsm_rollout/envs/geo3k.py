@@ -39,7 +39,9 @@ and whitespace.
   showing the expected call format; not done, nothing scored;
 * no tool call → done; a ``\\boxed{}`` answer in the text is scored as the final answer, otherwise the reward
   stays at the best score so far;
-* the ``args.max_turns``-th step is done whatever it contained (its tool call is still scored).
+* the turn limit is the rollout's: a tool-call turn is never done, so after the ``max_turns``-th turn the rollout
+  ends the sample ``truncated`` with reason ``max_turns`` (its tool call is still scored). The seed's environment
+  said done there itself, which made a sample that used up its attempts look ``completed``.
 
 A correct answer does not end the episode by itself: as in the seed's Geo3K environment, the episode ends on a
 turn without a tool call or at the turn limit.
@@ -419,7 +421,7 @@ class Geo3KEnv:
             else:
                 score = self._score(answer)
                 observation = CORRECT_FEEDBACK if score == 1.0 else INCORRECT_FEEDBACK
-            done = self.turns >= self.max_turns
+            done = False  # the rollout's turn limit ends the episode (truncated/max_turns)
         self._write_reward()
         info = {"turn": self.turns, "answer": answer, "score": score, "reward": self.reward, "problem": problem}
         return observation, done, info

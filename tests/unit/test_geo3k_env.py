@@ -275,19 +275,19 @@ def test_a_wrong_final_answer_does_not_lower_the_reward() -> None:
     assert sample.metadata["geo3k"]["scores"] == [1.0, 0.0]
 
 
-def test_turn_limit_ends_the_episode() -> None:
+def test_tool_call_turns_leave_the_turn_limit_to_the_rollout() -> None:
     env, sample = make_env(max_turns=2)
     _, first_done, _ = env.step(call("60"))
     _, second_done, info = env.step(call("70"))
-    assert (first_done, second_done) == (False, True)
+    assert (first_done, second_done) == (False, False)
     assert info["score"] == 1.0
     assert sample.reward == 1.0
 
 
-def test_feedback_steps_count_towards_the_turn_limit() -> None:
+def test_feedback_turns_are_not_done_either() -> None:
     env, _ = make_env(max_turns=1)
     _, done, _ = env.step(call("70", name="search"))
-    assert done
+    assert not done
 
 
 def test_reward_and_metadata_are_written_on_every_step() -> None:
