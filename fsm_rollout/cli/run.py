@@ -37,6 +37,7 @@ from fsm_rollout.runner import MetricsSnapshot, RolloutRunner
 from fsm_rollout.sample import Sample, Status
 
 DEMO_ENV = "fsm_rollout.envs.geo3k"
+GEO3K_STOP = ("</tool_call>",)
 EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 EPILOG = """\
@@ -99,13 +100,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--env", metavar="MODULE|FILE",
                          help=f"environment module or .py file (default with the demo: {DEMO_ENV})")
     rollout.add_argument("--max-turns", type=int, default=3, metavar="N", help="turns per sample at most")
-    rollout.add_argument("--max-new-tokens", type=int, default=128, metavar="N",
+    rollout.add_argument("--max-new-tokens", type=int, default=192, metavar="N",
                          help="response budget over all turns")
     rollout.add_argument("--max-context-len", type=int, metavar="N", help="context limit (prompt + response)")
     rollout.add_argument("--concurrency", type=int, default=16, metavar="N", help="samples in flight at once")
     rollout.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature")
     rollout.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: top-p")
-    rollout.add_argument("--stop", action="append", default=[], metavar="S", help="stop string (repeatable)")
+    rollout.add_argument("--stop", action="append", default=[], metavar="S",
+                         help=f"stop string (repeatable; default with {DEMO_ENV}: {' '.join(GEO3K_STOP)})")
     rollout.add_argument("--seed", type=int, metavar="N", help="sampling seed sent with every request")
     add_process_settings(parser.add_argument_group("process-wide settings"))
 
@@ -144,7 +146,7 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[list[str], En
     from fsm_rollout.engine.local import LocalEngine
 
     print("starting the embedded CPU engine ...", file=sys.stderr)
-    async with LocalEngine() as engine:
+    async with LocalEngine(log=lambda line: print(line, file=sys.stderr, flush=True)) as engine:
         if args.model and args.model != engine.served_model_name:
             raise PreflightError(f"--model {args.model!r}: the embedded engine serves {engine.served_model_name!r}")
         tokenizer, named_by = ((args.tokenizer, "--tokenizer") if args.tokenizer
@@ -289,6 +291,8 @@ async def _run(args: argparse.Namespace) -> int:
     }
     if args.stop:
         sampling["stop"] = list(args.stop)
+    elif (args.env or DEMO_ENV) == DEMO_ENV:  # the tool call ends the turn; the masked EOS closes it
+        sampling["stop"] = list(GEO3K_STOP)
     interrupted = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):

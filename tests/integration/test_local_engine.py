@@ -30,6 +30,7 @@ from PIL import Image, ImageDraw
 from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, Status, VLLMClient
 from fsm_rollout.engine.local import LocalEngine
 from fsm_rollout.engine.local.server import DEFAULT_MAX_REQUEST_BYTES
+from fsm_rollout.engine.local.tiny import TINY_MODEL_NAME, tiny_model_dir
 from fsm_rollout.mm_codec import decode_item
 from fsm_rollout.multimodal import decode_train_features
 from fsm_rollout.testing.envs import ScriptedEnvFactory
@@ -48,9 +49,11 @@ MM_ITEM_FIXTURES = pathlib.Path(__file__).resolve().parents[1] / "fixtures" / "m
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def engine() -> AsyncIterator[LocalEngine]:
-    # Two generations decode in turn, so a third one waits in the queue (for the queued-abort test).
+    # Two generations decode in turn, so a third one waits in the queue (for the queued-abort test). The random
+    # model: these tests lean on its near-uniform distribution (greedy decoding repeats one token, no early EOS).
     async with LocalEngine(
-        max_model_len=MAX_MODEL_LEN, max_num_seqs=2, torch_threads=1, max_request_bytes=MAX_REQUEST_BYTES
+        tiny_model_dir(), served_model_name=TINY_MODEL_NAME, max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
+        torch_threads=1, max_request_bytes=MAX_REQUEST_BYTES,
     ) as server:
         yield server
 
@@ -131,7 +134,7 @@ async def test_models_lists_the_served_model_and_its_context_length(
         body = await response.json()
     assert body["object"] == "list"
     (card,) = body["data"]
-    assert card["id"] == engine.served_model_name == "tiny-qwen2-v1"
+    assert card["id"] == engine.served_model_name == TINY_MODEL_NAME
     assert card["object"] == "model"
     assert card["max_model_len"] == MAX_MODEL_LEN
     assert isinstance(card["created"], int)

@@ -99,10 +99,13 @@ class LocalEngine:
         async with LocalEngine() as engine:          # the default tiny Qwen2 model
             client = VLLMClient(engine.url)
 
-    ``model_dir=None`` serves the tiny random Qwen2 from :func:`~fsm_rollout.engine.local.tiny.tiny_model_dir`
-    (built on first use); otherwise any local Hugging Face causal-LM directory with a tokenizer (and a chat
-    template for render). ``served_model_name`` defaults to ``tiny-qwen2-v1`` or to ``model_dir`` as given, as vLLM
-    names a model after its ``--model`` argument. ``max_model_len`` defaults to the config's context length.
+    ``model_dir=None`` serves the default model from :func:`~fsm_rollout.engine.local.default_model.default_model_dir`:
+    the tiny Qwen2 briefly trained to follow the Geo3K task's format (built and trained on first use, then cached);
+    ``model_dir=tiny_model_dir()`` serves the tiny random Qwen2 it starts from; otherwise any local Hugging Face
+    causal-LM directory with a tokenizer (and a chat template for render). ``served_model_name`` defaults to
+    ``tiny-qwen2-geo3k`` or to ``model_dir`` as given, as vLLM names a model after its ``--model`` argument.
+    ``log`` receives a line when the default model is being built (the CLI prints it).
+    ``max_model_len`` defaults to the config's context length.
     ``port=0`` picks a free port. See :mod:`fsm_rollout.engine.local.scheduler` for ``max_num_seqs``. ``api_key``
     (None: no check) is the key every request but ``GET /health`` must send as ``Authorization: Bearer <key>``.
 
@@ -148,6 +151,7 @@ class LocalEngine:
         torch_threads: int | None = 1,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         api_key: str | None = None,
+        log: Callable[[str], None] | None = None,
     ) -> None:
         if max_model_len is not None and max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -166,6 +170,7 @@ class LocalEngine:
         self._torch_threads = torch_threads
         self._max_request_bytes = max_request_bytes
         self._authorization = None if not api_key else f"Bearer {api_key}".encode()
+        self._log = log
         self._loaded: LoadedModel | None = None
         self._images: ImageSupport | None = None
         self._scheduler: Scheduler | None = None
@@ -325,9 +330,9 @@ class LocalEngine:
     def _resolve_model_dir(self) -> tuple[pathlib.Path, str]:
         if self._model_dir_arg is not None:
             return self._model_dir_arg.expanduser(), self._served_name_arg or str(self._model_dir_arg)
-        from fsm_rollout.engine.local.tiny import TINY_MODEL_NAME, tiny_model_dir
+        from fsm_rollout.engine.local.default_model import DEFAULT_MODEL_NAME, default_model_dir
 
-        return tiny_model_dir(), self._served_name_arg or TINY_MODEL_NAME
+        return default_model_dir(log=self._log), self._served_name_arg or DEFAULT_MODEL_NAME
 
     def _require_loaded(self) -> LoadedModel:
         if self._loaded is None:

@@ -1,0 +1,113 @@
+"""The embedded engine's default model: built deterministically, trained on what rollouts really see, and it
+follows the Geo3K task's format (tool call, feedback, another attempt or a final answer)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+from collections import Counter
+from typing import Any
+
+import pytest
+
+from fsm_rollout import RolloutConfig, RolloutRunner
+from fsm_rollout.data.practice import practice_samples
+from fsm_rollout.engine.local import LocalEngine
+from fsm_rollout.engine.local import default_model as default_model_module
+from fsm_rollout.engine.local.default_model import (
+    DEFAULT_MODEL_NAME,
+    RECIPE,
+    Conversation,
+    default_model_dir,
+    encode_conversations,
+    recipe_key,
+    training_conversations,
+)
+from fsm_rollout.engine.local.tiny import BUILD_MARKER, TINY_MODEL_NAME
+from fsm_rollout.envs.geo3k import CORRECT_FEEDBACK, INCORRECT_FEEDBACK
+from fsm_rollout.testing.tokenizer import cache_dir
+
+SAMPLING = {"max_new_tokens": 192, "temperature": 1.0, "top_p": 1.0, "stop": ["</tool_call>"], "no_stop_trim": True,
+            "seed": 17}  # fmt: skip
+
+
+def marker(directory: pathlib.Path) -> dict[str, Any]:
+    loaded: dict[str, Any] = json.loads((directory / BUILD_MARKER).read_text(encoding="utf-8"))
+    return loaded
+
+
+def test_a_build_in_a_fresh_cache_has_the_same_weights_and_reuse_trains_nothing(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared = default_model_dir()
+    fresh = default_model_dir(tmp_path)
+    assert fresh.name == shared.name == f"{DEFAULT_MODEL_NAME}-{recipe_key()}"
+    built = marker(fresh)
+    assert built["weights_sha256"] == marker(shared)["weights_sha256"]  # one torch thread: the same on any machine
+    assert built["recipe"] == RECIPE and built["base"] == TINY_MODEL_NAME
+    assert built["loss_first"] > 10 > 1 > built["loss_last"]  # from uniform over 152k ids to the task's format
+
+    def no_training(*args: Any) -> None:
+        raise AssertionError("a finished build was trained again")
+
+    monkeypatch.setattr(default_model_module, "_train_in_subprocess", no_training)
+    assert default_model_dir(tmp_path) == fresh
+
+
+def test_the_cache_key_follows_the_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = recipe_key()
+    monkeypatch.setitem(RECIPE, "steps", RECIPE["steps"] + 1)
+    assert recipe_key() != key
+
+
+def test_conversations_are_graded_by_the_environment_and_end_as_a_rollout_would() -> None:
+    conversations = training_conversations(200, seed=5, first_correct=0.6, retry_correct=0.6, max_turns=3)
+    lengths = Counter(len(conversation.turns) for conversation in conversations)
+    assert set(lengths) == {2, 3}  # right at once then boxed; or a retry; never past the turn limit
+    for conversation in conversations:
+        assert len(conversation.feedback) == len(conversation.turns) - 1
+        for turn, feedback in zip(conversation.turns, conversation.feedback, strict=False):
+            assert "<tool_call>" in turn
+            right = f'"answer": {json.dumps(conversation.label)}' in turn
+            assert feedback == (CORRECT_FEEDBACK if right else INCORRECT_FEEDBACK)
+        if CORRECT_FEEDBACK in conversation.feedback:
+            assert conversation.turns[-1] == f"The answer is \\boxed{{{conversation.label}}}."
+
+
+async def test_training_prompts_are_the_tokens_a_rollout_sends() -> None:
+    samples = practice_samples(3, seed=8)
+    async with LocalEngine() as engine:
+        config = RolloutConfig(engine_url=engine.url, model=engine.served_model_name,
+                               tokenizer_path=str(engine.model_dir), image_merge_size=engine.image_merge_size,
+                               max_turns=1, env_path="fsm_rollout.envs.geo3k")  # fmt: skip
+        async with RolloutRunner(config, sampling_params={**SAMPLING, "max_new_tokens": 4}) as runner:
+            rolled = await runner.run_batch(samples)
+            tokenizer = runner.tokenizer
+    examples = encode_conversations(
+        [Conversation(str(sample.prompt), "-", str(sample.label), ("x",), ()) for sample in rolled], tokenizer
+    )
+    for sample, example in zip(rolled, examples, strict=True):
+        prompt = sample.tokens[: len(sample.tokens) - sample.response_length]
+        assert example.token_ids[: len(prompt)] == prompt
+        assert not any(example.trainable[: len(prompt)])
+
+
+async def test_the_default_model_calls_the_tool_takes_feedback_and_tries_again() -> None:
+    samples = practice_samples(12, seed=31)
+    async with LocalEngine() as engine:
+        assert engine.served_model_name == DEFAULT_MODEL_NAME
+        assert engine.model_dir.parent == cache_dir()
+        config = RolloutConfig(engine_url=engine.url, model=engine.served_model_name,
+                               tokenizer_path=str(engine.model_dir), image_merge_size=engine.image_merge_size,
+                               max_turns=3, env_path="fsm_rollout.envs.geo3k")  # fmt: skip
+        async with RolloutRunner(config, sampling_params=SAMPLING) as runner:
+            results = await runner.run_batch(samples, concurrency=len(samples))
+
+    turns = [sample.metadata["geo3k"]["turns"] for sample in results]
+    graded = [len(sample.metadata["geo3k"]["scores"]) for sample in results]
+    # nearly every turn is a well-formed calc_score call (scored) or, after "Correct", a final boxed answer
+    assert sum(graded) >= 0.8 * sum(turns), (turns, graded)
+    assert sum(1 for count in turns if count >= 2) >= len(results) // 2  # feedback was read and acted on
+    for sample in results:
+        assert sample.response_length > 0 and 0 in sample.loss_mask  # observations appended, masked
+        assert "<tool_call>" in str(sample.response)
