@@ -11,7 +11,6 @@ import numpy as np
 
 from fsm_rollout.sample.status import PrefixCacheInfo, SpecInfo
 
-
 _PLAIN = frozenset({int, float, str, bool, type(None)})
 """Types a list holds as they are: token ids, masks and logprobs are long lists of these, copied without a walk."""
 
