@@ -133,6 +133,21 @@ def sessions_by_server(servers: tuple[FakeVLLMServer, ...], prefix: str) -> list
     return counts
 
 
+async def until_held(servers: tuple[FakeVLLMServer, ...], prefix: str, n: int) -> None:
+    """Return once ``n`` requests of sessions ``<prefix>*`` are held over all the servers. A server wakes only its
+    own watchers, and the last request may arrive at any of them, so each server gets one."""
+
+    def all_held() -> bool:
+        return sum(1 for server in servers for rid in server.held_request_ids if prefix in rid) >= n
+
+    watchers = [asyncio.ensure_future(server.wait_until(all_held)) for server in servers]
+    try:
+        await asyncio.wait(watchers, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for watcher in watchers:
+            watcher.cancel()
+
+
 def two_turn_samples(prefix: str, n: int) -> list[Sample]:
     return [Sample(prompt=f"q{i}", index=i, session_id=f"{prefix}{i}", metadata=dict(TWO_TURNS)) for i in range(n)]
 
@@ -161,7 +176,7 @@ async def test_an_abort_reaches_the_server_holding_the_request(
         script_everywhere((a, b), f"held{i}", [ScriptedTurn(text="never", hang=True)])
     async with runner_behind(url, [a.url, b.url]) as runner:
         batch = asyncio.ensure_future(runner.run_batch(two_turn_samples("held", 6)))
-        await a.wait_until(lambda: len([r for s in (a, b) for r in s.held_request_ids if "held" in r]) == 6)
+        await until_held((a, b), "held", 6)
         held = {server.url: {r for r in server.held_request_ids if "held" in r} for server in (a, b)}
         await runner.abort("cancelled")
         done = await batch
@@ -193,7 +208,7 @@ async def test_a_weight_update_aborts_at_every_server_and_sets_every_version(
         batch = asyncio.ensure_future(runner.run_batch([Sample(prompt="p", index=i, session_id=f"upd{i}",
                                                                metadata={"scripted_env": {"steps": [["ok", True]]}})
                                                         for i in range(6)]))  # fmt: skip
-        await a.wait_until(lambda: len([r for s in (a, b) for r in s.held_request_ids if "upd" in r]) == 6)
+        await until_held((a, b), "upd", 6)
         async with runner.weight_update(version="9"):
             pass
         done = await batch
@@ -211,7 +226,7 @@ async def test_a_server_taken_down_mid_run_fails_only_its_own_samples(
         script_everywhere((a, b), f"down{i}", [ScriptedTurn(text="first", hang=True), ScriptedTurn(text="second")])
     async with runner_behind(url, [a.url, b.url]) as runner:
         batch = asyncio.ensure_future(runner.run_batch(two_turn_samples("down", 8)))
-        await a.wait_until(lambda: len([r for s in (a, b) for r in s.held_request_ids if "down" in r]) == 8)
+        await until_held((a, b), "down", 8)
         on_b = set(sessions_by_server((b,), "down")[0])
         assert on_b and len(on_b) < 8
         b.fail_next(GENERATE_PATH, reset=True, times=100)  # from now on b drops every generate, as a dead server
