@@ -73,6 +73,12 @@ class RolloutConfig:
     ``reward_fn`` (``(sample) -> float``, sync or async) sets ``sample.reward`` on the way into ``completed`` or
     ``truncated``; it is never recorded.
 
+    Behind a router (``engine_url`` a ``vllm-router`` in front of several servers), ``servers_behind_router`` lists
+    the servers' own URLs: a router forwards each request to one server, so a weight update's ``/pause``,
+    ``/resume``, ``/update_weight_version`` and its ``abort_requests`` are sent to every listed server directly
+    (a server ignores ids it does not know). Requests of samples, and a sample's own abort, still go through
+    ``engine_url``.
+
     ``partial_rollout`` (slime/vime's flag, for :mod:`fsm_rollout.compat`) hands a suspended sample back to the
     trainer instead of waiting (status ``aborted``, ``metadata["resume_state"]``); passing it again resumes it.
 
@@ -115,6 +121,7 @@ class RolloutConfig:
     env_step_timeout_s: float | None = None
     rollout_timeout_s: float | None = None
     reward_fn: Any = field(default=None, repr=False, compare=False)
+    servers_behind_router: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_turns) or self.max_turns <= 0:
@@ -175,6 +182,13 @@ class RolloutConfig:
             if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)
                                       or not math.isfinite(value) or value <= 0):
                 raise ConfigError(f"{name} must be a positive number of seconds or None, got {value!r}")
+        servers = self.servers_behind_router
+        if isinstance(servers, str) or not isinstance(servers, list | tuple):
+            raise ConfigError(f"servers_behind_router must be a list of server URLs, got {servers!r}")
+        bad = [url for url in servers if not isinstance(url, str) or not url.startswith(("http://", "https://"))]
+        if bad:
+            raise ConfigError(f"servers_behind_router holds entries that are not http(s) URLs: {bad!r}")
+        object.__setattr__(self, "servers_behind_router", tuple(servers))  # frozen: a list given is kept as a tuple
         if self.reward_fn is not None and not callable(self.reward_fn):
             raise ConfigError(f"reward_fn must be callable (sample) -> float, got {type(self.reward_fn).__name__}")
 

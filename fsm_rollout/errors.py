@@ -168,3 +168,8 @@ class ImageTokenMismatchError(MultimodalError):
 class ResumeError(SampleStateError):
     """A suspended sample cannot be resumed here (its resume state is missing, damaged, or needs an environment
     that can restore a snapshot)."""
+
+
+class PoolError(RolloutError, RuntimeError):
+    """A :class:`~fsm_rollout.distributed.RayRolloutPool` cannot do what was asked: Ray is missing, its workers did
+    not start, or none of them is alive."""

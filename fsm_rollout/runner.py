@@ -86,6 +86,8 @@ class MetricsSnapshot:
     """Samples in ``suspended`` right now (waiting out a weight update)."""
     suspensions: int = 0
     """Suspensions since the runner started (a sample suspended twice counts twice)."""
+    dwell_counts: dict[str, int] = field(default_factory=dict)
+    """How often samples left each state: the weights of ``dwell_ms_mean`` when snapshots are combined."""
 
 
 @dataclass(eq=False)
@@ -142,6 +144,7 @@ class _Metrics(RolloutHooks):
             tokens_per_s=self.tokens_generated / elapsed,
             suspended=occupancy.get("suspended", 0),
             suspensions=self.suspensions,
+            dwell_counts={state: n for state, n in self.dwell_count.items() if n},
         )
 
 
@@ -195,16 +198,24 @@ class RolloutRunner:
         self.tape = tape if tape is not None else tape_writer_for(config)
         self._ring = ConsistentHashRing(self.engine_urls)
         self._clients: dict[str, VLLMClient] = {}
+        self._server_clients: dict[str, VLLMClient] = {}
+        """The servers behind a router (``config.servers_behind_router``), which weight updates reach directly."""
         self._metrics = _Metrics()
         self._active = self._metrics.active
         self._hooks = combine_hooks(self._metrics, hooks)
         self._entered = False
-        self.suspender = Suspender(lambda: self._clients.values(), strategy=config.weight_update_strategy)
+        self.suspender = Suspender(
+            lambda: self._clients.values(),
+            strategy=config.weight_update_strategy,
+            servers=(lambda: self._server_clients.values()) if config.servers_behind_router else None,
+        )
         """The gate every rollout of this runner consults (:mod:`fsm_rollout.suspension`)."""
 
     async def __aenter__(self) -> RolloutRunner:
         for url in self.engine_urls:
             self._clients[url] = VLLMClient.from_config(self.config, base_url=url)
+        for url in self.config.servers_behind_router:
+            self._server_clients[url] = VLLMClient.from_config(self.config, base_url=url)
         if self.tokenizer is None:
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer_path or self.config.model)
         if self.env_factory is None:
@@ -217,9 +228,10 @@ class RolloutRunner:
     ) -> None:
         if self._active:
             await self.abort("shutdown")
-        for client in self._clients.values():
+        for client in [*self._clients.values(), *self._server_clients.values()]:
             await client.close()
         self._clients.clear()
+        self._server_clients.clear()
         self.tracer.flush()
         if self.tape is not None:
             await asyncio.to_thread(self.tape.flush)
@@ -319,34 +331,29 @@ class RolloutRunner:
             prepared = self._prepare(samples)
             return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
 
-    async def stream(self, samples: Iterable[Sample], *, concurrency: int = 64) -> AsyncIterator[Sample]:
-        """Yield samples as they finish (at most ``concurrency`` in flight), for asynchronous RL trainers."""
+    def stream(
+        self, samples: Iterable[Sample], *, concurrency: int = 64, sample_ids: Sequence[str | None] = ()
+    ) -> AsyncIterator[Sample]:
+        """Yield samples as they finish (at most ``concurrency`` in flight), for asynchronous RL trainers.
+
+        The rollouts are made, and start, when this is called, so :meth:`abort` reaches every one of them from
+        then on, also before the first is awaited. ``sample_ids`` name the samples in traces and tapes, by position
+        (as :meth:`run_group` names its members). Closing the iterator early cancels the samples still running.
+        """
         semaphore = asyncio.Semaphore(_positive(concurrency))
         with self._gc_tuned():
-            tasks = [asyncio.ensure_future(self._bounded(item, semaphore)) for item in self._prepare(samples)]
-            if self.config.tune_gc:  # held on until the last task is done: tied to the tasks, not to this
-                gc_policy.rollout_started()  # generator, which its consumer may never finish
+            prepared = self._prepare(samples, sample_ids)
+            tasks = [asyncio.ensure_future(self._bounded(item, semaphore)) for item in prepared]
+            if self.config.tune_gc:  # held on until the last task is done: tied to the tasks, not to the iterator,
+                gc_policy.rollout_started()  # which its consumer may never finish
                 asyncio.gather(*tasks, return_exceptions=True).add_done_callback(lambda _: gc_policy.rollout_ended())
-        try:
-            for finished in asyncio.as_completed(tasks):
-                yield await finished
-        finally:
-            for task in tasks:
-                task.cancel()
+        return _as_finished(tasks)
 
     async def run_group(self, sample: Sample, n: int, *, concurrency: int | None = None) -> list[Sample]:
         """Run ``n`` copies of a sample (a GRPO group): one group index, each copy with its own session id."""
-        group_index = sample.group_index if sample.group_index is not None else sample.index
-        copies: list[Sample] = []
-        for member in range(_positive(n)):
-            duplicate = copy.deepcopy(sample)
-            duplicate.group_index = group_index
-            duplicate.session_id = str(uuid.uuid4())
-            duplicate.metadata = {**(duplicate.metadata or {}), "group_member": member}
-            copies.append(duplicate)
+        copies, ids = group_members(sample, n)
         semaphore = asyncio.Semaphore(_positive(concurrency or n))
         with self._gc_tuned():
-            ids = [f"{sample.index}.{member}" if sample.index is not None else None for member in range(len(copies))]
             prepared = self._prepare(copies, ids)
             return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
 
@@ -396,10 +403,34 @@ class RolloutRunner:
         return len(self._active)
 
 
+def group_members(sample: Sample, n: int) -> tuple[list[Sample], list[str | None]]:
+    """The ``n`` copies :meth:`RolloutRunner.run_group` runs for ``sample`` and the ids that name them: one group
+    index (the sample's, else its index), a fresh session id each, ``metadata["group_member"]`` their position."""
+    group_index = sample.group_index if sample.group_index is not None else sample.index
+    copies: list[Sample] = []
+    for member in range(_positive(n)):
+        duplicate = copy.deepcopy(sample)
+        duplicate.group_index = group_index
+        duplicate.session_id = str(uuid.uuid4())
+        duplicate.metadata = {**(duplicate.metadata or {}), "group_member": member}
+        copies.append(duplicate)
+    ids = [f"{sample.index}.{member}" if sample.index is not None else None for member in range(n)]
+    return copies, ids
+
+
+async def _as_finished(tasks: Sequence[asyncio.Future[Sample]]) -> AsyncIterator[Sample]:
+    try:
+        for finished in asyncio.as_completed(tasks):
+            yield await finished
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 def _positive(value: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"expected a positive integer, got {value!r}")
     return value
 
 
-__all__ = ["ConsistentHashRing", "MetricsSnapshot", "RolloutRunner"]
+__all__ = ["ConsistentHashRing", "MetricsSnapshot", "RolloutRunner", "group_members"]

@@ -95,9 +95,11 @@ class SuspendStats:
 class Suspender:
     """The gate of one set of rollouts (see the module docstring).
 
-    ``clients`` gives the engine clients the rollouts send to (one per engine). ``abort_retry_s``: while requests
-    are still in flight after an abort round (the engine may not have registered a request yet, and ignores
-    unknown ids), another round aborts them after this many seconds.
+    ``clients`` gives the engine clients the rollouts send to (one per engine). ``servers``, when given, are the
+    servers behind a router that those clients reach: pauses, resumes, weight versions and aborts go to each of
+    them instead, every id to every server, since the router would forward each call to one server only.
+    ``abort_retry_s``: while requests are still in flight after an abort round (the engine may not have registered
+    a request yet, and ignores unknown ids), another round aborts them after this many seconds.
     """
 
     def __init__(
@@ -106,12 +108,16 @@ class Suspender:
         *,
         strategy: str = "abort",
         abort_retry_s: float = 0.25,
+        servers: Callable[[], Iterable[VLLMClient]] | None = None,
     ) -> None:
         if strategy not in WEIGHT_UPDATE_STRATEGIES:
             raise ConfigError(
                 f"weight_update_strategy must be one of {', '.join(WEIGHT_UPDATE_STRATEGIES)}; got {strategy!r}"
             )
         self._clients = clients
+        self._controlled = servers or clients
+        """Where pauses, resumes and weight versions go."""
+        self._servers = servers
         self.strategy = strategy
         self.abort_retry_s = abort_retry_s
         self._open = asyncio.Event()
@@ -212,7 +218,7 @@ class Suspender:
             if not self._engines_paused:
                 self._engines_paused = True
                 if self.strategy == "keep":
-                    clients = list(self._clients())
+                    clients = list(self._controlled())
                     await asyncio.gather(*(client.pause("keep") for client in clients))
                     self.stats.pause_calls = len(clients)
             if self.strategy == "abort":
@@ -222,13 +228,10 @@ class Suspender:
     async def _abort_in_flight(self) -> None:
         # Grouped by engine, and sent through the gate's own clients: a rollout's client may be a per-sample wrapper
         # (a recording), and the abort call is the runner's, not one sample's exchange.
-        own = {client.base_url: client for client in self._clients()}
         while self._in_flight:
-            by_engine: dict[str, tuple[VLLMClient, list[str]]] = {}
-            for request_id, client in self._in_flight.items():
-                url = client.base_url
-                by_engine.setdefault(url, (own.get(url, client), []))[1].append(request_id)
-                self._aborted.add(request_id)
+            by_engine = self._aborts_by_engine()
+            for _, ids in by_engine.values():
+                self._aborted.update(ids)
             results = await asyncio.gather(
                 *(client.abort(ids) for client, ids in by_engine.values()), return_exceptions=True
             )
@@ -240,6 +243,18 @@ class Suspender:
             except TimeoutError:
                 continue
 
+    def _aborts_by_engine(self) -> dict[str, tuple[VLLMClient, list[str]]]:
+        """The ids in flight to abort, grouped by the client to send them through."""
+        if self._servers is not None:
+            ids = list(self._in_flight)
+            return {server.base_url: (server, ids) for server in self._servers()}
+        own = {client.base_url: client for client in self._clients()}
+        by_engine: dict[str, tuple[VLLMClient, list[str]]] = {}
+        for request_id, client in self._in_flight.items():
+            url = client.base_url
+            by_engine.setdefault(url, (own.get(url, client), []))[1].append(request_id)
+        return by_engine
+
     async def resume(self) -> None:
         """Open the gate (resuming the engines first, ``keep``); suspended rollouts continue where they stopped."""
         async with self._lock:
@@ -247,7 +262,7 @@ class Suspender:
             if self._open.is_set():
                 return
             if self.strategy == "keep":
-                await asyncio.gather(*(client.resume() for client in self._clients()))
+                await asyncio.gather(*(client.resume() for client in self._controlled()))
             self._aborted.clear()
             self.reason = None
             self._open.set()
@@ -255,7 +270,7 @@ class Suspender:
 
     async def set_weight_version(self, version: str) -> None:
         """Tell every engine the weight version of the tokens it samples from now on, and remember it."""
-        await asyncio.gather(*(client.update_weight_version(version) for client in self._clients()))
+        await asyncio.gather(*(client.update_weight_version(version) for client in self._controlled()))
         self._versions_before.append(self.weight_version)
         self._weight_version = version
         self.version_history.append(version)

@@ -11,6 +11,13 @@ import numpy as np
 
 from fsm_rollout.sample.status import PrefixCacheInfo, SpecInfo
 
+_PLAIN = frozenset({int, float, str, bool, type(None)})
+"""Types a list holds as they are: token ids, masks and logprobs are long lists of these, copied without a walk."""
+
+
+def _plain_list(value: list[Any] | tuple[Any, ...]) -> bool:
+    return set(map(type, value)) <= _PLAIN
+
 
 def _is_tensor(value: Any) -> bool:
     """Duck-typed torch tensor check, so serialising never imports torch."""
@@ -47,7 +54,7 @@ def encode(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {key: encode(item) for key, item in value.items()}
     if isinstance(value, list | tuple):
-        return [encode(item) for item in value]
+        return list(value) if _plain_list(value) else [encode(item) for item in value]
     return value
 
 
@@ -60,7 +67,7 @@ def decode(value: Any) -> Any:
             return _tensor_from(value)
         return {key: decode(item) for key, item in value.items()}
     if isinstance(value, list):
-        return [decode(item) for item in value]
+        return list(value) if _plain_list(value) else [decode(item) for item in value]
     return value
 
 

@@ -39,6 +39,10 @@ Workloads, one module each:
   environment step takes 50 ms, run in the worker pool (``env_executor="thread"``) and as a coroutine, beside the
   same batch with steps that take no time and an inline (loop-blocking) run of 40 samples: each case's wall and loop
   lag p99, and the overlapping cases' wall beyond the sleep-free batch.
+* ``scale_out`` (:mod:`.scale_out`, ``--only scale-out``, needs Ray): one ``RolloutRunner`` against a
+  ``RayRolloutPool`` of two workers on a local Ray cluster, 2,000 three-turn samples (``--quick``: 400) against the
+  canned server: each side's wall (median of three), the throughput ratio, the pool's CPU per sample in the
+  trainer's process and a sample's serialisation round trip.
 * ``goals`` (:mod:`.suite`, which runs everything): each goal with its figure, target and met/missed.
 
 The rollouts run with pacing and the tuned collector on, as ``fsm-rollout run`` does (``--loop-slice-ms 0`` and
@@ -59,8 +63,8 @@ from fsm_rollout.cli.common import add_process_settings
 
 EPILOG = """\
 Prints each workload's figures, then each goal with its figure, target and met/missed; --json FILE writes them too.
---quick is a smoke run (fewer samples and repeats); --only weight-update or --only slow-env runs that workload
-alone. The rollouts
+--quick is a smoke run (fewer samples and repeats); --only weight-update, --only slow-env or --only scale-out runs
+that workload alone (scale-out, a Ray pool of two workers against one runner, runs only so). The rollouts
 run with pacing and the tuned collector, as `fsm-rollout run` does, unless --loop-slice-ms 0 or --no-tune-gc turn
 them off."""
 
@@ -71,8 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="fewer samples and repeats (a smoke run)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON to this file")
     parser.add_argument("--only", choices=WORKLOADS, metavar="WORKLOAD",
-                        help="run only this workload and its goals: weight-update or slow-env (the others share "
-                             "interleaved runs and always run together)")
+                        help="run only this workload and its goals: weight-update, slow-env or scale-out (scale-out "
+                             "needs Ray and runs only so; the others share interleaved runs and always run together)")
     parser.add_argument("--weight-update-samples", type=_positive_int, metavar="N",
                         help="samples in flight in the weight-update workload (default: 1000, 200 with --quick)")
     add_process_settings(parser.add_argument_group("process-wide settings of the measured rollouts"))
@@ -92,9 +96,11 @@ def settings(args: argparse.Namespace) -> Settings:
 
 def main(args: argparse.Namespace) -> int:
     """Run the workloads, print a table, write JSON if asked."""
-    from fsm_rollout.cli.bench.suite import print_table, run_all, run_slow_env, run_weight_update
+    from fsm_rollout.cli.bench.suite import print_table, run_all, run_scale_out, run_slow_env, run_weight_update
 
-    if args.only == "weight-update":
+    if args.only == "scale-out":
+        results = run_scale_out(bool(args.quick), settings(args))
+    elif args.only == "weight-update":
         results = run_weight_update(bool(args.quick), settings(args), args.weight_update_samples)
     elif args.only == "slow-env":
         results = run_slow_env(bool(args.quick), settings(args))

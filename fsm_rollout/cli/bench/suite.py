@@ -78,6 +78,19 @@ def run_slow_env(quick: bool, settings: Settings) -> dict[str, dict[str, Any]]:
     return {"slow_env": figures, "goals": _slow_env_goals(figures)}
 
 
+def run_scale_out(quick: bool, settings: Settings) -> dict[str, dict[str, Any]]:
+    """The scale-out workload alone (``--only scale-out``: it needs Ray), with its goal."""
+    from fsm_rollout.cli.bench.scale_out import bench_scale_out
+
+    server = Server(LATENCY_S)
+    try:
+        figures = bench_scale_out(server.url(), settings, 400 if quick else 2_000, repeats=1 if quick else 3)
+    finally:
+        server.stop()
+    goal = _goal(figures["throughput_ratio"], 1.6, at_most=False, unit="x")
+    return {"scale_out": figures, "goals": {"scale_out_two_workers_vs_one_runner": goal}}
+
+
 def _batch_size(quick: bool, samples: int | None) -> int:
     """The weight-update workload's batch size: as asked, else 1,000 (200 with ``--quick``)."""
     return samples if samples is not None else 200 if quick else 1_000

@@ -1,0 +1,155 @@
+"""The body of one Ray rollout worker: a :class:`~fsm_rollout.runner.RolloutRunner` in an async actor.
+
+Everything crossing the actor boundary is data: the configuration as :func:`config_to_data` writes it, samples as
+``Sample.to_dict()``, metrics as plain dicts. The worker loads its own tokenizer, environment module and HTTP pool
+when it starts. This module imports no Ray: the pool makes the class an actor.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+from collections.abc import AsyncIterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fsm_rollout.config import RetryPolicy, RolloutConfig
+from fsm_rollout.errors import ConfigError
+from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.sample import Sample
+
+Finished = tuple[int, dict[str, Any]]
+"""A finished sample as a worker sends it back: its position in the call's batch and ``Sample.to_dict()``."""
+
+
+def config_to_data(config: RolloutConfig) -> dict[str, Any]:
+    """``config`` as plain data for another process; refuses what only the trainer's process can hold."""
+    if config.reward_fn is not None:
+        raise ConfigError(
+            "RolloutConfig.reward_fn is a callable, which does not cross to Ray workers: set rewards in the "
+            "environment (env_path) or on the samples the pool returns"
+        )
+    data: dict[str, Any] = {}
+    for item in dataclasses.fields(config):
+        value = getattr(config, item.name)
+        if isinstance(value, RetryPolicy):
+            value = {**dataclasses.asdict(value), "retry_statuses": sorted(value.retry_statuses)}
+        elif isinstance(value, Path):
+            value = str(value)
+        elif isinstance(value, Mapping):
+            value = dict(value)
+        data[item.name] = value
+    return data
+
+
+def config_from_data(data: Mapping[str, Any]) -> RolloutConfig:
+    """The config :func:`config_to_data` wrote."""
+    values = dict(data)
+    retry = values.pop("retry", None)
+    if retry is not None:
+        values["retry"] = RetryPolicy(**{**retry, "retry_statuses": frozenset(retry["retry_statuses"])})
+    values["servers_behind_router"] = tuple(values.get("servers_behind_router") or ())
+    return RolloutConfig(**values)
+
+
+def worker_trace_path(trace: str | None, index: int) -> str | None:
+    """Worker ``index``'s trace file: ``run.jsonl`` becomes ``run.worker<index>.jsonl`` (and its tape beside it), so
+    workers never append to one file; ``None``, ``off`` and ``stdout`` stay as they are."""
+    if trace is None or trace in ("off", "stdout", "-"):
+        return trace
+    path = Path(trace)
+    return str(path.with_name(f"{path.stem}.worker{index}{path.suffix}"))
+
+
+class RolloutWorker:
+    """One worker of a :class:`~fsm_rollout.distributed.RayRolloutPool` (the body of its actor).
+
+    Batches are numbered by the pool. An abort names the last batch it covers, and a batch of that number or
+    lower that reaches the worker after the abort (Ray does not order an async actor's calls) is aborted as soon as
+    its rollouts exist, so no sample the abort covered sends a request.
+    """
+
+    def __init__(self, config: Mapping[str, Any], sampling_params: Mapping[str, Any],
+                 engine_urls: Sequence[str] | None) -> None:  # fmt: skip
+        self._config = config_from_data(config)
+        self._sampling_params = dict(sampling_params)
+        self._engine_urls = list(engine_urls) if engine_urls else None
+        self._runner: RolloutRunner | None = None
+        self._aborted_through = -1
+        self._abort_reason = "cancelled"
+
+    @property
+    def runner(self) -> RolloutRunner:
+        if self._runner is None:
+            raise RuntimeError("the rollout worker has not started")
+        return self._runner
+
+    async def start(self) -> dict[str, Any]:
+        """Load the tokenizer and the environment module, open the HTTP pool; where the worker runs."""
+        runner = RolloutRunner(self._config, sampling_params=self._sampling_params, engine_urls=self._engine_urls)
+        await runner.__aenter__()
+        self._runner = runner
+        return {"pid": os.getpid()}
+
+    async def stop(self) -> None:
+        """Abort what is unfinished (reason ``shutdown``) and close the runner."""
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.__aexit__(None, None, None)
+
+    async def run_batch(
+        self, number: int, samples: Sequence[Mapping[str, Any]], sample_ids: Sequence[str | None], concurrency: int
+    ) -> AsyncIterator[list[Finished]]:
+        """Run the samples (``Sample.to_dict()`` data), at most ``concurrency`` at once; yields lists of finished
+        ones as they finish (every sample that finished since the last yield, so a busy worker sends few
+        messages)."""
+        records = [Sample.from_dict(data) for data in samples]
+        # the runner returns the very objects it was given: their identity tells each one's position
+        positions = {id(sample): position for position, sample in enumerate(records)}
+        stream = self.runner.stream(records, concurrency=concurrency, sample_ids=sample_ids)
+        if number <= self._aborted_through:
+            await self.runner.abort(self._abort_reason)
+        finished: list[Finished] = []
+        ready = asyncio.Event()
+        ended = False
+
+        async def collect() -> None:
+            nonlocal ended
+            try:
+                async for sample in stream:
+                    finished.append((positions[id(sample)], sample.to_dict()))
+                    ready.set()
+            finally:
+                ended = True
+                ready.set()
+
+        collector = asyncio.ensure_future(collect())
+        try:
+            while not (ended and not finished):
+                await ready.wait()
+                ready.clear()
+                if finished:
+                    batch, finished[:] = list(finished), []
+                    yield batch
+            await collector  # raises what the collector raised
+        finally:
+            collector.cancel()
+
+    async def abort(self, reason: str, through: int) -> None:
+        """End every unfinished sample of batches up to ``through`` ``aborted`` with ``reason``."""
+        if through > self._aborted_through:
+            self._aborted_through, self._abort_reason = through, reason
+        await self.runner.abort(reason)
+
+    async def suspend(self, reason: str) -> None:
+        await self.runner.suspend(reason)
+
+    async def resume(self) -> None:
+        await self.runner.resume()
+
+    async def set_weight_version(self, version: str) -> None:
+        await self.runner.suspender.set_weight_version(version)
+
+    def metrics(self) -> dict[str, Any]:
+        return dataclasses.asdict(self.runner.metrics())
