@@ -244,14 +244,14 @@ class RolloutRunner:
             return next(iter(self._clients.values()))
         return self._clients[self._ring.url_for(sample.session_id or "")]
 
-    def _rollout(self, sample: Sample, *, sample_id: str | None = None) -> Rollout:
+    def _rollout(self, sample: Sample, *, sample_id: str | None = None, seed: int | None = None) -> Rollout:
         if not self._entered:
             raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
         if len(self._clients) > 1 and not sample.session_id:
             sample.session_id = str(uuid.uuid4())
         options: dict[str, Any] = {
             "config": self.config,
-            "sampling_params": self.sampling_params,
+            "sampling_params": self.sampling_params if seed is None else {**self.sampling_params, "seed": seed},
             "client": self._client_for(sample),
             "tokenizer": self.tokenizer,
             "env_factory": self.env_factory,
@@ -287,12 +287,15 @@ class RolloutRunner:
         """Run one sample to a terminal state and return it."""
         return await self._drive(self._rollout(sample))
 
-    def _prepare(self, samples: Iterable[Sample], sample_ids: Sequence[str | None] = ()) -> list[Rollout | Sample]:
+    def _prepare(
+        self, samples: Iterable[Sample], sample_ids: Sequence[str | None] = (), seeds: Sequence[int | None] = ()
+    ) -> list[Rollout | Sample]:
         prepared: list[Rollout | Sample] = []
         for position, sample in enumerate(samples):
             try:
                 sample_id = sample_ids[position] if position < len(sample_ids) else None
-                prepared.append(self._rollout(sample, sample_id=sample_id))
+                seed = seeds[position] if position < len(seeds) else None
+                prepared.append(self._rollout(sample, sample_id=sample_id, seed=seed))
             except Exception as error:
                 if self.raise_on_error:
                     raise
@@ -349,12 +352,21 @@ class RolloutRunner:
                 asyncio.gather(*tasks, return_exceptions=True).add_done_callback(lambda _: gc_policy.rollout_ended())
         return _as_finished(tasks)
 
-    async def run_group(self, sample: Sample, n: int, *, concurrency: int | None = None) -> list[Sample]:
-        """Run ``n`` copies of a sample (a GRPO group): one group index, each copy with its own session id."""
+    async def run_group(
+        self, sample: Sample, n: int, *, concurrency: int | None = None, seed: int | None = None
+    ) -> list[Sample]:
+        """Run ``n`` copies of a sample (a GRPO group): one group index, each copy with its own session id.
+
+        With ``seed``, member ``m`` sends sampling seed ``seed + m`` (over the sampling parameters' own): the group
+        is reproducible and its members still differ.
+        """
         copies, ids = group_members(sample, n)
         semaphore = asyncio.Semaphore(_positive(concurrency or n))
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise ConfigError(f"seed must be an integer or None, got {seed!r}")
+        seeds = [] if seed is None else [seed + member for member in range(len(copies))]
         with self._gc_tuned():
-            prepared = self._prepare(copies, ids)
+            prepared = self._prepare(copies, ids, seeds)
             return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
 
     async def abort(self, reason: str = "cancelled") -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from fsm_rollout import RetryPolicy, RolloutConfig, Sample, Status, gc_policy
+from fsm_rollout.errors import ConfigError
 from fsm_rollout.runner import ConsistentHashRing, RolloutRunner
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import ABORT_PATH, GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
@@ -101,6 +102,25 @@ async def test_group_copies_share_a_group_index_and_get_their_own_sessions(
     assert all(sample.status == Status.COMPLETED for sample in group)
     assert source.status == Status.PENDING
     assert sorted(sample.metadata["group_member"] for sample in group) == [0, 1, 2, 3]
+
+
+async def test_a_seeded_group_sends_each_member_its_own_seed_on_every_turn(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    fake_vllm.script([ScriptedTurn(text="g")] * 6)
+    envs = ScriptedEnvFactory(steps=[("more", False), ("ok", True)])
+    async with runner_for(fake_vllm, tokenizer, envs=envs, config_overrides={"max_turns": 2}) as runner:
+        group = await runner.run_group(Sample(prompt="q", index=2), 3, seed=40)
+        with pytest.raises(ConfigError, match="seed"):
+            await runner.run_group(Sample(prompt="q", index=3), 2, seed="7")  # type: ignore[arg-type]
+    seeds: dict[str, list[int]] = {}
+    for request in fake_vllm.requests_to(GENERATE_PATH):
+        session = next(sample.session_id for sample in group if str(request.body["request_id"]).startswith(
+            str(sample.session_id)))  # fmt: skip
+        seeds.setdefault(str(session), []).append(request.body["sampling_params"]["seed"])
+    by_member = {sample.metadata["group_member"]: seeds[str(sample.session_id)] for sample in group}
+    assert by_member == {0: [40, 40], 1: [41, 41], 2: [42, 42]}
+    assert "seed" not in SAMPLING  # the runner's own parameters are left as they were
 
 
 @pytest.fixture
