@@ -50,8 +50,7 @@ def _triangle_angles(rng: random.Random) -> Question:
     a = rng.randrange(30, 80, 5)
     b = rng.randrange(30, 150 - a, 5)
     return Question(
-        f"In triangle ABC, angle A measures {a}° and angle B measures {b}°. "
-        "Find x, the measure of angle C in degrees.",
+        f"In triangle ABC, angle A measures {a}° and angle B measures {b}°. Find x, the measure of angle C in degrees.",
         str(180 - a - b),
         triangle_angles((a, b), (f"{a}°", f"{b}°", "x°")),
     )
@@ -69,8 +68,7 @@ def _right_angle(rng: random.Random) -> Question:
 def _isosceles(rng: random.Random) -> Question:
     c = rng.randrange(20, 141, 10)
     return Question(
-        f"Triangle ABC is isosceles with CA = CB and angle C measures {c}°. "
-        "Find x, the measure of angle A in degrees.",
+        f"Triangle ABC is isosceles with CA = CB and angle C measures {c}°. Find x, the measure of angle A in degrees.",
         str((180 - c) // 2),
         isosceles(f"{c}°", "x°"),
     )
@@ -119,8 +117,7 @@ def _leg(rng: random.Random) -> Question:
 def _isosceles_right(rng: random.Random) -> Question:
     leg = rng.randrange(3, 13)
     return Question(
-        f"Triangle ABC has a right angle at A and AB = AC = {leg}. Find x, the length of BC, "
-        "in simplest radical form.",
+        f"Triangle ABC has a right angle at A and AB = AC = {leg}. Find x, the length of BC, in simplest radical form.",
         f"{leg}\\sqrt{{2}}",
         right_triangle((leg, leg), (str(leg), str(leg)), "x"),
     )
@@ -232,8 +229,7 @@ def _straight_line(rng: random.Random) -> Question:
 def _vertical(rng: random.Random) -> Question:
     known = rng.randrange(25, 86, 5)
     return Question(
-        f"Lines AB and CD intersect at O and angle BOD measures {known}°. "
-        "Find x, the measure of angle AOC in degrees.",
+        f"Lines AB and CD intersect at O and angle BOD measures {known}°. Find x, the measure of angle AOC in degrees.",
         str(known),
         vertical_angles(f"{known}°", "x°"),
     )

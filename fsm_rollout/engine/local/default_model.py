@@ -368,9 +368,7 @@ def _fit(model: Any, examples: Sequence[TrainingExample], *, pad_id: int) -> lis
 
     steps, batch_size = RECIPE["steps"], RECIPE["batch_size"]
     optimizer = torch.optim.AdamW([compact, *body], lr=RECIPE["learning_rate"], weight_decay=RECIPE["weight_decay"])
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: min(1.0, (step + 1) / RECIPE["warmup_steps"])
-    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / RECIPE["warmup_steps"]))
     order = random.Random(RECIPE["data_seed"] + 1)
     indices: list[int] = []
     losses: list[float] = []

@@ -1,0 +1,1 @@
+"""Programs a user of the library would write, run with ``python -m fsm_rollout.examples.<name>``."""

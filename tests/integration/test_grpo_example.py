@@ -1,0 +1,71 @@
+"""The GRPO example as a guard against train/inference mismatch: two quick steps on the embedded engine.
+
+The engine samples with the default model; the trainer recomputes every trainable token's logprob with the weights
+that sampled it. A shifted token, a mask off by one or a re-tokenised turn would show as a gap far above float32
+noise. After the first step the engine must serve the new weights under the new version: the second step's tokens
+carry version "1" and their logprobs match the updated policy, which they could not if the engine still had the old
+weights (the step moves them by far more than the bound).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from typing import Any
+
+import pytest
+
+from fsm_rollout import Sample
+from fsm_rollout.examples.grpo import GRPOOptions, NearMissEnv, main, parse_args, train
+
+GAP_MEAN_BOUND = 1e-5
+
+
+class MemberRewardEnv(NearMissEnv):
+    """The example's environment, with a reward that differs within every group (the member's position), so every
+    step has advantages and the optimizer surely moves the weights."""
+
+    def step(self, text: str) -> tuple[str, bool, dict[str, Any]]:
+        observation, done, _ = super().step(text)
+        return observation, done, {"reward": float(self.sample.metadata["group_member"])}
+
+
+def member_reward_env(*, sample: Sample, args: Any) -> MemberRewardEnv:
+    return MemberRewardEnv(sample)
+
+
+@pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
+async def test_two_steps_keep_the_logprob_gap_at_float32_noise(asynchronous: bool) -> None:
+    out = io.StringIO()
+    options = GRPOOptions(steps=2, groups=2, group_size=2, max_new_tokens=80, asynchronous=asynchronous,
+                          env_factory=member_reward_env)  # fmt: skip
+    run = await train(options, out=out)
+
+    lines = out.getvalue().strip().splitlines()
+    assert len(lines) == 3 and lines[0].startswith("step   0") and lines[1].startswith("step   1")
+    summary = json.loads(lines[-1])
+    assert set(summary) == {"steps", "reward_first", "reward_last", "logprob_gap_mean", "logprob_gap_max", "minutes"}
+    assert summary == run.summary and summary["steps"] == 2
+
+    first, second = run.reports
+    assert first.tokens > 0 and second.tokens > 0
+    for report in run.reports:
+        assert report.gap_mean <= GAP_MEAN_BOUND, report
+    assert summary["logprob_gap_mean"] <= GAP_MEAN_BOUND
+    assert run.weight_change > 1e-4, "the optimizer step did not change the weights"
+    assert first.versions == ["0"]
+    if asynchronous:
+        # the second step's samples started under version 0 and were suspended for the update or had finished
+        assert set(second.versions) <= {"0", "1"}
+        assert second.stale_tokens > 0 or second.versions == ["1"]
+    else:
+        assert second.versions == ["1"], "the engine did not serve the new weight version"
+
+
+def test_the_command_line_checks_its_numbers() -> None:
+    options = parse_args(["--steps", "3", "--async", "--groups", "4", "--group-size", "2", "--lr", "0.01"])
+    assert (options.steps, options.asynchronous, options.groups, options.group_size, options.learning_rate) == (
+        3, True, 4, 2, 0.01,
+    )  # fmt: skip
+    with pytest.raises(SystemExit):
+        main(["--steps", "0"])
