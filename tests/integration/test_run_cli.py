@@ -118,6 +118,20 @@ async def test_run_writes_results_trace_and_a_summary(fake_vllm: FakeVLLMServer,
     assert "completed" in stdout
 
 
+async def test_turns_stop_at_the_tool_call_with_the_geo3k_environment_unless_told_otherwise(
+    fake_vllm: FakeVLLMServer, tmp_path: Path
+) -> None:
+    fake_vllm.script([ScriptedTurn(text="no tool call")] * 3)
+    geo3k = dataset(tmp_path / "geo3k.jsonl", {"prompt": "q", "label": "5"})
+    scripted = dataset(tmp_path / "scripted.jsonl", done_after_one_turn("q"))
+    for options in (("--env", "fsm_rollout.envs.geo3k"), ("--env", "fsm_rollout.envs.geo3k", "--stop", "###"), ()):
+        data = geo3k if options else scripted
+        code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", *options)
+        assert code == 0, stderr
+    stops = [request.body["sampling_params"].get("stop") for request in fake_vllm.requests_to(GENERATE_PATH)]
+    assert stops == [["</tool_call>"], ["###"], None]
+
+
 async def test_a_bad_dataset_line_exits_2_naming_the_line(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
     data = tmp_path / "d.jsonl"
     data.write_text('{"prompt": "ok"}\n{"prompt": 3}\n')
