@@ -40,7 +40,9 @@ def test_a_build_in_a_fresh_cache_has_the_same_weights_and_reuse_trains_nothing(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     shared = default_model_dir()
-    fresh = default_model_dir(tmp_path)
+    said: list[str] = []
+    fresh = default_model_dir(tmp_path, log=said.append)
+    assert len(said) == 1 and str(fresh) in said[0]  # the CLI prints this line while the model trains
     assert fresh.name == shared.name == f"{DEFAULT_MODEL_NAME}-{recipe_key()}"
     built = marker(fresh)
     assert built["weights_sha256"] == marker(shared)["weights_sha256"]  # one torch thread: the same on any machine
@@ -51,7 +53,8 @@ def test_a_build_in_a_fresh_cache_has_the_same_weights_and_reuse_trains_nothing(
         raise AssertionError("a finished build was trained again")
 
     monkeypatch.setattr(default_model_module, "_train_in_subprocess", no_training)
-    assert default_model_dir(tmp_path) == fresh
+    assert default_model_dir(tmp_path, log=said.append) == fresh
+    assert len(said) == 1
 
 
 def test_the_cache_key_follows_the_recipe(monkeypatch: pytest.MonkeyPatch) -> None:

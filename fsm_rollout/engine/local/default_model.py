@@ -38,6 +38,7 @@ from typing import Any, Final
 
 from fsm_rollout.engine.local.errors import ModelLoadError
 from fsm_rollout.engine.local.tiny import BUILD_MARKER, tiny_model_dir
+from fsm_rollout.sample import Sample
 from fsm_rollout.testing.tokenizer import cache_dir
 
 __all__ = [
@@ -189,7 +190,7 @@ def training_conversations(count: int, *, seed: int, first_correct: float, retry
     conversations = []
     for drawn in practice_questions(count, seed=seed):
         label = drawn.question.label
-        env = Geo3KEnv(sample=_Holder(), label=label, max_turns=max_turns)
+        env = Geo3KEnv(sample=Sample(), label=label, max_turns=max_turns)
         env.reset()
         turns: list[str] = []
         feedback: list[str] = []
@@ -211,16 +212,6 @@ def training_conversations(count: int, *, seed: int, first_correct: float, retry
             Conversation(question_prompt(drawn.question), drawn.kind, label, tuple(turns), tuple(feedback))
         )
     return conversations
-
-
-class _Holder:
-    """Stands in for a sample: the environment writes its reward and metadata here."""
-
-    def __init__(self) -> None:
-        self.reward: float | None = None
-        self.metadata: dict[str, Any] = {}
-        self.index = None
-        self.session_id = None
 
 
 def _wrong_answer(kind: Callable[[random.Random], Any], label: str, rng: random.Random) -> str:
@@ -246,7 +237,7 @@ class TrainingExample:
 def encode_conversations(conversations: Sequence[Conversation], tokenizer: Any) -> list[TrainingExample]:
     """Token ids as a rollout produces them (the prompt as the engine renders it, the feedback as the library's
     observation encoder encodes it), and which of them are the model's (the loss positions)."""
-    from fsm_rollout.chat import ObservationEncoder
+    from fsm_rollout.chat import ObservationEncoder, template_token_ids
     from fsm_rollout.data.figures import FIGURE_SIZE
     from fsm_rollout.envs.geo3k import Geo3KEnv
     from fsm_rollout.multimodal.messages import build_initial_messages
@@ -254,13 +245,15 @@ def encode_conversations(conversations: Sequence[Conversation], tokenizer: Any) 
     pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     pads = _image_tokens(FIGURE_SIZE, tokenizer)
     encoder = ObservationEncoder(tokenizer)
-    formatter = Geo3KEnv(sample=_Holder(), label="0", max_turns=1)
+    formatter = Geo3KEnv(sample=Sample(), label="0", max_turns=1)
     eos = int(tokenizer.eos_token_id)
     examples = []
     for conversation in conversations:
         messages = build_initial_messages(conversation.prompt, [None])
         messages[0]["content"][0] = {"type": "image"}
-        prompt = _as_ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+        prompt = template_token_ids(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True), what="training prompt"
+        )
         expanded: list[int] = []
         for token in prompt:
             expanded.extend([pad_id] * pads if token == pad_id else [token])
@@ -282,17 +275,10 @@ def _image_tokens(size: tuple[int, int], tokenizer: Any) -> int:
     """How many ``<|image_pad|>`` tokens the engine's render gives a figure of ``size``."""
     from PIL import Image
 
-    from fsm_rollout.engine.local.images import ImageSupport
+    from fsm_rollout.engine.local.images import ImageSupport, tokens_per_image
 
     _, grids = ImageSupport(tokenizer).preprocess([Image.new("RGB", size, "white")])
-    t, h, w = (int(value) for value in grids[0].tolist())
-    return t * h * w // 4
-
-
-def _as_ids(rendered: Any) -> list[int]:
-    if hasattr(rendered, "get") and "input_ids" in rendered:
-        rendered = rendered["input_ids"]
-    return [int(token) for token in rendered]
+    return tokens_per_image(grids[0].tolist())
 
 
 # --------------------------------------------------------------------------------------------------------------

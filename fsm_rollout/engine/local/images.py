@@ -115,7 +115,7 @@ class ImageSupport:
         names = list(places) if places is not None else [f"image {index}" for index in range(len(image_urls))]
         images = [load_image_url(url, name) for url, name in zip(image_urls, names, strict=True)]
         pixel_values, grids = self.preprocess(images)
-        counts = [_tokens_per_image(grid) for grid in grids.tolist()]
+        counts = [tokens_per_image(grid) for grid in grids.tolist()]
         expanded: list[int] = []
         placeholders: list[tuple[int, int]] = []
         for token in token_ids:
@@ -249,7 +249,8 @@ def load_image_url(url: str, what: str) -> Image:
     return image.convert("RGB")
 
 
-def _tokens_per_image(grid: list[int]) -> int:
+def tokens_per_image(grid: list[int]) -> int:
+    """How many ``<|image_pad|>`` tokens an image of grid ``(t, h, w)`` becomes."""
     return grid[0] * grid[1] * grid[2] // IMAGE_MERGE_SIZE**2
 
 
