@@ -4,7 +4,8 @@ A :class:`Generation` advances one token per :meth:`Generation.step`: the first 
 the model (prefill) into the request's own KV cache, every later step runs only the last sampled token. Sampling
 follows vLLM's order and semantics: penalties and the ``min_tokens`` mask on the raw logits, then (unless greedy)
 temperature, ``min_p``, ``top_k`` and ``top_p``; the token's logprob is the log-softmax of that *processed*
-distribution (vLLM's ``--logprobs-mode processed_logprobs``).
+distribution (vLLM's ``--logprobs-mode processed_logprobs``). When most rows of the LM head are zero (the default
+model's unused ids), :class:`LiveRowsHead` computes only the others.
 
 :func:`load_weights` copies new parameter values into a loaded model (:func:`read_safetensors` reads them from a
 file); the scheduler calls both on its worker thread, between two decode steps.
@@ -64,6 +65,8 @@ class LoadedModel:
     eos_token_ids: frozenset[int]
     cache_argument: str
     takes_logits_to_keep: bool
+    head: LiveRowsHead | None = None
+    """The LM head over its non-zero rows, when most rows are zero (see :class:`LiveRowsHead`); else None."""
 
     def new_cache(self) -> Any:
         """An empty KV cache for one request."""
@@ -75,11 +78,65 @@ class LoadedModel:
         """Run ``input_ids`` through the model on top of ``cache`` (which grows by them); the last position's
         logits as a fresh float32 tensor."""
         options: dict[str, Any] = {self.cache_argument: cache}
+        ids = torch.tensor([input_ids], dtype=torch.long)
+        if self.head is not None and self.head.rows is not None:
+            hidden = self.model.base_model(input_ids=ids, use_cache=True, **options).last_hidden_state
+            return self.head.logits(hidden[0, -1])
         if self.takes_logits_to_keep:  # spares a prefill the (prompt length x vocabulary) logits
             options["logits_to_keep"] = 1
-        output = self.model(input_ids=torch.tensor([input_ids], dtype=torch.long), use_cache=True, **options)
+        output = self.model(input_ids=ids, use_cache=True, **options)
         logits: torch.Tensor = output.logits[0, -1].to(dtype=torch.float32, copy=True)
         return logits
+
+
+class LiveRowsHead:
+    """The LM head computed over the rows of its weight that are not all zero; the other logits are exactly 0.
+
+    The embedded engine's default model leaves the rows of ids its training never used at zero, most of a Qwen
+    vocabulary; a zero row's logit is 0 whatever the hidden state, so computing only the live rows gives the same
+    logits for a fraction of a decode step's cost (the full head reads the whole matrix for every token).
+    :meth:`refresh` runs after every weight load; while fewer than half the rows are zero, :attr:`rows` is None and
+    the engine runs the model's own head.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.rows: torch.Tensor | None = None
+        self._model = model
+        self._weight: torch.Tensor | None = None
+        self.refresh()
+
+    def refresh(self) -> None:
+        weight = self._model.get_output_embeddings().weight.detach()
+        live = torch.nonzero((weight != 0).any(dim=1)).squeeze(1)  # a NaN row counts as live
+        if live.numel() * 2 > weight.shape[0]:
+            self.rows, self._weight = None, None
+        else:
+            self.rows, self._weight = live, weight[live].contiguous()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The float32 logits of one position's final hidden state (over all rows while :attr:`rows` is None)."""
+        weight = self._model.get_output_embeddings().weight.detach()
+        if self.rows is None or self._weight is None:
+            full: torch.Tensor = (weight @ hidden).to(torch.float32)
+            return full
+        logits = torch.zeros(weight.shape[0], dtype=torch.float32)
+        logits[self.rows] = (self._weight @ hidden).to(torch.float32)
+        return logits
+
+
+def _live_rows_head(model: Any) -> LiveRowsHead | None:
+    """A :class:`LiveRowsHead` for ``model`` when its logits are a plain bias-free projection of the base model's
+    last hidden state, as checked on a probe input against the model's own forward; else None."""
+    output = model.get_output_embeddings()
+    if not isinstance(output, torch.nn.Linear) or output.bias is not None or model.base_model is model:
+        return None
+    head = LiveRowsHead(model)
+    probe = torch.tensor([[0, 1, 2]], dtype=torch.long)
+    with torch.inference_mode():
+        full = model(input_ids=probe, use_cache=False).logits[0, -1].to(torch.float32)
+        hidden = model.base_model(input_ids=probe, use_cache=False).last_hidden_state[0, -1]
+        matches = bool(torch.allclose(head.logits(hidden), full, rtol=1e-4, atol=1e-5))
+    return head if matches else None
 
 
 @dataclass(frozen=True)
@@ -153,6 +210,7 @@ def load_model(model_dir: pathlib.Path, *, max_model_len: int | None = None) -> 
         eos_token_ids=frozenset(eos),
         cache_argument="cache" if "cache" in parameters else "past_key_values",
         takes_logits_to_keep="logits_to_keep" in parameters,
+        head=_live_rows_head(model),
     )
 
 
@@ -186,6 +244,8 @@ def load_weights(loaded: LoadedModel, state_dict: Mapping[str, Any]) -> None:
     if problems:
         raise WeightLoadError(f"the new weights do not fit {loaded.model_dir.name}: {'; '.join(problems)}")
     loaded.model.load_state_dict(dict(state_dict), strict=False)
+    if loaded.head is not None:
+        loaded.head.refresh()
 
 
 def read_safetensors(path: str | pathlib.Path) -> dict[str, torch.Tensor]:
