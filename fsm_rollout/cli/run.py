@@ -100,7 +100,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--env", metavar="MODULE|FILE",
                          help=f"environment module or .py file (default with the demo: {DEMO_ENV})")
     rollout.add_argument("--max-turns", type=int, default=3, metavar="N", help="turns per sample at most")
-    rollout.add_argument("--max-new-tokens", type=int, default=192, metavar="N",
+    # tight enough that the demo's longer samples run out of it: the first run shows that ending too
+    rollout.add_argument("--max-new-tokens", type=int, default=176, metavar="N",
                          help="response budget over all turns")
     rollout.add_argument("--max-context-len", type=int, metavar="N", help="context limit (prompt + response)")
     rollout.add_argument("--concurrency", type=int, default=16, metavar="N", help="samples in flight at once")

@@ -4,12 +4,15 @@ Run it with ``python -m fsm_rollout.examples.grpo [--steps N] [--async]``. It is
 would write a trainer; the library appears only where such a trainer uses it (the engine, the runner, the weight
 update, the staleness helper).
 
-Each step rolls out a group of ``--group-size`` samples for each of ``--groups`` practice questions (a Geo3K-style
-environment, :class:`HintEnv`: the model answers with a ``calc_score`` tool call; a wrong answer's feedback names the
-right one and the model gets another attempt; the reward is 1.0 for a right first attempt, 0.8 for a right later
-one), normalises the rewards within each group into advantages, and takes one optimizer step on a clipped
-policy-gradient loss over the trainable tokens (``loss_mask == 1``), with importance ratios against the engine's
-``rollout_log_probs``. The new weights then go to the engine inside ``runner.weight_update``.
+Before the first step it screens ``--candidates`` practice questions (a few samples each with the starting weights)
+and keeps the ``--groups`` the model solves most often but not always, one per answer: a question it never or always
+solves gives groups of equal rewards and no gradient. Each step then rolls out a group of ``--group-size`` samples
+for each of those questions in a Geo3K-style environment (:class:`NearMissEnv`: the model answers with a
+``calc_score`` tool call; a wrong answer gets ``Incorrect`` and another attempt; the reward is the best attempt's
+credit, 1 for the right answer and a small share for a near miss), normalises the rewards within each group into
+advantages, and takes one optimizer step on a clipped policy-gradient loss over the trainable tokens
+(``loss_mask == 1``), with importance ratios against the engine's ``rollout_log_probs``. The new weights then go to
+the engine inside ``runner.weight_update``.
 
 Before that step it recomputes every trainable token's logprob with the weights that sampled it: the gap between the
 engine's number and the trainer's is the train/inference mismatch that a shifted token, a wrong mask or a
@@ -55,21 +58,26 @@ __all__ = ["GRPOOptions", "GRPORun", "StepReport", "main", "train"]
 class GRPOOptions:
     """What one run does; the command-line flags set these."""
 
-    steps: int = 15
+    steps: int = 20
     asynchronous: bool = False
-    groups: int = 4
-    group_size: int = 8
+    groups: int = 2
+    group_size: int = 16
     max_turns: int = 2
     max_new_tokens: int = 100
-    learning_rate: float = 1e-3
+    learning_rate: float = 2e-3
     optimizer: str = "adamw"
     clip: float = 0.2
     max_staleness: int = 1
     seed: int = 0
     question_seed: int = 2_024
-    kinds: tuple[str, ...] = ("radius", "thirty_sixty", "vertical_angles", "isosceles")
-    """Practice question kinds of the pool: whole-number answers from a narrow range, so that the starting model is
-    right now and then and the groups carry a signal from the first step."""
+    candidates: int = 16
+    """Practice questions screened before the first step; the ``groups`` the starting model solves most often (but
+    not always) become the pool. 0 or fewer than ``groups`` skips the screen: the pool is the first ``groups``."""
+    screen_samples: int = 4
+    """Samples per candidate in the screen."""
+    kinds: tuple[str, ...] = ("radius", "thirty_sixty", "vertical_angles", "isosceles", "right_angle", "straight_line")
+    """Practice question kinds of the candidates: whole-number answers from a narrow range, so that the starting
+    model is right now and then."""
     model_dir: Path | None = None
     env_factory: Any = None
     """``build_env(*, sample, args)`` of the environment (default: :class:`NearMissEnv`'s)."""
@@ -107,18 +115,20 @@ class StepReport:
 
 
 class NearMissEnv:
-    """The Geo3K task with partial credit, so that a tiny model has a gradient to climb from its first step.
+    """The Geo3K task with a little partial credit, so that a tiny model has a gradient to climb from its first step.
 
     The model answers with a ``calc_score`` tool call, as in :mod:`fsm_rollout.envs.geo3k`, and gets the same
     feedback (``Correct``, or ``Incorrect`` and another attempt). An attempt earns 1 when its answer is right and,
-    when it is a number within ``band`` (relative) of the label, a share of 0.5 that falls linearly to 0 at the
-    band's edge; the sample's reward is its best attempt. A turn without a tool call ends the episode.
+    when it is a number within ``band`` (relative) of the label, ``share`` falling linearly to 0 at the band's edge;
+    the sample's reward is its best attempt. A turn without a tool call ends the episode. A larger share makes the
+    near misses a resting place: the policy then settles on a frequent answer close to the label.
     """
 
-    def __init__(self, sample: Sample, band: float = 0.5) -> None:
+    def __init__(self, sample: Sample, band: float = 0.5, share: float = 0.25) -> None:
         self.sample = sample
         self.label = str(sample.label)
         self.band = band
+        self.share = share
 
     def reset(self) -> None:
         self.sample.reward = 0.0
@@ -129,7 +139,7 @@ class NearMissEnv:
         value, target = parse_number(answer.strip()), parse_number(self.label)
         if value is None or target is None or target == 0:
             return 0.0
-        return 0.5 * max(0.0, 1.0 - abs(value - target) / (self.band * abs(target)))
+        return self.share * max(0.0, 1.0 - abs(value - target) / (self.band * abs(target)))
 
     def step(self, text: str) -> tuple[str, bool, dict[str, Any]]:
         calls = parse_tool_calls(text, read_unclosed=True).calls
@@ -294,6 +304,37 @@ async def rollout_step(runner: RolloutRunner, questions: Sequence[Sample], step:
     return list(groups), time.perf_counter() - started
 
 
+async def screen(runner: RolloutRunner, candidates: Sequence[Sample], options: GRPOOptions, *, out: Any
+                 ) -> list[Sample]:  # fmt: skip
+    """The pool: the ``options.groups`` candidates with the highest mean reward below 1 over ``screen_samples``
+    samples of the starting model (ties keep the candidates' order).
+
+    A question the model never earns anything on, or always earns everything on, gives groups of equal rewards,
+    hence zero advantages and no gradient; GRPO pipelines filter such prompts out, and so does this screen.
+    """
+    if options.candidates < options.groups or options.screen_samples < 1:
+        return list(candidates[: options.groups])
+    seeds = [(options.seed * 100_003 + 77_777 + index) * options.screen_samples for index in range(len(candidates))]
+    groups = await asyncio.gather(*(runner.run_group(question, options.screen_samples, seed=seed)
+                                    for question, seed in zip(candidates, seeds, strict=True)))  # fmt: skip
+    rates = [statistics.fmean(float(sample.reward or 0.0) for sample in group) for group in groups]
+    order = sorted(range(len(candidates)), key=lambda index: (rates[index] >= 1.0, -rates[index], index))
+    # one question per label: with two alike, answering that label everywhere would already earn on both
+    kept: list[int] = []
+    labels: set[str] = set()
+    for index in order:
+        label = str(candidates[index].label)
+        if label not in labels and len(kept) < options.groups:
+            kept.append(index)
+            labels.add(label)
+    kept += [index for index in order if index not in kept][: options.groups - len(kept)]
+    kept.sort()
+    print(f"screen: {len(candidates)} questions x {options.screen_samples} samples, mean reward "
+          f"{statistics.fmean(rates):.3f}; kept {len(kept)} with mean reward "
+          f"{statistics.fmean(rates[index] for index in kept):.3f}", file=out, flush=True)  # fmt: skip
+    return [candidates[index] for index in kept]
+
+
 @dataclass
 class GRPORun:
     """What :func:`train` returns: the final JSON object, every step's report, and how far the weights moved."""
@@ -312,7 +353,8 @@ async def train(options: GRPOOptions, *, out: Any = sys.stdout) -> GRPORun:
     started = time.perf_counter()
     trainer = await asyncio.to_thread(Trainer, model_dir, options)
     first_weights = trainer.weights()
-    questions = practice_samples(options.groups, seed=options.question_seed, kinds=options.kinds)
+    candidates = practice_samples(max(options.groups, options.candidates), seed=options.question_seed,
+                                  kinds=options.kinds)  # fmt: skip
     sampling = {"max_new_tokens": options.max_new_tokens, "temperature": 1.0, "top_p": 1.0,
                 "stop": ["</tool_call>"], "no_stop_trim": True}  # fmt: skip
     reports: list[StepReport] = []
@@ -324,6 +366,7 @@ async def train(options: GRPOOptions, *, out: Any = sys.stdout) -> GRPORun:
         )  # fmt: skip
         envs = options.env_factory or build_env
         async with RolloutRunner(config, sampling_params=sampling, env_factory=envs) as runner:
+            questions = await screen(runner, candidates, options, out=out)
             pending = asyncio.ensure_future(rollout_step(runner, questions, 0, options))
             for step in range(options.steps):
                 groups, rollout_s = await pending
@@ -422,6 +465,12 @@ def parse_args(argv: Sequence[str] | None = None) -> GRPOOptions:
     parser.add_argument(
         "--kinds", default=",".join(defaults.kinds), help="comma-separated practice question kinds of the pool"
     )
+    parser.add_argument(
+        "--candidates", type=int, default=defaults.candidates, help="questions screened for the pool (0: no screen)"
+    )
+    parser.add_argument(
+        "--screen-samples", type=int, default=defaults.screen_samples, help="samples per screened question"
+    )
     parser.add_argument("--seed", type=int, default=defaults.seed, help="torch and Python seed")
     parser.add_argument(
         "--model",
@@ -431,14 +480,17 @@ def parse_args(argv: Sequence[str] | None = None) -> GRPOOptions:
         help="policy and served model (default: the embedded engine's default model)",
     )
     args = parser.parse_args(argv)
-    for name in ("steps", "groups", "group_size", "max_turns", "max_new_tokens"):
+    for name in ("steps", "groups", "group_size", "max_turns", "max_new_tokens", "screen_samples"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.candidates < 0:
+        parser.error("--candidates must be >= 0")
     return GRPOOptions(
         steps=args.steps, asynchronous=args.asynchronous, groups=args.groups, group_size=args.group_size,
         max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, learning_rate=args.lr, clip=args.clip,
         optimizer=args.optimizer,
-        max_staleness=args.max_staleness, seed=args.seed, model_dir=args.model,
+        max_staleness=args.max_staleness, seed=args.seed, model_dir=args.model, candidates=args.candidates,
+        screen_samples=args.screen_samples,
         kinds=tuple(kind.strip() for kind in args.kinds.split(",") if kind.strip()),
     )  # fmt: skip
 

@@ -38,11 +38,12 @@ def member_reward_env(*, sample: Sample, args: Any) -> MemberRewardEnv:
 async def test_two_steps_keep_the_logprob_gap_at_float32_noise(asynchronous: bool) -> None:
     out = io.StringIO()
     options = GRPOOptions(steps=2, groups=2, group_size=2, max_new_tokens=80, asynchronous=asynchronous,
-                          env_factory=member_reward_env)  # fmt: skip
+                          candidates=3, screen_samples=2, env_factory=member_reward_env)  # fmt: skip
     run = await train(options, out=out)
 
     lines = out.getvalue().strip().splitlines()
-    assert len(lines) == 3 and lines[0].startswith("step   0") and lines[1].startswith("step   1")
+    assert len(lines) == 4 and lines[0].startswith("screen: 3 questions x 2 samples")
+    assert lines[1].startswith("step   0") and lines[2].startswith("step   1")
     summary = json.loads(lines[-1])
     assert set(summary) == {"steps", "reward_first", "reward_last", "logprob_gap_mean", "logprob_gap_max", "minutes"}
     assert summary == run.summary and summary["steps"] == 2
@@ -67,5 +68,8 @@ def test_the_command_line_checks_its_numbers() -> None:
     assert (options.steps, options.asynchronous, options.groups, options.group_size, options.learning_rate) == (
         3, True, 4, 2, 0.01,
     )  # fmt: skip
-    with pytest.raises(SystemExit):
-        main(["--steps", "0"])
+    assert (options.candidates, options.screen_samples) == (16, 4)
+    assert parse_args(["--candidates", "0", "--screen-samples", "2"]).candidates == 0
+    for bad in (["--steps", "0"], ["--screen-samples", "0"], ["--candidates", "-1"]):
+        with pytest.raises(SystemExit):
+            main(bad)
