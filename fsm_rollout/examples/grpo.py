@@ -319,20 +319,32 @@ async def screen(runner: RolloutRunner, candidates: Sequence[Sample], options: G
                                     for question, seed in zip(candidates, seeds, strict=True)))  # fmt: skip
     rates = [statistics.fmean(float(sample.reward or 0.0) for sample in group) for group in groups]
     order = sorted(range(len(candidates)), key=lambda index: (rates[index] >= 1.0, -rates[index], index))
-    # one question per label: with two alike, answering that label everywhere would already earn on both
+    # Questions of different kinds and answers: the tiny model tells kinds apart by their wording, and one answer
+    # given everywhere would not earn on two questions at once. Each rule gives way when the candidates run out.
     kept: list[int] = []
-    labels: set[str] = set()
-    for index in order:
-        label = str(candidates[index].label)
-        if label not in labels and len(kept) < options.groups:
-            kept.append(index)
-            labels.add(label)
-    kept += [index for index in order if index not in kept][: options.groups - len(kept)]
+    for distinct in (lambda sample: (sample.metadata.get("kind"), str(sample.label)), lambda sample: str(sample.label),
+                     lambda sample: None):  # fmt: skip
+        seen = {distinct(candidates[index]) for index in kept}
+        for index in order:
+            key = distinct(candidates[index])
+            if len(kept) < options.groups and index not in kept and (key is None or not _overlaps(key, seen)):
+                kept.append(index)
+                seen.add(key)
     kept.sort()
     print(f"screen: {len(candidates)} questions x {options.screen_samples} samples, mean reward "
           f"{statistics.fmean(rates):.3f}; kept {len(kept)} with mean reward "
           f"{statistics.fmean(rates[index] for index in kept):.3f}", file=out, flush=True)  # fmt: skip
     return [candidates[index] for index in kept]
+
+
+def _overlaps(key: Any, seen: set[Any]) -> bool:
+    """Whether ``key`` shares a part with a kept one (a kind, or an answer) or equals it."""
+    if isinstance(key, tuple):
+        return any(
+            isinstance(other, tuple) and any(a is not None and a == b for a, b in zip(key, other, strict=True))
+            for other in seen
+        )
+    return key in seen
 
 
 @dataclass

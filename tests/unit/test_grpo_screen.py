@@ -58,3 +58,11 @@ async def test_the_pool_takes_one_question_per_label_while_it_can() -> None:
     runner = FixedRewards({0: [1, 0], 1: [1, 0], 2: [0, 0], 3: [0.5, 0]})
     pool = await screen(runner, samples, GRPOOptions(groups=3, candidates=4, screen_samples=2), out=io.StringIO())  # type: ignore[arg-type]
     assert [sample.index for sample in pool] == [0, 1, 2], "labels ran out: the best remaining fill the pool"
+
+
+async def test_the_pool_prefers_questions_of_different_kinds() -> None:
+    samples = [Sample(index=index, label=label, metadata={"kind": kind})
+               for index, (label, kind) in enumerate([("10", "a"), ("7", "a"), ("8", "b"), ("9", "c")])]  # fmt: skip
+    runner = FixedRewards({0: [1, 0], 1: [1, 0], 2: [0.5, 0], 3: [0, 0]})
+    pool = await screen(runner, samples, GRPOOptions(groups=2, candidates=4, screen_samples=2), out=io.StringIO())  # type: ignore[arg-type]
+    assert [sample.index for sample in pool] == [0, 2], "question 1 shares question 0's kind"
