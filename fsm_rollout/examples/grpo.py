@@ -37,7 +37,7 @@ import random
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -322,14 +322,14 @@ async def screen(runner: RolloutRunner, candidates: Sequence[Sample], options: G
     # Questions of different kinds and answers: the tiny model tells kinds apart by their wording, and one answer
     # given everywhere would not earn on two questions at once. Each rule gives way when the candidates run out.
     kept: list[int] = []
-    for distinct in (lambda sample: (sample.metadata.get("kind"), str(sample.label)), lambda sample: str(sample.label),
-                     lambda sample: None):  # fmt: skip
-        seen = {distinct(candidates[index]) for index in kept}
+    rules: tuple[Callable[[Sample], set[tuple[str, str]]], ...] = (_kind_and_answer, _answer, lambda sample: set())
+    for parts_of in rules:
+        taken = set().union(*(parts_of(candidates[index]) for index in kept))
         for index in order:
-            key = distinct(candidates[index])
-            if len(kept) < options.groups and index not in kept and (key is None or not _overlaps(key, seen)):
+            parts = parts_of(candidates[index])
+            if len(kept) < options.groups and index not in kept and not parts & taken:
                 kept.append(index)
-                seen.add(key)
+                taken |= parts
     kept.sort()
     print(f"screen: {len(candidates)} questions x {options.screen_samples} samples, mean reward "
           f"{statistics.fmean(rates):.3f}; kept {len(kept)} with mean reward "
@@ -337,14 +337,13 @@ async def screen(runner: RolloutRunner, candidates: Sequence[Sample], options: G
     return [candidates[index] for index in kept]
 
 
-def _overlaps(key: Any, seen: set[Any]) -> bool:
-    """Whether ``key`` shares a part with a kept one (a kind, or an answer) or equals it."""
-    if isinstance(key, tuple):
-        return any(
-            isinstance(other, tuple) and any(a is not None and a == b for a, b in zip(key, other, strict=True))
-            for other in seen
-        )
-    return key in seen
+def _answer(sample: Sample) -> set[tuple[str, str]]:
+    return {("answer", str(sample.label))}
+
+
+def _kind_and_answer(sample: Sample) -> set[tuple[str, str]]:
+    kind = sample.metadata.get("kind")
+    return _answer(sample) | ({("kind", str(kind))} if kind is not None else set())
 
 
 @dataclass

@@ -86,6 +86,7 @@ def test_help_shows_defaults_but_not_empty_ones(
     out = capsys.readouterr().out
     assert "(default: None)" not in out and "(default: False)" not in out and "(default: [])" not in out
     expected = {"run": ["--max-turns N         turns per sample at most (default: 3)", "(default: results.jsonl)",
+                        "response budget over all turns (default: 176)",
                         "(default: 5.0)", "Exit codes:"],
                 "bench": ["(default: 5.0)"], "serve": ["(default: 8000)", "(default: 127.0.0.1, loopback only)"],
                 "replay": ["Exit codes:"], "inspect": ["Exit codes:"], "diagram": ["Exit codes:"]}[command]

@@ -103,23 +103,24 @@ class LiveRowsHead:
         self.rows: torch.Tensor | None = None
         self._model = model
         self._weight: torch.Tensor | None = None
+        self._vocab = 0
         self.refresh()
 
     def refresh(self) -> None:
         weight = self._model.get_output_embeddings().weight.detach()
+        self._vocab = int(weight.shape[0])
         live = torch.nonzero((weight != 0).any(dim=1)).squeeze(1)  # a NaN row counts as live
-        if live.numel() * 2 > weight.shape[0]:
+        if live.numel() * 2 > self._vocab:
             self.rows, self._weight = None, None
         else:
             self.rows, self._weight = live, weight[live].contiguous()
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The float32 logits of one position's final hidden state (over all rows while :attr:`rows` is None)."""
-        weight = self._model.get_output_embeddings().weight.detach()
         if self.rows is None or self._weight is None:
-            full: torch.Tensor = (weight @ hidden).to(torch.float32)
+            full: torch.Tensor = (self._model.get_output_embeddings().weight.detach() @ hidden).to(torch.float32)
             return full
-        logits = torch.zeros(weight.shape[0], dtype=torch.float32)
+        logits = torch.zeros(self._vocab, dtype=torch.float32)
         logits[self.rows] = (self._weight @ hidden).to(torch.float32)
         return logits
 
