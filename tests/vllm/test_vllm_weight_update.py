@@ -45,6 +45,8 @@ TURN_MIN = 96
 #: Tokens per request a suspension waits for before it lands (far below TURN_MIN: the turn is still going).
 EARLY = 8
 MAX_TURNS = 3
+#: Tokens every turn makes in the keep test, which freezes its first turn mid-way (two turns fit BUDGET).
+KEEP_TURN_MIN = 160
 #: Room for MAX_TURNS turns of a little over TURN_MIN tokens and the observations between them.
 BUDGET = 420
 SAMPLING = {"max_new_tokens": BUDGET, "temperature": 0.0, "top_p": 1.0, "min_new_tokens": TURN_MIN,
@@ -134,8 +136,9 @@ def versions_of(sample: Sample) -> list[str]:
     return [span["version"] for span in sample.metadata.get("weight_version_spans") or []]
 
 
-def new_runner(config: Any, tokenizer: Any, watch: Watch | None = None) -> RolloutRunner:
-    return RolloutRunner(config, sampling_params=SAMPLING, tokenizer=tokenizer, env_factory=ScriptedEnvFactory(),
+def new_runner(config: Any, tokenizer: Any, watch: Watch | None = None, *, turn_min: int = TURN_MIN) -> RolloutRunner:
+    sampling = {**SAMPLING, "min_new_tokens": turn_min}
+    return RolloutRunner(config, sampling_params=sampling, tokenizer=tokenizer, env_factory=ScriptedEnvFactory(),
                          hooks=watch, raise_on_error=True)  # fmt: skip
 
 
@@ -229,7 +232,9 @@ async def test_keep_strategy_freezes_the_request_in_flight_and_its_tokens_carry_
     watch = Watch()
     tokens = await quiet_server(url)
     try:
-        async with new_runner(config, vllm_tokenizer, watch) as runner:
+        # longer turns than the other tests' (two still fit the budget): vLLM's token counter can lag the request,
+        # and the turn must still be going when the test's own keep pause lands
+        async with new_runner(config, vllm_tokenizer, watch, turn_min=KEEP_TURN_MIN) as runner:
             first = asyncio.create_task(runner.run(Sample(prompt=PROMPTS[0], index=0, session_id="keep-0")))
             (frozen,) = await proxy.arrivals(GENERATE_PATH, 1, limit_s=WAIT_S)
             await tokens_reach(url, tokens + EARLY)
