@@ -45,7 +45,7 @@ def test_a_build_in_a_fresh_cache_has_the_same_weights_and_reuse_trains_nothing(
     assert len(said) == 1 and str(fresh) in said[0]  # the CLI prints this line while the model trains
     assert fresh.name == shared.name == f"{DEFAULT_MODEL_NAME}-{recipe_key()}"
     built = marker(fresh)
-    assert built["weights_sha256"] == marker(shared)["weights_sha256"]  # one torch thread: the same on any machine
+    assert built["weights_sha256"] == marker(shared)["weights_sha256"]  # fixed torch threads: the same on any machine
     assert built["recipe"] == RECIPE and built["base"] == TINY_MODEL_NAME
     assert built["loss_first"] > 10 > 1 > built["loss_last"]  # from uniform over 152k ids to the task's format
 
