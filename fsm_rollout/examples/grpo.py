@@ -75,9 +75,13 @@ class GRPOOptions:
     not always) become the pool. 0 or fewer than ``groups`` skips the screen: the pool is the first ``groups``."""
     screen_samples: int = 4
     """Samples per candidate in the screen."""
+    screen_finalists: int = 6
+    """Candidates with the best screen rates that get ``2 * screen_samples`` more samples before the pool is kept."""
     kinds: tuple[str, ...] = ("radius", "thirty_sixty", "vertical_angles", "isosceles", "right_angle", "straight_line")
     """Practice question kinds of the candidates: whole-number answers from a narrow range, so that the starting
     model is right now and then."""
+    train_live_rows: bool = True
+    """Train the vocabulary matrix's non-zero rows (the tokens the default model uses) besides the layers."""
     model_dir: Path | None = None
     env_factory: Any = None
     """``build_env(*, sample, args)`` of the environment (default: :class:`NearMissEnv`'s)."""
@@ -213,14 +217,23 @@ class Trainer:
         self.vocab = len(AutoTokenizer.from_pretrained(str(model_dir)))
         self.policy: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         self.policy.train()  # Qwen2 has no dropout: train mode computes what eval mode does
-        # The vocabulary matrix (tied input/output) is 98% of the parameters and most of its rows are ids the task
-        # never produces; Adam would move every one of them by about the learning rate each step (it rescales even
-        # their vanishing gradients), which ruins the output distribution within a few steps. The layers learn.
         embeddings = (self.policy.get_input_embeddings(), self.policy.get_output_embeddings())  # type: ignore[no-untyped-call, unused-ignore]
-        frozen = {id(module.weight) for module in embeddings if module is not None}
-        for parameter in self.policy.parameters():
-            if id(parameter) in frozen:
-                parameter.requires_grad_(False)
+        # The vocabulary matrix (tied input/output) is 98% of the parameters and most of its rows are ids the task
+        # never produces (all zero in the default model). Adam would move every one of them by about the learning
+        # rate each step (it rescales even their vanishing gradients), which ruins the output distribution within a
+        # few steps; so only the live rows learn: the others' gradient is zeroed, and Adam leaves a parameter whose
+        # gradient has always been 0 where it is. A model without zero rows keeps its vocabulary matrix frozen.
+        seen: set[int] = set()
+        for module in embeddings:
+            weight = getattr(module, "weight", None)
+            if not isinstance(weight, torch.Tensor) or id(weight) in seen:  # tied input/output: one matrix
+                continue
+            seen.add(id(weight))
+            live = weight.detach().ne(0).any(dim=1, keepdim=True).to(weight.dtype)
+            if bool(live.all()) or not options.train_live_rows:
+                weight.requires_grad_(False)
+            else:
+                weight.register_hook(lambda grad, live=live: grad * live)  # type: ignore[no-untyped-call, unused-ignore]
         trainable = [parameter for parameter in self.policy.parameters() if parameter.requires_grad]
         self.optimizer: torch.optim.Optimizer = (
             torch.optim.SGD(trainable, lr=options.learning_rate, momentum=0.9)
@@ -314,11 +327,23 @@ async def screen(runner: RolloutRunner, candidates: Sequence[Sample], options: G
     """
     if options.candidates < options.groups or options.screen_samples < 1:
         return list(candidates[: options.groups])
-    seeds = [(options.seed * 100_003 + 77_777 + index) * options.screen_samples for index in range(len(candidates))]
-    groups = await asyncio.gather(*(runner.run_group(question, options.screen_samples, seed=seed)
-                                    for question, seed in zip(candidates, seeds, strict=True)))  # fmt: skip
-    rates = [statistics.fmean(float(sample.reward or 0.0) for sample in group) for group in groups]
-    order = sorted(range(len(candidates)), key=lambda index: (rates[index] >= 1.0, -rates[index], index))
+    rewards = await _screen_rewards(runner, candidates, range(len(candidates)), options.screen_samples, options, 0)
+    rates = [statistics.fmean(found) for found in rewards]
+    first_mean = statistics.fmean(rates)
+    # A second look at the best few: with a handful of samples the top rates are mostly luck (one hit in four), and
+    # a question picked for luck starts the run with little to climb from.
+    finalists = sorted(range(len(candidates)), key=lambda index: (rates[index] >= 1.0, -rates[index], index))
+    finalists = finalists[: max(0, options.screen_finalists)]
+    more = await _screen_rewards(runner, candidates, finalists, 2 * options.screen_samples, options, 1)
+    for index, found in zip(finalists, more, strict=True):
+        rewards[index] += found
+        rates[index] = statistics.fmean(rewards[index])
+
+    def ranked(indices: Sequence[int]) -> list[int]:
+        return sorted(indices, key=lambda index: (rates[index] >= 1.0, -rates[index], index))
+
+    # the finalists first (their rates rest on more samples), then the rest
+    order = ranked(finalists) + ranked([index for index in range(len(candidates)) if index not in finalists])
     # Questions of different kinds and answers: the tiny model tells kinds apart by their wording, and one answer
     # given everywhere would not earn on two questions at once. Each rule gives way when the candidates run out.
     kept: list[int] = []
@@ -331,10 +356,22 @@ async def screen(runner: RolloutRunner, candidates: Sequence[Sample], options: G
                 kept.append(index)
                 taken |= parts
     kept.sort()
-    print(f"screen: {len(candidates)} questions x {options.screen_samples} samples, mean reward "
-          f"{statistics.fmean(rates):.3f}; kept {len(kept)} with mean reward "
-          f"{statistics.fmean(rates[index] for index in kept):.3f}", file=out, flush=True)  # fmt: skip
+    print(f"screen: {len(candidates)} questions x {options.screen_samples} samples and {len(finalists)} x "
+          f"{2 * options.screen_samples} more, mean reward "
+          f"{first_mean:.3f}; kept {len(kept)} with mean reward "
+          f"{statistics.fmean(rates[index] for index in kept):.3f}: "
+          + ", ".join(f"{candidates[index].metadata.get('kind', '?')} {candidates[index].label} ({rates[index]:.2f})"
+                      for index in kept), file=out, flush=True)  # fmt: skip
     return [candidates[index] for index in kept]
+
+
+async def _screen_rewards(runner: RolloutRunner, candidates: Sequence[Sample], indices: Sequence[int], samples: int,
+                         options: GRPOOptions, look: int) -> list[list[float]]:  # fmt: skip
+    """The rewards of ``samples`` samples of each candidate in ``indices`` (a seed per candidate and look)."""
+    seeds = [((options.seed * 100_003 + 77_777 + index) * 7 + look) * 1_009 for index in indices]
+    groups = await asyncio.gather(*(runner.run_group(candidates[index], samples, seed=seed)
+                                    for index, seed in zip(indices, seeds, strict=True)))  # fmt: skip
+    return [[float(sample.reward or 0.0) for sample in group] for group in groups]
 
 
 def _answer(sample: Sample) -> set[tuple[str, str]]:
@@ -482,6 +519,10 @@ def parse_args(argv: Sequence[str] | None = None) -> GRPOOptions:
     parser.add_argument(
         "--screen-samples", type=int, default=defaults.screen_samples, help="samples per screened question"
     )
+    parser.add_argument(
+        "--screen-finalists", type=int, default=defaults.screen_finalists,
+        help="best-screened questions that get twice --screen-samples more samples (0: none)",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=defaults.seed, help="torch and Python seed")
     parser.add_argument(
         "--model",
@@ -494,14 +535,15 @@ def parse_args(argv: Sequence[str] | None = None) -> GRPOOptions:
     for name in ("steps", "groups", "group_size", "max_turns", "max_new_tokens", "screen_samples"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.candidates < 0:
-        parser.error("--candidates must be >= 0")
+    for name in ("candidates", "screen_finalists"):
+        if getattr(args, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0")
     return GRPOOptions(
         steps=args.steps, asynchronous=args.asynchronous, groups=args.groups, group_size=args.group_size,
         max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, learning_rate=args.lr, clip=args.clip,
         optimizer=args.optimizer,
         max_staleness=args.max_staleness, seed=args.seed, model_dir=args.model, candidates=args.candidates,
-        screen_samples=args.screen_samples,
+        screen_samples=args.screen_samples, screen_finalists=args.screen_finalists,
         kinds=tuple(kind.strip() for kind in args.kinds.split(",") if kind.strip()),
     )  # fmt: skip
 

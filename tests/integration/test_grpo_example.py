@@ -68,8 +68,36 @@ def test_the_command_line_checks_its_numbers() -> None:
     assert (options.steps, options.asynchronous, options.groups, options.group_size, options.learning_rate) == (
         3, True, 4, 2, 0.01,
     )  # fmt: skip
-    assert (options.candidates, options.screen_samples) == (16, 4)
+    assert (options.candidates, options.screen_samples, options.screen_finalists) == (16, 4, 6)
     assert parse_args(["--candidates", "0", "--screen-samples", "2"]).candidates == 0
-    for bad in (["--steps", "0"], ["--screen-samples", "0"], ["--candidates", "-1"]):
+    assert parse_args(["--screen-finalists", "0"]).screen_finalists == 0
+    for bad in (["--steps", "0"], ["--screen-samples", "0"], ["--candidates", "-1"], ["--screen-finalists", "-1"]):
         with pytest.raises(SystemExit):
             main(bad)
+
+
+@pytest.mark.parametrize("train_live_rows", [True, False], ids=["live-rows", "frozen"])
+def test_only_the_vocabulary_rows_in_use_learn(train_live_rows: bool) -> None:
+    import torch
+
+    from fsm_rollout.engine.local.default_model import default_model_dir
+    from fsm_rollout.examples.grpo import Trainer
+
+    trainer = Trainer(default_model_dir(), GRPOOptions(train_live_rows=train_live_rows))
+    matrix = trainer.policy.get_input_embeddings().weight
+    before = matrix.detach().clone()
+    live = before.ne(0).any(dim=1)
+    assert 0 < int(live.sum()) < len(live) // 2  # the default model: most rows are zero
+    used = torch.nonzero(live).squeeze(1)[:12]
+    # a loss that pulls on every row, the zero ones included (through the full-vocabulary softmax)
+    logits = trainer.policy(input_ids=used.unsqueeze(0)).logits[0]
+    loss = torch.log_softmax(logits, dim=-1)[:, int(used[0])].mean()
+    trainer.optimizer.zero_grad()
+    loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
+    trainer.optimizer.step()
+
+    after = matrix.detach()
+    assert torch.equal(after[~live], before[~live]), "a zero row moved: the engine would sample unused ids"
+    assert torch.count_nonzero(after[~live]) == 0
+    moved = (after[live] - before[live]).abs().max().item()
+    assert (moved > 1e-4) if train_live_rows else (moved == 0.0)

@@ -45,8 +45,11 @@ TURN_MIN = 96
 #: Tokens per request a suspension waits for before it lands (far below TURN_MIN: the turn is still going).
 EARLY = 8
 MAX_TURNS = 3
-#: Tokens every turn makes in the keep test, which freezes its first turn mid-way (two turns fit BUDGET).
-KEEP_TURN_MIN = 160
+#: Tokens every turn makes in the keep test, which freezes its first turn mid-way: long, because the turn must still
+#: be going when the test's own pause lands, and vLLM's token counter (what the test waits on) lags the request.
+KEEP_TURN_MIN = 400
+#: Room for the keep test's two turns and the observation between them (within the server's context length).
+KEEP_BUDGET = 900
 #: Room for MAX_TURNS turns of a little over TURN_MIN tokens and the observations between them.
 BUDGET = 420
 SAMPLING = {"max_new_tokens": BUDGET, "temperature": 0.0, "top_p": 1.0, "min_new_tokens": TURN_MIN,
@@ -136,8 +139,9 @@ def versions_of(sample: Sample) -> list[str]:
     return [span["version"] for span in sample.metadata.get("weight_version_spans") or []]
 
 
-def new_runner(config: Any, tokenizer: Any, watch: Watch | None = None, *, turn_min: int = TURN_MIN) -> RolloutRunner:
-    sampling = {**SAMPLING, "min_new_tokens": turn_min}
+def new_runner(config: Any, tokenizer: Any, watch: Watch | None = None, *, turn_min: int = TURN_MIN,
+               budget: int = BUDGET) -> RolloutRunner:  # fmt: skip
+    sampling = {**SAMPLING, "min_new_tokens": turn_min, "max_new_tokens": budget}
     return RolloutRunner(config, sampling_params=sampling, tokenizer=tokenizer, env_factory=ScriptedEnvFactory(),
                          hooks=watch, raise_on_error=True)  # fmt: skip
 
@@ -232,9 +236,7 @@ async def test_keep_strategy_freezes_the_request_in_flight_and_its_tokens_carry_
     watch = Watch()
     tokens = await quiet_server(url)
     try:
-        # longer turns than the other tests' (two still fit the budget): vLLM's token counter can lag the request,
-        # and the turn must still be going when the test's own keep pause lands
-        async with new_runner(config, vllm_tokenizer, watch, turn_min=KEEP_TURN_MIN) as runner:
+        async with new_runner(config, vllm_tokenizer, watch, turn_min=KEEP_TURN_MIN, budget=KEEP_BUDGET) as runner:
             first = asyncio.create_task(runner.run(Sample(prompt=PROMPTS[0], index=0, session_id="keep-0")))
             (frozen,) = await proxy.arrivals(GENERATE_PATH, 1, limit_s=WAIT_S)
             await tokens_reach(url, tokens + EARLY)
