@@ -72,8 +72,9 @@ RECIPE: Final[dict[str, Any]] = {
 """Everything the trained weights depend on besides the code."""
 
 TRAIN_THREADS: Final = 2
-"""torch threads of the training process: fixed, since a float sum's order (and so the weights) follows the thread
-count; two, since more small steps of batch 4 learn more than fewer large ones and two threads pay for them."""
+"""torch threads of the training process: fixed (and deterministic kernels), since a float sum's order, and so the
+weights, follows the thread count; two, since many small steps of batch 4 learn more than fewer large ones, and two
+threads pay for them."""
 
 _HINTS: Final[dict[str, str]] = {
     "triangle_angles": "The angles of a triangle add up to 180°.",
@@ -402,4 +403,7 @@ if __name__ == "__main__":
     import torch
 
     torch.set_num_threads(TRAIN_THREADS)
+    # With two threads the embedding gradient's scatter-add order varies from run to run; the deterministic kernels
+    # make two builds identical (this is the build's own process, so the setting goes nowhere else).
+    torch.use_deterministic_algorithms(True)
     _train_into(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]))
