@@ -7,10 +7,10 @@ update, the staleness helper).
 Before the first step it screens ``--candidates`` practice questions (a few samples each with the starting weights,
 then more for the ``--screen-finalists`` best) and keeps the ``--groups`` the model solves most often but not always,
 one per answer: a question it never or always solves gives groups of equal rewards and no gradient. Each step then
-rolls out a group of ``--group-size`` samples
-for each of those questions in a Geo3K-style environment (:class:`NearMissEnv`: the model answers with a
-``calc_score`` tool call; a wrong answer gets ``Incorrect`` and another attempt; the reward is the best attempt's
-credit, 1 for the right answer and a small share for a near miss), normalises the rewards within each group into
+rolls out a group of ``--group-size`` samples for each of those questions in a Geo3K-style environment
+(:class:`NearMissEnv`: the model answers with a ``calc_score`` tool call; a wrong answer gets ``Incorrect`` and
+another attempt; the reward is the best attempt's credit, 1 for the right answer and a small share for a near
+miss), normalises the rewards within each group into
 advantages, and takes one optimizer step on a clipped policy-gradient loss over the trainable tokens
 (``loss_mask == 1``), with importance ratios against the engine's ``rollout_log_probs``. The new weights then go to
 the engine inside ``runner.weight_update``.
