@@ -9,9 +9,8 @@ then more for the ``--screen-finalists`` best) and keeps the ``--groups`` the mo
 one per answer: a question it never or always solves gives groups of equal rewards and no gradient. Each step then
 rolls out a group of ``--group-size`` samples for each of those questions in a Geo3K-style environment
 (:class:`NearMissEnv`: the model answers with a ``calc_score`` tool call; a wrong answer gets ``Incorrect`` and
-another attempt; the reward is the best attempt's credit, 1 for the right answer and a small share for a near
-miss), normalises the rewards within each group into
-advantages, and takes one optimizer step on a clipped policy-gradient loss over the trainable tokens
+another attempt; the reward is the best attempt's: 1 for the right answer, else 0), normalises the rewards within
+each group into advantages, and takes one optimizer step on a clipped policy-gradient loss over the trainable tokens
 (``loss_mask == 1``), with importance ratios against the engine's ``rollout_log_probs``. The new weights then go to
 the engine inside ``runner.weight_update``.
 
@@ -120,16 +119,17 @@ class StepReport:
 
 
 class NearMissEnv:
-    """The Geo3K task with a little partial credit, so that a tiny model has a gradient to climb from its first step.
+    """The Geo3K task, with optional partial credit for near misses.
 
     The model answers with a ``calc_score`` tool call, as in :mod:`fsm_rollout.envs.geo3k`, and gets the same
     feedback (``Correct``, or ``Incorrect`` and another attempt). An attempt earns 1 when its answer is right and,
     when it is a number within ``band`` (relative) of the label, ``share`` falling linearly to 0 at the band's edge;
-    the sample's reward is its best attempt. A turn without a tool call ends the episode. A larger share makes the
-    near misses a resting place: the policy then settles on a frequent answer close to the label.
+    the sample's reward is its best attempt. A turn without a tool call ends the episode. The example gives no
+    partial credit (``share=0``): the screen already keeps questions the model solves now and then, and any share
+    makes near misses a place to rest, where the policy settles on a frequent answer close to the label.
     """
 
-    def __init__(self, sample: Sample, band: float = 0.5, share: float = 0.25) -> None:
+    def __init__(self, sample: Sample, band: float = 0.5, share: float = 0.0) -> None:
         self.sample = sample
         self.label = str(sample.label)
         self.band = band
