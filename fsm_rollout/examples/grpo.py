@@ -331,18 +331,17 @@ async def screen(runner: RolloutRunner, candidates: Sequence[Sample], options: G
     rewards = await _screen_rewards(runner, candidates, range(len(candidates)), options.screen_samples, options, 0)
     rates = [statistics.fmean(found) for found in rewards]
     first_mean = statistics.fmean(rates)
-    # A second look at the best few: with a handful of samples the top rates are mostly luck (one hit in four), and
-    # a question picked for luck starts the run with little to climb from.
-    finalists = sorted(range(len(candidates)), key=lambda index: (rates[index] >= 1.0, -rates[index], index))
-    finalists = finalists[: max(0, options.screen_finalists)]
-    more = await _screen_rewards(runner, candidates, finalists, 2 * options.screen_samples, options, 1)
-    for index, found in zip(finalists, more, strict=True):
-        rewards[index] += found
-        rates[index] = statistics.fmean(rewards[index])
 
     def ranked(indices: Sequence[int]) -> list[int]:
         return sorted(indices, key=lambda index: (rates[index] >= 1.0, -rates[index], index))
 
+    # A second look at the best few: with a handful of samples the top rates are mostly luck (one hit in four), and
+    # a question picked for luck starts the run with little to climb from.
+    finalists = ranked(range(len(candidates)))[: max(0, options.screen_finalists)]
+    more = await _screen_rewards(runner, candidates, finalists, 2 * options.screen_samples, options, 1)
+    for index, found in zip(finalists, more, strict=True):
+        rewards[index] += found
+        rates[index] = statistics.fmean(rewards[index])
     # the finalists first (their rates rest on more samples), then the rest
     order = ranked(finalists) + ranked([index for index in range(len(candidates)) if index not in finalists])
     # Questions of different kinds and answers: the tiny model tells kinds apart by their wording, and one answer
