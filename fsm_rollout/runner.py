@@ -327,11 +327,19 @@ class RolloutRunner:
         async with semaphore:
             return await self._drive(item)
 
-    async def run_batch(self, samples: Iterable[Sample], *, concurrency: int = 64) -> list[Sample]:
-        """Run samples with at most ``concurrency`` in flight; returns them in input order."""
+    async def run_batch(
+        self, samples: Iterable[Sample], *, concurrency: int = 64, sample_ids: Sequence[str | None] = (),
+        seeds: Sequence[int | None] = (),
+    ) -> list[Sample]:
+        """Run samples with at most ``concurrency`` in flight; returns them in input order.
+
+        ``sample_ids`` name the samples in traces and tapes and ``seeds`` set each one's sampling seed, by position
+        (as :meth:`run_group` names and seeds its members; :func:`group_members` makes such copies for many groups
+        under one concurrency limit).
+        """
         semaphore = asyncio.Semaphore(_positive(concurrency))
         with self._gc_tuned():  # from before the rollouts and their tasks are made, not from the first start
-            prepared = self._prepare(samples)
+            prepared = self._prepare(samples, sample_ids, seeds)
             return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
 
     def stream(

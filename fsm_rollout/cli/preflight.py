@@ -38,6 +38,7 @@ class PreflightError(Exception):
 _NUMERIC_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("limit", lambda value: value >= 0, "must be 0 or more"),
     ("max_turns", lambda value: value >= 1, "must be at least 1"),
+    ("n_samples_per_prompt", lambda value: value >= 1, "must be at least 1"),
     ("max_new_tokens", lambda value: value >= 1, "must be at least 1"),
     ("max_context_len", lambda value: value >= 1, "must be at least 1"),
     ("concurrency", lambda value: value >= 1, "must be at least 1"),

@@ -33,11 +33,13 @@ from fsm_rollout.cli.preflight import (
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.recording import tape_path_for
-from fsm_rollout.runner import MetricsSnapshot, RolloutRunner
+from fsm_rollout.runner import MetricsSnapshot, RolloutRunner, group_members
 from fsm_rollout.sample import Sample, Status
 
 DEMO_ENV = "fsm_rollout.envs.geo3k"
 GEO3K_STOP = ("</tool_call>",)
+# the demo's model is right a few percent of the time: groups let a first run show the right-answer path too
+DEMO_SAMPLES_PER_PROMPT = 4
 EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 EPILOG = """\
@@ -100,6 +102,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--env", metavar="MODULE|FILE",
                          help=f"environment module or .py file (default with the demo: {DEMO_ENV})")
     rollout.add_argument("--max-turns", type=int, default=3, metavar="N", help="turns per sample at most")
+    rollout.add_argument("--n-samples-per-prompt", type=int, metavar="N",
+                         help=f"samples per prompt, rolled out as one group each as GRPO wants them (default: "
+                         f"{DEMO_SAMPLES_PER_PROMPT} with the demo, else 1)")
     # tight enough that the demo's longer samples run out of it: the first run shows that ending too
     rollout.add_argument("--max-new-tokens", type=int, default=176, metavar="N",
                          help="response budget over all turns")
@@ -128,6 +133,23 @@ def _load_samples(args: argparse.Namespace) -> tuple[list[Sample], int]:
     if args.limit is not None:
         samples = samples[: args.limit]
     return samples, skipped
+
+
+def _groups(samples: Sequence[Sample], args: argparse.Namespace) -> tuple[list[Sample], list[str | None],
+                                                                          list[int | None]]:  # fmt: skip
+    """Each prompt's group members in order, their trace names and, with ``--seed S``, member ``m``'s seed
+    ``S + m`` (a group is reproducible and its members still differ); one sample a prompt stays as it was."""
+    n = args.n_samples_per_prompt or (DEMO_SAMPLES_PER_PROMPT if args.data is None else 1)
+    if n == 1:
+        return list(samples), [], []
+    members: list[Sample] = []
+    names: list[str | None] = []
+    for sample in samples:
+        copies, ids = group_members(sample, n)
+        members += copies
+        names += ids
+    seeds: list[int | None] = [] if args.seed is None else [args.seed + member for _ in samples for member in range(n)]
+    return members, names, seeds
 
 
 @contextlib.asynccontextmanager
@@ -229,6 +251,19 @@ def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, t
     return "\n".join(lines)
 
 
+def reward_lines(samples: Sequence[Sample]) -> list[str]:
+    """The rewards the environment wrote, in one line: their mean and how many samples earned 1, and of those
+    how many completed; nothing when no sample has a numeric reward."""
+    rewards = [(float(sample.reward), sample.status) for sample in samples
+               if isinstance(sample.reward, int | float) and not isinstance(sample.reward, bool)]  # fmt: skip
+    if not rewards:
+        return []
+    mean = sum(reward for reward, _ in rewards) / len(rewards)
+    ones = [status for reward, status in rewards if reward == 1.0]
+    completed = sum(1 for status in ones if status == Status.COMPLETED)
+    return [f"reward mean {mean:.3f} over {len(rewards)} samples; {len(ones)} at 1.0 ({completed} completed)"]
+
+
 def error_lines(samples: Sequence[Sample], *, limit: int = 5) -> list[str]:
     """The failed samples' distinct errors (class, message, count), most frequent first, at most ``limit``.
 
@@ -281,7 +316,8 @@ def build_config(args: argparse.Namespace, url: str, model: str, tokenizer_path:
 async def _run(args: argparse.Namespace) -> int:
     from fsm_rollout.env import load_env_factory
 
-    samples, skipped = _load_samples(args)
+    prompts, skipped = _load_samples(args)
+    samples, sample_ids, seeds = _groups(prompts, args)
     env_factory = load_env_factory(args.env or DEMO_ENV)  # a bad --env fails before any engine starts
     key = api_key(args)
     sampling: dict[str, Any] = {
@@ -306,7 +342,8 @@ async def _run(args: argparse.Namespace) -> int:
         async with RolloutRunner(config, sampling_params=sampling, engine_urls=urls, tokenizer=tokenizer,
                                  env_factory=env_factory) as runner:
             progress = None if args.quiet else asyncio.ensure_future(_show_progress(runner, len(samples), sys.stderr))
-            batch = asyncio.ensure_future(runner.run_batch(samples, concurrency=args.concurrency))
+            batch = asyncio.ensure_future(runner.run_batch(samples, concurrency=args.concurrency,
+                                                             sample_ids=sample_ids, seeds=seeds))
             stop_waiter = asyncio.ensure_future(interrupted.wait())
             await asyncio.wait({batch, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
             if interrupted.is_set() and not batch.done():
@@ -320,7 +357,8 @@ async def _run(args: argparse.Namespace) -> int:
             snapshot = runner.metrics()
     write_results(samples, args.out, include_features=args.include_features)
     errors = [redacted(line, key) for line in error_lines(samples)]
-    print(summary(snapshot, total=len(samples), skipped=skipped, out=args.out, trace=args.trace, errors=errors))
+    print(summary(snapshot, total=len(samples), skipped=skipped, out=args.out, trace=args.trace,
+                  errors=[*reward_lines(samples), *errors]))
     if args.record:
         print(f"tape: {tape_path_for(args.trace)}")
     if interrupted.is_set():

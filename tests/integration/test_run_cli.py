@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -15,6 +17,7 @@ from typing import Any
 import orjson
 import pytest
 
+from fsm_rollout.cli.run import DEMO_SAMPLES_PER_PROMPT
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
 
@@ -214,7 +217,13 @@ async def test_the_demo_runs_on_the_embedded_engine_with_images(tmp_path: Path) 
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=300)
     assert process.returncode == 0, stderr.decode()
     rows = results(tmp_path)
-    assert [row["index"] for row in rows] == [0, 1]
+    # the demo rolls each question out as a group, each member with its own seed
+    assert [(row["index"], row["group_index"], row["metadata"]["group_member"]) for row in rows] == [
+        (index, index, member) for index in (0, 1) for member in range(DEMO_SAMPLES_PER_PROMPT)
+    ]
+    assert len({row["session_id"] for row in rows}) == len(rows)
+    names = {json.loads(line).get("sample_id") for line in (tmp_path / "trace.jsonl").read_text().splitlines()}
+    assert {f"{index}.{member}" for index in (0, 1) for member in range(DEMO_SAMPLES_PER_PROMPT)} <= names
     for row in rows:
         assert row["status"] in ("truncated", "completed")
         assert row["response_length"] == len(row["loss_mask"]) == len(row["rollout_log_probs"])
@@ -222,7 +231,9 @@ async def test_the_demo_runs_on_the_embedded_engine_with_images(tmp_path: Path) 
         assert grid["shape"] == [1, 3]
         assert row["multimodal_train_inputs"]["pixel_values"]["dtype"] == "float32"
         assert row["multimodal_inputs"]["images"][0].startswith("data:image/png;base64,")
-    assert "2/2 samples" in stdout.decode()
+    total = 2 * DEMO_SAMPLES_PER_PROMPT
+    assert f"{total}/{total} samples" in stdout.decode()
+    assert re.search(rf"reward mean \d\.\d{{3}} over {total} samples; \d+ at 1\.0 \(\d+ completed\)", stdout.decode())
 
 
 def test_the_former_gc_flag_name_still_parses() -> None:

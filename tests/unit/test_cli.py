@@ -13,7 +13,7 @@ import pytest
 from fsm_rollout.cli import SUBCOMMANDS, build_parser, main
 from fsm_rollout.cli.bench import settings as bench_settings
 from fsm_rollout.cli.bench.params import Settings
-from fsm_rollout.cli.run import build_config, error_lines
+from fsm_rollout.cli.run import DEMO_SAMPLES_PER_PROMPT, _groups, build_config, error_lines, reward_lines
 from fsm_rollout.sample import Sample, Status
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fsm_rollout"
@@ -87,6 +87,7 @@ def test_help_shows_defaults_but_not_empty_ones(
     assert "(default: None)" not in out and "(default: False)" not in out and "(default: [])" not in out
     expected = {"run": ["--max-turns N         turns per sample at most (default: 3)", "(default: results.jsonl)",
                         "response budget over all turns (default: 176)",
+                        f"(default: {DEMO_SAMPLES_PER_PROMPT} with the demo, else 1)",
                         "(default: 5.0)", "Exit codes:"],
                 "bench": ["(default: 5.0)"], "serve": ["(default: 8000)", "(default: 127.0.0.1, loopback only)"],
                 "replay": ["Exit codes:"], "inspect": ["Exit codes:"], "diagram": ["Exit codes:"]}[command]
@@ -100,6 +101,7 @@ def test_help_shows_defaults_but_not_empty_ones(
         (("--max-new-tokens", "-5"), "--max-new-tokens -5: max_new_tokens must be at least 1"),
         (("--max-new-tokens", "0"), "--max-new-tokens 0: max_new_tokens must be at least 1"),
         (("--max-turns", "0"), "--max-turns 0: max_turns must be at least 1"),
+        (("--n-samples-per-prompt", "0"), "--n-samples-per-prompt 0: n_samples_per_prompt must be at least 1"),
         (("--max-context-len", "-1"), "--max-context-len -1: max_context_len must be at least 1"),
         (("--concurrency", "0"), "--concurrency 0: concurrency must be at least 1"),
         (("--limit", "-2"), "--limit -2: limit must be 0 or more"),
@@ -148,3 +150,33 @@ def test_the_error_lines_count_distinct_errors_most_frequent_first() -> None:
     lines = error_lines(many, limit=5)
     assert len(lines) == 7 and lines[-1].startswith("  ... 2 more distinct error(s)")
     assert error_lines([Sample(prompt="q", status=Status.TRUNCATED)]) == []
+
+
+def test_the_demo_runs_groups_and_a_dataset_one_sample_a_prompt_unless_told() -> None:
+    prompts = [Sample(index=0, prompt="a"), Sample(index=1, prompt="b")]
+    demo = build_parser().parse_args(["run"])
+    members, names, seeds = _groups(prompts, demo)
+    assert [(member.index, member.group_index, member.metadata["group_member"]) for member in members] == [
+        (index, index, member) for index in (0, 1) for member in range(DEMO_SAMPLES_PER_PROMPT)
+    ]
+    assert names == [f"{index}.{member}" for index in (0, 1) for member in range(DEMO_SAMPLES_PER_PROMPT)]
+    assert seeds == [] and len({member.session_id for member in members}) == len(members)
+    assert all(prompt.group_index is None for prompt in prompts)  # the dataset's samples are copied, not changed
+
+    _, _, seeded = _groups(prompts, build_parser().parse_args(["run", "--seed", "7", "--n-samples-per-prompt", "3"]))
+    assert seeded == [7, 8, 9, 7, 8, 9]  # member m sends seed + m: reproducible, and the members still differ
+
+    dataset = build_parser().parse_args(["run", "--data", "d.jsonl"])
+    assert _groups(prompts, dataset) == (prompts, [], [])
+    two = build_parser().parse_args(["run", "--data", "d.jsonl", "--n-samples-per-prompt", "2"])
+    assert len(_groups(prompts, two)[0]) == 4
+
+
+def test_the_reward_line_counts_right_answers_and_which_of_them_completed() -> None:
+    def rewarded(reward: object, status: Status) -> Sample:
+        return Sample(prompt="q", reward=reward, status=status)  # type: ignore[arg-type]
+
+    samples = [rewarded(1.0, Status.COMPLETED), rewarded(1.0, Status.TRUNCATED), rewarded(0.0, Status.TRUNCATED),
+               rewarded(0.0, Status.COMPLETED), rewarded(None, Status.FAILED), rewarded(True, Status.COMPLETED)]
+    assert reward_lines(samples) == ["reward mean 0.500 over 4 samples; 2 at 1.0 (1 completed)"]
+    assert reward_lines([rewarded(None, Status.COMPLETED)]) == []
