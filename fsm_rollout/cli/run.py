@@ -44,9 +44,9 @@ EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 EPILOG = """\
 With no --engine-url the embedded CPU engine is started in-process; with no --data the bundled demo dataset runs
-with the built-in Geo3K environment. A live progress line shows samples done, per-state occupancy and tokens/s;
-the run ends with a summary (status and reason counts, turns, tokens, throughput) and the most frequent errors of
-the failed samples.
+with the built-in Geo3K environment, each question as a group of samples (--n-samples-per-prompt). A live progress
+line shows samples done, per-state occupancy and tokens/s; the run ends with a summary (status and reason counts,
+the rewards the environment wrote, turns, tokens, throughput) and the most frequent errors of the failed samples.
 
 Before a sample runs, the options are checked, then each --engine-url must answer GET /health, and GET /v1/models
 fills in what the flags leave out: the served model name when the engine serves one model, and, from
