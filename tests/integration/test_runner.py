@@ -12,7 +12,7 @@ import pytest
 
 from fsm_rollout import RetryPolicy, RolloutConfig, Sample, Status, gc_policy
 from fsm_rollout.errors import ConfigError
-from fsm_rollout.runner import ConsistentHashRing, RolloutRunner
+from fsm_rollout.runner import ConsistentHashRing, RolloutRunner, group_members
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import ABORT_PATH, GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 
@@ -121,6 +121,23 @@ async def test_a_seeded_group_sends_each_member_its_own_seed_on_every_turn(
     by_member = {sample.metadata["group_member"]: seeds[str(sample.session_id)] for sample in group}
     assert by_member == {0: [40, 40], 1: [41, 41], 2: [42, 42]}
     assert "seed" not in SAMPLING  # the runner's own parameters are left as they were
+
+
+async def test_a_batch_of_group_members_sends_each_its_seed_by_position(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    # several groups under one concurrency limit, as `fsm-rollout run --n-samples-per-prompt` runs them
+    fake_vllm.script([ScriptedTurn(text="g")] * 4)
+    groups = [group_members(Sample(prompt="q", index=index), 2) for index in (0, 1)]
+    members = [copy for copies, _ in groups for copy in copies]
+    names = [name for _, ids in groups for name in ids]  # "0.0" ...: without them two samples would share a name
+    async with runner_for(fake_vllm, tokenizer, envs=ScriptedEnvFactory(steps=[("ok", True)])) as runner:
+        done = await runner.run_batch(members, concurrency=2, sample_ids=names, seeds=[7, 8, 7, 8])
+    sent = {str(request.body["request_id"]): request.body["sampling_params"]["seed"]
+            for request in fake_vllm.requests_to(GENERATE_PATH)}  # fmt: skip
+    by_sample = {(sample.index, sample.metadata["group_member"]): [seed for request_id, seed in sent.items()
+                 if request_id.startswith(str(sample.session_id))] for sample in done}  # fmt: skip
+    assert by_sample == {(0, 0): [7], (0, 1): [8], (1, 0): [7], (1, 1): [8]}
 
 
 @pytest.fixture
