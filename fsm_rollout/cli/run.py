@@ -233,8 +233,9 @@ def write_results(samples: Sequence[Sample], path: Path, *, include_features: bo
 
 
 def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, trace: Path | None,
-            errors: Sequence[str] = ()) -> str:
-    """The end-of-run table, with ``errors`` (see :func:`error_lines`) under the counts."""
+            rewards: Sequence[str] = (), errors: Sequence[str] = ()) -> str:
+    """The end-of-run table, with ``rewards`` (see :func:`reward_lines`) and ``errors`` (see :func:`error_lines`)
+    under the counts."""
     lines = [
         f"{snapshot.samples_done}/{total} samples in {snapshot.elapsed_s:.1f}s "
         f"({snapshot.samples_per_s:.2f} samples/s, {snapshot.turns} turns, "
@@ -246,6 +247,7 @@ def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, t
     lines.extend(f"  {status:<32}{count:>6}" for status, count in sorted(snapshot.statuses.items()))
     lines.append(f"{'reason':<34}{'count':>6}")
     lines.extend(f"  {reason:<32}{count:>6}" for reason, count in sorted(snapshot.reasons.items()))
+    lines.extend(rewards)
     lines.extend(errors)
     lines.append(f"results: {out}" + (f"   trace: {trace}" if trace else ""))
     return "\n".join(lines)
@@ -358,7 +360,7 @@ async def _run(args: argparse.Namespace) -> int:
     write_results(samples, args.out, include_features=args.include_features)
     errors = [redacted(line, key) for line in error_lines(samples)]
     print(summary(snapshot, total=len(samples), skipped=skipped, out=args.out, trace=args.trace,
-                  errors=[*reward_lines(samples), *errors]))
+                  rewards=reward_lines(samples), errors=errors))
     if args.record:
         print(f"tape: {tape_path_for(args.trace)}")
     if interrupted.is_set():
