@@ -16,7 +16,7 @@ from fsm_rollout import RolloutConfig, RolloutRunner, Sample
 from fsm_rollout.data.demo import demo_samples
 from fsm_rollout.engine.local import LocalEngine
 
-SAMPLING = {"max_new_tokens": 176, "temperature": 1.0, "stop": ["</tool_call>"], "no_stop_trim": True}
+SAMPLING = {"max_new_tokens": 176, "temperature": 1.0, "top_p": 1.0, "stop": ["</tool_call>"], "no_stop_trim": True}
 
 
 async def main(model_dir: Path | None = None) -> list[Sample]:
@@ -45,5 +45,5 @@ async def main(model_dir: Path | None = None) -> list[Sample]:
 
 if __name__ == "__main__":
     for sample in asyncio.run(main()):
-        versions = sorted({span["version"] for span in sample.metadata["weight_version_spans"]})
+        versions = sorted({span["version"] for span in sample.metadata.get("weight_version_spans", [])})
         print(sample.index, sample.status.value, sample.metadata["rollout_reason"], sample.reward, versions)

@@ -36,7 +36,7 @@ async def test_the_in_process_example_runs_against_the_embedded_engine() -> None
 
     assert len(samples) == 8
     for sample in samples:
-        assert sample.status.value in lifecycle.TERMINAL
+        assert sample.status.value in lifecycle.TERMINAL - {"failed"}, sample.metadata.get("rollout_error")
         assert sample.metadata["rollout_reason"]
         assert len(sample.loss_mask) == len(sample.rollout_log_probs or []) == sample.response_length
     # the first group ran before the weight push, the second after it, under the version the push set
