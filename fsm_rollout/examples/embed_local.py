@@ -2,8 +2,8 @@
 
 Run it with ``python -m fsm_rollout.examples.embed_local``. It serves the default model in process, rolls out a
 group of four samples of one demo question, pushes the trainer's copy of the weights through
-``runner.weight_update``, rolls out a second group under the new version, and prints each sample's status,
-reason, reward and weight versions, then the runner's metrics. The README shows everything below this docstring;
+``runner.weight_update``, rolls out a second group under the new version, and prints the runner's metrics, then
+each sample's status, reason, reward and response length. The README shows everything below this docstring;
 ``tests/integration/test_readme_snippets.py`` checks that it does and runs it against the tiny random model.
 """
 
@@ -38,12 +38,11 @@ async def main(model_dir: Path | None = None) -> list[Sample]:
             async with runner.weight_update(version="step-1"):  # rollouts in flight suspend; nothing is lost
                 await engine.load_weights(policy.state_dict())  # copied between two decode steps
             samples += await runner.run_group(question, n=4, seed=4)
-            metrics = runner.metrics()
+            metrics = runner.metrics()  # statuses and reasons count every sample since the runner started
             print(metrics.statuses, metrics.reasons, f"{metrics.turns} turns, {metrics.tokens_per_s:.0f} tok/s")
     return samples
 
 
 if __name__ == "__main__":
     for sample in asyncio.run(main()):
-        versions = sorted({span["version"] for span in sample.metadata.get("weight_version_spans", [])})
-        print(sample.index, sample.status.value, sample.metadata["rollout_reason"], sample.reward, versions)
+        print(sample.status.value, sample.metadata["rollout_reason"], sample.reward, sample.response_length)
