@@ -15,7 +15,8 @@ import orjson
 import pytest
 
 from fsm_rollout import Rollout, Sample, gc_policy, lifecycle
-from fsm_rollout import rollout as rollout_module
+from fsm_rollout.rollout import activities as activities_module
+from fsm_rollout.rollout import steps as rollout_module
 from fsm_rollout.cli import main as cli_main
 from fsm_rollout.recording import (
     RecordingFormatError,
@@ -262,7 +263,7 @@ async def test_the_tape_sits_beside_the_trace_and_names_its_schema(recording: Re
 async def test_a_changed_eos_rule_is_reported_at_the_sample_and_turn_where_it_matters(
     recording: Recording, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(rollout_module, "stop_string_eos_due", lambda *args, **kwargs: False)
+    monkeypatch.setattr(activities_module, "stop_string_eos_due", lambda *args, **kwargs: False)
     report = await run_replay_in_thread(recording)
     assert report.exit_code == 1
     diverged = {sample.sample_id: sample for sample in report.samples if sample.verdict == "diverged"}
