@@ -118,7 +118,7 @@ class _Replay:
             return None
         return token_context(self.tokenizer, recorded, today, index)
 
-    def finish(self) -> None:
+    def finish(self, rollout: Rollout) -> None:
         """Compare how the rollout ended with the recorded result, then that nothing recorded is left over."""
         if self.divergence is not None:
             return

@@ -114,6 +114,8 @@ class CancelScope:
             try:
                 result = await (task if limit is None else asyncio.wait_for(task, limit))
             except TimeoutError:
+                if limit is None:  # the call's own timeout (an engine client's), not this scope's
+                    raise
                 if thread is not None:  # a thread cannot be stopped: wait for it, then discard its result
                     await _thread_done(thread)
                 if self.stopping:
