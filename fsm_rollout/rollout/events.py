@@ -46,7 +46,6 @@ def event_fields(
     elif trigger == "hand_back":
         fields["suspend_reason"] = ctx.suspend_reason
         fields["partial_tokens"] = sum(len(part.token_ids) for part in ctx.partial_turn)
-        fields["env_snapshot"] = ctx.env_snapshot is not None
     elif trigger == "fail":
         fields["failed_trigger"] = ctx.failed_trigger
         fields["error_type"] = type(ctx.error).__name__
