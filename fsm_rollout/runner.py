@@ -122,7 +122,7 @@ class _Metrics(RolloutHooks):
             self.statuses[dst] += 1
             self.reasons[rollout.reason or "unknown"] += 1
             self.done += 1
-            self.active.discard(rollout)  # type: ignore[arg-type]  # a view equals its rollout
+            self.active.discard(rollout)
         else:
             self.occupancy[dst] += 1
 

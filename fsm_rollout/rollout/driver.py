@@ -31,8 +31,8 @@ from fsm_rollout.rollout import steps
 from fsm_rollout.rollout.activities import ACTIVITIES, Activities
 from fsm_rollout.rollout.cancel import CancelScope, Stopped, TimedOut
 from fsm_rollout.rollout.context import Deps, RolloutContext
-from fsm_rollout.rollout.gating import GatePoint
 from fsm_rollout.rollout.events import event_fields
+from fsm_rollout.rollout.gating import GatePoint
 from fsm_rollout.rollout.setup import (
     check_startable,
     default_request_prefix,

@@ -84,7 +84,7 @@ async def test_a_handed_back_sample_leaves_by_the_edge_and_its_environment_is_cl
     envs = SnapshotEnvFactory()
     async with FakeVLLMServer(tokenizer) as server, VLLMClient(server.url) as client:
         with capture_transitions() as events:
-            sample, gate, rollout = await handed_back(server, client, envs)
+            sample, _, rollout = await handed_back(server, client, envs)
     assert (rollout.state, rollout.reason) == ("aborted", "handed_back")
     assert sample.status == Status.ABORTED and sample.metadata["rollout_reason"] == "handed_back"
     last = events[-1]

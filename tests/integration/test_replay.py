@@ -15,8 +15,6 @@ import orjson
 import pytest
 
 from fsm_rollout import Rollout, Sample, gc_policy, lifecycle
-from fsm_rollout.rollout import activities as activities_module
-from fsm_rollout.rollout import steps as rollout_module
 from fsm_rollout.cli import main as cli_main
 from fsm_rollout.recording import (
     RecordingFormatError,
@@ -27,6 +25,8 @@ from fsm_rollout.recording import (
     tape_path_for,
 )
 from fsm_rollout.replay import ReplayReport, replay
+from fsm_rollout.rollout import activities as activities_module
+from fsm_rollout.rollout import steps as rollout_module
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir

@@ -49,8 +49,8 @@ NON_DEFAULT: dict[str, Any] = {
 
 def deps(**config: Any) -> Deps:
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)))
-    return Deps(config=RolloutConfig(model="m", engine_url="http://engine.invalid", max_turns=3, **config), params={"max_tokens": 10}, encoder=None,
-                tokenizer=tokenizer, processor=None, gate=GatePoint(None))
+    return Deps(config=RolloutConfig(model="m", engine_url="http://engine.invalid", max_turns=3, **config),
+                params={"max_tokens": 10}, encoder=None, tokenizer=tokenizer, processor=None, gate=GatePoint(None))
 
 
 def fresh(**fields: Any) -> RolloutContext:
@@ -90,7 +90,7 @@ def test_only_process_objects_are_left_out_of_the_json() -> None:
 def test_a_state_missing_a_field_is_damaged() -> None:
     state = fresh(state="suspended").to_json()
     del state["budget"]
-    with pytest.raises(ResumeError, match="damaged.*budget"):
+    with pytest.raises(ResumeError, match=r"damaged.*budget"):
         RolloutContext.from_json(state, sample=Sample(prompt="p"), deps=deps(), sample_id="9")
 
 
