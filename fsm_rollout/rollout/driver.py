@@ -30,6 +30,7 @@ from fsm_rollout.resume_state import RESUME_STATE_KEY
 from fsm_rollout.rollout import steps
 from fsm_rollout.rollout.activities import ACTIVITIES, Activities
 from fsm_rollout.rollout.cancel import CancelScope, Stopped, TimedOut
+from fsm_rollout.rollout.clock import RolloutClock
 from fsm_rollout.rollout.context import Deps, RolloutContext
 from fsm_rollout.rollout.events import event_fields
 from fsm_rollout.rollout.gating import GatePoint
@@ -146,16 +147,16 @@ class Rollout:
                 request_prefix=request_prefix if request_prefix is not None else default_request_prefix(sample))
         self._scope = CancelScope()
         self._io = Activities(self.ctx, client=client, headers=headers, scope=self._scope, env_factory=env_factory,
-                              env_args=env_args if env_args is not None else config, start_clock=self._start_clock)
+                              env_args=env_args if env_args is not None else config,
+                              start_clock=lambda: self._clock.start())
         self._view = View(self.ctx, rollout_uid=self.rollout_uid, owner=self)
         self._entered_at = time.perf_counter()
         self._running = False
         self._done = asyncio.Event()
         self._start_waiter: asyncio.Future[None] | None = None
         self._gate_waiter: asyncio.Future[None] | None = None
-        self._time_left = config.rollout_timeout_s
-        self._deadline: asyncio.TimerHandle | None = None
-        self._clock_started: float | None = None
+        limit = config.rollout_timeout_s
+        self._clock = RolloutClock(limit, lambda: self._time_out("rollout_timeout", "rollout", limit or 0.0))
         self.suspended_since: float | None = None
 
     # ------------------------------------------------------------------ what callers and tests read
@@ -192,7 +193,7 @@ class Rollout:
         steps._MACHINE.events[trigger].trigger(ctx, ctx)
         now = time.perf_counter()
         if ctx.state == "suspended" and src != "suspended":
-            self._stop_clock()
+            self._clock.stop()
             self.suspended_since = now
         if self.config.check_invariants and ctx.prompt_length is not None:
             self.sample.check_invariants(ctx.prompt_length)
@@ -281,7 +282,7 @@ class Rollout:
             reward = await reward
         self.sample.reward = reward
 
-    # ------------------------------------------------------------------ time limits
+    # ------------------------------------------------------------------ time limits (fsm_rollout.rollout.clock)
 
     def _time_out(self, trigger: str, what: str, limit_s: float) -> None:
         """A limit ran out: end the rollout ``truncated`` by ``trigger`` (the request in flight, if any, is
@@ -290,23 +291,6 @@ class Rollout:
             return
         self.sample.metadata["rollout_timeout"] = {"what": what, "limit_s": limit_s, "state": self.ctx.state}
         self._scope.time_out(trigger)
-
-    def _start_clock(self) -> None:
-        limit = self.config.rollout_timeout_s
-        if self._time_left is None or limit is None or self._deadline is not None:
-            return
-        self._clock_started = time.perf_counter()
-        self._deadline = asyncio.get_running_loop().call_later(
-            max(self._time_left, 0.0), self._time_out, "rollout_timeout", "rollout", limit
-        )
-
-    def _stop_clock(self) -> None:
-        if self._deadline is None:
-            return
-        self._deadline.cancel()
-        self._deadline = None
-        if self._time_left is not None and self._clock_started is not None:
-            self._time_left -= time.perf_counter() - self._clock_started
 
     # ------------------------------------------------------------------ running and stopping
 
@@ -356,10 +340,10 @@ class Rollout:
             gc_policy.rollout_started()
         try:
             if self.ctx.state != "suspended":  # a resumed rollout's clock starts when it resumes
-                self._start_clock()
+                self._clock.start()
             await self._drive()
         finally:
-            self._stop_clock()
+            self._clock.stop()
             closing, self.ctx.closing = self.ctx.closing, None
             if closing is not None:
                 try:
