@@ -19,6 +19,7 @@ from typing import Any
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import ResumeError
 from fsm_rollout.partial_turn import Span, turn_from_json, turn_to_json
+from fsm_rollout.rollout.gating import GatePoint
 from fsm_rollout.sample import Sample
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
 
@@ -42,8 +43,8 @@ class Deps:
     encoder: Any
     tokenizer: Any
     processor: Any
-    gate: Any
-    """The rollout's :class:`~fsm_rollout.rollout.gating.GatePoint`."""
+    gate: GatePoint
+    """The rollout's side of its weight-update gate."""
 
     def decode(self, token_ids: TokenIds) -> str:
         text: str = self.tokenizer.decode(token_ids, skip_special_tokens=False)
@@ -123,14 +124,14 @@ class RolloutContext:
         if not isinstance(state, Mapping) or state.get("version") not in (1, RESUME_STATE_VERSION):
             raise ResumeError(f"sample {sample_id}: metadata['resume_state'] is not a resume state of version "
                               f"{RESUME_STATE_VERSION}")
-        values = {_LEGACY_KEYS.get(key, key): value for key, value in state.items()} if state["version"] == 1 \
-            else dict(state)
+        legacy = state["version"] == 1
+        values = {(_LEGACY_KEYS.get(key, key) if legacy else key): value for key, value in state.items()}
         context = cls(sample=sample, deps=deps)
         try:
             for item in data_fields():
                 if item.name in values:
                     setattr(context, item.name, _DECODE.get(item.name, _plain)(values[item.name]))
-                elif state["version"] == RESUME_STATE_VERSION:
+                elif not legacy:
                     raise KeyError(item.name)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ResumeError(f"sample {sample_id}: metadata['resume_state'] is damaged: {type(error).__name__}: "

@@ -90,12 +90,11 @@ def start_response(ctx: RolloutContext) -> None:
     ctx.budget = response_budget(
         ctx.deps.params["max_tokens"], ctx.deps.config.rollout_max_context_len, ctx.prompt_length
     )
-    gate = ctx.deps.gate
-    if gate.gate is not None:
-        version = gate.weight_version
-        if version is not None:
-            sample.metadata["start_weight_version"] = version
-        ctx.start_epoch = gate.weight_updates
+    gate = ctx.deps.gate  # without a gate: no version, no updates
+    version = gate.weight_version
+    if version is not None:
+        sample.metadata["start_weight_version"] = version
+    ctx.start_epoch = gate.weight_updates
 
 
 def append_turn(ctx: RolloutContext) -> None:
