@@ -39,6 +39,10 @@ class RolloutView(Protocol):
         """The prompt's token count, once rendered."""
 
     @property
+    def suspensions(self) -> int:
+        """How often the rollout was suspended for a weight update."""
+
+    @property
     def sample(self) -> Sample:
         """The sample (the rollout mutates it; hooks must not)."""
 

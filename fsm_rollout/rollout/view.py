@@ -10,7 +10,7 @@ from fsm_rollout.types import GeneratedTurn
 
 
 class View:
-    """A rollout's state, reason, turn, sample and ids, read-only.
+    """A rollout's state, reason, turn, suspensions, sample and ids, read-only.
 
     A view stands for its rollout: it is equal to it and hashes like it, so an observer may keep rollouts in a set
     and remove one by the view its hook was given.
@@ -42,6 +42,10 @@ class View:
     @property
     def prompt_length(self) -> int | None:
         return self._ctx.prompt_length
+
+    @property
+    def suspensions(self) -> int:
+        return self._ctx.suspensions
 
     @property
     def sample(self) -> Sample:

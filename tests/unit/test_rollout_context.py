@@ -182,3 +182,19 @@ async def test_an_abort_is_not_a_timeout_and_nothing_starts_after_it() -> None:
 
     with pytest.raises(Stopped):
         await scope.run(never_sent())
+
+
+def test_hooks_see_a_read_only_view_that_stands_for_its_rollout() -> None:
+    from fsm_rollout.rollout.view import View
+
+    context = fresh(state="generating", turn_index=2, suspensions=1, sample_id="7", request_prefix="s7")
+    owner = object()
+    view = View(context, rollout_uid="u", owner=owner)
+    assert (view.state, view.turn_index, view.suspensions, view.sample_id, view.request_prefix, view.rollout_uid) == (
+        "generating", 2, 1, "7", "s7", "u")
+    assert view.sample is context.sample
+    with pytest.raises(AttributeError):
+        view.state = "aborted"  # type: ignore[misc]
+    rollouts = {owner}
+    rollouts.discard(view)  # an observer keeping rollouts removes one by its view
+    assert not rollouts
