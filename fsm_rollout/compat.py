@@ -11,9 +11,11 @@ Shared per process: the tokenizer and processor (loaded once per ``hf_checkpoint
 Weight updates: ``await compat.suspend()`` before the trainer pushes new weights and ``await compat.resume()``
 after (or ``async with compat.weight_update(version="7"):``) suspend every ``generate`` call of the event loop
 without losing a token. With ``args.partial_rollout=True`` a suspended sample comes back to the trainer at once,
-status ``aborted`` with reason ``weight_update``, its data so far and ``metadata["resume_state"]``; passing it to
-``generate`` again (after the resume) continues it where it stopped. Without it, ``generate`` simply waits for the
-resume.
+status ``aborted`` with reason ``handed_back`` (the lifecycle's ``hand_back`` edge), its data so far and
+``metadata["resume_state"]``; passing it to ``generate`` again (after the resume) continues it where it stopped.
+Its environment is closed at hand-back and rebuilt from its ``snapshot()`` on resume, in this process or another
+(an environment without ``snapshot()``/``restore(state)`` cannot be resumed); nothing is held for a sample the
+trainer drops. Without ``partial_rollout``, ``generate`` simply waits for the resume.
 """
 
 from __future__ import annotations
@@ -210,6 +212,6 @@ class _HandingBack:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._suspender, name)
 
-    async def wait_resumed(self, rollout: Any) -> None:
+    async def wait_resumed(self) -> None:
         if self._suspender.suspended:
             raise HandBack

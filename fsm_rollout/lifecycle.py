@@ -3,12 +3,15 @@
 Read this module like an XState machine config. Each non-terminal state names the work the driver does while the
 sample sits in it (``activity``; the I/O happens there) and the one trigger it fires when that work is done. Each
 trigger's edges are listed in order: the first edge whose guard holds is taken, and the last one has no guard.
-Guards are pure predicates over the rollout; actions change the sample. Their implementations live in
-:mod:`fsm_rollout.rollout`, which hands them to :func:`build_machine` by name.
+Guards are pure predicates over the rollout's context; actions change the sample. Their implementations live in
+:mod:`fsm_rollout.rollout.steps`, which hands them to :func:`build_machine` by name.
 
 Some triggers are the driver's choice rather than a state's: ``suspend`` (a weight update closed the rollout's
 gate while it was generating, or as it was about to), ``env_timeout`` and ``rollout_timeout`` (a limit of the
-config ran out), ``abort`` and ``fail``; they interrupt the state's own trigger.
+config ran out), ``abort`` and ``fail``; they interrupt the state's own trigger. ``hand_back`` is the gate's
+choice: a suspended sample goes back to its caller (slime/vime's ``partial_rollout``) instead of waiting for the
+resume; it ends ``aborted`` with the reason ``handed_back``, its resume state in ``metadata["resume_state"]`` and
+its environment closed (a resume rebuilds it from its snapshot).
 
 Every edge into a terminal state runs the edge's actions, then records the outcome (the state as the sample's
 status, and the edge's ``reason``; ``abort`` takes the caller's reason, ``fail`` the reason ``error``), then the
@@ -106,6 +109,9 @@ TRANSITIONS: tuple[Edge, ...] = (
          work="the request in flight is aborted at the engine; the tokens it produced are kept as the partial turn"),
     Edge("resume", "suspended", "generating",
          work="the same turn continues: its tokens so far are sent, `max_tokens` is what the budget has left"),
+    Edge("hand_back", "suspended", "aborted", reason="handed_back", actions=("hand_back",),
+         work="back to the caller (`partial_rollout`): the resume state is kept, the environment snapshotted and "
+              "closed"),
     Edge("step", "generating", "aborted", guard="server_aborted", reason="server_abort",
          work="that turn's tokens are dropped"),
     Edge("step", "generating", "truncated", guard="no_budget_for_stop_eos",

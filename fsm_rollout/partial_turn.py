@@ -148,6 +148,7 @@ def turn_to_json(turn: GeneratedTurn) -> dict[str, Any]:
         "token_ids": list(turn.token_ids),
         "logprobs": list(turn.logprobs),
         "meta": {
+            "finish_reason": meta.finish_reason,
             "weight_version": meta.weight_version,
             "prompt_tokens": meta.prompt_tokens,
             "completion_tokens": meta.completion_tokens,
@@ -165,22 +166,25 @@ def turn_to_json(turn: GeneratedTurn) -> dict[str, Any]:
 
 
 def turn_from_json(data: Any) -> GeneratedTurn:
-    """The inverse of :func:`turn_to_json`."""
+    """The inverse of :func:`turn_to_json` (a state written before it kept the finish is a partial turn's:
+    ``abort``)."""
     if not isinstance(data, dict) or not isinstance(data.get("meta"), dict):
         raise ValueError(f"a partial turn must be a JSON object with meta, got {type(data).__name__}")
     meta = dict(data["meta"])
     spans = meta.pop("weight_version_spans", None)
+    finish = data.get("finish", "abort")
+    finish_reason = meta.pop("finish_reason", finish)
     token_ids = [int(token) for token in data["token_ids"]]
     logprobs = [float(value) for value in data["logprobs"]]
     if len(token_ids) != len(logprobs):
         raise ValueError(f"a partial turn has {len(token_ids)} tokens and {len(logprobs)} logprobs")
     return GeneratedTurn(
         request_id=str(data["request_id"]),
-        finish="abort",
+        finish=finish,
         token_ids=token_ids,
         logprobs=logprobs,
         meta=TurnMeta(
-            finish_reason="abort",
+            finish_reason=finish_reason,
             weight_version_spans=None if spans is None else tuple((str(v), int(s), int(e)) for v, s, e in spans),
             **meta,
         ),

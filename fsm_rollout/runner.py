@@ -30,7 +30,7 @@ from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.env import EnvFactory, load_env_factory
 from fsm_rollout.errors import ConfigError, RolloutError
-from fsm_rollout.hooks import RolloutHooks, combine_hooks
+from fsm_rollout.hooks import RolloutHooks, RolloutView, combine_hooks
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_writer_for
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import Sample, Status
@@ -107,7 +107,7 @@ class _Metrics(RolloutHooks):
     """The runner's rollouts that have not ended (each leaves the set at its terminal transition)."""
 
     def transition(
-        self, rollout: Rollout, trigger: str, src: str, dwell_ms: float, fields: Mapping[str, Any] | None
+        self, rollout: RolloutView, trigger: str, src: str, dwell_ms: float, fields: Mapping[str, Any] | None
     ) -> None:
         dst = rollout.state
         self.occupancy[src] -= 1

@@ -23,7 +23,6 @@ from fsm_rollout.errors import ConfigError
 
 if TYPE_CHECKING:
     from fsm_rollout.engine.client import VLLMClient
-    from fsm_rollout.rollout import Rollout
 
 WEIGHT_UPDATE_STRATEGIES = ("abort", "keep")
 """How a weight update treats the generate requests in flight: abort them at the engine and continue each turn
@@ -31,7 +30,8 @@ from its partial tokens afterwards, or have the engine freeze them (``/pause?mod
 
 
 class HandBack(Exception):
-    """Internal: a suspended rollout goes back to its caller (``partial_rollout``) instead of waiting."""
+    """Raised by :meth:`SuspensionGate.wait_resumed`: the suspended rollout goes back to its caller
+    (``partial_rollout``) instead of waiting; the driver takes the table's ``hand_back`` edge."""
 
 
 class SuspensionGate(Protocol):
@@ -51,25 +51,25 @@ class SuspensionGate(Protocol):
     def saw_version(self, version: str) -> None:
         """An engine answer carried this weight version."""
 
-    def should_suspend(self, rollout: Rollout) -> bool:
+    def should_suspend(self) -> bool:
         """Whether the rollout, about to send a generate request, must suspend instead."""
 
-    def suspended_request(self, rollout: Rollout, request_id: str) -> bool:
+    def suspended_request(self, request_id: str) -> bool:
         """Whether the abort answer of ``request_id`` came from this gate's suspension (not from the server)."""
 
-    def request_started(self, rollout: Rollout, client: VLLMClient, request_id: str) -> None:
+    def request_started(self, client: VLLMClient, request_id: str) -> None:
         """A generate request is about to be sent."""
 
-    def request_ended(self, rollout: Rollout, request_id: str) -> None:
+    def request_ended(self, request_id: str) -> None:
         """The generate request ended (answered, failed or cancelled)."""
 
-    async def wait_to_start(self, rollout: Rollout) -> None:
+    async def wait_to_start(self) -> None:
         """Return once a rollout that has not started may start."""
 
-    async def wait_resumed(self, rollout: Rollout) -> None:
+    async def wait_resumed(self) -> None:
         """Return once a suspended rollout may go on; raises :class:`HandBack` when it goes back to its caller
-        instead (status ``aborted``, ``metadata["resume_state"]``; :mod:`fsm_rollout.compat` with
-        ``partial_rollout``)."""
+        instead (the ``hand_back`` edge: status ``aborted``, reason ``handed_back``, ``metadata["resume_state"]``;
+        :mod:`fsm_rollout.compat` with ``partial_rollout``)."""
 
 
 @dataclass
@@ -169,29 +169,29 @@ class Suspender:
         """Generate requests of these rollouts in flight now."""
         return len(self._in_flight)
 
-    def should_suspend(self, rollout: Rollout) -> bool:
+    def should_suspend(self) -> bool:
         return not self._open.is_set()
 
-    def suspended_request(self, rollout: Rollout, request_id: str) -> bool:
+    def suspended_request(self, request_id: str) -> bool:
         if request_id in self._aborted:
             self._aborted.discard(request_id)
             return True
         return False
 
-    def request_started(self, rollout: Rollout, client: VLLMClient, request_id: str) -> None:
+    def request_started(self, client: VLLMClient, request_id: str) -> None:
         self._in_flight[request_id] = client
         self._drained.clear()
 
-    def request_ended(self, rollout: Rollout, request_id: str) -> None:
+    def request_ended(self, request_id: str) -> None:
         self._in_flight.pop(request_id, None)
         if not self._in_flight:
             self._drained.set()
 
-    async def wait_to_start(self, rollout: Rollout) -> None:
+    async def wait_to_start(self) -> None:
         if not self._open.is_set():
             await self._open.wait()
 
-    async def wait_resumed(self, rollout: Rollout) -> None:
+    async def wait_resumed(self) -> None:
         if not self._open.is_set():
             await self._open.wait()
 

@@ -152,18 +152,22 @@ def illegal_steps(events: list[dict[str, Any]]) -> list[str]:
 
     edges = {(edge.source, edge.trigger, edge.dest) for edge in lifecycle.TRANSITIONS}
     state_of: dict[str, str] = {}
+    handed_back: dict[str, bool] = {}
     problems = []
     for number, event in enumerate(events):
         key = str(event.get("sample_id"))
         current = state_of.get(key, lifecycle.INITIAL)
         if current in lifecycle.TERMINAL and event["src"] == lifecycle.INITIAL:
             current = lifecycle.INITIAL  # the same sample id reused by a later rollout in the test
+        if handed_back.pop(key, False) and event["src"] == "suspended":
+            current = "suspended"  # a handed-back sample resumes where it stopped
         step = (event["src"], event["trigger"], event["dst"])
         if event["src"] != current:
             problems.append(f"event {number} of {key}: from {event['src']} but the sample was in {current}")
         if step not in edges:
             problems.append(f"event {number} of {key}: {step} is not an edge of the table")
         state_of[key] = event["dst"]
+        handed_back[key] = event["trigger"] == "hand_back"
     problems.extend(f"{key} ended in non-terminal {state}" for key, state in state_of.items()
                     if state not in lifecycle.TERMINAL)
     return problems

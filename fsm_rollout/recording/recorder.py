@@ -19,7 +19,7 @@ from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.engine.transport import Transport
 from fsm_rollout.env import EnvFactory, load_env_factory
 from fsm_rollout.errors import RolloutError
-from fsm_rollout.hooks import RolloutHooks, combine_hooks
+from fsm_rollout.hooks import RolloutHooks, RolloutView, combine_hooks
 from fsm_rollout.multimodal import processor_merge_size
 from fsm_rollout.recording.format import (
     ENGINE_OPS,
@@ -153,11 +153,11 @@ class SampleRecorder(RolloutHooks):
 
     # ------------------------------------------------------------------ hooks
 
-    def abort_requested(self, rollout: Rollout, reason: str, *, running: bool, in_flight: bool) -> None:
+    def abort_requested(self, rollout: RolloutView, reason: str, *, running: bool, in_flight: bool) -> None:
         self._entry("abort_requested", reason=reason, state=rollout.state, running=running, in_flight=in_flight)
 
     def transition(
-        self, rollout: Rollout, trigger: str, src: str, dwell_ms: float, fields: Mapping[str, Any] | None
+        self, rollout: RolloutView, trigger: str, src: str, dwell_ms: float, fields: Mapping[str, Any] | None
     ) -> None:
         """Keep the transition's traced fields; submit the record when the rollout reached a terminal state."""
         if fields is None:
@@ -171,7 +171,7 @@ class SampleRecorder(RolloutHooks):
             self._io = []
             self._transitions = []
 
-    def _record(self, rollout: Rollout) -> dict[str, Any]:
+    def _record(self, rollout: RolloutView) -> dict[str, Any]:
         sample = rollout.sample
         return {
             "kind": "sample",

@@ -32,7 +32,7 @@ from typing import Any
 from fsm_rollout.chat import ObservationEncoder
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
-from fsm_rollout.hooks import RolloutHooks
+from fsm_rollout.hooks import RolloutHooks, RolloutView
 from fsm_rollout.recording.format import ENGINE_OPS, jsonable
 from fsm_rollout.recording.reader import TapeFile, TapeSample
 from fsm_rollout.replay.compare import (
@@ -51,6 +51,7 @@ from fsm_rollout.replay.compare import (
 from fsm_rollout.replay.tape import TapeCursor, describe_entry, rebuild_error, revive
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import Sample
+from fsm_rollout.suspension import HandBack
 from fsm_rollout.trace import NULL_TRACER
 
 
@@ -302,13 +303,15 @@ class _TapeGate:
     def __init__(self, replay: _Replay) -> None:
         self._replay = replay
 
-    def _suspends_next(self, *, cut_request: bool) -> bool:
-        """The recording's next transition is a suspension that cut a request off (or came before sending one)."""
+    def _next_transition(self) -> Any:
         recorded = self._replay.cursor.transitions
         index = len(self._replay.transitions)
-        if index >= len(recorded) or recorded[index].get("trigger") != "suspend":
-            return False
-        return bool(recorded[index].get("cut_request")) == cut_request
+        return recorded[index] if index < len(recorded) else {}
+
+    def _suspends_next(self, *, cut_request: bool) -> bool:
+        """The recording's next transition is a suspension that cut a request off (or came before sending one)."""
+        recorded = self._next_transition()
+        return recorded.get("trigger") == "suspend" and bool(recorded.get("cut_request")) == cut_request
 
     def version_at(self, updates: int) -> str | None:
         return None
@@ -316,23 +319,25 @@ class _TapeGate:
     def saw_version(self, version: str) -> None:
         """Nothing to learn."""
 
-    def should_suspend(self, rollout: Rollout) -> bool:
+    def should_suspend(self) -> bool:
         return self._suspends_next(cut_request=False)
 
-    def suspended_request(self, rollout: Rollout, request_id: str) -> bool:
+    def suspended_request(self, request_id: str) -> bool:
         return self._suspends_next(cut_request=True)
 
-    def request_started(self, rollout: Rollout, client: VLLMClient, request_id: str) -> None:
+    def request_started(self, client: VLLMClient, request_id: str) -> None:
         """Nothing is in flight anywhere."""
 
-    def request_ended(self, rollout: Rollout, request_id: str) -> None:
+    def request_ended(self, request_id: str) -> None:
         """Nothing is in flight anywhere."""
 
-    async def wait_to_start(self, rollout: Rollout) -> None:
+    async def wait_to_start(self) -> None:
         """Never waits."""
 
-    async def wait_resumed(self, rollout: Rollout) -> None:
-        """Never waits: the recording resumed."""
+    async def wait_resumed(self) -> None:
+        """Never waits: the recording resumed, or handed the sample back (then so does today's rollout)."""
+        if self._next_transition().get("trigger") == "hand_back":
+            raise HandBack
 
 
 class _ComparingHooks(RolloutHooks):
@@ -344,7 +349,7 @@ class _ComparingHooks(RolloutHooks):
         self._replay = replay
 
     def transition(
-        self, rollout: Rollout, trigger: str, src: str, dwell_ms: float, fields: Mapping[str, Any] | None
+        self, rollout: RolloutView, trigger: str, src: str, dwell_ms: float, fields: Mapping[str, Any] | None
     ) -> None:
         assert fields is not None
         replay = self._replay

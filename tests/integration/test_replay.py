@@ -15,7 +15,6 @@ import orjson
 import pytest
 
 from fsm_rollout import Rollout, Sample, gc_policy, lifecycle
-from fsm_rollout import rollout as rollout_module
 from fsm_rollout.cli import main as cli_main
 from fsm_rollout.recording import (
     RecordingFormatError,
@@ -26,6 +25,8 @@ from fsm_rollout.recording import (
     tape_path_for,
 )
 from fsm_rollout.replay import ReplayReport, replay
+from fsm_rollout.rollout import activities as activities_module
+from fsm_rollout.rollout import steps as rollout_module
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
@@ -262,7 +263,7 @@ async def test_the_tape_sits_beside_the_trace_and_names_its_schema(recording: Re
 async def test_a_changed_eos_rule_is_reported_at_the_sample_and_turn_where_it_matters(
     recording: Recording, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(rollout_module, "stop_string_eos_due", lambda *args, **kwargs: False)
+    monkeypatch.setattr(activities_module, "stop_string_eos_due", lambda *args, **kwargs: False)
     report = await run_replay_in_thread(recording)
     assert report.exit_code == 1
     diverged = {sample.sample_id: sample for sample in report.samples if sample.verdict == "diverged"}

@@ -145,8 +145,9 @@ async def test_partial_rollout_hands_samples_back_and_resumes_them(engine: Local
     handed_back = await asyncio.gather(*calls)
     for sample in handed_back:
         assert sample.status == Sample.Status.ABORTED
-        assert sample.metadata["rollout_reason"] == "weight_update"
+        assert sample.metadata["rollout_reason"] == "handed_back"  # the hand_back edge's own reason
         state = sample.metadata["resume_state"]
+        assert state["suspend_reason"] == "weight_update"
         assert json.loads(json.dumps(state)) == state  # plain JSON
         assert sum(len(part["token_ids"]) for part in state["partial_turn"]) >= 2
     await compat.resume()
@@ -177,7 +178,6 @@ asyncio.run(main())
 """
 
 
-@pytest.mark.synthetic_paths  # the sample's path ends in the other process
 async def test_a_sample_handed_back_resumes_in_another_process(engine: LocalEngine) -> None:
     args = compat_args(engine)
     reference = await compat.generate(compat_args(engine, partial_rollout=False), geo3k_sample(5), dict(SAMPLING))
@@ -200,7 +200,6 @@ async def test_a_sample_handed_back_resumes_in_another_process(engine: LocalEngi
     assert resumed.metadata["geo3k"] == reference.metadata["geo3k"]
 
 
-@pytest.mark.synthetic_paths  # the sample stays suspended: it cannot resume here
 async def test_resuming_elsewhere_without_a_snapshot_says_what_the_environment_lacks(engine: LocalEngine) -> None:
     args = compat_args(engine, rollout_interaction_env_path="fsm_rollout.testing.envs")
     call = asyncio.ensure_future(compat.generate(args, geo3k_sample(6), dict(SAMPLING)))

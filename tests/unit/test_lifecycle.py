@@ -52,6 +52,7 @@ def test_the_seed_outcomes_are_all_reachable_in_the_normal_flow() -> None:
         "max_turns",
         "env_timeout",  # the library's limits (not the seed's): an environment call, a rollout's wall time
         "rollout_timeout",
+        "handed_back",  # a suspended sample going back to its caller (partial_rollout)
     }
 
 

@@ -1,0 +1,34 @@
+"""One sample's multi-turn rollout, as parts.
+
+- :mod:`~fsm_rollout.rollout.context`: the one record guards and actions read; its JSON is the resume state.
+- :mod:`~fsm_rollout.rollout.steps`: the table's guards and actions, functions of the context; the machine.
+- :mod:`~fsm_rollout.rollout.activities`: the I/O the states name (render, generate, step, encode, resume).
+- :mod:`~fsm_rollout.rollout.gating`: where the weight-update gate is met, around the generate request.
+- :mod:`~fsm_rollout.rollout.cancel`: the one cancel scope, with abort and timeout as separate causes.
+- :mod:`~fsm_rollout.rollout.stops`: the client-side stop-string search of a continued turn.
+- :mod:`~fsm_rollout.rollout.events`: a transition's trace fields.
+- :mod:`~fsm_rollout.rollout.view`: the read-only view hooks get.
+- :mod:`~fsm_rollout.rollout.setup`: start checks, default names, restoring from a resume state.
+- :mod:`~fsm_rollout.rollout.driver`: :class:`Rollout`, the driver.
+
+The table itself is :mod:`fsm_rollout.lifecycle`.
+"""
+
+from fsm_rollout.rollout.driver import Rollout
+from fsm_rollout.rollout.setup import (
+    check_startable,
+    default_request_prefix,
+    default_sample_id,
+    observation_encoder_for,
+)
+from fsm_rollout.rollout.steps import _ACTIONS as _ACTIONS  # the machine and its parts, for tests
+from fsm_rollout.rollout.steps import _GUARDS as _GUARDS
+from fsm_rollout.rollout.steps import _MACHINE as _MACHINE
+
+__all__ = [
+    "Rollout",
+    "check_startable",
+    "default_request_prefix",
+    "default_sample_id",
+    "observation_encoder_for",
+]

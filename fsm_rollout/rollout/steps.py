@@ -1,0 +1,260 @@
+"""The guards and actions the lifecycle table names, as plain functions of a :class:`RolloutContext`.
+
+Guards are pure predicates; actions change the sample and the context. Neither sends anything or awaits: the I/O
+is in :mod:`fsm_rollout.rollout.activities`. Each is testable with a context built by hand, without a client.
+The machine is built here from the table and these functions (:data:`_MACHINE`; the driver looks it up at each
+transition, so a test may swap it).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+
+from fsm_rollout import lifecycle
+from fsm_rollout.chat import record_observation
+from fsm_rollout.config import response_budget
+from fsm_rollout.multimodal import decode_train_features, validate_image_tokens
+from fsm_rollout.partial_turn import join_spans, shift_spans
+from fsm_rollout.resume_state import RESUME_STATE_KEY
+from fsm_rollout.rollout.context import RolloutContext
+from fsm_rollout.sample import Status
+
+# ---------------------------------------------------------------------------------------------------------- guards
+
+
+def budget_exhausted(ctx: RolloutContext) -> bool:
+    """No response budget is left before the first turn (nothing may be generated)."""
+    remaining = ctx.remaining_budget
+    return remaining is not None and remaining <= 0
+
+
+def server_aborted(ctx: RolloutContext) -> bool:
+    """The engine ended the turn with ``abort``/``cancelled``."""
+    return ctx.turn is not None and ctx.turn.finish == "abort"
+
+
+def stop_eos_due(ctx: RolloutContext) -> bool:
+    """The turn stopped on a stop string and a masked EOS must follow it."""
+    return ctx.eos_due
+
+
+def no_budget_for_stop_eos(ctx: RolloutContext) -> bool:
+    """A masked EOS is due but the turn used the last of the budget."""
+    remaining = ctx.remaining_budget
+    if not ctx.eos_due or remaining is None or ctx.turn is None:
+        return False
+    return remaining - len(ctx.turn.token_ids) <= 0
+
+
+def finished_by_length(ctx: RolloutContext) -> bool:
+    """The turn hit its token limit (the environment is then not stepped)."""
+    return ctx.turn is not None and ctx.turn.finish == "length"
+
+
+def env_done(ctx: RolloutContext) -> bool:
+    """The environment said the episode is done."""
+    return ctx.env_done
+
+
+def turn_limit_reached(ctx: RolloutContext) -> bool:
+    """This was the last turn ``max_turns`` allows."""
+    return ctx.turn_index + 1 >= ctx.deps.config.max_turns
+
+
+def observation_exceeds_budget(ctx: RolloutContext) -> bool:
+    """The observation tokens would leave no budget for another turn."""
+    remaining = ctx.remaining_budget
+    return remaining is not None and len(ctx.observation_tokens) >= remaining
+
+
+# --------------------------------------------------------------------------------------------------------- actions
+
+
+def record_outcome(ctx: RolloutContext, dest: str, reason: str | None) -> None:
+    if reason is None:
+        reason = "error" if dest == "failed" else (ctx.stop_reason or "cancelled")
+    ctx.reason = reason
+    ctx.sample.status = Status(dest)
+    ctx.sample.metadata["rollout_reason"] = reason
+
+
+def start_response(ctx: RolloutContext) -> None:
+    assert ctx.rendered is not None
+    sample = ctx.sample
+    sample.tokens = list(ctx.rendered.token_ids)
+    sample.loss_mask = []
+    sample.rollout_log_probs = []
+    sample.response_length = 0
+    ctx.prompt_length = len(sample.tokens)
+    ctx.budget = response_budget(
+        ctx.deps.params["max_tokens"], ctx.deps.config.rollout_max_context_len, ctx.prompt_length
+    )
+    gate = ctx.deps.gate  # without a gate: no version, no updates
+    version = gate.weight_version
+    if version is not None:
+        sample.metadata["start_weight_version"] = version
+    ctx.start_epoch = gate.weight_updates
+
+
+def append_turn(ctx: RolloutContext) -> None:
+    turn = ctx.turn
+    assert turn is not None
+    config = ctx.deps.config
+    offset = ctx.sample.response_length
+    ctx.sample.append_response_tokens(
+        turn.token_ids,
+        turn.logprobs,
+        trainable=True,
+        meta=turn.meta,
+        expert_dims=config.expert_dims,
+        track_spec_stats=config.track_speculative_stats,
+    )
+    ctx.response_token_ids.extend(turn.token_ids)
+    if ctx.turn_spans:
+        spans = ctx.sample.metadata.setdefault("weight_version_spans", [])
+        joined = join_spans([(span["version"], span["start"], span["end"]) for span in spans[-1:]],
+                            shift_spans(ctx.turn_spans, offset))
+        spans[-1:] = [{"version": v, "start": start, "end": end} for v, start, end in joined]
+
+
+def append_stop_eos(ctx: RolloutContext) -> None:
+    eos = ctx.deps.encoder.eos_token_id
+    assert eos is not None
+    ctx.sample.append_response_tokens([eos], trainable=False)
+
+
+def note_stop_eos_truncation(ctx: RolloutContext) -> None:
+    ctx.sample.metadata["multiturn_truncation"] = {
+        "reason": "insufficient_budget_for_stop_eos",
+        "remaining_budget": ctx.remaining_budget,
+    }
+
+
+def note_observation_truncation(ctx: RolloutContext) -> None:
+    ctx.sample.metadata["multiturn_truncation"] = {
+        "reason": "insufficient_budget_for_next_turn",
+        "observation_tokens": len(ctx.observation_tokens),
+        "remaining_budget": ctx.remaining_budget,
+    }
+
+
+def append_observation(ctx: RolloutContext) -> None:
+    sample = ctx.sample
+    start = sample.response_length
+    sample.append_response_tokens(ctx.observation_tokens, trainable=False)
+    record_observation(sample.metadata, ctx.observation_messages, start=start, end=sample.response_length)
+    ctx.observation_messages = []  # consumed: the sample's metadata holds them now
+
+
+def next_turn(ctx: RolloutContext) -> None:
+    ctx.turn_index += 1
+
+
+def note_abort(ctx: RolloutContext) -> None:
+    """Nothing to undo: an aborted turn's tokens were never appended; the partial turn is dropped."""
+    ctx.partial_turn = []
+
+
+def note_timeout(ctx: RolloutContext) -> None:
+    """``metadata["rollout_timeout"]`` was written when the limit ran out; the partial turn is dropped."""
+    ctx.partial_turn = []
+
+
+def hold_partial_turn(ctx: RolloutContext) -> None:
+    """The partial turn stays in ``partial_turn`` until the rollout resumes (the driver stops its clock)."""
+    ctx.suspensions += 1
+    ctx.suspend_reason = ctx.deps.gate.reason
+
+
+def hand_back(ctx: RolloutContext) -> None:
+    """The suspended sample goes back to its caller: the context, with the environment's snapshot, becomes its
+    ``metadata["resume_state"]`` (the arrival in ``aborted`` then closes the environment)."""
+    ctx.status_before_hand_back = Status(ctx.sample.status).value
+    env = ctx.env
+    if env is not None:  # else it was never rebuilt since a resume: the snapshot it came with still holds
+        take_snapshot = getattr(env, "snapshot", None)
+        ctx.env_snapshot = ctx.env_snapshot_error = None
+        if callable(take_snapshot):
+            try:
+                ctx.env_snapshot = take_snapshot()
+            except Exception as error:  # the resume needs it: say why it cannot happen
+                ctx.env_snapshot_error = f"{type(error).__name__}: {error}"
+        else:
+            ctx.env_snapshot_error = f"{type(env).__name__} has no snapshot()"
+    ctx.sample.metadata[RESUME_STATE_KEY] = ctx.to_json()
+
+
+def finalize(ctx: RolloutContext) -> None:
+    deps = ctx.deps
+    features = ctx.rendered.generate_body.get("features") if ctx.rendered is not None else None
+    train_inputs = decode_train_features(features, sample_id=ctx.sample_id)
+    validate_image_tokens(
+        ctx.sample.tokens,
+        deps.tokenizer,
+        deps.processor,
+        train_inputs,
+        placeholder_token=deps.config.image_placeholder_token,
+        merge_size=deps.config.image_merge_size,
+        prompt_length=ctx.prompt_length,
+        sample_id=ctx.sample_id,
+    )
+    ctx.sample.multimodal_train_inputs = train_inputs
+    ctx.sample.response = deps.decode(ctx.response_token_ids)
+
+
+def salvage_response(ctx: RolloutContext) -> None:
+    """On failure keep what can be kept: the response text of the tokens generated so far."""
+    try:
+        ctx.sample.response = ctx.deps.decode(ctx.response_token_ids)
+    except Exception as error:  # the sample's tokens stay; only the text is missing
+        ctx.sample.metadata["response_decode_error"] = f"{type(error).__name__}: {error}"
+
+
+def record_failure(ctx: RolloutContext) -> None:
+    error = ctx.error
+    ctx.sample.metadata["rollout_error"] = {
+        "type": type(error).__name__,
+        "message": str(error),
+        "state": ctx.failed_state,
+        "trigger": ctx.failed_trigger,
+    }
+
+
+def close_environment(ctx: RolloutContext) -> None:
+    if ctx.env is None or ctx.env_closed:
+        return
+    ctx.env_closed = True
+    closing = ctx.env.close()
+    if inspect.isawaitable(closing):  # an async close: the driver awaits it once the rollout has ended
+        ctx.closing = closing
+
+
+def close_environment_after_error(ctx: RolloutContext) -> None:
+    if ctx.env is None or ctx.env_closed:
+        return
+    ctx.env_closed = True
+    close = getattr(ctx.env, "close", None)
+    if not callable(close):
+        return
+    try:
+        closing = close()
+    except BaseException as close_error:
+        ctx.sample.metadata["env_close_error"] = f"{type(close_error).__name__}: {close_error}"
+        if ctx.error is not None and ctx.error is not close_error:
+            ctx.error.__cause__ = close_error
+        return
+    if inspect.isawaitable(closing):
+        ctx.closing = closing
+
+
+_GUARDS: dict[str, Callable[[RolloutContext], bool]] = {
+    name: globals()[name] for name in sorted(lifecycle.guard_names())
+}
+_ACTIONS: dict[str, Callable[..., None]] = {
+    name: globals()[name] for name in sorted(lifecycle.action_names() | {"record_outcome"})
+}
+_MACHINE = lifecycle.build_machine(_GUARDS, _ACTIONS)
+
+
+__all__ = [*_GUARDS, *_ACTIONS]
