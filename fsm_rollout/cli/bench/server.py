@@ -302,6 +302,7 @@ class _Hold:
             "generate_requests": self.generate_requests,
             "held": len(self._held),
             "held_total": self.held_total,
+            "parked": len(self._parked),
             "continued": len(self.continued_at),
             "continued_first_at": self.continued_at[0] if self.continued_at else None,
             "continued_last_at": self.continued_at[-1] if self.continued_at else None,
