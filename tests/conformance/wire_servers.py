@@ -105,10 +105,12 @@ class EngineHarness(Harness):
 
     async def held_generate(self, body: dict[str, Any], request_id: str) -> asyncio.Task[tuple[int, Any]]:
         body = {**body, "request_id": request_id}
-        body["sampling_params"] = {**body["sampling_params"], "max_tokens": 400, "ignore_eos": True}
+        room = self.max_model_len - len(body["token_ids"])  # long enough not to finish before the pause
+        body["sampling_params"] = {**body["sampling_params"], "max_tokens": room, "ignore_eos": True}
         task = asyncio.create_task(self.post(GENERATE_PATH, body))
 
         async def produced() -> bool:
+            assert not task.done(), task.result()
             return self.engine.live_token_counts().get(request_id, 0) >= HELD_TOKENS
 
         await until(produced)
