@@ -60,7 +60,7 @@ def first_stop_string(
     """
     if min_tokens < 0:
         raise ValueError(f"min_tokens must be >= 0, got {min_tokens}")
-    stops = [item for item in stop if item]
+    stops = [item for item in _listed(stop) if item]
     if not stops or len(token_ids) <= min_tokens:
         return None
     floor = len(decode(token_ids[:min_tokens])) if min_tokens else 0
@@ -124,7 +124,7 @@ def cut_at_stop(
         if token_ids[index] in stops:
             end, reason = index + 1, None if token_ids[index] == eos_token_id else token_ids[index]
             break
-    if any(stop):
+    if any(_listed(stop)):
         if decode is None:
             raise ValueError("cut_at_stop needs decode to find stop strings")
         searched = min(len(token_ids), max_tokens) if end is None else end
@@ -136,3 +136,8 @@ def cut_at_stop(
     if len(token_ids) >= max_tokens:
         return StopCut(token_ids=list(token_ids[:max_tokens]), finish="length", stop_reason=None)
     return StopCut(token_ids=list(token_ids), finish="stop", stop_reason=None)
+
+
+def _listed(stop: Sequence[str]) -> Sequence[str]:
+    """A lone string is one stop string (as vLLM reads ``"stop": "x"``), not a list of its characters."""
+    return [stop] if isinstance(stop, str) else stop

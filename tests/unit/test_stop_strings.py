@@ -63,6 +63,12 @@ def test_a_stop_string_begun_inside_min_tokens_and_ended_after_counts() -> None:
     assert first_stop_string(tokens, ["</answer>"], decode, min_tokens=4) is None
 
 
+def test_a_lone_string_is_one_stop_string() -> None:
+    tokens = ids("a", "b", "c")
+    assert first_stop_string(tokens, "bc", decode) == StopStringMatch(end=3, stop="bc")
+    assert cut_at_stop(tokens, max_tokens=5, stop="bc", decode=decode) == StopCut(tokens, "stop", "bc")
+
+
 def test_first_stop_string_refuses_a_negative_floor() -> None:
     with pytest.raises(ValueError, match="min_tokens"):
         first_stop_string(ids("a"), ["a"], decode, min_tokens=-1)

@@ -8,7 +8,8 @@ It is a package because the three parts together are too long for one module:
   :mod:`fsm_rollout.types` records;
 * :mod:`~fsm_rollout.engine.schema.requests`: the servers' side, validating request bodies field by field.
 
-Nothing here imports aiohttp: serving lives in :mod:`fsm_rollout.engine.endpoints`.
+Nothing here imports aiohttp: what a server parses and answers is composed in :mod:`fsm_rollout.engine.serving`
+and bound to aiohttp in :mod:`fsm_rollout.engine.endpoints`.
 """
 
 from fsm_rollout.engine.schema.answers import (
