@@ -427,7 +427,7 @@ def pause_query(query: Mapping[str, str]) -> PauseMode:
         if mode == known:
             return known
     expected = ", ".join(repr(item) for item in PAUSE_MODES)
-    raise RequestError(400, f"mode: Input should be {expected}, got {mode!r}", "mode")
+    raise RequestError(400, f"mode: Input should be one of {expected}, got {mode!r}", "mode")
 
 
 def _query_boolean(query: Mapping[str, str], name: str, *, default: bool) -> bool:
