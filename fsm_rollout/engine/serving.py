@@ -296,7 +296,7 @@ def parse_generate_request(
     check_model(body, served_model_name)
     token_ids = request_token_ids(body, vocab_size=vocab_size)
     check_single_prompt_extra(body)
-    request_id = generate_request_id(body, uuid.uuid4().hex)
+    request_id = generate_request_id(body, "") or uuid.uuid4().hex  # a given id is never empty
     sampling = request_sampling_params(body)
     check_prompt_room(len(token_ids), max_model_len)
     settings = parse_sampling_params(sampling, prompt_len=len(token_ids), max_model_len=max_model_len)
