@@ -1,11 +1,13 @@
-"""Serving vLLM's token-in/token-out endpoints (the embedded engine, the fake test server): binding the routes and
-answering with JSON and vLLM's error bodies. The paths and records are in :mod:`fsm_rollout.engine.schema`."""
+"""The serving frame (:mod:`fsm_rollout.engine.serving`) on aiohttp, for the servers that run on it: the embedded
+engine and the fake test server. A server supplies a :class:`ServingBackend` (how to render, how to produce tokens,
+what pausing and weight versions do); parsing, answers and errors are the frame's, so both answer alike.
+"""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -22,75 +24,207 @@ from fsm_rollout.engine.schema import (
     UPDATE_WEIGHT_VERSION_PATH,
     UPDATE_WEIGHTS_PATH,
     WEIGHT_INFO_PATH,
+    ModelList,
+    PauseMode,
+    RequestError,
+    abort_request_ids,
     error_body,
 )
+from fsm_rollout.engine.serving import (
+    PAUSED,
+    RESUMED,
+    UPDATED_WEIGHTS,
+    GenerateOutcome,
+    GenerateRequest,
+    RenderRequest,
+    generate_answer,
+    is_paused_answer,
+    parse_generate_request,
+    parse_render_request,
+    pause_query,
+    read_json,
+    render_answer,
+    update_info,
+    update_weight_version_answer,
+    weight_info_answer,
+    weight_version_of,
+)
+
+__all__ = ["ServingBackend", "error_response", "json_response", "serve_backend"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
-
-@dataclass(frozen=True)
-class EndpointHandlers:
-    """The handlers of the five endpoints a vLLM-speaking server answers."""
-
-    render: Handler
-    generate: Handler
-    abort: Handler
-    health: Handler
-    models: Handler
-
-    @classmethod
-    def of(cls, server: Any) -> EndpointHandlers:
-        """The server's ``_handle_render``, ``_handle_generate``, ... methods (the embedded engine and the fake
-        test server name theirs so)."""
-        return cls(**{item.name: getattr(server, f"_handle_{item.name}") for item in fields(cls)})
+_log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class WeightUpdateHandlers:
-    """The handlers of vLLM's weight-update endpoints (``VLLM_SERVER_DEV_MODE=1``): pause, resume, the weight
-    version, and loading new weights."""
+class ServingBackend(Protocol):
+    """What a vLLM-speaking server supplies to the frame. Every method may raise
+    :class:`~fsm_rollout.engine.schema.RequestError` to answer with vLLM's error body."""
 
-    pause: Handler
-    resume: Handler
-    is_paused: Handler
-    update_weight_version: Handler
-    weight_info: Handler
-    update_weights: Handler
+    @property
+    def served_model_name(self) -> str: ...
 
-    @classmethod
-    def of(cls, server: Any) -> WeightUpdateHandlers:
-        """The server's ``_handle_pause``, ``_handle_resume``, ... methods."""
-        return cls(**{item.name: getattr(server, f"_handle_{item.name}") for item in fields(cls)})
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def vocab_size(self) -> int | None:
+        """Token ids at or above it are refused (None: not checked)."""
+        ...
+
+    def models(self) -> ModelList: ...
+
+    async def render(self, request: RenderRequest) -> tuple[list[int], Any]:
+        """The prompt's token ids and render ``features`` (None without media)."""
+        ...
+
+    async def generate(self, request: GenerateRequest, http: web.Request) -> GenerateOutcome | web.StreamResponse:
+        """The outcome of a checked generate request (or a whole answer of the server's own, e.g. a scripted
+        fault). ``http`` is the aiohttp request: its cancellation means the client went away."""
+        ...
+
+    async def abort(self, request_ids: list[str]) -> None:
+        """End the named generate requests (by the id sent or vLLM's ``generate-tokens-`` id) with ``abort``."""
+        ...
+
+    async def pause(self, mode: PauseMode) -> None: ...
+
+    async def resume(self) -> None: ...
+
+    def is_paused(self) -> bool: ...
+
+    async def update_weight_version(self, version: str) -> None: ...
+
+    def weight_version(self) -> str: ...
+
+    async def update_weights(self, body: dict[str, Any]) -> None:
+        """Load the weights ``body["update_info"]`` names (its shape is the server's weight-transfer backend's; the
+        frame checked that it is there)."""
+        ...
 
 
-async def serve_endpoints(
-    handlers: EndpointHandlers,
+class _Frame:
+    """The aiohttp handlers of every endpoint, over one backend."""
+
+    def __init__(self, backend: ServingBackend) -> None:
+        self._backend = backend
+
+    async def health(self, request: web.Request) -> web.StreamResponse:
+        return web.Response(status=200)
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        return json_response(self._backend.models())
+
+    async def render(self, request: web.Request) -> web.StreamResponse:
+        backend = self._backend
+        parsed = parse_render_request(read_json(await request.read()), backend.served_model_name)
+        token_ids, features = await backend.render(parsed)
+        return json_response(
+            render_answer(
+                parsed, token_ids, features, model=backend.served_model_name, max_model_len=backend.max_model_len
+            )
+        )
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        backend = self._backend
+        parsed = parse_generate_request(
+            read_json(await request.read()),
+            backend.served_model_name,
+            max_model_len=backend.max_model_len,
+            vocab_size=backend.vocab_size,
+        )
+        outcome = await backend.generate(parsed, request)
+        if isinstance(outcome, web.StreamResponse):
+            return outcome
+        return json_response(
+            generate_answer(parsed.request_id, parsed.prompt_len, outcome, model=backend.served_model_name)
+        )
+
+    async def abort(self, request: web.Request) -> web.StreamResponse:
+        await self._backend.abort(abort_request_ids(read_json(await request.read())))
+        return web.Response(status=200)  # vLLM answers an empty 200
+
+    async def pause(self, request: web.Request) -> web.StreamResponse:
+        await self._backend.pause(pause_query(request.query))
+        return json_response(PAUSED)
+
+    async def resume(self, request: web.Request) -> web.StreamResponse:
+        await self._backend.resume()
+        return json_response(RESUMED)
+
+    async def is_paused(self, request: web.Request) -> web.StreamResponse:
+        return json_response(is_paused_answer(self._backend.is_paused()))
+
+    async def update_weight_version(self, request: web.Request) -> web.StreamResponse:
+        version = weight_version_of(read_json(await request.read()))
+        await self._backend.update_weight_version(version)
+        return json_response(update_weight_version_answer(version))
+
+    async def weight_info(self, request: web.Request) -> web.StreamResponse:
+        return json_response(weight_info_answer(self._backend.weight_version()))
+
+    async def update_weights(self, request: web.Request) -> web.StreamResponse:
+        body = read_json(await request.read())
+        update_info(body)  # required, whatever the backend makes of it
+        await self._backend.update_weights(body)
+        return json_response(UPDATED_WEIGHTS)
+
+
+def _errors_as_vllm(unavailable: tuple[type[Exception], ...]) -> Any:
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except RequestError as error:
+            return error_response(error.status, error.message, error.param)
+        except web.HTTPRequestEntityTooLarge as error:
+            return error_response(error.status, f"The request body is too large: {error.text}")
+        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as error:
+            return json_response({"detail": error.reason}, status=error.status)  # FastAPI's shape, as vLLM's
+        except web.HTTPException:
+            raise
+        except unavailable as error:
+            return error_response(503, str(error))
+        except Exception as error:  # a bug or a model failure: vLLM answers 500 with its error body too
+            _log.exception("%s %s failed", request.method, request.path)
+            return error_response(500, f"{type(error).__name__}: {error}")
+
+    return middleware
+
+
+async def serve_backend(
+    backend: ServingBackend,
     *,
     host: str,
     port: int,
     client_max_size: int,
     middlewares: Iterable[Any] = (),
     shutdown_timeout: float = 5.0,
-    weight_updates: WeightUpdateHandlers | None = None,
+    unavailable: tuple[type[Exception], ...] = (),
 ) -> tuple[web.AppRunner, str]:
-    """Bind the endpoints on ``host:port`` (0: a free port); returns the runner (to clean up) and the base URL.
+    """Serve every endpoint of the frame over ``backend`` on ``host:port`` (0: a free port); returns the runner (to
+    clean up) and the base URL.
 
+    ``middlewares`` run outside the frame's error handling (e.g. an API-key check, request recording);
+    ``unavailable`` exceptions are answered 503 (a server shutting down), any other exception 500.
     Handler cancellation is on: since aiohttp 3.8.2 a client disconnect no longer cancels its handler unless asked,
     and that cancellation is how a long generation learns its client went away.
     """
-    app = web.Application(client_max_size=client_max_size, middlewares=list(middlewares))
-    app.router.add_post(RENDER_PATH, handlers.render)
-    app.router.add_post(GENERATE_PATH, handlers.generate)
-    app.router.add_post(ABORT_PATH, handlers.abort)
-    app.router.add_get(HEALTH_PATH, handlers.health)
-    app.router.add_get(MODELS_PATH, handlers.models)
-    if weight_updates is not None:
-        app.router.add_post(PAUSE_PATH, weight_updates.pause)
-        app.router.add_post(RESUME_PATH, weight_updates.resume)
-        app.router.add_get(IS_PAUSED_PATH, weight_updates.is_paused)
-        app.router.add_post(UPDATE_WEIGHT_VERSION_PATH, weight_updates.update_weight_version)
-        app.router.add_get(WEIGHT_INFO_PATH, weight_updates.weight_info)
-        app.router.add_post(UPDATE_WEIGHTS_PATH, weight_updates.update_weights)
+    frame = _Frame(backend)
+    app = web.Application(
+        client_max_size=client_max_size, middlewares=[*middlewares, _errors_as_vllm(unavailable)]
+    )
+    app.router.add_post(RENDER_PATH, frame.render)
+    app.router.add_post(GENERATE_PATH, frame.generate)
+    app.router.add_post(ABORT_PATH, frame.abort)
+    app.router.add_get(HEALTH_PATH, frame.health)
+    app.router.add_get(MODELS_PATH, frame.models)
+    app.router.add_post(PAUSE_PATH, frame.pause)
+    app.router.add_post(RESUME_PATH, frame.resume)
+    app.router.add_get(IS_PAUSED_PATH, frame.is_paused)
+    app.router.add_post(UPDATE_WEIGHT_VERSION_PATH, frame.update_weight_version)
+    app.router.add_get(WEIGHT_INFO_PATH, frame.weight_info)
+    app.router.add_post(UPDATE_WEIGHTS_PATH, frame.update_weights)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, host, port)

@@ -232,7 +232,13 @@ async def test_a_continuation_answers_the_rest_of_the_turn_across_a_stop_string(
     assert _logprobs(partial) + _logprobs(continuation) == _logprobs(reference)
     assert _choice(continuation)["finish_reason"] == "stop"
     assert _spans(continuation) == [_span("default", 0, 2)]
-    assert continuation["usage"] == {"prompt_tokens": len(PROMPT) + 7, "completion_tokens": 2, "total_tokens": 12}
+    assert continuation["usage"] == {
+        "prompt_tokens": len(PROMPT) + 7,
+        "completion_tokens": 2,
+        "total_tokens": 12,
+        "prompt_tokens_details": None,  # vLLM's null details, sent since the conformance suite
+        "completion_tokens_details": None,
+    }
     assert fake_vllm.continuation_request_ids == ["r-1-c"]
 
 

@@ -31,11 +31,8 @@ from fsm_rollout.engine.schema import (
     is_number,
     is_token_id_list,
     model_list,
-    new_weight_version,
     parse_generate_response,
     parse_model_list,
-    pause_mode,
-    render_messages,
     request_sampling_params,
     request_token_ids,
     resolve_max_tokens,
@@ -45,6 +42,7 @@ from fsm_rollout.engine.schema import (
     stop_token_ids,
     weight_version_spans,
 )
+from fsm_rollout.engine.serving import parse_render_request, pause_query, weight_version_of
 from fsm_rollout.errors import MalformedRenderError
 from fsm_rollout.types import Finish
 
@@ -124,17 +122,18 @@ def test_weight_version_spans_cover_the_output() -> None:
 
 def test_pause_mode_defaults_to_abort_and_refuses_other_modes_naming_the_valid_ones() -> None:
     assert PAUSE_MODES == get_args(PauseMode) == ("abort", "wait", "keep")
-    assert pause_mode(None) == "abort"  # vLLM's default
-    assert [pause_mode(mode) for mode in PAUSE_MODES] == list(PAUSE_MODES)
-    error = _refused(pause_mode, "Keep")
+    # One parser for every server now (the serving frame's): the engine and the fake parsed the mode each its own way
+    assert pause_query({}) == "abort"  # vLLM's default
+    assert [pause_query({"mode": mode}) for mode in PAUSE_MODES] == list(PAUSE_MODES)
+    error = _refused(pause_query, {"mode": "Keep"})
     assert (error.status, error.param) == (400, "mode")
     assert error.message == "mode: Input should be one of 'abort', 'wait', 'keep', got 'Keep'"
 
 
 def test_new_weight_version_is_a_string_and_anything_else_is_400() -> None:
-    assert new_weight_version({"new_version": "step-3"}) == "step-3"
+    assert weight_version_of({"new_version": "step-3"}) == "step-3"
     for body in ({}, {"new_version": None}, {"new_version": 3}, {"new_version": ["v"]}):
-        error = _refused(new_weight_version, body)
+        error = _refused(weight_version_of, body)
         assert (error.status, error.param) == (400, "new_version")
 
 
@@ -248,10 +247,10 @@ def test_stop_token_ids_are_a_list_of_integers() -> None:
 
 def test_render_messages_errors_name_the_message() -> None:
     messages = [{"role": "user", "content": "hi"}]
-    assert render_messages({"messages": messages}) == messages
-    assert _refused(render_messages, {"messages": []}).param == "messages"
+    assert parse_render_request({"messages": messages}, "m").messages == messages
+    assert _refused(parse_render_request, {"messages": []}, "m").param == "messages"
     # The fake server did not say which message; the engine's message, which does, is kept.
-    error = _refused(render_messages, {"messages": [*messages, {"content": "no role"}]})
+    error = _refused(parse_render_request, {"messages": [*messages, {"content": "no role"}]}, "m")
     assert error.message == "messages[1]: every message must be an object with a string 'role'"
 
 

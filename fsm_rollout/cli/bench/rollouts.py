@@ -225,7 +225,9 @@ def measure_json_costs(url: str, repeats: int = 2_000) -> dict[str, float]:
         async with aiohttp.ClientSession() as session:
             async with session.post(url + RENDER_PATH, json=render_payload) as response:
                 render = await response.read()
-            async with session.post(url + GENERATE_PATH, json={}) as response:
+            generate_payload = {"model": "fake-model", "token_ids": orjson_loads(render)["token_ids"],
+                                "request_id": "bench", "sampling_params": {"max_tokens": 256, "logprobs": 1}}
+            async with session.post(url + GENERATE_PATH, json=generate_payload) as response:
                 generate = await response.read()
         return render, generate
 

@@ -28,6 +28,7 @@ import torch
 from fsm_rollout.engine.local.errors import ModelLoadError, WeightLoadError
 from fsm_rollout.engine.local.protocol import SamplingSettings
 from fsm_rollout.engine.schema import Finish
+from fsm_rollout.engine.stop_strings import completed_stop_string
 
 __all__ = [
     "Generation",
@@ -465,10 +466,7 @@ class Generation:
         """The first stop string that ends inside the characters the last token added (earlier text was checked)."""
         assert self._text is not None
         text = self._text.text
-        for stop in self.settings.stop:
-            if text.find(stop, max(0, len(text) - new_chars - len(stop) + 1)) != -1:
-                return stop
-        return None
+        return completed_stop_string(text, len(text) - new_chars, self.settings.stop)
 
 
 def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:

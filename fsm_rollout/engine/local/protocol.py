@@ -1,5 +1,6 @@
-"""The embedded engine's request bodies as typed records: vLLM's field checks
-(:mod:`fsm_rollout.engine.schema.requests`) plus what this engine does not implement.
+"""What the embedded engine adds to the serving frame's request checks (:mod:`fsm_rollout.engine.serving`): the
+features it does not implement are refused, image parts and ``features`` are checked, and the weight-transfer
+payload of ``/update_weights`` is read.
 
 Everything here is pure Python (no torch, no aiohttp): a bad request becomes a
 :class:`~fsm_rollout.engine.schema.RequestError` that the server answers with vLLM's error body, a good one a frozen
@@ -13,28 +14,22 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-from fsm_rollout.engine.schema import (
-    RequestError,
-    boolean_field,
-    check_message,
-    check_prompt_room,
-    generate_request_id,
-    integer_field,
-    is_int,
-    message_list,
-    number_field,
-    render_sampling_params,
-    render_template_kwargs,
-    render_tools,
-    request_sampling_params,
-    request_token_ids,
-    resolve_max_tokens,
-    stop_strings,
-    stop_token_ids,
-)
+from fsm_rollout.engine.schema import RequestError, integer_field, is_int
+from fsm_rollout.engine.serving import MAX_LOGPROBS, GenerateRequest, RenderRequest, SamplingSettings
 
-MAX_LOGPROBS: Final = 20
-"""The most ``logprobs`` (top candidates per token) a request may ask for, as vLLM's default ``max_logprobs``."""
+__all__ = [
+    "LOCAL_FILES_REFUSED",
+    "MAX_LOGPROBS",
+    "REMOTE_IMAGES_REFUSED",
+    "ImageFeatures",
+    "RenderInput",
+    "SamplingSettings",
+    "UpdateWeightsInput",
+    "check_generate",
+    "parse_features",
+    "parse_update_weights",
+    "render_input",
+]
 
 REMOTE_IMAGES_REFUSED: Final = (
     "fetching remote images is not supported by the embedded engine ({where}); send the image inline as a "
@@ -62,7 +57,6 @@ _OTHER_MEDIA_PART_TYPES: Final = frozenset(
         "prompt_embeds",
     }
 )
-_MM_PAYLOADS: Final = ("tensors", "none")
 
 # Sampling fields the engine does not implement, with the values that mean "off". Any other value is refused
 # rather than silently ignored, so a request never gets a different distribution than it asked for.
@@ -79,41 +73,6 @@ _UNSUPPORTED_SAMPLING: Final[Mapping[str, tuple[Any, ...]]] = {
 }
 
 
-@dataclass(frozen=True, kw_only=True)
-class SamplingSettings:
-    """The validated sampling parameters of one generate request (vLLM ``SamplingParams`` semantics).
-
-    ``temperature == 0`` means greedy decoding; ``top_k == 0`` and ``top_p == 1`` disable those filters.
-    ``max_tokens`` is always resolved: a request without it gets the rest of the context, as in vLLM.
-    ``logprobs`` is None (no logprobs in the answer) or how many top candidates to list beside the sampled token.
-    ``skip_special_tokens`` decides how the output is decoded for the stop-string check.
-
-    There is no ``include_stop_str_in_output``: in token-out mode vLLM always returns the tokens that complete a
-    stop string (only a text answer would be trimmed), and so does this engine, whatever the flag says.
-    """
-
-    max_tokens: int
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: frozenset[int] = frozenset()
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    logprobs: int | None = None
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-
-    @property
-    def greedy(self) -> bool:
-        """Whether the token is the argmax (vLLM treats temperatures below 1e-5 as greedy)."""
-        return self.temperature < 1e-5
-
-
 @dataclass(frozen=True)
 class ImageFeatures:
     """The image part of a generate request's ``features``, structurally valid and inside ``token_ids``.
@@ -127,16 +86,6 @@ class ImageFeatures:
     placeholders: tuple[tuple[int, int], ...]
     items: tuple[str | None, ...]
     metadata: tuple[str | None, ...]
-
-
-@dataclass(frozen=True)
-class GenerateInput:
-    """A validated ``POST /inference/v1/generate`` body; ``features`` is None for a text-only prompt."""
-
-    request_id: str
-    token_ids: list[int]
-    settings: SamplingSettings
-    features: ImageFeatures | None = None
 
 
 @dataclass(frozen=True)
@@ -169,10 +118,9 @@ class UpdateWeightsInput:
     weight_version: str | None
 
 
-def parse_update_weights(body: Mapping[str, Any]) -> UpdateWeightsInput:
-    """``{"update_info": {"path": str, "weight_version": str | null}}``, the embedded engine's weight-transfer
-    payload (vLLM's ``update_info`` is whatever its weight-transfer backend takes)."""
-    info = body.get("update_info")
+def parse_update_weights(info: Any) -> UpdateWeightsInput:
+    """``update_info`` of ``POST /update_weights``: ``{"path": str, "weight_version": str | null}``, the embedded
+    engine's weight-transfer payload (vLLM's ``update_info`` is whatever its weight-transfer backend takes)."""
     if not isinstance(info, dict):
         raise RequestError(400, "update_info: Field required (an object with a 'path')", "update_info")
     path = info.get("path")
@@ -188,11 +136,11 @@ def parse_update_weights(body: Mapping[str, Any]) -> UpdateWeightsInput:
     return UpdateWeightsInput(path=path, weight_version=version)
 
 
-def parse_generate(
-    body: Mapping[str, Any], *, max_model_len: int, vocab_size: int, new_request_id: str
-) -> GenerateInput:
-    """Validate a generate body; ``new_request_id`` is used when the body names none."""
-    token_ids = request_token_ids(body, vocab_size=vocab_size)
+def check_generate(request: GenerateRequest) -> ImageFeatures | None:
+    """Refuse what the embedded engine does not implement in a generate request the frame accepted (raw media,
+    streaming, text output, ``n > 1`` and the sampling features in ``_UNSUPPORTED_SAMPLING``); its image
+    ``features`` placed inside the prompt (None for a text-only prompt)."""
+    body = request.body
     if body.get("content_parts") is not None:
         raise RequestError(
             400,
@@ -200,7 +148,7 @@ def parse_generate(
             "render the messages first and send the features render returned",
             "content_parts",
         )
-    features = parse_features(body.get("features"), prompt_len=len(token_ids))
+    features = parse_features(body.get("features"), prompt_len=request.prompt_len)
     if body.get("stream"):
         raise RequestError(400, "stream=true is not supported by the embedded engine; send stream=false", "stream")
     output_mode = body.get("output_mode", "tokens")
@@ -208,12 +156,14 @@ def parse_generate(
         raise RequestError(
             400, f"output_mode {output_mode!r} is not supported by the embedded engine; use 'tokens'", "output_mode"
         )
-    request_id = generate_request_id(body, new_request_id)
-    sampling = request_sampling_params(body)
-    prompt_len = len(token_ids)
-    check_prompt_room(prompt_len, max_model_len)
-    settings = parse_sampling_params(sampling, prompt_len=prompt_len, max_model_len=max_model_len)
-    return GenerateInput(request_id=request_id, token_ids=token_ids, settings=settings, features=features)
+    sampling = body["sampling_params"]  # the frame checked it is an object
+    for name, neutral in _UNSUPPORTED_SAMPLING.items():
+        if name in sampling and sampling[name] not in neutral:
+            raise RequestError(400, f"sampling_params.{name} is not supported by the embedded engine", name)
+    n = integer_field(sampling, "n", 1)
+    if n != 1:
+        raise RequestError(400, f"n must be 1 on the embedded engine, got {n}.", "n")
+    return features
 
 
 def parse_features(value: Any, *, prompt_len: int) -> ImageFeatures | None:
@@ -288,101 +238,25 @@ def parse_features(value: Any, *, prompt_len: int) -> ImageFeatures | None:
     )
 
 
-def parse_sampling_params(sampling: Mapping[str, Any], *, prompt_len: int, max_model_len: int) -> SamplingSettings:
-    """Validate vLLM ``sampling_params`` (unknown keys are ignored, unsupported features refused)."""
-    for name, neutral in _UNSUPPORTED_SAMPLING.items():
-        if name in sampling and sampling[name] not in neutral:
-            raise RequestError(400, f"sampling_params.{name} is not supported by the embedded engine", name)
-    n = integer_field(sampling, "n", 1)
-    if n != 1:
-        raise RequestError(400, f"n must be 1 on the embedded engine, got {n}.", "n")
-
-    max_tokens = resolve_max_tokens(sampling, prompt_len=prompt_len, max_model_len=max_model_len)
-    min_tokens = integer_field(sampling, "min_tokens", 0)
-    if not 0 <= min_tokens <= max_tokens:
-        raise RequestError(400, f"min_tokens must be in [0, max_tokens={max_tokens}], got {min_tokens}.", "min_tokens")
-
-    temperature = number_field(sampling, "temperature", 1.0)
-    if temperature < 0:
-        raise RequestError(400, f"temperature must be non-negative, got {temperature}.", "temperature")
-    top_p = number_field(sampling, "top_p", 1.0)
-    if not 0 < top_p <= 1:
-        raise RequestError(400, f"top_p must be in (0, 1], got {top_p}.", "top_p")
-    top_k = integer_field(sampling, "top_k", 0)
-    if top_k < -1:
-        raise RequestError(400, f"top_k must be 0 or -1 (disabled) or at least 1, got {top_k}.", "top_k")
-    min_p = number_field(sampling, "min_p", 0.0)
-    if not 0 <= min_p <= 1:
-        raise RequestError(400, f"min_p must be in [0, 1], got {min_p}.", "min_p")
-    repetition_penalty = number_field(sampling, "repetition_penalty", 1.0)
-    if repetition_penalty <= 0:
-        raise RequestError(
-            400, f"repetition_penalty must be greater than zero, got {repetition_penalty}.", "repetition_penalty"
-        )
-    penalties = {}
-    for name in ("presence_penalty", "frequency_penalty"):
-        penalties[name] = number_field(sampling, name, 0.0)
-        if not -2 <= penalties[name] <= 2:
-            raise RequestError(400, f"{name} must be in [-2, 2], got {penalties[name]}.", name)
-
-    boolean_field(sampling, "include_stop_str_in_output", False)  # checked only: see SamplingSettings
-    seed = integer_field(sampling, "seed", None)
-    logprobs = integer_field(sampling, "logprobs", None)
-    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-        raise RequestError(
-            400, f"logprobs must be in [0, {MAX_LOGPROBS}] on the embedded engine, got {logprobs}.", "logprobs"
-        )
-    return SamplingSettings(
-        max_tokens=max_tokens,
-        min_tokens=min_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=max(top_k, 0),
-        min_p=min_p,
-        seed=seed,
-        stop=stop_strings(sampling.get("stop")),
-        stop_token_ids=stop_token_ids(sampling.get("stop_token_ids")),
-        ignore_eos=boolean_field(sampling, "ignore_eos", False),
-        skip_special_tokens=boolean_field(sampling, "skip_special_tokens", True),
-        logprobs=logprobs,
-        repetition_penalty=repetition_penalty,
-        presence_penalty=penalties["presence_penalty"],
-        frequency_penalty=penalties["frequency_penalty"],
-    )
-
-
-def parse_render(body: Mapping[str, Any]) -> RenderInput:
-    """Validate a chat render body (an OpenAI ``ChatCompletionRequest``).
+def render_input(request: RenderRequest) -> RenderInput:
+    """What the engine renders for a render request the frame accepted, with the ``data:`` URLs of its image parts.
 
     Image parts (``image_url``/``input_image``) must carry ``data:`` URLs: ``http(s)`` and ``file`` URLs, other
     schemes and other media parts (video, audio, embeddings, unconverted ``image`` parts) are refused with 400.
     """
-    messages = message_list(body)
     images: list[tuple[str, str]] = []
-    for index, message in enumerate(messages):
-        check_message(message, index)  # each message before its images, so the first fault is the one named
+    for index, message in enumerate(request.messages):
         images.extend(_image_urls(message.get("content"), f"messages[{index}]"))
-    tools = render_tools(body)
-    template_kwargs = render_template_kwargs(body)
-    add_generation_prompt = boolean_field(body, "add_generation_prompt", True)
-    continue_final_message = boolean_field(body, "continue_final_message", False)
-    if add_generation_prompt and continue_final_message:
-        raise RequestError(
-            400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True.", "messages"
-        )
-    mm_payload = body.get("mm_payload")
-    if mm_payload is not None and mm_payload not in _MM_PAYLOADS:
-        raise RequestError(400, f"mm_payload: Input should be 'tensors' or 'none', got {mm_payload!r}", "mm_payload")
     return RenderInput(
-        messages=messages,
-        tools=tools,
-        template_kwargs=template_kwargs,
-        add_generation_prompt=add_generation_prompt,
-        continue_final_message=continue_final_message,
-        sampling_params=render_sampling_params(body),
+        messages=request.messages,
+        tools=request.tools,
+        template_kwargs=request.template_kwargs,
+        add_generation_prompt=request.add_generation_prompt,
+        continue_final_message=request.continue_final_message,
+        sampling_params=request.sampling_params,
         image_urls=tuple(url for url, _ in images),
         image_places=tuple(place for _, place in images),
-        with_tensors=mm_payload != "none",
+        with_tensors=request.mm_payload != "none",
     )
 
 

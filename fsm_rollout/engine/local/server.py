@@ -34,44 +34,28 @@ import asyncio
 import hmac
 import logging
 import pathlib
-import time
-import uuid
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Final
 
 from aiohttp import web
 
-from fsm_rollout.engine.endpoints import (
-    EndpointHandlers,
-    WeightUpdateHandlers,
-    error_response,
-    json_response,
-    serve_endpoints,
-)
+from fsm_rollout.engine.endpoints import json_response, serve_backend
 from fsm_rollout.engine.local.errors import LocalEngineError, WeightLoadError
 from fsm_rollout.engine.local.images import IMAGE_MERGE_SIZE, IMAGE_PAD_TOKEN
-from fsm_rollout.engine.local.protocol import RenderInput, parse_generate, parse_render, parse_update_weights
+from fsm_rollout.engine.local.protocol import RenderInput, check_generate, parse_update_weights, render_input
 from fsm_rollout.engine.local.scheduler import GenerateJob, GenerationOutcome, Scheduler
 from fsm_rollout.engine.schema import (
     HEALTH_PATH,
     PAUSE_MODES,
-    GenerateAnswer,
-    GenerateChoice,
     LogprobEntry,
+    ModelList,
     PauseMode,
-    RenderAnswer,
     RequestError,
     TopLogprob,
-    abort_request_ids,
-    check_model,
-    decode_json_object,
-    model_list,
-    new_weight_version,
-    pause_mode,
     sent_request_id,
-    server_request_id,
 )
+from fsm_rollout.engine.serving import GenerateOutcome, GenerateRequest, RenderRequest, models_answer
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -289,14 +273,14 @@ class LocalEngine:
         scheduler = Scheduler(loaded, max_num_seqs=self._max_num_seqs, torch_threads=self._torch_threads)
         scheduler.start()
         try:
-            runner, url = await serve_endpoints(
-                EndpointHandlers.of(self),
+            runner, url = await serve_backend(
+                _EngineBackend(self),
                 host=self.host,
                 port=self.port,
                 client_max_size=self._max_request_bytes,
-                middlewares=[self._check_api_key, self._errors_as_vllm],
+                middlewares=[self._check_api_key],
                 shutdown_timeout=2.0,
-                weight_updates=WeightUpdateHandlers.of(self),
+                unavailable=(LocalEngineError,),
             )
         except BaseException:
             await asyncio.to_thread(scheduler.stop)
@@ -367,96 +351,55 @@ class LocalEngine:
             return json_response({"error": "Unauthorized"}, status=401)  # vLLM's body for a missing or wrong key
         return await handler(request)
 
-    @web.middleware
-    async def _errors_as_vllm(
-        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
-        try:
-            return await handler(request)
-        except RequestError as error:
-            return error_response(error.status, error.message, error.param)
-        except web.HTTPRequestEntityTooLarge as error:
-            return error_response(error.status, f"The request body is too large: {error.text}")
-        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as error:
-            return json_response({"detail": error.reason}, status=error.status)  # FastAPI's shape, as vLLM's
-        except LocalEngineError as error:
-            return error_response(503, str(error))
-        except web.HTTPException:
-            raise
-        except Exception as error:  # a bug or a model failure: vLLM answers 500 with its error body too
-            _log.exception("%s %s failed", request.method, request.path)
-            return error_response(500, f"{type(error).__name__}: {error}")
 
-    # ---------------------------------------------------------------- handlers
+class _EngineBackend:
+    """The embedded engine as the serving frame's backend: render with the chat template on the worker, generate
+    with the scheduler (see :mod:`fsm_rollout.engine.endpoints`)."""
 
-    async def _handle_health(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(status=200)
+    def __init__(self, engine: LocalEngine) -> None:
+        self._engine = engine
 
-    async def _handle_models(self, request: web.Request) -> web.StreamResponse:
-        loaded = self._require_loaded()
-        return json_response(
-            model_list(
-                self.served_model_name,
-                root=str(loaded.model_dir),
-                max_model_len=loaded.max_model_len,
-                # load_model reads the tokenizer from the model directory; absolute: the client's cwd may differ
-                tokenizer=str(loaded.model_dir.resolve()),
-                image_merge_size=self.image_merge_size,
-            )
+    @property
+    def served_model_name(self) -> str:
+        return self._engine.served_model_name
+
+    @property
+    def max_model_len(self) -> int:
+        return self._engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self._engine._require_loaded().vocab_size
+
+    def models(self) -> ModelList:
+        engine = self._engine
+        loaded = engine._require_loaded()
+        return models_answer(
+            engine.served_model_name,
+            root=str(loaded.model_dir),
+            max_model_len=loaded.max_model_len,
+            # load_model reads the tokenizer from the model directory; absolute: the client's cwd may differ
+            tokenizer=str(loaded.model_dir.resolve()),
+            image_merge_size=engine.image_merge_size,
         )
 
-    async def _handle_render(self, request: web.Request) -> web.StreamResponse:
-        body = decode_json_object(await request.read())
-        check_model(body, self.served_model_name)
-        render = parse_render(body)
-        loaded = self._require_loaded()
-        images = self._require_images()
-        token_ids, features = await self._require_scheduler().run_task(
-            lambda: _render_prompt(loaded.tokenizer, images, render)
-        )
-        if len(token_ids) >= loaded.max_model_len:
-            raise RequestError(
-                400,
-                f"This model's maximum context length is {loaded.max_model_len} tokens. However, your messages "
-                f"resulted in {len(token_ids)} input tokens. Please reduce the length of the messages.",
-                "messages",
-            )
-        sampling_params = {"max_tokens": loaded.max_model_len - len(token_ids), **render.sampling_params}
-        answer: RenderAnswer = {
-            "request_id": f"chatcmpl-{uuid.uuid4().hex}",
-            "token_ids": token_ids,
-            "token_offsets": None,
-            "features": features,
-            "content_parts": None,
-            "sampling_params": sampling_params,
-            "model": self.served_model_name,
-            "reasoning_ended": None,
-            "reasoning_parser_kwargs": None,
-            "return_token_ids": None,
-            "output_mode": "tokens",
-            "stream": False,
-            "stream_options": None,
-            "cache_salt": None,
-            "priority": 0,
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-        }
-        return json_response(answer)
+    async def render(self, request: RenderRequest) -> tuple[list[int], Any]:
+        engine = self._engine
+        render = render_input(request)
+        loaded = engine._require_loaded()
+        images = engine._require_images()
+        return await engine._require_scheduler().run_task(lambda: _render_prompt(loaded.tokenizer, images, render))
 
-    async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
-        body = decode_json_object(await request.read())
-        check_model(body, self.served_model_name)
-        loaded = self._require_loaded()
-        parsed = parse_generate(
-            body, max_model_len=loaded.max_model_len, vocab_size=loaded.vocab_size, new_request_id=uuid.uuid4().hex
-        )
-        scheduler = self._require_scheduler()
-        features = parsed.features
+    async def generate(self, request: GenerateRequest, http: web.Request) -> GenerateOutcome:
+        engine = self._engine
+        features = check_generate(request)
+        scheduler = engine._require_scheduler()
         if features is not None:  # decoded on the worker: kwargs items can be megabytes of base64
-            images = self._require_images()
-            await scheduler.run_task(lambda: images.check_features(features, parsed.token_ids))
-        job = GenerateJob(parsed.request_id, parsed.token_ids, parsed.settings, asyncio.get_running_loop())
-        self._jobs.setdefault(job.request_id, set()).add(job)
+            images = engine._require_images()
+            await scheduler.run_task(lambda: images.check_features(features, request.token_ids))
+        job = GenerateJob(request.request_id, request.token_ids, request.settings, asyncio.get_running_loop())
+        jobs = engine._jobs
+        jobs.setdefault(job.request_id, set()).add(job)
         try:
             scheduler.submit(job)
             outcome = await job.future
@@ -464,85 +407,54 @@ class LocalEngine:
             job.cancel()  # the client went away: stop generating for nobody
             raise
         finally:
-            jobs = self._jobs.get(job.request_id)
-            if jobs is not None:
-                jobs.discard(job)
-                if not jobs:
-                    del self._jobs[job.request_id]
-        return json_response(self._generate_answer(parsed.request_id, outcome, parsed.settings.logprobs))
+            named = jobs.get(job.request_id)
+            if named is not None:
+                named.discard(job)
+                if not named:
+                    del jobs[job.request_id]
+        return _outcome(outcome, request.settings.logprobs)
 
-    async def _handle_abort(self, request: web.Request) -> web.StreamResponse:
-        body = decode_json_object(await request.read())
-        for request_id in abort_request_ids(body):
+    async def abort(self, request_ids: list[str]) -> None:
+        jobs = self._engine._jobs
+        for request_id in request_ids:
             for name in {request_id, sent_request_id(request_id)}:
-                for job in self._jobs.get(name, ()):
+                for job in jobs.get(name, ()):
                     job.cancel()
-        return web.Response(status=200)  # vLLM answers an empty 200
 
-    async def _handle_pause(self, request: web.Request) -> web.StreamResponse:
-        await self.pause(pause_mode(request.query.get("mode")))
-        return json_response({"status": "paused"})
+    async def pause(self, mode: PauseMode) -> None:
+        await self._engine.pause(mode)
 
-    async def _handle_resume(self, request: web.Request) -> web.StreamResponse:
-        await self.resume()
-        return json_response({"status": "resumed"})
+    async def resume(self) -> None:
+        await self._engine.resume()
 
-    async def _handle_is_paused(self, request: web.Request) -> web.StreamResponse:
-        return json_response({"is_paused": self.is_paused})
+    def is_paused(self) -> bool:
+        return self._engine.is_paused
 
-    async def _handle_update_weight_version(self, request: web.Request) -> web.StreamResponse:
-        version = new_weight_version(decode_json_object(await request.read()))
-        await self.update_weight_version(version)
-        return json_response({"success": True, "new_version": version})
+    async def update_weight_version(self, version: str) -> None:
+        await self._engine.update_weight_version(version)
 
-    async def _handle_weight_info(self, request: web.Request) -> web.StreamResponse:
-        return json_response({"weight_version": self.weight_version})
+    def weight_version(self) -> str:
+        return self._engine.weight_version
 
-    async def _handle_update_weights(self, request: web.Request) -> web.StreamResponse:
-        update = parse_update_weights(decode_json_object(await request.read()))
+    async def update_weights(self, body: dict[str, Any]) -> None:
+        update = parse_update_weights(body["update_info"])
         try:
             # Read on the worker too: a checkpoint file is too big to read on the event loop.
-            await self._running_scheduler().load_weights(lambda: _read_weights(update.path), update.weight_version)
+            await self._engine._running_scheduler().load_weights(
+                lambda: _read_weights(update.path), update.weight_version
+            )
         except WeightLoadError as error:
             raise RequestError(400, str(error), "update_info") from error
-        return json_response({"message": "Weights updated"})  # vLLM's answer
 
-    # ---------------------------------------------------------------- answers
 
-    def _generate_answer(self, request_id: str, outcome: GenerationOutcome, logprobs: int | None) -> GenerateAnswer:
-        """vLLM 0.32's non-streaming GenerateResponse (``output_mode="tokens"``), every field it sends."""
-        completion = len(outcome.token_ids)
-        choice: GenerateChoice = {
-            "index": 0,
-            "finish_reason": outcome.finish_reason,
-            "stop_reason": outcome.stop_reason,
-            "token_ids": outcome.token_ids,
-            "routed_experts": None,
-            "sampling_mask": None,
-            "weight_versions": outcome.weight_versions,
-            "logprobs": None if logprobs is None else {"content": [_logprob_entry(e) for e in outcome.logprobs]},
-        }
-        return {
-            "request_id": server_request_id(request_id),
-            "model": self.served_model_name,
-            "created": int(time.time()),
-            "usage": {
-                "prompt_tokens": outcome.prompt_len,
-                "total_tokens": outcome.prompt_len + completion,
-                "completion_tokens": completion,
-                "prompt_tokens_details": None,
-                "completion_tokens_details": None,
-            },
-            "prompt_logprobs": None,
-            "prompt_token_id_logprobs": None,
-            "prompt_token_ids": None,
-            "mm_placeholders": None,
-            "metrics": None,
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "output_mode": "tokens",
-            "choices": [choice],
-        }
+def _outcome(outcome: GenerationOutcome, logprobs: int | None) -> GenerateOutcome:
+    return GenerateOutcome(
+        token_ids=outcome.token_ids,
+        finish=outcome.finish_reason,
+        logprobs=None if logprobs is None else [_logprob_entry(entry) for entry in outcome.logprobs],
+        weight_versions=outcome.weight_versions,
+        stop_reason=outcome.stop_reason,
+    )
 
 
 def _load(model_dir: pathlib.Path, max_model_len: int | None) -> LoadedModel:

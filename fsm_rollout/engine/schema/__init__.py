@@ -8,7 +8,8 @@ It is a package because the three parts together are too long for one module:
   :mod:`fsm_rollout.types` records;
 * :mod:`~fsm_rollout.engine.schema.requests`: the servers' side, validating request bodies field by field.
 
-Nothing here imports aiohttp: serving lives in :mod:`fsm_rollout.engine.endpoints`.
+Nothing here imports aiohttp: what a server parses and answers is composed in :mod:`fsm_rollout.engine.serving`
+and bound to aiohttp in :mod:`fsm_rollout.engine.endpoints`.
 """
 
 from fsm_rollout.engine.schema.answers import (
@@ -37,10 +38,7 @@ from fsm_rollout.engine.schema.requests import (
     generate_request_id,
     integer_field,
     message_list,
-    new_weight_version,
     number_field,
-    pause_mode,
-    render_messages,
     render_template_kwargs,
     render_tools,
     request_sampling_params,
@@ -158,7 +156,6 @@ __all__ = [
     "last_span_version",
     "message_list",
     "model_list",
-    "new_weight_version",
     "number_field",
     "parse_finish_reason",
     "parse_generate_response",
@@ -167,8 +164,6 @@ __all__ = [
     "parse_render_response",
     "parse_turn_meta",
     "parse_weight_version_spans",
-    "pause_mode",
-    "render_messages",
     "render_sampling_params",
     "render_template_kwargs",
     "render_tools",

@@ -1,8 +1,8 @@
 """The servers' side of the wire: validating the request bodies a vLLM-speaking server receives.
 
-The embedded engine (:mod:`fsm_rollout.engine.local.protocol`) and the fake test server
-(:mod:`fsm_rollout.testing.fake_vllm`) check each field with these functions, in their own order and each with its
-own extra limits. A bad field raises :class:`RequestError`, which the server answers with vLLM's error body.
+The serving frame (:mod:`fsm_rollout.engine.serving`) checks each field with these functions, for every server; the
+embedded engine adds its own limits (:mod:`fsm_rollout.engine.local.protocol`). A bad field raises
+:class:`RequestError`, which the server answers with vLLM's error body.
 Bodies are decoded JSON, so "an integer" means :func:`~fsm_rollout.engine.schema.wire.is_int`.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, overload
 
 import orjson
 
-from fsm_rollout.engine.schema.wire import PAUSE_MODES, PauseMode, is_int, is_int_list, is_number, is_token_id_list
+from fsm_rollout.engine.schema.wire import is_int, is_int_list, is_number, is_token_id_list
 
 
 class RequestError(Exception):
@@ -186,29 +186,6 @@ def abort_request_ids(body: Mapping[str, Any]) -> list[str]:
     return request_ids
 
 
-# ---------------------------------------------------------------------------------------------------- weight updates
-
-
-def pause_mode(value: str | None) -> PauseMode:
-    """The ``mode`` query parameter of ``POST /pause``: one of :data:`~fsm_rollout.engine.schema.wire.PAUSE_MODES`,
-    ``abort`` when missing (vLLM's default)."""
-    if value is None:
-        return "abort"
-    for mode in PAUSE_MODES:
-        if value == mode:
-            return mode
-    expected = ", ".join(repr(mode) for mode in PAUSE_MODES)
-    raise RequestError(400, f"mode: Input should be one of {expected}, got {value!r}", "mode")
-
-
-def new_weight_version(body: Mapping[str, Any]) -> str:
-    """The ``new_version`` of ``POST /update_weight_version``: a string."""
-    version = body.get("new_version")
-    if not isinstance(version, str):
-        raise RequestError(400, f"new_version: Field required (a string), got {version!r}", "new_version")
-    return version
-
-
 # ---------------------------------------------------------------------------------------------------- render
 
 
@@ -224,14 +201,6 @@ def check_message(message: Any, index: int) -> None:
     """``messages[index]`` must be an object with a string ``role``."""
     if not isinstance(message, dict) or not isinstance(message.get("role"), str):
         raise RequestError(400, f"messages[{index}]: every message must be an object with a string 'role'", "messages")
-
-
-def render_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """A chat request's ``messages``, each one an object with a string ``role``."""
-    messages = message_list(body)
-    for index, message in enumerate(messages):
-        check_message(message, index)
-    return messages
 
 
 def render_tools(body: Mapping[str, Any]) -> list[Any] | None:

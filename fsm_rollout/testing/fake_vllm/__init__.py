@@ -5,7 +5,8 @@ uses with vLLM's JSON shapes:
 
 * ``POST /v1/chat/completions/render`` renders the conversation with the tokenizer's chat template;
 * ``POST /inference/v1/generate`` answers with the next ``ScriptedTurn`` of the request's session, cut by
-  ``stop`` strings, ``stop_token_ids``, EOS and ``max_tokens`` the way vLLM would cut a real generation;
+  ``stop`` strings, ``stop_token_ids``, EOS, ``min_tokens`` and ``max_tokens`` the way vLLM would cut a real
+  generation;
 * ``POST /inference/v1/abort_requests`` ends delayed or hanging generate requests with
   ``finish_reason="abort"`` and the tokens a turn's ``held_after`` says they had produced; a later request
   whose ``token_ids`` add those tokens to the prompt continues the turn;
@@ -14,7 +15,8 @@ uses with vLLM's JSON shapes:
   generate answer labels its tokens with ``choices[0].weight_versions``;
 * ``GET /health`` and ``GET /v1/models``.
 
-Every request is recorded (``requests``); ``fail_next`` injects faults (HTTP errors, malformed JSON, dropped
+Parsing, answers and errors are the serving frame's (:mod:`fsm_rollout.engine.serving`), shared with the embedded
+engine and the bench's server. Every request is recorded (``requests``); ``fail_next`` injects faults (HTTP errors, malformed JSON, dropped
 connections) ahead of the normal handling. Tokenizer work runs in one worker thread so the event loop stays
 free.
 

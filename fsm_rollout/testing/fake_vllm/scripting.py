@@ -32,7 +32,8 @@ class ScriptedTurn:
     other than 200 answers with a vLLM-like error body (or with ``raw``, when set).
 
     ``finish=None`` lets the server decide like vLLM: the output is cut at the first stop string, stop token
-    or EOS (the token is kept; "stop") and capped to ``max_tokens`` ("length"). A set ``finish`` overrides the
+    or EOS (the token is kept; "stop"; none counts within the request's ``min_tokens``) and capped to
+    ``max_tokens`` ("length"), by :func:`fsm_rollout.engine.stop_strings.cut_at_stop`. A set ``finish`` overrides the
     reason but not the cuts. ``logprobs`` default to ``-0.01 * (i + 1)`` for the i-th returned token.
 
     ``delay`` waits before answering and ``hang`` never answers by itself; both end early, with

@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import functools
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,38 +16,24 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from fsm_rollout.engine.endpoints import (
-    EndpointHandlers,
-    WeightUpdateHandlers,
-    error_response,
-    json_response,
-    serve_endpoints,
-)
+from fsm_rollout.engine.endpoints import error_response, json_response, serve_backend
 from fsm_rollout.engine.schema import (
     DEFAULT_WEIGHT_VERSION,
-    PAUSE_MODES,
     Finish,
-    RenderAnswer,
+    ModelList,
+    PauseMode,
     RequestError,
     WeightVersionSpan,
-    abort_request_ids,
-    check_model,
-    decode_json_object,
-    model_list,
-    render_messages,
-    render_sampling_params,
-    render_template_kwargs,
-    render_tools,
     sent_request_id,
 )
+from fsm_rollout.engine.serving import GenerateRequest, RenderRequest, models_answer
+from fsm_rollout.engine.stop_strings import StopCut
 from fsm_rollout.testing.fake_vllm.faults import Fault, answer_fault, make_fault
 from fsm_rollout.testing.fake_vllm.generation import (
-    GenerateParams,
     LogprobEntryStyle,
     as_token_ids,
     complete,
     generate_answer,
-    generate_params,
     version_spans,
 )
 from fsm_rollout.testing.fake_vllm.scripting import (
@@ -202,13 +187,12 @@ class FakeVLLMServer:
         """Bind the port and start answering."""
         if self._runner is not None:
             raise RuntimeError("FakeVLLMServer is already started")
-        runner, url = await serve_endpoints(
-            EndpointHandlers.of(self),
+        runner, url = await serve_backend(
+            _Backend(self),
             host=self.host,
             port=self.port,
             client_max_size=_CLIENT_MAX_SIZE,
             middlewares=[self._record_and_inject],
-            weight_updates=WeightUpdateHandlers.of(self),
         )
         self._runner = runner
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-vllm-tokenizer")
@@ -358,35 +342,19 @@ class FakeVLLMServer:
         fault_queue = self._faults.get(request.path)
         if fault_queue:
             return await answer_fault(request, fault_queue.popleft())
-        try:
-            return await handler(request)
-        except RequestError as error:
-            return error_response(error.status, error.message, error.param)
-        except (web.HTTPNotFound, web.HTTPMethodNotAllowed) as error:
-            return json_response({"detail": error.reason}, status=error.status)
+        return await handler(request)
 
-    # ---------------------------------------------------------------- handlers
+    # ---------------------------------------------------------------- the frame's backend (see _Backend)
 
-    async def _handle_health(self, request: web.Request) -> web.StreamResponse:
-        return web.Response(status=200)
-
-    async def _handle_models(self, request: web.Request) -> web.StreamResponse:
-        return json_response(model_list(self.model, root=self.model, max_model_len=self.max_model_len))
-
-    async def _handle_abort(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_object_body(request)
-        for request_id in abort_request_ids(body):
+    async def _abort_requests(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
             self.aborted_request_ids.append(request_id)
             names = {request_id, sent_request_id(request_id)}  # as sent, or vLLM's prefixed id
             for waiter in self._waiters:
                 if waiter.held and waiter.request_id in names:
                     _abort(waiter)
-        return json_response({})
 
-    async def _handle_pause(self, request: web.Request) -> web.StreamResponse:
-        mode = request.query.get("mode", "abort")
-        if mode not in PAUSE_MODES:
-            raise RequestError(400, f"mode must be one of {', '.join(PAUSE_MODES)}; got {mode!r}", "mode")
+    async def _pause(self, mode: PauseMode) -> None:
         self._set_pause_mode(mode)
         if mode == "abort":
             for waiter in self._waiters:
@@ -394,30 +362,10 @@ class FakeVLLMServer:
                     _abort(waiter)
         if mode != "keep":
             await self.wait_until(lambda: self._in_flight == 0)
-        return json_response({"status": "paused"})
 
-    async def _handle_resume(self, request: web.Request) -> web.StreamResponse:
-        self._set_pause_mode(None)
-        return json_response({"status": "resumed"})
-
-    async def _handle_is_paused(self, request: web.Request) -> web.StreamResponse:
-        return json_response({"is_paused": self.paused})
-
-    async def _handle_update_weight_version(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_object_body(request)
-        version = body.get("new_version")
-        if not isinstance(version, str):
-            raise RequestError(400, f"new_version must be a string; got {version!r}", "new_version")
+    async def _set_weight_version(self, version: str) -> None:
         self._weight_version = version
         self._changed()
-        return json_response({"success": True, "new_version": version})
-
-    async def _handle_weight_info(self, request: web.Request) -> web.StreamResponse:
-        return json_response({"weight_version": self._weight_version})
-
-    async def _handle_update_weights(self, request: web.Request) -> web.StreamResponse:
-        self.weight_updates.append(recorded_body(await request.read()))
-        return json_response({"message": "Weights updated"})
 
     def _set_pause_mode(self, mode: str | None) -> None:
         # Synchronous with the handler, so a version set right after /resume cannot reach a frozen request.
@@ -434,14 +382,10 @@ class FakeVLLMServer:
                 waiter.wake.set()
         self._changed()
 
-    async def _handle_render(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_object_body(request)
-        check_model(body, self.model)
-        messages = render_messages(body)
-        tools = render_tools(body)
-        template_kwargs = render_template_kwargs(body)
+    async def _render(self, request: RenderRequest) -> tuple[list[int], Any]:
+        messages = request.messages
         try:
-            token_ids = await self._in_tokenizer_thread(self._render_ids, messages, tools, template_kwargs)
+            token_ids = await self._in_tokenizer_thread(self._render_ids, request)
         except Exception as error:  # a template that cannot render these messages is the request's fault
             raise RequestError(400, f"chat template rendering failed: {error}") from error
         features: dict[str, Any] | None = None
@@ -450,24 +394,10 @@ class FakeVLLMServer:
                 token_ids, features = await self._in_tokenizer_thread(self.render_features, messages, token_ids)
             except Exception as error:  # like vLLM's answer to an image it cannot load or process
                 raise RequestError(400, f"multimodal processing failed: {error}") from error
-        answer: RenderAnswer = {
-            "request_id": f"chatcmpl-{uuid.uuid4().hex}",
-            "token_ids": token_ids,
-            "features": features,
-            "sampling_params": render_sampling_params(body),
-            "model": self.model,
-            "stream": False,
-            "stream_options": None,
-            "cache_salt": None,
-            "priority": 0,
-        }
-        return json_response(answer)
+        return token_ids, features
 
-    async def _handle_generate(self, request: web.Request) -> web.StreamResponse:
-        body = await _json_object_body(request)
-        check_model(body, self.model)
-        params = generate_params(body, self.max_model_len)
-        session = request.headers.get(SESSION_HEADER)
+    async def _generate(self, params: GenerateRequest, http: web.Request) -> web.StreamResponse:
+        session = http.headers.get(SESSION_HEADER)
         job = self._next_job(session, params)
         if self._pause_mode is not None:
             await self._wait_for_resume(params.request_id)
@@ -483,14 +413,14 @@ class FakeVLLMServer:
 
     # ---------------------------------------------------------------- generate helpers
 
-    def _next_job(self, session: str | None, params: GenerateParams) -> _Job:
+    def _next_job(self, session: str | None, params: GenerateRequest) -> _Job:
         """The interrupted turn these prompt ids continue, else the next scripted turn of the session."""
         by_ids = self._interrupted.get(session, {})
-        pending = by_ids.get(params.prompt_ids)
+        pending = by_ids.get(prompt_ids := tuple(params.token_ids))
         if pending:
             interrupted = pending.popleft()
             if not pending:
-                del by_ids[params.prompt_ids]
+                del by_ids[prompt_ids]
             self.continuation_request_ids.append(params.request_id)
             holds = interrupted.turn.held_again_after
             held_after = holds[interrupted.continued] if interrupted.continued < len(holds) else None
@@ -508,7 +438,7 @@ class FakeVLLMServer:
         turn = queue.popleft()
         return _Job(turn, offset=0, waits=turn.hang or turn.delay > 0, held_after=turn.held_after, continued=0)
 
-    async def _answer(self, session: str | None, params: GenerateParams, job: _Job) -> web.StreamResponse:
+    async def _answer(self, session: str | None, params: GenerateRequest, job: _Job) -> web.StreamResponse:
         turn = job.turn
         version = self._weight_version
         waiter: _Waiter | None = None
@@ -521,35 +451,40 @@ class FakeVLLMServer:
         if turn.status != 200:
             return error_response(turn.status, f"fake vLLM: scripted error ({turn.status})")
 
-        token_ids, natural_finish = await self._output(job, params)
+        cut = await self._output(job, params)
+        token_ids = cut.token_ids
         runs = [(version, len(token_ids))]
         if waiter is not None and waiter.resumed_version is not None:
             held = min(job.held_after or 0, len(token_ids))
             runs = [(version, held), (waiter.resumed_version, len(token_ids) - held)]
-        answer = self._generate_answer(params, job, token_ids, turn.finish or natural_finish, version_spans(runs))
+        finish = turn.finish or cut.finish
+        reason = cut.stop_reason if finish == "stop" else None
+        answer = self._generate_answer(params, job, token_ids, finish, version_spans(runs), stop_reason=reason)
         return json_response(answer)
 
     async def _aborted_answer(
-        self, session: str | None, params: GenerateParams, job: _Job, version: str
+        self, session: str | None, params: GenerateRequest, job: _Job, version: str
     ) -> dict[str, Any]:
         """The ``abort`` answer of a held request: the tokens it had produced, and the turn left to continue."""
         token_ids: list[int] = []
         if job.held_after is not None:
-            output, _ = await self._output(job, params)
-            token_ids = output[: job.held_after]
-            continued_by = params.prompt_ids + tuple(token_ids)
+            token_ids = (await self._output(job, params)).token_ids[: job.held_after]
+            continued_by = (*params.token_ids, *token_ids)
             self._interrupted.setdefault(session, {}).setdefault(continued_by, deque()).append(
                 _Interrupted(job.turn, offset=job.offset + len(token_ids), continued=job.continued)
             )
         self.interrupted_request_ids.append(params.request_id)
         return self._generate_answer(params, job, token_ids, "abort", version_spans([(version, len(token_ids))]))
 
-    async def _output(self, job: _Job, params: GenerateParams) -> tuple[list[int], Finish]:
-        """The job's new tokens and finish reason: the whole turn is cut (so a stop string across an
-        interruption is found where it would have been) with ``max_tokens`` counted from ``job.offset``."""
-        whole = dataclasses.replace(params, max_tokens=job.offset + params.max_tokens)
-        token_ids, finish = await self._in_tokenizer_thread(complete, self.tokenizer, job.turn, whole)
-        return token_ids[job.offset :], finish
+    async def _output(self, job: _Job, params: GenerateRequest) -> StopCut:
+        """The job's new tokens and why they end: the whole turn is cut (so a stop string across an interruption
+        is found where it would have been) with ``max_tokens`` and ``min_tokens`` counted from ``job.offset``."""
+        settings = params.settings
+        whole = dataclasses.replace(
+            settings, max_tokens=job.offset + settings.max_tokens, min_tokens=job.offset + settings.min_tokens
+        )
+        cut = await self._in_tokenizer_thread(complete, self.tokenizer, job.turn, whole)
+        return dataclasses.replace(cut, token_ids=cut.token_ids[job.offset :])
 
     async def _hold(self, waiter: _Waiter, turn: ScriptedTurn) -> bool:
         """Wait for the turn's delay (forever if it hangs) or :meth:`release`; True when the request was aborted
@@ -602,11 +537,12 @@ class FakeVLLMServer:
 
     def _generate_answer(
         self,
-        params: GenerateParams,
+        params: GenerateRequest,
         job: _Job,
         token_ids: list[int],
         finish: Finish,
         weight_versions: list[WeightVersionSpan],
+        stop_reason: str | int | None = None,
     ) -> dict[str, Any]:
         return generate_answer(
             params,
@@ -616,6 +552,7 @@ class FakeVLLMServer:
             model=self.model,
             logprob_entry_style=self.logprob_entry_style,
             weight_versions=weight_versions if self.weight_version_spans else None,
+            stop_reason=stop_reason,
             offset=job.offset,
         )
 
@@ -627,21 +564,69 @@ class FakeVLLMServer:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, functools.partial(fn, *args))
 
-    def _render_ids(
-        self, messages: list[Any], tools: list[Any] | None, template_kwargs: dict[str, Any]
-    ) -> list[int]:
+    def _render_ids(self, request: RenderRequest) -> list[int]:
         rendered = self.tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=True, **template_kwargs
+            request.messages,
+            tools=request.tools,
+            add_generation_prompt=request.add_generation_prompt,
+            continue_final_message=request.continue_final_message,
+            tokenize=True,
+            **request.template_kwargs,
         )
         return as_token_ids(rendered)
+
+
+class _Backend:
+    """The fake server as the serving frame's backend (see :mod:`fsm_rollout.engine.endpoints`)."""
+
+    def __init__(self, server: FakeVLLMServer) -> None:
+        self._server = server
+
+    @property
+    def served_model_name(self) -> str:
+        return self._server.model
+
+    @property
+    def max_model_len(self) -> int:
+        return self._server.max_model_len
+
+    @property
+    def vocab_size(self) -> None:
+        return None  # scripted token ids are whatever a test chose
+
+    def models(self) -> ModelList:
+        server = self._server
+        return models_answer(server.model, root=server.model, max_model_len=server.max_model_len)
+
+    async def render(self, request: RenderRequest) -> tuple[list[int], Any]:
+        return await self._server._render(request)
+
+    async def generate(self, request: GenerateRequest, http: web.Request) -> web.StreamResponse:
+        return await self._server._generate(request, http)
+
+    async def abort(self, request_ids: list[str]) -> None:
+        await self._server._abort_requests(request_ids)
+
+    async def pause(self, mode: PauseMode) -> None:
+        await self._server._pause(mode)
+
+    async def resume(self) -> None:
+        self._server._set_pause_mode(None)
+
+    def is_paused(self) -> bool:
+        return self._server.paused
+
+    async def update_weight_version(self, version: str) -> None:
+        await self._server._set_weight_version(version)
+
+    def weight_version(self) -> str:
+        return self._server.weight_version
+
+    async def update_weights(self, body: dict[str, Any]) -> None:
+        self._server.weight_updates.append(body)  # there are no weights to load
 
 
 def _abort(waiter: _Waiter) -> None:
     waiter.aborted = True
     waiter.frozen = False
     waiter.wake.set()
-
-
-async def _json_object_body(request: web.Request) -> dict[str, Any]:
-    # aiohttp caches the body the middleware read, so this reads no bytes from the socket.
-    return decode_json_object(await request.read())
