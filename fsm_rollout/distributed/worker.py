@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fsm_rollout.config import RetryPolicy, RolloutConfig
+from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import ConfigError
 from fsm_rollout.runner import RolloutRunner
 from fsm_rollout.sample import Sample
@@ -24,33 +24,19 @@ Finished = tuple[int, dict[str, Any]]
 
 
 def config_to_data(config: RolloutConfig) -> dict[str, Any]:
-    """``config`` as plain data for another process; refuses what only the trainer's process can hold."""
+    """``config`` as plain data for another process (:meth:`RolloutConfig.to_dict`, with the API key); refuses
+    what only the trainer's process can hold."""
     if config.reward_fn is not None:
         raise ConfigError(
             "RolloutConfig.reward_fn is a callable, which does not cross to Ray workers: set rewards in the "
             "environment (env_path) or on the samples the pool returns"
         )
-    data: dict[str, Any] = {}
-    for item in dataclasses.fields(config):
-        value = getattr(config, item.name)
-        if isinstance(value, RetryPolicy):
-            value = {**dataclasses.asdict(value), "retry_statuses": sorted(value.retry_statuses)}
-        elif isinstance(value, Path):
-            value = str(value)
-        elif isinstance(value, Mapping):
-            value = dict(value)
-        data[item.name] = value
-    return data
+    return config.to_dict(include_api_key=True)
 
 
 def config_from_data(data: Mapping[str, Any]) -> RolloutConfig:
-    """The config :func:`config_to_data` wrote."""
-    values = dict(data)
-    retry = values.pop("retry", None)
-    if retry is not None:
-        values["retry"] = RetryPolicy(**{**retry, "retry_statuses": frozenset(retry["retry_statuses"])})
-    values["servers_behind_router"] = tuple(values.get("servers_behind_router") or ())
-    return RolloutConfig(**values)
+    """The config :func:`config_to_data` wrote (:meth:`RolloutConfig.from_dict`)."""
+    return RolloutConfig.from_dict(data)
 
 
 def worker_trace_path(trace: str | None, index: int) -> str | None:
