@@ -95,6 +95,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--image-merge-size", type=int, metavar="N",
                         help="vision merge size for the image-token check (Qwen-VL: 2; default: the engine's, "
                         "when it says)")
+    engine.add_argument("--trust-remote-code", action="store_true",
+                        help="let a tokenizer that ships its own Python code run it (off: a path or hub id you "
+                        "type should not run code from that repository)")
     engine.add_argument("--api-key", metavar="KEY",
                         help=f"sent as `Authorization: Bearer KEY` on every engine request, never printed or "
                         f"recorded (default: ${API_KEY_ENV_VAR})")
@@ -312,6 +315,7 @@ def build_config(args: argparse.Namespace, url: str, model: str, tokenizer_path:
         loop_slice_ms=args.loop_slice_ms or None,
         tune_gc=not args.no_tune_gc,
         api_key=api_key,
+        trust_remote_code=args.trust_remote_code,
     )
 
 
@@ -337,7 +341,8 @@ async def _run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, interrupted.set)
     async with _engine(args) as (urls, choice):
-        tokenizer = await asyncio.to_thread(load_run_tokenizer, choice.tokenizer, named_by=choice.tokenizer_named_by)
+        tokenizer = await asyncio.to_thread(load_run_tokenizer, choice.tokenizer, named_by=choice.tokenizer_named_by,
+                                            trust_remote_code=args.trust_remote_code)
         config = build_config(args, urls[0], choice.model, choice.tokenizer, choice.image_merge_size, api_key=key)
         if args.seed is not None:
             sampling["seed"] = args.seed
