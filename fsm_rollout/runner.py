@@ -22,7 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -82,7 +82,7 @@ class _Waiting:
     sample: Sample
     sample_id: str | None
     seed: int | None
-    since: float = field(default_factory=time.perf_counter)
+    since: float
     ended: Sample | None = None
     """The sample, once it ended without a slot (an abort)."""
 
@@ -284,7 +284,7 @@ class RolloutRunner:
         for position, sample in enumerate(samples):
             sample_id = sample_ids[position] if position < len(sample_ids) else None
             seed = seeds[position] if position < len(seeds) else None
-            prepared.append(_Waiting(sample, sample_id, seed))
+            prepared.append(_Waiting(sample, sample_id, seed, time.perf_counter()))
         self._waiting.update(prepared)
         return prepared
 
@@ -310,6 +310,10 @@ class RolloutRunner:
             built.request_abort(NOT_STARTED)
             built = built.sample
         waiting.ended = built
+
+    def _end_all_unstarted(self, waiting: Iterable[_Waiting]) -> None:
+        for queued in list(waiting):
+            self._end_unstarted(queued)
 
     def _unbuildable(self, sample: Sample, error: Exception) -> Sample:
         """A pending sample whose rollout could not be built ends ``failed`` with the error recorded (its data is
@@ -377,7 +381,8 @@ class RolloutRunner:
             if self.config.tune_gc:  # held on until the last task is done: tied to the tasks, not to the iterator,
                 gc_policy.rollout_started()  # which its consumer may never finish
                 asyncio.gather(*tasks, return_exceptions=True).add_done_callback(lambda _: gc_policy.rollout_ended())
-        return _as_finished(tasks)
+        # closed early: the samples still queued end at once (not when their cancelled tasks next run)
+        return _as_finished(tasks, lambda: self._end_all_unstarted(prepared))
 
     async def run_group(
         self, sample: Sample, n: int, *, concurrency: int | None = None, seed: int | None = None
@@ -401,8 +406,7 @@ class RolloutRunner:
         concurrency slot end without sending anything, with reason :data:`NOT_STARTED` (they hold nothing but
         their input). When this returns, no request of those samples reaches a server any more.
         """
-        for queued in list(self._waiting):
-            self._end_unstarted(queued)
+        self._end_all_unstarted(self._waiting)
         waiting = []
         for rollout in list(self._active):
             if rollout.terminal:
@@ -483,11 +487,15 @@ async def _in_own_thread(work: Callable[[], _T]) -> _T:
     return result
 
 
-async def _as_finished(tasks: Sequence[asyncio.Future[Sample]]) -> AsyncIterator[Sample]:
+async def _as_finished(
+    tasks: Sequence[asyncio.Future[Sample]], on_close: Callable[[], None] | None = None
+) -> AsyncIterator[Sample]:
     try:
         for finished in asyncio.as_completed(tasks):
             yield await finished
     finally:
+        if on_close is not None:
+            on_close()
         for task in tasks:
             task.cancel()
 
