@@ -1,16 +1,18 @@
-"""What a runner's samples are doing and have done: :class:`MetricsSnapshot`, and the hook that counts it."""
+"""What a runner's (or a pool's) samples are doing and have done: :class:`MetricsSnapshot`, the hook that counts
+it, and how workers' snapshots add up."""
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fsm_rollout import lifecycle
 from fsm_rollout.hooks import RolloutHooks
 from fsm_rollout.rollout import Rollout
+from fsm_rollout.suspension import SuspendStats
 
 
 @dataclass(frozen=True)
@@ -120,4 +122,88 @@ class RunnerMetrics(RolloutHooks):
         )
 
 
-__all__ = ["MetricsSnapshot", "RunnerMetrics"]
+@dataclass(frozen=True)
+class PoolMetricsSnapshot(MetricsSnapshot):
+    """:class:`~fsm_rollout.runner.MetricsSnapshot` summed over the live workers (rates over the pool's lifetime),
+    with the samples lost with dead workers counted ``failed``/``worker_lost``. A dead worker's other counts leave
+    the totals with it."""
+
+    workers_alive: int = 0
+    workers_lost: int = 0
+    per_worker: tuple[MetricsSnapshot, ...] = ()
+
+
+def combine_metrics(
+    snapshots: Sequence[MetricsSnapshot],
+    *,
+    elapsed_s: float,
+    failed_in_pool: Mapping[str, int] | None = None,
+    workers_lost: int = 0,
+) -> PoolMetricsSnapshot:
+    """Workers' snapshots as one: counts summed, mean dwell times weighted by how often each state was left,
+    rates over ``elapsed_s``; ``failed_in_pool`` (reason → samples) are the samples the pool ended ``failed``
+    itself."""
+    occupancy: Counter[str] = Counter()
+    statuses: Counter[str] = Counter()
+    reasons: Counter[str] = Counter()
+    dwell_total: Counter[str] = Counter()
+    dwell_counts: Counter[str] = Counter()
+    for snapshot in snapshots:
+        occupancy.update(snapshot.occupancy)
+        statuses.update(snapshot.statuses)
+        reasons.update(snapshot.reasons)
+        dwell_counts.update(snapshot.dwell_counts)
+        for state, mean in snapshot.dwell_ms_mean.items():
+            dwell_total[state] += mean * snapshot.dwell_counts.get(state, 0)  # type: ignore[assignment]
+    failed_here = sum((failed_in_pool or {}).values())
+    if failed_here:
+        statuses["failed"] += failed_here
+        reasons.update(failed_in_pool or {})
+    elapsed = max(elapsed_s, 1e-9)
+    done = sum(s.samples_done for s in snapshots) + failed_here
+    turns = sum(s.turns for s in snapshots)
+    tokens = sum(s.tokens_generated for s in snapshots)
+    queue_waits = sum(s.queue_waits for s in snapshots)
+    return PoolMetricsSnapshot(
+        occupancy=dict(occupancy),
+        in_flight=sum(occupancy.values()),
+        dwell_ms_mean={state: dwell_total[state] / n for state, n in dwell_counts.items() if n},
+        statuses=dict(statuses),
+        reasons=dict(reasons),
+        samples_done=done,
+        turns=turns,
+        tokens_generated=tokens,
+        elapsed_s=elapsed,
+        samples_per_s=done / elapsed,
+        turns_per_s=turns / elapsed,
+        tokens_per_s=tokens / elapsed,
+        suspended=sum(s.suspended for s in snapshots),
+        suspensions=sum(s.suspensions for s in snapshots),
+        dwell_counts=dict(dwell_counts),
+        queued=sum(s.queued for s in snapshots),
+        queued_ms_mean=(sum(s.queued_ms_mean * s.queue_waits for s in snapshots) / queue_waits) if queue_waits else 0.0,
+        queue_waits=queue_waits,
+        workers_alive=len(snapshots),
+        workers_lost=workers_lost,
+        per_worker=tuple(snapshots),
+    )
+
+
+def combine_suspensions(stats: Sequence[SuspendStats]) -> SuspendStats:
+    """Workers' :class:`~fsm_rollout.suspension.SuspendStats` of one suspension as one: counts summed, times the
+    slowest worker's (they suspend at once), errors all."""
+    if not stats:
+        return SuspendStats()
+    return SuspendStats(
+        reason=stats[0].reason,
+        strategy=stats[0].strategy,
+        requests_in_flight=sum(item.requests_in_flight for item in stats),
+        abort_calls=sum(item.abort_calls for item in stats),
+        pause_calls=sum(item.pause_calls for item in stats),
+        suspend_s=max(item.suspend_s for item in stats),
+        resume_s=max(item.resume_s for item in stats),
+        errors=[error for item in stats for error in item.errors],
+    )
+
+
+__all__ = ["MetricsSnapshot", "PoolMetricsSnapshot", "RunnerMetrics", "combine_metrics", "combine_suspensions"]
