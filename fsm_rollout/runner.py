@@ -22,7 +22,6 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
-from dataclasses import dataclass
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -34,6 +33,7 @@ from fsm_rollout.env import EnvFactory, load_env_factory
 from fsm_rollout.errors import ConfigError, RolloutError
 from fsm_rollout.hooks import RolloutHooks, combine_hooks
 from fsm_rollout.metrics import MetricsSnapshot, RunnerMetrics
+from fsm_rollout.queueing import QueueNotingTracer, Waiting
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_writer_for
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import Sample, Status
@@ -72,47 +72,6 @@ class ConsistentHashRing:
         """The engine URL that owns ``key``."""
         index = bisect.bisect(self._points, self._hash(key)) % len(self._points)
         return self._owners[index]
-
-
-@dataclass(eq=False)
-class _Waiting:
-    """A sample of a batch waiting for a concurrency slot; its rollout is made when it gets one, so that the
-    ``pending`` dwell is the rollout's own work, not the wait."""
-
-    sample: Sample
-    sample_id: str | None
-    seed: int | None
-    since: float
-    ended: Sample | None = None
-    """The sample, once it ended without a slot (an abort)."""
-
-    def waited_ms(self) -> float:
-        return (time.perf_counter() - self.since) * 1000.0
-
-
-class _QueueNotingTracer(Tracer):
-    """The runner's tracer as one rollout that waited for a slot sees it: the rollout's first transition event
-    (the one leaving ``pending``) carries ``queued_ms``, the wait before the rollout was made."""
-
-    def __init__(self, inner: Tracer, queued_ms: float) -> None:
-        super().__init__(None)
-        self._inner = inner
-        self._queued_ms: float | None = round(queued_ms, 3)
-
-    @property
-    def enabled(self) -> bool:
-        return self._inner.enabled
-
-    def emit(self, fields: dict[str, Any]) -> None:
-        if self._queued_ms is not None:
-            fields["queued_ms"], self._queued_ms = self._queued_ms, None
-        self._inner.emit(fields)
-
-    def flush(self) -> None:
-        self._inner.flush()
-
-    def close(self) -> None:
-        self._inner.flush()  # the runner's tracer is shared: closing it is the runner's business
 
 
 class RolloutRunner:
@@ -242,7 +201,7 @@ class RolloutRunner:
             "encoder": self._encoder,
             "env_factory": self.env_factory,
             "processor": self.processor,
-            "tracer": self.tracer if queued_ms is None else _QueueNotingTracer(self.tracer, queued_ms),
+            "tracer": self.tracer if queued_ms is None else QueueNotingTracer(self.tracer, queued_ms),
             "sample_id": sample_id,
             "suspender": self.suspender,
         }
@@ -275,20 +234,20 @@ class RolloutRunner:
 
     def _prepare(
         self, samples: Iterable[Sample], sample_ids: Sequence[str | None] = (), seeds: Sequence[int | None] = ()
-    ) -> list[_Waiting]:
+    ) -> list[Waiting]:
         """The samples as waiting for a slot (from now on :meth:`abort` reaches them); their rollouts are made
         when they get one."""
         if not self._entered:
             raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
-        prepared: list[_Waiting] = []
+        prepared: list[Waiting] = []
         for position, sample in enumerate(samples):
             sample_id = sample_ids[position] if position < len(sample_ids) else None
             seed = seeds[position] if position < len(seeds) else None
-            prepared.append(_Waiting(sample, sample_id, seed, time.perf_counter()))
+            prepared.append(Waiting(sample, sample_id, seed, time.perf_counter()))
         self._waiting.update(prepared)
         return prepared
 
-    def _build(self, waiting: _Waiting, *, raising: bool) -> Rollout | Sample:
+    def _build(self, waiting: Waiting, *, raising: bool) -> Rollout | Sample:
         """The rollout of a sample that leaves the queue, or the sample ended ``failed`` when none can be built."""
         self._waiting.discard(waiting)
         waited_ms = waiting.waited_ms()
@@ -300,7 +259,7 @@ class RolloutRunner:
                 raise
             return self._unbuildable(waiting.sample, error)
 
-    def _end_unstarted(self, waiting: _Waiting) -> None:
+    def _end_unstarted(self, waiting: Waiting) -> None:
         """End a sample that never got a slot ``aborted`` with reason :data:`NOT_STARTED`: its rollout is made and
         aborted before it starts (traced and recorded as any abort before a start; nothing is sent)."""
         if waiting.ended is not None or waiting not in self._waiting:
@@ -311,7 +270,7 @@ class RolloutRunner:
             built = built.sample
         waiting.ended = built
 
-    def _end_all_unstarted(self, waiting: Iterable[_Waiting]) -> None:
+    def _end_all_unstarted(self, waiting: Iterable[Waiting]) -> None:
         for queued in list(waiting):
             self._end_unstarted(queued)
 
@@ -334,7 +293,7 @@ class RolloutRunner:
         self._metrics.done += 1
         return sample
 
-    async def _bounded(self, waiting: _Waiting, semaphore: asyncio.Semaphore) -> Sample:
+    async def _bounded(self, waiting: Waiting, semaphore: asyncio.Semaphore) -> Sample:
         try:
             async with semaphore:
                 if waiting.ended is not None:
