@@ -82,7 +82,16 @@ class RolloutRunner:
     raises ends ``failed`` with the error in ``metadata["rollout_error"]`` and the batch goes on; with True the
     error propagates. ``tape`` (default: beside the trace when ``config.record`` is on) records every sample's
     engine and environment exchanges for ``fsm-rollout replay``. ``hooks`` observe every rollout of the runner
-    (after the runner's own metrics).
+    (after the runner's own metrics). It implements :class:`~fsm_rollout.service.RolloutService`.
+
+    Entering it loads the tokenizer unless ``tokenizer`` is given: from ``config.tokenizer_path``, else from what
+    the first engine names in ``GET /v1/models``, from local files only (:mod:`fsm_rollout.tokenizers`; a
+    :class:`~fsm_rollout.errors.TokenizerNotFoundError` naming ``tokenizer_path`` otherwise). That load and the
+    chat template's probe run in a thread of their own, so the event loop's other tasks keep running.
+
+    A batch, group or stream queues its samples and makes each one's rollout when it gets a concurrency slot: the
+    wait is ``queued_ms`` on its first transition and in :meth:`metrics`, apart from the ``pending`` dwell. An
+    abort ends the samples still queued ``aborted`` with reason :data:`NOT_STARTED`.
 
     Weight updates: ``async with runner.weight_update(version="7"):`` around the trainer's weight push suspends the
     runner's rollouts (none is lost: each turn in flight continues from the tokens it had), sets the engines'

@@ -184,6 +184,8 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[list[str], En
 
 def _progress_line(snapshot: MetricsSnapshot, total: int) -> str:
     states = " ".join(f"{state}={count}" for state, count in sorted(snapshot.occupancy.items()))
+    if snapshot.queued:  # waiting for a concurrency slot: not in any state yet
+        states = f"{states} queued={snapshot.queued}".strip()
     return (
         f"[{snapshot.samples_done}/{total}] {states or 'idle'} | {snapshot.turns} turns, "
         f"{snapshot.tokens_per_s:.0f} tok/s, {snapshot.elapsed_s:.1f}s"
