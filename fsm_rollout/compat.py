@@ -54,12 +54,16 @@ def _load_tokenizer_and_processor(path: str) -> tuple[Any, Any]:
         if cached is None:
             from transformers import AutoProcessor, AutoTokenizer
 
+            # Remote code stays trusted here, unlike in the rest of the library: this is the drop-in for the seed,
+            # whose trainer (slime/vime's GenerateState) loads ``hf_checkpoint``'s tokenizer and processor with
+            # trust_remote_code=True, and runs that checkpoint's own code to load the model it trains. Loading the
+            # same checkpoint the same way gives the same tokenizer and adds no code the trainer does not run.
             tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
             try:
                 processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)  # type: ignore[no-untyped-call]
             except (OSError, ValueError, ImportError):
                 # e.g. Qwen2-VL's processor needs torchvision; the image processor alone gives the merge size
-                processor = load_image_processor(path)  # None for text-only checkpoints
+                processor = load_image_processor(path, trust_remote_code=True)  # None for text-only checkpoints
             cached = (tokenizer, processor)
             _TOKENIZERS[path] = cached
     return cached

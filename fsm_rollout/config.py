@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Mapping
@@ -56,10 +57,14 @@ class RolloutConfig:
 
     ``engine_url`` is the vLLM server or router base URL (``http://host:port``). ``model`` is the served model name
     sent with every render request (the seed's ``hf_checkpoint``). ``tokenizer_path`` is where the local tokenizer
-    is loaded from (defaults to ``model``). ``rollout_max_context_len`` and the sampling ``max_new_tokens`` bound
-    the response side together; ``max_turns`` bounds the number of generate turns. ``record`` keeps an I/O tape
-    beside the ``trace`` file for offline replay (:mod:`fsm_rollout.recording`). ``api_key`` is sent as
-    ``Authorization: Bearer …`` on every engine request and is never written to a trace, tape, result or message.
+    is loaded from; without it :class:`~fsm_rollout.runner.RolloutRunner` asks the engine (``GET /v1/models``:
+    the tokenizer it names, else its model path, else ``model``) and loads that from local files only, never from
+    the hub. ``trust_remote_code`` lets a tokenizer or processor that ships its own Python code run it (off: a
+    path someone typed should not run code from that repository). ``rollout_max_context_len`` and the sampling
+    ``max_new_tokens`` bound the response side together; ``max_turns`` bounds the number of generate turns.
+    ``record`` keeps an I/O tape beside the ``trace`` file for offline replay (:mod:`fsm_rollout.recording`).
+    ``api_key`` is sent as ``Authorization: Bearer …`` on every engine request and is never written to a trace,
+    tape, result or message.
 
     Weight updates (:meth:`RolloutRunner.weight_update <fsm_rollout.runner.RolloutRunner.weight_update>`) suspend the
     rollouts and resume them without losing a token. ``weight_update_strategy`` says how: ``"abort"`` aborts the
@@ -122,6 +127,7 @@ class RolloutConfig:
     rollout_timeout_s: float | None = None
     reward_fn: Any = field(default=None, repr=False, compare=False)
     servers_behind_router: tuple[str, ...] = ()
+    trust_remote_code: bool = False
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_turns) or self.max_turns <= 0:
@@ -189,6 +195,8 @@ class RolloutConfig:
         if bad:
             raise ConfigError(f"servers_behind_router holds entries that are not http(s) URLs: {bad!r}")
         object.__setattr__(self, "servers_behind_router", tuple(servers))  # frozen: a list given is kept as a tuple
+        if not isinstance(self.trust_remote_code, bool):
+            raise ConfigError(f"trust_remote_code must be True or False, got {self.trust_remote_code!r}")
         if self.reward_fn is not None and not callable(self.reward_fn):
             raise ConfigError(f"reward_fn must be callable (sample) -> float, got {type(self.reward_fn).__name__}")
 
@@ -211,6 +219,62 @@ class RolloutConfig:
                 "append_eos_token_after_stop_str_in_multi_turn is on: the EOS appended after a stop string has "
                 "no routing data. Drop the stop strings or turn the EOS append off."
             )
+
+    def to_dict(self, *, include_api_key: bool = False) -> dict[str, Any]:
+        """The config as JSON-ready data (the Ray workers' copy, the tape's record); :meth:`from_dict` reads it.
+
+        ``reward_fn`` is code, not data, and is never included. ``api_key`` is left out unless
+        ``include_api_key`` (a worker process needs it; a file must not hold it).
+        """
+        data: dict[str, Any] = {}
+        for item in dataclasses.fields(self):
+            if item.name in _NOT_DATA or (item.name == "api_key" and not include_api_key):
+                continue
+            value = getattr(self, item.name)
+            if isinstance(value, RetryPolicy):
+                value = {**dataclasses.asdict(value), "retry_statuses": sorted(value.retry_statuses)}
+            elif isinstance(value, Path):
+                value = str(value)
+            elif isinstance(value, Mapping):
+                value = dict(value)
+            elif isinstance(value, tuple):
+                value = list(value)
+            data[item.name] = value
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, ignore_unknown: bool = False) -> RolloutConfig:
+        """The config :meth:`to_dict` wrote, validated as any config is.
+
+        Keys written under a former name (:data:`RENAMED_FIELDS`) are read under today's. A key that is no field
+        is a :class:`~fsm_rollout.errors.ConfigError` naming it, unless ``ignore_unknown`` (replay reads tapes of
+        other versions this way, and names the keys it left out: :meth:`unknown_keys`).
+        """
+        if not isinstance(data, Mapping):
+            raise ConfigError(f"a RolloutConfig is read from a mapping, got {type(data).__name__}")
+        values = {RENAMED_FIELDS.get(key, key): value for key, value in data.items()}
+        unknown = cls.unknown_keys(values)
+        if unknown and not ignore_unknown:
+            raise ConfigError(f"RolloutConfig has no field(s) {', '.join(map(repr, unknown))}; its fields are "
+                              f"{', '.join(sorted(_FIELD_NAMES))}")
+        values = {key: value for key, value in values.items() if key in _FIELD_NAMES and key not in _NOT_DATA}
+        retry = values.pop("retry", None)
+        if isinstance(retry, Mapping):
+            retry = dict(retry)
+            if "retry_statuses" in retry:
+                retry["retry_statuses"] = frozenset(retry["retry_statuses"])
+            try:
+                values["retry"] = RetryPolicy(**retry)
+            except TypeError as error:
+                raise ConfigError(f"retry: {error}") from error
+        elif retry is not None:
+            values["retry"] = retry
+        return cls(**values)
+
+    @staticmethod
+    def unknown_keys(data: Mapping[str, Any]) -> list[str]:
+        """The keys of ``data`` that are no field of today's config (former names count as known), sorted."""
+        return sorted(key for key in data if RENAMED_FIELDS.get(key, key) not in _FIELD_NAMES)
 
     @classmethod
     def from_args(cls, args: Any, **overrides: Any) -> RolloutConfig:
@@ -255,6 +319,12 @@ class RolloutConfig:
         }
         values.update(overrides)
         return cls(**values)
+
+
+_FIELD_NAMES = frozenset(item.name for item in dataclasses.fields(RolloutConfig))
+_NOT_DATA = frozenset({"reward_fn"})
+RENAMED_FIELDS: Mapping[str, str] = {"defer_full_gc": "tune_gc"}
+"""Former field names and today's, so configs written before a rename (tapes) still read."""
 
 
 SAMPLING_REQUIRED_KEYS = ("max_new_tokens", "temperature", "top_p")

@@ -163,6 +163,9 @@ class StateUsage:
     """Median time spent in the state, over the transitions out of it; None when none left it."""
     on_sample_path: bool = False
     """Whether the highlighted sample entered the state."""
+    queued_p50_ms: float | None = None
+    """Initial state only: the median time samples waited for a concurrency slot before they entered it (their
+    first transition's ``queued_ms``; not part of the dwell); None when the trace has none."""
 
 
 @dataclass(frozen=True)
@@ -235,6 +238,7 @@ def build_overlay(events: Iterable[Mapping[str, Any]], sample: str | None = None
     edge_samples: list[set[str]] = [set() for _ in transitions]
     entered: dict[str, set[str]] = {state.name: set() for state in lifecycle.STATES}
     dwell: dict[str, list[float]] = {state.name: [] for state in lifecycle.STATES}
+    queued: list[float] = []
     sample_steps: dict[int, list[int]] = {}
     sample_states: set[str] = set()
     path_lengths: Counter[str] = Counter()
@@ -258,6 +262,9 @@ def build_overlay(events: Iterable[Mapping[str, Any]], sample: str | None = None
         dwell_ms = event.get("dwell_ms")
         if src in dwell and isinstance(dwell_ms, int | float) and not isinstance(dwell_ms, bool):
             dwell[src].append(float(dwell_ms))
+        queued_ms = event.get("queued_ms")
+        if src == lifecycle.INITIAL and isinstance(queued_ms, int | float) and not isinstance(queued_ms, bool):
+            queued.append(float(queued_ms))
         index = match_edge(event, transitions)
         if index is None:
             unmatched[(str(trigger), str(src), str(dst))] += 1
@@ -281,7 +288,8 @@ def build_overlay(events: Iterable[Mapping[str, Any]], sample: str | None = None
         ),
         states={
             name: StateUsage(
-                len(entered[name]), statistics.median(dwell[name]) if dwell[name] else None, name in sample_states
+                len(entered[name]), statistics.median(dwell[name]) if dwell[name] else None, name in sample_states,
+                statistics.median(queued) if queued and name == lifecycle.INITIAL else None,
             )
             for name in entered
         },
@@ -318,6 +326,8 @@ def _state_usage_text(usage: StateUsage) -> str:
     text = f"{usage.samples} sample" + ("" if usage.samples == 1 else "s")
     if usage.dwell_p50_ms is not None:
         text += f" · p50 {_duration(usage.dwell_p50_ms)}"
+    if usage.queued_p50_ms is not None:
+        text += f" · queued before it p50 {_duration(usage.queued_p50_ms)}"
     return text
 
 

@@ -15,6 +15,10 @@ class ConfigError(RolloutError, ValueError):
     """A configuration value is invalid (found before any request is sent)."""
 
 
+class TokenizerNotFoundError(ConfigError, OSError):
+    """No tokenizer could be loaded from local files for the model (an ``OSError`` too, as transformers raises)."""
+
+
 class SamplingParamsError(RolloutError, KeyError):
     """The sampling parameters lack a required key."""
 

@@ -14,28 +14,38 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import copy
 import hashlib
 import time
 import uuid
-from collections import Counter
-from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
-from fsm_rollout import gc_policy, lifecycle
+from fsm_rollout import gc_policy
+from fsm_rollout.chat import ObservationEncoder
 from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.env import EnvFactory, load_env_factory
 from fsm_rollout.errors import ConfigError, RolloutError
-from fsm_rollout.hooks import RolloutHooks, RolloutView, combine_hooks
+from fsm_rollout.hooks import RolloutHooks, combine_hooks
+from fsm_rollout.metrics import MetricsSnapshot, RunnerMetrics
+from fsm_rollout.queueing import QueueNotingTracer, Waiting
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_writer_for
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import Sample, Status
 from fsm_rollout.suspension import Suspender, SuspendStats
+from fsm_rollout.tokenizers import TokenizerSource, load_tokenizer, tokenizer_source
 from fsm_rollout.trace import Tracer, get_tracer
+
+NOT_STARTED = "not_started"
+"""The reason of a sample that an abort (or a cancelled batch) ended while it waited for a concurrency slot: it
+never started, so it holds nothing but its input."""
+
+_T = TypeVar("_T")
 
 
 class ConsistentHashRing:
@@ -64,97 +74,6 @@ class ConsistentHashRing:
         return self._owners[index]
 
 
-@dataclass(frozen=True)
-class MetricsSnapshot:
-    """What the runner's samples are doing right now and have done since the runner started."""
-
-    occupancy: dict[str, int]
-    """Samples per non-terminal state right now; sums to ``in_flight``."""
-    in_flight: int
-    dwell_ms_mean: dict[str, float]
-    """Mean time samples spent in each state they left."""
-    statuses: dict[str, int]
-    reasons: dict[str, int]
-    samples_done: int
-    turns: int
-    tokens_generated: int
-    elapsed_s: float
-    samples_per_s: float
-    turns_per_s: float
-    tokens_per_s: float
-    suspended: int = 0
-    """Samples in ``suspended`` right now (waiting out a weight update)."""
-    suspensions: int = 0
-    """Suspensions since the runner started (a sample suspended twice counts twice)."""
-    dwell_counts: dict[str, int] = field(default_factory=dict)
-    """How often samples left each state: the weights of ``dwell_ms_mean`` when snapshots are combined."""
-
-
-@dataclass(eq=False)
-class _Metrics(RolloutHooks):
-    started: float = field(default_factory=time.perf_counter)
-    occupancy: Counter[str] = field(default_factory=Counter)
-    dwell_sum: Counter[str] = field(default_factory=Counter)
-    dwell_count: Counter[str] = field(default_factory=Counter)
-    statuses: Counter[str] = field(default_factory=Counter)
-    reasons: Counter[str] = field(default_factory=Counter)
-    turns: int = 0
-    tokens_generated: int = 0
-    done: int = 0
-    suspensions: int = 0
-
-    active: set[Rollout] = field(default_factory=set)
-    """The runner's rollouts that have not ended (each leaves the set at its terminal transition)."""
-
-    def transition(
-        self, rollout: RolloutView, trigger: str, src: str, dwell_ms: float, fields: Mapping[str, Any] | None
-    ) -> None:
-        dst = rollout.state
-        self.occupancy[src] -= 1
-        self.dwell_sum[src] += dwell_ms  # type: ignore[assignment]
-        self.dwell_count[src] += 1
-        if trigger == "suspend":
-            self.suspensions += 1
-        if trigger == "step" and rollout.turn is not None:
-            self.turns += 1
-            self.tokens_generated += len(rollout.turn.token_ids)
-        if dst in lifecycle.TERMINAL:
-            self.statuses[dst] += 1
-            self.reasons[rollout.reason or "unknown"] += 1
-            self.done += 1
-            self.active.discard(rollout)
-        else:
-            self.occupancy[dst] += 1
-
-    def snapshot(self) -> MetricsSnapshot:
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
-        occupancy = {state: count for state, count in self.occupancy.items() if count}
-        return MetricsSnapshot(
-            occupancy=occupancy,
-            in_flight=sum(occupancy.values()),
-            dwell_ms_mean={state: self.dwell_sum[state] / n for state, n in self.dwell_count.items() if n},
-            statuses=dict(self.statuses),
-            reasons=dict(self.reasons),
-            samples_done=self.done,
-            turns=self.turns,
-            tokens_generated=self.tokens_generated,
-            elapsed_s=elapsed,
-            samples_per_s=self.done / elapsed,
-            turns_per_s=self.turns / elapsed,
-            tokens_per_s=self.tokens_generated / elapsed,
-            suspended=occupancy.get("suspended", 0),
-            suspensions=self.suspensions,
-            dwell_counts={state: n for state, n in self.dwell_count.items() if n},
-        )
-
-
-def load_tokenizer(path: str) -> Any:
-    """Load a Hugging Face tokenizer from a local directory or model name (imports transformers lazily)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path, trust_remote_code=True)
-
-
 class RolloutRunner:
     """Runs samples through the lifecycle with shared resources (see the module docstring).
 
@@ -163,7 +82,16 @@ class RolloutRunner:
     raises ends ``failed`` with the error in ``metadata["rollout_error"]`` and the batch goes on; with True the
     error propagates. ``tape`` (default: beside the trace when ``config.record`` is on) records every sample's
     engine and environment exchanges for ``fsm-rollout replay``. ``hooks`` observe every rollout of the runner
-    (after the runner's own metrics).
+    (after the runner's own metrics). It implements :class:`~fsm_rollout.service.RolloutService`.
+
+    Entering it loads the tokenizer unless ``tokenizer`` is given: from ``config.tokenizer_path``, else from what
+    the first engine names in ``GET /v1/models``, from local files only (:mod:`fsm_rollout.tokenizers`; a
+    :class:`~fsm_rollout.errors.TokenizerNotFoundError` naming ``tokenizer_path`` otherwise). That load and the
+    chat template's probe run in a thread of their own, so the event loop's other tasks keep running.
+
+    A batch, group or stream queues its samples and makes each one's rollout when it gets a concurrency slot: the
+    wait is ``queued_ms`` on its first transition and in :meth:`metrics`, apart from the ``pending`` dwell. An
+    abort ends the samples still queued ``aborted`` with reason :data:`NOT_STARTED`.
 
     Weight updates: ``async with runner.weight_update(version="7"):`` around the trainer's weight push suspends the
     runner's rollouts (none is lost: each turn in flight continues from the tokens it had), sets the engines'
@@ -200,8 +128,10 @@ class RolloutRunner:
         self._clients: dict[str, VLLMClient] = {}
         self._server_clients: dict[str, VLLMClient] = {}
         """The servers behind a router (``config.servers_behind_router``), which weight updates reach directly."""
-        self._metrics = _Metrics()
+        self._metrics = RunnerMetrics()
         self._active = self._metrics.active
+        self._waiting = self._metrics.waiting
+        self._encoder: ObservationEncoder | None = None
         self._hooks = combine_hooks(self._metrics, hooks)
         self._entered = False
         self.suspender = Suspender(
@@ -216,26 +146,47 @@ class RolloutRunner:
             self._clients[url] = VLLMClient.from_config(self.config, base_url=url)
         for url in self.config.servers_behind_router:
             self._server_clients[url] = VLLMClient.from_config(self.config, base_url=url)
-        if self.tokenizer is None:
-            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config.tokenizer_path or self.config.model)
-        if self.env_factory is None:
-            self.env_factory = load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
+        try:
+            source = None if self.tokenizer is not None else await tokenizer_source(self.config, self.engine_urls[0])
+            # loading a tokenizer and rendering the probe's conversations take long enough to stall every other
+            # task of the loop (a trainer's heartbeat): they run in a thread of their own
+            self.tokenizer, self._encoder = await _in_own_thread(lambda: self._tokenizer_and_encoder(source))
+            if self.env_factory is None:
+                self.env_factory = load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
+        except BaseException:
+            await self._close_clients()
+            raise
         self._entered = True
         return self
+
+    def _tokenizer_and_encoder(self, source: TokenizerSource | None) -> tuple[Any, ObservationEncoder]:
+        """The tokenizer (loaded from ``source`` unless given) and its observation encoder with the template probe
+        of samples without tools done. Blocking: runs in a worker thread."""
+        tokenizer = self.tokenizer
+        if source is not None:
+            tokenizer = source.load(model=self.config.model, trust_remote_code=self.config.trust_remote_code)
+        encoder = ObservationEncoder(tokenizer)
+        # a failed probe is not remembered: each sample's rollout probes again and fails naming the error
+        with contextlib.suppress(Exception):
+            encoder.probe(template_kwargs=self.config.apply_chat_template_kwargs)
+        return tokenizer, encoder
 
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
-        if self._active:
+        if self._active or self._waiting:
             await self.abort("shutdown")
-        for client in [*self._clients.values(), *self._server_clients.values()]:
-            await client.close()
-        self._clients.clear()
-        self._server_clients.clear()
+        await self._close_clients()
         self.tracer.flush()
         if self.tape is not None:
             await asyncio.to_thread(self.tape.flush)
         self._entered = False
+
+    async def _close_clients(self) -> None:
+        for client in [*self._clients.values(), *self._server_clients.values()]:
+            await client.close()
+        self._clients.clear()
+        self._server_clients.clear()
 
     # ------------------------------------------------------------------ building rollouts
 
@@ -244,7 +195,9 @@ class RolloutRunner:
             return next(iter(self._clients.values()))
         return self._clients[self._ring.url_for(sample.session_id or "")]
 
-    def _rollout(self, sample: Sample, *, sample_id: str | None = None, seed: int | None = None) -> Rollout:
+    def _rollout(
+        self, sample: Sample, *, sample_id: str | None = None, seed: int | None = None, queued_ms: float | None = None
+    ) -> Rollout:
         if not self._entered:
             raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
         if len(self._clients) > 1 and not sample.session_id:
@@ -254,9 +207,10 @@ class RolloutRunner:
             "sampling_params": self.sampling_params if seed is None else {**self.sampling_params, "seed": seed},
             "client": self._client_for(sample),
             "tokenizer": self.tokenizer,
+            "encoder": self._encoder,
             "env_factory": self.env_factory,
             "processor": self.processor,
-            "tracer": self.tracer,
+            "tracer": self.tracer if queued_ms is None else QueueNotingTracer(self.tracer, queued_ms),
             "sample_id": sample_id,
             "suspender": self.suspender,
         }
@@ -289,18 +243,45 @@ class RolloutRunner:
 
     def _prepare(
         self, samples: Iterable[Sample], sample_ids: Sequence[str | None] = (), seeds: Sequence[int | None] = ()
-    ) -> list[Rollout | Sample]:
-        prepared: list[Rollout | Sample] = []
+    ) -> list[Waiting]:
+        """The samples as waiting for a slot (from now on :meth:`abort` reaches them); their rollouts are made
+        when they get one."""
+        if not self._entered:
+            raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
+        prepared: list[Waiting] = []
         for position, sample in enumerate(samples):
-            try:
-                sample_id = sample_ids[position] if position < len(sample_ids) else None
-                seed = seeds[position] if position < len(seeds) else None
-                prepared.append(self._rollout(sample, sample_id=sample_id, seed=seed))
-            except Exception as error:
-                if self.raise_on_error:
-                    raise
-                prepared.append(self._unbuildable(sample, error))
+            sample_id = sample_ids[position] if position < len(sample_ids) else None
+            seed = seeds[position] if position < len(seeds) else None
+            prepared.append(Waiting(sample, sample_id, seed, time.perf_counter()))
+        self._waiting.update(prepared)
         return prepared
+
+    def _build(self, waiting: Waiting, *, raising: bool) -> Rollout | Sample:
+        """The rollout of a sample that leaves the queue, or the sample ended ``failed`` when none can be built."""
+        self._waiting.discard(waiting)
+        waited_ms = waiting.waited_ms()
+        self._metrics.queue_left(waited_ms)
+        try:
+            return self._rollout(waiting.sample, sample_id=waiting.sample_id, seed=waiting.seed, queued_ms=waited_ms)
+        except Exception as error:
+            if raising:
+                raise
+            return self._unbuildable(waiting.sample, error)
+
+    def _end_unstarted(self, waiting: Waiting) -> None:
+        """End a sample that never got a slot ``aborted`` with reason :data:`NOT_STARTED`: its rollout is made and
+        aborted before it starts (traced and recorded as any abort before a start; nothing is sent)."""
+        if waiting.ended is not None or waiting not in self._waiting:
+            return
+        built = self._build(waiting, raising=False)
+        if isinstance(built, Rollout):
+            built.request_abort(NOT_STARTED)
+            built = built.sample
+        waiting.ended = built
+
+    def _end_all_unstarted(self, waiting: Iterable[Waiting]) -> None:
+        for queued in list(waiting):
+            self._end_unstarted(queued)
 
     def _unbuildable(self, sample: Sample, error: Exception) -> Sample:
         """A pending sample whose rollout could not be built ends ``failed`` with the error recorded (its data is
@@ -321,11 +302,18 @@ class RolloutRunner:
         self._metrics.done += 1
         return sample
 
-    async def _bounded(self, item: Rollout | Sample, semaphore: asyncio.Semaphore) -> Sample:
-        if isinstance(item, Sample):
-            return item
-        async with semaphore:
-            return await self._drive(item)
+    async def _bounded(self, waiting: Waiting, semaphore: asyncio.Semaphore) -> Sample:
+        try:
+            async with semaphore:
+                if waiting.ended is not None:
+                    return waiting.ended
+                built = self._build(waiting, raising=self.raise_on_error)
+                if isinstance(built, Sample):
+                    return built
+                return await self._drive(built)
+        except asyncio.CancelledError:
+            self._end_unstarted(waiting)  # cancelled while waiting for its slot (a no-op once it had one)
+            raise
 
     async def run_batch(
         self, samples: Iterable[Sample], *, concurrency: int = 64, sample_ids: Sequence[str | None] = (),
@@ -335,30 +323,34 @@ class RolloutRunner:
 
         ``sample_ids`` name the samples in traces and tapes and ``seeds`` set each one's sampling seed, by position
         (as :meth:`run_group` names and seeds its members; :func:`group_members` makes such copies for many groups
-        under one concurrency limit).
+        under one concurrency limit). A sample's rollout is made when it gets a slot: the time it waited is its
+        first transition's ``queued_ms`` and :attr:`MetricsSnapshot.queued_ms_mean`, not ``pending`` dwell.
         """
         semaphore = asyncio.Semaphore(_positive(concurrency))
-        with self._gc_tuned():  # from before the rollouts and their tasks are made, not from the first start
+        with self._gc_tuned():  # from before the samples' tasks are made, not from the first start
             prepared = self._prepare(samples, sample_ids, seeds)
             return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
 
     def stream(
-        self, samples: Iterable[Sample], *, concurrency: int = 64, sample_ids: Sequence[str | None] = ()
+        self, samples: Iterable[Sample], *, concurrency: int = 64, sample_ids: Sequence[str | None] = (),
+        seeds: Sequence[int | None] = (),
     ) -> AsyncIterator[Sample]:
         """Yield samples as they finish (at most ``concurrency`` in flight), for asynchronous RL trainers.
 
-        The rollouts are made, and start, when this is called, so :meth:`abort` reaches every one of them from
-        then on, also before the first is awaited. ``sample_ids`` name the samples in traces and tapes, by position
-        (as :meth:`run_group` names its members). Closing the iterator early cancels the samples still running.
+        The samples are queued, and the first ``concurrency`` start, when this is called, so :meth:`abort` reaches
+        every one of them from then on, also before the first is awaited. ``sample_ids`` and ``seeds`` name and
+        seed the samples by position (as in :meth:`run_batch`). Closing the iterator early cancels the samples
+        still running and ends those still queued (reason :data:`NOT_STARTED`).
         """
         semaphore = asyncio.Semaphore(_positive(concurrency))
         with self._gc_tuned():
-            prepared = self._prepare(samples, sample_ids)
+            prepared = self._prepare(samples, sample_ids, seeds)
             tasks = [asyncio.ensure_future(self._bounded(item, semaphore)) for item in prepared]
             if self.config.tune_gc:  # held on until the last task is done: tied to the tasks, not to the iterator,
                 gc_policy.rollout_started()  # which its consumer may never finish
                 asyncio.gather(*tasks, return_exceptions=True).add_done_callback(lambda _: gc_policy.rollout_ended())
-        return _as_finished(tasks)
+        # closed early: the samples still queued end at once (not when their cancelled tasks next run)
+        return _as_finished(tasks, lambda: self._end_all_unstarted(prepared))
 
     async def run_group(
         self, sample: Sample, n: int, *, concurrency: int | None = None, seed: int | None = None
@@ -370,9 +362,7 @@ class RolloutRunner:
         """
         copies, ids = group_members(sample, n)
         semaphore = asyncio.Semaphore(_positive(concurrency or n))
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise ConfigError(f"seed must be an integer or None, got {seed!r}")
-        seeds = [] if seed is None else [seed + member for member in range(len(copies))]
+        seeds = group_seeds(seed, len(copies))
         with self._gc_tuned():
             prepared = self._prepare(copies, ids, seeds)
             return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
@@ -380,9 +370,11 @@ class RolloutRunner:
     async def abort(self, reason: str = "cancelled") -> None:
         """End every sample this runner has not finished ``aborted`` with ``reason``.
 
-        Samples in flight have their request cancelled and named to the server; samples not started yet end
-        without sending anything. When this returns, no request of those samples reaches a server any more.
+        Samples in flight have their request cancelled and named to the server. Samples still waiting for a
+        concurrency slot end without sending anything, with reason :data:`NOT_STARTED` (they hold nothing but
+        their input). When this returns, no request of those samples reaches a server any more.
         """
+        self._end_all_unstarted(self._waiting)
         waiting = []
         for rollout in list(self._active):
             if rollout.terminal:
@@ -419,8 +411,14 @@ class RolloutRunner:
 
     @property
     def in_flight(self) -> int:
-        """Samples created by this runner that have not reached a terminal state."""
+        """Samples whose rollout has started (or is made and about to) and not ended; those still waiting for a
+        concurrency slot are :attr:`queued`."""
         return len(self._active)
+
+    @property
+    def queued(self) -> int:
+        """Samples of a batch, group or stream waiting for a concurrency slot."""
+        return len(self._waiting)
 
 
 def group_members(sample: Sample, n: int) -> tuple[list[Sample], list[str | None]]:
@@ -438,11 +436,34 @@ def group_members(sample: Sample, n: int) -> tuple[list[Sample], list[str | None
     return copies, ids
 
 
-async def _as_finished(tasks: Sequence[asyncio.Future[Sample]]) -> AsyncIterator[Sample]:
+def group_seeds(seed: int | None, n: int) -> list[int | None]:
+    """The seeds of a group's ``n`` members: ``seed + m`` for member ``m``, none without ``seed``."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"seed must be an integer or None, got {seed!r}")
+    return [] if seed is None else [seed + member for member in range(n)]
+
+
+async def _in_own_thread(work: Callable[[], _T]) -> _T:
+    """``work()`` in a thread of its own that ends with it (the loop's default executor would keep its thread)."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsm-rollout-runner-start")
+    try:
+        result = await asyncio.get_running_loop().run_in_executor(executor, work)
+    except BaseException:
+        executor.shutdown(wait=False)  # cancelled: the thread ends when the work does
+        raise
+    executor.shutdown(wait=True)  # the work is done: this only joins the idle thread
+    return result
+
+
+async def _as_finished(
+    tasks: Sequence[asyncio.Future[Sample]], on_close: Callable[[], None] | None = None
+) -> AsyncIterator[Sample]:
     try:
         for finished in asyncio.as_completed(tasks):
             yield await finished
     finally:
+        if on_close is not None:
+            on_close()
         for task in tasks:
             task.cancel()
 
@@ -453,4 +474,5 @@ def _positive(value: int) -> int:
     return value
 
 
-__all__ = ["ConsistentHashRing", "MetricsSnapshot", "RolloutRunner", "group_members"]
+__all__ = ["NOT_STARTED", "ConsistentHashRing", "MetricsSnapshot", "RolloutRunner", "group_members", "group_seeds",
+           "load_tokenizer"]

@@ -14,6 +14,8 @@ Schema (``schema`` = :data:`TRACE_SCHEMA_VERSION`), one object per line:
 ``response_length``  response-side tokens so far (after the transition's actions)
 ``remaining_budget`` response budget left, or null when unbounded
 ``dwell_ms``         time spent in ``src``
+``queued_ms``        a runner's batch, group or stream only, on a sample's first transition: how long it waited
+                     for a concurrency slot before its rollout was made (``pending`` dwell starts after it)
 ``reason``           terminal edges only: why the sample ended (``env_done``, ``max_turns``, ``length``, ...)
 payload summaries    ``prompt_tokens`` and ``image_hashes`` (render; one ``sha256:<16 hex>`` of each image's bytes,
                      or ``url-sha256:<16 hex>`` of an http(s) URL's text), ``generated_tokens``, ``finish``,

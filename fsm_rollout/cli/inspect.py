@@ -75,6 +75,9 @@ class BatchSummary:
     generated_tokens: list[float] = field(default_factory=list)
     response_tokens: list[float] = field(default_factory=list)
     dwell_ms: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    queued_ms: list[float] = field(default_factory=list)
+    """How long samples waited for a concurrency slot before their rollout started (``queued_ms`` of their first
+    transition): apart from the ``pending`` dwell, which is the rollout's own work."""
 
 
 def summarize(paths: Sequence[TracedPath]) -> BatchSummary:
@@ -97,6 +100,9 @@ def summarize(paths: Sequence[TracedPath]) -> BatchSummary:
             dwell = event.get("dwell_ms")
             if isinstance(dwell, int | float) and isinstance(event.get("src"), str):
                 summary.dwell_ms[event["src"]].append(float(dwell))
+            queued = event.get("queued_ms")
+            if isinstance(queued, int | float) and not isinstance(queued, bool):
+                summary.queued_ms.append(float(queued))
         summary.generated_tokens.append(generated)
         if path.events and isinstance(path.events[-1].get("response_length"), int):
             summary.response_tokens.append(path.events[-1]["response_length"])
@@ -136,6 +142,10 @@ def render_summary(name: str, summary: BatchSummary, problems: Sequence[LineProb
     for state in sorted(summary.dwell_ms, key=lambda name: (order.index(name) if name in order else len(order), name)):
         values = summary.dwell_ms[state]
         lines.append(f"  {state:<18}{len(values):>7}{percentile(values, 0.5):>10.2f}{percentile(values, 0.95):>10.2f}")
+    if summary.queued_ms:
+        values = summary.queued_ms
+        lines.append(f"  {'queued for a slot':<18}{len(values):>7}{percentile(values, 0.5):>10.2f}"
+                     f"{percentile(values, 0.95):>10.2f}   (before pending: waiting for a concurrency slot)")
     if orphans:
         lines += ["", f"{orphans} transition(s) without sample_id (samples aborted before they started) are not "
                   "counted above"]

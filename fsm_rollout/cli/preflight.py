@@ -172,20 +172,21 @@ def _names(names: Sequence[str]) -> str:
 # ---------------------------------------------------------------------------------------------------- tokenizer
 
 
-def load_run_tokenizer(location: str, *, named_by: str) -> Any:
+def load_run_tokenizer(location: str, *, named_by: str, trust_remote_code: bool = False) -> Any:
     """Load the tokenizer from a local directory or the Hugging Face cache, or else from the hub when it answers.
 
     Never waits on the hub's retries: a location that is neither a directory nor cached fails at once when the
     hub is offline (``HF_HUB_OFFLINE``), and after one request of at most :data:`HUB_CHECK_TIMEOUT_S` when it
     cannot be reached or lacks the model. Blocking (file reads, maybe a download): call it in a worker thread.
+    ``trust_remote_code`` (``--trust-remote-code``) lets a tokenizer that ships Python code run it.
     """
     path = Path(location).expanduser()
     if path.is_dir():
-        return _load(str(path), location, named_by, local_only=True)
+        return _load(str(path), location, named_by, local_only=True, trust_remote_code=trust_remote_code)
     if path.exists() or not _HUB_ID.fullmatch(location):
         raise PreflightError(f"{named_by} {location!r} is not a tokenizer directory: pass --tokenizer DIR")
     try:
-        return _from_pretrained(location, local_only=True)
+        return _from_pretrained(location, local_only=True, trust_remote_code=trust_remote_code)
     except Exception:  # not in the cache (or unusable there): ask the hub below, whose answer names the problem
         pass
     missing = f"{named_by} {location!r} is neither a local directory nor in the Hugging Face cache"
@@ -200,12 +201,12 @@ def load_run_tokenizer(location: str, *, named_by: str) -> Any:
             f"{missing}, and the hub cannot provide it ({type(error).__name__}: {one_line(str(error), 160)}): "
             "pass --tokenizer DIR"
         ) from error
-    return _load(location, location, named_by, local_only=False)
+    return _load(location, location, named_by, local_only=False, trust_remote_code=trust_remote_code)
 
 
-def _load(source: str, location: str, named_by: str, *, local_only: bool) -> Any:
+def _load(source: str, location: str, named_by: str, *, local_only: bool, trust_remote_code: bool) -> Any:
     try:
-        return _from_pretrained(source, local_only=local_only)
+        return _from_pretrained(source, local_only=local_only, trust_remote_code=trust_remote_code)
     except Exception as error:
         raise PreflightError(
             f"cannot load {named_by} {location!r} ({type(error).__name__}: {one_line(str(error), 160)}): "
@@ -213,10 +214,10 @@ def _load(source: str, location: str, named_by: str, *, local_only: bool) -> Any
         ) from error
 
 
-def _from_pretrained(source: str, *, local_only: bool) -> Any:
+def _from_pretrained(source: str, *, local_only: bool, trust_remote_code: bool) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(source, trust_remote_code=True, local_files_only=local_only)
+    return AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, local_files_only=local_only)
 
 
 def _hub_offline() -> bool:

@@ -33,7 +33,7 @@ from fsm_rollout.cli.preflight import (
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.recording import tape_path_for
-from fsm_rollout.runner import MetricsSnapshot, RolloutRunner, group_members
+from fsm_rollout.runner import NOT_STARTED, MetricsSnapshot, RolloutRunner, group_members
 from fsm_rollout.sample import Sample, Status
 
 DEMO_ENV = "fsm_rollout.envs.geo3k"
@@ -59,7 +59,8 @@ a bad line is an error naming its line number (or is skipped and counted with --
 `Sample.to_dict()` per line in input order, with decoded image features as dtype and shape unless
 --include-features (pixel values are megabytes per image); the trace is JSONL too, one line per transition.
 
-Ctrl-C aborts the samples in flight, writes what finished plus the aborted partials, and exits 130.
+Ctrl-C aborts the samples in flight, writes what finished plus the aborted partials (samples that had not started
+yet are rows with reason not_started), counts finished, aborted mid-way and never started, and exits 130.
 
 Exit codes: 0 every sample ended (completed, truncated, or aborted by the server); 1 some sample failed; 2 nothing
 was run: bad input (dataset, options) or no usable engine or tokenizer (nothing answers /health, the API key is
@@ -95,6 +96,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     engine.add_argument("--image-merge-size", type=int, metavar="N",
                         help="vision merge size for the image-token check (Qwen-VL: 2; default: the engine's, "
                         "when it says)")
+    engine.add_argument("--trust-remote-code", action="store_true",
+                        help="let a tokenizer that ships its own Python code run it (off: a path or hub id you "
+                        "type should not run code from that repository)")
     engine.add_argument("--api-key", metavar="KEY",
                         help=f"sent as `Authorization: Bearer KEY` on every engine request, never printed or "
                         f"recorded (default: ${API_KEY_ENV_VAR})")
@@ -180,6 +184,8 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[list[str], En
 
 def _progress_line(snapshot: MetricsSnapshot, total: int) -> str:
     states = " ".join(f"{state}={count}" for state, count in sorted(snapshot.occupancy.items()))
+    if snapshot.queued:  # waiting for a concurrency slot: not in any state yet
+        states = f"{states} queued={snapshot.queued}".strip()
     return (
         f"[{snapshot.samples_done}/{total}] {states or 'idle'} | {snapshot.turns} turns, "
         f"{snapshot.tokens_per_s:.0f} tok/s, {snapshot.elapsed_s:.1f}s"
@@ -236,11 +242,17 @@ def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, t
             rewards: Sequence[str] = (), errors: Sequence[str] = ()) -> str:
     """The end-of-run table, with ``rewards`` (see :func:`reward_lines`) and ``errors`` (see :func:`error_lines`)
     under the counts."""
+    # an interrupt aborts the samples in flight ("cancelled") and those still queued ("not_started"): neither ran
+    # to its end, so the first count is of the samples that did
+    never_started = snapshot.reasons.get(NOT_STARTED, 0)
+    cut_off = snapshot.reasons.get("cancelled", 0)
     lines = [
-        f"{snapshot.samples_done}/{total} samples in {snapshot.elapsed_s:.1f}s "
+        f"{snapshot.samples_done - cut_off - never_started}/{total} samples finished in {snapshot.elapsed_s:.1f}s "
         f"({snapshot.samples_per_s:.2f} samples/s, {snapshot.turns} turns, "
         f"{snapshot.tokens_generated} tokens generated, {snapshot.tokens_per_s:.0f} tok/s)",
     ]
+    if cut_off or never_started:
+        lines.append(f"{cut_off} aborted mid-way, {never_started} never started")
     if skipped:
         lines.append(f"{skipped} bad dataset line(s) skipped")
     lines.append(f"{'status':<34}{'count':>6}")
@@ -312,6 +324,7 @@ def build_config(args: argparse.Namespace, url: str, model: str, tokenizer_path:
         loop_slice_ms=args.loop_slice_ms or None,
         tune_gc=not args.no_tune_gc,
         api_key=api_key,
+        trust_remote_code=args.trust_remote_code,
     )
 
 
@@ -337,7 +350,8 @@ async def _run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, interrupted.set)
     async with _engine(args) as (urls, choice):
-        tokenizer = await asyncio.to_thread(load_run_tokenizer, choice.tokenizer, named_by=choice.tokenizer_named_by)
+        tokenizer = await asyncio.to_thread(load_run_tokenizer, choice.tokenizer, named_by=choice.tokenizer_named_by,
+                                            trust_remote_code=args.trust_remote_code)
         config = build_config(args, urls[0], choice.model, choice.tokenizer, choice.image_merge_size, api_key=key)
         if args.seed is not None:
             sampling["seed"] = args.seed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
@@ -15,8 +16,10 @@ from typing import Any
 from fsm_rollout.config import RolloutConfig, build_inference_sampling_params
 from fsm_rollout.distributed.worker import RolloutWorker, config_to_data, worker_trace_path
 from fsm_rollout.errors import ConfigError, PoolError, RolloutError
-from fsm_rollout.runner import MetricsSnapshot, group_members
+from fsm_rollout.metrics import MetricsSnapshot, PoolMetricsSnapshot, combine_metrics, combine_suspensions
+from fsm_rollout.runner import group_members, group_seeds
 from fsm_rollout.sample import Sample, Status
+from fsm_rollout.suspension import SuspendStats
 
 _LOG = logging.getLogger(__name__)
 
@@ -40,17 +43,6 @@ class WorkerStatus:
     lost_because: str | None = None
 
 
-@dataclass(frozen=True)
-class PoolMetricsSnapshot(MetricsSnapshot):
-    """:class:`~fsm_rollout.runner.MetricsSnapshot` summed over the live workers (rates over the pool's lifetime),
-    with the samples lost with dead workers counted ``failed``/``worker_lost``. A dead worker's other counts leave
-    the totals with it."""
-
-    workers_alive: int = 0
-    workers_lost: int = 0
-    per_worker: tuple[MetricsSnapshot, ...] = ()
-
-
 @dataclass(eq=False)
 class _Worker:
     index: int
@@ -69,6 +61,7 @@ class _Batch:
 
     sent: list[dict[str, Any]]
     sample_ids: Sequence[str | None]
+    seeds: Sequence[int | None]
     concurrency: int
     number: int
     results: asyncio.Queue[tuple[int, Sample]] = field(default_factory=asyncio.Queue)
@@ -81,15 +74,18 @@ class RayRolloutPool:
         async with RayRolloutPool(config, sampling_params=sampling, num_workers=4) as pool:
             samples = await pool.run_batch(samples, concurrency=64)
 
-    It has the runner's surface: :meth:`run`, :meth:`run_batch` (input order), :meth:`stream` (as they finish),
-    :meth:`run_group`, :meth:`abort`, :meth:`suspend`/:meth:`resume`/:meth:`weight_update` (on every worker;
-    each returns once every worker has) and :meth:`metrics` (awaited: summed over the workers). A call's samples
-    are dealt over the live workers in turn, and ``concurrency`` bounds each worker's samples in flight, as it
-    bounds one runner's. Samples travel as ``Sample.to_dict()`` data and come back as new ``Sample`` objects (the
-    ones passed in are left as they were); the environment is loaded by each worker from ``config.env_path``
-    and the tokenizer from ``config.tokenizer_path`` (else ``config.model``), so the config must name them, and
-    a ``reward_fn`` (a callable) is refused. A trace file gets one file per worker (``run.jsonl`` becomes
-    ``run.worker0.jsonl``, ...).
+    It has the runner's surface (:class:`~fsm_rollout.service.RolloutService`): :meth:`run`, :meth:`run_batch`
+    (input order), :meth:`stream` (as they finish), :meth:`run_group`, with the runner's ``sample_ids``, ``seeds``
+    and ``seed``; :meth:`abort`, :meth:`suspend`/:meth:`resume`/:meth:`weight_update` (on every worker; each
+    returns once every worker has), :attr:`last_suspension`, :attr:`in_flight` and :meth:`metrics`, summed over
+    the workers as they last reported: with every batch of finished samples, every abort, suspend and resume, and
+    every ``metrics_interval_s`` (:meth:`refresh_metrics` asks them now). A call's samples are dealt over the
+    live workers in turn, and ``concurrency`` bounds each worker's samples in flight, as it bounds one runner's.
+    Samples travel as ``Sample.to_dict()`` data and come back as new ``Sample`` objects (the ones passed in are
+    left as they were); the environment is loaded by each worker from ``config.env_path`` and the tokenizer from
+    ``config.tokenizer_path`` (else from what the engine names, as a runner does), so the config must name the
+    environment, and a ``reward_fn`` (a callable) is refused. A trace file gets one file per worker
+    (``run.jsonl`` becomes ``run.worker0.jsonl``, ...).
 
     Placement: ``worker_options`` are Ray actor options (``num_cpus``, ``resources``, ``scheduling_strategy``,
     ``runtime_env``, ...), one mapping for every worker or a sequence of one per worker (a node affinity or a
@@ -117,6 +113,7 @@ class RayRolloutPool:
         worker_options: Mapping[str, Any] | Sequence[Mapping[str, Any]] | None = None,
         ray_init: Mapping[str, Any] | None = None,
         start_timeout_s: float = 300.0,
+        metrics_interval_s: float = 1.0,
     ) -> None:
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 1:
             raise ConfigError(f"num_workers must be a positive integer, got {num_workers!r}")
@@ -135,6 +132,13 @@ class RayRolloutPool:
         if not isinstance(start_timeout_s, int | float) or start_timeout_s <= 0:
             raise ConfigError(f"start_timeout_s must be a positive number of seconds, got {start_timeout_s!r}")
         self.start_timeout_s = float(start_timeout_s)
+        if not isinstance(metrics_interval_s, int | float) or metrics_interval_s <= 0:
+            raise ConfigError(f"metrics_interval_s must be a positive number of seconds, got {metrics_interval_s!r}")
+        self.metrics_interval_s = float(metrics_interval_s)
+        self._worker_metrics: dict[int, MetricsSnapshot] = {}
+        """Each worker's latest report (by its ``elapsed_s``: reports of concurrent calls may cross)."""
+        self._last_suspension = SuspendStats()
+        self._poller: asyncio.Future[None] | None = None
         self._workers: list[_Worker] = []
         self._started_ray = False
         self._started_at = time.perf_counter()
@@ -165,11 +169,19 @@ class RayRolloutPool:
                 actor = actor_class.options(**options).remote(data, self.sampling_params, self.engine_urls)
                 self._workers.append(_Worker(index, actor))
             await self._start_workers()
+            await self.refresh_metrics()
         except BaseException:
             await self._close()
             raise
         self._started_at = time.perf_counter()
+        self._poller = asyncio.ensure_future(self._poll_metrics())
         return self
+
+    async def _poll_metrics(self) -> None:
+        while True:
+            await asyncio.sleep(self.metrics_interval_s)
+            with contextlib.suppress(Exception):  # no worker left, or one died: the calls that need them say so
+                await self.refresh_metrics()
 
     async def _start_workers(self) -> None:
         starts = [worker.actor.start.remote() for worker in self._workers]
@@ -195,6 +207,11 @@ class RayRolloutPool:
         await self._close()
 
     async def _close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+            self._poller = None
         ray = self._ray
         live = [worker for worker in self._workers if worker.alive and worker.pid is not None]
         await asyncio.gather(*(worker.actor.stop.remote() for worker in live), return_exceptions=True)
@@ -216,31 +233,44 @@ class RayRolloutPool:
         """Run one sample on a worker; returns the finished sample."""
         return (await self.run_batch([sample], concurrency=1))[0]
 
-    async def run_batch(self, samples: Iterable[Sample], *, concurrency: int = 64) -> list[Sample]:
-        """Run samples over the workers (at most ``concurrency`` in flight on each); returns them in input order."""
-        batch = self._dispatch(list(samples), (), concurrency)
+    async def run_batch(
+        self, samples: Iterable[Sample], *, concurrency: int = 64, sample_ids: Sequence[str | None] = (),
+        seeds: Sequence[int | None] = (),
+    ) -> list[Sample]:
+        """Run samples over the workers (at most ``concurrency`` in flight on each); returns them in input order.
+        ``sample_ids`` and ``seeds`` name and seed them by position, as :meth:`RolloutRunner.run_batch
+        <fsm_rollout.runner.RolloutRunner.run_batch>` does."""
+        batch = self._dispatch(list(samples), sample_ids, seeds, concurrency)
         return await _in_order(batch)
 
-    def stream(self, samples: Iterable[Sample], *, concurrency: int = 64) -> AsyncIterator[Sample]:
+    def stream(
+        self, samples: Iterable[Sample], *, concurrency: int = 64, sample_ids: Sequence[str | None] = (),
+        seeds: Sequence[int | None] = (),
+    ) -> AsyncIterator[Sample]:
         """Yield samples as they finish (at most ``concurrency`` in flight on each worker). The samples are sent
         when this is called, so :meth:`abort` reaches them before the first is awaited."""
-        batch = self._dispatch(list(samples), (), concurrency)
+        batch = self._dispatch(list(samples), sample_ids, seeds, concurrency)
         return _as_finished(batch)
 
-    async def run_group(self, sample: Sample, n: int, *, concurrency: int | None = None) -> list[Sample]:
+    async def run_group(
+        self, sample: Sample, n: int, *, concurrency: int | None = None, seed: int | None = None
+    ) -> list[Sample]:
         """Run ``n`` copies of a sample (a GRPO group) over the workers, as :meth:`RolloutRunner.run_group
-        <fsm_rollout.runner.RolloutRunner.run_group>` makes them; returns them in member order."""
+        <fsm_rollout.runner.RolloutRunner.run_group>` makes and seeds them; returns them in member order."""
         copies, ids = group_members(sample, n)
-        return await _in_order(self._dispatch(copies, ids, concurrency or n))
+        seeds = group_seeds(seed, len(copies))
+        return await _in_order(self._dispatch(copies, ids, seeds, concurrency or n))
 
-    def _dispatch(self, samples: list[Sample], sample_ids: Sequence[str | None], concurrency: int) -> _Batch:
+    def _dispatch(
+        self, samples: list[Sample], sample_ids: Sequence[str | None], seeds: Sequence[int | None], concurrency: int
+    ) -> _Batch:
         if not self._workers:
             raise PoolError("use the RayRolloutPool as `async with RayRolloutPool(...) as pool:`")
         if isinstance(concurrency, bool) or not isinstance(concurrency, int) or concurrency < 1:
             raise ConfigError(f"expected a positive integer concurrency, got {concurrency!r}")
         live = self._live()
         self._batches += 1
-        batch = _Batch([sample.to_dict() for sample in samples], sample_ids, concurrency, self._batches)
+        batch = _Batch([sample.to_dict() for sample in samples], sample_ids, seeds, concurrency, self._batches)
         shares: dict[int, list[int]] = {}
         for position in range(len(samples)):
             worker = live[(self._next_worker + position) % len(live)]
@@ -254,12 +284,15 @@ class RayRolloutPool:
 
     async def _run_share(self, worker: _Worker, batch: _Batch, positions: list[int]) -> None:
         ids = [batch.sample_ids[p] if p < len(batch.sample_ids) else None for p in positions]
+        seeds = [batch.seeds[p] if p < len(batch.seeds) else None for p in positions]
         finished: set[int] = set()
         try:
-            call = worker.actor.run_batch.remote(batch.number, [batch.sent[p] for p in positions], ids,
+            call = worker.actor.run_batch.remote(batch.number, [batch.sent[p] for p in positions], ids, seeds,
                                                  batch.concurrency)  # fmt: skip
             async for ref in call:
-                for local, data in await ref:
+                done, metrics = await ref
+                self._note_metrics(worker, metrics)  # before the samples: a caller they wake sees them counted
+                for local, data in done:
                     finished.add(local)
                     batch.results.put_nowait((positions[local], Sample.from_dict(data)))
         except Exception as error:
@@ -299,9 +332,9 @@ class RayRolloutPool:
 
     # ------------------------------------------------------------------ every worker at once
 
-    async def _on_every_worker(self, method: str, *args: Any) -> list[Any]:
-        """Call ``method`` on every live worker; returns once each has answered (a worker that died meanwhile is
-        marked lost and left out)."""
+    async def _on_every_worker(self, method: str, *args: Any) -> list[tuple[_Worker, Any]]:
+        """Call ``method`` on every live worker; returns once each has answered, with each live worker's answer
+        (a worker that died meanwhile is marked lost and left out)."""
         live = self._live()
         answers = await asyncio.gather(*(getattr(w.actor, method).remote(*args) for w in live),
                                        return_exceptions=True)  # fmt: skip
@@ -312,22 +345,52 @@ class RayRolloutPool:
                     raise answer
                 self._lose(worker, answer)
             else:
-                results.append(answer)
+                results.append((worker, answer))
         return results
 
     async def abort(self, reason: str = "cancelled") -> None:
         """End every sample the pool has sent and not finished ``aborted`` with ``reason`` (samples not started
-        end without sending anything); when this returns, no request of those samples reaches a server."""
-        await self._on_every_worker("abort", reason, self._batches)
+        end without sending anything, reason ``not_started``); when this returns, no request of those samples
+        reaches a server."""
+        for worker, metrics in await self._on_every_worker("abort", reason, self._batches):
+            self._note_metrics(worker, metrics)
 
     async def suspend(self, reason: str = "weight_update") -> None:
         """Suspend every worker's rollouts (see :meth:`RolloutRunner.suspend
         <fsm_rollout.runner.RolloutRunner.suspend>`); returns once every worker has."""
-        await self._on_every_worker("suspend", reason)
+        self._note_suspension(await self._on_every_worker("suspend", reason))
 
     async def resume(self) -> None:
         """Resume every worker's suspended rollouts; returns once every worker has."""
-        await self._on_every_worker("resume")
+        self._note_suspension(await self._on_every_worker("resume"))
+
+    def _note_suspension(self, answers: list[tuple[_Worker, Any]]) -> None:
+        for worker, answer in answers:
+            self._note_metrics(worker, answer["metrics"])
+        self._last_suspension = combine_suspensions([SuspendStats(**answer["suspension"]) for _, answer in answers])
+
+    @property
+    def last_suspension(self) -> SuspendStats:
+        """What the last suspension and resume cost, over the workers: requests in flight and abort or pause
+        calls summed, times the slowest worker's."""
+        return self._last_suspension
+
+    def _note_metrics(self, worker: _Worker, data: Mapping[str, Any]) -> None:
+        snapshot = MetricsSnapshot(**data)
+        known = self._worker_metrics.get(worker.index)
+        if known is None or snapshot.elapsed_s >= known.elapsed_s:
+            self._worker_metrics[worker.index] = snapshot
+
+    async def refresh_metrics(self) -> PoolMetricsSnapshot:
+        """Ask every live worker for its metrics now; :meth:`metrics` with them."""
+        for worker, metrics in await self._on_every_worker("metrics"):
+            self._note_metrics(worker, metrics)
+        return self.metrics()
+
+    @property
+    def in_flight(self) -> int:
+        """Samples whose rollout has started on a worker and not ended, as the workers last reported."""
+        return self.metrics().in_flight
 
     @asynccontextmanager
     async def weight_update(self, version: str | None = None) -> AsyncIterator[None]:
@@ -341,64 +404,13 @@ class RayRolloutPool:
         finally:
             await self.resume()
 
-    async def metrics(self) -> PoolMetricsSnapshot:
-        """The live workers' metrics summed (see :class:`PoolMetricsSnapshot`)."""
-        snapshots = [MetricsSnapshot(**data) for data in await self._on_every_worker("metrics")]
+    def metrics(self) -> PoolMetricsSnapshot:
+        """The live workers' metrics as they last reported them, summed (see :class:`PoolMetricsSnapshot`)."""
+        known = self._worker_metrics
+        snapshots = [known[worker.index] for worker in self._workers if worker.alive and worker.index in known]
         return combine_metrics(snapshots, elapsed_s=time.perf_counter() - self._started_at,
                                failed_in_pool=self._failed_here,
                                workers_lost=sum(not w.alive for w in self._workers))  # fmt: skip
-
-
-def combine_metrics(
-    snapshots: Sequence[MetricsSnapshot],
-    *,
-    elapsed_s: float,
-    failed_in_pool: Mapping[str, int] | None = None,
-    workers_lost: int = 0,
-) -> PoolMetricsSnapshot:
-    """Workers' snapshots as one: counts summed, mean dwell times weighted by how often each state was left,
-    rates over ``elapsed_s``; ``failed_in_pool`` (reason → samples) are the samples the pool ended ``failed``
-    itself."""
-    occupancy: Counter[str] = Counter()
-    statuses: Counter[str] = Counter()
-    reasons: Counter[str] = Counter()
-    dwell_total: Counter[str] = Counter()
-    dwell_counts: Counter[str] = Counter()
-    for snapshot in snapshots:
-        occupancy.update(snapshot.occupancy)
-        statuses.update(snapshot.statuses)
-        reasons.update(snapshot.reasons)
-        dwell_counts.update(snapshot.dwell_counts)
-        for state, mean in snapshot.dwell_ms_mean.items():
-            dwell_total[state] += mean * snapshot.dwell_counts.get(state, 0)  # type: ignore[assignment]
-    failed_here = sum((failed_in_pool or {}).values())
-    if failed_here:
-        statuses["failed"] += failed_here
-        reasons.update(failed_in_pool or {})
-    elapsed = max(elapsed_s, 1e-9)
-    done = sum(s.samples_done for s in snapshots) + failed_here
-    turns = sum(s.turns for s in snapshots)
-    tokens = sum(s.tokens_generated for s in snapshots)
-    return PoolMetricsSnapshot(
-        occupancy=dict(occupancy),
-        in_flight=sum(occupancy.values()),
-        dwell_ms_mean={state: dwell_total[state] / n for state, n in dwell_counts.items() if n},
-        statuses=dict(statuses),
-        reasons=dict(reasons),
-        samples_done=done,
-        turns=turns,
-        tokens_generated=tokens,
-        elapsed_s=elapsed,
-        samples_per_s=done / elapsed,
-        turns_per_s=turns / elapsed,
-        tokens_per_s=tokens / elapsed,
-        suspended=sum(s.suspended for s in snapshots),
-        suspensions=sum(s.suspensions for s in snapshots),
-        dwell_counts=dict(dwell_counts),
-        workers_alive=len(snapshots),
-        workers_lost=workers_lost,
-        per_worker=tuple(snapshots),
-    )
 
 
 async def _in_order(batch: _Batch) -> list[Sample]:
@@ -444,4 +456,5 @@ __all__ = [
     "RayRolloutPool",
     "WorkerStatus",
     "combine_metrics",
+    "combine_suspensions",
 ]

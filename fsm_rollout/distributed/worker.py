@@ -14,43 +14,31 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fsm_rollout.config import RetryPolicy, RolloutConfig
+from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import ConfigError
 from fsm_rollout.runner import RolloutRunner
 from fsm_rollout.sample import Sample
 
 Finished = tuple[int, dict[str, Any]]
 """A finished sample as a worker sends it back: its position in the call's batch and ``Sample.to_dict()``."""
+Report = tuple[list[Finished], dict[str, Any]]
+"""What a worker sends as samples finish: the finished samples and its metrics right after them."""
 
 
 def config_to_data(config: RolloutConfig) -> dict[str, Any]:
-    """``config`` as plain data for another process; refuses what only the trainer's process can hold."""
+    """``config`` as plain data for another process (:meth:`RolloutConfig.to_dict`, with the API key); refuses
+    what only the trainer's process can hold."""
     if config.reward_fn is not None:
         raise ConfigError(
             "RolloutConfig.reward_fn is a callable, which does not cross to Ray workers: set rewards in the "
             "environment (env_path) or on the samples the pool returns"
         )
-    data: dict[str, Any] = {}
-    for item in dataclasses.fields(config):
-        value = getattr(config, item.name)
-        if isinstance(value, RetryPolicy):
-            value = {**dataclasses.asdict(value), "retry_statuses": sorted(value.retry_statuses)}
-        elif isinstance(value, Path):
-            value = str(value)
-        elif isinstance(value, Mapping):
-            value = dict(value)
-        data[item.name] = value
-    return data
+    return config.to_dict(include_api_key=True)
 
 
 def config_from_data(data: Mapping[str, Any]) -> RolloutConfig:
-    """The config :func:`config_to_data` wrote."""
-    values = dict(data)
-    retry = values.pop("retry", None)
-    if retry is not None:
-        values["retry"] = RetryPolicy(**{**retry, "retry_statuses": frozenset(retry["retry_statuses"])})
-    values["servers_behind_router"] = tuple(values.get("servers_behind_router") or ())
-    return RolloutConfig(**values)
+    """The config :func:`config_to_data` wrote (:meth:`RolloutConfig.from_dict`)."""
+    return RolloutConfig.from_dict(data)
 
 
 def worker_trace_path(trace: str | None, index: int) -> str | None:
@@ -99,15 +87,16 @@ class RolloutWorker:
             await runner.__aexit__(None, None, None)
 
     async def run_batch(
-        self, number: int, samples: Sequence[Mapping[str, Any]], sample_ids: Sequence[str | None], concurrency: int
-    ) -> AsyncIterator[list[Finished]]:
-        """Run the samples (``Sample.to_dict()`` data), at most ``concurrency`` at once; yields lists of finished
-        ones as they finish (every sample that finished since the last yield, so a busy worker sends few
-        messages)."""
+        self, number: int, samples: Sequence[Mapping[str, Any]], sample_ids: Sequence[str | None],
+        seeds: Sequence[int | None], concurrency: int,
+    ) -> AsyncIterator[Report]:
+        """Run the samples (``Sample.to_dict()`` data), at most ``concurrency`` at once, named and seeded by
+        position; yields the finished ones as they finish (every sample that finished since the last yield, so a
+        busy worker sends few messages), each time with the worker's metrics (:meth:`metrics`)."""
         records = [Sample.from_dict(data) for data in samples]
         # the runner returns the very objects it was given: their identity tells each one's position
         positions = {id(sample): position for position, sample in enumerate(records)}
-        stream = self.runner.stream(records, concurrency=concurrency, sample_ids=sample_ids)
+        stream = self.runner.stream(records, concurrency=concurrency, sample_ids=sample_ids, seeds=seeds)
         if number <= self._aborted_through:
             await self.runner.abort(self._abort_reason)
         finished: list[Finished] = []
@@ -131,22 +120,28 @@ class RolloutWorker:
                 ready.clear()
                 if finished:
                     batch, finished[:] = list(finished), []
-                    yield batch
+                    yield batch, self.metrics()
             await collector  # raises what the collector raised
         finally:
             collector.cancel()
 
-    async def abort(self, reason: str, through: int) -> None:
-        """End every unfinished sample of batches up to ``through`` ``aborted`` with ``reason``."""
+    async def abort(self, reason: str, through: int) -> dict[str, Any]:
+        """End every unfinished sample of batches up to ``through`` ``aborted`` with ``reason``; the metrics
+        after."""
         if through > self._aborted_through:
             self._aborted_through, self._abort_reason = through, reason
         await self.runner.abort(reason)
+        return self.metrics()
 
-    async def suspend(self, reason: str) -> None:
+    async def suspend(self, reason: str) -> dict[str, Any]:
+        """Suspend the runner's rollouts; what it cost (``SuspendStats`` as a dict) and the metrics after."""
         await self.runner.suspend(reason)
+        return {"suspension": dataclasses.asdict(self.runner.last_suspension), "metrics": self.metrics()}
 
-    async def resume(self) -> None:
+    async def resume(self) -> dict[str, Any]:
+        """Resume them; as :meth:`suspend` answers."""
         await self.runner.resume()
+        return {"suspension": dataclasses.asdict(self.runner.last_suspension), "metrics": self.metrics()}
 
     async def set_weight_version(self, version: str) -> None:
         await self.runner.suspender.set_weight_version(version)

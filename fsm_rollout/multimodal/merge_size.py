@@ -47,17 +47,18 @@ def checkpoint_merge_size(path: str | os.PathLike[str]) -> int | None:
     return _positive_int(config.get("merge_size")) if isinstance(config, dict) else None
 
 
-def load_image_processor(path: str) -> Any:
+def load_image_processor(path: str, *, trust_remote_code: bool = False) -> Any:
     """An object with the checkpoint's image ``merge_size``, for when its full processor cannot be loaded.
 
     Qwen2-VL's ``AutoProcessor`` also builds a video processor that needs torchvision; its image processor does
     not. Tried in order: ``AutoImageProcessor``, then ``merge_size`` from a local ``preprocessor_config.json``
     (as a :class:`CheckpointImageConfig`). None when neither exists, as for a text-only checkpoint.
+    ``trust_remote_code`` lets an image processor that ships Python code run it.
     """
     try:
         from transformers import AutoImageProcessor
 
-        return AutoImageProcessor.from_pretrained(path, trust_remote_code=True)  # type: ignore[no-untyped-call]
+        return AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)  # type: ignore[no-untyped-call]
     except Exception:  # any failure (missing files, backends, remote code): the config file is read next
         pass
     merge_size = checkpoint_merge_size(path)

@@ -358,17 +358,9 @@ def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:
     }
 
 
-_UNRECORDED_CONFIG_FIELDS = frozenset({"retry", "api_key", "reward_fn"})  # no request replayed; secrets, code stay out
-
-
 def config_to_json(config: RolloutConfig) -> dict[str, Any]:
-    """The config's fields as JSON, without the retry policy and the API key."""
-    values: dict[str, Any] = {}
-    for item in dataclasses.fields(config):
-        if item.name not in _UNRECORDED_CONFIG_FIELDS:
-            value = getattr(config, item.name)
-            values[item.name] = jsonable(str(value) if isinstance(value, Path) else value)
-    return values
+    """The config as the tape records it: :meth:`RolloutConfig.to_dict` (no API key, no ``reward_fn``)."""
+    return {key: jsonable(value) for key, value in config.to_dict().items()}
 
 
 def preview(value: Any, limit: int = 120) -> str:

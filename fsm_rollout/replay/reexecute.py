@@ -366,20 +366,18 @@ class _ComparingHooks(RolloutHooks):
             replay.stop(dataclasses.replace(found, context=replay.token_context_now()), here=False)
 
 
-_RENAMED_CONFIG_FIELDS = {"defer_full_gc": "tune_gc"}  # tapes recorded before a rename replay as they were
 _NOT_REPLAYED_CONFIG_FIELDS = frozenset({"trace", "record"})
 
 
 def config_from(recorded: Mapping[str, Any]) -> tuple[RolloutConfig, list[str]]:
-    """The recorded config as today's :class:`RolloutConfig`, and the recorded fields unknown today.
+    """The recorded config as today's :class:`RolloutConfig` (:meth:`RolloutConfig.from_dict`: fields recorded
+    under a former name read under today's), and the recorded fields unknown today, which are left out.
 
     The collector is never tuned: it is the whole process's, and the rollout's behaviour does not depend on it.
     """
-    known = {item.name for item in dataclasses.fields(RolloutConfig)}
-    recorded = {_RENAMED_CONFIG_FIELDS.get(key, key): value for key, value in recorded.items()}
-    values = {key: value for key, value in recorded.items() if key in known and key not in _NOT_REPLAYED_CONFIG_FIELDS}
+    values = {key: value for key, value in recorded.items() if key not in _NOT_REPLAYED_CONFIG_FIELDS}
     values["tune_gc"] = False
-    return RolloutConfig(**values), sorted(set(recorded) - known)
+    return RolloutConfig.from_dict(values, ignore_unknown=True), RolloutConfig.unknown_keys(recorded)
 
 
 def _processor_for(merge_size: int | None) -> Any:

@@ -71,7 +71,7 @@ def load_recorded_tokenizer(records: Sequence[TapeSample], explicit: str | Path 
 
     Raises :class:`~fsm_rollout.recording.RecordingFormatError` naming every candidate that failed.
     """
-    from fsm_rollout.runner import load_tokenizer
+    from fsm_rollout.tokenizers import load_tokenizer  # remote code stays off: a tape is data from elsewhere
 
     candidates = [str(explicit)] if explicit is not None else _tokenizer_candidates(records)
     failures = []

@@ -407,3 +407,18 @@ async def test_run_against_a_keyed_serve_without_the_right_key_exits_2_clearly(
     assert one_error_line(stderr).endswith("Unauthorized; the API key was refused: check --api-key (or $VLLM_API_KEY)")
     assert wrong not in stdout + stderr
     assert names_in(tmp_path) == []
+
+
+async def test_ctrl_c_counts_finished_aborted_mid_way_and_never_started_and_says_which_never_started(
+    fake_vllm: FakeVLLMServer, tmp_path: Path
+) -> None:
+    fake_vllm.script([ScriptedTurn(text="never", hang=True)])
+    data = dataset(tmp_path / "d.jsonl", *(done_after_one_turn(f"q{i}") for i in range(3)))
+    code, stdout, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--concurrency", "1",
+                                         interrupt_after=1)  # fmt: skip
+    assert code == 130, stderr
+    rows = results(tmp_path)
+    assert [(row["status"], row["metadata"]["rollout_reason"]) for row in rows] == [
+        ("aborted", "cancelled"), ("aborted", "not_started"), ("aborted", "not_started")]
+    assert "0/3 samples finished" in stdout
+    assert "1 aborted mid-way, 2 never started" in stdout

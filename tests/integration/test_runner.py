@@ -196,11 +196,13 @@ async def test_abort_ends_running_and_queued_samples_and_nothing_is_sent_after(
         assert len(fake_vllm.requests) == sent
         snapshot = runner.metrics()
     assert [sample.status for sample in done] == [Status.ABORTED] * 6
-    assert {sample.metadata["rollout_reason"] for sample in done} == {"weight_update"}
+    # the three in flight end with the abort's reason; the three that waited for a slot say they never started
+    assert [sample.metadata["rollout_reason"] for sample in done] == ["weight_update"] * 3 + ["not_started"] * 3
+    assert all(sample.response == "" and sample.response_length == 0 for sample in done[3:])
     counts = Counter(request.path for request in fake_vllm.requests)
     assert counts == {RENDER_PATH: 3, GENERATE_PATH: 3, ABORT_PATH: 3}
-    assert snapshot.in_flight == 0
-    assert snapshot.reasons == {"weight_update": 6}
+    assert snapshot.in_flight == 0 and snapshot.queued == 0
+    assert snapshot.reasons == {"weight_update": 3, "not_started": 3}
 
 
 async def test_cancelling_a_batch_aborts_its_samples_as_cancelled(fake_vllm: FakeVLLMServer, tokenizer: Any) -> None:

@@ -56,7 +56,7 @@ async def test_a_killed_worker_fails_its_samples_worker_lost_with_their_data_and
                 server.script([ScriptedTurn(text=f"again {i}")], session=f"again{i}")
             again = await pool.run_batch(samples("again", 4))
             assert [sample.response for sample in again] == [f"again {i}" for i in range(4)]
-            metrics = await pool.metrics()
+            metrics = pool.metrics()
             assert (metrics.workers_alive, metrics.workers_lost) == (1, 1)
             assert metrics.reasons.get(WORKER_LOST) == 2
     assert ray_cluster.is_initialized()

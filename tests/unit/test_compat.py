@@ -132,3 +132,41 @@ def test_closing_clients_every_step_registers_one_shutdown_hook_per_loop() -> No
         return len(loop_shutdown._PENDING.get(loop, {}))
 
     assert asyncio.run(steps()) == 1
+
+
+def test_the_seed_compat_path_keeps_trusting_the_checkpoint_code_as_the_seed_trainer_does(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import transformers
+
+    seen: list[tuple[str, bool]] = []
+
+    def recording(kind: str) -> Any:
+        def from_pretrained(path: str, **options: Any) -> Any:
+            seen.append((kind, options.get("trust_remote_code", False)))
+            if kind == "processor":
+                raise ImportError("needs torchvision")
+            return object()
+        return from_pretrained
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recording("tokenizer"))
+    monkeypatch.setattr(transformers.AutoProcessor, "from_pretrained", recording("processor"))
+    monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained", recording("image processor"))
+    monkeypatch.setattr(compat, "_TOKENIZERS", {})
+    compat._load_tokenizer_and_processor(str(tmp_path))
+    assert seen == [("tokenizer", True), ("processor", True), ("image processor", True)]
+
+
+def test_the_image_processor_runs_its_own_code_only_when_asked(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import transformers
+
+    from fsm_rollout.multimodal import load_image_processor
+
+    seen: list[bool] = []
+    monkeypatch.setattr(transformers.AutoImageProcessor, "from_pretrained",
+                        lambda path, **options: seen.append(options["trust_remote_code"]) or object())  # fmt: skip
+    load_image_processor(str(tmp_path))
+    load_image_processor(str(tmp_path), trust_remote_code=True)
+    assert seen == [False, True]

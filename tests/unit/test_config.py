@@ -178,3 +178,97 @@ def test_retry_delays_grow_and_stay_bounded() -> None:
     assert all(0 <= policy.delay(10) <= 0.3 for _ in range(50))
     with pytest.raises(ConfigError):
         RetryPolicy(max_attempts=0)
+
+
+# ---------------------------------------------------------------------------------------------------- to_dict
+
+
+def every_field_set() -> RolloutConfig:
+    """A config whose every field differs from its default (so a field the round trip drops shows)."""
+    from pathlib import Path
+
+    from fsm_rollout.config import RetryPolicy
+
+    return config(
+        tokenizer_path="/tok", rollout_max_context_len=99, partial_rollout=True, router_policy="consistent_hash",
+        apply_chat_template_kwargs={"enable_thinking": False}, use_rollout_routing_replay=True, num_layers=2,
+        moe_router_topk=3, append_eos_token_after_stop_str_in_multi_turn=False, track_speculative_stats=True,
+        env_path="my.env", connect_timeout_s=3.0, request_timeout_s=30.0, abort_notice_timeout_s=2.0,
+        retry=RetryPolicy(max_attempts=7, base_delay_s=0.5, max_delay_s=9.0, retry_statuses=frozenset({503})),
+        trace=Path("/tmp/t.jsonl"), record=True, check_invariants=True, image_placeholder_token="<img>",
+        image_merge_size=2, loop_slice_ms=4.0, tune_gc=True, api_key="secret", weight_update_strategy="keep",
+        env_executor="thread", env_max_workers=3, env_step_timeout_s=5.0, rollout_timeout_s=50.0,
+        servers_behind_router=("http://a:1", "http://b:2"), trust_remote_code=True,
+    )
+
+
+def test_every_field_but_the_reward_function_round_trips_through_to_dict() -> None:
+    import dataclasses
+
+    import orjson
+
+    original = every_field_set()
+    defaults = config()
+    unset = [item.name for item in dataclasses.fields(RolloutConfig)
+             if item.name not in ("engine_url", "model", "max_turns", "reward_fn")
+             and getattr(original, item.name) == getattr(defaults, item.name)]  # fmt: skip
+    assert unset == []  # a new field must be set in every_field_set() too
+    data = original.to_dict(include_api_key=True)
+    assert orjson.loads(orjson.dumps(data)) == data  # plain JSON
+    back = RolloutConfig.from_dict(orjson.loads(orjson.dumps(data)))
+    assert back == dataclasses.replace(original, trace="/tmp/t.jsonl")  # a path comes back as its text
+
+
+def test_to_dict_leaves_out_the_api_key_unless_asked_and_never_holds_the_reward_function() -> None:
+    original = dataclasses_replace_reward(every_field_set())
+    assert "api_key" not in original.to_dict()
+    assert "secret" not in str(original.to_dict())
+    assert original.to_dict(include_api_key=True)["api_key"] == "secret"
+    assert "reward_fn" not in original.to_dict(include_api_key=True)
+
+
+def dataclasses_replace_reward(value: RolloutConfig) -> RolloutConfig:
+    import dataclasses
+
+    return dataclasses.replace(value, reward_fn=lambda sample: 1.0)
+
+
+def test_from_dict_refuses_a_key_that_is_no_field_and_names_it() -> None:
+    data = config().to_dict()
+    with pytest.raises(ConfigError, match=r"no field\(s\) 'max_turn'.*max_turns"):
+        RolloutConfig.from_dict({**data, "max_turn": 3})
+    with pytest.raises(ConfigError, match="mapping"):
+        RolloutConfig.from_dict([("model", "m")])  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="retry"):
+        RolloutConfig.from_dict({**data, "retry": {"attempts": 2}})
+
+
+def test_from_dict_reads_former_field_names_and_can_leave_unknown_keys_out() -> None:
+    data = {**config().to_dict(), "defer_full_gc": True}
+    del data["tune_gc"]
+    assert RolloutConfig.from_dict(data).tune_gc is True
+    future = {**data, "from_the_future": 1}
+    assert RolloutConfig.unknown_keys(future) == ["from_the_future"]
+    assert RolloutConfig.from_dict(future, ignore_unknown=True).tune_gc is True
+
+
+def test_the_ray_worker_the_tape_and_replay_read_and_write_the_config_through_to_dict() -> None:
+    from fsm_rollout.distributed.worker import config_from_data, config_to_data
+    from fsm_rollout.recording.format import config_to_json
+    from fsm_rollout.replay.reexecute import config_from
+
+    original = every_field_set()
+    assert config_to_data(original) == original.to_dict(include_api_key=True)
+    assert config_from_data(config_to_data(original)) == RolloutConfig.from_dict(config_to_data(original))
+    assert config_to_json(original) == original.to_dict()
+    replayed, unknown = config_from(config_to_json(original))
+    assert unknown == []
+    assert replayed.retry == original.retry and replayed.trust_remote_code is True
+    with pytest.raises(ConfigError, match="no field"):
+        config_from_data({**config_to_data(original), "surprise": 1})
+
+
+def test_trust_remote_code_is_off_by_default_and_must_be_a_bool() -> None:
+    assert config().trust_remote_code is False
+    with pytest.raises(ConfigError, match="trust_remote_code"):
+        config(trust_remote_code="yes")

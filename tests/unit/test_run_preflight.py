@@ -17,7 +17,8 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, bool]]:
     """Every from_pretrained call as (source, local_only); nothing is in the cache."""
     calls: list[tuple[str, bool]] = []
 
-    def from_pretrained(source: str, *, local_only: bool) -> Any:
+    def from_pretrained(source: str, *, local_only: bool, trust_remote_code: bool) -> Any:
+        assert trust_remote_code is False  # never unless asked
         calls.append((source, local_only))
         if local_only and not Path(source).is_dir():
             raise OSError("not in the cache\nmore lines")
@@ -108,3 +109,31 @@ def test_the_api_key_defaults_from_the_environment_and_is_redacted(monkeypatch: 
     monkeypatch.setenv("VLLM_API_KEY", "")
     assert preflight.api_key(Namespace(api_key=None)) is None
     assert preflight.redacted("key from-env echoed", "from-env") == "key *** echoed"
+
+
+@pytest.mark.parametrize("trusted", [False, True])
+def test_a_tokenizer_runs_its_own_code_only_with_trust_remote_code(
+    monkeypatch: pytest.MonkeyPatch, trusted: bool
+) -> None:
+    import transformers
+
+    seen: list[dict[str, Any]] = []
+
+    def from_pretrained(source: str, **options: Any) -> str:
+        seen.append(options)
+        return "tokenizer"
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
+    options = {"trust_remote_code": True} if trusted else {}
+    assert load_run_tokenizer(str(qwen_tokenizer_dir()), named_by="--tokenizer", **options) == "tokenizer"
+    assert seen == [{"trust_remote_code": trusted, "local_files_only": True}]
+
+
+def test_the_run_command_passes_trust_remote_code_to_the_config_only_when_given() -> None:
+    from fsm_rollout.cli import build_parser
+    from fsm_rollout.cli.run import build_config
+
+    parser = build_parser()
+    for flags, expected in (([], False), (["--trust-remote-code"], True)):
+        args = parser.parse_args(["run", *flags])
+        assert build_config(args, "http://127.0.0.1:1", "m", None, None).trust_remote_code is expected

@@ -1,0 +1,94 @@
+"""Where a runner's tokenizer comes from: ``RolloutConfig.tokenizer_path``, else what the engine names.
+
+Without ``tokenizer_path`` the engine is asked (``GET /v1/models``): the tokenizer directory it names (the embedded
+engine does), else the path it loaded the model from (vLLM's ``root``), else the served model name. Those are
+loaded from local files only, a directory or the Hugging Face cache: they name the engine's files, and a hub that
+does not answer would otherwise be retried for a minute before transformers raises an error that names no option.
+When none loads, :class:`~fsm_rollout.errors.TokenizerNotFoundError` names ``tokenizer_path`` and every place
+tried.
+
+``trust_remote_code`` is passed through as the config says (off unless asked for): a tokenizer that ships Python
+code runs it only when the user chose to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fsm_rollout.config import RolloutConfig
+from fsm_rollout.errors import RolloutError, TokenizerNotFoundError
+
+
+def load_tokenizer(path: str, *, trust_remote_code: bool = False, local_files_only: bool = False) -> Any:
+    """Load a Hugging Face tokenizer from a local directory or model name (imports transformers lazily).
+
+    Blocking (file reads, maybe a download unless ``local_files_only``): call it in a worker thread.
+    """
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(
+        path, trust_remote_code=trust_remote_code, local_files_only=local_files_only
+    )
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """Where to load a runner's tokenizer from, in order, and why there (for the error message)."""
+
+    candidates: tuple[str, ...]
+    local_only: bool
+    note: str = ""
+    """What the engine said or why it said nothing, when the candidates came from asking it."""
+
+    def load(self, *, model: str, trust_remote_code: bool) -> Any:
+        """The first candidate that loads; blocking (call it in a worker thread)."""
+        if not self.local_only:
+            return load_tokenizer(self.candidates[0], trust_remote_code=trust_remote_code)
+        failures = []
+        for candidate in self.candidates:
+            try:
+                return load_tokenizer(candidate, trust_remote_code=trust_remote_code, local_files_only=True)
+            except Exception as error:  # transformers raises OSError, ValueError, ... for a place without one
+                failures.append(f"{candidate!r} ({type(error).__name__}: {_first_line(str(error))})")
+        raise TokenizerNotFoundError(
+            f"no local tokenizer found for model {model!r}: tried {'; '.join(failures)}{self.note}. Set "
+            "RolloutConfig.tokenizer_path to a tokenizer directory (the Hugging Face hub is not asked without it)"
+        )
+
+
+async def tokenizer_source(config: RolloutConfig, engine_url: str) -> TokenizerSource:
+    """Where the runner's tokenizer is: ``config.tokenizer_path``, else what ``engine_url`` names for
+    ``config.model`` (see the module docstring)."""
+    if config.tokenizer_path:
+        return TokenizerSource((config.tokenizer_path,), local_only=False)
+    from fsm_rollout.engine.probe import probe_engine
+
+    try:
+        served = await probe_engine(engine_url, api_key=config.api_key, timeout_s=config.connect_timeout_s)
+    except RolloutError as error:  # down, refusing, or an odd list: the model name may still be a local path
+        why = f" (the engine at {engine_url} did not list its models: {_first_line(str(error))})"
+        return TokenizerSource((config.model,), local_only=True, note=why)
+    card = next((item for item in served or () if item.name == config.model), None)
+    if card is None:
+        listed = "lists no models endpoint" if served is None else f"does not list {config.model!r}"
+        return TokenizerSource((config.model,), local_only=True, note=f" (the engine at {engine_url} {listed})")
+    return TokenizerSource(_unique([card.tokenizer, card.root, config.model]), local_only=True,
+                           note=f" (from the engine at {engine_url})")  # fmt: skip
+
+
+def _unique(values: Sequence[str | None]) -> tuple[str, ...]:
+    seen: list[str] = []
+    for value in values:
+        if value and value not in seen:
+            seen.append(value)
+    return tuple(seen)
+
+
+def _first_line(text: str, limit: int = 160) -> str:
+    line = next((part.strip() for part in text.splitlines() if part.strip()), "")
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+__all__ = ["TokenizerSource", "load_tokenizer", "tokenizer_source"]
