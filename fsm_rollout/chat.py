@@ -1,4 +1,5 @@
-"""Observation boundary tokens (the dummy-prefix method) and the rule for the masked EOS after a stop string.
+"""Internal: observation boundary tokens (the dummy-prefix method) and the rule for the masked EOS after a stop
+string.
 
 The canonical token history of a sample is what vLLM rendered and generated; it is never re-rendered. To append an
 observation, only the *boundary* is encoded: the tokens that close the assistant turn, add the observation turn and
