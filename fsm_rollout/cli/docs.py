@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
 import textwrap
 from pathlib import Path
 
@@ -170,12 +171,22 @@ LAYOUT_WIDTH = 120
 _LAYOUT_NAME_COLUMN = 26
 
 
+_ROLE = re.compile(r":\w+:`(~?)([^`]+)`")
+
+
+def _plain(text: str) -> str:
+    """reST markup as plain text: ``:class:`~a.B``` reads ``B``, ``:mod:`a.b``` reads ``a.b``, literals lose their
+    double backquotes."""
+    text = _ROLE.sub(lambda role: role[2].rsplit(".", 1)[-1] if role[1] else role[2], text)
+    return text.replace("``", "")
+
+
 def module_summary(path: Path) -> str:
-    """The first sentence of a module's docstring (its first paragraph up to the first ``. ``), on one line."""
+    """The first sentence of a module's docstring (its first paragraph up to the first ``. ``), on one line, plain."""
     docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
     paragraph = " ".join(docstring.split("\n\n", 1)[0].split())
     end = paragraph.find(". ")
-    return (paragraph[: end + 1] if end >= 0 else paragraph).strip()
+    return _plain(paragraph[: end + 1] if end >= 0 else paragraph).strip()
 
 
 def _layout_entries(directory: Path, depth: int, max_depth: int | None) -> list[tuple[str, int, str]]:
