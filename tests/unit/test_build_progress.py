@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import io
+from pathlib import Path
+from typing import Any
+
+import pytest
 
 from fsm_rollout.cli.build_progress import BuildProgressLine, render_build_progress
 from fsm_rollout.engine.local.default_model import BuildProgress
@@ -58,3 +62,29 @@ def test_a_stream_that_is_not_a_terminal_gets_plain_lines() -> None:
     for report in reports(3):
         draw(report)
     assert "\r" not in stream.getvalue() and len(stream.getvalue().splitlines()) == 4
+
+
+def test_fsm_rollout_run_draws_the_build_progress_on_stderr(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fsm_rollout.cli import main
+    from fsm_rollout.engine.local import default_model
+    from fsm_rollout.engine.local.errors import ModelLoadError
+
+    def build(cache: Path | None = None, *, log: Any = None, progress: Any = None, **_: Any) -> Path:
+        log("training the default model once")
+        for report in reports(3):
+            progress(report)
+        raise ModelLoadError("stopped after the build's reports")
+
+    monkeypatch.setattr(default_model, "default_model_dir", build)
+    assert main(["run", "--limit", "1", "--out", str(tmp_path / "r.jsonl")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-6:] == [
+        "training the default model once",
+        "training the default model: step 0/3 (0%), 0:05 elapsed, starting",
+        "training the default model: step 1/3 (33%), loss 3.000, 0:06 elapsed, about 0:02 left",
+        "training the default model: step 2/3 (66%), loss 1.500, 0:07 elapsed, about 0:01 left",
+        "training the default model: step 3/3 (100%), loss 1.000, 0:08 elapsed, done",
+        "error: stopped after the build's reports",
+    ]
