@@ -88,3 +88,23 @@ def test_fsm_rollout_run_draws_the_build_progress_on_stderr(
         "training the default model: step 3/3 (100%), loss 1.000, 0:08 elapsed, done",
         "error: stopped after the build's reports",
     ]
+
+
+def test_fsm_rollout_serve_draws_the_build_progress_on_stderr(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fsm_rollout.cli import main
+    from fsm_rollout.engine.local import default_model
+    from fsm_rollout.engine.local.errors import ModelLoadError
+
+    def build(cache: Path | None = None, *, log: Any = None, progress: Any = None, **_: Any) -> Path:
+        for report in reports(2):
+            progress(report)
+        raise ModelLoadError("stopped after the build's reports")
+
+    monkeypatch.setattr(default_model, "default_model_dir", build)
+    assert main(["serve", "--port", "0"]) == 1
+    assert capsys.readouterr().err.splitlines()[-2:] == [
+        "training the default model: step 2/2 (100%), loss 1.500, 0:07 elapsed, done",
+        "fsm-rollout serve: stopped after the build's reports",
+    ]
