@@ -1,4 +1,5 @@
-"""Observation boundary tokens (the dummy-prefix method) and the rule for the masked EOS after a stop string.
+"""Internal: observation boundary tokens (the dummy-prefix method) and the rule for the masked EOS after a stop
+string.
 
 The canonical token history of a sample is what vLLM rendered and generated; it is never re-rendered. To append an
 observation, only the *boundary* is encoded: the tokens that close the assistant turn, add the observation turn and
@@ -29,7 +30,38 @@ import orjson
 
 from fsm_rollout.errors import ImageObservationError, ObservationError, TemplateError, TemplateNotPrefixStable
 from fsm_rollout.multimodal import is_image_part
+from fsm_rollout.parity import (
+    OBSERVATIONS_KEY,
+    ParityReport,
+    check_template_parity,
+    record_observation,
+    template_token_ids,
+)
+from fsm_rollout.sample import Sample
 from fsm_rollout.types import TokenIds
+
+__all__ = [
+    "BOUNDARY_CACHE_SIZE",
+    "DUMMY_MESSAGES",
+    "DUMMY_PREFIXES",
+    "OBSERVATIONS_KEY",
+    "PROBE_OBSERVATIONS",
+    "PROBE_QUESTION",
+    "PROBE_TURNS",
+    "TOOL_DUMMY_MESSAGES",
+    "TOOL_SHAPE",
+    "USER_SHAPE",
+    "Observation",
+    "ObservationEncoder",
+    "observation_shape",
+    "probe_conversation",
+    "record_observation",
+    "stop_string_eos_due",
+    "template_identity",
+    "template_token_ids",
+    "validate_observation",
+    "validate_text_observation",
+]
 
 BOUNDARY_CACHE_SIZE = 4096
 """Observation boundaries kept per encoder (least recently used ones are dropped)."""
@@ -58,12 +90,6 @@ TOOL_SHAPE: Final = "tool"
 DUMMY_PREFIXES: Mapping[str, tuple[dict[str, Any], ...]] = {USER_SHAPE: DUMMY_MESSAGES, TOOL_SHAPE: TOOL_DUMMY_MESSAGES}
 """The dummy prefix of each observation shape."""
 
-OBSERVATIONS_KEY: Final = "observations"
-"""``sample.metadata`` key of the observation records: ``{"start", "end", "messages"}`` per appended observation,
-``start``/``end`` being response-side token offsets (half-open) and ``messages`` what ``format_observation``
-returned, as a list."""
-
-
 def observation_shape(messages: Sequence[Mapping[str, Any]]) -> str:
     """The shape of an observation: ``"tool"`` when its first message is a ``tool`` message, else ``"user"``."""
     return TOOL_SHAPE if messages and messages[0].get("role") == "tool" else USER_SHAPE
@@ -80,17 +106,6 @@ def template_identity(tokenizer: Any) -> str:
     else:
         return f"{name} (no chat_template attribute)"
     return f"{name} (chat template sha256:{hashlib.sha256(text.encode()).hexdigest()[:12]})"
-
-
-def template_token_ids(value: Any, *, what: str) -> TokenIds:
-    """Token ids from ``apply_chat_template(tokenize=True)``: a flat int list, or a mapping with ``input_ids``."""
-    if isinstance(value, Mapping) or hasattr(value, "keys"):
-        value = value.get("input_ids")
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    if not isinstance(value, list) or not all(type(token) is int for token in value):
-        raise TemplateError(f"{what}: apply_chat_template must return a flat list of integer token ids")
-    return value
 
 
 def validate_text_observation(message: Any) -> dict[str, Any]:
@@ -150,17 +165,6 @@ def validate_observation(observation: Any) -> list[dict[str, Any]]:
         except ObservationError as error:  # same class, the item named
             raise type(error)(f"observation message [{index}]: {error}") from None
     return messages
-
-
-def record_observation(
-    metadata: dict[str, Any], messages: Sequence[Mapping[str, Any]], *, start: int, end: int
-) -> None:
-    """Note in a sample's metadata that response tokens ``[start, end)`` are the observation ``messages``.
-
-    The list is replaced rather than appended to, so a list shared with the caller's metadata is not changed.
-    """
-    record = {"start": start, "end": end, "messages": [dict(message) for message in messages]}
-    metadata[OBSERVATIONS_KEY] = [*metadata.get(OBSERVATIONS_KEY, ()), record]
 
 
 Observation = Mapping[str, Any] | Sequence[Mapping[str, Any]]
@@ -280,8 +284,8 @@ class ObservationEncoder:
         For each shape (default: ``user``, and ``tool`` too when ``tools`` are given) this encodes a sample
         observation, which checks that shape's dummy prefix, then rebuilds a short made-up conversation of that
         shape (assistant turns with ``<think>`` blocks, two observations) the way a rollout appends it and
-        compares it with the template's rendering of the whole conversation
-        (:func:`fsm_rollout.parity.check_template_parity`). A template that renders earlier turns differently
+        compares it with the template's rendering of the whole conversation (:func:`probe_conversation`, with
+        :func:`fsm_rollout.parity.check_template_parity`). A template that renders earlier turns differently
         once more follows (one that drops the ``<think>`` blocks of earlier assistant turns, say) fails here
         with :class:`~fsm_rollout.errors.TemplateNotPrefixStable` naming the template and the first differing
         token, instead of at the first observation or silently in training data. Other template failures are
@@ -290,8 +294,6 @@ class ObservationEncoder:
         Passing (tools, template kwargs, shapes) combinations are remembered (the most recently used
         ``BOUNDARY_CACHE_SIZE`` of them), so calling this once per sample costs a lookup after the first.
         """
-        from fsm_rollout.parity import probe_conversation  # parity builds on this module
-
         kwargs = dict(template_kwargs or {})
         chosen = tuple(shapes) if shapes is not None else (USER_SHAPE, TOOL_SHAPE) if tools else (USER_SHAPE,)
         unknown = [shape for shape in chosen if shape not in DUMMY_PREFIXES]
@@ -344,3 +346,62 @@ def stop_string_eos_due(
     if not text.endswith(stop_strings):
         return False
     return not (token_ids and token_ids[-1] == eos_token_id)
+
+
+# ---------------------------------------------------------------------------------------------------- the probe
+
+PROBE_QUESTION = "What is six times seven?"
+PROBE_TURNS: Mapping[str, str] = {
+    "user": "<think>\nSix sevens are forty-two.\n</think>\n\nThe answer is 42.",
+    "tool": (
+        "<think>\nI will check both products with the tool.\n</think>\n\n"
+        '<tool_call>\n{"name": "calc", "arguments": {"expression": "6*7"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "calc", "arguments": {"expression": "7*6"}}\n</tool_call>'
+    ),
+}
+"""The made-up assistant turns of the probe: a ``<think>`` block first, as reasoning models write them."""
+PROBE_OBSERVATIONS: Mapping[str, tuple[dict[str, Any], ...]] = {
+    "user": ({"role": "user", "content": "Are you sure?"},),
+    "tool": (
+        {"role": "tool", "content": "42", "tool_call_id": "call_0", "name": "calc"},
+        {"role": "tool", "content": "42", "tool_call_id": "call_1", "name": "calc"},
+    ),
+}
+"""The probe's observation of each shape (two consecutive tool results, so grouping templates group them)."""
+
+
+def probe_conversation(
+    encoder: ObservationEncoder,
+    shape: str,
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    template_kwargs: Mapping[str, Any] | None = None,
+) -> ParityReport:
+    """Build a made-up sample as a rollout would (prompt, turn, observation, turn, observation, turn) with
+    ``encoder`` and check its template parity. Needs ``tokenizer.encode`` (the turns' tokens are their text
+    encoded, as a model that writes canonical tokens would produce them)."""
+    tokenizer = encoder.tokenizer
+    kwargs = dict(template_kwargs or {})
+    observation = [dict(message) for message in PROBE_OBSERVATIONS[shape]]
+    encoder.encode(observation, ends_with_eos=True, tools=tools, template_kwargs=kwargs)  # the prefix check
+    eos = encoder.eos_token_id
+    assert eos is not None  # encode raised otherwise
+    prompt = [
+        {"role": "system", "content": "You are a helpful assistant."},
+        {"role": "user", "content": PROBE_QUESTION},
+    ]
+    sample = Sample(prompt=prompt, metadata={"tools": list(tools)} if tools else {})
+    sample.tokens = template_token_ids(
+        tokenizer.apply_chat_template(prompt, tools=tools, tokenize=True, add_generation_prompt=True, **kwargs),
+        what="probe prompt",
+    )
+    turn = [*tokenizer.encode(PROBE_TURNS[shape], add_special_tokens=False), eos]
+    for number in range(3):
+        sample.append_response_tokens(turn, [0.0] * len(turn), trainable=True)
+        if number == 2:
+            break
+        boundary = encoder.encode(observation, ends_with_eos=True, tools=tools, template_kwargs=kwargs)
+        start = sample.response_length
+        sample.append_response_tokens(boundary, trainable=False)
+        record_observation(sample.metadata, observation, start=start, end=sample.response_length)
+    return check_template_parity(sample, tokenizer, tools=tools, template_kwargs=kwargs)

@@ -25,8 +25,8 @@ Writing files (the checked-in diagrams, the README's generated sections, an over
 ``transitions``' ``GraphMachine`` is not used at all: its output depends on which optional packages are installed,
 and it restyles a graph on every transition.
 
-The module is longer than the others (drawing, overlays and their labels together) because Mermaid and DOT share
-the label and usage texts, and splitting them would leave each half reaching into the other.
+Why this module is long: drawing, overlays and their labels sit together because Mermaid and DOT share the label
+and usage texts, and splitting them would leave each half reaching into the other.
 """
 
 from __future__ import annotations

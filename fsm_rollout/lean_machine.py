@@ -1,4 +1,5 @@
-"""A lean ``transitions.Machine`` for the lifecycle, fenced to the ``transitions`` versions it was checked against.
+"""Internal: a lean ``transitions.Machine`` for the lifecycle, fenced to the ``transitions`` versions it was
+checked against.
 
 The classes here replace a few methods of ``transitions.core`` with copies that skip the library's per-step debug
 and info logging, the calls for empty callback lists and the name resolution of callbacks. Being copies of private

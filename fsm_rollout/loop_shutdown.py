@@ -1,4 +1,5 @@
-"""Run a coroutine when an event loop shuts down, for resources that belong to one loop (aiohttp sessions).
+"""Internal: run a coroutine when an event loop shuts down, for resources that belong to one loop (aiohttp
+sessions).
 
 :func:`at_loop_shutdown` arranges for ``await callback()`` inside the running loop when that loop shuts down its
 async generators, which ``asyncio.run``, ``asyncio.Runner`` and pytest-asyncio do before closing it. A loop that

@@ -1,4 +1,5 @@
-"""Pacing: how much rollout work one event-loop iteration may run, so thousands of samples share a loop smoothly.
+"""Internal: pacing, how much rollout work one event-loop iteration may run, so thousands of samples share a
+loop smoothly.
 
 asyncio runs every callback that is ready in one loop iteration. When 10,000 samples' answers arrive together,
 every one of them would process its turn (parse, decode, step the environment, encode the observation, send the

@@ -22,6 +22,11 @@ assistant turn, the rendering may go on past the sample's last token (the templa
 by the length limit has no EOS in the sample). Runs of the image placeholder token compare as one unit: the
 local template writes one placeholder per image where vLLM's render expanded it to the image's token count.
 
+This module also holds what a sample records of its observations (:data:`OBSERVATIONS_KEY`,
+:func:`record_observation`) and the token ids a template renders (:func:`template_token_ids`): the observation
+encoder (:mod:`fsm_rollout.chat`) writes them and builds its start-up probe on the check, so it imports this module,
+never the other way round.
+
 A difference inside an assistant turn can also mean the model's tokens were not the canonical tokenization of
 their text (re-encoding the decoded text gives other ids); the report names the segment the difference is in.
 """
@@ -30,27 +35,53 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Final, Literal
 
-from fsm_rollout.chat import OBSERVATIONS_KEY, record_observation, template_token_ids
-from fsm_rollout.errors import ParityInputError
+from fsm_rollout.errors import ParityInputError, TemplateError
 from fsm_rollout.multimodal import IMAGE_PAD_TOKEN, build_initial_messages, image_pad_token_id, prepare_render_messages
 from fsm_rollout.sample import Sample
-
-if TYPE_CHECKING:
-    from fsm_rollout.chat import ObservationEncoder
+from fsm_rollout.types import TokenIds
 
 __all__ = [
+    "OBSERVATIONS_KEY",
     "Conversation",
     "ParityReport",
     "Segment",
     "check_template_parity",
-    "probe_conversation",
     "rebuild_conversation",
+    "record_observation",
+    "template_token_ids",
 ]
 
 CONTEXT_TOKENS = 12
 """Tokens decoded on each side of a difference."""
+
+OBSERVATIONS_KEY: Final = "observations"
+"""``sample.metadata`` key of the observation records: ``{"start", "end", "messages"}`` per appended observation,
+``start``/``end`` being response-side token offsets (half-open) and ``messages`` what ``format_observation``
+returned, as a list."""
+
+
+def template_token_ids(value: Any, *, what: str) -> TokenIds:
+    """Token ids from ``apply_chat_template(tokenize=True)``: a flat int list, or a mapping with ``input_ids``."""
+    if isinstance(value, Mapping) or hasattr(value, "keys"):
+        value = value.get("input_ids")
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    if not isinstance(value, list) or not all(type(token) is int for token in value):
+        raise TemplateError(f"{what}: apply_chat_template must return a flat list of integer token ids")
+    return value
+
+
+def record_observation(
+    metadata: dict[str, Any], messages: Sequence[Mapping[str, Any]], *, start: int, end: int
+) -> None:
+    """Note in a sample's metadata that response tokens ``[start, end)`` are the observation ``messages``.
+
+    The list is replaced rather than appended to, so a list shared with the caller's metadata is not changed.
+    """
+    record = {"start": start, "end": end, "messages": [dict(message) for message in messages]}
+    metadata[OBSERVATIONS_KEY] = [*metadata.get(OBSERVATIONS_KEY, ()), record]
 
 
 @dataclass(frozen=True, slots=True)
@@ -287,62 +318,3 @@ def _first_difference(tokens: Sequence[int], rendered: Sequence[int], pad: int |
     if i == len(tokens) and j == len(rendered):
         return None
     return i, j
-
-
-# ---------------------------------------------------------------------------------------------------- the probe
-
-PROBE_QUESTION = "What is six times seven?"
-PROBE_TURNS: Mapping[str, str] = {
-    "user": "<think>\nSix sevens are forty-two.\n</think>\n\nThe answer is 42.",
-    "tool": (
-        "<think>\nI will check both products with the tool.\n</think>\n\n"
-        '<tool_call>\n{"name": "calc", "arguments": {"expression": "6*7"}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "calc", "arguments": {"expression": "7*6"}}\n</tool_call>'
-    ),
-}
-"""The made-up assistant turns of the probe: a ``<think>`` block first, as reasoning models write them."""
-PROBE_OBSERVATIONS: Mapping[str, tuple[dict[str, Any], ...]] = {
-    "user": ({"role": "user", "content": "Are you sure?"},),
-    "tool": (
-        {"role": "tool", "content": "42", "tool_call_id": "call_0", "name": "calc"},
-        {"role": "tool", "content": "42", "tool_call_id": "call_1", "name": "calc"},
-    ),
-}
-"""The probe's observation of each shape (two consecutive tool results, so grouping templates group them)."""
-
-
-def probe_conversation(
-    encoder: ObservationEncoder,
-    shape: str,
-    *,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    template_kwargs: Mapping[str, Any] | None = None,
-) -> ParityReport:
-    """Build a made-up sample as a rollout would (prompt, turn, observation, turn, observation, turn) with
-    ``encoder`` and check its template parity. Needs ``tokenizer.encode`` (the turns' tokens are their text
-    encoded, as a model that writes canonical tokens would produce them)."""
-    tokenizer = encoder.tokenizer
-    kwargs = dict(template_kwargs or {})
-    observation = [dict(message) for message in PROBE_OBSERVATIONS[shape]]
-    encoder.encode(observation, ends_with_eos=True, tools=tools, template_kwargs=kwargs)  # the prefix check
-    eos = encoder.eos_token_id
-    assert eos is not None  # encode raised otherwise
-    prompt = [
-        {"role": "system", "content": "You are a helpful assistant."},
-        {"role": "user", "content": PROBE_QUESTION},
-    ]
-    sample = Sample(prompt=prompt, metadata={"tools": list(tools)} if tools else {})
-    sample.tokens = template_token_ids(
-        tokenizer.apply_chat_template(prompt, tools=tools, tokenize=True, add_generation_prompt=True, **kwargs),
-        what="probe prompt",
-    )
-    turn = [*tokenizer.encode(PROBE_TURNS[shape], add_special_tokens=False), eos]
-    for number in range(3):
-        sample.append_response_tokens(turn, [0.0] * len(turn), trainable=True)
-        if number == 2:
-            break
-        boundary = encoder.encode(observation, ends_with_eos=True, tools=tools, template_kwargs=kwargs)
-        start = sample.response_length
-        sample.append_response_tokens(boundary, trainable=False)
-        record_observation(sample.metadata, observation, start=start, end=sample.response_length)
-    return check_template_parity(sample, tokenizer, tools=tools, template_kwargs=kwargs)

@@ -1,4 +1,5 @@
-"""One turn generated in several requests: the partial turn a suspension keeps, and the continuation merged onto it.
+"""Internal: one turn generated in several requests, the partial turn a suspension keeps, and the continuation
+merged onto it.
 
 When a rollout is suspended mid-turn, the engine answers the aborted request with the tokens it produced so far.
 Those are kept; the continuation request carries them as part of its prompt and asks only for the remaining budget.

@@ -4,6 +4,9 @@ Library modules hold no argument parsing: everything that reads command-line arg
 :mod:`fsm_rollout.cli`. A subcommand module exposes ``add_arguments(parser)`` and ``main(args) -> int``; it must
 import cheaply (no torch or transformers at import time), since every subcommand module is imported to build the
 parser.
+
+Its modules are internal: the interface is the ``fsm-rollout`` command and :func:`main`; the modules behind
+the subcommands may be renamed or split.
 """
 
 from __future__ import annotations

@@ -6,11 +6,11 @@ The command writes three files from :mod:`fsm_rollout.lifecycle` with :mod:`fsm_
 ``lifecycle.dot``  the Graphviz source;
 ``lifecycle.svg``  ``dot -Tsvg`` of that source.
 
-and rewrites the README's generated sections (:data:`README_SECTIONS`: the lifecycle diagram, the lifecycle table
-and the command-line reference), each between its own ``BEGIN GENERATED`` and ``END GENERATED`` marker lines.
-Which README: ``--readme PATH``, or else the README.md of the fsm-rollout checkout the command runs in (the working
-directory or one above it); outside a checkout no README is touched, since a library installed elsewhere has no
-business writing one.
+and rewrites the README's generated sections (:data:`README_SECTIONS`: the lifecycle diagram, the lifecycle table,
+the command-line reference and the layout map), each between its own ``BEGIN GENERATED`` and ``END GENERATED``
+marker lines. Which README: ``--readme PATH``, or else the README.md of the fsm-rollout checkout the command runs
+in (the working directory or one above it); outside a checkout no README is touched, since a library installed
+elsewhere has no business writing one.
 
 Staleness: the Mermaid text, the DOT text and the README sections are compared byte for byte, but an SVG's bytes
 depend on the graphviz version and the installed fonts. So an SVG counts as up to date when the DOT hash it records
@@ -60,9 +60,9 @@ OVERLAY_FORMATS = (".mmd", ".dot", ".gv", ".svg")
 EPILOG = """\
 Without --trace it writes lifecycle.mmd, lifecycle.dot and lifecycle.svg from the table in
 fsm_rollout/lifecycle.py (the SVG needs Graphviz's `dot`, and only when it is out of date), and the README's
-generated sections: the lifecycle diagram, the lifecycle table and this command-line reference. The README is the
-one of the fsm-rollout checkout the command runs in, or --readme PATH; outside a checkout no README is touched.
---check writes nothing and exits 1 when anything is stale.
+generated sections: the lifecycle diagram, the lifecycle table, this command-line reference and the layout map.
+The README is the one of the fsm-rollout checkout the command runs in, or --readme PATH; outside a checkout no
+README is touched. --check writes nothing and exits 1 when anything is stale.
 
 With --trace TRACE -o FILE it draws one recorded run on the lifecycle instead: each edge with the transitions that
 took it and the share of samples that did, each state with the samples that entered it and the median of their
@@ -104,6 +104,7 @@ README_SECTIONS: tuple[ReadmeSection, ...] = (
     ReadmeSection("lifecycle diagram", lambda: readme_block(mermaid()), required=True),
     ReadmeSection("lifecycle table", lambda: "\n" + docs.lifecycle_table()),
     ReadmeSection("command line", lambda: "\n" + docs.command_line()),
+    ReadmeSection("layout", lambda: "\n" + docs.layout_map()),
 )
 README_BEGIN = README_SECTIONS[0].begin
 README_END = README_SECTIONS[0].end

@@ -1,14 +1,19 @@
-"""The README's generated reference texts: the lifecycle table and the command-line synopsis, in Markdown.
+"""The README's generated reference texts: the lifecycle table, the command-line synopsis and the layout map.
 
-Both are made from what the code runs (the transition table in :mod:`fsm_rollout.lifecycle`, the parsers of
-:mod:`fsm_rollout.cli`), and ``fsm-rollout diagram`` writes them between their README markers, so the README
-cannot describe a table or an option that is not there. The output depends on nothing but the code (not on the
-terminal width or the Python version's help layout), so a check on another machine compares equal.
+All are made from what the code runs (the transition table in :mod:`fsm_rollout.lifecycle`, the parsers of
+:mod:`fsm_rollout.cli`, the package's modules and their docstrings), and ``fsm-rollout diagram`` writes them between
+their README markers, so the README cannot describe a table, an option or a module that is not there. The output
+depends on nothing but the code (not on the terminal width or the Python version's help layout), so a check on
+another machine compares equal.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
+import re
+import textwrap
+from pathlib import Path
 
 from fsm_rollout import lifecycle
 from fsm_rollout.diagrams import catch_all_groups
@@ -156,3 +161,59 @@ def command_line() -> str:
             block += ["", parser.epilog]
         blocks.append("\n".join(block))
     return "\n\n".join(blocks) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------- layout map
+
+LAYOUT_WIDTH = 120
+"""Where the layout map's descriptions wrap."""
+
+_LAYOUT_NAME_COLUMN = 26
+
+
+_ROLE = re.compile(r":\w+:`(~?)([^`]+)`")
+
+
+def _plain(text: str) -> str:
+    """reST markup as plain text: ``:class:`~a.B``` reads ``B``, ``:mod:`a.b``` reads ``a.b``, literals lose their
+    double backquotes."""
+    text = _ROLE.sub(lambda role: role[2].rsplit(".", 1)[-1] if role[1] else role[2], text)
+    return text.replace("``", "")
+
+
+def module_summary(path: Path) -> str:
+    """The first sentence of a module's docstring (its first paragraph up to the first ``. ``), on one line, plain."""
+    docstring = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8"))) or ""
+    paragraph = " ".join(docstring.split("\n\n", 1)[0].split())
+    end = paragraph.find(". ")
+    return _plain(paragraph[: end + 1] if end >= 0 else paragraph).strip()
+
+
+def _layout_entries(directory: Path, depth: int, max_depth: int | None) -> list[tuple[str, int, str]]:
+    entries: list[tuple[str, int, str]] = []
+    for child in sorted(directory.iterdir(), key=lambda item: (item.is_dir(), item.name)):
+        if child.is_dir() and (child / "__init__.py").is_file():
+            entries.append((child.name + "/", depth, module_summary(child / "__init__.py")))
+            if max_depth is None or depth < max_depth:
+                entries += _layout_entries(child, depth + 1, max_depth)
+        elif child.suffix == ".py" and child.name != "__init__.py":
+            entries.append((child.name, depth, module_summary(child)))
+    return entries
+
+
+def layout_map(max_depth: int | None = 0) -> str:
+    """The package's layout, one entry per module and package with the first sentence of its docstring, in a fenced
+    block: modules first, then packages, each alphabetical. ``max_depth`` 0 lists what lies directly in
+    ``fsm_rollout/`` (the README's map); None lists every module at every depth."""
+    import fsm_rollout
+
+    root = Path(fsm_rollout.__file__).parent
+    lines = ["```", "fsm_rollout/"]
+    for name, depth, summary in _layout_entries(root, 0, max_depth):
+        label = "  " * (depth + 1) + name
+        indent = " " * max(_LAYOUT_NAME_COLUMN, len(label) + 1)
+        wrapped = textwrap.wrap(summary, LAYOUT_WIDTH - len(indent), break_on_hyphens=False) or [""]
+        lines.append((label.ljust(len(indent)) + wrapped[0]).rstrip())
+        lines += [indent + more for more in wrapped[1:]]
+    lines.append("```")
+    return "\n".join(lines) + "\n"

@@ -170,10 +170,18 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[list[str], En
             api_key=api_key(args),
         )
         return
+    from fsm_rollout.cli.build_progress import BuildProgressLine
     from fsm_rollout.engine.local import LocalEngine
+    from fsm_rollout.engine.local.default_model import DEFAULT_MODEL_NAME, default_model_dir
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
 
     print("starting the embedded CPU engine ...", file=sys.stderr)
-    async with LocalEngine(log=lambda line: print(line, file=sys.stderr, flush=True)) as engine:
+    # built here, not inside the engine, so that a first run's training shows its progress line
+    progress = None if args.quiet else BuildProgressLine(sys.stderr)
+    model_dir = await asyncio.to_thread(default_model_dir, log=say, progress=progress)
+    async with LocalEngine(model_dir, served_model_name=DEFAULT_MODEL_NAME, log=say) as engine:
         if args.model and args.model != engine.served_model_name:
             raise PreflightError(f"--model {args.model!r}: the embedded engine serves {engine.served_model_name!r}")
         tokenizer, named_by = ((args.tokenizer, "--tokenizer") if args.tokenizer

@@ -75,9 +75,19 @@ async def _serve(args: argparse.Namespace) -> int:
         loop.add_signal_handler(signum, stop.set)
     started = time.perf_counter()
     try:
+        model, served = args.model, args.served_model_name
+        if model is None:  # built here so that a first start shows the training's progress line
+            from fsm_rollout.cli.build_progress import BuildProgressLine
+            from fsm_rollout.engine.local.default_model import DEFAULT_MODEL_NAME, default_model_dir
+
+            model = await asyncio.to_thread(
+                default_model_dir, log=lambda line: print(line, file=sys.stderr, flush=True),
+                progress=BuildProgressLine(sys.stderr),
+            )  # fmt: skip
+            served = served or DEFAULT_MODEL_NAME
         engine = LocalEngine(
-            args.model,
-            served_model_name=args.served_model_name,
+            model,
+            served_model_name=served,
             max_model_len=args.max_model_len,
             host=args.host,
             port=args.port,

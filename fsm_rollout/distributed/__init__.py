@@ -2,6 +2,8 @@
 instances as Ray actors (the optional extra ``fsm-rollout[ray]``).
 
 Importing this package imports no Ray; the pool imports it when it starts.
+
+Its modules are internal: import the pool and its helpers from this package.
 """
 
 from fsm_rollout.distributed.pool import (

@@ -20,6 +20,8 @@ The rules, with the seed's fragile spots made strict:
 * Only content hashes of the images (:attr:`RenderMessages.image_hashes`) are meant for traces, never the images.
 
 Every public name of the submodules is importable from here.
+
+Its modules are internal: import from this package.
 """
 
 from fsm_rollout.multimodal.features import (

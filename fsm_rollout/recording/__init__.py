@@ -10,6 +10,8 @@ its record is handed to a :class:`TapeWriter`, which writes it beside the transi
 * :mod:`~fsm_rollout.recording.writer`: the writer;
 * :mod:`~fsm_rollout.recording.recorder`: the recording transport, environment wrapper and hooks;
 * :mod:`~fsm_rollout.recording.reader`: the reader.
+
+Its modules are internal: import from this package.
 """
 
 from fsm_rollout.recording.format import (

@@ -24,6 +24,8 @@ The parts:
 
 :func:`replay` returns a :class:`ReplayReport`; ``fsm-rollout replay`` prints it and exits 0 (all identical),
 1 (a divergence, an illegal, unfinished or damaged path, or unreadable lines) or 2 (unusable input).
+
+Its modules are internal: import from this package.
 """
 
 from fsm_rollout.replay.compare import Divergence, DivergenceKind, Outcome, TextContext

@@ -13,6 +13,8 @@ The parts: :mod:`~fsm_rollout.sample.record` (``Sample``), :mod:`~fsm_rollout.sa
 statistics), :mod:`~fsm_rollout.sample.append_inputs` (what an append receives, checked) and
 :mod:`~fsm_rollout.sample.serialise` (``to_dict``/``from_dict`` values). Their public names are importable from
 here.
+
+Its modules are internal: import from this package (or :mod:`fsm_rollout`).
 """
 
 from fsm_rollout.sample.append_inputs import FloatsLike, IntsLike

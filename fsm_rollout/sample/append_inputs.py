@@ -6,7 +6,7 @@ from __future__ import annotations
 import numbers
 from collections.abc import Sequence
 from itertools import pairwise
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias
+from typing import Any, Protocol, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -14,8 +14,16 @@ import numpy.typing as npt
 from fsm_rollout.errors import RoutingReplayError, SampleAppendError
 from fsm_rollout.types import TokenIds, TurnMeta
 
-if TYPE_CHECKING:
-    from fsm_rollout.sample.record import Sample
+
+class Named(Protocol):
+    """What an error message needs of the sample it is about (a :class:`~fsm_rollout.sample.Sample`; this module
+    builds the sample's inputs and so does not import it)."""
+
+    @property
+    def index(self) -> int | None: ...
+
+    @property
+    def session_id(self) -> str | None: ...
 
 
 class _SupportsToList(Protocol):
@@ -31,12 +39,12 @@ FloatsLike: TypeAlias = Sequence[float] | _SupportsToList
 """Logprobs as a list, tuple, 1-D numpy array or 1-D tensor."""
 
 
-def describe(sample: Sample) -> str:
+def describe(sample: Named) -> str:
     """How error messages name a sample."""
     return f"sample index={sample.index} session_id={sample.session_id}"
 
 
-def int_list(values: Any, what: str, sample: Sample) -> list[int]:
+def int_list(values: Any, what: str, sample: Named) -> list[int]:
     """``values`` as a flat list of Python ints, or ``SampleAppendError`` saying what was wrong."""
     if type(values) is list and all(type(item) is int for item in values):
         return list(values)  # the common case, without ABC isinstance checks per token
@@ -49,7 +57,7 @@ def int_list(values: Any, what: str, sample: Sample) -> list[int]:
     return [int(item) for item in items]
 
 
-def float_list(values: Any, what: str, sample: Sample) -> list[float]:
+def float_list(values: Any, what: str, sample: Named) -> list[float]:
     """``values`` as a flat list of Python floats, or ``SampleAppendError`` saying what was wrong."""
     if type(values) is list and all(type(item) is float for item in values):
         return list(values)
@@ -62,7 +70,7 @@ def float_list(values: Any, what: str, sample: Sample) -> list[float]:
     return [float(item) for item in items]
 
 
-def _flat_items(values: Any, what: str, sample: Sample) -> list[Any]:
+def _flat_items(values: Any, what: str, sample: Named) -> list[Any]:
     if hasattr(values, "tolist"):
         values = values.tolist()
     if isinstance(values, str | bytes) or not isinstance(values, Sequence):
@@ -78,7 +86,7 @@ def _flat_items(values: Any, what: str, sample: Sample) -> list[Any]:
     return items
 
 
-def top_p_spans(meta: TurnMeta, new_count: int, sample: Sample) -> tuple[TokenIds, list[int]] | None:
+def top_p_spans(meta: TurnMeta, new_count: int, sample: Named) -> tuple[TokenIds, list[int]] | None:
     """The meta's top-p ids and offsets for ``new_count`` tokens, checked; None when the meta has none."""
     raw_ids, raw_offsets = meta.top_p_token_ids, meta.top_p_token_offsets
     if raw_ids is None and raw_offsets is None:
@@ -111,7 +119,7 @@ def top_p_spans(meta: TurnMeta, new_count: int, sample: Sample) -> tuple[TokenId
 
 
 def routed_experts_array(
-    raw: Any, expert_dims: tuple[int, int] | None, rows: int, sample: Sample
+    raw: Any, expert_dims: tuple[int, int] | None, rows: int, sample: Named
 ) -> npt.NDArray[np.int32] | None:
     """The turn's routing as int32 ``(rows, num_layers, topk)``; None when absent or its shape is unknown."""
     if raw is None or expert_dims is None:

@@ -5,27 +5,33 @@ from __future__ import annotations
 
 import json
 import pathlib
+import shutil
 from collections import Counter
 from typing import Any
 
 import pytest
 
 from fsm_rollout import RolloutConfig, RolloutRunner
+from fsm_rollout.data.default_model_data import training_conversations
+from fsm_rollout.data.figures import FIGURE_SIZE
 from fsm_rollout.data.practice import practice_samples
 from fsm_rollout.engine.local import LocalEngine
 from fsm_rollout.engine.local import default_model as default_model_module
+from fsm_rollout.engine.local.cache import cache_dir
 from fsm_rollout.engine.local.default_model import (
     DEFAULT_MODEL_NAME,
     RECIPE,
+    BuildProgress,
     Conversation,
+    TrainingData,
     default_model_dir,
     encode_conversations,
+    read_training_data,
     recipe_key,
-    training_conversations,
+    train_model_dir,
 )
 from fsm_rollout.engine.local.tiny import BUILD_MARKER, TINY_MODEL_NAME
 from fsm_rollout.envs.geo3k import CORRECT_FEEDBACK, INCORRECT_FEEDBACK
-from fsm_rollout.testing.tokenizer import cache_dir
 
 SAMPLING = {"max_new_tokens": 192, "temperature": 1.0, "top_p": 1.0, "stop": ["</tool_call>"], "no_stop_trim": True,
             "seed": 17}  # fmt: skip
@@ -59,8 +65,31 @@ def test_a_build_in_a_fresh_cache_has_the_same_weights_and_reuse_trains_nothing(
 
 def test_the_cache_key_follows_the_recipe(monkeypatch: pytest.MonkeyPatch) -> None:
     key = recipe_key()
+    shipped = read_training_data()
+    fewer = TrainingData(shipped.conversations[:-1], shipped.figure_size)
+    assert recipe_key(fewer) != key  # and the data
     monkeypatch.setitem(RECIPE, "steps", RECIPE["steps"] + 1)
     assert recipe_key() != key
+
+
+def test_a_build_reports_each_step_with_its_loss_and_the_time_left(tmp_path: pathlib.Path) -> None:
+    shutil.copytree(default_model_module.tiny_model_dir(), tmp_path / TINY_MODEL_NAME)  # only the training runs
+    shipped = read_training_data()
+    data = TrainingData(shipped.conversations[:8], shipped.figure_size)
+    reports: list[BuildProgress] = []
+    built = train_model_dir(tmp_path, "small", data, {**RECIPE, "steps": 5, "warmup_steps": 1}, progress=reports.append)
+
+    assert [report.step for report in reports] == [0, 1, 2, 3, 4, 5]  # training starts, then every step
+    assert {report.steps for report in reports} == {5}
+    assert reports[0].loss is None and all(report.loss is not None and report.loss > 0 for report in reports[1:])
+    first, last = reports[1].loss, reports[-1].loss
+    assert first is not None and last is not None
+    assert (round(first, 4), round(last, 4)) == (marker(built)["loss_first"], marker(built)["loss_last"])
+    elapsed = [report.elapsed_s for report in reports]
+    assert elapsed == sorted(elapsed)
+    assert reports[0].remaining_s is None and reports[-1].remaining_s == 0
+    assert all(report.remaining_s is not None and report.remaining_s >= 0 for report in reports[1:])
+    assert [entry.name for entry in tmp_path.iterdir() if entry.name.startswith(".")] == []  # no inputs left behind
 
 
 def test_conversations_are_graded_by_the_environment_and_end_as_a_rollout_would() -> None:
@@ -87,7 +116,7 @@ async def test_training_prompts_are_the_tokens_a_rollout_sends() -> None:
             rolled = await runner.run_batch(samples)
             tokenizer = runner.tokenizer
     examples = encode_conversations(
-        [Conversation(str(sample.prompt), "-", str(sample.label), ("x",), ()) for sample in rolled], tokenizer
+        TrainingData(tuple(Conversation(str(sample.prompt), ("x",), ()) for sample in rolled), FIGURE_SIZE), tokenizer
     )
     for sample, example in zip(rolled, examples, strict=True):
         prompt = sample.tokens[: len(sample.tokens) - sample.response_length]

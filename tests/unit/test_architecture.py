@@ -1,49 +1,63 @@
-"""The package's layout rules, checked on its source: no import cycle, seams instead of subclasses, and no module
-writing another object's private attributes."""
+"""The package's layout rules, checked on its source: no import cycle (counting every import), seams instead of
+subclasses, no module writing another object's private attributes, no long module without a stated reason, and a
+README layout map generated from the tree."""
 
 from __future__ import annotations
 
 import ast
+import re
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 import fsm_rollout
+from fsm_rollout.cli import diagram as diagram_cli
+from fsm_rollout.cli import docs
 
 PACKAGE = Path(fsm_rollout.__file__).parent
+README = PACKAGE.parent / "README.md"
+
+LONG_MODULE_LINES = 500
+LONG_MODULE_REASON = "Why this module is long:"
 
 
-def modules() -> dict[str, Path]:
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
     found: dict[str, Path] = {}
-    for path in PACKAGE.rglob("*.py"):
-        parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(package.parent).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         found[".".join(parts)] = path
     return found
 
 
-def import_time_imports(tree: ast.Module) -> Iterator[tuple[str, str | None]]:
-    """``(module, name)`` of every import that runs when the module is imported (not those under TYPE_CHECKING or
-    inside functions)."""
-    for node in tree.body:
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            continue
-        for sub in ast.walk(node) if isinstance(node, ast.If | ast.Try) else [node]:
-            if isinstance(sub, ast.Import):
-                for alias in sub.names:
-                    yield alias.name, None
-            elif isinstance(sub, ast.ImportFrom) and sub.module and sub.level == 0:
-                for alias in sub.names:
-                    yield sub.module, alias.name
+def every_import(name: str, path: Path) -> Iterator[tuple[str, str | None]]:
+    """``(module, name)`` of every import statement in the module, wherever it is: at the top, under
+    ``TYPE_CHECKING``, inside functions; relative imports resolved against ``name``."""
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, None
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                module = ".".join([*base, node.module] if node.module else base)
+            else:
+                module = node.module or ""
+            for alias in node.names:
+                yield module, alias.name
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module → the package modules importing it runs, including the packages on the way (``a.b.c`` runs ``a.b``)."""
-    known = modules()
+def import_graph(package: Path = PACKAGE) -> dict[str, set[str]]:
+    """Module → the package modules its imports name, including the packages on the way (``a.b.c`` runs ``a.b``)
+    except its own ancestors (which are always initialised first)."""
+    known = modules(package)
     graph: dict[str, set[str]] = {}
     for name, path in known.items():
         edges: set[str] = set()
-        for module, attr in import_time_imports(ast.parse(path.read_text())):
+        for module, attr in every_import(name, path):
             target = f"{module}.{attr}" if attr and f"{module}.{attr}" in known else module
             if target not in known:
                 continue
@@ -56,37 +70,111 @@ def import_graph() -> dict[str, set[str]]:
     return graph
 
 
-def test_the_package_has_no_import_cycle() -> None:
-    graph = import_graph()
-    state: dict[str, int] = {}
-    path: list[str] = []
-    cycles: list[list[str]] = []
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected groups of more than one module (each one or more cycles), sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[list[str]] = []
 
-    def visit(node: str) -> None:
-        state[node] = 1
-        path.append(node)
+    def connect(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
         for successor in sorted(graph[node]):
-            if state.get(successor) == 1:
-                cycles.append([*path[path.index(successor):], successor])
-            elif successor not in state:
-                visit(successor)
-        path.pop()
-        state[node] = 2
+            if successor not in index:
+                connect(successor)
+                low[node] = min(low[node], low[successor])
+            elif successor in stack:
+                low[node] = min(low[node], index[successor])
+        if low[node] == index[node]:
+            group = []
+            while True:
+                member = stack.pop()
+                group.append(member)
+                if member == node:
+                    break
+            if len(group) > 1:
+                groups.append(sorted(group))
 
     for node in sorted(graph):
-        if node not in state:
-            visit(node)
+        if node not in index:
+            connect(node)
+    return sorted(groups)
+
+
+def test_the_package_has_no_import_cycle_counting_every_import() -> None:
+    graph = import_graph()
+    cycles = [
+        {member: sorted(graph[member] & set(group)) for member in group} for group in import_cycles(graph)
+    ]
     assert cycles == []
 
 
+def test_the_cycle_check_sees_type_only_function_level_and_relative_imports(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("")
+    (package / "a.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.b import B\n")
+    (package / "b.py").write_text("def f():\n    from pkg import c\n")
+    (package / "c.py").write_text("from . import a\n")
+    (package / "d.py").write_text("import pkg.a\n")
+    assert import_cycles(import_graph(package)) == [["pkg.a", "pkg.b", "pkg.c"]]
+
+
+def module_docstring(path: Path) -> str:
+    return ast.get_docstring(ast.parse(path.read_text())) or ""
+
+
+def test_no_module_is_long_without_a_stated_reason() -> None:
+    unexplained = [
+        f"{path.relative_to(PACKAGE.parent)} ({lines} lines)"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if (lines := len(path.read_text().splitlines())) > LONG_MODULE_LINES
+        and not any(
+            paragraph.lstrip().startswith(LONG_MODULE_REASON) for paragraph in module_docstring(path).split("\n\n")
+        )
+    ]
+    assert unexplained == [], f"a module over {LONG_MODULE_LINES} lines needs a '{LONG_MODULE_REASON}' paragraph"
+
+
+def layout_names(text: str, indent: str = "  ") -> list[str]:
+    """The entries of a layout map at one depth: ``name.py`` or ``name/`` after exactly ``indent``."""
+    return re.findall(rf"^{indent}(\w+(?:\.py|/))(?= |$)", text, re.MULTILINE)
+
+
+def test_the_layout_map_names_every_top_level_module_and_package_with_its_docstring() -> None:
+    text = docs.layout_map()
+    expected = sorted(
+        [path.name for path in PACKAGE.glob("*.py") if path.name != "__init__.py"]
+    ) + sorted(f"{path.parent.name}/" for path in PACKAGE.glob("*/__init__.py"))
+    assert layout_names(text) == expected
+    assert "  chat.py" in text and docs.module_summary(PACKAGE / "chat.py").split()[0] in text.split("  chat.py")[1]
+    assert all(len(line) <= docs.LAYOUT_WIDTH for line in text.splitlines())
+
+
+def test_the_full_layout_map_reaches_every_module() -> None:
+    text = docs.layout_map(max_depth=None)
+    entries = re.findall(r"^ +(\w+(?:\.py|/))(?= |$)", text, re.MULTILINE)
+    assert len(entries) == len(list(PACKAGE.rglob("*.py"))) - 1  # each module and package once; not the root
+    engine = text.split("\n  engine/", 1)[1].split("\n  envs/", 1)[0]
+    assert "local/" in layout_names(engine, " " * 4) and "server.py" in layout_names(engine, " " * 6)
+
+
+def test_the_readme_layout_section_is_the_generated_map() -> None:
+    section = next(section for section in diagram_cli.README_SECTIONS if section.name == "layout")
+    text = README.read_text()
+    if section.begin not in text:
+        pytest.fail(f"README.md has no generated layout map: put {section.begin} and {section.end} lines under "
+                    "'## Layout' and run `fsm-rollout diagram`")  # fmt: skip
+    begin = text.index(section.begin) + len(section.begin)
+    assert text[begin : text.index(section.end, begin)] == section.render()
+
+
 def test_the_rollout_knows_no_recording_or_replay() -> None:
-    imported = {module for module, _ in import_time_imports(ast.parse((PACKAGE / "rollout.py").read_text()))}
-    every_import = {
-        node.module
-        for node in ast.walk(ast.parse((PACKAGE / "rollout.py").read_text()))
-        if isinstance(node, ast.ImportFrom) and node.module
-    }
-    assert not {m for m in imported | every_import if m.startswith(("fsm_rollout.recording", "fsm_rollout.replay"))}
+    rollout = {name: path for name, path in modules().items() if name.split(".")[:2] == ["fsm_rollout", "rollout"]}
+    assert rollout  # the module, or the package and its modules
+    imported = {module for name, path in rollout.items() for module, _ in every_import(name, path)}
+    assert not {m for m in imported if m.startswith(("fsm_rollout.recording", "fsm_rollout.replay"))}
 
 
 def test_nothing_subclasses_the_engine_client_to_intercept_it() -> None:

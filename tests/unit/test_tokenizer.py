@@ -1,4 +1,4 @@
-"""Tests for fsm_rollout.testing.tokenizer: the offline-built real Qwen2 tokenizer."""
+"""Tests for fsm_rollout.engine.local.vocab (alias fsm_rollout.testing.tokenizer): the offline-built Qwen2 tokenizer."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsm_rollout.testing import tokenizer as qt
+from fsm_rollout.engine.local import vocab as qt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

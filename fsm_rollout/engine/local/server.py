@@ -26,6 +26,9 @@ Invalid requests get vLLM's error body ``{"error": {"message", "type", "param", 
 model name). With an API key, every request but ``GET /health`` needs ``Authorization: Bearer <key>`` and is
 otherwise answered 401 ``{"error": "Unauthorized"}``, as vLLM's ``--api-key`` check answers. All model and
 tokenizer work runs on the scheduler's worker thread, never on the event loop.
+
+Why this module is long: :class:`LocalEngine` is one class with two faces over the same state, the HTTP endpoints
+and their in-process equivalents (pause, resume, weight loading); its long docstring is the engine's reference.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The model is built from a fixed :class:`transformers.Qwen2Config` with a fixed seed (so every build of the same
 torch/transformers versions holds the same weights), saved with ``save_pretrained`` next to the Qwen2 tokenizer
-files and chat template from :func:`fsm_rollout.testing.tokenizer.qwen_tokenizer_dir`, so the directory is a
+files and chat template from :func:`fsm_rollout.engine.local.vocab.qwen_tokenizer_dir`, so the directory is a
 complete Hugging Face model directory that ``--model DIR``, ``vllm serve DIR`` and ``AutoModelForCausalLM`` can load.
 Its weights are random: it generates gibberish, but through real forward passes with real logprobs.
 
@@ -20,13 +20,14 @@ import tempfile
 import time
 from typing import Any, Final
 
+from fsm_rollout.engine.local.cache import cache_dir
 from fsm_rollout.engine.local.errors import ModelLoadError
-from fsm_rollout.testing.tokenizer import cache_dir, qwen_tokenizer_dir
+from fsm_rollout.engine.local.vocab import qwen_tokenizer_dir
 
 __all__ = ["TINY_MODEL_CONFIG", "TINY_MODEL_NAME", "TINY_MODEL_SEED", "tiny_model_dir"]
 
 TINY_MODEL_NAME: Final = "tiny-qwen2-v1"
-"""Directory name under :func:`~fsm_rollout.testing.tokenizer.cache_dir`, and the default served model name.
+"""Directory name under :func:`~fsm_rollout.engine.local.cache.cache_dir`, and the default served model name.
 
 Bump it whenever the recipe (config, seed, files) changes, so a stale build is never reused."""
 
@@ -64,7 +65,7 @@ def tiny_model_dir(cache: pathlib.Path | None = None) -> pathlib.Path:
     when several processes race, one rename wins and the others use the winner's build.
 
     Args:
-        cache: Root cache directory; defaults to :func:`~fsm_rollout.testing.tokenizer.cache_dir`.
+        cache: Root cache directory; defaults to :func:`~fsm_rollout.engine.local.cache.cache_dir`.
 
     Returns:
         The path of the complete model directory (config, safetensors weights, generation config, tokenizer

@@ -1,4 +1,8 @@
-"""The fake vLLM server itself: lifecycle, scripting, request recording and the endpoint handlers."""
+"""The fake vLLM server itself: lifecycle, scripting, request recording and the endpoint handlers.
+
+Why this module is long: the handlers share the server's scripted state (queued answers, holds, recorded
+requests, pause mode), and every endpoint vLLM serves is here so that a test can see each one's fake in one place.
+"""
 
 from __future__ import annotations
 
