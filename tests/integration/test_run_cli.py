@@ -407,3 +407,21 @@ async def test_run_against_a_keyed_serve_without_the_right_key_exits_2_clearly(
     assert one_error_line(stderr).endswith("Unauthorized; the API key was refused: check --api-key (or $VLLM_API_KEY)")
     assert wrong not in stdout + stderr
     assert names_in(tmp_path) == []
+
+
+async def test_a_run_that_generates_nothing_fails_saying_why(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
+    data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q0"), done_after_one_turn("q1"))
+    code, stdout, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--max-context-len", "3")
+    assert code == 1, stderr
+    assert re.search(r"error: nothing was generated: all 2 sample\(s\) ended truncated/budget_exhausted before their "
+                     r"first turn; the prompts \(\d+(-\d+)? tokens\) leave no room for a response under "
+                     r"--max-context-len 3", stderr), stderr
+    assert [(row["status"], row["response_length"]) for row in results(tmp_path)] == [("truncated", 0)] * 2
+    assert "2/2 samples" in stdout  # the summary is still printed
+    assert fake_vllm.requests_to(GENERATE_PATH) == []
+
+    fake_vllm.script([ScriptedTurn(text="one")])  # one sample with room to answer: the run is fine
+    data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q0"))
+    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--max-context-len", "4000")
+    assert code == 0, stderr
+    assert "nothing was generated" not in stderr

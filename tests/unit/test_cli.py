@@ -87,6 +87,8 @@ def test_help_shows_defaults_but_not_empty_ones(
     out = capsys.readouterr().out
     assert "(default: None)" not in out and "(default: False)" not in out and "(default: [])" not in out
     expected = {"run": ["--max-turns N         turns per sample at most (default: 3)", "(default: results.jsonl)",
+                        "run only the first N prompts of the dataset (each as --n-samples-per-prompt samples)",
+                        "required with --data (default with the demo: fsm_rollout.envs.geo3k)",
                         "response budget over all turns (default: 176)",
                         f"(default: {DEMO_SAMPLES_PER_PROMPT} with the demo, else 1)",
                         "(default: 5.0)", "Exit codes:"],
@@ -117,6 +119,8 @@ def test_help_shows_defaults_but_not_empty_ones(
         (("--engine-url", "localhost:8000"),
          "--engine-url localhost:8000: engine_url must be an http(s) URL such as http://127.0.0.1:8000"),
         (("--record",), "--record needs --trace (the tape is written beside the trace)"),
+        (("--data", "d.jsonl"), "--data needs --env: the environment that runs and grades your dataset (the demo's "
+                                "is --env fsm_rollout.envs.geo3k)"),
     ],
 )
 def test_run_refuses_a_bad_option_in_one_line_before_starting_anything(
