@@ -367,6 +367,7 @@ async def _run(args: argparse.Namespace) -> int:
                   rewards=reward_lines(samples), errors=errors))
     if args.record:
         print(f"tape: {tape_path_for(args.trace)}")
+    print("\n".join(next_lines(samples, sample_ids, trace=args.trace, record=args.record)))
     if interrupted.is_set():
         return EXIT_INTERRUPTED
     nothing = nothing_generated(samples, max_context_len=args.max_context_len)
@@ -374,6 +375,42 @@ async def _run(args: argparse.Namespace) -> int:
         print(f"error: {nothing}", file=sys.stderr)
         return EXIT_FAILED_SAMPLES
     return EXIT_FAILED_SAMPLES if snapshot.statuses.get("failed") else EXIT_OK
+
+
+def example_sample_id(samples: Sequence[Sample], sample_ids: Sequence[str | None]) -> str | None:
+    """The id of a sample worth a look: the first that completed with reward 1, else the first completed one, else
+    the first (``sample_ids``: the names the run gave by position; a sample without one is named by its index)."""
+    def name(position: int) -> str | None:
+        given = sample_ids[position] if position < len(sample_ids) else None
+        index = samples[position].index
+        return given if given is not None else None if index is None else str(index)
+
+    completed = [position for position, sample in enumerate(samples) if sample.status == Status.COMPLETED]
+    rewarded = [position for position in completed if samples[position].reward == 1.0]
+    for position in (*rewarded, *completed, *range(len(samples))):
+        found = name(position)
+        if found is not None:
+            return found
+    return None
+
+
+def next_lines(samples: Sequence[Sample], sample_ids: Sequence[str | None], *, trace: Path | None,
+               record: bool) -> list[str]:
+    """The commands that look inside this run, with a sample id it has."""
+    if trace is None:
+        return ["next: run with --trace trace.jsonl --record to look inside each sample "
+                "(`fsm-rollout inspect`, `replay`, `diagram --trace`)"]
+    example = example_sample_id(samples, sample_ids)
+    lines = ["next:", f"  fsm-rollout inspect {trace}"]
+    if example is not None:
+        text = "" if record else "   (its turns' text needs a tape: run with --record)"
+        lines.append(f"  fsm-rollout inspect {trace} --sample {example}{text}")
+    overlay = trace.with_suffix(".mmd") if trace.suffix != ".mmd" else trace.with_suffix(".overlay.mmd")
+    lines.append(f"  fsm-rollout diagram --trace {trace} -o {overlay}"
+                 + (f" --sample {example}" if example is not None else ""))
+    if record:
+        lines.append(f"  fsm-rollout replay {trace}")
+    return lines
 
 
 def nothing_generated(samples: Sequence[Sample], *, max_context_len: int | None) -> str | None:
