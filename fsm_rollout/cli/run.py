@@ -47,7 +47,8 @@ With no --engine-url the embedded CPU engine is started in-process; with no --da
 with the built-in Geo3K environment, each question as a group of samples (--n-samples-per-prompt); a dataset of
 your own (--data) needs the environment that grades it (--env). --limit N takes the first N prompts. A live progress
 line shows samples done, per-state occupancy and tokens/s; the run ends with a summary (status and reason counts,
-the rewards the environment wrote, turns, tokens, throughput) and the most frequent errors of the failed samples.
+the rewards the environment wrote, turns, tokens, throughput), the most frequent errors of the failed samples, and
+the commands that look inside the run (inspect, diagram, replay) with a sample id it has.
 
 Before a sample runs, the options are checked, then each --engine-url must answer GET /health, and GET /v1/models
 fills in what the flags leave out: the served model name when the engine serves one model, and, from
