@@ -27,8 +27,11 @@ EPILOG = """\
 Without --sample it summarises the trace: samples per status and reason, a histogram of turns per sample, token
 statistics, and how long samples dwelt in each state (p50/p95). --sample ID shows that sample's timeline: every
 transition with its time and dwell, and, when the run was recorded with a tape, per turn the model's decoded text,
-the environment's answer and the observation appended after it. Trainable tokens (loss mask 1) are shown apart
-from masked ones: green and dim in a terminal, masked text in ⟦…⟧ when the output is piped.
+the environment's answer and the observation appended after it, with the sample's prompt, label and the reward it
+ended with (an environment's answer to one turn is not the reward: Geo3K's reward is the episode's best score).
+A group id (7) shows each of its members (7.0, 7.1, ...); an unknown id lists the ids there are. Trainable tokens
+(loss mask 1) are shown apart from masked ones: green and dim in a terminal, masked text in ⟦…⟧ when the output
+is piped.
 
 Exit codes: 0 shown; 2 unusable input (missing file, not a trace, another schema version, unknown sample)."""
 MASK_OPEN, MASK_CLOSE = "⟦", "⟧"
@@ -44,7 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the I/O tape (default: beside the trace), for decoded text")
     parser.add_argument("--sample", metavar="ID",
                         help="show this sample's timeline instead of the batch summary; a sample id that ran "
-                             "more than once shows every run, named ID#1, ID#2, ... (give ID#N for one of them)")
+                             "more than once shows every run, named ID#1, ID#2, ... (give ID#N for one of them); "
+                             "a group id (7) shows its members (7.0, 7.1, ...)")
     parser.add_argument("--tokenizer", metavar="PATH",
                         help="tokenizer for decoding text (default: the one the recording used)")
     parser.add_argument("--color", choices=["auto", "always", "never"], default="auto",
@@ -237,8 +241,47 @@ def render_timeline(path: TracedPath, record: TapeSample | None, tape: TapeFile 
     if record is None or tape is None:
         lines.append("  (no tape for this sample: record with `fsm-rollout run --record` to see the text)")
         return "\n".join(lines)
+    lines[1:1] = _sample_lines(record, tape)
     lines.extend(_turn_lines(record, tape, tokenizer, painter))
+    lines.append(painter.bold(f"  reward {_reward(record)}") + f"  ({outcome})")
     return "\n".join(lines)
+
+
+def _sample_lines(record: TapeSample, tape: TapeFile) -> list[str]:
+    """The sample's prompt and label, as the tape recorded the sample at its start."""
+    from fsm_rollout.replay import revive
+
+    sample = revive(tape.resolve(record.sample))
+    if not isinstance(sample, dict):
+        return []
+    return [f"  prompt: {_clip(_prompt_text(sample.get('prompt')), 400)}", f"  label: {sample.get('label')!r}"]
+
+
+def _prompt_text(prompt: Any) -> str:
+    """A prompt (a string, or chat messages whose content is text or parts) as one line of text."""
+    if isinstance(prompt, str):
+        return prompt.replace("\n", " ")
+    if not isinstance(prompt, list):
+        return repr(prompt)
+    parts = []
+    for message in prompt:
+        if not isinstance(message, dict):
+            parts.append(repr(message))
+            continue
+        content = message.get("content")
+        if isinstance(content, list):
+            content = " ".join(str(part.get("text", "")) if isinstance(part, dict) and part.get("type") == "text"
+                               else f"<{part.get('type', 'part')}>" if isinstance(part, dict) else str(part)
+                               for part in content)  # fmt: skip
+        parts.append(f"[{message.get('role')}] {content}".replace("\n", " "))
+    return " ".join(parts)
+
+
+def _reward(record: TapeSample) -> str:
+    """The reward the sample ended with (the environment's, or ``reward_fn``'s), as the tape's result holds it."""
+    if "reward" not in record.result:
+        return "not recorded (a tape from before rewards were kept)"
+    return repr(record.result["reward"])
 
 
 def _event_summary(event: dict[str, Any]) -> str:
@@ -325,9 +368,9 @@ def main(args: argparse.Namespace) -> int:
         orphans = len(trace.orphans) if trace is not None else 0
         print(render_summary(path.name, summarize(paths), problems, orphans))
         return EXIT_OK
-    chosen = [item for item in paths if args.sample in (item.label, item.sample_id)]
+    chosen = select_samples(paths, args.sample)
     if not chosen:
-        print(f"error: {path} has no sample {args.sample!r}", file=sys.stderr)
+        print(f"error: {path} has no sample {args.sample!r}; {id_listing(paths)}", file=sys.stderr)
         return EXIT_UNUSABLE
     wanted_ids = {item.sample_id for item in chosen}
     records = [record for record in tape.samples if record.sample_id in wanted_ids] if tape is not None else []
@@ -339,6 +382,40 @@ def main(args: argparse.Namespace) -> int:
         blocks.append(render_timeline(item, record, tape, tokenizer, painter, from_trace=trace is not None))
     print("\n\n".join(blocks))
     return EXIT_OK
+
+
+def _group_member(sample_id: str | None, group: str) -> bool:
+    """Whether ``sample_id`` names a member of group ``group`` (``7.0`` … ``7.3`` of ``7``)."""
+    if sample_id is None or not sample_id.startswith(group + "."):
+        return False
+    return sample_id[len(group) + 1:].isdigit()
+
+
+def select_samples(paths: Sequence[TracedPath], wanted: str) -> list[TracedPath]:
+    """The runs ``wanted`` names: a run label (``7.2#2``), a sample id (every run of it), else a group id (its
+    members, ``7`` for ``7.0`` … ``7.3``)."""
+    exact = [item for item in paths if wanted in (item.label, item.sample_id)]
+    return exact or [item for item in paths if _group_member(item.sample_id, wanted)]
+
+
+def _natural(sample_id: str) -> tuple[tuple[int, int | str], ...]:
+    return tuple((0, int(part)) if part.isdigit() else (1, part) for part in sample_id.split("."))
+
+
+def id_listing(paths: Sequence[TracedPath], limit: int = 12) -> str:
+    """The sample ids a recording has, groups of members shortened (``7.0-7.3``), for an unknown ``--sample``."""
+    ids = sorted({item.sample_id for item in paths if item.sample_id is not None}, key=_natural)
+    if not ids:
+        return "it names no sample"
+    groups: dict[str, list[str]] = {}
+    for sample_id in ids:
+        head, _, member = sample_id.rpartition(".")
+        groups.setdefault(head if head and member.isdigit() else sample_id, []).append(sample_id)
+    shown = [members[0] if len(members) == 1 else f"{members[0]}-{members[-1]}" for members in groups.values()]
+    more = f", … ({len(shown) - limit} more)" if len(shown) > limit else ""
+    grouped = any(len(members) > 1 for members in groups.values())
+    hint = "; a group id (the part before the last dot) shows all its members" if grouped else ""
+    return f"it has {len(ids)} sample id(s): {', '.join(shown[:limit])}{more}{hint}"
 
 
 def _record_for(path: TracedPath, records: Sequence[TapeSample], index: int) -> TapeSample | None:

@@ -44,9 +44,11 @@ EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 EPILOG = """\
 With no --engine-url the embedded CPU engine is started in-process; with no --data the bundled demo dataset runs
-with the built-in Geo3K environment, each question as a group of samples (--n-samples-per-prompt). A live progress
+with the built-in Geo3K environment, each question as a group of samples (--n-samples-per-prompt); a dataset of
+your own (--data) needs the environment that grades it (--env). --limit N takes the first N prompts. A live progress
 line shows samples done, per-state occupancy and tokens/s; the run ends with a summary (status and reason counts,
-the rewards the environment wrote, turns, tokens, throughput) and the most frequent errors of the failed samples.
+the rewards the environment wrote, turns, tokens, throughput), the most frequent errors of the failed samples, and
+the commands that look inside the run (inspect, diagram, replay) with a sample id it has.
 
 Before a sample runs, the options are checked, then each --engine-url must answer GET /health, and GET /v1/models
 fills in what the flags leave out: the served model name when the engine serves one model, and, from
@@ -62,9 +64,10 @@ a bad line is an error naming its line number (or is skipped and counted with --
 Ctrl-C aborts the samples in flight, writes what finished plus the aborted partials (samples that had not started
 yet are rows with reason not_started), counts finished, aborted mid-way and never started, and exits 130.
 
-Exit codes: 0 every sample ended (completed, truncated, or aborted by the server); 1 some sample failed; 2 nothing
-was run: bad input (dataset, options) or no usable engine or tokenizer (nothing answers /health, the API key is
-missing or refused, no tokenizer found); 130 interrupted."""
+Exit codes: 0 every sample ended (completed, truncated, or aborted by the server); 1 some sample failed, or not one
+token was generated (every sample ended budget_exhausted: the prompts fill the context); 2 nothing was run: bad
+input (dataset, options) or no usable engine or tokenizer (nothing answers /health, the API key is missing or
+refused, no tokenizer found); 130 interrupted."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     data.add_argument("--include-features", action="store_true",
                       help="write decoded image features in full (default: dtype and shape only)")
     data.add_argument("--skip-bad", action="store_true", help="skip invalid dataset lines (counted) instead of failing")
-    data.add_argument("--limit", type=int, metavar="N", help="run only the first N samples")
+    data.add_argument("--limit", type=int, metavar="N",
+                      help="run only the first N prompts of the dataset (each as --n-samples-per-prompt samples)")
     data.add_argument("--quiet", action="store_true", help="no progress line")
     engine = parser.add_argument_group("engine")
     engine.add_argument("--engine-url", action="append", default=[], metavar="URL",
@@ -104,7 +108,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"recorded (default: ${API_KEY_ENV_VAR})")
     rollout = parser.add_argument_group("rollout")
     rollout.add_argument("--env", metavar="MODULE|FILE",
-                         help=f"environment module or .py file (default with the demo: {DEMO_ENV})")
+                         help=f"environment module or .py file that grades the samples; required with --data "
+                         f"(default with the demo: {DEMO_ENV})")
     rollout.add_argument("--max-turns", type=int, default=3, metavar="N", help="turns per sample at most")
     rollout.add_argument("--n-samples-per-prompt", type=int, metavar="N",
                          help=f"samples per prompt, rolled out as one group each as GRPO wants them (default: "
@@ -385,9 +390,66 @@ async def _run(args: argparse.Namespace) -> int:
                   rewards=reward_lines(samples), errors=errors))
     if args.record:
         print(f"tape: {tape_path_for(args.trace)}")
+    print("\n".join(next_lines(samples, sample_ids, trace=args.trace, record=args.record)))
     if interrupted.is_set():
         return EXIT_INTERRUPTED
+    nothing = nothing_generated(samples, max_context_len=args.max_context_len)
+    if nothing is not None:
+        print(f"error: {nothing}", file=sys.stderr)
+        return EXIT_FAILED_SAMPLES
     return EXIT_FAILED_SAMPLES if snapshot.statuses.get("failed") else EXIT_OK
+
+
+def example_sample_id(samples: Sequence[Sample], sample_ids: Sequence[str | None]) -> str | None:
+    """The id of a sample worth a look: the first that completed with reward 1, else the first completed one, else
+    the first (``sample_ids``: the names the run gave by position; a sample without one is named by its index)."""
+    def name(position: int) -> str | None:
+        given = sample_ids[position] if position < len(sample_ids) else None
+        index = samples[position].index
+        return given if given is not None else None if index is None else str(index)
+
+    completed = [position for position, sample in enumerate(samples) if sample.status == Status.COMPLETED]
+    rewarded = [position for position in completed if samples[position].reward == 1.0]
+    for position in (*rewarded, *completed, *range(len(samples))):
+        found = name(position)
+        if found is not None:
+            return found
+    return None
+
+
+def next_lines(samples: Sequence[Sample], sample_ids: Sequence[str | None], *, trace: Path | None,
+               record: bool) -> list[str]:
+    """The commands that look inside this run, with a sample id it has."""
+    if trace is None:
+        return ["next: run with --trace trace.jsonl --record to look inside each sample "
+                "(`fsm-rollout inspect`, `replay`, `diagram --trace`)"]
+    example = example_sample_id(samples, sample_ids)
+    lines = ["next:", f"  fsm-rollout inspect {trace}"]
+    if example is not None:
+        text = "" if record else "   (its turns' text needs a tape: run with --record)"
+        lines.append(f"  fsm-rollout inspect {trace} --sample {example}{text}")
+    overlay = trace.with_suffix(".mmd") if trace.suffix != ".mmd" else trace.with_suffix(".overlay.mmd")
+    lines.append(f"  fsm-rollout diagram --trace {trace} -o {overlay}"
+                 + (f" --sample {example}" if example is not None else ""))
+    if record:
+        lines.append(f"  fsm-rollout replay {trace}")
+    return lines
+
+
+def nothing_generated(samples: Sequence[Sample], *, max_context_len: int | None) -> str | None:
+    """Why the run failed when every sample ended ``budget_exhausted`` with nothing generated, else None.
+
+    Each such sample is ``truncated``, a legal ending, but a run with not one generated token has nothing to train
+    on: the prompts left no room for a response.
+    """
+    if not samples or any(sample.metadata.get("rollout_reason") != "budget_exhausted" or sample.response_length
+                          for sample in samples):  # fmt: skip
+        return None
+    lengths = sorted(len(sample.tokens) for sample in samples)
+    prompts = f"{lengths[0]}" if lengths[0] == lengths[-1] else f"{lengths[0]}-{lengths[-1]}"
+    limit = f" under --max-context-len {max_context_len}" if max_context_len is not None else ""
+    return (f"nothing was generated: all {len(samples)} sample(s) ended truncated/budget_exhausted before their first "
+            f"turn; the prompts ({prompts} tokens) leave no room for a response{limit}")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -397,6 +459,10 @@ def main(args: argparse.Namespace) -> int:
     problem = option_problem(args)
     if problem is None and args.record and args.trace is None:
         problem = "--record needs --trace (the tape is written beside the trace)"
+    if problem is None and args.data is not None and args.env is None:
+        # the demo's Geo3K grading would silently score another dataset
+        problem = (f"--data needs --env: the environment that runs and grades your dataset (the demo's is "
+                   f"--env {DEMO_ENV})")
     if problem is None:
         try:  # what the library's config checks, before anything starts rather than once the engine runs
             build_config(args, (args.engine_url or ["http://127.0.0.1:0"])[0], args.model or "-", None,

@@ -199,6 +199,7 @@ class SampleRecorder(RolloutHooks):
                 "loss_mask": run_lengths(sample.loss_mask),
                 "rollout_log_probs": None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
                 "error": jsonable(sample.metadata.get("rollout_error")),
+                "reward": jsonable(sample.reward),  # what inspect shows; replay does not compare it
             },
         }
 

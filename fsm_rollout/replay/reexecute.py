@@ -70,6 +70,8 @@ class _Replay:
         self.transitions: list[dict[str, Any]] = []
         """Today's transition events so far."""
         self.env_passthrough = False
+        self.failed_first = False
+        """Whether today's rollout had already failed with an error of its own when the first divergence came."""
 
     def stop(self, found: Divergence, *, here: bool = True) -> ReplayDiverged:
         """Keep ``found`` unless a divergence came first; ``here``: it happened at the rollout's turn and state."""
@@ -78,7 +80,37 @@ class _Replay:
             if here and rollout is not None:
                 found = dataclasses.replace(found, turn=rollout.turn_index, state=rollout.state)
             self.divergence = found
+            # an error today's code raised (not this replay's stop) is why the calls after it differ
+            self.failed_first = (rollout is not None and rollout.error is not None
+                                 and not isinstance(rollout.error, ReplayDiverged))
         return ReplayDiverged(found.message)
+
+    def todays_error_first(self, rollout: Rollout) -> None:
+        """Put the error today's rollout failed with before what it did next, when the recording did not fail so.
+
+        A failing rollout closes its environment and ends: the calls and transitions that then differ from the
+        recording only follow from the error, which is what the replay reports, with the difference it caused.
+        """
+        found = self.divergence
+        today = jsonable(rollout.sample.metadata.get("rollout_error"))
+        if found is None or not self.failed_first or not isinstance(today, dict):
+            return
+        recorded = self.cursor.record.result.get("error")
+        if recorded == today:
+            return
+        where = f" in state {today.get('state')}" + (f" on {today['trigger']}" if today.get("trigger") else "")
+        outcome = self.cursor.record.result
+        if isinstance(recorded, dict):
+            then = f"the recording failed with {recorded.get('type')}: {recorded.get('message')}"
+        else:
+            then = f"the recording did not fail: it ended {outcome.get('status')}/{outcome.get('reason')}"
+        self.divergence = Divergence(
+            "error",
+            f"today's rollout failed{where}: {today.get('type')}: {today.get('message')} ({then}); after it, "
+            f"{found.message}",
+            turn=found.turn, state=found.state, line=found.line, expected=recorded, actual=today,
+            context=found.context or self.token_context_now(),
+        )
 
     def check_going(self) -> None:
         """Stop a rollout that goes on after a divergence."""
@@ -435,6 +467,7 @@ async def reexecute(
     with contextlib.suppress(Exception):  # the recorded sample may have failed too: the outcome is compared after
         await rollout.run()
     replay.finish(rollout)
+    replay.todays_error_first(rollout)
     turns = sum(1 for event in replay.transitions if event.get("trigger") == "step")
     return replay.divergence, turns, notes
 

@@ -35,6 +35,10 @@ class SampleReport:
     findings: list[str] = field(default_factory=list)
     divergence: Divergence | None = None
     turns: int = 0
+    """Turns of the recorded path."""
+    turns_replayed: int | None = None
+    """Turns today's rollout ran in the re-execution (None: not re-executed); fewer than :attr:`turns` when it
+    stopped at a divergence."""
     trace_lines: tuple[int, int] | None = None
     tape_line: int | None = None
     notes: list[str] = field(default_factory=list)
@@ -166,7 +170,9 @@ def render_sample(sample: SampleReport, paint: Paint, *, verbose: bool) -> list[
         where.append(f"trace lines {sample.trace_lines[0]}-{sample.trace_lines[1]}")
     if sample.tape_line is not None:
         where.append(f"tape line {sample.tape_line}")
-    head = (f"sample {sample.label or sample.sample_id} [{outcome}, {sample.turns} turn(s)] "
+    replayed = sample.turns_replayed
+    turns = f"{sample.turns} turn(s)" + (f", {replayed} replayed" if replayed not in (None, sample.turns) else "")
+    head = (f"sample {sample.label or sample.sample_id} [{outcome}, {turns}] "
             f"{paint(sample.verdict.upper(), _VERDICT_COLOR[sample.verdict])}")
     lines = [head + (f"  ({', '.join(where)})" if where else "")]
     if sample.divergence is not None:

@@ -270,7 +270,7 @@ async def _reexecute(report: ReplayReport, entry: _Entry, tape: TapeFile, tokeni
     assert entry.record is not None
     divergence, turns, notes = await reexecute(entry.record, tape, tokenizer=tokenizer)
     sample = entry.report
-    sample.turns = turns
+    sample.turns_replayed = turns  # sample.turns stays the recorded path's: a divergence may stop today's run early
     sample.notes.extend(notes)
     report.turns_executed += turns
     sample.divergence = _at_trace_line(divergence, entry)

@@ -326,6 +326,42 @@ async def test_a_tampered_generated_token_is_reported_at_its_turn(recording: Rec
     assert [other.verdict for other in report.samples if other.sample_id != "0"] == ["identical"] * 17
 
 
+async def test_an_error_todays_rollout_raises_is_reported_first_with_the_recorded_turns(
+    recording: Recording, tokenizer: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A generated token changed and its logprob entry left as it was: today's client refuses the answer, and the
+    rollout fails and closes its environment where the recording stepped it. The refusal is what is reported."""
+    replacement = tokenizer.encode(" banana", add_special_tokens=False)[0]
+
+    def edit(record: dict[str, Any]) -> None:
+        generates = [entry for entry in record["io"] if entry["op"] == "generate"]
+        generates[1]["answer"]["choices"][0]["token_ids"][0] = replacement
+
+    tamper(recording.tape, "0", edit)
+    report = await run_replay_in_thread(recording)
+    sample = report.sample("0")
+    assert (sample.verdict, sample.turns, sample.turns_replayed) == ("diverged", 2, 1)
+    divergence = sample.divergence
+    assert divergence is not None and divergence.kind == "error" and divergence.turn == 1
+    assert divergence.expected is None  # the recorded sample did not fail
+    error = divergence.actual
+    assert isinstance(error, dict) and error["type"] and str(replacement) in error["message"], error
+    assert divergence.message.startswith(f"today's rollout failed in state {error['state']}")
+    assert f"{error['type']}: {error['message']}" in divergence.message
+    assert "the recording did not fail: it ended completed/env_done" in divergence.message
+    assert "after it, today's rollout calls env.close(), but the recording's next call is env.step()" in \
+        divergence.message
+    as_json = next(item for item in report.to_dict()["samples"] if item["sample_id"] == "0")
+    assert as_json["divergence"]["actual"] == error and as_json["turns"] == 2
+
+    assert await asyncio.to_thread(cli, "replay", str(recording.trace), "--tokenizer", str(qwen_tokenizer_dir()),
+                                   "--sample", "0") == 1
+    text = capsys.readouterr().out
+    assert "sample 0 [completed/env_done, 2 turn(s), 1 replayed] DIVERGED" in text
+    assert f"    error at turn 1, state {divergence.state}: today's rollout failed" in text
+    assert error["type"] in text
+
+
 async def test_a_tampered_result_token_is_reported_with_its_index_and_text(
     recording: Recording, tokenizer: Any
 ) -> None:

@@ -422,3 +422,75 @@ async def test_ctrl_c_counts_finished_aborted_mid_way_and_never_started_and_says
         ("aborted", "cancelled"), ("aborted", "not_started"), ("aborted", "not_started")]
     assert "0/3 samples finished" in stdout
     assert "1 aborted mid-way, 2 never started" in stdout
+
+
+async def test_a_run_that_generates_nothing_fails_saying_why(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
+    data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q0"), done_after_one_turn("q1"))
+    code, stdout, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--max-context-len", "3")
+    assert code == 1, stderr
+    assert re.search(r"error: nothing was generated: all 2 sample\(s\) ended truncated/budget_exhausted before their "
+                     r"first turn; the prompts \(\d+(-\d+)? tokens\) leave no room for a response under "
+                     r"--max-context-len 3", stderr), stderr
+    assert [(row["status"], row["response_length"]) for row in results(tmp_path)] == [("truncated", 0)] * 2
+    assert "2/2 samples" in stdout  # the summary is still printed
+    assert fake_vllm.requests_to(GENERATE_PATH) == []
+
+    fake_vllm.script([ScriptedTurn(text="one")])  # one sample with room to answer: the run is fine
+    data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q0"))
+    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--max-context-len", "4000")
+    assert code == 0, stderr
+    assert "nothing was generated" not in stderr
+
+
+RIGHT_TOOL_CALL = '<tool_call>{"name": "calc_score", "arguments": {"answer": "5"}}</tool_call>'
+
+
+async def test_the_summary_ends_with_the_next_commands_and_inspect_shows_a_group_with_prompt_label_and_reward(
+    fake_vllm: FakeVLLMServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Geo3K grades a right tool call 1.0, then a wrong final answer 0.0: the reward is the episode's best (1.0),
+    and inspect shows it after the last observation, which reads "scored 0.0"."""
+    from fsm_rollout.cli import main
+
+    fake_vllm.script([ScriptedTurn(text=RIGHT_TOOL_CALL), ScriptedTurn(text="So \\boxed{7}.")] * 2)
+    data = dataset(tmp_path / "d.jsonl", {"prompt": "Find x in the triangle.", "label": "5"})
+    code, stdout, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--record",
+                                         "--env", "fsm_rollout.envs.geo3k", "--n-samples-per-prompt", "2",
+                                         "--concurrency", "1", "--max-new-tokens", "512")
+    assert code == 0, stderr
+    assert [(row["status"], row["reward"]) for row in results(tmp_path)] == [("completed", 1.0)] * 2
+    trace = tmp_path / "trace.jsonl"
+    assert stdout.rstrip().endswith("\n".join([
+        "next:",
+        f"  fsm-rollout inspect {trace}",
+        f"  fsm-rollout inspect {trace} --sample 0.0",
+        f"  fsm-rollout diagram --trace {trace} -o {tmp_path / 'trace.mmd'} --sample 0.0",
+        f"  fsm-rollout replay {trace}",
+    ])), stdout
+
+    assert await asyncio.to_thread(main, ["inspect", str(trace), "--sample", "0", "--color", "never"]) == 0
+    shown = capsys.readouterr().out
+    blocks = re.split(r"\n\n(?=sample )", shown.rstrip())  # the group id shows each member
+    assert [block.splitlines()[0].split()[:2] for block in blocks] == [["sample", "0.0"], ["sample", "0.1"]]
+    for block in blocks:
+        lines = block.splitlines()
+        assert lines[1:3] == ["  prompt: Find x in the triangle.", "  label: '5'"]
+        assert "the final answer 7 scored 0.0" in block
+        assert lines[-1] == "  reward 1.0  (completed/env_done)"
+
+    assert await asyncio.to_thread(main, ["inspect", str(trace), "--sample", "3"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {trace} has no sample '3'; it has 2 sample id(s): 0.0-0.1; a group id (the part before the last "
+        "dot) shows all its members\n")
+
+
+async def test_without_a_trace_the_summary_says_how_to_look_inside(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
+    fake_vllm.script([ScriptedTurn(text="one")])
+    data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q"))
+    code, stdout, stderr = await run_command("run", "--engine-url", fake_vllm.url, "--model", "fake-model",
+                                             "--tokenizer", str(qwen_tokenizer_dir()), "--data", str(data), "--env",
+                                             "fsm_rollout.testing.envs", "--out", str(tmp_path / "r.jsonl"),
+                                             "--quiet")
+    assert code == 0, stderr
+    assert stdout.rstrip().splitlines()[-1] == ("next: run with --trace trace.jsonl --record to look inside each "
+                                                "sample (`fsm-rollout inspect`, `replay`, `diagram --trace`)")

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -125,3 +127,32 @@ def test_slow_environment_workload_runs_every_case(tmp_path: Path, capsys: pytes
     # two steps of 50 ms each: a batch whose steps block the loop takes at least its samples' steps end to end
     assert slow["inline_wall_s"] >= slow["inline_samples"] * slow["turns"] * slow["step_ms"] / 1000
     assert "[slow_env]" in capsys.readouterr().out
+
+
+def canned_results(*, lag_ms: float) -> dict[str, dict[str, Any]]:
+    met = {"figure": 3.0, "target": "<= 5 ms", "met": True}
+    missed = {"figure": lag_ms, "target": "<= 50 ms", "met": lag_ms <= 50}
+    return {"machine": {"shared_machine_transition_us": 1.0}, "goals": {"suspend_ms": met, "loop_lag_p99_ms": missed}}
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_check_exits_1_naming_each_missed_goal_under_the_targets_that_apply(
+    quick: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lag = {"ms": 72.5}
+    monkeypatch.setattr("fsm_rollout.cli.bench.suite.run_all", lambda *args, **kwargs: canned_results(lag_ms=lag["ms"]))
+    profile = ["--quick"] if quick else []
+    assert main(["bench", *profile, "--check"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == "goal missed: loop_lag_p99_ms: 72.500 (target <= 50 ms)\n"
+    assert re.search(r"loop_lag_p99_ms +72\.500 +<= 50 ms +MISSED", captured.out)
+    targets = "targets of the --quick profile" if quick else "targets of a full run, as in the README"
+    assert targets in captured.out
+    assert ("time_ratio_big_vs_small is held to <= 5.25 (the README's <= 10.5)" in " ".join(captured.out.split())) \
+        == quick
+
+    assert main(["bench", *profile]) == 0  # without --check a miss is reported, not failed
+    assert "goal missed: loop_lag_p99_ms" in capsys.readouterr().err
+    lag["ms"] = 12.0
+    assert main(["bench", *profile, "--check"]) == 0
+    assert capsys.readouterr().err == ""

@@ -14,6 +14,7 @@ from fsm_rollout.cli import SUBCOMMANDS, build_parser, main
 from fsm_rollout.cli.bench import settings as bench_settings
 from fsm_rollout.cli.bench.params import Settings
 from fsm_rollout.cli.run import DEMO_SAMPLES_PER_PROMPT, _groups, build_config, error_lines, reward_lines
+from fsm_rollout.recording import tape_path_for
 from fsm_rollout.sample import Sample, Status
 
 PACKAGE = Path(__file__).resolve().parents[2] / "fsm_rollout"
@@ -86,6 +87,8 @@ def test_help_shows_defaults_but_not_empty_ones(
     out = capsys.readouterr().out
     assert "(default: None)" not in out and "(default: False)" not in out and "(default: [])" not in out
     expected = {"run": ["--max-turns N         turns per sample at most (default: 3)", "(default: results.jsonl)",
+                        "run only the first N prompts of the dataset (each as --n-samples-per-prompt samples)",
+                        "required with --data (default with the demo: fsm_rollout.envs.geo3k)",
                         "response budget over all turns (default: 176)",
                         f"(default: {DEMO_SAMPLES_PER_PROMPT} with the demo, else 1)",
                         "(default: 5.0)", "Exit codes:"],
@@ -116,6 +119,8 @@ def test_help_shows_defaults_but_not_empty_ones(
         (("--engine-url", "localhost:8000"),
          "--engine-url localhost:8000: engine_url must be an http(s) URL such as http://127.0.0.1:8000"),
         (("--record",), "--record needs --trace (the tape is written beside the trace)"),
+        (("--data", "d.jsonl"), "--data needs --env: the environment that runs and grades your dataset (the demo's "
+                                "is --env fsm_rollout.envs.geo3k)"),
     ],
 )
 def test_run_refuses_a_bad_option_in_one_line_before_starting_anything(
@@ -180,3 +185,19 @@ def test_the_reward_line_counts_right_answers_and_which_of_them_completed() -> N
                rewarded(0.0, Status.COMPLETED), rewarded(None, Status.FAILED), rewarded(True, Status.COMPLETED)]
     assert reward_lines(samples) == ["reward mean 0.500 over 4 samples; 2 at 1.0 (1 completed)"]
     assert reward_lines([rewarded(None, Status.COMPLETED)]) == []
+
+
+def test_what_the_readme_commands_write_in_the_checkout_is_ignored_by_git() -> None:
+    root = PACKAGE.parent
+    readme = (root / "README.md").read_text()
+    traces = set(re.findall(r"fsm-rollout run[^\n`]*--trace ([\w.-]+\.jsonl)", readme))
+    assert "trace.jsonl" in traces and "run.jsonl" in traces, traces
+    written = {str(build_parser().parse_args(["run"]).out), *traces, *(str(tape_path_for(name)) for name in traces),
+               *re.findall(r"fsm-rollout bench --json (\S+?)`", readme)}
+    assert "results.jsonl" in written and "bench.json" in written, written
+    for name in sorted(written):
+        ignored = subprocess.run(["git", "check-ignore", "--no-index", "-q", name], cwd=root, check=False)
+        assert ignored.returncode == 0, f"{name} is written in the checkout and not ignored by git"
+    kept = subprocess.run(["git", "check-ignore", "--no-index", "-q", "tests/fixtures/tapes/schema1/run.jsonl"],
+                          cwd=root, check=False)
+    assert kept.returncode == 1  # only the checkout's top level: the fixtures of the same names stay tracked

@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from fsm_rollout.cli.bench.params import WORKLOADS, Settings
@@ -63,10 +64,14 @@ from fsm_rollout.cli.common import add_process_settings
 
 EPILOG = """\
 Prints each workload's figures, then each goal with its figure, target and met/missed; --json FILE writes them too.
---quick is a smoke run (fewer samples and repeats); --only weight-update, --only slow-env or --only scale-out runs
+--quick is a smoke run (fewer samples and repeats) whose goals are checked against the quick profile's own targets,
+named before the goals; --only weight-update, --only slow-env or --only scale-out runs
 that workload alone (scale-out, a Ray pool of two workers against one runner, runs only so). The rollouts
 run with pacing and the tuned collector, as `fsm-rollout run` does, unless --loop-slice-ms 0 or --no-tune-gc turn
-them off."""
+them off.
+
+Exit codes: 0 the workloads ran (goals met or missed, unless --check); 1 with --check, a goal missed (each is named
+on stderr)."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,6 +82,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", choices=WORKLOADS, metavar="WORKLOAD",
                         help="run only this workload and its goals: weight-update, slow-env or scale-out (scale-out "
                              "needs Ray and runs only so; the others share interleaved runs and always run together)")
+    parser.add_argument("--check", action="store_true",
+                        help="exit 1 when a goal is missed, naming each one (default: report only and exit 0)")
     parser.add_argument("--weight-update-samples", type=_positive_int, metavar="N",
                         help="samples in flight in the weight-update workload (default: 1000, 200 with --quick)")
     add_process_settings(parser.add_argument_group("process-wide settings of the measured rollouts"))
@@ -96,7 +103,14 @@ def settings(args: argparse.Namespace) -> Settings:
 
 def main(args: argparse.Namespace) -> int:
     """Run the workloads, print a table, write JSON if asked."""
-    from fsm_rollout.cli.bench.suite import print_table, run_all, run_scale_out, run_slow_env, run_weight_update
+    from fsm_rollout.cli.bench.suite import (
+        missed_goals,
+        print_table,
+        run_all,
+        run_scale_out,
+        run_slow_env,
+        run_weight_update,
+    )
 
     if args.only == "scale-out":
         results = run_scale_out(bool(args.quick), settings(args))
@@ -106,7 +120,10 @@ def main(args: argparse.Namespace) -> int:
         results = run_slow_env(bool(args.quick), settings(args))
     else:
         results = run_all(bool(args.quick), settings(args), weight_update_samples=args.weight_update_samples)
-    print_table(results)
+    print_table(results, quick=bool(args.quick))
     if args.json:
         args.json.write_text(json.dumps(results, indent=2) + "\n")
-    return 0
+    missed = missed_goals(results)
+    for line in missed:
+        print(f"goal missed: {line}", file=sys.stderr)
+    return 1 if missed and args.check else 0
