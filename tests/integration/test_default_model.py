@@ -125,7 +125,12 @@ async def test_training_prompts_are_the_tokens_a_rollout_sends() -> None:
 
 
 async def test_the_default_model_calls_the_tool_takes_feedback_and_tries_again() -> None:
-    samples = practice_samples(12, seed=31)
+    """What the model does is a draw: each sample has its own seed (so the draws are independent), and the test bounds
+    the rates of the behaviour instead of asking every sample for it. A sample may legally end after one turn (a boxed
+    answer and no tool call gets no feedback), and which samples do depends on the machine's float arithmetic even
+    at a fixed seed; the bounds sit far below the rates a build of the recipe shows, while a model that lost the
+    format (or a rollout that dropped the feedback) falls below them."""
+    samples = practice_samples(16, seed=31)
     async with LocalEngine() as engine:
         assert engine.served_model_name == DEFAULT_MODEL_NAME
         assert engine.model_dir.parent == cache_dir()
@@ -133,13 +138,16 @@ async def test_the_default_model_calls_the_tool_takes_feedback_and_tries_again()
                                tokenizer_path=str(engine.model_dir), image_merge_size=engine.image_merge_size,
                                max_turns=3, env_path="fsm_rollout.envs.geo3k")  # fmt: skip
         async with RolloutRunner(config, sampling_params=SAMPLING) as runner:
-            results = await runner.run_batch(samples, concurrency=len(samples))
+            seeds = [SAMPLING["seed"] + index for index in range(len(samples))]
+            results = await runner.run_batch(samples, concurrency=len(samples), seeds=seeds)
 
     turns = [sample.metadata["geo3k"]["turns"] for sample in results]
     graded = [len(sample.metadata["geo3k"]["scores"]) for sample in results]
     # nearly every turn is a well-formed calc_score call (scored) or, after "Correct", a final boxed answer
     assert sum(graded) >= 0.8 * sum(turns), (turns, graded)
-    assert sum(1 for count in turns if count >= 2) >= len(results) // 2  # feedback was read and acted on
+    took_feedback = [sample for sample, count in zip(results, turns, strict=True) if count >= 2]
+    assert len(took_feedback) >= len(results) // 2, turns  # feedback was read and acted on
     for sample in results:
-        assert sample.response_length > 0 and 0 in sample.loss_mask  # observations appended, masked
-        assert "<tool_call>" in str(sample.response)
+        assert sample.response_length > 0
+    for sample in took_feedback:  # whatever the draw: the feedback is in the tokens and masked out of the loss
+        assert 0 in sample.loss_mask and "<tool_call>" in str(sample.response)

@@ -16,7 +16,8 @@ from typing import Any
 import pytest
 
 from fsm_rollout import Sample
-from fsm_rollout.examples.grpo import GRPOOptions, NearMissEnv, main, parse_args, train
+from fsm_rollout.examples.grpo import GRPOOptions, GRPORun, main, parse_args, train
+from fsm_rollout.examples.grpo_tiny import NearMissEnv
 
 GAP_MEAN_BOUND = 1e-5
 
@@ -32,6 +33,19 @@ class MemberRewardEnv(NearMissEnv):
 
 def member_reward_env(*, sample: Sample, args: Any) -> MemberRewardEnv:
     return MemberRewardEnv(sample)
+
+
+class DrawRewardEnv(NearMissEnv):
+    """The example's environment, with a reward that follows the sampled text (its length's parity), so a screen or a
+    step on other tokens would show other rewards."""
+
+    def step(self, text: str) -> tuple[str, bool, dict[str, Any]]:
+        observation, done, _ = super().step(text)
+        return observation, done, {"reward": float(len(text) % 2)}
+
+
+def draw_reward_env(*, sample: Sample, args: Any) -> DrawRewardEnv:
+    return DrawRewardEnv(sample)
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -76,6 +90,19 @@ def test_the_command_line_checks_its_numbers() -> None:
             main(bad)
 
 
+def test_the_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("--steps STEPS optimizer steps (default: 20)", "(default: 0.002)", "(default: adamw)",
+                  "--train-threads TRAIN_THREADS", "(default: False)", "(default: None)"):  # fmt: skip
+        assert shown in text, shown
+    assert text.count("(default: ") == text.count("[--")  # every flag of the usage line but -h
+    assert parse_args(["--train-threads", "1"]).train_threads == 1
+    with pytest.raises(SystemExit):
+        parse_args(["--train-threads", "0"])
+
+
 @pytest.mark.parametrize("train_live_rows", [True, False], ids=["live-rows", "frozen"])
 def test_only_the_vocabulary_rows_in_use_learn(train_live_rows: bool) -> None:
     import torch
@@ -101,3 +128,31 @@ def test_only_the_vocabulary_rows_in_use_learn(train_live_rows: bool) -> None:
     assert torch.count_nonzero(after[~live]) == 0
     moved = (after[live] - before[live]).abs().max().item()
     assert (moved > 1e-4) if train_live_rows else (moved == 0.0)
+
+
+async def test_a_seed_keeps_the_same_questions_and_trains_the_same_at_any_thread_count() -> None:
+    """The screen's choice and the training are functions of the seed: every group is sampled with its own seed, and
+    the trainer computes on a fixed torch thread count whatever the process's default is (how a float sum is split
+    over threads changes its last bits, and a different bit in a logprob can draw a different token)."""
+    import torch
+
+    options = GRPOOptions(steps=2, groups=2, group_size=2, max_new_tokens=40, candidates=4, screen_samples=2,
+                          screen_finalists=2, env_factory=draw_reward_env)  # fmt: skip
+    before = torch.get_num_threads()
+    runs: list[tuple[str, GRPORun]] = []
+    try:
+        for threads in (1, 2, 1):
+            torch.set_num_threads(threads)  # the process's default: what the trainer's thread would otherwise take
+            out = io.StringIO()
+            run = await train(options, out=out)
+            runs.append((out.getvalue().splitlines()[0], run))
+    finally:
+        torch.set_num_threads(before)
+    (screened, first), *others = runs
+    assert screened.startswith("screen: 4 questions x 2 samples and 2 x 4 more")
+    for line, run in others:
+        assert line == screened
+        assert [(r.reward, r.gap_mean, r.gap_max, r.tokens) for r in run.reports] == [
+            (r.reward, r.gap_mean, r.gap_max, r.tokens) for r in first.reports
+        ]
+        assert run.weight_change == first.weight_change

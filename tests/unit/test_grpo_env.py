@@ -6,7 +6,7 @@ import json
 
 from fsm_rollout import Sample
 from fsm_rollout.envs.geo3k import CORRECT_FEEDBACK, INCORRECT_FEEDBACK
-from fsm_rollout.examples.grpo import NearMissEnv
+from fsm_rollout.examples.grpo_tiny import NearMissEnv
 
 
 def call(answer: str) -> str:

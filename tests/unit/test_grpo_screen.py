@@ -5,7 +5,8 @@ from __future__ import annotations
 import io
 
 from fsm_rollout import Sample
-from fsm_rollout.examples.grpo import GRPOOptions, screen
+from fsm_rollout.examples.grpo import GRPOOptions
+from fsm_rollout.examples.grpo_tiny import screen
 
 
 class FixedRewards:
