@@ -9,36 +9,20 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from fsm_rollout.engine.stop_strings import first_stop_string
 from fsm_rollout.types import TokenIds
 
 
 def stop_string_end(token_ids: TokenIds, params: Mapping[str, Any], decode: Callable[[TokenIds], str]) -> int | None:
-    """The length of the shortest prefix of ``token_ids`` whose text holds one of ``params["stop"]`` (None: none
-    does).
-
-    As vLLM, a stop string only counts once it ends past the text of the first ``params["min_tokens"]`` tokens.
+    """The length of the shortest prefix of ``token_ids`` at which vLLM would have stopped on one of
+    ``params["stop"]`` (None: it would not have), by the rule every server here uses, ``min_tokens`` floor included.
     """
     stop = params.get("stop")
-    stops = [stop] if isinstance(stop, str) else [item for item in stop or () if isinstance(item, str) and item]
-    if not stops or not token_ids:
-        return None
+    stops = [stop] if isinstance(stop, str) else [item for item in stop or () if isinstance(item, str)]
     min_tokens = params.get("min_tokens")
-    floor = len(decode(token_ids[:min_tokens])) if isinstance(min_tokens, int) and min_tokens > 0 else 0
-
-    def holds_stop(length: int) -> bool:
-        text = decode(token_ids[:length])
-        return any(text.find(item, max(0, floor + 1 - len(item))) != -1 for item in stops)
-
-    if not holds_stop(len(token_ids)):
-        return None
-    low, high = 1, len(token_ids)  # holding a stop string only grows with the prefix: binary search
-    while low < high:
-        middle = (low + high) // 2
-        if holds_stop(middle):
-            high = middle
-        else:
-            low = middle + 1
-    return low
+    floor = min_tokens if isinstance(min_tokens, int) and min_tokens > 0 else 0
+    matched = first_stop_string(token_ids, stops, lambda ids: decode(list(ids)), min_tokens=floor)
+    return None if matched is None else matched.end
 
 
 __all__ = ["stop_string_end"]
