@@ -6,12 +6,13 @@ built from the table in :mod:`fsm_rollout.lifecycle`; its callbacks talk to vLLM
 step the environment.
 
 The names here are the library's public face: running rollouts (:class:`RolloutRunner`, :class:`RolloutConfig`,
-:class:`Sample`), the extension points (an :class:`Environment` to step, :class:`RolloutHooks` to observe, a
-:class:`Transport` to carry the engine client's requests), weight updates (:class:`Suspender`), and the engines and
-pools to run against (:class:`LocalEngine`, :class:`RayRolloutPool`). ``LocalEngine`` and ``RayRolloutPool`` are
-imported on first use, so ``import fsm_rollout`` loads neither the engine's server nor Ray, and never torch. Modules
-whose docstring starts with "Internal:" (or that sit in a package whose docstring says its modules are internal)
-are the implementation: their names may change without notice.
+:class:`Sample`, and :class:`RolloutService`, the surface the runner and the Ray pool share), the extension points
+(an :class:`Environment` to step, :class:`RolloutHooks` to observe, a :class:`Transport` to carry the engine
+client's requests), weight updates (:class:`Suspender`), and the engines and pools to run against
+(:class:`LocalEngine`, :class:`RayRolloutPool`). ``LocalEngine`` and ``RayRolloutPool`` are imported on first use,
+so ``import fsm_rollout`` loads neither the engine's server nor Ray, and never torch. Modules whose docstring starts
+with "Internal:" (or that sit in a package whose docstring says its modules are internal) are the implementation:
+their names may change without notice.
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ from fsm_rollout.engine.transport import AiohttpTransport, Transport
 from fsm_rollout.env import Environment
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.hooks import RolloutHooks
+from fsm_rollout.metrics import MetricsSnapshot
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.runner import RolloutRunner
 from fsm_rollout.sample import Sample, Status
+from fsm_rollout.service import RolloutService
 from fsm_rollout.suspension import Suspender, weight_staleness
 from fsm_rollout.trace import capture_transitions, get_tracer
 
@@ -38,6 +41,7 @@ __all__ = [
     "AiohttpTransport",
     "Environment",
     "LocalEngine",
+    "MetricsSnapshot",
     "RayRolloutPool",
     "RetryPolicy",
     "Rollout",
@@ -45,6 +49,7 @@ __all__ = [
     "RolloutError",
     "RolloutHooks",
     "RolloutRunner",
+    "RolloutService",
     "Sample",
     "Status",
     "Suspender",

@@ -1,5 +1,5 @@
-"""A runner's samples waiting for a concurrency slot: :class:`Waiting` holds one until its rollout is made, and
-:class:`QueueNotingTracer` puts the wait on the rollout's first transition event (``queued_ms``)."""
+"""Internal: a runner's samples waiting for a concurrency slot: :class:`Waiting` holds one until its rollout is
+made, and :class:`QueueNotingTracer` puts the wait on the rollout's first transition event (``queued_ms``)."""
 
 from __future__ import annotations
 

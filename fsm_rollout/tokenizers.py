@@ -1,4 +1,4 @@
-"""Where a runner's tokenizer comes from: ``RolloutConfig.tokenizer_path``, else what the engine names.
+"""Internal: where a runner's tokenizer comes from: ``RolloutConfig.tokenizer_path``, else what the engine names.
 
 Without ``tokenizer_path`` the engine is asked (``GET /v1/models``): the tokenizer directory it names (the embedded
 engine does), else the path it loaded the model from (vLLM's ``root``), else the served model name. Those are

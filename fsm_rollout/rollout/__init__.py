@@ -12,6 +12,8 @@
 - :mod:`~fsm_rollout.rollout.driver`: :class:`Rollout`, the driver.
 
 The table itself is :mod:`fsm_rollout.lifecycle`.
+
+Its modules are internal: import from this package (or :mod:`fsm_rollout`).
 """
 
 from fsm_rollout.rollout.driver import Rollout

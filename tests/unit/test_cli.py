@@ -189,7 +189,7 @@ def test_the_reward_line_counts_right_answers_and_which_of_them_completed() -> N
 
 def test_what_the_readme_commands_write_in_the_checkout_is_ignored_by_git() -> None:
     root = PACKAGE.parent
-    readme = (root / "README.md").read_text()
+    readme = "\n".join(path.read_text() for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
     traces = set(re.findall(r"fsm-rollout run[^\n`]*--trace ([\w.-]+\.jsonl)", readme))
     assert "trace.jsonl" in traces and "run.jsonl" in traces, traces
     written = {str(build_parser().parse_args(["run"]).out), *traces, *(str(tape_path_for(name)) for name in traces),
