@@ -1,4 +1,7 @@
-"""The fake vLLM server itself: lifecycle, scripting, request recording and the endpoint handlers."""
+"""The fake vLLM server itself: lifecycle, scripting, request recording and its backend for the serving frame.
+
+One module of more than 500 lines: holds, pauses, aborts and continuations all act on the same waiting requests.
+"""
 
 from __future__ import annotations
 
