@@ -10,7 +10,8 @@ only in how they render a conversation and produce tokens. What a request must h
   and left out when it names vLLM's default of 16, as vLLM serialises it);
 * ``POST /inference/v1/generate``: :func:`parse_generate_request` (vLLM's field checks and ``SamplingParams``
   limits) and :func:`generate_answer` (every field of vLLM's non-streaming ``GenerateResponse``);
-* ``POST /inference/v1/abort_requests``: :func:`abort_request_ids`, answered by an empty 200 (:data:`ABORT_ANSWER`);
+* ``POST /inference/v1/abort_requests``: :func:`~fsm_rollout.engine.schema.abort_request_ids`, answered by an
+  empty 200 (unknown ids are ignored);
 * the weight-update endpoints (``VLLM_SERVER_DEV_MODE=1``): :func:`pause_query` (``mode`` as vLLM's ``PauseMode``,
   the deprecated ``wait_for_inflight_requests=true`` meaning ``wait``, and ``clear_cache`` checked as a boolean),
   ``{"status": "paused"}``, ``{"status": "resumed"}``, ``{"is_paused": bool}``, ``{"success": true,
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from http import HTTPStatus
 from typing import Any, Final, Literal
@@ -71,7 +72,6 @@ from fsm_rollout.engine.schema import (
 from fsm_rollout.types import Finish
 
 __all__ = [
-    "ABORT_ANSWER",
     "MAX_LOGPROBS",
     "NOT_FOUND",
     "PAUSED",
@@ -105,8 +105,6 @@ MAX_LOGPROBS: Final = 20
 VLLM_DEFAULT_MAX_TOKENS: Final = 16
 """``SamplingParams.max_tokens``'s default, which vLLM's render leaves out of the ``sampling_params`` it answers."""
 
-ABORT_ANSWER: Final = b""
-"""vLLM answers ``POST /inference/v1/abort_requests`` with an empty 200 (unknown ids are ignored)."""
 PAUSED: Final = {"status": "paused"}
 RESUMED: Final = {"status": "resumed"}
 UPDATED_WEIGHTS: Final = {"message": "Weights updated"}
@@ -467,11 +465,3 @@ def update_info(body: Mapping[str, Any]) -> Any:
     if info is None:
         raise RequestError(400, "Missing 'update_info' in request body", "update_info")
     return info
-
-
-def token_logprob_entries(token_ids: Sequence[int], logprobs: Sequence[float]) -> list[LogprobEntry]:
-    """``logprobs.content`` entries of tokens whose only known candidate is the sampled one (rank 1)."""
-    return [
-        {"token_id": token, "logprob": logprob, "rank": 1, "top_logprobs": []}
-        for token, logprob in zip(token_ids, logprobs, strict=True)
-    ]

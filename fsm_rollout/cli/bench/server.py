@@ -20,6 +20,9 @@ logprobs and ``weight_versions`` spans, as vLLM answers) or the hold is released
 plus those tokens) waits too, and gets the rest when the hold is released. It counts generate requests, abort
 calls and the tokens it produced, and answers a waiting control request the moment a count is reached, so the
 bench needs no polling.
+
+Why this module is long: the socket protocol, the canned answers and the hold mode act on one shared state
+(the held and parked requests and their connections), and the bench reads them as one server.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ uses with vLLM's JSON shapes:
 * ``GET /health`` and ``GET /v1/models``.
 
 Parsing, answers and errors are the serving frame's (:mod:`fsm_rollout.engine.serving`), shared with the embedded
-engine and the bench's server. Every request is recorded (``requests``); ``fail_next`` injects faults (HTTP errors, malformed JSON, dropped
-connections) ahead of the normal handling. Tokenizer work runs in one worker thread so the event loop stays
-free.
+engine and the bench's server. Every request is recorded (``requests``); ``fail_next`` injects faults (HTTP errors,
+malformed JSON, dropped connections) ahead of the normal handling. Tokenizer work runs in one worker thread so the
+event loop stays free.
 
 The parts: :mod:`~fsm_rollout.testing.fake_vllm.scripting` (scripted turns and recorded requests),
 :mod:`~fsm_rollout.testing.fake_vllm.faults` (fault injection), :mod:`~fsm_rollout.testing.fake_vllm.generation`

@@ -1,7 +1,6 @@
-"""The fake vLLM server itself: lifecycle, scripting, request recording and the endpoint handlers.
+"""The fake vLLM server itself: lifecycle, scripting, request recording and its backend for the serving frame.
 
-Why this module is long: the handlers share the server's scripted state (queued answers, holds, recorded
-requests, pause mode), and every endpoint vLLM serves is here so that a test can see each one's fake in one place.
+Why this module is long: holds, pauses, aborts and continuations all act on the same waiting requests.
 """
 
 from __future__ import annotations
