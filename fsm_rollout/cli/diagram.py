@@ -1,4 +1,4 @@
-"""``fsm-rollout diagram``: the checked-in lifecycle diagrams and the README's generated sections, kept in step.
+"""``fsm-rollout diagram``: the checked-in lifecycle diagrams and the documents' generated sections, kept in step.
 
 The command writes three files from :mod:`fsm_rollout.lifecycle` with :mod:`fsm_rollout.diagrams`:
 
@@ -6,11 +6,12 @@ The command writes three files from :mod:`fsm_rollout.lifecycle` with :mod:`fsm_
 ``lifecycle.dot``  the Graphviz source;
 ``lifecycle.svg``  ``dot -Tsvg`` of that source.
 
-and rewrites the README's generated sections (:data:`README_SECTIONS`: the lifecycle diagram, the lifecycle table,
-the command-line reference and the layout map), each between its own ``BEGIN GENERATED`` and ``END GENERATED``
-marker lines. Which README: ``--readme PATH``, or else the README.md of the fsm-rollout checkout the command runs
-in (the working directory or one above it); outside a checkout no README is touched, since a library installed
-elsewhere has no business writing one.
+and rewrites the generated sections of the checkout's documents (:data:`SECTIONS`, each naming the file it lives in:
+the README's lifecycle diagram, lifecycle table and layout map, and ``docs/cli.md``'s command-line reference), each
+between its own ``BEGIN GENERATED`` and ``END GENERATED`` marker lines. The documents are those of the fsm-rollout
+checkout the command runs in (the working directory or one above it); outside a checkout none is touched, since a
+library installed elsewhere has no business writing one. ``--readme PATH`` and ``--no-readme`` choose the README
+only: ``docs/cli.md`` is always the checkout's, so pointing the README elsewhere still keeps the reference in step.
 
 Staleness: the Mermaid text, the DOT text and the README sections are compared byte for byte, but an SVG's bytes
 depend on the graphviz version and the installed fonts. So an SVG counts as up to date when the DOT hash it records
@@ -59,10 +60,11 @@ OVERLAY_FORMATS = (".mmd", ".dot", ".gv", ".svg")
 
 EPILOG = """\
 Without --trace it writes lifecycle.mmd, lifecycle.dot and lifecycle.svg from the table in
-fsm_rollout/lifecycle.py (the SVG needs Graphviz's `dot`, and only when it is out of date), and the README's
-generated sections: the lifecycle diagram, the lifecycle table, this command-line reference and the layout map.
-The README is the one of the fsm-rollout checkout the command runs in, or --readme PATH; outside a checkout no
-README is touched. --check writes nothing and exits 1 when anything is stale.
+fsm_rollout/lifecycle.py (the SVG needs Graphviz's `dot`, and only when it is out of date), and the generated
+sections of the checkout's README.md (the lifecycle diagram, the lifecycle table and the layout map) and
+docs/cli.md (this command-line reference). --readme PATH and --no-readme choose the README only; docs/cli.md is
+always the checkout's. Outside a checkout neither is touched. --check writes nothing and exits 1 when anything is
+stale.
 
 With --trace TRACE -o FILE it draws one recorded run on the lifecycle instead: each edge with the transitions that
 took it and the share of samples that did, each state with the samples that entered it and the median of their
@@ -70,21 +72,27 @@ dwell times; --sample ID highlights one sample's path. The ending of FILE picks 
 .svg).
 
 Exit codes: 0 written (or up to date); 1 stale, under --check; 2 an error (no `dot` for an SVG, an unreadable
-trace, a README without its generated sections)."""
+trace, a README or docs/cli.md without its generated sections)."""
 
 
-# ------------------------------------------------------------------------------------------------ README sections
+# ---------------------------------------------------------------------------------------------- generated sections
+
+README = "README.md"
+CLI_DOC = "docs/cli.md"
+"""The documents holding generated sections, relative to the checkout."""
 
 
 @dataclass(frozen=True)
-class ReadmeSection:
-    """A part of the README generated from the code, between its BEGIN and END marker lines."""
+class GeneratedSection:
+    """A part of a document generated from the code, between its BEGIN and END marker lines."""
 
     name: str
     render: Callable[[], str]
     """What lies between the markers."""
     required: bool = False
-    """Whether a README without this section is an error (the others are rewritten where present)."""
+    """Whether a document without this section is an error (the others are rewritten where present)."""
+    file: str = README
+    """The document the section lives in, relative to the checkout."""
 
     @property
     def begin(self) -> str:
@@ -100,18 +108,20 @@ def readme_block(mermaid_text: str) -> str:
     return f"\n```mermaid\n{mermaid_text}```\n"
 
 
-README_SECTIONS: tuple[ReadmeSection, ...] = (
-    ReadmeSection("lifecycle diagram", lambda: readme_block(mermaid()), required=True),
-    ReadmeSection("lifecycle table", lambda: "\n" + docs.lifecycle_table()),
-    ReadmeSection("command line", lambda: "\n" + docs.command_line()),
-    ReadmeSection("layout", lambda: "\n" + docs.layout_map()),
+SECTIONS: tuple[GeneratedSection, ...] = (
+    GeneratedSection("lifecycle diagram", lambda: readme_block(mermaid()), required=True),
+    GeneratedSection("lifecycle table", lambda: "\n" + docs.lifecycle_table()),
+    GeneratedSection("command line", lambda: "\n" + docs.command_line(), required=True, file=CLI_DOC),
+    GeneratedSection("layout", lambda: "\n" + docs.layout_map()),
 )
+"""Every generated section, in the order each document holds them."""
+README_SECTIONS = tuple(section for section in SECTIONS if section.file == README)
 README_BEGIN = README_SECTIONS[0].begin
 README_END = README_SECTIONS[0].end
 
 
-def replace_section(readme_text: str, section: ReadmeSection, content: str, *, name: str = "README") -> str:
-    """The README text with ``section``'s content replaced.
+def replace_section(readme_text: str, section: GeneratedSection, content: str, *, name: str = "README") -> str:
+    """The document's text with ``section``'s content replaced.
 
     Raises :class:`DiagramError` when a required section is missing, or any section is there twice or unclosed.
     """
@@ -132,11 +142,27 @@ def replace_readme_section(readme_text: str, mermaid_text: str, *, name: str = "
     return replace_section(readme_text, README_SECTIONS[0], readme_block(mermaid_text), name=name)
 
 
+def regenerate_document(text: str, file: str, *, name: str | None = None) -> str:
+    """The text of document ``file`` (:data:`README`, :data:`CLI_DOC`) with its generated sections rewritten.
+
+    A section that lives in another document is an error rather than left to go stale where it no longer belongs
+    (a README from before the command-line reference moved to ``docs/cli.md``, say).
+    """
+    name = name or file
+    for section in SECTIONS:
+        if section.file == file:
+            text = replace_section(text, section, section.render(), name=name)
+        elif section.begin in text:
+            raise DiagramError(
+                f"{name} holds the generated {section.name} section, which lives in {section.file} now: "
+                f"delete the lines from {section.begin} to {section.end}"
+            )
+    return text
+
+
 def regenerate_readme(readme_text: str, *, name: str = "README") -> str:
     """The README text with every generated section present rewritten from the code."""
-    for section in README_SECTIONS:
-        readme_text = replace_section(readme_text, section, section.render(), name=name)
-    return readme_text
+    return regenerate_document(readme_text, README, name=name)
 
 
 # -------------------------------------------------------------------------------------------- SVG provenance
@@ -182,19 +208,32 @@ def svg_problem(svg_text: str, dot_text: str) -> str | None:
 
 @dataclass(frozen=True)
 class _Plan:
-    """The text files and README the table gives now, and what the SVG must be rendered from."""
+    """The text files and documents the code gives now, and what the SVG must be rendered from."""
 
     texts: Mapping[str, str]
     dot_text: str
-    readme_text: str | None
+    documents: Mapping[Path, tuple[str, str]]
+    """Each document's path: its name in the checkout (:data:`README`, :data:`CLI_DOC`) and its regenerated text."""
 
 
-def _plan(readme: Path | None) -> _Plan:
-    dot_text = dot()
-    readme_text = None
+def _documents(readme: Path | None, documents: Mapping[str, Path] | None) -> dict[str, Path]:
+    """Each document to rewrite, by its name in the checkout: ``documents`` and ``readme`` (which wins)."""
+    targets = dict(documents or {})
+    unknown = sorted(set(targets) - {section.file for section in SECTIONS})
+    if unknown:
+        raise DiagramError(f"no generated sections live in {', '.join(unknown)}")
     if readme is not None:
-        readme_text = regenerate_readme(_read_text(readme, "README"), name=str(readme))
-    return _Plan({MERMAID_FILE: mermaid(), DOT_FILE: dot_text}, dot_text, readme_text)
+        targets[README] = readme
+    return targets
+
+
+def _plan(readme: Path | None, documents: Mapping[str, Path] | None) -> _Plan:
+    dot_text = dot()
+    regenerated = {}
+    for file, path in _documents(readme, documents).items():
+        what = "README" if file == README else file
+        regenerated[path] = (file, regenerate_document(_read_text(path, what), file, name=str(path)))
+    return _Plan({MERMAID_FILE: mermaid(), DOT_FILE: dot_text}, dot_text, regenerated)
 
 
 def _read_text(path: Path, what: str) -> str:
@@ -213,14 +252,18 @@ def _current(path: Path) -> str | None:
         return None
 
 
-def stale_diagrams(out_dir: Path, readme: Path | None) -> list[str]:
-    """What differs between the files in ``out_dir`` (and ``readme``'s sections) and what the code gives now.
+def stale_diagrams(
+    out_dir: Path, readme: Path | None, documents: Mapping[str, Path] | None = None
+) -> list[str]:
+    """What differs between the files in ``out_dir`` (and the documents' sections) and what the code gives now.
 
-    Returns one line per stale file, empty when everything is up to date. The Mermaid and DOT files and the README
-    sections must match byte for byte; the SVG must be a rendering of the current DOT text (:func:`svg_problem`),
-    which is checked without running ``dot``.
+    ``readme`` is the README whose sections are checked (None: none); ``documents`` the other documents holding
+    generated sections, by their name in the checkout (``{CLI_DOC: path}``). Returns one line per stale file or
+    section, empty when everything is up to date. The Mermaid and DOT files and the sections must match byte for
+    byte; the SVG must be a rendering of the current DOT text (:func:`svg_problem`), which is checked without
+    running ``dot``.
     """
-    plan = _plan(readme)
+    plan = _plan(readme, documents)
     problems = []
     for name, text in plan.texts.items():
         current = _current(out_dir / name)
@@ -235,28 +278,28 @@ def stale_diagrams(out_dir: Path, readme: Path | None) -> list[str]:
         problem = svg_problem(svg, plan.dot_text)
         if problem:
             problems.append(f"{out_dir / SVG_FILE} {problem}")
-    if readme is not None and plan.readme_text is not None:
-        current_readme = _current(readme) or ""
-        for section in README_SECTIONS:
-            if replace_section(current_readme, section, section.render()) != current_readme:
-                problems.append(f"{readme}: the generated {section.name} section differs from the code")
+    for path, (file, _text) in plan.documents.items():
+        current_text = _current(path) or ""
+        for section in SECTIONS:
+            if section.file == file and replace_section(current_text, section, section.render()) != current_text:
+                problems.append(f"{path}: the generated {section.name} section differs from the code")
     return problems
 
 
-def write_diagrams(out_dir: Path, readme: Path | None) -> list[Path]:
-    """Write the diagrams into ``out_dir`` (and the generated sections of ``readme``); returns the files changed.
+def write_diagrams(out_dir: Path, readme: Path | None, documents: Mapping[str, Path] | None = None) -> list[Path]:
+    """Write the diagrams into ``out_dir`` and the documents' generated sections; returns the files changed.
 
-    Files already up to date are left alone, so regenerating an unchanged table changes nothing; the SVG is
-    re-rendered (which needs ``dot``) only when it does not match the current DOT text. Everything is computed
-    before anything is written: a missing ``dot`` or README marker leaves all files as they were.
+    ``readme`` and ``documents`` are as for :func:`stale_diagrams`. Files already up to date are left alone, so
+    regenerating an unchanged table changes nothing; the SVG is re-rendered (which needs ``dot``) only when it does
+    not match the current DOT text. Everything is computed before anything is written: a missing ``dot`` or marker
+    leaves all files as they were.
     """
-    plan = _plan(readme)
+    plan = _plan(readme, documents)
     writes: dict[Path, str] = {out_dir / name: text for name, text in plan.texts.items()}
     svg = _current(out_dir / SVG_FILE)
     if svg is None or svg_problem(svg, plan.dot_text) is not None:
         writes[out_dir / SVG_FILE] = render_svg(plan.dot_text)
-    if readme is not None and plan.readme_text is not None:
-        writes[readme] = plan.readme_text
+    writes.update({path: text for path, (_file, text) in plan.documents.items()})
     changed = [path for path, text in writes.items() if _current(path) != text]
     for path in changed:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -322,13 +365,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--readme",
         type=Path,
         metavar="PATH",
-        help="README whose generated sections are rewritten (default: the checkout's README.md; none outside one)",
+        help="README whose generated sections are rewritten (default: the checkout's README.md; none outside one); "
+        "docs/cli.md is the checkout's either way",
     )
-    readme.add_argument("--no-readme", action="store_true", help="leave the README alone")
+    readme.add_argument(
+        "--no-readme", action="store_true", help="leave the README alone (docs/cli.md is still rewritten)"
+    )
     parser.add_argument(
         "--check",
         action="store_true",
-        help="write nothing; exit 1 if any generated file or README section is stale",
+        help="write nothing; exit 1 if any generated file or section (README.md, docs/cli.md) is stale",
     )
     overlay = parser.add_argument_group("overlay of a recorded run")
     overlay.add_argument(
@@ -344,16 +390,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     overlay.add_argument("--sample", metavar="ID", help="highlight this sample's path (its sample_id)")
 
 
-def _targets(args: argparse.Namespace) -> tuple[Path, Path | None]:
-    """The diagram directory and the README (None: none) the options and the working directory give."""
+def _targets(args: argparse.Namespace) -> tuple[Path, Path | None, dict[str, Path]]:
+    """The diagram directory, the README (None: none) and the other documents the options and working directory give.
+
+    ``--readme`` and ``--no-readme`` choose the README only; the other documents are the checkout's (none outside
+    one).
+    """
     root = checkout_root()
     base = Path(os.path.relpath(root)) if root is not None else Path()
     out = args.out if args.out is not None else base / DEFAULT_OUT_DIR
+    documents = {CLI_DOC: base / CLI_DOC} if root is not None else {}
     if args.no_readme:
-        return out, None
+        return out, None, documents
     if args.readme is not None:
-        return out, args.readme
-    return out, (base / "README.md" if root is not None else None)
+        return out, args.readme, documents
+    return out, (base / README if root is not None else None), documents
 
 
 def _regenerate_command(args: argparse.Namespace) -> str:
@@ -380,9 +431,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.trace is not None:
             return _main_overlay(args)
-        out, readme = _targets(args)
+        out, readme, documents = _targets(args)
         if args.check:
-            problems = stale_diagrams(out, readme)
+            problems = stale_diagrams(out, readme, documents)
             if problems:
                 print("The lifecycle diagrams are stale:", file=sys.stderr)
                 for problem in problems:
@@ -391,7 +442,7 @@ def main(args: argparse.Namespace) -> int:
                 return 1
             print("lifecycle diagrams are up to date")
             return 0
-        changed = write_diagrams(out, readme)
+        changed = write_diagrams(out, readme, documents)
     except DiagramError as exc:
         print(f"fsm-rollout diagram: {exc}", file=sys.stderr)
         return 2
@@ -400,8 +451,8 @@ def main(args: argparse.Namespace) -> int:
     if not changed:
         print("lifecycle diagrams are up to date")
     if readme is None and not args.no_readme:
-        print("note: not inside an fsm-rollout checkout, so no README was rewritten (--readme PATH rewrites one)",
-              file=sys.stderr)
+        print(f"note: not inside an fsm-rollout checkout, so no README was rewritten, nor {CLI_DOC} "
+              "(--readme PATH rewrites a README)", file=sys.stderr)
     return 0
 
 

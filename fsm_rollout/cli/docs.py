@@ -1,8 +1,8 @@
-"""The README's generated reference texts: the lifecycle table, the command-line synopsis and the layout map.
+"""The generated reference texts: the README's lifecycle table and layout map, and docs/cli.md's command line.
 
 All are made from what the code runs (the transition table in :mod:`fsm_rollout.lifecycle`, the parsers of
 :mod:`fsm_rollout.cli`, the package's modules and their docstrings), and ``fsm-rollout diagram`` writes them between
-their README markers, so the README cannot describe a table, an option or a module that is not there. The output
+their markers, so the documents cannot describe a table, an option or a module that is not there. The output
 depends on nothing but the code (not on the terminal width or the Python version's help layout), so a check on
 another machine compares equal.
 """

@@ -54,6 +54,21 @@ def add_fake_transition(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lifecycle, "TRANSITIONS", (*lifecycle.TRANSITIONS, extra))
 
 
+CHECKED_IN_DOCUMENTS = {diagram_cli.CLI_DOC: REPO / diagram_cli.CLI_DOC}
+
+
+def fake_checkout(tmp_path: Path) -> Path:
+    """A copy of the checkout's generated files (and what marks a checkout) in ``tmp_path``."""
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "fsm-rollout"\n')
+    (tmp_path / "fsm_rollout").mkdir()
+    (tmp_path / "fsm_rollout" / "lifecycle.py").write_text("")
+    for name in ("README.md", diagram_cli.CLI_DOC, "diagrams/lifecycle.mmd", "diagrams/lifecycle.dot",
+                 "diagrams/lifecycle.svg"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(REPO / name, tmp_path / name)
+    return tmp_path
+
+
 def hide_graphviz(monkeypatch: pytest.MonkeyPatch) -> None:
     real_which = shutil.which
     monkeypatch.setattr(shutil, "which", lambda name, *a, **k: None if name == "dot" else real_which(name))
@@ -196,7 +211,7 @@ def test_missing_graphviz_leaves_every_file_unwritten(tmp_path: Path, monkeypatc
 
 
 def test_checked_in_diagrams_and_readme_section_are_up_to_date() -> None:
-    problems = diagram_cli.stale_diagrams(REPO / "diagrams", REPO / "README.md")
+    problems = diagram_cli.stale_diagrams(REPO / "diagrams", REPO / "README.md", CHECKED_IN_DOCUMENTS)
     assert not problems, "\n".join([*problems, f"Run `{diagram_cli.COMMAND}` from the repository root and commit."])
 
 
@@ -463,6 +478,16 @@ def test_the_readme_holds_every_generated_section_once() -> None:
         assert text.index(section.begin) < text.index(section.end), section.name
 
 
+def test_each_document_holds_its_own_generated_sections_once_and_no_others() -> None:
+    assert {section.file for section in diagram_cli.SECTIONS} == {"README.md", "docs/cli.md"}
+    assert [s.name for s in diagram_cli.SECTIONS if s.file == "docs/cli.md"] == ["command line"]
+    for file in {section.file for section in diagram_cli.SECTIONS}:
+        text = (REPO / file).read_text()
+        for section in diagram_cli.SECTIONS:
+            count = 1 if section.file == file else 0
+            assert text.count(section.begin) == count and text.count(section.end) == count, (file, section.name)
+
+
 def test_the_lifecycle_table_has_one_row_per_edge_in_table_order() -> None:
     rows = [row.split(" | ") for row in docs.lifecycle_table().splitlines()[3:]]
     grouped = {index for group in diagrams.catch_all_groups(lifecycle.TRANSITIONS) for index in group[1:]}
@@ -483,7 +508,7 @@ def test_an_edited_edge_description_makes_the_readme_table_stale(monkeypatch: py
     assert problems == [f"{REPO / 'README.md'}: the generated lifecycle table section differs from the code"]
 
 
-def test_an_added_option_makes_the_readme_command_line_stale(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_added_option_makes_the_docs_command_line_stale(monkeypatch: pytest.MonkeyPatch) -> None:
     from fsm_rollout.cli import serve
 
     original = serve.add_arguments
@@ -493,8 +518,58 @@ def test_an_added_option_makes_the_readme_command_line_stale(monkeypatch: pytest
         parser.add_argument("--brand-new", help="an option the README does not list")
 
     monkeypatch.setattr(serve, "add_arguments", with_extra_option)
-    problems = diagram_cli.stale_diagrams(REPO / "diagrams", REPO / "README.md")
-    assert problems == [f"{REPO / 'README.md'}: the generated command line section differs from the code"]
+    problems = diagram_cli.stale_diagrams(REPO / "diagrams", REPO / "README.md", CHECKED_IN_DOCUMENTS)
+    assert problems == [f"{REPO / 'docs/cli.md'}: the generated command line section differs from the code"]
+
+
+def test_an_edited_docs_cli_makes_check_report_it_and_writing_restores_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = fake_checkout(tmp_path)
+    monkeypatch.chdir(root / "docs")  # the checkout is found from a subdirectory too
+    assert cli_main(["diagram", "--check"]) == 0
+    cli_doc = root / "docs" / "cli.md"
+    original = cli_doc.read_text()
+    cli_doc.write_text(original.replace("### `fsm-rollout serve`", "### `fsm-rollout serve-it`"))
+    capsys.readouterr()
+    assert cli_main(["diagram", "--check"]) == 1
+    err = capsys.readouterr().err
+    assert "cli.md: the generated command line section differs from the code" in err
+    assert "README" not in err
+    assert cli_main(["diagram"]) == 0  # the diagrams are current, so no `dot` is needed
+    assert "cli.md" in capsys.readouterr().out
+    assert cli_doc.read_text() == original
+
+
+def test_no_readme_and_readme_path_leave_docs_cli_the_checkouts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = fake_checkout(tmp_path)
+    monkeypatch.chdir(root)
+    (root / "README.md").write_text("# edited, no markers\n")
+    cli_doc = root / "docs" / "cli.md"
+    cli_doc.write_text(cli_doc.read_text().replace("### `fsm-rollout run`", "### `fsm-rollout walk`"))
+    assert cli_main(["diagram", "--check", "--no-readme"]) == 1
+    err = capsys.readouterr().err
+    assert "cli.md: the generated command line section differs" in err and "README" not in err
+    other = readme_with_markers(tmp_path / "diagrams")
+    assert cli_main(["diagram", "--check", "--readme", str(other)]) == 1
+    err = capsys.readouterr().err
+    assert "cli.md: the generated command line section differs" in err and str(other) in err
+
+
+def test_a_section_in_the_wrong_document_is_an_error_naming_where_it_lives(tmp_path: Path) -> None:
+    readme = readme_with_markers(tmp_path)
+    section = next(section for section in diagram_cli.SECTIONS if section.name == "command line")
+    readme.write_text(readme.read_text() + f"{section.begin}\nold reference\n{section.end}\n")
+    with pytest.raises(diagrams.DiagramError, match=re.escape("lives in docs/cli.md now")):
+        diagram_cli.stale_diagrams(tmp_path, readme)
+    cli_doc = tmp_path / "cli.md"
+    cli_doc.write_text("# no markers\n")
+    with pytest.raises(diagrams.DiagramError, match="BEGIN GENERATED: command line"):
+        diagram_cli.stale_diagrams(tmp_path, None, {diagram_cli.CLI_DOC: cli_doc})
+    with pytest.raises(diagrams.DiagramError, match=re.escape("no generated sections live in notes.md")):
+        diagram_cli.stale_diagrams(tmp_path, None, {"notes.md": cli_doc})
 
 
 def test_the_command_line_reference_lists_every_command_and_option() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 import subprocess
 import sys
@@ -27,6 +28,18 @@ def test_readme_starts_with_its_two_commands_run_then_test() -> None:
     assert len(blocks) == 2
     assert "fsm-rollout run" in blocks[0]
     assert "pytest" in blocks[1]
+
+
+def test_the_command_line_summary_names_every_subcommand_and_links_the_reference() -> None:
+    from fsm_rollout.cli import build_parser
+
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## The command line\n", 1)[1].split("\n## ", 1)[0]
+    parser = build_parser()
+    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+    summarised = re.findall(r"^- `fsm-rollout (\S+)`: \S", section, flags=re.M)
+    assert sorted(summarised) == sorted(subcommands)  # each once, with what it does
+    assert "](docs/cli.md)" in section and (ROOT / "docs" / "cli.md").is_file()
 
 
 def test_package_is_ruff_clean() -> None:
