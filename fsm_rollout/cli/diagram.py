@@ -252,9 +252,7 @@ def _current(path: Path) -> str | None:
         return None
 
 
-def stale_diagrams(
-    out_dir: Path, readme: Path | None, documents: Mapping[str, Path] | None = None
-) -> list[str]:
+def stale_diagrams(out_dir: Path, readme: Path | None, documents: Mapping[str, Path] | None = None) -> list[str]:
     """What differs between the files in ``out_dir`` (and the documents' sections) and what the code gives now.
 
     ``readme`` is the README whose sections are checked (None: none); ``documents`` the other documents holding
@@ -435,12 +433,12 @@ def main(args: argparse.Namespace) -> int:
         if args.check:
             problems = stale_diagrams(out, readme, documents)
             if problems:
-                print("The lifecycle diagrams are stale:", file=sys.stderr)
+                print("The lifecycle diagrams or generated sections are stale:", file=sys.stderr)
                 for problem in problems:
                     print(f"  {problem}", file=sys.stderr)
                 print(f"Run `{_regenerate_command(args)}` and commit the result.", file=sys.stderr)
                 return 1
-            print("lifecycle diagrams are up to date")
+            print("lifecycle diagrams and generated sections are up to date")
             return 0
         changed = write_diagrams(out, readme, documents)
     except DiagramError as exc:
@@ -449,7 +447,7 @@ def main(args: argparse.Namespace) -> int:
     for path in changed:
         print(f"wrote {path}")
     if not changed:
-        print("lifecycle diagrams are up to date")
+        print("lifecycle diagrams and generated sections are up to date")
     if readme is None and not args.no_readme:
         print(f"note: not inside an fsm-rollout checkout, so no README was rewritten, nor {CLI_DOC} "
               "(--readme PATH rewrites a README)", file=sys.stderr)
