@@ -22,7 +22,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("fsm_rollout.cli.run", "roll a dataset out (default: the demo on the embedded CPU engine)"),
     "replay": ("fsm_rollout.cli.replay", "check a recorded run against today's machine and re-execute it offline"),
     "inspect": ("fsm_rollout.cli.inspect", "summarise a recorded run, or show one sample's timeline and text"),
-    "diagram": ("fsm_rollout.cli.diagram", "write the lifecycle diagrams and the README's generated sections"),
+    "diagram": (
+        "fsm_rollout.cli.diagram",
+        "write the lifecycle diagrams and the generated sections of README.md and docs/cli.md",
+    ),
     "serve": ("fsm_rollout.cli.serve", "run the embedded CPU engine speaking vLLM's token-in/token-out API"),
     "bench": ("fsm_rollout.cli.bench", "measure the machine and the client against plain alternatives"),
 }
