@@ -24,7 +24,6 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -80,9 +79,6 @@ class Trainer:
 
     def step(self, samples: Sequence[Sample], advantages: Sequence[float]) -> tuple[list[float], int]:
         """One optimizer step; returns every trainable token's |rollout logprob - recomputed| and the stale tokens."""
-        # How a float sum is split over threads changes its last bits: a fixed thread count keeps the run the same
-        # on any number of cores (this thread's count; torch's default for threads yet to start follows it).
-        torch.set_num_threads(self.options.train_threads)
         total = sum(sum(sample.loss_mask or []) for sample in samples) or 1
         gaps: list[float] = []
         stale = 0
@@ -125,6 +121,21 @@ class Trainer:
         return self._old[version]
 
 
+def sampling_params(options: GRPOOptions) -> dict[str, Any]:
+    """Temperature 1 (the loss's logprobs are the sampler's), each turn ending at its tool call."""
+    return {"max_new_tokens": options.max_new_tokens, "temperature": 1.0, "top_p": 1.0, "stop": ["</tool_call>"],
+            "no_stop_trim": True}  # fmt: skip
+
+
+def runner_for(engine: LocalEngine, model_dir: Path, options: GRPOOptions) -> RolloutRunner:
+    """The runner of the example's rollouts on ``engine`` (weight updates suspend rollouts in flight: ``abort``)."""
+    config = RolloutConfig(
+        engine_url=engine.url, model=engine.served_model_name, tokenizer_path=str(model_dir),
+        image_merge_size=engine.image_merge_size, max_turns=options.max_turns, weight_update_strategy="abort",
+    )  # fmt: skip
+    return RolloutRunner(config, sampling_params=sampling_params(options), env_factory=options.env_factory or build_env)
+
+
 async def rollout_step(runner: RolloutRunner, questions: Sequence[Sample], step: int, options: GRPOOptions
                        ) -> tuple[list[list[Sample]], float]:  # fmt: skip
     """One step's groups, ``options.groups`` questions taken in turn from the pool; and the wall time."""
@@ -158,43 +169,33 @@ async def train(options: GRPOOptions, *, out: Any = sys.stdout) -> GRPORun:
     started = time.perf_counter()
     candidates = practice_samples(max(options.groups, options.candidates), seed=options.question_seed,
                                   kinds=options.kinds)  # fmt: skip
-    sampling = {"max_new_tokens": options.max_new_tokens, "temperature": 1.0, "top_p": 1.0,
-                "stop": ["</tool_call>"], "no_stop_trim": True}  # fmt: skip
     reports: list[StepReport] = []
-    loop = asyncio.get_running_loop()
-    # Every trainer computation runs on this one thread (see Trainer.step for its torch thread count).
-    with ThreadPoolExecutor(1, thread_name_prefix="grpo-trainer") as pool:
-        trainer = await loop.run_in_executor(pool, Trainer, model_dir, options)
-        first_weights = trainer.weights()
-        async with LocalEngine(model_dir=model_dir, served_model_name="policy") as engine:
-            await engine.update_weight_version(trainer.version)
-            config = RolloutConfig(
-                engine_url=engine.url, model=engine.served_model_name, tokenizer_path=str(model_dir),
-                image_merge_size=engine.image_merge_size, max_turns=options.max_turns, weight_update_strategy="abort",
-            )  # fmt: skip
-            envs = options.env_factory or build_env
-            async with RolloutRunner(config, sampling_params=sampling, env_factory=envs) as runner:
-                questions = await screen(runner, candidates, options, out=out)
-                pending = asyncio.ensure_future(rollout_step(runner, questions, 0, options))
-                for step in range(options.steps):
-                    groups, rollout_s = await pending
-                    if options.asynchronous and step + 1 < options.steps:  # in flight while this step trains
-                        pending = asyncio.ensure_future(rollout_step(runner, questions, step + 1, options))
-                    trained_at = time.perf_counter()
-                    samples, advantages, dropped = training_batch(groups, trainer, options)
-                    # off the event loop, which keeps serving the rollouts in flight
-                    gaps, stale = await loop.run_in_executor(pool, trainer.step, samples, advantages)
-                    report = StepReport.of(step, groups, gaps, stale=stale, dropped=dropped, rollout_s=rollout_s,
-                                           started=trained_at)  # fmt: skip
-                    # the new weights reach the engine; samples in flight are suspended meanwhile
-                    suspensions_before = runner.metrics().suspensions
-                    async with runner.weight_update(version=trainer.version):
-                        await engine.load_weights(trainer.weights(), version=trainer.version)
-                    report.suspended = runner.metrics().suspensions - suspensions_before
-                    reports.append(report)
-                    print(report.line(), file=out, flush=True)
-                    if not options.asynchronous and step + 1 < options.steps:
-                        pending = asyncio.ensure_future(rollout_step(runner, questions, step + 1, options))
+    trainer = await asyncio.to_thread(Trainer, model_dir, options)
+    first_weights = trainer.weights()
+    async with LocalEngine(model_dir=model_dir, served_model_name="policy") as engine:
+        await engine.update_weight_version(trainer.version)
+        async with runner_for(engine, model_dir, options) as runner:
+            questions = await screen(runner, candidates, options, out=out)
+            pending = asyncio.ensure_future(rollout_step(runner, questions, 0, options))
+            for step in range(options.steps):
+                groups, rollout_s = await pending
+                if options.asynchronous and step + 1 < options.steps:  # in flight while this step trains
+                    pending = asyncio.ensure_future(rollout_step(runner, questions, step + 1, options))
+                trained_at = time.perf_counter()
+                samples, advantages, dropped = training_batch(groups, trainer, options)
+                # off the event loop, which keeps serving the rollouts in flight
+                gaps, stale = await asyncio.to_thread(trainer.step, samples, advantages)
+                report = StepReport.of(step, groups, gaps, stale=stale, dropped=dropped, rollout_s=rollout_s,
+                                       started=trained_at)  # fmt: skip
+                # the new weights reach the engine; samples in flight are suspended meanwhile
+                suspensions_before = runner.metrics().suspensions
+                async with runner.weight_update(version=trainer.version):
+                    await engine.load_weights(trainer.weights(), version=trainer.version)
+                report.suspended = runner.metrics().suspensions - suspensions_before
+                reports.append(report)
+                print(report.line(), file=out, flush=True)
+                if not options.asynchronous and step + 1 < options.steps:
+                    pending = asyncio.ensure_future(rollout_step(runner, questions, step + 1, options))
     summary = summarize(reports, time.perf_counter() - started)
     print(json.dumps(summary), file=out, flush=True)
     final = trainer.weights()

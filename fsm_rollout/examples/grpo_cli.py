@@ -33,7 +33,6 @@ class GRPOOptions:
     clip: float = 0.2
     max_staleness: int = 1
     seed: int = 0
-    train_threads: int = 2
     question_seed: int = 2_024
     candidates: int = 16
     screen_samples: int = 4
@@ -57,9 +56,8 @@ FLAGS: dict[str, tuple[str, str]] = {  # option -> (flag, help)
     "screen_samples": ("--screen-samples", "samples per screened question"),
     "screen_finalists": ("--screen-finalists", "best screened questions that get 2 x --screen-samples more (0: none)"),
     "seed": ("--seed", "seed of torch and of every group's sampling"),
-    "train_threads": ("--train-threads", "torch threads of the trainer (fixed, so runs agree across machines)"),
 }
-AT_LEAST_ONE = ("steps", "groups", "group_size", "max_turns", "max_new_tokens", "screen_samples", "train_threads")
+AT_LEAST_ONE = ("steps", "groups", "group_size", "max_turns", "max_new_tokens", "screen_samples")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> GRPOOptions:

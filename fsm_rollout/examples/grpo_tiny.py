@@ -124,7 +124,9 @@ async def screen(runner: RolloutRunner, candidates: Sequence[Sample], options: S
 
     A question the model never earns anything on, or always earns everything on, gives groups of equal rewards,
     hence zero advantages and no gradient; GRPO pipelines filter such prompts out, and so does this screen. Every
-    group is seeded from ``options.seed``, so the choice is a function of the seed and the served weights.
+    group is seeded from ``options.seed``, so on one type of CPU the choice is a function of the seed. Across CPU
+    types it may differ: torch's kernels (MKL's by CPU vendor and instruction set, ATen's by instruction set) sum in
+    other orders, a logit's last bit changes, and a sampled rollout that draws one other token goes elsewhere.
     """
     if options.candidates < options.groups or options.screen_samples < 1:
         return list(candidates[: options.groups])

@@ -11,13 +11,17 @@ from __future__ import annotations
 
 import io
 import json
+from dataclasses import replace
 from typing import Any
 
 import pytest
 
 from fsm_rollout import Sample
-from fsm_rollout.examples.grpo import GRPOOptions, GRPORun, main, parse_args, train
-from fsm_rollout.examples.grpo_tiny import NearMissEnv
+from fsm_rollout.data.practice import practice_samples
+from fsm_rollout.engine.local import LocalEngine
+from fsm_rollout.engine.local.default_model import default_model_dir
+from fsm_rollout.examples.grpo import GRPOOptions, main, parse_args, runner_for, train
+from fsm_rollout.examples.grpo_tiny import NearMissEnv, screen
 
 GAP_MEAN_BOUND = 1e-5
 
@@ -33,19 +37,6 @@ class MemberRewardEnv(NearMissEnv):
 
 def member_reward_env(*, sample: Sample, args: Any) -> MemberRewardEnv:
     return MemberRewardEnv(sample)
-
-
-class DrawRewardEnv(NearMissEnv):
-    """The example's environment, with a reward that follows the sampled text (its length's parity), so a screen or a
-    step on other tokens would show other rewards."""
-
-    def step(self, text: str) -> tuple[str, bool, dict[str, Any]]:
-        observation, done, _ = super().step(text)
-        return observation, done, {"reward": float(len(text) % 2)}
-
-
-def draw_reward_env(*, sample: Sample, args: Any) -> DrawRewardEnv:
-    return DrawRewardEnv(sample)
 
 
 @pytest.mark.parametrize("asynchronous", [False, True], ids=["sync", "async"])
@@ -95,12 +86,9 @@ def test_the_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> Non
         parse_args(["--help"])
     text = " ".join(capsys.readouterr().out.split())
     for shown in ("--steps STEPS optimizer steps (default: 20)", "(default: 0.002)", "(default: adamw)",
-                  "--train-threads TRAIN_THREADS", "(default: False)", "(default: None)"):  # fmt: skip
+                  "--max-staleness MAX_STALENESS", "(default: False)", "(default: None)"):  # fmt: skip
         assert shown in text, shown
     assert text.count("(default: ") == text.count("[--")  # every flag of the usage line but -h
-    assert parse_args(["--train-threads", "1"]).train_threads == 1
-    with pytest.raises(SystemExit):
-        parse_args(["--train-threads", "0"])
 
 
 @pytest.mark.parametrize("train_live_rows", [True, False], ids=["live-rows", "frozen"])
@@ -130,29 +118,38 @@ def test_only_the_vocabulary_rows_in_use_learn(train_live_rows: bool) -> None:
     assert (moved > 1e-4) if train_live_rows else (moved == 0.0)
 
 
-async def test_a_seed_keeps_the_same_questions_and_trains_the_same_at_any_thread_count() -> None:
-    """The screen's choice and the training are functions of the seed: every group is sampled with its own seed, and
-    the trainer computes on a fixed torch thread count whatever the process's default is (how a float sum is split
-    over threads changes its last bits, and a different bit in a logprob can draw a different token)."""
-    import torch
+class RecordingGroups:
+    """The runner, keeping the tokens of every group the screen runs."""
 
-    options = GRPOOptions(steps=2, groups=2, group_size=2, max_new_tokens=40, candidates=4, screen_samples=2,
-                          screen_finalists=2, env_factory=draw_reward_env)  # fmt: skip
-    before = torch.get_num_threads()
-    runs: list[tuple[str, GRPORun]] = []
-    try:
-        for threads in (1, 2, 1):
-            torch.set_num_threads(threads)  # the process's default: what the trainer's thread would otherwise take
-            out = io.StringIO()
-            run = await train(options, out=out)
-            runs.append((out.getvalue().splitlines()[0], run))
-    finally:
-        torch.set_num_threads(before)
-    (screened, first), *others = runs
-    assert screened.startswith("screen: 4 questions x 2 samples and 2 x 4 more")
-    for line, run in others:
-        assert line == screened
-        assert [(r.reward, r.gap_mean, r.gap_max, r.tokens) for r in run.reports] == [
-            (r.reward, r.gap_mean, r.gap_max, r.tokens) for r in first.reports
-        ]
-        assert run.weight_change == first.weight_change
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.tokens: list[list[list[int]]] = []
+
+    async def run_group(self, sample: Sample, n: int, *, seed: int) -> list[Sample]:
+        group: list[Sample] = await self.runner.run_group(sample, n, seed=seed)
+        self.tokens.append([list(member.tokens) for member in group])
+        return group
+
+
+async def screened(options: GRPOOptions, *, torch_threads: int) -> tuple[str, list[str], list[list[list[int]]]]:
+    """The screen's line, the labels it kept and every token it sampled, on an engine with ``torch_threads``."""
+    model_dir = default_model_dir()
+    candidates = practice_samples(options.candidates, seed=options.question_seed, kinds=options.kinds)
+    out = io.StringIO()
+    engine = LocalEngine(model_dir=model_dir, torch_threads=torch_threads)
+    async with engine, runner_for(engine, model_dir, options) as runner:
+        recording = RecordingGroups(runner)
+        kept = await screen(recording, candidates, options, out=out)  # type: ignore[arg-type]
+    return out.getvalue(), [str(sample.label) for sample in kept], recording.tokens
+
+
+async def test_the_screen_keeps_what_the_seed_says_at_any_engine_thread_count() -> None:
+    """Which questions the screen keeps is a function of the seed (and the served weights): every group it runs is
+    seeded, and how many threads the engine's kernels use does not change a logit."""
+    options = GRPOOptions(candidates=4, screen_samples=2, screen_finalists=2, max_new_tokens=40)
+    first = await screened(options, torch_threads=1)
+    assert first[0].startswith("screen: 4 questions x 2 samples and 2 x 4 more") and len(first[1]) == 2
+    assert await screened(options, torch_threads=1) == first
+    assert await screened(options, torch_threads=2) == first
+    other = await screened(replace(options, seed=1), torch_threads=1)
+    assert other[2] != first[2], "the run's seed did not reach the sampler"
