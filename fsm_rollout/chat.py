@@ -90,6 +90,7 @@ TOOL_SHAPE: Final = "tool"
 DUMMY_PREFIXES: Mapping[str, tuple[dict[str, Any], ...]] = {USER_SHAPE: DUMMY_MESSAGES, TOOL_SHAPE: TOOL_DUMMY_MESSAGES}
 """The dummy prefix of each observation shape."""
 
+
 def observation_shape(messages: Sequence[Mapping[str, Any]]) -> str:
     """The shape of an observation: ``"tool"`` when its first message is a ``tool`` message, else ``"user"``."""
     return TOOL_SHAPE if messages and messages[0].get("role") == "tool" else USER_SHAPE

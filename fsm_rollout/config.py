@@ -137,9 +137,7 @@ class RolloutConfig:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError("model (the served model name) must be a non-empty string")
         if self.weight_update_strategy not in ("abort", "keep"):
-            raise ConfigError(
-                f"weight_update_strategy must be 'abort' or 'keep', got {self.weight_update_strategy!r}"
-            )
+            raise ConfigError(f"weight_update_strategy must be 'abort' or 'keep', got {self.weight_update_strategy!r}")
         if self.record and (self.trace is None or str(self.trace) in ("off", "stdout", "-")):
             raise ConfigError("record=True needs a trace file path: the I/O tape is written beside the trace")
         if self.rollout_max_context_len is not None and (
@@ -172,11 +170,14 @@ class RolloutConfig:
                 f"image_placeholder_token must be a non-empty string, got {self.image_placeholder_token!r}"
             )
         if self.loop_slice_ms is not None and (
-            not isinstance(self.loop_slice_ms, int | float) or isinstance(self.loop_slice_ms, bool)
-            or not math.isfinite(self.loop_slice_ms) or self.loop_slice_ms <= 0
+            not isinstance(self.loop_slice_ms, int | float)
+            or isinstance(self.loop_slice_ms, bool)
+            or not math.isfinite(self.loop_slice_ms)
+            or self.loop_slice_ms <= 0
         ):
-            raise ConfigError(f"loop_slice_ms must be a positive number of milliseconds or None, "
-                              f"got {self.loop_slice_ms!r}")
+            raise ConfigError(
+                f"loop_slice_ms must be a positive number of milliseconds or None, got {self.loop_slice_ms!r}"
+            )
         if self.image_merge_size is not None and (not _is_int(self.image_merge_size) or self.image_merge_size < 1):
             raise ConfigError(f"image_merge_size must be a positive integer or None, got {self.image_merge_size!r}")
         if self.env_executor not in ("inline", "thread"):
@@ -185,8 +186,9 @@ class RolloutConfig:
             raise ConfigError(f"env_max_workers must be a positive integer, got {self.env_max_workers!r}")
         for name in ("env_step_timeout_s", "rollout_timeout_s"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)
-                                      or not math.isfinite(value) or value <= 0):
+            if value is not None and (
+                not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value <= 0
+            ):
                 raise ConfigError(f"{name} must be a positive number of seconds or None, got {value!r}")
         servers = self.servers_behind_router
         if isinstance(servers, str) or not isinstance(servers, list | tuple):
@@ -255,8 +257,10 @@ class RolloutConfig:
         values = {RENAMED_FIELDS.get(key, key): value for key, value in data.items()}
         unknown = cls.unknown_keys(values)
         if unknown and not ignore_unknown:
-            raise ConfigError(f"RolloutConfig has no field(s) {', '.join(map(repr, unknown))}; its fields are "
-                              f"{', '.join(sorted(_FIELD_NAMES))}")
+            raise ConfigError(
+                f"RolloutConfig has no field(s) {', '.join(map(repr, unknown))}; its fields are "
+                f"{', '.join(sorted(_FIELD_NAMES))}"
+            )
         values = {key: value for key, value in values.items() if key in _FIELD_NAMES and key not in _NOT_DATA}
         retry = values.pop("retry", None)
         if isinstance(retry, Mapping):

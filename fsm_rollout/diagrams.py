@@ -288,7 +288,9 @@ def build_overlay(events: Iterable[Mapping[str, Any]], sample: str | None = None
         ),
         states={
             name: StateUsage(
-                len(entered[name]), statistics.median(dwell[name]) if dwell[name] else None, name in sample_states,
+                len(entered[name]),
+                statistics.median(dwell[name]) if dwell[name] else None,
+                name in sample_states,
                 statistics.median(queued) if queued and name == lifecycle.INITIAL else None,
             )
             for name in entered
@@ -590,4 +592,3 @@ def render_svg(dot_text: str) -> str:
     provenance = f"<!-- Rendered by fsm-rollout diagram from DOT sha256={dot_sha256(dot_text)} with {version} -->\n"
     svg, replaced = _GRAPHVIZ_COMMENT.subn(lambda _match: provenance, result.stdout.decode(), count=1)
     return svg if replaced else provenance + svg
-

@@ -145,6 +145,7 @@ def env_thread_pool(max_workers: int) -> ThreadPoolExecutor:
     with _POOLS_LOCK:
         pool = _POOLS.get(max_workers)
         if pool is None:
-            pool = _POOLS[max_workers] = ThreadPoolExecutor(max_workers=max_workers,
-                                                            thread_name_prefix="fsm-rollout-env")
+            pool = _POOLS[max_workers] = ThreadPoolExecutor(
+                max_workers=max_workers, thread_name_prefix="fsm-rollout-env"
+            )
         return pool

@@ -127,8 +127,10 @@ def machine_class() -> type[Machine]:
 def _require_callables(where: str, funcs: Iterable[Any]) -> None:
     for func in funcs:
         if not callable(func):
-            raise TypeError(f"LifecycleMachine takes callables only, got {func!r} in {where} "
-                            "(use transitions.Machine for callbacks named by string)")
+            raise TypeError(
+                f"LifecycleMachine takes callables only, got {func!r} in {where} "
+                "(use transitions.Machine for callbacks named by string)"
+            )
 
 
 class LeanState(State):
@@ -215,8 +217,12 @@ class LeanEvent(Event):
                 try:
                     machine.callbacks(machine.finalize_event, event_data)
                 except BaseException as error:  # like transitions: logged, not raised
-                    _LOGGER.error("%sWhile executing finalize callbacks a %s occurred: %s.",
-                                  machine.name, type(error).__name__, error)
+                    _LOGGER.error(
+                        "%sWhile executing finalize callbacks a %s occurred: %s.",
+                        machine.name,
+                        type(error).__name__,
+                        error,
+                    )
         return bool(event_data.result)
 
     def _process(self, event_data: EventData) -> bool:
@@ -253,8 +259,10 @@ class LifecycleMachine(Machine):
         if model is not None:
             raise ValueError("LifecycleMachine holds no models: pass the model to machine.events[name].trigger")
         if send_event:
-            raise ValueError("LifecycleMachine calls guards and callbacks with the trigger's arguments: "
-                             "send_event=True needs transitions.Machine")
+            raise ValueError(
+                "LifecycleMachine calls guards and callbacks with the trigger's arguments: "
+                "send_event=True needs transitions.Machine"
+            )
         if queued:
             raise ValueError("LifecycleMachine runs each trigger directly: queued=True needs transitions.Machine")
         super().__init__(model=None, send_event=False, queued=False, **kwargs)
@@ -264,10 +272,17 @@ class LifecycleMachine(Machine):
     def add_model(self, model: Any, initial: Any = None) -> None:
         raise ValueError("LifecycleMachine holds no models: pass the model to machine.events[name].trigger")
 
-    def add_states(self, states: Any, on_enter: Any = None, on_exit: Any = None,
-                   ignore_invalid_triggers: bool | None = None, **kwargs: Any) -> None:
-        super().add_states(states, on_enter=on_enter, on_exit=on_exit,
-                           ignore_invalid_triggers=ignore_invalid_triggers, **kwargs)
+    def add_states(
+        self,
+        states: Any,
+        on_enter: Any = None,
+        on_exit: Any = None,
+        ignore_invalid_triggers: bool | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().add_states(
+            states, on_enter=on_enter, on_exit=on_exit, ignore_invalid_triggers=ignore_invalid_triggers, **kwargs
+        )
         for state in self.states.values():
             _require_callables(f"state {state.name!r}", [*state.on_enter, *state.on_exit])
 

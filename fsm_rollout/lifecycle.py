@@ -32,9 +32,24 @@ from fsm_rollout import lean_machine
 from fsm_rollout.lean_machine import LeanCondition, LeanEvent, LeanState, LeanTransition, LifecycleMachine
 
 __all__ = [  # the lean classes are re-exported: they used to live here
-    "INITIAL", "NON_TERMINAL", "STATES", "STATE_BY_NAME", "TERMINAL", "TRANSITIONS", "TRIGGERS",
-    "Edge", "LeanCondition", "LeanEvent", "LeanState", "LeanTransition", "LifecycleMachine", "StateSpec",
-    "action_names", "activity_names", "build_machine", "guard_names",
+    "INITIAL",
+    "NON_TERMINAL",
+    "STATES",
+    "STATE_BY_NAME",
+    "TERMINAL",
+    "TRANSITIONS",
+    "TRIGGERS",
+    "Edge",
+    "LeanCondition",
+    "LeanEvent",
+    "LeanState",
+    "LeanTransition",
+    "LifecycleMachine",
+    "StateSpec",
+    "action_names",
+    "activity_names",
+    "build_machine",
+    "guard_names",
 ]
 
 
@@ -74,68 +89,173 @@ class Edge:
 INITIAL = "pending"
 
 STATES: tuple[StateSpec, ...] = (
-    StateSpec("pending", activity=("open_environment", "request_render"), trigger="render",
-              doc="build and reset the environment, render the prompt (one HTTP call)"),
+    StateSpec(
+        "pending",
+        activity=("open_environment", "request_render"),
+        trigger="render",
+        doc="build and reset the environment, render the prompt (one HTTP call)",
+    ),
     StateSpec("rendered", trigger="generate", doc="prompt tokens and response budget known"),
-    StateSpec("generating", activity=("request_turn",), trigger="step",
-              doc="one generate request in flight, its answer parsed and validated"),
-    StateSpec("suspended", activity=("await_resume",), trigger="resume",
-              doc="waiting out a weight update; the partial turn is kept"),
+    StateSpec(
+        "generating",
+        activity=("request_turn",),
+        trigger="step",
+        doc="one generate request in flight, its answer parsed and validated",
+    ),
+    StateSpec(
+        "suspended",
+        activity=("await_resume",),
+        trigger="resume",
+        doc="waiting out a weight update; the partial turn is kept",
+    ),
     StateSpec("stepping", activity=("step_environment",), trigger="observe", doc="`env.step(text)`"),
-    StateSpec("observing", activity=("encode_observation",), trigger="generate",
-              doc="`format_observation`, text check, boundary tokens"),
+    StateSpec(
+        "observing",
+        activity=("encode_observation",),
+        trigger="generate",
+        doc="`format_observation`, text check, boundary tokens",
+    ),
     StateSpec("completed", terminal=True, on_arrival=("finalize", "close_environment")),
     StateSpec("truncated", terminal=True, on_arrival=("finalize", "close_environment")),
     StateSpec("aborted", terminal=True, on_arrival=("finalize", "close_environment")),
-    StateSpec("failed", terminal=True,
-              on_arrival=("record_failure", "salvage_response", "close_environment_after_error")),
+    StateSpec(
+        "failed", terminal=True, on_arrival=("record_failure", "salvage_response", "close_environment_after_error")
+    ),
 )
 
 NON_TERMINAL: tuple[str, ...] = tuple(state.name for state in STATES if not state.terminal)
 TERMINAL: frozenset[str] = frozenset(state.name for state in STATES if state.terminal)
 
 TRANSITIONS: tuple[Edge, ...] = (
-    Edge("render", "pending", "rendered", actions=("start_response",),
-         work="the response is started, the budget computed"),
-    Edge("generate", "rendered", "truncated", guard="budget_exhausted", reason="budget_exhausted",
-         work="no request sent"),
+    Edge(
+        "render",
+        "pending",
+        "rendered",
+        actions=("start_response",),
+        work="the response is started, the budget computed",
+    ),
+    Edge(
+        "generate", "rendered", "truncated", guard="budget_exhausted", reason="budget_exhausted", work="no request sent"
+    ),
     Edge("generate", "rendered", "generating"),
-    Edge("generate", "observing", "truncated", guard="observation_exceeds_budget",
-         reason="insufficient_budget_for_next_turn", actions=("note_observation_truncation",),
-         work="nothing appended"),
-    Edge("generate", "observing", "generating", actions=("append_observation", "next_turn"),
-         work="observation appended (mask 0), next turn"),
-    Edge("suspend", "generating", "suspended", actions=("hold_partial_turn",),
-         work="the request in flight is aborted at the engine; the tokens it produced are kept as the partial turn"),
-    Edge("resume", "suspended", "generating",
-         work="the same turn continues: its tokens so far are sent, `max_tokens` is what the budget has left"),
-    Edge("hand_back", "suspended", "aborted", reason="handed_back", actions=("hand_back",),
-         work="back to the caller (`partial_rollout`): the resume state is kept, the environment snapshotted and "
-              "closed"),
-    Edge("step", "generating", "aborted", guard="server_aborted", reason="server_abort",
-         work="that turn's tokens are dropped"),
-    Edge("step", "generating", "truncated", guard="no_budget_for_stop_eos",
-         reason="insufficient_budget_for_stop_eos", actions=("append_turn", "note_stop_eos_truncation"),
-         work="turn appended, no EOS"),
-    Edge("step", "generating", "truncated", guard="finished_by_length", reason="length", actions=("append_turn",),
-         work="turn appended; the environment is not stepped"),
-    Edge("step", "generating", "stepping", guard="stop_eos_due", actions=("append_turn", "append_stop_eos"),
-         work="turn appended, then the masked EOS"),
+    Edge(
+        "generate",
+        "observing",
+        "truncated",
+        guard="observation_exceeds_budget",
+        reason="insufficient_budget_for_next_turn",
+        actions=("note_observation_truncation",),
+        work="nothing appended",
+    ),
+    Edge(
+        "generate",
+        "observing",
+        "generating",
+        actions=("append_observation", "next_turn"),
+        work="observation appended (mask 0), next turn",
+    ),
+    Edge(
+        "suspend",
+        "generating",
+        "suspended",
+        actions=("hold_partial_turn",),
+        work="the request in flight is aborted at the engine; the tokens it produced are kept as the partial turn",
+    ),
+    Edge(
+        "resume",
+        "suspended",
+        "generating",
+        work="the same turn continues: its tokens so far are sent, `max_tokens` is what the budget has left",
+    ),
+    Edge(
+        "hand_back",
+        "suspended",
+        "aborted",
+        reason="handed_back",
+        actions=("hand_back",),
+        work="back to the caller (`partial_rollout`): the resume state is kept, the environment snapshotted and closed",
+    ),
+    Edge(
+        "step",
+        "generating",
+        "aborted",
+        guard="server_aborted",
+        reason="server_abort",
+        work="that turn's tokens are dropped",
+    ),
+    Edge(
+        "step",
+        "generating",
+        "truncated",
+        guard="no_budget_for_stop_eos",
+        reason="insufficient_budget_for_stop_eos",
+        actions=("append_turn", "note_stop_eos_truncation"),
+        work="turn appended, no EOS",
+    ),
+    Edge(
+        "step",
+        "generating",
+        "truncated",
+        guard="finished_by_length",
+        reason="length",
+        actions=("append_turn",),
+        work="turn appended; the environment is not stepped",
+    ),
+    Edge(
+        "step",
+        "generating",
+        "stepping",
+        guard="stop_eos_due",
+        actions=("append_turn", "append_stop_eos"),
+        work="turn appended, then the masked EOS",
+    ),
     Edge("step", "generating", "stepping", actions=("append_turn",), work="turn appended"),
     Edge("observe", "stepping", "completed", guard="env_done", reason="env_done"),
-    Edge("observe", "stepping", "truncated", guard="turn_limit_reached", reason="max_turns",
-         work="no observation appended"),
+    Edge(
+        "observe",
+        "stepping",
+        "truncated",
+        guard="turn_limit_reached",
+        reason="max_turns",
+        work="no observation appended",
+    ),
     Edge("observe", "stepping", "observing"),
-    *(Edge("env_timeout", state, "truncated", reason="env_timeout", actions=("note_timeout",),
-           work="an environment call ran past `env_step_timeout_s`; the data so far is kept")
-      for state in ("pending", "stepping", "observing", "suspended")),
-    *(Edge("rollout_timeout", state, "truncated", reason="rollout_timeout", actions=("note_timeout",),
-           work="the rollout ran past `rollout_timeout_s` (time suspended excluded); the data so far is kept")
-      for state in NON_TERMINAL),
-    *(Edge("abort", state, "aborted", actions=("note_abort",),
-           work="the reason is the caller's (`cancelled`, `weight_update`, …)") for state in NON_TERMINAL),
-    *(Edge("fail", state, "failed", work="reason `error`; the error is recorded, the sample's data so far is kept")
-      for state in NON_TERMINAL),
+    *(
+        Edge(
+            "env_timeout",
+            state,
+            "truncated",
+            reason="env_timeout",
+            actions=("note_timeout",),
+            work="an environment call ran past `env_step_timeout_s`; the data so far is kept",
+        )
+        for state in ("pending", "stepping", "observing", "suspended")
+    ),
+    *(
+        Edge(
+            "rollout_timeout",
+            state,
+            "truncated",
+            reason="rollout_timeout",
+            actions=("note_timeout",),
+            work="the rollout ran past `rollout_timeout_s` (time suspended excluded); the data so far is kept",
+        )
+        for state in NON_TERMINAL
+    ),
+    *(
+        Edge(
+            "abort",
+            state,
+            "aborted",
+            actions=("note_abort",),
+            work="the reason is the caller's (`cancelled`, `weight_update`, …)",
+        )
+        for state in NON_TERMINAL
+    ),
+    *(
+        Edge("fail", state, "failed", work="reason `error`; the error is recorded, the sample's data so far is kept")
+        for state in NON_TERMINAL
+    ),
 )
 """The transition table. ``abort`` takes the caller's reason (``cancelled``, ``weight_update``, ...)."""
 

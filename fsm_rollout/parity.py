@@ -178,15 +178,20 @@ def check_template_parity(
         what="conversation template",
     )
     tokens = list(sample.tokens)
-    pad = image_pad_token_id(tokenizer, image_placeholder_token) if hasattr(tokenizer, "convert_tokens_to_ids") \
-        else None
+    pad = (
+        image_pad_token_id(tokenizer, image_placeholder_token) if hasattr(tokenizer, "convert_tokens_to_ids") else None
+    )
     difference = _first_difference(tokens, rendered, pad)
     if difference is None:
         return ParityReport(ok=True, sample_length=len(tokens), rendered_length=len(rendered))
     position, rendered_position = difference
     if position == len(tokens) and conversation.segments[-1].kind == "turn":
-        return ParityReport(ok=True, sample_length=len(tokens), rendered_length=len(rendered),
-                            trailing=len(rendered) - rendered_position)
+        return ParityReport(
+            ok=True,
+            sample_length=len(tokens),
+            rendered_length=len(rendered),
+            trailing=len(rendered) - rendered_position,
+        )
 
     def decode(ids: Sequence[int]) -> str:
         text: str = tokenizer.decode(list(ids), skip_special_tokens=False)
@@ -280,8 +285,11 @@ def _observation_records(
         end = record.get("end") if isinstance(record, dict) else None
         observed = record.get("messages") if isinstance(record, dict) else None
         if (
-            type(start) is not int or type(end) is not int or not 0 <= start <= end <= response_length
-            or not isinstance(observed, list) or not all(isinstance(message, dict) for message in observed)
+            type(start) is not int
+            or type(end) is not int
+            or not 0 <= start <= end <= response_length
+            or not isinstance(observed, list)
+            or not all(isinstance(message, dict) for message in observed)
         ):
             raise ParityInputError(
                 f"sample {sample_index!r}: observation record {number} must be {{'start', 'end', 'messages'}} "

@@ -159,9 +159,9 @@ def turn_to_json(turn: GeneratedTurn) -> dict[str, Any]:
             "spec_verify_ct": meta.spec_verify_ct,
             "top_p_token_ids": meta.top_p_token_ids,
             "top_p_token_offsets": meta.top_p_token_offsets,
-            "weight_version_spans": None if meta.weight_version_spans is None else [
-                list(span) for span in meta.weight_version_spans
-            ],
+            "weight_version_spans": None
+            if meta.weight_version_spans is None
+            else [list(span) for span in meta.weight_version_spans],
         },
     }
 

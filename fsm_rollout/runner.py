@@ -316,7 +316,11 @@ class RolloutRunner:
             raise
 
     async def run_batch(
-        self, samples: Iterable[Sample], *, concurrency: int = 64, sample_ids: Sequence[str | None] = (),
+        self,
+        samples: Iterable[Sample],
+        *,
+        concurrency: int = 64,
+        sample_ids: Sequence[str | None] = (),
         seeds: Sequence[int | None] = (),
     ) -> list[Sample]:
         """Run samples with at most ``concurrency`` in flight; returns them in input order.
@@ -332,7 +336,11 @@ class RolloutRunner:
             return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
 
     def stream(
-        self, samples: Iterable[Sample], *, concurrency: int = 64, sample_ids: Sequence[str | None] = (),
+        self,
+        samples: Iterable[Sample],
+        *,
+        concurrency: int = 64,
+        sample_ids: Sequence[str | None] = (),
         seeds: Sequence[int | None] = (),
     ) -> AsyncIterator[Sample]:
         """Yield samples as they finish (at most ``concurrency`` in flight), for asynchronous RL trainers.
@@ -474,5 +482,12 @@ def _positive(value: int) -> int:
     return value
 
 
-__all__ = ["NOT_STARTED", "ConsistentHashRing", "MetricsSnapshot", "RolloutRunner", "group_members", "group_seeds",
-           "load_tokenizer"]
+__all__ = [
+    "NOT_STARTED",
+    "ConsistentHashRing",
+    "MetricsSnapshot",
+    "RolloutRunner",
+    "group_members",
+    "group_seeds",
+    "load_tokenizer",
+]

@@ -37,7 +37,11 @@ class RolloutService(Protocol):
         ...
 
     async def run_batch(
-        self, samples: Iterable[Sample], *, concurrency: int = 64, sample_ids: Sequence[str | None] = (),
+        self,
+        samples: Iterable[Sample],
+        *,
+        concurrency: int = 64,
+        sample_ids: Sequence[str | None] = (),
         seeds: Sequence[int | None] = (),
     ) -> list[Sample]:
         """Run samples, at most ``concurrency`` in flight (per worker for a pool); returns them in input order,
@@ -45,7 +49,11 @@ class RolloutService(Protocol):
         ...
 
     def stream(
-        self, samples: Iterable[Sample], *, concurrency: int = 64, sample_ids: Sequence[str | None] = (),
+        self,
+        samples: Iterable[Sample],
+        *,
+        concurrency: int = 64,
+        sample_ids: Sequence[str | None] = (),
         seeds: Sequence[int | None] = (),
     ) -> AsyncIterator[Sample]:
         """Yield samples as they finish; they are queued when this is called."""

@@ -236,8 +236,9 @@ class Suspender:
                 *(client.abort(ids) for client, ids in by_engine.values()), return_exceptions=True
             )
             self.stats.abort_calls += len(by_engine)
-            self.stats.errors.extend(f"{type(error).__name__}: {error}" for error in results
-                                     if isinstance(error, BaseException))
+            self.stats.errors.extend(
+                f"{type(error).__name__}: {error}" for error in results if isinstance(error, BaseException)
+            )
             try:
                 await asyncio.wait_for(self._drained.wait(), self.abort_retry_s)
             except TimeoutError:

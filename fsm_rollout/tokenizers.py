@@ -28,9 +28,7 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False, local_files_on
     """
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(
-        path, trust_remote_code=trust_remote_code, local_files_only=local_files_only
-    )
+    return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=local_files_only)
 
 
 @dataclass(frozen=True)

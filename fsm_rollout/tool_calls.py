@@ -134,9 +134,11 @@ def parse_tool_calls(text: str, *, read_unclosed: bool = False, loads: Loads | N
             raw, end, closed = text[body_start:body_end], body_end, False
         position = end
         if not closed and (reopen >= 0 or not read_unclosed):
-            problems.append(ToolCallProblem(
-                "unclosed_tag", f"{OPEN_TAG} at character {start} has no {CLOSE_TAG}.", raw, start, end, index
-            ))
+            problems.append(
+                ToolCallProblem(
+                    "unclosed_tag", f"{OPEN_TAG} at character {start} has no {CLOSE_TAG}.", raw, start, end, index
+                )
+            )
         else:
             block = _read_block(raw, start, end, index, closed, decode)
             if isinstance(block, ToolCall):
@@ -176,12 +178,20 @@ def _read_block(raw: str, start: int, end: int, index: int, closed: bool, decode
     if isinstance(arguments, str):
         arguments, error = _decode(arguments, decode)
         if error is not None:
-            return problem("malformed_arguments", f"The {name} arguments string is not valid JSON ({error}).",
-                           name=name, detail=error)
+            return problem(
+                "malformed_arguments",
+                f"The {name} arguments string is not valid JSON ({error}).",
+                name=name,
+                detail=error,
+            )
     if not isinstance(arguments, dict):
         kind = _json_type(arguments)
-        return problem("arguments_not_object", f'The {name} call\'s "arguments" must be an object, not {kind}.',
-                       name=name, detail=kind)
+        return problem(
+            "arguments_not_object",
+            f'The {name} call\'s "arguments" must be an object, not {kind}.',
+            name=name,
+            detail=kind,
+        )
     return ToolCall(name, arguments, raw, start, end, index, payload=payload, closed=closed)
 
 

@@ -168,8 +168,9 @@ def illegal_steps(events: list[dict[str, Any]]) -> list[str]:
             problems.append(f"event {number} of {key}: {step} is not an edge of the table")
         state_of[key] = event["dst"]
         handed_back[key] = event["trigger"] == "hand_back"
-    problems.extend(f"{key} ended in non-terminal {state}" for key, state in state_of.items()
-                    if state not in lifecycle.TERMINAL)
+    problems.extend(
+        f"{key} ended in non-terminal {state}" for key, state in state_of.items() if state not in lifecycle.TERMINAL
+    )
     return problems
 
 

@@ -89,8 +89,9 @@ async def test_run_returns_the_finished_sample(contract: Contract) -> None:
 async def test_a_batch_comes_back_in_input_order_named_and_seeded_by_position(contract: Contract) -> None:
     script(contract.server, "batch", 4)
     before = contract.service.metrics().samples_done
-    done = await contract.service.run_batch(samples("batch", 4), concurrency=2,
-                                            sample_ids=[f"named-{i}" for i in range(4)], seeds=[70, 71, 72, 73])
+    done = await contract.service.run_batch(
+        samples("batch", 4), concurrency=2, sample_ids=[f"named-{i}" for i in range(4)], seeds=[70, 71, 72, 73]
+    )
     assert [sample.response for sample in done] == [f"answer batch{i}" for i in range(4)]
     assert seeds_sent(contract.server, "batch") == {f"batch{i}": 70 + i for i in range(4)}
     assert {f"named-{i}" for i in range(4)} <= traced_sample_ids(contract.trace_dir)

@@ -54,4 +54,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     code: int = args._module.main(args)
     return code
-

@@ -39,10 +39,19 @@ def add_process_settings(group: argparse._ActionsContainer) -> None:
 
     ``group`` is a parser or an argument group. ``--no-defer-full-gc`` is the former name of ``--no-tune-gc``.
     """
-    group.add_argument("--loop-slice-ms", type=float, default=DEFAULT_LOOP_SLICE_MS, metavar="MS",
-                       help="event-loop time per iteration that rollouts' CPU work aims to stay within; "
-                            "0 turns pacing off (default: %(default)s)")
-    group.add_argument("--no-tune-gc", action="store_true",
-                       help="leave Python's garbage collector on its default schedule while rollouts run")
-    group.add_argument("--no-defer-full-gc", dest="no_tune_gc", action="store_true",
-                       help=argparse.SUPPRESS)  # its former name, so existing scripts still run
+    group.add_argument(
+        "--loop-slice-ms",
+        type=float,
+        default=DEFAULT_LOOP_SLICE_MS,
+        metavar="MS",
+        help="event-loop time per iteration that rollouts' CPU work aims to stay within; "
+        "0 turns pacing off (default: %(default)s)",
+    )
+    group.add_argument(
+        "--no-tune-gc",
+        action="store_true",
+        help="leave Python's garbage collector on its default schedule while rollouts run",
+    )
+    group.add_argument(
+        "--no-defer-full-gc", dest="no_tune_gc", action="store_true", help=argparse.SUPPRESS
+    )  # its former name, so existing scripts still run

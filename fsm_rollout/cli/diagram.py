@@ -449,8 +449,11 @@ def main(args: argparse.Namespace) -> int:
     if not changed:
         print("lifecycle diagrams and generated sections are up to date")
     if readme is None and not args.no_readme:
-        print(f"note: not inside an fsm-rollout checkout, so no README was rewritten, nor {CLI_DOC} "
-              "(--readme PATH rewrites a README)", file=sys.stderr)
+        print(
+            f"note: not inside an fsm-rollout checkout, so no README was rewritten, nor {CLI_DOC} "
+            "(--readme PATH rewrites a README)",
+            file=sys.stderr,
+        )
     return 0
 
 

@@ -62,9 +62,7 @@ def lifecycle_table() -> str:
         guard = f"`{edge.guard}`" if edge.guard else ""
         reason = f"`{edge.reason}`" if edge.reason else ""
         work = _work(edge.work, lifecycle.STATE_BY_NAME[edge.dest]) if edge.dest in lifecycle.STATE_BY_NAME else ""
-        rows.append(
-            f"| {source} | {edge.trigger} | {_cell(guard)} | {edge.dest} | {_cell(reason)} | {_cell(work)} |"
-        )
+        rows.append(f"| {source} | {edge.trigger} | {_cell(guard)} | {edge.dest} | {_cell(reason)} | {_cell(work)} |")
     return "\n".join(rows) + "\n"
 
 
@@ -155,8 +153,17 @@ def command_line() -> str:
     for name, (_module, help_text) in SUBCOMMANDS.items():
         parser = parsers[name]
         prog = f"fsm-rollout {name}"
-        block = [f"### `{prog}`", "", help_text[0].upper() + help_text[1:] + ".", "", "```text",
-                 _synopsis(prog, parser), "```", "", *_option_rows(parser)]
+        block = [
+            f"### `{prog}`",
+            "",
+            help_text[0].upper() + help_text[1:] + ".",
+            "",
+            "```text",
+            _synopsis(prog, parser),
+            "```",
+            "",
+            *_option_rows(parser),
+        ]
         if parser.epilog:
             block += ["", parser.epilog]
         blocks.append("\n".join(block))

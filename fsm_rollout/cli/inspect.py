@@ -43,16 +43,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fsm-rollout inspect``."""
     parser.epilog = EPILOG
     parser.add_argument("trace", type=Path, metavar="TRACE", help="the transition trace (JSONL), or a tape")
-    parser.add_argument("--tape", type=Path, metavar="FILE",
-                        help="the I/O tape (default: beside the trace), for decoded text")
-    parser.add_argument("--sample", metavar="ID",
-                        help="show this sample's timeline instead of the batch summary; a sample id that ran "
-                             "more than once shows every run, named ID#1, ID#2, ... (give ID#N for one of them); "
-                             "a group id (7) shows its members (7.0, 7.1, ...)")
-    parser.add_argument("--tokenizer", metavar="PATH",
-                        help="tokenizer for decoding text (default: the one the recording used)")
-    parser.add_argument("--color", choices=["auto", "always", "never"], default="auto",
-                        help="colour trainable/masked text (default: when printing to a terminal)")
+    parser.add_argument(
+        "--tape", type=Path, metavar="FILE", help="the I/O tape (default: beside the trace), for decoded text"
+    )
+    parser.add_argument(
+        "--sample",
+        metavar="ID",
+        help="show this sample's timeline instead of the batch summary; a sample id that ran "
+        "more than once shows every run, named ID#1, ID#2, ... (give ID#N for one of them); "
+        "a group id (7) shows its members (7.0, 7.1, ...)",
+    )
+    parser.add_argument(
+        "--tokenizer", metavar="PATH", help="tokenizer for decoding text (default: the one the recording used)"
+    )
+    parser.add_argument(
+        "--color",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="colour trainable/masked text (default: when printing to a terminal)",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- summary
@@ -134,11 +143,16 @@ def render_summary(name: str, summary: BatchSummary, problems: Sequence[LineProb
         bar = "█" * max(1, round(count / widest * _BAR_WIDTH))
         lines.append(f"{turns:>6} │{bar} {count}")
     lines += ["", f"{'tokens per sample':<20}{'mean':>9}{'p50':>9}{'p95':>9}{'max':>9}"]
-    for label, values in (("prompt", summary.prompt_tokens), ("generated", summary.generated_tokens),
-                          ("response side", summary.response_tokens)):
+    for label, values in (
+        ("prompt", summary.prompt_tokens),
+        ("generated", summary.generated_tokens),
+        ("response side", summary.response_tokens),
+    ):
         if values:
-            lines.append(f"  {label:<18}{sum(values) / len(values):>9.1f}{percentile(values, 0.5):>9.0f}"
-                         f"{percentile(values, 0.95):>9.0f}{max(values):>9.0f}")
+            lines.append(
+                f"  {label:<18}{sum(values) / len(values):>9.1f}{percentile(values, 0.5):>9.0f}"
+                f"{percentile(values, 0.95):>9.0f}{max(values):>9.0f}"
+            )
     lines += ["", f"{'dwell per state (ms)':<20}{'n':>7}{'p50':>10}{'p95':>10}"]
     from fsm_rollout.lifecycle import STATE_BY_NAME
 
@@ -148,11 +162,15 @@ def render_summary(name: str, summary: BatchSummary, problems: Sequence[LineProb
         lines.append(f"  {state:<18}{len(values):>7}{percentile(values, 0.5):>10.2f}{percentile(values, 0.95):>10.2f}")
     if summary.queued_ms:
         values = summary.queued_ms
-        lines.append(f"  {'queued for a slot':<18}{len(values):>7}{percentile(values, 0.5):>10.2f}"
-                     f"{percentile(values, 0.95):>10.2f}   (before pending: waiting for a concurrency slot)")
+        lines.append(
+            f"  {'queued for a slot':<18}{len(values):>7}{percentile(values, 0.5):>10.2f}"
+            f"{percentile(values, 0.95):>10.2f}   (before pending: waiting for a concurrency slot)"
+        )
     if orphans:
-        lines += ["", f"{orphans} transition(s) without sample_id (samples aborted before they started) are not "
-                  "counted above"]
+        lines += [
+            "",
+            f"{orphans} transition(s) without sample_id (samples aborted before they started) are not counted above",
+        ]
     if problems:
         lines += ["", "unreadable lines (skipped):"]
         lines.extend(f"    {problem}" for problem in problems)
@@ -221,13 +239,22 @@ def render_tokens(tokens: Sequence[int], mask: Sequence[int], tokenizer: Any, pa
     return "".join(parts)
 
 
-def render_timeline(path: TracedPath, record: TapeSample | None, tape: TapeFile | None, tokenizer: Any,
-                    painter: Painter, *, from_trace: bool) -> str:
+def render_timeline(
+    path: TracedPath,
+    record: TapeSample | None,
+    tape: TapeFile | None,
+    tokenizer: Any,
+    painter: Painter,
+    *,
+    from_trace: bool,
+) -> str:
     """One sample run: its transitions with times, then per turn the decoded text (when the tape has it)."""
     outcome = f"{path.status}/{path.reason}" if path.status else "unfinished"
     where = f"trace lines {path.lines[0]}-{path.lines[-1]}" if from_trace and path.lines else "from the tape"
-    lines = [painter.bold(f"sample {path.label or path.sample_id}") + f"  {outcome}, {path.turns} turn(s), "
-             f"{len(path.events)} transitions ({where})"]
+    lines = [
+        painter.bold(f"sample {path.label or path.sample_id}") + f"  {outcome}, {path.turns} turn(s), "
+        f"{len(path.events)} transitions ({where})"
+    ]
     if path.session_id:
         lines.append(f"  session {path.session_id}")
     first_ts = path.events[0].get("ts") if path.events else None
@@ -285,8 +312,18 @@ def _reward(record: TapeSample) -> str:
 
 
 def _event_summary(event: dict[str, Any]) -> str:
-    keys = ("prompt_tokens", "generated_tokens", "finish", "eos_inserted", "observation_tokens", "response_length",
-            "remaining_budget", "reason", "error_type", "error")
+    keys = (
+        "prompt_tokens",
+        "generated_tokens",
+        "finish",
+        "eos_inserted",
+        "observation_tokens",
+        "response_length",
+        "remaining_budget",
+        "reason",
+        "error_type",
+        "error",
+    )
     return "  ".join(f"{key}={event[key]}" for key in keys if event.get(key) not in (None, False, []))
 
 
@@ -317,17 +354,26 @@ def _turn_lines(record: TapeSample, tape: TapeFile, tokenizer: Any, painter: Pai
     if prompt_length is None:
         return ["  (the sample ended before its prompt was rendered: no response)"]
     response = tokens[prompt_length:]
-    legend = ("trainable text is green, masked (loss mask 0) text is dim" if painter.color
-              else f"masked (loss mask 0) text is in {MASK_OPEN}…{MASK_CLOSE}; the rest is trainable")
-    lines = ["", f"  prompt: {prompt_length} tokens; response side: {len(response)} tokens "
-             f"({sum(mask)} trainable, {len(mask) - sum(mask)} masked) — {legend}"]
+    legend = (
+        "trainable text is green, masked (loss mask 0) text is dim"
+        if painter.color
+        else f"masked (loss mask 0) text is in {MASK_OPEN}…{MASK_CLOSE}; the rest is trainable"
+    )
+    lines = [
+        "",
+        f"  prompt: {prompt_length} tokens; response side: {len(response)} tokens "
+        f"({sum(mask)} trainable, {len(mask) - sum(mask)} masked) — {legend}",
+    ]
     for segment in response_segments(record):
-        ids = response[segment.start:segment.end]
-        seg_mask = mask[segment.start:segment.end]
+        ids = response[segment.start : segment.end]
+        seg_mask = mask[segment.start : segment.end]
         text = render_tokens(ids, seg_mask, tokenizer, painter) if tokenizer is not None else f"{len(ids)} tokens"
         if segment.kind == "model":
-            lines += ["", painter.bold(f"  turn {segment.turn}"),
-                      f"    model ({sum(seg_mask)} trainable, {len(seg_mask) - sum(seg_mask)} masked): {text}"]
+            lines += [
+                "",
+                painter.bold(f"  turn {segment.turn}"),
+                f"    model ({sum(seg_mask)} trainable, {len(seg_mask) - sum(seg_mask)} masked): {text}",
+            ]
             if segment.turn < len(steps):
                 step = steps[segment.turn]
                 outcome = step.get("result") or {}
@@ -388,7 +434,7 @@ def _group_member(sample_id: str | None, group: str) -> bool:
     """Whether ``sample_id`` names a member of group ``group`` (``7.0`` … ``7.3`` of ``7``)."""
     if sample_id is None or not sample_id.startswith(group + "."):
         return False
-    return sample_id[len(group) + 1:].isdigit()
+    return sample_id[len(group) + 1 :].isdigit()
 
 
 def select_samples(paths: Sequence[TracedPath], wanted: str) -> list[TracedPath]:

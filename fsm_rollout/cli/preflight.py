@@ -45,8 +45,11 @@ _NUMERIC_RULES: tuple[tuple[str, Callable[[Any], bool], str], ...] = (
     ("temperature", lambda value: math.isfinite(value) and value >= 0, "must be a number >= 0"),
     ("top_p", lambda value: 0 < value <= 1, "must be in (0, 1]"),
     ("image_merge_size", lambda value: value >= 1, "must be at least 1"),
-    ("loop_slice_ms", lambda value: math.isfinite(value) and value >= 0,
-     "must be a positive number of milliseconds, or 0 to turn pacing off"),
+    (
+        "loop_slice_ms",
+        lambda value: math.isfinite(value) and value >= 0,
+        "must be a positive number of milliseconds, or 0 to turn pacing off",
+    ),
 )
 """``run``'s numeric options (their ``dest``), what a valid value is, and how the rule reads."""
 
@@ -146,8 +149,11 @@ async def _probe(url: str, key: str | None) -> list[ServedModel] | None:
     except EngineHTTPError as error:
         message = one_line(str(error))
         if error.status in (401, 403):
-            hint = (f"the API key was refused: check --api-key (or ${API_KEY_ENV_VAR})" if key
-                    else f"the engine needs an API key: pass --api-key or set ${API_KEY_ENV_VAR}")
+            hint = (
+                f"the API key was refused: check --api-key (or ${API_KEY_ENV_VAR})"
+                if key
+                else f"the engine needs an API key: pass --api-key or set ${API_KEY_ENV_VAR}"
+            )
             raise PreflightError(f"{message}; {hint}") from error
         raise PreflightError(f"{message}; is {url} a vLLM server, and healthy?") from error
     except ModelListError as error:
@@ -160,8 +166,9 @@ def _choose_model(model: str | None, served: list[ServedModel] | None, url: str)
     if served is None:
         raise PreflightError(f"{url} does not list its models (no /v1/models): pass --model (the served model name)")
     if len(served) != 1:
-        raise PreflightError(f"the engine at {url} serves {_names([item.name for item in served])}: "
-                             "choose one with --model")
+        raise PreflightError(
+            f"the engine at {url} serves {_names([item.name for item in served])}: choose one with --model"
+        )
     return served[0].name
 
 

@@ -29,21 +29,35 @@ selected)."""
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fsm-rollout replay``."""
     parser.epilog = EPILOG
-    parser.add_argument("trace", type=Path, metavar="TRACE",
-                        help="the transition trace (JSONL); its tape is read from beside it (X.jsonl -> X.tape.jsonl). "
-                        "A tape alone works too")
+    parser.add_argument(
+        "trace",
+        type=Path,
+        metavar="TRACE",
+        help="the transition trace (JSONL); its tape is read from beside it (X.jsonl -> X.tape.jsonl). "
+        "A tape alone works too",
+    )
     parser.add_argument("--tape", type=Path, metavar="FILE", help="the I/O tape (default: beside the trace)")
-    parser.add_argument("--tokenizer", metavar="PATH",
-                        help="local tokenizer path or name (default: the one the recording used)")
-    parser.add_argument("--check-only", action="store_true",
-                        help="only check the paths against today's table; do not re-execute")
+    parser.add_argument(
+        "--tokenizer", metavar="PATH", help="local tokenizer path or name (default: the one the recording used)"
+    )
+    parser.add_argument(
+        "--check-only", action="store_true", help="only check the paths against today's table; do not re-execute"
+    )
     parser.add_argument("--sample", action="append", metavar="ID", help="only this sample id (repeatable)")
-    parser.add_argument("--status", action="append", choices=[*sorted(lifecycle.TERMINAL), "unfinished"],
-                        help="only samples that ended so in the recording (repeatable)")
+    parser.add_argument(
+        "--status",
+        action="append",
+        choices=[*sorted(lifecycle.TERMINAL), "unfinished"],
+        help="only samples that ended so in the recording (repeatable)",
+    )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("-v", "--verbose", action="store_true", help="list every sample, not only the failing ones")
-    parser.add_argument("--color", choices=["auto", "always", "never"], default="auto",
-                        help="colour the verdicts (default: when printing to a terminal)")
+    parser.add_argument(
+        "--color",
+        choices=["auto", "always", "never"],
+        default="auto",
+        help="colour the verdicts (default: when printing to a terminal)",
+    )
 
 
 def main(args: argparse.Namespace) -> int:

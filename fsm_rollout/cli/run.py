@@ -74,55 +74,93 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fsm-rollout run``."""
     parser.epilog = EPILOG
     data = parser.add_argument_group("data and outputs")
-    data.add_argument("--data", type=Path, metavar="FILE",
-                      help="JSONL dataset (default: the bundled Geo3K-style demo)")
+    data.add_argument("--data", type=Path, metavar="FILE", help="JSONL dataset (default: the bundled Geo3K-style demo)")
     data.add_argument("--out", type=Path, default=Path("results.jsonl"), metavar="FILE", help="results JSONL")
     data.add_argument("--trace", type=Path, metavar="FILE", help="write the transition trace (JSONL) here")
-    data.add_argument("--record", action="store_true",
-                      help="also record the I/O tape beside the trace (X.jsonl -> X.tape.jsonl) so that "
-                      "`fsm-rollout replay` can re-execute the run offline (needs --trace)")
-    data.add_argument("--include-features", action="store_true",
-                      help="write decoded image features in full (default: dtype and shape only)")
+    data.add_argument(
+        "--record",
+        action="store_true",
+        help="also record the I/O tape beside the trace (X.jsonl -> X.tape.jsonl) so that "
+        "`fsm-rollout replay` can re-execute the run offline (needs --trace)",
+    )
+    data.add_argument(
+        "--include-features",
+        action="store_true",
+        help="write decoded image features in full (default: dtype and shape only)",
+    )
     data.add_argument("--skip-bad", action="store_true", help="skip invalid dataset lines (counted) instead of failing")
-    data.add_argument("--limit", type=int, metavar="N",
-                      help="run only the first N prompts of the dataset (each as --n-samples-per-prompt samples)")
+    data.add_argument(
+        "--limit",
+        type=int,
+        metavar="N",
+        help="run only the first N prompts of the dataset (each as --n-samples-per-prompt samples)",
+    )
     data.add_argument("--quiet", action="store_true", help="no progress line")
     engine = parser.add_argument_group("engine")
-    engine.add_argument("--engine-url", action="append", default=[], metavar="URL",
-                        help="vLLM server or router URL; repeat for several servers (sticky consistent hashing) "
-                        "(default: start the embedded CPU engine)")
-    engine.add_argument("--model", metavar="NAME",
-                        help="served model name (default: the engine's, when it serves one model)")
-    engine.add_argument("--tokenizer", metavar="PATH",
-                        help="tokenizer directory or Hugging Face id (default: the one the engine names, else its "
-                        "model path, else --model)")
+    engine.add_argument(
+        "--engine-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="vLLM server or router URL; repeat for several servers (sticky consistent hashing) "
+        "(default: start the embedded CPU engine)",
+    )
+    engine.add_argument(
+        "--model", metavar="NAME", help="served model name (default: the engine's, when it serves one model)"
+    )
+    engine.add_argument(
+        "--tokenizer",
+        metavar="PATH",
+        help="tokenizer directory or Hugging Face id (default: the one the engine names, else its "
+        "model path, else --model)",
+    )
     engine.add_argument("--router-policy", choices=["consistent_hash"], help="send x-session-id on every request")
-    engine.add_argument("--image-merge-size", type=int, metavar="N",
-                        help="vision merge size for the image-token check (Qwen-VL: 2; default: the engine's, "
-                        "when it says)")
-    engine.add_argument("--trust-remote-code", action="store_true",
-                        help="let a tokenizer that ships its own Python code run it (off: a path or hub id you "
-                        "type should not run code from that repository)")
-    engine.add_argument("--api-key", metavar="KEY",
-                        help=f"sent as `Authorization: Bearer KEY` on every engine request, never printed or "
-                        f"recorded (default: ${API_KEY_ENV_VAR})")
+    engine.add_argument(
+        "--image-merge-size",
+        type=int,
+        metavar="N",
+        help="vision merge size for the image-token check (Qwen-VL: 2; default: the engine's, when it says)",
+    )
+    engine.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="let a tokenizer that ships its own Python code run it (off: a path or hub id you "
+        "type should not run code from that repository)",
+    )
+    engine.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"sent as `Authorization: Bearer KEY` on every engine request, never printed or "
+        f"recorded (default: ${API_KEY_ENV_VAR})",
+    )
     rollout = parser.add_argument_group("rollout")
-    rollout.add_argument("--env", metavar="MODULE|FILE",
-                         help=f"environment module or .py file that grades the samples; required with --data "
-                         f"(default with the demo: {DEMO_ENV})")
+    rollout.add_argument(
+        "--env",
+        metavar="MODULE|FILE",
+        help=f"environment module or .py file that grades the samples; required with --data "
+        f"(default with the demo: {DEMO_ENV})",
+    )
     rollout.add_argument("--max-turns", type=int, default=3, metavar="N", help="turns per sample at most")
-    rollout.add_argument("--n-samples-per-prompt", type=int, metavar="N",
-                         help=f"samples per prompt, rolled out as one group each as GRPO wants them (default: "
-                         f"{DEMO_SAMPLES_PER_PROMPT} with the demo, else 1)")
+    rollout.add_argument(
+        "--n-samples-per-prompt",
+        type=int,
+        metavar="N",
+        help=f"samples per prompt, rolled out as one group each as GRPO wants them (default: "
+        f"{DEMO_SAMPLES_PER_PROMPT} with the demo, else 1)",
+    )
     # tight enough that the demo's longer samples run out of it: the first run shows that ending too
-    rollout.add_argument("--max-new-tokens", type=int, default=176, metavar="N",
-                         help="response budget over all turns")
+    rollout.add_argument("--max-new-tokens", type=int, default=176, metavar="N", help="response budget over all turns")
     rollout.add_argument("--max-context-len", type=int, metavar="N", help="context limit (prompt + response)")
     rollout.add_argument("--concurrency", type=int, default=16, metavar="N", help="samples in flight at once")
     rollout.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature")
     rollout.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: top-p")
-    rollout.add_argument("--stop", action="append", default=[], metavar="S",
-                         help=f"stop string (repeatable; default with {DEMO_ENV}: {' '.join(GEO3K_STOP)})")
+    rollout.add_argument(
+        "--stop",
+        action="append",
+        default=[],
+        metavar="S",
+        help=f"stop string (repeatable; default with {DEMO_ENV}: {' '.join(GEO3K_STOP)})",
+    )
     rollout.add_argument("--seed", type=int, metavar="N", help="sampling seed sent with every request")
     add_process_settings(parser.add_argument_group("process-wide settings"))
 
@@ -170,9 +208,15 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[list[str], En
     """
     if args.engine_url:
         urls = list(args.engine_url)
-        yield urls, await discover_engine(
-            urls, model=args.model, tokenizer=args.tokenizer, image_merge_size=args.image_merge_size,
-            api_key=api_key(args),
+        yield (
+            urls,
+            await discover_engine(
+                urls,
+                model=args.model,
+                tokenizer=args.tokenizer,
+                image_merge_size=args.image_merge_size,
+                api_key=api_key(args),
+            ),
         )
         return
     from fsm_rollout.cli.build_progress import BuildProgressLine
@@ -189,8 +233,11 @@ async def _engine(args: argparse.Namespace) -> AsyncIterator[tuple[list[str], En
     async with LocalEngine(model_dir, served_model_name=DEFAULT_MODEL_NAME, log=say) as engine:
         if args.model and args.model != engine.served_model_name:
             raise PreflightError(f"--model {args.model!r}: the embedded engine serves {engine.served_model_name!r}")
-        tokenizer, named_by = ((args.tokenizer, "--tokenizer") if args.tokenizer
-                               else (str(engine.model_dir), "the embedded engine's model directory"))
+        tokenizer, named_by = (
+            (args.tokenizer, "--tokenizer")
+            if args.tokenizer
+            else (str(engine.model_dir), "the embedded engine's model directory")
+        )
         merge_size = args.image_merge_size or engine.image_merge_size
         yield [engine.url], EngineChoice(engine.served_model_name, tokenizer, named_by, merge_size)
 
@@ -251,8 +298,16 @@ def write_results(samples: Sequence[Sample], path: Path, *, include_features: bo
             stream.write(orjson.dumps(row, default=_json_default) + b"\n")
 
 
-def summary(snapshot: MetricsSnapshot, *, total: int, skipped: int, out: Path, trace: Path | None,
-            rewards: Sequence[str] = (), errors: Sequence[str] = ()) -> str:
+def summary(
+    snapshot: MetricsSnapshot,
+    *,
+    total: int,
+    skipped: int,
+    out: Path,
+    trace: Path | None,
+    rewards: Sequence[str] = (),
+    errors: Sequence[str] = (),
+) -> str:
     """The end-of-run table, with ``rewards`` (see :func:`reward_lines`) and ``errors`` (see :func:`error_lines`)
     under the counts."""
     # an interrupt aborts the samples in flight ("cancelled") and those still queued ("not_started"): neither ran
@@ -315,8 +370,15 @@ def error_lines(samples: Sequence[Sample], *, limit: int = 5) -> list[str]:
     return lines
 
 
-def build_config(args: argparse.Namespace, url: str, model: str, tokenizer_path: str | None,
-                 merge_size: int | None, *, api_key: str | None = None) -> RolloutConfig:
+def build_config(
+    args: argparse.Namespace,
+    url: str,
+    model: str,
+    tokenizer_path: str | None,
+    merge_size: int | None,
+    *,
+    api_key: str | None = None,
+) -> RolloutConfig:
     """The rollouts' configuration from the options and the engine.
 
     Pacing and the collector tuning are process-wide, so the library leaves them off by default; the command turns
@@ -363,16 +425,22 @@ async def _run(args: argparse.Namespace) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, interrupted.set)
     async with _engine(args) as (urls, choice):
-        tokenizer = await asyncio.to_thread(load_run_tokenizer, choice.tokenizer, named_by=choice.tokenizer_named_by,
-                                            trust_remote_code=args.trust_remote_code)
+        tokenizer = await asyncio.to_thread(
+            load_run_tokenizer,
+            choice.tokenizer,
+            named_by=choice.tokenizer_named_by,
+            trust_remote_code=args.trust_remote_code,
+        )
         config = build_config(args, urls[0], choice.model, choice.tokenizer, choice.image_merge_size, api_key=key)
         if args.seed is not None:
             sampling["seed"] = args.seed
-        async with RolloutRunner(config, sampling_params=sampling, engine_urls=urls, tokenizer=tokenizer,
-                                 env_factory=env_factory) as runner:
+        async with RolloutRunner(
+            config, sampling_params=sampling, engine_urls=urls, tokenizer=tokenizer, env_factory=env_factory
+        ) as runner:
             progress = None if args.quiet else asyncio.ensure_future(_show_progress(runner, len(samples), sys.stderr))
-            batch = asyncio.ensure_future(runner.run_batch(samples, concurrency=args.concurrency,
-                                                             sample_ids=sample_ids, seeds=seeds))
+            batch = asyncio.ensure_future(
+                runner.run_batch(samples, concurrency=args.concurrency, sample_ids=sample_ids, seeds=seeds)
+            )
             stop_waiter = asyncio.ensure_future(interrupted.wait())
             await asyncio.wait({batch, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
             if interrupted.is_set() and not batch.done():
@@ -386,8 +454,17 @@ async def _run(args: argparse.Namespace) -> int:
             snapshot = runner.metrics()
     write_results(samples, args.out, include_features=args.include_features)
     errors = [redacted(line, key) for line in error_lines(samples)]
-    print(summary(snapshot, total=len(samples), skipped=skipped, out=args.out, trace=args.trace,
-                  rewards=reward_lines(samples), errors=errors))
+    print(
+        summary(
+            snapshot,
+            total=len(samples),
+            skipped=skipped,
+            out=args.out,
+            trace=args.trace,
+            rewards=reward_lines(samples),
+            errors=errors,
+        )
+    )
     if args.record:
         print(f"tape: {tape_path_for(args.trace)}")
     print("\n".join(next_lines(samples, sample_ids, trace=args.trace, record=args.record)))
@@ -403,6 +480,7 @@ async def _run(args: argparse.Namespace) -> int:
 def example_sample_id(samples: Sequence[Sample], sample_ids: Sequence[str | None]) -> str | None:
     """The id of a sample worth a look: the first that completed with reward 1, else the first completed one, else
     the first (``sample_ids``: the names the run gave by position; a sample without one is named by its index)."""
+
     def name(position: int) -> str | None:
         given = sample_ids[position] if position < len(sample_ids) else None
         index = samples[position].index
@@ -417,20 +495,24 @@ def example_sample_id(samples: Sequence[Sample], sample_ids: Sequence[str | None
     return None
 
 
-def next_lines(samples: Sequence[Sample], sample_ids: Sequence[str | None], *, trace: Path | None,
-               record: bool) -> list[str]:
+def next_lines(
+    samples: Sequence[Sample], sample_ids: Sequence[str | None], *, trace: Path | None, record: bool
+) -> list[str]:
     """The commands that look inside this run, with a sample id it has."""
     if trace is None:
-        return ["next: run with --trace trace.jsonl --record to look inside each sample "
-                "(`fsm-rollout inspect`, `replay`, `diagram --trace`)"]
+        return [
+            "next: run with --trace trace.jsonl --record to look inside each sample "
+            "(`fsm-rollout inspect`, `replay`, `diagram --trace`)"
+        ]
     example = example_sample_id(samples, sample_ids)
     lines = ["next:", f"  fsm-rollout inspect {trace}"]
     if example is not None:
         text = "" if record else "   (its turns' text needs a tape: run with --record)"
         lines.append(f"  fsm-rollout inspect {trace} --sample {example}{text}")
     overlay = trace.with_suffix(".mmd") if trace.suffix != ".mmd" else trace.with_suffix(".overlay.mmd")
-    lines.append(f"  fsm-rollout diagram --trace {trace} -o {overlay}"
-                 + (f" --sample {example}" if example is not None else ""))
+    lines.append(
+        f"  fsm-rollout diagram --trace {trace} -o {overlay}" + (f" --sample {example}" if example is not None else "")
+    )
     if record:
         lines.append(f"  fsm-rollout replay {trace}")
     return lines
@@ -448,8 +530,10 @@ def nothing_generated(samples: Sequence[Sample], *, max_context_len: int | None)
     lengths = sorted(len(sample.tokens) for sample in samples)
     prompts = f"{lengths[0]}" if lengths[0] == lengths[-1] else f"{lengths[0]}-{lengths[-1]}"
     limit = f" under --max-context-len {max_context_len}" if max_context_len is not None else ""
-    return (f"nothing was generated: all {len(samples)} sample(s) ended truncated/budget_exhausted before their first "
-            f"turn; the prompts ({prompts} tokens) leave no room for a response{limit}")
+    return (
+        f"nothing was generated: all {len(samples)} sample(s) ended truncated/budget_exhausted before their first "
+        f"turn; the prompts ({prompts} tokens) leave no room for a response{limit}"
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -461,12 +545,14 @@ def main(args: argparse.Namespace) -> int:
         problem = "--record needs --trace (the tape is written beside the trace)"
     if problem is None and args.data is not None and args.env is None:
         # the demo's Geo3K grading would silently score another dataset
-        problem = (f"--data needs --env: the environment that runs and grades your dataset (the demo's is "
-                   f"--env {DEMO_ENV})")
+        problem = (
+            f"--data needs --env: the environment that runs and grades your dataset (the demo's is --env {DEMO_ENV})"
+        )
     if problem is None:
         try:  # what the library's config checks, before anything starts rather than once the engine runs
-            build_config(args, (args.engine_url or ["http://127.0.0.1:0"])[0], args.model or "-", None,
-                         args.image_merge_size)
+            build_config(
+                args, (args.engine_url or ["http://127.0.0.1:0"])[0], args.model or "-", None, args.image_merge_size
+            )
         except RolloutError as error:
             problem = str(error)
     if problem is not None:

@@ -234,7 +234,11 @@ class RayRolloutPool:
         return (await self.run_batch([sample], concurrency=1))[0]
 
     async def run_batch(
-        self, samples: Iterable[Sample], *, concurrency: int = 64, sample_ids: Sequence[str | None] = (),
+        self,
+        samples: Iterable[Sample],
+        *,
+        concurrency: int = 64,
+        sample_ids: Sequence[str | None] = (),
         seeds: Sequence[int | None] = (),
     ) -> list[Sample]:
         """Run samples over the workers (at most ``concurrency`` in flight on each); returns them in input order.
@@ -244,7 +248,11 @@ class RayRolloutPool:
         return await _in_order(batch)
 
     def stream(
-        self, samples: Iterable[Sample], *, concurrency: int = 64, sample_ids: Sequence[str | None] = (),
+        self,
+        samples: Iterable[Sample],
+        *,
+        concurrency: int = 64,
+        sample_ids: Sequence[str | None] = (),
         seeds: Sequence[int | None] = (),
     ) -> AsyncIterator[Sample]:
         """Yield samples as they finish (at most ``concurrency`` in flight on each worker). The samples are sent

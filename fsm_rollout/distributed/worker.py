@@ -87,8 +87,12 @@ class RolloutWorker:
             await runner.__aexit__(None, None, None)
 
     async def run_batch(
-        self, number: int, samples: Sequence[Mapping[str, Any]], sample_ids: Sequence[str | None],
-        seeds: Sequence[int | None], concurrency: int,
+        self,
+        number: int,
+        samples: Sequence[Mapping[str, Any]],
+        sample_ids: Sequence[str | None],
+        seeds: Sequence[int | None],
+        concurrency: int,
     ) -> AsyncIterator[Report]:
         """Run the samples (``Sample.to_dict()`` data), at most ``concurrency`` at once, named and seeded by
         position; yields the finished ones as they finish (every sample that finished since the last yield, so a

@@ -72,8 +72,9 @@ class VLLMClient:
         else:  # HTTP options beside a transport would be silently ignored (a key, a retry policy): refuse them
             given = sorted(name for name, value in options.items() if value != _HTTP_DEFAULTS[name])
             if given:
-                raise TypeError(f"VLLMClient(transport=...) takes no HTTP options ({', '.join(given)}): give them "
-                                "to the transport")
+                raise TypeError(
+                    f"VLLMClient(transport=...) takes no HTTP options ({', '.join(given)}): give them to the transport"
+                )
         self.transport: Transport = transport
 
     @classmethod
@@ -111,9 +112,7 @@ class VLLMClient:
         """POST ``payload`` as JSON through the transport (see :meth:`Transport.post_json`)."""
         return await self.transport.post_json(path, payload, headers=headers)
 
-    async def render(
-        self, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
-    ) -> RenderedPrompt:
+    async def render(self, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None) -> RenderedPrompt:
         """Render a chat request into prompt token ids (``POST /v1/chat/completions/render``)."""
         answer = await self.transport.post_json(RENDER_PATH, payload, headers=headers)
         if isinstance(answer, str):

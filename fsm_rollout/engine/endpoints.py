@@ -211,9 +211,7 @@ async def serve_backend(
     and that cancellation is how a long generation learns its client went away.
     """
     frame = _Frame(backend)
-    app = web.Application(
-        client_max_size=client_max_size, middlewares=[*middlewares, _errors_as_vllm(unavailable)]
-    )
+    app = web.Application(client_max_size=client_max_size, middlewares=[*middlewares, _errors_as_vllm(unavailable)])
     app.router.add_post(RENDER_PATH, frame.render)
     app.router.add_post(GENERATE_PATH, frame.generate)
     app.router.add_post(ABORT_PATH, frame.abort)

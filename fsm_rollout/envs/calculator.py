@@ -210,8 +210,9 @@ async def build_env(*, sample: Any, args: Any) -> CalculatorEnv:
         raise CalculatorError("the calculator environment needs the expected answer in sample.label")
     max_turns = getattr(args, "max_turns", None)
     if isinstance(max_turns, bool) or not isinstance(max_turns, int) or max_turns <= 0:
-        raise CalculatorError(f"the calculator environment needs args.max_turns as a positive integer; got "
-                              f"{max_turns!r}")
+        raise CalculatorError(
+            f"the calculator environment needs args.max_turns as a positive integer; got {max_turns!r}"
+        )
     delay_s = float(_setting(sample, args, "delay_s", "calculator_delay_s", 0.0))
     max_calls = int(_setting(sample, args, "max_calls_per_turn", "calculator_max_calls", 4))
     if delay_s < 0 or max_calls < 1:
@@ -219,5 +220,6 @@ async def build_env(*, sample: Any, args: Any) -> CalculatorEnv:
     metadata = getattr(sample, "metadata", None)
     if isinstance(metadata, dict):
         metadata.setdefault("tools", TOOLS)
-    return CalculatorEnv(sample=sample, label=str(label), max_turns=max_turns, delay_s=delay_s,
-                         max_calls_per_turn=max_calls)
+    return CalculatorEnv(
+        sample=sample, label=str(label), max_turns=max_turns, delay_s=delay_s, max_calls_per_turn=max_calls
+    )

@@ -439,8 +439,10 @@ class Geo3KEnv:
 
     def restore(self, state: Any) -> None:
         """Continue the episode a :meth:`snapshot` describes (instead of :meth:`reset`)."""
-        if not isinstance(state, dict) or not isinstance(state.get("turns"), int) or not isinstance(
-            state.get("scores"), list
+        if (
+            not isinstance(state, dict)
+            or not isinstance(state.get("turns"), int)
+            or not isinstance(state.get("scores"), list)
         ):
             raise Geo3KSetupError(f"{_describe(self.sample)}: a Geo3K snapshot is {{turns, scores}}; got {state!r}")
         self.turns = state["turns"]

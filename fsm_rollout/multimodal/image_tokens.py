@@ -125,6 +125,7 @@ def _merge_size(configured: int | None, processor: Any, prefix: str) -> int | No
 
 def _matching_merge_hint(grid: Any, image_tokens: int) -> str:
     """Which merge size the placeholder count fits, as a hint (the grids alone do not determine it)."""
-    fitting = [merge for merge in range(1, 9)
-               if int((grid.prod(dim=1) // (merge * merge)).sum().item()) == image_tokens]
+    fitting = [
+        merge for merge in range(1, 9) if int((grid.prod(dim=1) // (merge * merge)).sum().item()) == image_tokens
+    ]
     return f" (the placeholder count fits merge_size {fitting[0]})" if len(fitting) == 1 and image_tokens else ""

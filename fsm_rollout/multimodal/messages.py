@@ -15,9 +15,7 @@ def build_initial_messages(prompt: Any, images: Sequence[Any] | None) -> list[di
     whitespace stripped.
     """
     if images is not None and not isinstance(images, list | tuple):
-        raise ImageInputError(
-            f"multimodal_inputs['images'] must be a list of images, got {type(images).__name__}"
-        )
+        raise ImageInputError(f"multimodal_inputs['images'] must be a list of images, got {type(images).__name__}")
     if isinstance(prompt, list):
         if not prompt:
             raise PromptError("the prompt is an empty list of chat messages")

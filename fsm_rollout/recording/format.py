@@ -120,8 +120,10 @@ def jsonable(value: Any, *, images_as_urls: bool = False) -> Any:
     if value is None or isinstance(value, str | bool | int | float):
         return value
     if isinstance(value, Mapping):
-        return {key if isinstance(key, str) else str(key): jsonable(item, images_as_urls=images_as_urls)
-                for key, item in value.items()}
+        return {
+            key if isinstance(key, str) else str(key): jsonable(item, images_as_urls=images_as_urls)
+            for key, item in value.items()
+        }
     if isinstance(value, list | tuple):
         return [jsonable(item, images_as_urls=images_as_urls) for item in value]
     if images_as_urls and hasattr(value, "mode") and hasattr(value, "save"):
@@ -337,8 +339,9 @@ def encode_sample_parts(record: Mapping[str, Any], written_blobs: set[str]) -> l
 
 def encode_sample_record(record: Mapping[str, Any], written_blobs: set[str]) -> bytes:
     """:func:`encode_sample_parts` as the bytes of the lines."""
-    return b"".join(part.line() if isinstance(part, PendingBlob) else part
-                    for part in encode_sample_parts(record, written_blobs))
+    return b"".join(
+        part.line() if isinstance(part, PendingBlob) else part for part in encode_sample_parts(record, written_blobs)
+    )
 
 
 def tokenizer_fingerprint(tokenizer: Any) -> dict[str, Any]:

@@ -289,12 +289,18 @@ class RecordingEnv:
         return self._call(self._recorder.env_call("reset"), self._env.reset)
 
     def step(self, response_text: str) -> Any:
-        return self._call(self._recorder.env_call("step", text=response_text),
-                          lambda: self._env.step(response_text), _keep_step_result)
+        return self._call(
+            self._recorder.env_call("step", text=response_text),
+            lambda: self._env.step(response_text),
+            _keep_step_result,
+        )
 
     def format_observation(self, observation: Any) -> Any:
-        return self._call(self._recorder.env_call("format_observation"),
-                          lambda: self._env.format_observation(observation), _keep_message)
+        return self._call(
+            self._recorder.env_call("format_observation"),
+            lambda: self._env.format_observation(observation),
+            _keep_message,
+        )
 
     def close(self) -> Any:
         return self._call(self._recorder.env_call("close"), self._env.close)

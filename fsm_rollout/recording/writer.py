@@ -51,8 +51,13 @@ class TapeWriter:
         self._thread.start()
         from fsm_rollout import __version__
 
-        header = {"kind": "header", "schema": TAPE_SCHEMA_VERSION, "run": self.run_id, "created": time.time(),
-                  "fsm_rollout": __version__}
+        header = {
+            "kind": "header",
+            "schema": TAPE_SCHEMA_VERSION,
+            "run": self.run_id,
+            "created": time.time(),
+            "fsm_rollout": __version__,
+        }
         self._queue.put(dumps_line(header))
 
     @property

@@ -23,8 +23,19 @@ from fsm_rollout.recording.format import jsonable
 from fsm_rollout.replay.paths import arrow
 
 DivergenceKind = Literal[
-    "transition", "request", "unexpected call", "missing answer", "tokens", "loss_mask", "logprobs", "status",
-    "reason", "error", "leftover", "setup", "tape",
+    "transition",
+    "request",
+    "unexpected call",
+    "missing answer",
+    "tokens",
+    "loss_mask",
+    "logprobs",
+    "status",
+    "reason",
+    "error",
+    "leftover",
+    "setup",
+    "tape",
 ]
 
 CORE_FIELDS = ("trigger", "src", "dst", "turn", "reason", "response_length", "remaining_budget")
@@ -119,13 +130,13 @@ def compare_engine_request(
         difference = first_difference(recorded_request, jsonable(body))
         if difference is not None:  # equal once today's tuples are JSON lists
             where, recorded, today = difference
-            return Divergence("request", f"{what} differs at {where or 'the top level'}", expected=recorded,
-                              actual=today)
+            return Divergence(
+                "request", f"{what} differs at {where or 'the top level'}", expected=recorded, actual=today
+            )
     recorded_headers = recorded_headers or None
     sent_headers = dict(headers) if headers else None
     if recorded_headers != sent_headers:
-        return Divergence("request", f"{what} sends different headers", expected=recorded_headers,
-                          actual=sent_headers)
+        return Divergence("request", f"{what} sends different headers", expected=recorded_headers, actual=sent_headers)
     return None
 
 
@@ -138,8 +149,11 @@ def _as_recorded_unbounded(recorded: Any, body: Mapping[str, Any]) -> Mapping[st
     params = body.get("sampling_params")
     recorded_params = recorded.get("sampling_params") if isinstance(recorded, Mapping) else None
     if (
-        isinstance(params, Mapping) and "max_tokens" in params and params["max_tokens"] is None
-        and isinstance(recorded_params, Mapping) and "max_tokens" not in recorded_params
+        isinstance(params, Mapping)
+        and "max_tokens" in params
+        and params["max_tokens"] is None
+        and isinstance(recorded_params, Mapping)
+        and "max_tokens" not in recorded_params
     ):
         return {**body, "sampling_params": {key: value for key, value in params.items() if key != "max_tokens"}}
     return body
@@ -155,8 +169,11 @@ def compare_env_call(op: str, recorded_text: Any, text: str | None) -> Divergenc
         "request",
         f"env.step gets different text (first difference at character {index})",
         index=index,
-        context=TextContext(recorded[max(0, index - CONTEXT_CHARS):index], recorded[index:index + CONTEXT_CHARS],
-                            today[index:index + CONTEXT_CHARS]),
+        context=TextContext(
+            recorded[max(0, index - CONTEXT_CHARS) : index],
+            recorded[index : index + CONTEXT_CHARS],
+            today[index : index + CONTEXT_CHARS],
+        ),
     )
 
 
@@ -167,24 +184,41 @@ def compare_transition(index: int, recorded: Mapping[str, Any], today: Mapping[s
     """Today's ``index``-th transition event against the recording's: the core fields, and every other field both
     events have (timing and identity apart)."""
     differing = [name for name in CORE_FIELDS if recorded.get(name) != today.get(name)]
-    differing += [name for name in recorded if name in today and name not in CORE_FIELDS
-                  and name not in UNCOMPARED_FIELDS and recorded[name] != today[name]]
+    differing += [
+        name
+        for name in recorded
+        if name in today and name not in CORE_FIELDS and name not in UNCOMPARED_FIELDS and recorded[name] != today[name]
+    ]
     if not differing:
         return None
     was = arrow(recorded.get("src"), recorded.get("trigger"), recorded.get("dst"))
     now = arrow(today.get("src"), today.get("trigger"), today.get("dst"))
     detail = ", ".join(f"{name} {recorded.get(name)!r} → {today.get(name)!r}" for name in differing)
-    message = (f"transition {index + 1}: recorded {was}, today {now}" if was != now
-               else f"transition {index + 1} ({now})") + f"; differs in {detail}"
-    return Divergence("transition", message, turn=recorded.get("turn"), state=recorded.get("src"), index=index,
-                      expected=event_view(recorded), actual=event_view(today))
+    message = (
+        f"transition {index + 1}: recorded {was}, today {now}" if was != now else f"transition {index + 1} ({now})"
+    ) + f"; differs in {detail}"
+    return Divergence(
+        "transition",
+        message,
+        turn=recorded.get("turn"),
+        state=recorded.get("src"),
+        index=index,
+        expected=event_view(recorded),
+        actual=event_view(today),
+    )
 
 
 def extra_transition(index: int, today: Mapping[str, Any]) -> Divergence:
     """Today's ``index``-th transition, which the recording (with ``index`` transitions) does not have."""
     now = arrow(today.get("src"), today.get("trigger"), today.get("dst"))
-    return Divergence("transition", f"today's rollout fires {now} after the recording's last transition",
-                      turn=today.get("turn"), state=today.get("src"), index=index, actual=event_view(today))
+    return Divergence(
+        "transition",
+        f"today's rollout fires {now} after the recording's last transition",
+        turn=today.get("turn"),
+        state=today.get("src"),
+        index=index,
+        actual=event_view(today),
+    )
 
 
 def compare_transition_count(recorded: Sequence[Mapping[str, Any]], fired: int) -> Divergence | None:
@@ -192,9 +226,13 @@ def compare_transition_count(recorded: Sequence[Mapping[str, Any]], fired: int) 
     if fired >= len(recorded):
         return None
     missing = recorded[fired]
-    return Divergence("transition", "today's rollout ended before the recording's "
-                      f"{arrow(missing.get('src'), missing.get('trigger'), missing.get('dst'))}",
-                      index=fired, expected=event_view(missing))
+    return Divergence(
+        "transition",
+        "today's rollout ended before the recording's "
+        f"{arrow(missing.get('src'), missing.get('trigger'), missing.get('dst'))}",
+        index=fired,
+        expected=event_view(missing),
+    )
 
 
 def event_view(event: Mapping[str, Any]) -> dict[str, Any]:
@@ -217,7 +255,8 @@ def compare_tokens(
         f"tokens[{index}]: {token_at(tokenizer, recorded.tokens, index)} recorded, "
         f"{token_at(tokenizer, today.tokens, index)} today "
         f"({len(recorded.tokens)} vs {len(today.tokens)} tokens)",
-        turn=turn_of(transitions, index - recorded.prompt_length), index=index,
+        turn=turn_of(transitions, index - recorded.prompt_length),
+        index=index,
         context=token_context(tokenizer, recorded.tokens, today.tokens, index),
     )
 
@@ -235,7 +274,8 @@ def compare_loss_mask(
         "loss_mask",
         f"loss_mask[{index}] (tokens[{offset + index}]): {value_at(recorded_mask, index)} recorded, "
         f"{value_at(today_mask, index)} today",
-        turn=turn_of(transitions, index), index=offset + index,
+        turn=turn_of(transitions, index),
+        index=offset + index,
         context=token_context(tokenizer, recorded.tokens, today.tokens, offset + index),
     )
 
@@ -253,8 +293,10 @@ def compare_logprobs(
         "logprobs",
         f"rollout_log_probs[{index}] (tokens[{offset + index}]): {value_at(recorded_values, index)} recorded, "
         f"{value_at(today_values, index)} today",
-        turn=turn_of(transitions, index), index=offset + index,
-        expected=value_at(recorded_values, index), actual=value_at(today_values, index),
+        turn=turn_of(transitions, index),
+        index=offset + index,
+        expected=value_at(recorded_values, index),
+        actual=value_at(today_values, index),
     )
 
 
@@ -262,16 +304,18 @@ def compare_status(recorded: Outcome, today: Outcome, *, turn: int | None) -> Di
     """The terminal status; ``turn`` is the turn today's rollout ended in."""
     if recorded.status == today.status:
         return None
-    return Divergence("status", "the sample ends with another status", turn=turn, expected=recorded.status,
-                      actual=today.status)
+    return Divergence(
+        "status", "the sample ends with another status", turn=turn, expected=recorded.status, actual=today.status
+    )
 
 
 def compare_reason(recorded: Outcome, today: Outcome, *, turn: int | None) -> Divergence | None:
     """The terminal reason; ``turn`` is the turn today's rollout ended in."""
     if recorded.reason == today.reason:
         return None
-    return Divergence("reason", "the sample ends for another reason", turn=turn, expected=recorded.reason,
-                      actual=today.reason)
+    return Divergence(
+        "reason", "the sample ends for another reason", turn=turn, expected=recorded.reason, actual=today.reason
+    )
 
 
 def compare_error(recorded: Outcome, today: Outcome, *, turn: int | None) -> Divergence | None:
@@ -282,8 +326,9 @@ def compare_error(recorded: Outcome, today: Outcome, *, turn: int | None) -> Div
     """
     if recorded.error is None or recorded.error == today.error:
         return None
-    return Divergence("error", "the sample fails with another error", turn=turn, expected=recorded.error,
-                      actual=today.error)
+    return Divergence(
+        "error", "the sample fails with another error", turn=turn, expected=recorded.error, actual=today.error
+    )
 
 
 def compare_outcome(
@@ -291,12 +336,14 @@ def compare_outcome(
 ) -> Divergence | None:
     """The first of tokens, loss mask, logprobs, status, reason and error that differs (``transitions``: the
     recorded ones, which place a token index in its turn; ``turn``: the one today's rollout ended in)."""
-    return (compare_tokens(recorded, today, tokenizer=tokenizer, transitions=transitions)
-            or compare_loss_mask(recorded, today, tokenizer=tokenizer, transitions=transitions)
-            or compare_logprobs(recorded, today, transitions=transitions)
-            or compare_status(recorded, today, turn=turn)
-            or compare_reason(recorded, today, turn=turn)
-            or compare_error(recorded, today, turn=turn))
+    return (
+        compare_tokens(recorded, today, tokenizer=tokenizer, transitions=transitions)
+        or compare_loss_mask(recorded, today, tokenizer=tokenizer, transitions=transitions)
+        or compare_logprobs(recorded, today, transitions=transitions)
+        or compare_status(recorded, today, turn=turn)
+        or compare_reason(recorded, today, turn=turn)
+        or compare_error(recorded, today, turn=turn)
+    )
 
 
 def turn_of(transitions: Sequence[Mapping[str, Any]], response_index: int) -> int | None:
@@ -337,15 +384,15 @@ def decode(tokenizer: Any, token_ids: Sequence[int]) -> str:
 def token_at(tokenizer: Any, token_ids: Sequence[int], index: int) -> str:
     if index >= len(token_ids):
         return "(end)"
-    return f"{token_ids[index]} {decode(tokenizer, token_ids[index:index + 1])!r}"
+    return f"{token_ids[index]} {decode(tokenizer, token_ids[index : index + 1])!r}"
 
 
 def token_context(tokenizer: Any, expected: Sequence[int], actual: Sequence[int], index: int) -> TextContext:
     """The decoded tokens before ``index`` (as recorded), then from ``index`` on each side."""
     return TextContext(
-        before=decode(tokenizer, expected[max(0, index - CONTEXT_TOKENS):index]),
-        expected=decode(tokenizer, expected[index:index + CONTEXT_TOKENS]),
-        actual=decode(tokenizer, actual[index:index + CONTEXT_TOKENS]),
+        before=decode(tokenizer, expected[max(0, index - CONTEXT_TOKENS) : index]),
+        expected=decode(tokenizer, expected[index : index + CONTEXT_TOKENS]),
+        actual=decode(tokenizer, actual[index : index + CONTEXT_TOKENS]),
     )
 
 

@@ -136,8 +136,11 @@ def _attribute_damage(paths: Sequence[TracedPath], problems: Sequence[LineProble
     for problem in problems:
         if problem.sample_id is None:
             continue
-        owners = [path for path in paths if path.sample_id == problem.sample_id and path.lines
-                  and path.lines[0] < problem.line]
+        owners = [
+            path
+            for path in paths
+            if path.sample_id == problem.sample_id and path.lines and path.lines[0] < problem.line
+        ]
         if owners:
             owners[-1].damage.append(problem)
 
@@ -191,8 +194,10 @@ def check_path(path: TracedPath, problems: Sequence[LineProblem] = ()) -> tuple[
         elif src != state:
             gap = [number for number in unreadable if previous_line is not None and previous_line < number < line]
             if gap:
-                findings.append(f"line {line}: leaves {src}, but the sample was in {state}; unreadable line {gap[0]} "
-                                "lies in between")
+                findings.append(
+                    f"line {line}: leaves {src}, but the sample was in {state}; unreadable line {gap[0]} "
+                    "lies in between"
+                )
                 damaged = True
             else:
                 where = "starts" if previous_line is None else "leaves"

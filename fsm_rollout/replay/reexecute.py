@@ -81,8 +81,9 @@ class _Replay:
                 found = dataclasses.replace(found, turn=rollout.turn_index, state=rollout.state)
             self.divergence = found
             # an error today's code raised (not this replay's stop) is why the calls after it differ
-            self.failed_first = (rollout is not None and rollout.error is not None
-                                 and not isinstance(rollout.error, ReplayDiverged))
+            self.failed_first = (
+                rollout is not None and rollout.error is not None and not isinstance(rollout.error, ReplayDiverged)
+            )
         return ReplayDiverged(found.message)
 
     def todays_error_first(self, rollout: Rollout) -> None:
@@ -108,7 +109,11 @@ class _Replay:
             "error",
             f"today's rollout failed{where}: {today.get('type')}: {today.get('message')} ({then}); after it, "
             f"{found.message}",
-            turn=found.turn, state=found.state, line=found.line, expected=recorded, actual=today,
+            turn=found.turn,
+            state=found.state,
+            line=found.line,
+            expected=recorded,
+            actual=today,
             context=found.context or self.token_context_now(),
         )
 
@@ -168,8 +173,9 @@ class _Replay:
             reason=rollout.reason,
             error=jsonable(sample.metadata.get("rollout_error")),
         )
-        found = compare_outcome(recorded, today, tokenizer=self.tokenizer, transitions=self.cursor.transitions,
-                                turn=rollout.turn_index)
+        found = compare_outcome(
+            recorded, today, tokenizer=self.tokenizer, transitions=self.cursor.transitions, turn=rollout.turn_index
+        )
         if found is not None:
             self.stop(found, here=False)
             return
@@ -179,8 +185,14 @@ class _Replay:
             return
         leftover = self.cursor.peek()
         if leftover is not None:
-            self.stop(Divergence("leftover", "today's rollout ended without the recording's next call: "
-                                 f"{describe_entry(leftover)}", turn=rollout.turn_index), here=False)
+            self.stop(
+                Divergence(
+                    "leftover",
+                    f"today's rollout ended without the recording's next call: {describe_entry(leftover)}",
+                    turn=rollout.turn_index,
+                ),
+                here=False,
+            )
 
 
 class _TapeTransport:
@@ -207,15 +219,17 @@ class _TapeTransport:
         recorded_tokens = replay.cursor.generate_tokens(entry)
         if isinstance(recorded_tokens, Divergence):
             raise replay.stop(recorded_tokens)
-        replay.differs(compare_engine_request(
-            f"the {op} request" if op != "post" else f"POST {entry.get('path')}",
-            recorded_request=replay.value(entry, "request"),
-            recorded_headers=entry.get("headers"),
-            recorded_tokens=recorded_tokens,
-            payload=payload,
-            headers=headers,
-            tokenizer=replay.tokenizer,
-        ))
+        replay.differs(
+            compare_engine_request(
+                f"the {op} request" if op != "post" else f"POST {entry.get('path')}",
+                recorded_request=replay.value(entry, "request"),
+                recorded_headers=entry.get("headers"),
+                recorded_tokens=recorded_tokens,
+                payload=payload,
+                headers=headers,
+                tokenizer=replay.tokenizer,
+            )
+        )
         if entry.get("cancelled"):
             if op == "abort":
                 raise TimeoutError  # the abort notice ran out of time in the recording
@@ -226,8 +240,9 @@ class _TapeTransport:
         if "text" in entry:
             return replay.value(entry, "text")
         if "answer" not in entry:
-            raise replay.stop(Divergence("tape", f"the recorded {op} call has no outcome "
-                                         f"(tape line {replay.cursor.record.line})"))
+            raise replay.stop(
+                Divergence("tape", f"the recorded {op} call has no outcome (tape line {replay.cursor.record.line})")
+            )
         answer = replay.value(entry, "answer")
         replay.cursor.answered(entry)
         late = replay.abort_landing(in_flight=True)
@@ -241,8 +256,12 @@ class _TapeTransport:
         assert replay.rollout is not None
         replay.rollout.request_abort(reason)
         await asyncio.sleep(0)  # the rollout cancels this request: CancelledError lands here
-        raise replay.stop(Divergence("transition", f"the recording's abort ({reason}) cut this request off, but "
-                                     "today's rollout did not cancel it"))
+        raise replay.stop(
+            Divergence(
+                "transition",
+                f"the recording's abort ({reason}) cut this request off, but today's rollout did not cancel it",
+            )
+        )
 
 
 class _TapeEnv:
@@ -429,13 +448,23 @@ async def reexecute(
     notes: list[str] = []
     missing = tape.missing_blobs([record.sample, *(entry for entry in record.io if entry.get("refs"))])
     if missing:
-        return Divergence("tape", f"the tape lacks {len(missing)} blob(s) this sample needs, e.g. {missing[0]}",
-                          line=record.line), 0, notes
+        return (
+            Divergence(
+                "tape", f"the tape lacks {len(missing)} blob(s) this sample needs, e.g. {missing[0]}", line=record.line
+            ),
+            0,
+            notes,
+        )
     damaged = tape.damaged_blobs([record.sample, *(entry for entry in record.io if entry.get("refs"))])
     if damaged:
         digest, why = damaged[0]
-        return Divergence("tape", f"{len(damaged)} blob(s) this sample needs are damaged, e.g. {digest}: {why}",
-                          line=record.line), 0, notes
+        return (
+            Divergence(
+                "tape", f"{len(damaged)} blob(s) this sample needs are damaged, e.g. {digest}: {why}", line=record.line
+            ),
+            0,
+            notes,
+        )
     replay = _Replay(record, tape, tokenizer)
     try:
         config, dropped = config_from(record.config)
@@ -458,8 +487,15 @@ async def reexecute(
             suspender=_TapeGate(replay),
         )
     except Exception as error:
-        return Divergence("setup", f"today's code rejects the recorded sample or config: "
-                          f"{type(error).__name__}: {error}", line=record.line), 0, notes
+        return (
+            Divergence(
+                "setup",
+                f"today's code rejects the recorded sample or config: {type(error).__name__}: {error}",
+                line=record.line,
+            ),
+            0,
+            notes,
+        )
     replay.rollout = rollout
     early_abort = replay.cursor.abort_before_start()
     if early_abort is not None:

@@ -122,8 +122,9 @@ class ReplayReport:
         """The report as text: a summary line, then every sample that is not fine (all with ``verbose``)."""
         paint = _painter(color)
         lines = [self._headline()]
-        counts = "  ".join(f"{paint(verdict, _VERDICT_COLOR[verdict])} {count}"
-                           for verdict, count in self.counts().items())
+        counts = "  ".join(
+            f"{paint(verdict, _VERDICT_COLOR[verdict])} {count}" for verdict, count in self.counts().items()
+        )
         lines.append(counts or "no samples matched")
         for sample in self.samples:
             if verbose or sample.failing or sample.notes:
@@ -140,15 +141,22 @@ class ReplayReport:
         sources = [str(path) for path in (self.trace, self.tape) if path is not None]
         head = f"replay of {' + '.join(sources)}: {len(self.samples)} sample run(s)"
         if self.executed:
-            head += (f"; re-executed {self.turns_executed} turns in {self.seconds:.3f}s "
-                     f"({self.turns_per_cpu_second:,.0f} turns per CPU second)")
+            head += (
+                f"; re-executed {self.turns_executed} turns in {self.seconds:.3f}s "
+                f"({self.turns_per_cpu_second:,.0f} turns per CPU second)"
+            )
         else:
             head += "; checked against today's table (not re-executed)"
         return head
 
 
 _VERDICT_COLOR = {
-    "identical": "32", "legal": "32", "diverged": "31", "illegal": "31", "unfinished": "33", "damaged": "33",
+    "identical": "32",
+    "legal": "32",
+    "diverged": "31",
+    "illegal": "31",
+    "unfinished": "33",
+    "damaged": "33",
 }
 
 
@@ -172,8 +180,10 @@ def render_sample(sample: SampleReport, paint: Paint, *, verbose: bool) -> list[
         where.append(f"tape line {sample.tape_line}")
     replayed = sample.turns_replayed
     turns = f"{sample.turns} turn(s)" + (f", {replayed} replayed" if replayed not in (None, sample.turns) else "")
-    head = (f"sample {sample.label or sample.sample_id} [{outcome}, {turns}] "
-            f"{paint(sample.verdict.upper(), _VERDICT_COLOR[sample.verdict])}")
+    head = (
+        f"sample {sample.label or sample.sample_id} [{outcome}, {turns}] "
+        f"{paint(sample.verdict.upper(), _VERDICT_COLOR[sample.verdict])}"
+    )
     lines = [head + (f"  ({', '.join(where)})" if where else "")]
     if sample.divergence is not None:
         lines.extend(render_divergence(sample.divergence))
@@ -209,5 +219,13 @@ def _short(value: Any, limit: int = 300) -> str:
     return text if len(text) <= limit else text[:limit] + "…"
 
 
-__all__ = ["EXIT_DIVERGED", "EXIT_IDENTICAL", "EXIT_UNUSABLE", "FAILING_VERDICTS", "VERDICTS", "ReplayReport",
-           "SampleReport", "Verdict"]
+__all__ = [
+    "EXIT_DIVERGED",
+    "EXIT_IDENTICAL",
+    "EXIT_UNUSABLE",
+    "FAILING_VERDICTS",
+    "VERDICTS",
+    "ReplayReport",
+    "SampleReport",
+    "Verdict",
+]

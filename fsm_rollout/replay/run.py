@@ -81,7 +81,8 @@ def load_recorded_tokenizer(records: Sequence[TapeSample], explicit: str | Path 
         except Exception as error:
             failures.append(f"{candidate}: {type(error).__name__}: {str(error)[:200]}")
     raise RecordingFormatError(
-        "cannot load the tokenizer the recording used (" + "; ".join(failures or ["the tape names none"])
+        "cannot load the tokenizer the recording used ("
+        + "; ".join(failures or ["the tape names none"])
         + "); pass --tokenizer PATH"
     )
 
@@ -89,8 +90,11 @@ def load_recorded_tokenizer(records: Sequence[TapeSample], explicit: str | Path 
 def _tokenizer_candidates(records: Sequence[TapeSample]) -> list[str]:
     candidates: list[str] = []
     for record in records[:1]:
-        for value in (record.tokenizer.get("name_or_path"), record.config.get("tokenizer_path"),
-                      record.config.get("model")):
+        for value in (
+            record.tokenizer.get("name_or_path"),
+            record.config.get("tokenizer_path"),
+            record.config.get("model"),
+        ):
             if isinstance(value, str) and value and value not in candidates:
                 candidates.append(value)
     return candidates
@@ -104,8 +108,9 @@ def _warn_tokenizer(report: ReplayReport, tokenizer: Any, records: Sequence[Tape
             recorded = record.tokenizer.get(key)
             if recorded is not None and today.get(key) is not None and recorded != today[key] and key not in seen:
                 seen.add(key)
-                report.warnings.append(f"the tokenizer differs from the recording's: {key} {recorded!r} recorded, "
-                                       f"{today[key]!r} now")
+                report.warnings.append(
+                    f"the tokenizer differs from the recording's: {key} {recorded!r} recorded, {today[key]!r} now"
+                )
 
 
 # ---------------------------------------------------------------------------------------------------- checking
@@ -126,20 +131,40 @@ class _Entry:
 
 def _from_trace(path: TracedPath, problems: Sequence[LineProblem]) -> _Entry:
     verdict, findings = check_path(path, problems)
-    report = SampleReport(path.sample_id, path.session_id, path.status, path.reason, verdict, findings=findings,
-                          turns=path.turns, rollout_uid=path.rollout_uid)
+    report = SampleReport(
+        path.sample_id,
+        path.session_id,
+        path.status,
+        path.reason,
+        verdict,
+        findings=findings,
+        turns=path.turns,
+        rollout_uid=path.rollout_uid,
+    )
     if path.lines:
         report.trace_lines = (path.lines[0], path.lines[-1])
     return _Entry(report)
 
 
 def _from_tape(record: TapeSample) -> _Entry:
-    copy = TracedPath(sample_id=record.sample_id, session_id=record.session_id, events=list(record.transitions),
-                      lines=[record.line] * len(record.transitions))
+    copy = TracedPath(
+        sample_id=record.sample_id,
+        session_id=record.session_id,
+        events=list(record.transitions),
+        lines=[record.line] * len(record.transitions),
+    )
     verdict, findings = check_path(copy)
-    report = SampleReport(record.sample_id, record.session_id, copy.status or record.status,
-                          copy.reason if copy.terminal else record.reason, verdict, findings=findings,
-                          turns=copy.turns, tape_line=record.line, rollout_uid=record.rollout_uid)
+    report = SampleReport(
+        record.sample_id,
+        record.session_id,
+        copy.status or record.status,
+        copy.reason if copy.terminal else record.reason,
+        verdict,
+        findings=findings,
+        turns=copy.turns,
+        tape_line=record.line,
+        rollout_uid=record.rollout_uid,
+    )
     return _Entry(report, record, runnable=verdict == "legal")
 
 
@@ -158,8 +183,10 @@ def _with_trace(entry: _Entry, path: TracedPath, problems: Sequence[LineProblem]
         report.verdict = "illegal"
         report.findings[:0] = [f"trace: {finding}" for finding in findings]
     elif path.triples() != _triples(entry.record):
-        report.notes.append(f"the trace (lines {path.lines[0]}-{path.lines[-1]}) records another path than the "
-                            "tape; the tape's is re-executed")
+        report.notes.append(
+            f"the trace (lines {path.lines[0]}-{path.lines[-1]}) records another path than the "
+            "tape; the tape's is re-executed"
+        )
 
 
 def _triples(record: TapeSample) -> list[tuple[Any, Any, Any]]:
@@ -240,15 +267,17 @@ async def replay_async(
         if trace_file.orphans:
             report.warnings.append(
                 f"{len(trace_file.orphans)} transition(s) without sample_id (lines {_line_list(trace_file.orphans)}):"
-                " they belong to no sample's path and were not checked")
+                " they belong to no sample's path and were not checked"
+            )
     if tape_file is not None:
         report.problems.extend(tape_file.problems)
     if execute and tape_file is None:
-        report.warnings.append(f"no tape at {tape_path_for(trace_path)} (record with --record): paths are only "
-                               "checked against today's table, not re-executed")
+        report.warnings.append(
+            f"no tape at {tape_path_for(trace_path)} (record with --record): paths are only "
+            "checked against today's table, not re-executed"
+        )
 
-    entries = [entry for entry in _entries(trace_file, tape_file)
-               if _wanted(entry.report, wanted_ids, wanted_statuses)]
+    entries = [entry for entry in _entries(trace_file, tape_file) if _wanted(entry.report, wanted_ids, wanted_statuses)]
     report.samples.extend(entry.report for entry in entries)
     to_run = [entry for entry in entries if entry.runnable] if execute else []
     if to_run:
@@ -318,8 +347,9 @@ def replay(
     is, whatever the recorded config's ``tune_gc``). Raises :class:`~fsm_rollout.recording.RecordingFormatError` (a
     :class:`~fsm_rollout.errors.RolloutError`) for unusable input; use :func:`replay_async` inside an event loop.
     """
-    return asyncio.run(replay_async(trace, tape=tape, tokenizer=tokenizer, sample_ids=sample_ids, statuses=statuses,
-                                    execute=execute))
+    return asyncio.run(
+        replay_async(trace, tape=tape, tokenizer=tokenizer, sample_ids=sample_ids, statuses=statuses, execute=execute)
+    )
 
 
 __all__ = ["STATUS_FILTERS", "load_recorded_tokenizer", "load_recording", "replay", "replay_async"]

@@ -104,11 +104,15 @@ class TapeCursor:
         """The next entry, which must record ``op`` (``call`` names today's call in the divergence otherwise)."""
         entry = self.peek()
         if entry is None:
-            return Divergence("missing answer", f"today's rollout calls {call}, but the recording has no more calls "
-                              "(the tape has no answer for it)")
+            return Divergence(
+                "missing answer",
+                f"today's rollout calls {call}, but the recording has no more calls (the tape has no answer for it)",
+            )
         if entry["op"] != op:
-            return Divergence("unexpected call", f"today's rollout calls {call}, but the recording's next call is "
-                              f"{describe_entry(entry)}")
+            return Divergence(
+                "unexpected call",
+                f"today's rollout calls {call}, but the recording's next call is {describe_entry(entry)}",
+            )
         self.position += 1
         return entry
 

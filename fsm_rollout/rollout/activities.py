@@ -65,8 +65,9 @@ class Activities:
         scope = self.scope
         if config.env_executor == "thread" and not inspect.iscoroutinefunction(method):
             future = env_thread_pool(config.env_max_workers).submit(method, *args, **kwargs)
-            result = await scope.run(asyncio.wrap_future(future), limit=limit, what=what, thread=future,
-                                     discard_late=False)
+            result = await scope.run(
+                asyncio.wrap_future(future), limit=limit, what=what, thread=future, discard_late=False
+            )
             if inspect.isawaitable(result):  # a synchronous method that handed back an awaitable
                 result = await scope.run(result, limit=limit, what=what, discard_late=False)
             return result
@@ -172,8 +173,12 @@ class Activities:
         if ctx.turn_requests:
             request_id += f"-part{ctx.turn_requests}"
         ctx.turn_requests += 1
-        body = {**ctx.rendered.generate_body, "token_ids": token_ids, "sampling_params": params,
-                "request_id": request_id}
+        body = {
+            **ctx.rendered.generate_body,
+            "token_ids": token_ids,
+            "sampling_params": params,
+            "request_id": request_id,
+        }
 
         def send(request_id: str) -> Any:
             return self.client.generate(body, request_id=request_id, headers=self.headers)
@@ -203,8 +208,9 @@ class Activities:
         fallback = deps.gate.weight_version
         answer = parts[-1]
         if len(parts) > 1 and answer.finish != "abort":
-            turn, spans = merge_turns(parts, request_id=answer.request_id, fallback_version=fallback,
-                                      cut_at_stop=self.stop_string_end)
+            turn, spans = merge_turns(
+                parts, request_id=answer.request_id, fallback_version=fallback, cut_at_stop=self.stop_string_end
+            )
         else:
             turn = answer
             spans = answer_spans(answer, fallback) if answer.finish != "abort" else []
@@ -267,8 +273,9 @@ class Activities:
 
 def _length_finished(part: GeneratedTurn) -> GeneratedTurn:
     """The last answer of a partial turn that used the whole budget, as the ``length`` finish it amounts to."""
-    return GeneratedTurn(request_id=part.request_id, finish="length", token_ids=part.token_ids,
-                         logprobs=part.logprobs, meta=part.meta)
+    return GeneratedTurn(
+        request_id=part.request_id, finish="length", token_ids=part.token_ids, logprobs=part.logprobs, meta=part.meta
+    )
 
 
 ACTIVITIES: dict[str, Callable[[Activities], Any]] = {

@@ -122,8 +122,9 @@ class RolloutContext:
         """The context a resume state describes, for ``sample``; a damaged or unknown state raises
         :class:`ResumeError` naming ``sample_id``."""
         if not isinstance(state, Mapping) or state.get("version") not in (1, RESUME_STATE_VERSION):
-            raise ResumeError(f"sample {sample_id}: metadata['resume_state'] is not a resume state of version "
-                              f"{RESUME_STATE_VERSION}")
+            raise ResumeError(
+                f"sample {sample_id}: metadata['resume_state'] is not a resume state of version {RESUME_STATE_VERSION}"
+            )
         legacy = state["version"] == 1
         values = {(_LEGACY_KEYS.get(key, key) if legacy else key): value for key, value in state.items()}
         context = cls(sample=sample, deps=deps)
@@ -134,8 +135,9 @@ class RolloutContext:
                 elif not legacy:
                     raise KeyError(item.name)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
-            raise ResumeError(f"sample {sample_id}: metadata['resume_state'] is damaged: {type(error).__name__}: "
-                              f"{error}") from error
+            raise ResumeError(
+                f"sample {sample_id}: metadata['resume_state'] is damaged: {type(error).__name__}: {error}"
+            ) from error
         return context
 
 

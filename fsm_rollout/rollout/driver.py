@@ -55,8 +55,11 @@ for _edge in lifecycle.TRANSITIONS:
 
 def _context_field(name: str, doc: str = "") -> Any:
     """A driver attribute that is the context's field ``name`` (read and written there)."""
-    return property(lambda self: getattr(self.ctx, name), lambda self, value: setattr(self.ctx, name, value),
-                    doc=doc or f"The context's ``{name}``.")
+    return property(
+        lambda self: getattr(self.ctx, name),
+        lambda self, value: setattr(self.ctx, name, value),
+        doc=doc or f"The context's ``{name}``.",
+    )
 
 
 class Rollout:
@@ -135,20 +138,35 @@ class Rollout:
         self.rollout_uid = uuid.uuid4().hex[:16]
         """Unique to this rollout (a sample index may repeat across a trainer's steps): traces and tapes carry it."""
         self._gate = GatePoint(suspender)
-        deps = Deps(config=config, params=self.inference_params, encoder=self.encoder, tokenizer=tokenizer,
-                    processor=processor, gate=self._gate)
+        deps = Deps(
+            config=config,
+            params=self.inference_params,
+            encoder=self.encoder,
+            tokenizer=tokenizer,
+            processor=processor,
+            gate=self._gate,
+        )
         name = sample_id if sample_id is not None else default_sample_id(sample)
         resume_state = sample.metadata.get(RESUME_STATE_KEY)
         if resume_state is not None:  # raises before changing the sample when it cannot resume
             self.ctx = restore(resume_state, sample=sample, deps=deps, sample_id=name)
         else:
             self.ctx = RolloutContext(
-                sample=sample, deps=deps, sample_id=name,
-                request_prefix=request_prefix if request_prefix is not None else default_request_prefix(sample))
+                sample=sample,
+                deps=deps,
+                sample_id=name,
+                request_prefix=request_prefix if request_prefix is not None else default_request_prefix(sample),
+            )
         self._scope = CancelScope()
-        self._io = Activities(self.ctx, client=client, headers=headers, scope=self._scope, env_factory=env_factory,
-                              env_args=env_args if env_args is not None else config,
-                              start_clock=lambda: self._clock.start())
+        self._io = Activities(
+            self.ctx,
+            client=client,
+            headers=headers,
+            scope=self._scope,
+            env_factory=env_factory,
+            env_args=env_args if env_args is not None else config,
+            start_clock=lambda: self._clock.start(),
+        )
         self._view = View(self.ctx, rollout_uid=self.rollout_uid, owner=self)
         self._entered_at = time.perf_counter()
         self._running = False
@@ -163,8 +181,9 @@ class Rollout:
 
     client = property(lambda self: self._io.client, lambda self, value: setattr(self._io, "client", value))
     headers = property(lambda self: self._io.headers)
-    _env_factory = property(lambda self: self._io.env_factory,
-                            lambda self, value: setattr(self._io, "env_factory", value))
+    _env_factory = property(
+        lambda self: self._io.env_factory, lambda self, value: setattr(self._io, "env_factory", value)
+    )
 
     @property
     def _inflight(self) -> asyncio.Future[Any] | None:
@@ -333,8 +352,9 @@ class Rollout:
                 return self.sample
         self._running = True
         self._done.clear()
-        context = bind_contextvars(sample_id=self.ctx.sample_id, session_id=self.sample.session_id,
-                                   rollout_uid=self.rollout_uid)
+        context = bind_contextvars(
+            sample_id=self.ctx.sample_id, session_id=self.sample.session_id, rollout_uid=self.rollout_uid
+        )
         tuning_gc = self.config.tune_gc
         if tuning_gc:
             gc_policy.rollout_started()
@@ -367,14 +387,14 @@ class Rollout:
         if self.terminal or scope.stopping:
             return
         if self._hooks is not None:
-            self._hooks.abort_requested(self._view, reason, running=self._running,
-                                        in_flight=scope.inflight is not None)
+            self._hooks.abort_requested(self._view, reason, running=self._running, in_flight=scope.inflight is not None)
         had_inflight = scope.inflight is not None
         scope.abort(reason)
         if had_inflight or self._running:
             return
-        context = bind_contextvars(sample_id=self.ctx.sample_id, session_id=self.sample.session_id,
-                                   rollout_uid=self.rollout_uid)
+        context = bind_contextvars(
+            sample_id=self.ctx.sample_id, session_id=self.sample.session_id, rollout_uid=self.rollout_uid
+        )
         try:
             self._end_now()
         finally:

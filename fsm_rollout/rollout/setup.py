@@ -62,8 +62,10 @@ def restore(state: Any, *, sample: Sample, deps: Deps, sample_id: str) -> Rollou
         raise ResumeError(f"sample {sample_id}: the resume state is not of a suspended rollout ({ctx.state})")
     if ctx.env_snapshot is None:
         why = ctx.env_snapshot_error or "no environment snapshot was taken"
-        raise ResumeError(f"sample {sample_id}: cannot resume: {why}; the environment must implement "
-                          "snapshot() -> dict and restore(state)")
+        raise ResumeError(
+            f"sample {sample_id}: cannot resume: {why}; the environment must implement "
+            "snapshot() -> dict and restore(state)"
+        )
     ctx.env_closed = False
     status = ctx.status_before_hand_back
     sample.status = Status(status) if status is not None else Status.PENDING

@@ -113,8 +113,9 @@ def append_turn(ctx: RolloutContext) -> None:
     ctx.response_token_ids.extend(turn.token_ids)
     if ctx.turn_spans:
         spans = ctx.sample.metadata.setdefault("weight_version_spans", [])
-        joined = join_spans([(span["version"], span["start"], span["end"]) for span in spans[-1:]],
-                            shift_spans(ctx.turn_spans, offset))
+        joined = join_spans(
+            [(span["version"], span["start"], span["end"]) for span in spans[-1:]], shift_spans(ctx.turn_spans, offset)
+        )
         spans[-1:] = [{"version": v, "start": start, "end": end} for v, start, end in joined]
 
 

@@ -80,9 +80,7 @@ def _flat_items(values: Any, what: str, sample: Named) -> list[Any]:
         )
     items = list(values)
     if any(isinstance(item, Sequence) and not isinstance(item, str | bytes) for item in items):
-        raise SampleAppendError(
-            f"{describe(sample)}: expected {what} to be one-dimensional; got nested values"
-        )
+        raise SampleAppendError(f"{describe(sample)}: expected {what} to be one-dimensional; got nested values")
     return items
 
 
@@ -94,24 +92,19 @@ def top_p_spans(meta: TurnMeta, new_count: int, sample: Named) -> tuple[TokenIds
     if raw_ids is None or raw_offsets is None:
         missing = "top_p_token_ids" if raw_ids is None else "top_p_token_offsets"
         raise SampleAppendError(
-            f"{describe(sample)}: top-p spans need both top_p_token_ids and top_p_token_offsets; "
-            f"got {missing}=None"
+            f"{describe(sample)}: top-p spans need both top_p_token_ids and top_p_token_offsets; got {missing}=None"
         )
     ids = int_list(raw_ids, "top_p_token_ids", sample)
     offsets = int_list(raw_offsets, "top_p_token_offsets", sample)
     if len(offsets) != new_count + 1:
         raise SampleAppendError(
-            f"{describe(sample)}: expected {new_count + 1} top-p offsets for {new_count} tokens; "
-            f"got {len(offsets)}"
+            f"{describe(sample)}: expected {new_count + 1} top-p offsets for {new_count} tokens; got {len(offsets)}"
         )
     if offsets[0] != 0:
-        raise SampleAppendError(
-            f"{describe(sample)}: expected top-p offsets to start at 0; got {offsets[0]}"
-        )
+        raise SampleAppendError(f"{describe(sample)}: expected top-p offsets to start at 0; got {offsets[0]}")
     if offsets[-1] != len(ids):
         raise SampleAppendError(
-            f"{describe(sample)}: expected the last top-p offset to equal the {len(ids)} top-p ids; "
-            f"got {offsets[-1]}"
+            f"{describe(sample)}: expected the last top-p offset to equal the {len(ids)} top-p ids; got {offsets[-1]}"
         )
     if any(later < earlier for earlier, later in pairwise(offsets)):
         raise SampleAppendError(f"{describe(sample)}: expected non-decreasing top-p offsets; got {offsets}")
@@ -131,9 +124,7 @@ def routed_experts_array(
         )
     if not isinstance(raw, np.ndarray) or not np.issubdtype(raw.dtype, np.integer):
         got = f"array of {raw.dtype}" if isinstance(raw, np.ndarray) else type(raw).__name__
-        raise RoutingReplayError(
-            f"{describe(sample)}: expected routed_experts as an integer array; got {got}"
-        )
+        raise RoutingReplayError(f"{describe(sample)}: expected routed_experts as an integer array; got {got}")
     expected = rows * num_layers * topk
     if raw.size != expected:
         raise RoutingReplayError(

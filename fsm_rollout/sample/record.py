@@ -219,9 +219,7 @@ class Sample:
     def _describe(self) -> str:
         return describe(self)
 
-    def _check_append_arguments(
-        self, new_tokens: TokenIds, new_log_probs: Logprobs | None, trainable: bool
-    ) -> None:
+    def _check_append_arguments(self, new_tokens: TokenIds, new_log_probs: Logprobs | None, trainable: bool) -> None:
         count = len(new_tokens)
         if new_log_probs is not None and len(new_log_probs) != count:
             raise SampleAppendError(
@@ -302,8 +300,7 @@ class Sample:
         for name, values in (("loss_mask", self.loss_mask), ("rollout_log_probs", self.rollout_log_probs)):
             if values is not None and len(values) != length:
                 raise InvariantViolation(
-                    f"{self._describe()}: expected {name} to have response_length={length} entries; "
-                    f"got {len(values)}"
+                    f"{self._describe()}: expected {name} to have response_length={length} entries; got {len(values)}"
                 )
         self._validate_top_p_spans()
 

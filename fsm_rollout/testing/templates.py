@@ -106,14 +106,10 @@ _GROUPED_BODY: Final = r"""
 {%- endif -%}
 """
 
-GROUPED_TOOLS_CHAT_TEMPLATE: Final = (
-    _TEXT_MACRO + "{%- set CHECK_CALLS = false -%}" + _GROUPED_BODY
-).strip()
+GROUPED_TOOLS_CHAT_TEMPLATE: Final = (_TEXT_MACRO + "{%- set CHECK_CALLS = false -%}" + _GROUPED_BODY).strip()
 """ChatML with Qwen2.5's grouping of consecutive tool results into one user turn."""
 
-TOOL_CALL_REQUIRED_CHAT_TEMPLATE: Final = (
-    _TEXT_MACRO + "{%- set CHECK_CALLS = true -%}" + _GROUPED_BODY
-).strip()
+TOOL_CALL_REQUIRED_CHAT_TEMPLATE: Final = (_TEXT_MACRO + "{%- set CHECK_CALLS = true -%}" + _GROUPED_BODY).strip()
 """The grouped template, refusing a tool result that does not follow a tool call."""
 
 MINIMAL_CHATML_TEMPLATE: Final = (
@@ -153,9 +149,7 @@ THINK_STRIPPING_CHAT_TEMPLATE: Final = (
 """ChatML that drops ``<think>`` blocks from assistant turns before the last user message."""
 
 
-def qwen_tokenizer_with_template(
-    chat_template: str, cache: pathlib.Path | None = None
-) -> PreTrainedTokenizerFast:
+def qwen_tokenizer_with_template(chat_template: str, cache: pathlib.Path | None = None) -> PreTrainedTokenizerFast:
     """A fresh copy of the Qwen tokenizer (same vocabulary, special tokens and EOS) with ``chat_template``."""
     from transformers import PreTrainedTokenizerFast
 

@@ -78,8 +78,16 @@ async def test_models_lists_the_served_model(wire: Harness) -> None:
 
 
 async def test_render_answers_vllms_17_fields_and_echoes_the_sampling_fields(wire: Harness) -> None:
-    request = {"model": wire.model, "messages": MESSAGES, "max_tokens": 16, "temperature": 0.7, "top_p": 0.9,
-               "stop": ["</answer>"], "logprobs": True, "seed": 3}
+    request = {
+        "model": wire.model,
+        "messages": MESSAGES,
+        "max_tokens": 16,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "stop": ["</answer>"],
+        "logprobs": True,
+        "seed": 3,
+    }
     status, body = await wire.post(RENDER_PATH, request)
     assert status == 200, body
     assert list(body) == list(recorded("render_with_sampling"))  # the 17 fields, in vLLM's order
@@ -96,9 +104,21 @@ async def test_render_fills_max_tokens_with_the_rest_of_the_context(wire: Harnes
     status, body = await wire.post(RENDER_PATH, {"model": wire.model, "messages": MESSAGES})
     assert status == 200, body
     assert list(body) == list(recorded("render_text"))
-    recorded_defaults = {key: value for key, value in recorded("render_text")["sampling_params"].items()
-                         if key in ("presence_penalty", "frequency_penalty", "repetition_penalty", "temperature",
-                                    "top_p", "min_p", "stop", "stop_token_ids")}
+    recorded_defaults = {
+        key: value
+        for key, value in recorded("render_text")["sampling_params"].items()
+        if key
+        in (
+            "presence_penalty",
+            "frequency_penalty",
+            "repetition_penalty",
+            "temperature",
+            "top_p",
+            "min_p",
+            "stop",
+            "stop_token_ids",
+        )
+    }
     assert recorded_defaults.items() <= body["sampling_params"].items()
     assert body["sampling_params"]["max_tokens"] == wire.max_model_len - len(body["token_ids"])
     status, body = await wire.post(RENDER_PATH, {"model": wire.model, "messages": MESSAGES, "max_tokens": 17})
@@ -201,13 +221,22 @@ async def test_abort_of_unknown_ids_is_an_empty_200(wire: Harness) -> None:
 
 
 async def test_pause_modes_parse_as_vllms_query(wire: Harness) -> None:
-    for query in ({"mode": "bogus"}, {"mode": "ABORT"}, {"wait_for_inflight_requests": "maybe"},
-                  {"mode": "keep", "clear_cache": "sometimes"}):
+    for query in (
+        {"mode": "bogus"},
+        {"mode": "ABORT"},
+        {"wait_for_inflight_requests": "maybe"},
+        {"mode": "keep", "clear_cache": "sometimes"},
+    ):
         status, body = await wire.post(PAUSE_PATH, **query)
         assert_error(status, body, 400)
         assert await wire.get(IS_PAUSED_PATH) == (200, {"is_paused": False})
-    for query in ({}, {"mode": "abort"}, {"mode": "wait"}, {"mode": "keep", "clear_cache": "false"},
-                  {"wait_for_inflight_requests": "true"}):
+    for query in (
+        {},
+        {"mode": "abort"},
+        {"mode": "wait"},
+        {"mode": "keep", "clear_cache": "false"},
+        {"wait_for_inflight_requests": "true"},
+    ):
         assert await wire.post(PAUSE_PATH, **query) == (200, {"status": "paused"})
         assert await wire.get(IS_PAUSED_PATH) == (200, {"is_paused": True})
         assert await wire.post(RESUME_PATH) == (200, {"status": "resumed"})
@@ -238,7 +267,9 @@ async def test_weight_version_is_set_reported_and_labels_the_tokens(wire: Harnes
     assert status == 200 and set(info) == {"weight_version"} and isinstance(info["weight_version"], str)
     version = f"v-{wire.name}-7"
     assert await wire.post(UPDATE_WEIGHT_VERSION_PATH, {"new_version": version}) == (
-        200, {"success": True, "new_version": version})
+        200,
+        {"success": True, "new_version": version},
+    )
     assert await wire.get(WEIGHT_INFO_PATH) == (200, {"weight_version": version})
     answer = await generate(wire, max_tokens=3, temperature=0.0, ignore_eos=True)
     assert answer["choices"][0]["weight_versions"] == [{"version": version, "start": 0, "end": 3}]
@@ -270,7 +301,8 @@ async def test_another_model_name_is_a_404(wire: Harness, path: str) -> None:
     assert_error(status, answer, 404, "model")
     assert answer["error"]["message"].startswith("The model `no-such-model` does not exist.")
     assert recorded("error_render_unknown_model")["error"]["message"].startswith(
-        "The model `no-such-model` does not exist.")
+        "The model `no-such-model` does not exist."
+    )
 
 
 @pytest.mark.parametrize(

@@ -82,8 +82,10 @@ class Harness:
 
     async def generate_body(self, **sampling: Any) -> dict[str, Any]:
         """A generate body for the server's prompt (a render of a one-message conversation)."""
-        status, rendered = await self.post("/v1/chat/completions/render", {"model": self.model, "messages": [
-            {"role": "user", "content": "What is 6 * 7?"}]})
+        status, rendered = await self.post(
+            "/v1/chat/completions/render",
+            {"model": self.model, "messages": [{"role": "user", "content": "What is 6 * 7?"}]},
+        )
         assert status == 200, rendered
         return {"model": self.model, "token_ids": rendered["token_ids"], "sampling_params": sampling}
 

@@ -78,8 +78,7 @@ class SlowSyncEnv:
 
 
 def config(server: FakeVLLMServer, tmp_path: Path | None = None, **overrides: Any) -> RolloutConfig:
-    values: dict[str, Any] = {"engine_url": server.url, "model": server.model, "max_turns": 3,
-                              "check_invariants": True}
+    values: dict[str, Any] = {"engine_url": server.url, "model": server.model, "max_turns": 3, "check_invariants": True}
     if tmp_path is not None:
         values.update(trace=str(tmp_path / "run.jsonl"), record=True)
     values.update(overrides)
@@ -95,8 +94,9 @@ async def test_an_async_environment_is_awaited_and_its_reward_lands_on_the_sampl
 
     async with FakeVLLMServer(tokenizer) as server:
         server.script([ScriptedTurn(text="first"), ScriptedTurn(text="second")])
-        async with RolloutRunner(config(server), sampling_params=SAMPLING, tokenizer=tokenizer,
-                                 env_factory=build_env) as runner:
+        async with RolloutRunner(
+            config(server), sampling_params=SAMPLING, tokenizer=tokenizer, env_factory=build_env
+        ) as runner:
             sample = await runner.run(Sample(prompt="p", index=0))
     assert sample.status.value == "completed" and sample.reward == 0.75
     assert envs[0].steps == 2 and envs[0].closed == 1
@@ -110,8 +110,12 @@ async def test_an_abort_during_an_awaited_step_ends_the_sample_and_sends_nothing
     env = AsyncEnv(turns=3, hold=hold)
     async with FakeVLLMServer(tokenizer) as server:
         server.script([ScriptedTurn(text="first"), ScriptedTurn(text="second")])
-        async with RolloutRunner(config(server, env_executor=executor), sampling_params=SAMPLING,
-                                 tokenizer=tokenizer, env_factory=lambda **_: env) as runner:
+        async with RolloutRunner(
+            config(server, env_executor=executor),
+            sampling_params=SAMPLING,
+            tokenizer=tokenizer,
+            env_factory=lambda **_: env,
+        ) as runner:
             run = asyncio.ensure_future(runner.run(Sample(prompt="p", index=0)))
             await env.stepping.wait()
             sent = len(server.requests)
@@ -127,8 +131,12 @@ async def test_a_threaded_step_is_waited_for_on_abort_and_its_result_discarded(t
     env = SlowSyncEnv()
     async with FakeVLLMServer(tokenizer) as server:
         server.script([ScriptedTurn(text="first")])
-        async with RolloutRunner(config(server, env_executor="thread", env_max_workers=2), sampling_params=SAMPLING,
-                                 tokenizer=tokenizer, env_factory=lambda **_: env) as runner:
+        async with RolloutRunner(
+            config(server, env_executor="thread", env_max_workers=2),
+            sampling_params=SAMPLING,
+            tokenizer=tokenizer,
+            env_factory=lambda **_: env,
+        ) as runner:
             run = asyncio.ensure_future(runner.run(Sample(prompt="p", index=0)))
             await asyncio.to_thread(env.entered.wait, 30)
             assert env.thread is not None and env.thread.startswith("fsm-rollout-env")
@@ -148,8 +156,12 @@ async def test_a_slow_synchronous_step_in_the_pool_does_not_stall_the_loop(token
     env = SlowSyncEnv()
     async with FakeVLLMServer(tokenizer) as server:
         server.script([ScriptedTurn(text="first")])
-        async with RolloutRunner(config(server, env_executor="thread"), sampling_params=SAMPLING,
-                                 tokenizer=tokenizer, env_factory=lambda **_: env) as runner:
+        async with RolloutRunner(
+            config(server, env_executor="thread"),
+            sampling_params=SAMPLING,
+            tokenizer=tokenizer,
+            env_factory=lambda **_: env,
+        ) as runner:
             run = asyncio.ensure_future(runner.run(Sample(prompt="p", index=0)))
             await asyncio.to_thread(env.entered.wait, 30)
             ticks = 0
@@ -166,8 +178,9 @@ async def test_cancelling_the_caller_during_an_async_step_ends_it_cancelled(toke
     env = AsyncEnv(turns=3, hold=asyncio.Event())
     async with FakeVLLMServer(tokenizer) as server:
         server.script([ScriptedTurn(text="first")])
-        async with RolloutRunner(config(server), sampling_params=SAMPLING, tokenizer=tokenizer,
-                                 env_factory=lambda **_: env) as runner:
+        async with RolloutRunner(
+            config(server), sampling_params=SAMPLING, tokenizer=tokenizer, env_factory=lambda **_: env
+        ) as runner:
             sample = Sample(prompt="p", index=0)
             run = asyncio.ensure_future(runner.run(sample))
             await env.stepping.wait()
@@ -178,15 +191,14 @@ async def test_cancelling_the_caller_during_an_async_step_ends_it_cancelled(toke
     assert env.closed == 1
 
 
-async def test_a_suspension_during_a_step_lets_it_finish_and_suspends_before_the_next_request(
-    tokenizer: Any
-) -> None:
+async def test_a_suspension_during_a_step_lets_it_finish_and_suspends_before_the_next_request(tokenizer: Any) -> None:
     hold = asyncio.Event()
     env = AsyncEnv(turns=2, hold=hold)
     async with FakeVLLMServer(tokenizer) as server:
         server.script([ScriptedTurn(text="first"), ScriptedTurn(text="second")])
-        async with RolloutRunner(config(server), sampling_params=SAMPLING, tokenizer=tokenizer,
-                                 env_factory=lambda **_: env) as runner:
+        async with RolloutRunner(
+            config(server), sampling_params=SAMPLING, tokenizer=tokenizer, env_factory=lambda **_: env
+        ) as runner:
             run = asyncio.ensure_future(runner.run(Sample(prompt="p", index=0)))
             await env.stepping.wait()
             await runner.suspend()
@@ -209,8 +221,12 @@ async def test_an_environment_call_past_its_limit_ends_the_sample_truncated_env_
     env = AsyncEnv(turns=3, hold=asyncio.Event())  # never released: only the limit ends the step
     async with FakeVLLMServer(tokenizer) as server:
         server.script([ScriptedTurn(text="first")])
-        async with RolloutRunner(config(server, env_executor=executor, env_step_timeout_s=0.2),
-                                 sampling_params=SAMPLING, tokenizer=tokenizer, env_factory=lambda **_: env) as runner:
+        async with RolloutRunner(
+            config(server, env_executor=executor, env_step_timeout_s=0.2),
+            sampling_params=SAMPLING,
+            tokenizer=tokenizer,
+            env_factory=lambda **_: env,
+        ) as runner:
             sample = await runner.run(Sample(prompt="p", index=0))
     assert sample.status.value == "truncated" and sample.metadata["rollout_reason"] == "env_timeout"
     assert sample.metadata["rollout_timeout"] == {"what": "env.step", "limit_s": 0.2, "state": "stepping"}
@@ -223,8 +239,12 @@ async def test_a_rollout_past_its_limit_ends_truncated_and_its_request_is_aborte
     async with FakeVLLMServer(tokenizer) as server:
         server.script([ScriptedTurn(text="first", hang=True)])
         # the request hangs until the limit: ample time for the render before it on a loaded machine
-        async with RolloutRunner(config(server, rollout_timeout_s=2.0), sampling_params=SAMPLING,
-                                 tokenizer=tokenizer, env_factory=lambda **_: env) as runner:
+        async with RolloutRunner(
+            config(server, rollout_timeout_s=2.0),
+            sampling_params=SAMPLING,
+            tokenizer=tokenizer,
+            env_factory=lambda **_: env,
+        ) as runner:
             sample = await runner.run(Sample(prompt="p", index=0, session_id="s"))
         assert server.requests_to(ABORT_PATH)  # the hanging request was named to the server
     assert sample.status.value == "truncated" and sample.metadata["rollout_reason"] == "rollout_timeout"
@@ -236,8 +256,12 @@ async def test_time_suspended_does_not_count_against_the_rollout_limit(tokenizer
     env = AsyncEnv(turns=1)
     async with FakeVLLMServer(tokenizer) as server:
         server.script([ScriptedTurn(text="first", hang=True, held_after=2), ScriptedTurn(text="unused")])
-        async with RolloutRunner(config(server, rollout_timeout_s=3.0), sampling_params=SAMPLING,
-                                 tokenizer=tokenizer, env_factory=lambda **_: env) as runner:
+        async with RolloutRunner(
+            config(server, rollout_timeout_s=3.0),
+            sampling_params=SAMPLING,
+            tokenizer=tokenizer,
+            env_factory=lambda **_: env,
+        ) as runner:
             run = asyncio.ensure_future(runner.run(Sample(prompt="p", index=0)))
             await server.wait_until_waiting(1)
             await runner.suspend()
@@ -258,24 +282,32 @@ async def test_reward_fn_sets_the_reward_and_its_error_fails_the_sample_with_dat
 
     async with FakeVLLMServer(tokenizer) as server:
         server.script([ScriptedTurn(text="first"), ScriptedTurn(text="again")])
-        async with RolloutRunner(config(server, reward_fn=reward), sampling_params=SAMPLING, tokenizer=tokenizer,
-                                 env_factory=lambda **_: AsyncEnv(turns=1)) as runner:
+        async with RolloutRunner(
+            config(server, reward_fn=reward),
+            sampling_params=SAMPLING,
+            tokenizer=tokenizer,
+            env_factory=lambda **_: AsyncEnv(turns=1),
+        ) as runner:
             scored = await runner.run(Sample(prompt="p", index=0))
         env = AsyncEnv(turns=1)
-        async with RolloutRunner(config(server, reward_fn=broken), sampling_params=SAMPLING, tokenizer=tokenizer,
-                                 env_factory=lambda **_: env) as runner:
+        async with RolloutRunner(
+            config(server, reward_fn=broken), sampling_params=SAMPLING, tokenizer=tokenizer, env_factory=lambda **_: env
+        ) as runner:
             failed = await runner.run(Sample(prompt="p", index=1))
     assert scored.status.value == "completed" and scored.reward == float(scored.response_length)
     assert failed.status.value == "failed" and "reward model is down" in failed.metadata["rollout_error"]["message"]
     assert failed.response_length > 0 and env.closed == 1
 
 
-async def test_a_recorded_run_with_an_async_environment_replays_identically(tokenizer: Any, tmp_path: Path
-                                                                             ) -> None:
+async def test_a_recorded_run_with_an_async_environment_replays_identically(tokenizer: Any, tmp_path: Path) -> None:
     async with FakeVLLMServer(tokenizer) as server:
         server.script([ScriptedTurn(text=f"turn {i}") for i in range(4)])
-        async with RolloutRunner(config(server, tmp_path), sampling_params=SAMPLING, tokenizer=tokenizer,
-                                 env_factory=lambda **_: AsyncEnv(turns=2, reward=1.0)) as runner:
+        async with RolloutRunner(
+            config(server, tmp_path),
+            sampling_params=SAMPLING,
+            tokenizer=tokenizer,
+            env_factory=lambda **_: AsyncEnv(turns=2, reward=1.0),
+        ) as runner:
             await runner.run_batch([Sample(prompt="p", index=i) for i in range(2)])
     get_tracer(str(tmp_path / "run.jsonl")).close()
     report = await replay_async(tmp_path / "run.jsonl", tokenizer=tokenizer)

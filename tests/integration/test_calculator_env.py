@@ -19,18 +19,21 @@ SAMPLING = {"max_new_tokens": 400, "temperature": 1.0, "top_p": 1.0}
 
 
 def call(expression: str) -> str:
-    return "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + \
-        "\n</tool_call>"
+    return (
+        "<tool_call>\n" + json.dumps({"name": "calculator", "arguments": {"expression": expression}}) + "\n</tool_call>"
+    )
 
 
-@pytest.mark.parametrize(("expression", "value"), [("(3 + 4) * 12", 84), ("2 ** 10", 1024), ("7 / 2", 3.5),
-                                                   ("-5 % 3", 1), ("17 // 5", 3)])
+@pytest.mark.parametrize(
+    ("expression", "value"), [("(3 + 4) * 12", 84), ("2 ** 10", 1024), ("7 / 2", 3.5), ("-5 % 3", 1), ("17 // 5", 3)]
+)
 def test_the_calculator_evaluates_arithmetic(expression: str, value: float) -> None:
     assert evaluate(expression) == value
 
 
-@pytest.mark.parametrize("expression", ["__import__('os')", "x + 1", "2 ** 1000", "1 / 0", "", "[1, 2]",
-                                        "9" * 300, "True + 1"])
+@pytest.mark.parametrize(
+    "expression", ["__import__('os')", "x + 1", "2 ** 1000", "1 / 0", "", "[1, 2]", "9" * 300, "True + 1"]
+)
 def test_the_calculator_refuses_anything_else_with_a_reason(expression: str) -> None:
     with pytest.raises(CalculatorError):
         evaluate(expression)
@@ -61,14 +64,21 @@ def test_the_environment_loads_as_a_module() -> None:
 
 
 async def test_a_tool_calling_rollout_on_the_fake_server_earns_its_reward_and_keeps_template_parity(
-    tokenizer: Any
+    tokenizer: Any,
 ) -> None:
-    turns = [ScriptedTurn(text=f"I will use the tool. {call('3 + 4')}{call('7 * 12')}"),
-             ScriptedTurn(text="The answer is \\boxed{84}.")]
+    turns = [
+        ScriptedTurn(text=f"I will use the tool. {call('3 + 4')}{call('7 * 12')}"),
+        ScriptedTurn(text="The answer is \\boxed{84}."),
+    ]
     async with FakeVLLMServer(tokenizer) as server:
         server.script(turns)
-        config = RolloutConfig(engine_url=server.url, model=server.model, max_turns=3, check_invariants=True,
-                               env_path="fsm_rollout.envs.calculator")
+        config = RolloutConfig(
+            engine_url=server.url,
+            model=server.model,
+            max_turns=3,
+            check_invariants=True,
+            env_path="fsm_rollout.envs.calculator",
+        )
         async with RolloutRunner(config, sampling_params=SAMPLING, tokenizer=tokenizer) as runner:
             sample = await runner.run(Sample(prompt="What is (3 + 4) * 12?", label="84", index=0))
         render = server.requests_to("/v1/chat/completions/render")[0]
@@ -110,8 +120,9 @@ async def test_slow_async_steps_of_many_samples_overlap(tokenizer: Any) -> None:
     async with FakeVLLMServer(tokenizer) as server:
         server.script([ScriptedTurn(text="\\boxed{84}")] * 4)
         config = RolloutConfig(engine_url=server.url, model=server.model, max_turns=2)
-        async with RolloutRunner(config, sampling_params=SAMPLING, tokenizer=tokenizer,
-                                 env_factory=counting_env) as runner:
+        async with RolloutRunner(
+            config, sampling_params=SAMPLING, tokenizer=tokenizer, env_factory=counting_env
+        ) as runner:
             samples = await runner.run_batch([Sample(prompt="q", label="84", index=i) for i in range(4)])
     assert peak == 4
     assert [sample.reward for sample in samples] == [1.0] * 4
@@ -121,12 +132,20 @@ async def test_a_recorded_tool_calling_run_replays_identically(tokenizer: Any, t
     from fsm_rollout import get_tracer
     from fsm_rollout.replay import replay_async
 
-    turns = [ScriptedTurn(text=f"Tools first. {call('6 * 7')}{call('40 + 2')}{call('2 ** 5')}"),
-             ScriptedTurn(text="\\boxed{42}")]
+    turns = [
+        ScriptedTurn(text=f"Tools first. {call('6 * 7')}{call('40 + 2')}{call('2 ** 5')}"),
+        ScriptedTurn(text="\\boxed{42}"),
+    ]
     async with FakeVLLMServer(tokenizer) as server:
         server.script(turns)
-        config = RolloutConfig(engine_url=server.url, model=server.model, max_turns=3,
-                               env_path="fsm_rollout.envs.calculator", trace=str(tmp_path / "run.jsonl"), record=True)
+        config = RolloutConfig(
+            engine_url=server.url,
+            model=server.model,
+            max_turns=3,
+            env_path="fsm_rollout.envs.calculator",
+            trace=str(tmp_path / "run.jsonl"),
+            record=True,
+        )
         async with RolloutRunner(config, sampling_params=SAMPLING, tokenizer=tokenizer) as runner:
             sample = await runner.run(Sample(prompt="What is 6 * 7?", label="42", index=0))
     assert sample.reward == 1.0

@@ -103,7 +103,11 @@ async def test_a_transient_500_changes_nothing_in_the_result(
     retried = (await run_rollout(max_turns=1, retry=FAST_RETRY)).sample
     assert len(fake_vllm.requests_to(path)) == 3  # one clean, one failed, one retried
     assert (retried.status, retried.response, retried.tokens, retried.loss_mask, retried.rollout_log_probs) == (
-        clean.status, clean.response, clean.tokens, clean.loss_mask, clean.rollout_log_probs
+        clean.status,
+        clean.response,
+        clean.tokens,
+        clean.loss_mask,
+        clean.rollout_log_probs,
     )
 
 

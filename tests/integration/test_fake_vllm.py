@@ -122,9 +122,7 @@ async def test_render_passes_chat_template_kwargs_and_image_parts(
     assert body["features"] is None
 
 
-async def test_render_of_an_unknown_model_is_vllms_404(
-    server: FakeVLLMServer, http: aiohttp.ClientSession
-) -> None:
+async def test_render_of_an_unknown_model_is_vllms_404(server: FakeVLLMServer, http: aiohttp.ClientSession) -> None:
     messages = [{"role": "user", "content": "hi"}]
     status, body = await _post(http, server.url + RENDER_PATH, {"model": "other", "messages": messages})
 
@@ -175,9 +173,7 @@ async def test_generate_answers_the_scripted_text_with_aligned_logprobs_and_usag
     assert choice["sampling_mask"] is None
     content = choice["logprobs"]["content"]
     assert [entry["token_id"] for entry in content] == expected
-    assert [entry["logprob"] for entry in content] == pytest.approx(
-        [-0.01 * (i + 1) for i in range(len(expected))]
-    )
+    assert [entry["logprob"] for entry in content] == pytest.approx([-0.01 * (i + 1) for i in range(len(expected))])
     assert body["usage"] == {
         "prompt_tokens": len(prompt),
         "completion_tokens": len(expected),
@@ -218,9 +214,7 @@ async def test_generate_cuts_at_a_stop_string_keeping_the_token_that_completes_i
     assert len(choice["logprobs"]["content"]) == len(choice["token_ids"])
 
 
-async def test_generate_cuts_at_a_stop_token_id_keeping_it(
-    server: FakeVLLMServer, http: aiohttp.ClientSession
-) -> None:
+async def test_generate_cuts_at_a_stop_token_id_keeping_it(server: FakeVLLMServer, http: aiohttp.ClientSession) -> None:
     server.script([ScriptedTurn(token_ids=[5, 6, 7, 8, 9])])
 
     _, body = await _generate(http, server, [1], {"max_tokens": 16, "stop_token_ids": [7]})
@@ -238,9 +232,7 @@ async def test_generate_cuts_at_eos_keeping_it(server: FakeVLLMServer, http: aio
     assert body["choices"][0]["finish_reason"] == "stop"
 
 
-async def test_generate_with_ignore_eos_runs_past_eos(
-    server: FakeVLLMServer, http: aiohttp.ClientSession
-) -> None:
+async def test_generate_with_ignore_eos_runs_past_eos(server: FakeVLLMServer, http: aiohttp.ClientSession) -> None:
     server.script([ScriptedTurn(token_ids=[5, 6, EOS_ID, 8, 9])])
 
     _, body = await _generate(http, server, [1], {"max_tokens": 16, "ignore_eos": True})
@@ -274,9 +266,7 @@ async def test_generate_without_max_tokens_uses_the_remaining_context(
     assert choice["finish_reason"] == "length"
 
 
-async def test_generate_with_a_prompt_filling_the_context_is_400(
-    tokenizer: Any, http: aiohttp.ClientSession
-) -> None:
+async def test_generate_with_a_prompt_filling_the_context_is_400(tokenizer: Any, http: aiohttp.ClientSession) -> None:
     async with FakeVLLMServer(tokenizer, model=MODEL, max_model_len=4) as small:
         small.script([ScriptedTurn(text="unused")])
 
@@ -298,7 +288,13 @@ async def test_generate_with_a_prompt_filling_the_context_is_400(
         {"token_ids": [1, 2], "sampling_params": {}, "request_id": ""},
     ],
     ids=[
-        "empty", "negative", "string", "float", "no-sampling-params", "sampling-params-not-object", "empty-request-id"
+        "empty",
+        "negative",
+        "string",
+        "float",
+        "no-sampling-params",
+        "sampling-params-not-object",
+        "empty-request-id",
     ],
 )
 async def test_generate_rejects_an_invalid_request_with_400(
@@ -351,9 +347,7 @@ async def test_choice_extra_and_top_extra_are_merged_into_the_answer(
     assert body["weight_version"] == "7"
 
 
-async def test_a_raw_turn_is_sent_verbatim_with_its_status(
-    server: FakeVLLMServer, http: aiohttp.ClientSession
-) -> None:
+async def test_a_raw_turn_is_sent_verbatim_with_its_status(server: FakeVLLMServer, http: aiohttp.ClientSession) -> None:
     server.script([ScriptedTurn(raw={"choices": "not a list"}, status=200)])
 
     status, body = await _generate(http, server, [1], {"max_tokens": 8})
@@ -399,15 +393,11 @@ async def test_logprob_entries_follow_the_configured_style(
 # ------------------------------------------------------------------ scripts and sessions
 
 
-async def test_each_session_draws_from_its_own_queue(
-    server: FakeVLLMServer, http: aiohttp.ClientSession
-) -> None:
+async def test_each_session_draws_from_its_own_queue(server: FakeVLLMServer, http: aiohttp.ClientSession) -> None:
     server.script([ScriptedTurn(token_ids=[11]), ScriptedTurn(token_ids=[12])], session="a")
     server.script([ScriptedTurn(token_ids=[21])], session="b")
 
-    answers = [
-        await _generate(http, server, [1], {"max_tokens": 4}, session=session) for session in ("b", "a", "a")
-    ]
+    answers = [await _generate(http, server, [1], {"max_tokens": 4}, session=session) for session in ("b", "a", "a")]
 
     assert [body["choices"][0]["token_ids"] for _, body in answers] == [[21], [11], [12]]
 
@@ -436,9 +426,7 @@ async def test_an_exhausted_script_answers_500_naming_the_session(
     assert body["error"]["message"] == "fake vLLM: no scripted turn left for session s1"
 
 
-async def test_an_exhausted_default_queue_answers_500(
-    server: FakeVLLMServer, http: aiohttp.ClientSession
-) -> None:
+async def test_an_exhausted_default_queue_answers_500(server: FakeVLLMServer, http: aiohttp.ClientSession) -> None:
     status, body = await _generate(http, server, [1], {"max_tokens": 4})
 
     assert status == 500
@@ -478,23 +466,17 @@ async def test_fail_next_with_malformed_json_answers_200_with_an_unparsable_body
 ) -> None:
     server.fail_next(GENERATE_PATH, malformed_json=True)
 
-    async with http.post(
-        server.url + GENERATE_PATH, json={"token_ids": [1], "sampling_params": {}}
-    ) as response:
+    async with http.post(server.url + GENERATE_PATH, json={"token_ids": [1], "sampling_params": {}}) as response:
         assert response.status == 200
         with pytest.raises(ValueError):
             await response.json()
 
 
-async def test_fail_next_with_reset_drops_the_connection(
-    server: FakeVLLMServer, http: aiohttp.ClientSession
-) -> None:
+async def test_fail_next_with_reset_drops_the_connection(server: FakeVLLMServer, http: aiohttp.ClientSession) -> None:
     server.fail_next(RENDER_PATH, reset=True)
 
     with pytest.raises(aiohttp.ClientConnectionError):
-        await _post(
-            http, server.url + RENDER_PATH, {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
-        )
+        await _post(http, server.url + RENDER_PATH, {"model": MODEL, "messages": [{"role": "user", "content": "x"}]})
 
     assert len(server.requests_to(RENDER_PATH)) == 1
 
@@ -564,9 +546,7 @@ async def test_a_client_disconnect_during_a_hang_is_recorded(
 # ------------------------------------------------------------------ bookkeeping and misc endpoints
 
 
-async def test_every_request_is_recorded_in_arrival_order(
-    server: FakeVLLMServer, http: aiohttp.ClientSession
-) -> None:
+async def test_every_request_is_recorded_in_arrival_order(server: FakeVLLMServer, http: aiohttp.ClientSession) -> None:
     server.script([ScriptedTurn(token_ids=[5])])
     render_body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
 
@@ -589,18 +569,14 @@ async def test_every_request_is_recorded_in_arrival_order(
     assert len(server.requests_to(GENERATE_PATH)) == 2
 
 
-async def test_health_and_models_describe_the_server(
-    server: FakeVLLMServer, http: aiohttp.ClientSession
-) -> None:
+async def test_health_and_models_describe_the_server(server: FakeVLLMServer, http: aiohttp.ClientSession) -> None:
     async with http.get(server.url + "/health") as health:
         assert health.status == 200
     async with http.get(server.url + "/v1/models") as models:
         listing = await models.json()
 
     assert listing["object"] == "list"
-    assert [(card["id"], card["object"], card["max_model_len"]) for card in listing["data"]] == [
-        (MODEL, "model", 4096)
-    ]
+    assert [(card["id"], card["object"], card["max_model_len"]) for card in listing["data"]] == [(MODEL, "model", 4096)]
 
 
 async def test_an_unknown_path_is_a_json_404_and_is_recorded(
@@ -630,9 +606,7 @@ async def test_render_copies_the_chat_requests_sampling_fields(
     assert (sampling["max_tokens"], sampling["temperature"], sampling["stop"]) == (32, 0.5, ["</answer>"])
 
 
-async def test_stop_answers_a_waiting_generate_with_abort(
-    tokenizer: Any, http: aiohttp.ClientSession
-) -> None:
+async def test_stop_answers_a_waiting_generate_with_abort(tokenizer: Any, http: aiohttp.ClientSession) -> None:
     fake = FakeVLLMServer(tokenizer, model=MODEL)
     await fake.start()
     fake.script([ScriptedTurn(token_ids=[5], hang=True)])

@@ -99,9 +99,7 @@ async def _held(
     session: str | None = None,
 ) -> asyncio.Task[dict[str, Any]]:
     """A generate request sent in the background, returned once the server holds it."""
-    task = asyncio.create_task(
-        _generate(http, server, prompt, sampling_params, request_id=request_id, session=session)
-    )
+    task = asyncio.create_task(_generate(http, server, prompt, sampling_params, request_id=request_id, session=session))
     await asyncio.wait_for(server.wait_until(lambda: request_id in server.held_request_ids), timeout=5)
     return task
 
@@ -160,10 +158,12 @@ async def test_a_held_turn_without_held_after_aborts_with_no_tokens_and_is_not_c
 async def test_a_partial_answer_is_cut_like_the_whole_output(
     fake_vllm: FakeVLLMServer, http: aiohttp.ClientSession
 ) -> None:
-    fake_vllm.script([
-        ScriptedTurn(token_ids=[5, 6, 7, 8, 9], held_after=4, hang=True),
-        ScriptedTurn(token_ids=[5, 6, 7], held_after=10, hang=True),
-    ])
+    fake_vllm.script(
+        [
+            ScriptedTurn(token_ids=[5, 6, 7, 8, 9], held_after=4, hang=True),
+            ScriptedTurn(token_ids=[5, 6, 7], held_after=10, hang=True),
+        ]
+    )
     capped = await _held(http, fake_vllm, PROMPT, {"max_tokens": 2}, request_id="capped")
     short = await _held(http, fake_vllm, PROMPT, {"max_tokens": 8, "stop_token_ids": [6]}, request_id="short")
 
@@ -313,10 +313,12 @@ async def test_other_token_ids_or_another_session_draw_the_next_scripted_turn(
 async def test_concurrent_interrupted_turns_of_one_queue_are_told_apart_by_their_ids(
     fake_vllm: FakeVLLMServer, http: aiohttp.ClientSession
 ) -> None:
-    fake_vllm.script([
-        ScriptedTurn(token_ids=[5, 6, 7], held_after=1, hang=True),
-        ScriptedTurn(token_ids=[8, 9], held_after=1, hang=True),
-    ])
+    fake_vllm.script(
+        [
+            ScriptedTurn(token_ids=[5, 6, 7], held_after=1, hang=True),
+            ScriptedTurn(token_ids=[8, 9], held_after=1, hang=True),
+        ]
+    )
     first = await _held(http, fake_vllm, [1], request_id="r-1")
     second = await _held(http, fake_vllm, [2], request_id="r-2")
     await _post(http, fake_vllm.url + PAUSE_PATH + "?mode=abort")
@@ -435,9 +437,7 @@ async def test_requests_arriving_while_paused_wait_for_resume_and_take_the_new_v
     assert _tokens(await asyncio.wait_for(hanging, timeout=5)) == [7]
 
 
-async def test_stop_answers_requests_waiting_for_resume_with_abort(
-    tokenizer: Any, http: aiohttp.ClientSession
-) -> None:
+async def test_stop_answers_requests_waiting_for_resume_with_abort(tokenizer: Any, http: aiohttp.ClientSession) -> None:
     server = FakeVLLMServer(tokenizer, model=MODEL)
     await server.start()
     server.script([ScriptedTurn(token_ids=[5])])
@@ -458,14 +458,16 @@ async def test_stop_answers_requests_waiting_for_resume_with_abort(
 async def test_every_answer_has_weight_version_spans_of_the_current_version(
     fake_vllm: FakeVLLMServer, http: aiohttp.ClientSession, client: VLLMClient
 ) -> None:
-    fake_vllm.script([
-        ScriptedTurn(token_ids=[5, 6, 7]),
-        ScriptedTurn(token_ids=[]),
-        ScriptedTurn(token_ids=[8]),
-        ScriptedTurn(token_ids=[9], choice_extra={"weight_versions": [_span("x", 0, 1)]}),
-        ScriptedTurn(token_ids=[9], choice_extra={"weight_versions": OMIT}),
-        ScriptedTurn(token_ids=[9]),
-    ])
+    fake_vllm.script(
+        [
+            ScriptedTurn(token_ids=[5, 6, 7]),
+            ScriptedTurn(token_ids=[]),
+            ScriptedTurn(token_ids=[8]),
+            ScriptedTurn(token_ids=[9], choice_extra={"weight_versions": [_span("x", 0, 1)]}),
+            ScriptedTurn(token_ids=[9], choice_extra={"weight_versions": OMIT}),
+            ScriptedTurn(token_ids=[9]),
+        ]
+    )
 
     first = await _generate(http, fake_vllm, PROMPT)
     empty = await _generate(http, fake_vllm, PROMPT)

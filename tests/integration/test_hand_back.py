@@ -57,22 +57,38 @@ class SnapshotEnvFactory(ScriptedEnvFactory):
 
 
 def config(server: FakeVLLMServer, **overrides: Any) -> RolloutConfig:
-    return RolloutConfig(**{"engine_url": server.url, "model": server.model, "max_turns": 1,
-                            "router_policy": "consistent_hash", "check_invariants": True, **overrides})
+    return RolloutConfig(
+        **{
+            "engine_url": server.url,
+            "model": server.model,
+            "max_turns": 1,
+            "router_policy": "consistent_hash",
+            "check_invariants": True,
+            **overrides,
+        }
+    )
 
 
 def outcome(sample: Sample) -> tuple[Any, ...]:
     return (sample.tokens, sample.loss_mask, sample.rollout_log_probs, sample.status, sample.response)
 
 
-async def handed_back(server: FakeVLLMServer, client: VLLMClient, envs: ScriptedEnvFactory,
-                      **config_overrides: Any) -> tuple[Sample, HandingBack, Rollout]:
+async def handed_back(
+    server: FakeVLLMServer, client: VLLMClient, envs: ScriptedEnvFactory, **config_overrides: Any
+) -> tuple[Sample, HandingBack, Rollout]:
     server.script([ScriptedTurn(text=TEXT, hang=True, held_after=4)], session="s0")
     gate = HandingBack(lambda: [client])
     sample = Sample(prompt="p", index=0, session_id="s0")
     build = recorded_rollout if config_overrides.get("record") else Rollout
-    rollout = build(sample, config=config(server, **config_overrides), sampling_params=SAMPLING, client=client,
-                    tokenizer=server.tokenizer, env_factory=envs, suspender=gate)
+    rollout = build(
+        sample,
+        config=config(server, **config_overrides),
+        sampling_params=SAMPLING,
+        client=client,
+        tokenizer=server.tokenizer,
+        env_factory=envs,
+        suspender=gate,
+    )
     run = asyncio.ensure_future(rollout.run())
     await server.wait_until_waiting(1)
     await gate.suspend()
@@ -88,8 +104,12 @@ async def test_a_handed_back_sample_leaves_by_the_edge_and_its_environment_is_cl
     assert (rollout.state, rollout.reason) == ("aborted", "handed_back")
     assert sample.status == Status.ABORTED and sample.metadata["rollout_reason"] == "handed_back"
     last = events[-1]
-    assert (last["src"], last["trigger"], last["dst"], last["reason"]) == ("suspended", "hand_back", "aborted",
-                                                                           "handed_back")
+    assert (last["src"], last["trigger"], last["dst"], last["reason"]) == (
+        "suspended",
+        "hand_back",
+        "aborted",
+        "handed_back",
+    )
     assert last["suspend_reason"] == "weight_update" and last["partial_tokens"] == 4
     state = sample.metadata["resume_state"]
     assert json.loads(json.dumps(state)) == state
@@ -100,15 +120,27 @@ async def test_a_handed_back_sample_leaves_by_the_edge_and_its_environment_is_cl
 async def test_a_handed_back_sample_resumes_to_the_uninterrupted_result(tokenizer: Any) -> None:
     async with FakeVLLMServer(tokenizer) as server, VLLMClient(server.url) as client:
         server.script([ScriptedTurn(text=TEXT)], session="s0")
-        reference = await Rollout(Sample(prompt="p", index=0, session_id="s0"), config=config(server),
-                                  sampling_params=SAMPLING, client=client, tokenizer=tokenizer,
-                                  env_factory=SnapshotEnvFactory()).run()
+        reference = await Rollout(
+            Sample(prompt="p", index=0, session_id="s0"),
+            config=config(server),
+            sampling_params=SAMPLING,
+            client=client,
+            tokenizer=tokenizer,
+            env_factory=SnapshotEnvFactory(),
+        ).run()
         envs = SnapshotEnvFactory()
         sample, gate, _ = await handed_back(server, client, envs)
         await gate.resume()
         with capture_transitions() as events:
-            resumed = await Rollout(sample, config=config(server), sampling_params=SAMPLING, client=client,
-                                    tokenizer=tokenizer, env_factory=envs, suspender=gate).run()
+            resumed = await Rollout(
+                sample,
+                config=config(server),
+                sampling_params=SAMPLING,
+                client=client,
+                tokenizer=tokenizer,
+                env_factory=envs,
+                suspender=gate,
+            ).run()
     assert outcome(resumed) == outcome(reference)
     assert "resume_state" not in resumed.metadata
     assert [event["trigger"] for event in events][:1] == ["resume"]
@@ -123,8 +155,15 @@ async def test_an_environment_without_a_snapshot_is_closed_and_the_resume_says_w
         await gate.resume()
         assert envs.last.close_count == 1
         with pytest.raises(ResumeError, match="ScriptedEnv has no snapshot"):
-            Rollout(sample, config=config(server), sampling_params=SAMPLING, client=client, tokenizer=tokenizer,
-                    env_factory=envs, suspender=gate)
+            Rollout(
+                sample,
+                config=config(server),
+                sampling_params=SAMPLING,
+                client=client,
+                tokenizer=tokenizer,
+                env_factory=envs,
+                suspender=gate,
+            )
     assert "resume_state" in sample.metadata  # nothing of the sample is lost
 
 

@@ -52,8 +52,12 @@ async def engine() -> AsyncIterator[LocalEngine]:
     # Two generations decode in turn, so a third one waits in the queue (for the queued-abort test). The random
     # model: these tests lean on its near-uniform distribution (greedy decoding repeats one token, no early EOS).
     async with LocalEngine(
-        tiny_model_dir(), served_model_name=TINY_MODEL_NAME, max_model_len=MAX_MODEL_LEN, max_num_seqs=2,
-        torch_threads=1, max_request_bytes=MAX_REQUEST_BYTES,
+        tiny_model_dir(),
+        served_model_name=TINY_MODEL_NAME,
+        max_model_len=MAX_MODEL_LEN,
+        max_num_seqs=2,
+        torch_threads=1,
+        max_request_bytes=MAX_REQUEST_BYTES,
     ) as server:
         yield server
 
@@ -151,7 +155,11 @@ async def test_models_names_the_tokenizer_and_the_image_merge_size_for_the_clien
     assert card["image_merge_size"] == engine.image_merge_size == 2
     (served,) = await probe_engine(engine.url) or []
     assert (served.name, served.tokenizer, served.image_merge_size, served.max_model_len) == (
-        engine.served_model_name, card["tokenizer"], 2, MAX_MODEL_LEN)
+        engine.served_model_name,
+        card["tokenizer"],
+        2,
+        MAX_MODEL_LEN,
+    )
 
 
 @pytest.mark.parametrize("case", ["render_text", "render_with_sampling"])
@@ -684,7 +692,8 @@ async def test_the_client_with_the_key_succeeds_and_without_it_gets_one_401(keye
         with pytest.raises(EngineHTTPError, match=r"/v1/models answered HTTP 401: Unauthorized$"):
             await probe_engine(keyed_engine.url, api_key=key)  # health answers; the model list needs the key
     assert [model.name for model in await probe_engine(keyed_engine.url, api_key=API_KEY) or []] == [
-        keyed_engine.served_model_name]
+        keyed_engine.served_model_name
+    ]
 
 
 # -------------------------------------------------------------------- images

@@ -190,7 +190,9 @@ async def test_keep_freezes_a_running_request_and_resume_carries_on_with_the_new
     assert not running.done() and not queued.done()
 
     assert await post(http, engine, "/update_weight_version", {"new_version": "v2"}) == (
-        200, {"success": True, "new_version": "v2"})
+        200,
+        {"success": True, "new_version": "v2"},
+    )
     assert await post(http, engine, "/resume") == (200, {"status": "resumed"})
     choice = await running
     # Carried on where it was: the same tokens and logprobs as without the pause, nothing recomputed.
@@ -225,8 +227,9 @@ async def test_abort_requests_answers_a_frozen_request_while_paused(
 async def test_abort_mode_ends_running_and_queued_requests_with_their_partial_tokens(
     engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int], reference: dict[str, Any]
 ) -> None:
-    running = asyncio.create_task(generate(http, engine, prompt, "abort-1", temperature=0.0, max_tokens=LONG,
-                                           logprobs=2))
+    running = asyncio.create_task(
+        generate(http, engine, prompt, "abort-1", temperature=0.0, max_tokens=LONG, logprobs=2)
+    )
     await started(engine, "abort-1")
     assert await post(http, engine, "/pause", mode="abort") == (200, {"status": "paused"})
     choice = await running
@@ -343,8 +346,9 @@ async def test_update_weights_over_http_loads_a_safetensors_file_and_sets_the_ve
     file = tmp_path / "step-1.safetensors"
     save_file(perturbed(original_weights), str(file))
     try:
-        status, body = await post(http, engine, "/update_weights",
-                                  {"update_info": {"path": str(file), "weight_version": "step-1"}})
+        status, body = await post(
+            http, engine, "/update_weights", {"update_info": {"path": str(file), "weight_version": "step-1"}}
+        )
         assert (status, body) == (200, {"message": "Weights updated"})
         assert await get(http, engine, "/weight_info") == {"weight_version": "step-1"}
         after = await greedy(http, engine, prompt, "step-1", 8)
@@ -352,8 +356,9 @@ async def test_update_weights_over_http_loads_a_safetensors_file_and_sets_the_ve
         assert logprobs(after) != logprobs(reference)[:8]
         assert after["weight_versions"] == spans(("step-1", 0, 8))
     finally:
-        status, body = await post(http, engine, "/update_weights",
-                                  {"update_info": {"path": str(engine.model_dir / "model.safetensors")}})
+        status, body = await post(
+            http, engine, "/update_weights", {"update_info": {"path": str(engine.model_dir / "model.safetensors")}}
+        )
     assert status == 200, body
     assert await get(http, engine, "/weight_info") == {"weight_version": "step-1"}  # null/missing: unchanged
     restored = await greedy(http, engine, prompt, "restored-http", 8)

@@ -23,15 +23,22 @@ from fsm_rollout.trace import Tracer
 SAMPLING = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0}
 
 
-async def _batch(server: FakeVLLMServer, client: VLLMClient, tokenizer: Any, config: RolloutConfig,
-                 n: int) -> list[Rollout]:
+async def _batch(
+    server: FakeVLLMServer, client: VLLMClient, tokenizer: Any, config: RolloutConfig, n: int
+) -> list[Rollout]:
     for i in range(n):  # each sample its own answers (by session), whatever order the requests arrive in
-        server.script([ScriptedTurn(text=f"answer {i % 3}.{turn}", delay=0.001 * (i % 5)) for turn in range(2)],
-                      session=f"s{i}")
+        server.script(
+            [ScriptedTurn(text=f"answer {i % 3}.{turn}", delay=0.001 * (i % 5)) for turn in range(2)], session=f"s{i}"
+        )
     rollouts = [
-        Rollout(Sample(prompt=f"question {i}", index=i, session_id=f"s{i}"), config=config,
-                sampling_params=SAMPLING, client=client, tokenizer=tokenizer,
-                env_factory=ScriptedEnvFactory(steps=[("keep going", False), ("ok", True)]))
+        Rollout(
+            Sample(prompt=f"question {i}", index=i, session_id=f"s{i}"),
+            config=config,
+            sampling_params=SAMPLING,
+            client=client,
+            tokenizer=tokenizer,
+            env_factory=ScriptedEnvFactory(steps=[("keep going", False), ("ok", True)]),
+        )
         for i in range(n)
     ]
     await asyncio.gather(*(rollout.run() for rollout in rollouts))
@@ -46,8 +53,9 @@ async def test_paced_rollouts_end_exactly_as_unpaced_ones(
     paced_config = make_config(router_policy="consistent_hash", loop_slice_ms=5.0)
     paced = await _batch(fake_vllm, client, tokenizer, paced_config, 60)
     assert pacer.waited > waited  # 60 rollouts starting together did not all run in one iteration
-    unpaced = await _batch(fake_vllm, client, tokenizer,
-                           make_config(router_policy="consistent_hash", loop_slice_ms=None), 60)
+    unpaced = await _batch(
+        fake_vllm, client, tokenizer, make_config(router_policy="consistent_hash", loop_slice_ms=None), 60
+    )
     for one, other in zip(paced, unpaced, strict=True):
         assert one.state == other.state == "completed"
         assert one.sample.to_dict() == other.sample.to_dict()
@@ -59,8 +67,14 @@ async def test_a_rollout_cancelled_while_waiting_its_turn_sends_nothing(
     config = make_config(loop_slice_ms=5.0)
     fake_vllm.script([ScriptedTurn(text="x")] * 200)
     rollouts = [
-        Rollout(Sample(prompt=f"q {i}", index=i), config=config, sampling_params=SAMPLING, client=client,
-                tokenizer=tokenizer, env_factory=ScriptedEnvFactory(steps=[("ok", True)]))
+        Rollout(
+            Sample(prompt=f"q {i}", index=i),
+            config=config,
+            sampling_params=SAMPLING,
+            client=client,
+            tokenizer=tokenizer,
+            env_factory=ScriptedEnvFactory(steps=[("ok", True)]),
+        )
         for i in range(50)
     ]
     tasks = [asyncio.create_task(rollout.run()) for rollout in rollouts]
@@ -93,9 +107,15 @@ async def test_the_collector_is_tuned_while_rollouts_run(
     async def thresholds_seen(**config: Any) -> list[tuple[int, int, int]]:
         seen: list[tuple[int, int, int]] = []
         fake_vllm.script([ScriptedTurn(text="x")])
-        rollout = Rollout(Sample(prompt="q", index=0), config=make_config(**config), sampling_params=SAMPLING,
-                          client=client, tokenizer=tokenizer, env_factory=ScriptedEnvFactory(steps=[("ok", True)]),
-                          hooks=ThresholdsSeen(seen))
+        rollout = Rollout(
+            Sample(prompt="q", index=0),
+            config=make_config(**config),
+            sampling_params=SAMPLING,
+            client=client,
+            tokenizer=tokenizer,
+            env_factory=ScriptedEnvFactory(steps=[("ok", True)]),
+            hooks=ThresholdsSeen(seen),
+        )
         await rollout.run()
         assert rollout.sample.status == Status.COMPLETED
         return seen
@@ -114,7 +134,10 @@ def test_loop_slice_must_be_a_positive_number(value: Any) -> None:
 
 
 async def test_aborts_that_land_while_rollouts_wait_for_the_pacer_replay_identically(
-    tmp_path: Path, fake_vllm: FakeVLLMServer, client: VLLMClient, tokenizer: Any,
+    tmp_path: Path,
+    fake_vllm: FakeVLLMServer,
+    client: VLLMClient,
+    tokenizer: Any,
     make_config: Callable[..., RolloutConfig],
 ) -> None:
     """Two new places an abort can land: waiting to start (ends at once, nothing built or sent) and waiting for
@@ -127,9 +150,18 @@ async def test_aborts_that_land_while_rollouts_wait_for_the_pacer_replay_identic
     rollouts = []
     for i in range(40):
         fake_vllm.script([ScriptedTurn(text=f"turn {turn}") for turn in range(2)], session=f"s{i}")
-        rollouts.append(recorded_rollout(Sample(prompt=f"q{i}", index=i, session_id=f"s{i}"), config=config,
-                                         sampling_params=SAMPLING, client=client, tokenizer=tokenizer,
-                                         env_factory=envs[i], tracer=tracer, tape=writer))
+        rollouts.append(
+            recorded_rollout(
+                Sample(prompt=f"q{i}", index=i, session_id=f"s{i}"),
+                config=config,
+                sampling_params=SAMPLING,
+                client=client,
+                tokenizer=tokenizer,
+                env_factory=envs[i],
+                tracer=tracer,
+                tape=writer,
+            )
+        )
     tasks = [asyncio.ensure_future(rollout.run()) for rollout in rollouts]
     await asyncio.sleep(0)
     waiting = rollouts[-1]

@@ -103,33 +103,88 @@ def cases(tokenizer: Any) -> list[Case]:
     think = f"thinking{EOS}"
     think_tokens = len(tokenizer.encode(think, add_special_tokens=False))
     return [
-        Case(0, [ScriptedTurn(text="Let me think."), ScriptedTurn(text=f"42{EOS}")], "completed", "env_done",
-             envs=ScriptedEnvFactory(steps=[("Continue.", False), ("correct", True)])),
+        Case(
+            0,
+            [ScriptedTurn(text="Let me think."), ScriptedTurn(text=f"42{EOS}")],
+            "completed",
+            "env_done",
+            envs=ScriptedEnvFactory(steps=[("Continue.", False), ("correct", True)]),
+        ),
         Case(1, [], "truncated", "budget_exhausted", sampling={**SAMPLING, "max_new_tokens": 0}),
-        Case(2, [ScriptedTurn(text="a"), ScriptedTurn(text="one two three four five six seven eight nine")],
-             "truncated", "length", sampling={**SAMPLING, "max_new_tokens": 20}),
+        Case(
+            2,
+            [ScriptedTurn(text="a"), ScriptedTurn(text="one two three four five six seven eight nine")],
+            "truncated",
+            "length",
+            sampling={**SAMPLING, "max_new_tokens": 20},
+        ),
         Case(3, [ScriptedTurn(text="a"), ScriptedTurn(text="b")], "truncated", "max_turns", config={"max_turns": 2}),
-        Case(4, [ScriptedTurn(text=stop_text)], "truncated", "insufficient_budget_for_stop_eos",
-             sampling={**STOP, "max_new_tokens": stop_tokens}),
-        Case(5, [ScriptedTurn(text=think)], "truncated", "insufficient_budget_for_next_turn",
-             sampling={**SAMPLING, "max_new_tokens": think_tokens + 3}),
-        Case(6, [ScriptedTurn(text="first"), ScriptedTurn(text="partial", finish="abort")], "aborted",
-             "server_abort"),
-        Case(7, [ScriptedTurn(text="a"), ScriptedTurn(text="never", hang=True)], "aborted", "weight_update",
-             interrupt="abort"),
+        Case(
+            4,
+            [ScriptedTurn(text=stop_text)],
+            "truncated",
+            "insufficient_budget_for_stop_eos",
+            sampling={**STOP, "max_new_tokens": stop_tokens},
+        ),
+        Case(
+            5,
+            [ScriptedTurn(text=think)],
+            "truncated",
+            "insufficient_budget_for_next_turn",
+            sampling={**SAMPLING, "max_new_tokens": think_tokens + 3},
+        ),
+        Case(6, [ScriptedTurn(text="first"), ScriptedTurn(text="partial", finish="abort")], "aborted", "server_abort"),
+        Case(
+            7,
+            [ScriptedTurn(text="a"), ScriptedTurn(text="never", hang=True)],
+            "aborted",
+            "weight_update",
+            interrupt="abort",
+        ),
         Case(8, [ScriptedTurn(text="first"), ScriptedTurn(status=400)], "failed", "error"),
-        Case(9, [ScriptedTurn(text="thinking"), ScriptedTurn(text="x = 1 </answer> tail"), ScriptedTurn(text="ok")],
-             "truncated", "max_turns", sampling=dict(STOP)),
-        Case(10, [ScriptedTurn(text="a")], "failed", "error",
-             envs=ScriptedEnvFactory(raise_in={"step": ValueError("the checker crashed")})),
+        Case(
+            9,
+            [ScriptedTurn(text="thinking"), ScriptedTurn(text="x = 1 </answer> tail"), ScriptedTurn(text="ok")],
+            "truncated",
+            "max_turns",
+            sampling=dict(STOP),
+        ),
+        Case(
+            10,
+            [ScriptedTurn(text="a")],
+            "failed",
+            "error",
+            envs=ScriptedEnvFactory(raise_in={"step": ValueError("the checker crashed")}),
+        ),
         Case(11, [ScriptedTurn(text="never", hang=True)], "aborted", "cancelled", interrupt="cancel"),
-        Case(12, [ScriptedTurn(raw={"choices": [{"index": 0, "finish_reason": "stop", "token_ids": [9707, 11],
-                                                 "logprobs": {"content": [{"token_id": 9707, "logprob": -0.5}]}}]})],
-             "failed", "error"),
-        Case(13, [ScriptedTurn(text="a")], "aborted", "env_deadline",
-             envs=AbortingEnvFactory()),
-        Case(14, [ScriptedTurn(text="a"), ScriptedTurn(text="b")], "truncated", "max_turns",
-             config={"max_turns": 2}, session=False),
+        Case(
+            12,
+            [
+                ScriptedTurn(
+                    raw={
+                        "choices": [
+                            {
+                                "index": 0,
+                                "finish_reason": "stop",
+                                "token_ids": [9707, 11],
+                                "logprobs": {"content": [{"token_id": 9707, "logprob": -0.5}]},
+                            }
+                        ]
+                    }
+                )
+            ],
+            "failed",
+            "error",
+        ),
+        Case(13, [ScriptedTurn(text="a")], "aborted", "env_deadline", envs=AbortingEnvFactory()),
+        Case(
+            14,
+            [ScriptedTurn(text="a"), ScriptedTurn(text="b")],
+            "truncated",
+            "max_turns",
+            config={"max_turns": 2},
+            session=False,
+        ),
         Case(15, [], "failed", "error", images=[png_data_url(1)]),
         Case(16, [], "failed", "error", images=[png_data_url(1)], prompt="<image> Same image again."),
         Case(17, [], "aborted", "shutdown", interrupt="before start"),
@@ -157,7 +212,11 @@ async def wait_for_generates(server: FakeVLLMServer, session: str, count: int) -
 
 
 async def record(
-    tmp_path: Path, server: FakeVLLMServer, client: Any, tokenizer: Any, make_config: Callable[..., Any],
+    tmp_path: Path,
+    server: FakeVLLMServer,
+    client: Any,
+    tokenizer: Any,
+    make_config: Callable[..., Any],
     batch: list[Case],
 ) -> Recording:
     trace = tmp_path / "run.jsonl"
@@ -171,12 +230,23 @@ async def record(
             server.script(case.turns, session=session)
         else:
             server.script(case.turns)
-        sample = Sample(prompt=case.prompt, index=case.index, session_id=session,
-                        multimodal_inputs={"images": case.images} if case.images else None)
+        sample = Sample(
+            prompt=case.prompt,
+            index=case.index,
+            session_id=session,
+            multimodal_inputs={"images": case.images} if case.images else None,
+        )
         config = make_config(**({"router_policy": "consistent_hash"} if session else {}), **case.config)
-        rollout = recorded_rollout(sample, config=config, sampling_params=case.sampling, client=client,
-                                   tokenizer=tokenizer, env_factory=case.envs or ScriptedEnvFactory(), tracer=tracer,
-                                   tape=writer)
+        rollout = recorded_rollout(
+            sample,
+            config=config,
+            sampling_params=case.sampling,
+            client=client,
+            tokenizer=tokenizer,
+            env_factory=case.envs or ScriptedEnvFactory(),
+            tracer=tracer,
+            tape=writer,
+        )
         samples[case.index] = sample
         if isinstance(case.envs, AbortingEnvFactory):
             case.envs.rollout = rollout
@@ -223,9 +293,20 @@ def run_replay_in_thread(recording: Recording, **kwargs: Any) -> Awaitable[Repla
 
 async def test_the_batch_covers_every_terminal_reason(recording: Recording) -> None:
     reasons = {sample.metadata["rollout_reason"] for sample in recording.samples.values()}
-    assert {"env_done", "budget_exhausted", "length", "max_turns", "insufficient_budget_for_stop_eos",
-            "insufficient_budget_for_next_turn", "server_abort", "weight_update", "cancelled", "shutdown",
-            "env_deadline", "error"} <= reasons
+    assert {
+        "env_done",
+        "budget_exhausted",
+        "length",
+        "max_turns",
+        "insufficient_budget_for_stop_eos",
+        "insufficient_budget_for_next_turn",
+        "server_abort",
+        "weight_update",
+        "cancelled",
+        "shutdown",
+        "env_deadline",
+        "error",
+    } <= reasons
 
 
 async def test_every_recorded_sample_replays_identically(recording: Recording) -> None:
@@ -349,13 +430,18 @@ async def test_an_error_todays_rollout_raises_is_reported_first_with_the_recorde
     assert divergence.message.startswith(f"today's rollout failed in state {error['state']}")
     assert f"{error['type']}: {error['message']}" in divergence.message
     assert "the recording did not fail: it ended completed/env_done" in divergence.message
-    assert "after it, today's rollout calls env.close(), but the recording's next call is env.step()" in \
-        divergence.message
+    assert (
+        "after it, today's rollout calls env.close(), but the recording's next call is env.step()" in divergence.message
+    )
     as_json = next(item for item in report.to_dict()["samples"] if item["sample_id"] == "0")
     assert as_json["divergence"]["actual"] == error and as_json["turns"] == 2
 
-    assert await asyncio.to_thread(cli, "replay", str(recording.trace), "--tokenizer", str(qwen_tokenizer_dir()),
-                                   "--sample", "0") == 1
+    assert (
+        await asyncio.to_thread(
+            cli, "replay", str(recording.trace), "--tokenizer", str(qwen_tokenizer_dir()), "--sample", "0"
+        )
+        == 1
+    )
     text = capsys.readouterr().out
     assert "sample 0 [completed/env_done, 2 turn(s), 1 replayed] DIVERGED" in text
     assert f"    error at turn 1, state {divergence.state}: today's rollout failed" in text
@@ -392,7 +478,9 @@ async def test_another_error_of_a_failed_sample_is_a_divergence(recording: Recor
     divergence = report.sample("10").divergence
     assert divergence is not None and divergence.kind == "error"
     assert (divergence.expected["message"], divergence.actual["message"]) == (
-        "the checker crashed differently", "the checker crashed")
+        "the checker crashed differently",
+        "the checker crashed",
+    )
 
 
 async def test_a_request_the_tape_does_not_have_is_a_divergence_not_a_crash(
@@ -617,8 +705,9 @@ async def test_replay_cli_exits_2_on_unusable_input(
 
 
 async def test_replay_cli_json_report(recording: Recording, capsys: pytest.CaptureFixture[str]) -> None:
-    code = await asyncio.to_thread(cli, "replay", str(recording.trace), "--tokenizer", str(qwen_tokenizer_dir()),
-                                   "--json", "--sample", "0")
+    code = await asyncio.to_thread(
+        cli, "replay", str(recording.trace), "--tokenizer", str(qwen_tokenizer_dir()), "--json", "--sample", "0"
+    )
     report = orjson.loads(capsys.readouterr().out)
     assert code == 0
     assert report["counts"] == {"identical": 1}
@@ -637,8 +726,9 @@ async def test_inspect_summarises_the_batch(recording: Recording, capsys: pytest
 async def test_inspect_timeline_marks_masked_tokens_when_piped(
     recording: Recording, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = await asyncio.to_thread(cli, "inspect", str(recording.trace), "--sample", "9", "--tokenizer",
-                                   str(qwen_tokenizer_dir()))
+    code = await asyncio.to_thread(
+        cli, "inspect", str(recording.trace), "--sample", "9", "--tokenizer", str(qwen_tokenizer_dir())
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "\033[" not in out
@@ -650,8 +740,17 @@ async def test_inspect_timeline_marks_masked_tokens_when_piped(
 
 
 async def test_inspect_timeline_colours_on_request(recording: Recording, capsys: pytest.CaptureFixture[str]) -> None:
-    code = await asyncio.to_thread(cli, "inspect", str(recording.trace), "--sample", "9", "--color", "always",
-                                   "--tokenizer", str(qwen_tokenizer_dir()))
+    code = await asyncio.to_thread(
+        cli,
+        "inspect",
+        str(recording.trace),
+        "--sample",
+        "9",
+        "--color",
+        "always",
+        "--tokenizer",
+        str(qwen_tokenizer_dir()),
+    )
     out = capsys.readouterr().out
     assert code == 0
     assert "\033[32m" in out and "\033[2m" in out
@@ -692,8 +791,9 @@ async def test_run_record_then_replay_from_the_command_line(fake_vllm: FakeVLLMS
 
     fake_vllm.script([ScriptedTurn(text=f"t{i}") for i in range(6)])
     data = dataset(tmp_path / "d.jsonl", *({"prompt": f"q{i}", "label": "1"} for i in range(3)))
-    code, stdout, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--record",
-                                         "--max-turns", "2")
+    code, stdout, stderr = await run_cli(
+        fake_vllm, tmp_path, "--data", str(data), "--quiet", "--record", "--max-turns", "2"
+    )
     assert code == 0, stderr
     assert f"tape: {tmp_path / 'trace.tape.jsonl'}" in stdout
     report = await asyncio.to_thread(replay, tmp_path / "trace.jsonl")  # the recorded tokenizer path is loaded
@@ -705,8 +805,18 @@ async def test_run_refuses_record_without_trace(fake_vllm: FakeVLLMServer, tmp_p
     import sys
 
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fsm_rollout.cli", "run", "--engine-url", fake_vllm.url, "--model", "fake-model",
-        "--record", stderr=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE)
+        sys.executable,
+        "-m",
+        "fsm_rollout.cli",
+        "run",
+        "--engine-url",
+        fake_vllm.url,
+        "--model",
+        "fake-model",
+        "--record",
+        stderr=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+    )
     _, stderr = await process.communicate()
     assert process.returncode == 2
     assert b"--record needs --trace" in stderr
@@ -730,7 +840,10 @@ async def test_a_schema_1_recording_made_before_the_transport_seam_still_replays
 
 
 async def test_a_sample_index_reused_across_steps_keeps_each_runs_own_timeline_tokens_and_counts(
-    fake_vllm: FakeVLLMServer, tokenizer: Any, make_config: Callable[..., Any], tmp_path: Path,
+    fake_vllm: FakeVLLMServer,
+    tokenizer: Any,
+    make_config: Callable[..., Any],
+    tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """A trainer loop that builds ``Sample(index=i)`` again each step: inspect names the runs ``0#1``, ``0#2``,
@@ -759,8 +872,9 @@ async def test_a_sample_index_reused_across_steps_keeps_each_runs_own_timeline_t
 
     overlay = build_overlay(read_trace(trace))
     assert overlay.total_samples == 2
-    render_edge = next(usage for usage, edge in zip(overlay.edges, lifecycle.TRANSITIONS, strict=True)
-                       if edge.trigger == "render")
+    render_edge = next(
+        usage for usage, edge in zip(overlay.edges, lifecycle.TRANSITIONS, strict=True) if edge.trigger == "render"
+    )
     assert render_edge.samples == render_edge.transitions == 2
     report = await asyncio.to_thread(replay, trace, tokenizer=tokenizer)
     assert report.counts() == {"identical": 2}, report.render(verbose=True)

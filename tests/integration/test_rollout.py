@@ -469,8 +469,10 @@ async def test_a_list_of_tool_results_is_one_observation_rendered_together(
     start = len(first["token_ids"]) + len(tokenizer.encode(f"Two calls.{EOS}", add_special_tokens=False))
     suffix = tokenizer.decode(second["token_ids"][start:])
     # the bundled template renders each tool result as its own user turn, and the suffix is exactly that
-    assert suffix == ("\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
-                      "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    assert suffix == (
+        "\n<|im_start|>user\n<tool_response>\n42\n</tool_response><|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n7\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
     observation_start = start - len(first["token_ids"])
     assert result.sample.metadata["observations"] == [
         {"start": observation_start, "end": len(second["token_ids"]) - len(first["token_ids"]), "messages": results}
@@ -487,7 +489,6 @@ async def test_an_observation_that_is_not_appended_is_not_recorded(
     result = await run_rollout(sampling={"max_new_tokens": n + 3, "temperature": 1.0, "top_p": 1.0})
     assert result.rollout.reason == "insufficient_budget_for_next_turn"
     assert "observations" not in result.sample.metadata
-
 
 
 @pytest.mark.parametrize("template", ["bundled", "grouped"])
@@ -511,8 +512,9 @@ async def test_a_tool_calling_rollout_renders_as_its_tokens(tokenizer: Any, temp
             return [str(len(call.arguments["x"])) for call in parse.calls], not parse.calls, {}
 
         def format_observation(self, results: list[str]) -> list[dict[str, Any]]:
-            return [{"role": "tool", "content": result, "tool_call_id": f"call_{i}"} for i, result in
-                    enumerate(results)]
+            return [
+                {"role": "tool", "content": result, "tool_call_id": f"call_{i}"} for i, result in enumerate(results)
+            ]
 
         def close(self) -> None: ...
 
@@ -521,13 +523,23 @@ async def test_a_tool_calling_rollout_renders_as_its_tokens(tokenizer: Any, temp
         sampling["stop"] = ["</tool_call>"]
     async with FakeVLLMServer(chosen, model="fake-model") as server:
         server.script([ScriptedTurn(text=calls + EOS), ScriptedTurn(text=f"It is 42.{EOS}")])
-        config = RolloutConfig(engine_url=server.url, model="fake-model", max_turns=3, check_invariants=True,
-                               retry=RetryPolicy(max_attempts=2, base_delay_s=0.01),
-                               append_eos_token_after_stop_str_in_multi_turn=stop != "no_masked_eos")
+        config = RolloutConfig(
+            engine_url=server.url,
+            model="fake-model",
+            max_turns=3,
+            check_invariants=True,
+            retry=RetryPolicy(max_attempts=2, base_delay_s=0.01),
+            append_eos_token_after_stop_str_in_multi_turn=stop != "no_masked_eos",
+        )
         async with VLLMClient(server.url) as client:
-            sample = await Rollout(Sample(prompt="What is 6 * 7?", index=0, metadata={"tools": tools}),
-                                   config=config, sampling_params=sampling, client=client, tokenizer=chosen,
-                                   env_factory=lambda **_: ToolEnv()).run()
+            sample = await Rollout(
+                Sample(prompt="What is 6 * 7?", index=0, metadata={"tools": tools}),
+                config=config,
+                sampling_params=sampling,
+                client=client,
+                tokenizer=chosen,
+                env_factory=lambda **_: ToolEnv(),
+            ).run()
     assert sample.status == Status.COMPLETED
     (record,) = sample.metadata["observations"]
     assert [message["content"] for message in record["messages"]] == ["3"] * (1 if stop else 2)

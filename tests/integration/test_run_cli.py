@@ -82,8 +82,13 @@ def cli_env(extra: Mapping[str, str] | None = None) -> dict[str, str]:
 
 async def run_command(*argv: str, env: Mapping[str, str] | None = None) -> tuple[int, str, str]:
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "fsm_rollout.cli", *argv,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env(env),
+        sys.executable,
+        "-m",
+        "fsm_rollout.cli",
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=cli_env(env),
     )
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=300)
     assert process.returncode is not None
@@ -157,8 +162,9 @@ async def test_skip_bad_runs_the_good_lines_and_counts_the_bad(fake_vllm: FakeVL
 async def test_pacing_and_gc_flags_run_and_a_bad_slice_exits_2(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
     fake_vllm.script([ScriptedTurn(text="one"), ScriptedTurn(text="two")])
     data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q0"), done_after_one_turn("q1"))
-    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--loop-slice-ms", "0",
-                                    "--no-tune-gc")
+    code, _, stderr = await run_cli(
+        fake_vllm, tmp_path, "--data", str(data), "--quiet", "--loop-slice-ms", "0", "--no-tune-gc"
+    )
     assert code == 0, stderr
     assert {row["status"] for row in results(tmp_path)} == {"completed"}
     code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--loop-slice-ms", "-1")
@@ -247,8 +253,9 @@ def test_the_former_gc_flag_name_still_parses() -> None:
 
 
 async def test_a_negative_budget_exits_2_before_the_engine_starts(tmp_path: Path) -> None:
-    code, stdout, stderr = await run_command("run", "--max-new-tokens", "-5", "--out", str(tmp_path / "r.jsonl"),
-                                             "--trace", str(tmp_path / "t.jsonl"))
+    code, stdout, stderr = await run_command(
+        "run", "--max-new-tokens", "-5", "--out", str(tmp_path / "r.jsonl"), "--trace", str(tmp_path / "t.jsonl")
+    )
     assert code == 2
     assert one_error_line(stderr) == "error: --max-new-tokens -5: max_new_tokens must be at least 1"
     assert stdout == ""
@@ -267,9 +274,23 @@ async def test_nothing_listening_at_the_engine_url_exits_2_with_one_line(
 ) -> None:
     url = closed_port_url()
     data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q"))
-    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet",
-                                    engine=("--engine-url", fake_vllm.url, "--engine-url", url, "--model",
-                                            "fake-model", "--tokenizer", str(qwen_tokenizer_dir())))
+    code, _, stderr = await run_cli(
+        fake_vllm,
+        tmp_path,
+        "--data",
+        str(data),
+        "--quiet",
+        engine=(
+            "--engine-url",
+            fake_vllm.url,
+            "--engine-url",
+            url,
+            "--model",
+            "fake-model",
+            "--tokenizer",
+            str(qwen_tokenizer_dir()),
+        ),
+    )
     assert code == 2
     line = one_error_line(stderr)
     assert line.startswith(f"error: no engine answers at {url} (GET {url}/health failed: ")
@@ -289,7 +310,7 @@ async def test_failed_samples_print_their_distinct_errors_under_the_summary(
     lines = stdout.splitlines()
     errors_at = lines.index("errors (3 failed sample(s), 1 distinct)")
     assert lines[errors_at - 1].split() == ["error", "3"]  # under the reason counts
-    assert lines[errors_at + 1:] == [
+    assert lines[errors_at + 1 :] == [
         f"     3 x EngineHTTPError: POST {fake_vllm.url}{RENDER_PATH} answered HTTP 400 (attempt 1): "
         "fake vLLM: injected fault (400)",
         f"results: {tmp_path / 'results.jsonl'}   trace: {tmp_path / 'trace.jsonl'}",
@@ -302,8 +323,14 @@ async def test_failed_samples_print_their_distinct_errors_under_the_summary(
 async def test_the_model_name_comes_from_the_engine(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
     fake_vllm.script([ScriptedTurn(text="one")])
     data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q"))
-    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet",
-                                    engine=("--engine-url", fake_vllm.url, "--tokenizer", str(qwen_tokenizer_dir())))
+    code, _, stderr = await run_cli(
+        fake_vllm,
+        tmp_path,
+        "--data",
+        str(data),
+        "--quiet",
+        engine=("--engine-url", fake_vllm.url, "--tokenizer", str(qwen_tokenizer_dir())),
+    )
     assert code == 0, stderr
     assert results(tmp_path)[0]["status"] == "completed"
     assert {request.body["model"] for request in fake_vllm.requests_to(RENDER_PATH)} == {"fake-model"}
@@ -312,11 +339,16 @@ async def test_the_model_name_comes_from_the_engine(fake_vllm: FakeVLLMServer, t
 async def test_a_model_the_engine_does_not_serve_exits_2_naming_what_it_serves(
     fake_vllm: FakeVLLMServer, tmp_path: Path
 ) -> None:
-    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--quiet", engine=(
-        "--engine-url", fake_vllm.url, "--model", "other", "--tokenizer", str(qwen_tokenizer_dir())))
+    code, _, stderr = await run_cli(
+        fake_vllm,
+        tmp_path,
+        "--quiet",
+        engine=("--engine-url", fake_vllm.url, "--model", "other", "--tokenizer", str(qwen_tokenizer_dir())),
+    )
     assert code == 2
     assert one_error_line(stderr) == (
-        f"error: --model 'other': the engine at {fake_vllm.url} serves 'fake-model', not 'other'")
+        f"error: --model 'other': the engine at {fake_vllm.url} serves 'fake-model', not 'other'"
+    )
 
 
 async def test_a_tokenizer_that_is_not_local_fails_at_once_naming_the_flag(
@@ -327,13 +359,19 @@ async def test_a_tokenizer_that_is_not_local_fails_at_once_naming_the_flag(
     assert code == 2
     assert one_error_line(stderr) == (
         f"error: the model path that {fake_vllm.url} names 'fake-model' is neither a local directory nor in the "
-        "Hugging Face cache, and the hub is offline (HF_HUB_OFFLINE): pass --tokenizer DIR")
+        "Hugging Face cache, and the hub is offline (HF_HUB_OFFLINE): pass --tokenizer DIR"
+    )
     assert stdout == ""
-    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--quiet", engine=(
-        "--engine-url", fake_vllm.url, "--tokenizer", str(tmp_path / "no-such-dir")))
+    code, _, stderr = await run_cli(
+        fake_vllm,
+        tmp_path,
+        "--quiet",
+        engine=("--engine-url", fake_vllm.url, "--tokenizer", str(tmp_path / "no-such-dir")),
+    )
     assert code == 2
     assert one_error_line(stderr) == (
-        f"error: --tokenizer {str(tmp_path / 'no-such-dir')!r} is not a tokenizer directory: pass --tokenizer DIR")
+        f"error: --tokenizer {str(tmp_path / 'no-such-dir')!r} is not a tokenizer directory: pass --tokenizer DIR"
+    )
 
 
 # -------------------------------------------------------------------- the API key
@@ -349,8 +387,17 @@ async def test_the_api_key_is_sent_but_never_printed_or_written(fake_vllm: FakeV
     fake_vllm.fail_next(RENDER_PATH, status=401)  # one sample's request is refused
     fake_vllm.script([ScriptedTurn(text="one")])
     data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q0"), done_after_one_turn("q1"))
-    code, stdout, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--record",
-                                         "--concurrency", "1", env={"VLLM_API_KEY": SECRET})
+    code, stdout, stderr = await run_cli(
+        fake_vllm,
+        tmp_path,
+        "--data",
+        str(data),
+        "--quiet",
+        "--record",
+        "--concurrency",
+        "1",
+        env={"VLLM_API_KEY": SECRET},
+    )
     assert code == 1, stderr
     assert sorted(row["status"] for row in results(tmp_path)) == ["completed", "failed"]
     assert "answered HTTP 401" in stdout
@@ -365,7 +412,10 @@ def keyed_serve() -> Iterator[str]:
     """``fsm-rollout serve`` with an API key (from VLLM_API_KEY, as vLLM reads it); yields its URL."""
     process = subprocess.Popen(
         [sys.executable, "-m", "fsm_rollout.cli", "serve", "--port", "0", "--max-model-len", "2048"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env({"VLLM_API_KEY": SECRET}), text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=cli_env({"VLLM_API_KEY": SECRET}),
+        text=True,
     )
     try:
         assert process.stdout is not None
@@ -380,8 +430,22 @@ def keyed_serve() -> Iterator[str]:
 async def test_run_against_a_keyed_serve_needs_only_the_url_and_the_key(keyed_serve: str, tmp_path: Path) -> None:
     # The demo has images: the tokenizer and the merge size come from the engine's /v1/models.
     code, stdout, stderr = await run_command(
-        "run", "--engine-url", keyed_serve, "--api-key", SECRET, "--limit", "2", "--max-new-tokens", "8", "--quiet",
-        "--out", str(tmp_path / "results.jsonl"), "--trace", str(tmp_path / "trace.jsonl"), "--record")
+        "run",
+        "--engine-url",
+        keyed_serve,
+        "--api-key",
+        SECRET,
+        "--limit",
+        "2",
+        "--max-new-tokens",
+        "8",
+        "--quiet",
+        "--out",
+        str(tmp_path / "results.jsonl"),
+        "--trace",
+        str(tmp_path / "trace.jsonl"),
+        "--record",
+    )
     assert code == 0, stderr
     rows = results(tmp_path)
     assert {row["status"] for row in rows} <= {"completed", "truncated"}
@@ -400,7 +464,8 @@ async def test_run_against_a_keyed_serve_without_the_right_key_exits_2_clearly(
     assert code == 2
     assert one_error_line(stderr) == (
         f"error: GET {keyed_serve}/v1/models answered HTTP 401: Unauthorized; the engine needs an API key: "
-        "pass --api-key or set $VLLM_API_KEY")
+        "pass --api-key or set $VLLM_API_KEY"
+    )
     wrong = SECRET[:-1]  # a near miss must not be printed either
     code, stdout, stderr = await run_command("run", "--engine-url", keyed_serve, "--api-key", wrong, *out)
     assert code == 2
@@ -419,7 +484,10 @@ async def test_ctrl_c_counts_finished_aborted_mid_way_and_never_started_and_says
     assert code == 130, stderr
     rows = results(tmp_path)
     assert [(row["status"], row["metadata"]["rollout_reason"]) for row in rows] == [
-        ("aborted", "cancelled"), ("aborted", "not_started"), ("aborted", "not_started")]
+        ("aborted", "cancelled"),
+        ("aborted", "not_started"),
+        ("aborted", "not_started"),
+    ]
     assert "0/3 samples finished" in stdout
     assert "1 aborted mid-way, 2 never started" in stdout
 
@@ -428,9 +496,12 @@ async def test_a_run_that_generates_nothing_fails_saying_why(fake_vllm: FakeVLLM
     data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q0"), done_after_one_turn("q1"))
     code, stdout, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--max-context-len", "3")
     assert code == 1, stderr
-    assert re.search(r"error: nothing was generated: all 2 sample\(s\) ended truncated/budget_exhausted before their "
-                     r"first turn; the prompts \(\d+(-\d+)? tokens\) leave no room for a response under "
-                     r"--max-context-len 3", stderr), stderr
+    assert re.search(
+        r"error: nothing was generated: all 2 sample\(s\) ended truncated/budget_exhausted before their "
+        r"first turn; the prompts \(\d+(-\d+)? tokens\) leave no room for a response under "
+        r"--max-context-len 3",
+        stderr,
+    ), stderr
     assert [(row["status"], row["response_length"]) for row in results(tmp_path)] == [("truncated", 0)] * 2
     assert "2/2 samples" in stdout  # the summary is still printed
     assert fake_vllm.requests_to(GENERATE_PATH) == []
@@ -454,19 +525,36 @@ async def test_the_summary_ends_with_the_next_commands_and_inspect_shows_a_group
 
     fake_vllm.script([ScriptedTurn(text=RIGHT_TOOL_CALL), ScriptedTurn(text="So \\boxed{7}.")] * 2)
     data = dataset(tmp_path / "d.jsonl", {"prompt": "Find x in the triangle.", "label": "5"})
-    code, stdout, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--record",
-                                         "--env", "fsm_rollout.envs.geo3k", "--n-samples-per-prompt", "2",
-                                         "--concurrency", "1", "--max-new-tokens", "512")
+    code, stdout, stderr = await run_cli(
+        fake_vllm,
+        tmp_path,
+        "--data",
+        str(data),
+        "--quiet",
+        "--record",
+        "--env",
+        "fsm_rollout.envs.geo3k",
+        "--n-samples-per-prompt",
+        "2",
+        "--concurrency",
+        "1",
+        "--max-new-tokens",
+        "512",
+    )
     assert code == 0, stderr
     assert [(row["status"], row["reward"]) for row in results(tmp_path)] == [("completed", 1.0)] * 2
     trace = tmp_path / "trace.jsonl"
-    assert stdout.rstrip().endswith("\n".join([
-        "next:",
-        f"  fsm-rollout inspect {trace}",
-        f"  fsm-rollout inspect {trace} --sample 0.0",
-        f"  fsm-rollout diagram --trace {trace} -o {tmp_path / 'trace.mmd'} --sample 0.0",
-        f"  fsm-rollout replay {trace}",
-    ])), stdout
+    assert stdout.rstrip().endswith(
+        "\n".join(
+            [
+                "next:",
+                f"  fsm-rollout inspect {trace}",
+                f"  fsm-rollout inspect {trace} --sample 0.0",
+                f"  fsm-rollout diagram --trace {trace} -o {tmp_path / 'trace.mmd'} --sample 0.0",
+                f"  fsm-rollout replay {trace}",
+            ]
+        )
+    ), stdout
 
     assert await asyncio.to_thread(main, ["inspect", str(trace), "--sample", "0", "--color", "never"]) == 0
     shown = capsys.readouterr().out
@@ -481,16 +569,31 @@ async def test_the_summary_ends_with_the_next_commands_and_inspect_shows_a_group
     assert await asyncio.to_thread(main, ["inspect", str(trace), "--sample", "3"]) == 2
     assert capsys.readouterr().err == (
         f"error: {trace} has no sample '3'; it has 2 sample id(s): 0.0-0.1; a group id (the part before the last "
-        "dot) shows all its members\n")
+        "dot) shows all its members\n"
+    )
 
 
 async def test_without_a_trace_the_summary_says_how_to_look_inside(fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
     fake_vllm.script([ScriptedTurn(text="one")])
     data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q"))
-    code, stdout, stderr = await run_command("run", "--engine-url", fake_vllm.url, "--model", "fake-model",
-                                             "--tokenizer", str(qwen_tokenizer_dir()), "--data", str(data), "--env",
-                                             "fsm_rollout.testing.envs", "--out", str(tmp_path / "r.jsonl"),
-                                             "--quiet")
+    code, stdout, stderr = await run_command(
+        "run",
+        "--engine-url",
+        fake_vllm.url,
+        "--model",
+        "fake-model",
+        "--tokenizer",
+        str(qwen_tokenizer_dir()),
+        "--data",
+        str(data),
+        "--env",
+        "fsm_rollout.testing.envs",
+        "--out",
+        str(tmp_path / "r.jsonl"),
+        "--quiet",
+    )
     assert code == 0, stderr
-    assert stdout.rstrip().splitlines()[-1] == ("next: run with --trace trace.jsonl --record to look inside each "
-                                                "sample (`fsm-rollout inspect`, `replay`, `diagram --trace`)")
+    assert stdout.rstrip().splitlines()[-1] == (
+        "next: run with --trace trace.jsonl --record to look inside each "
+        "sample (`fsm-rollout inspect`, `replay`, `diagram --trace`)"
+    )

@@ -157,7 +157,10 @@ async def test_several_engines_keep_each_session_on_one_server(
         server.script([ScriptedTurn(text="t")] * 200)
     urls = [server.url for server in three_servers]
     runner = RolloutRunner(
-        config_for(urls[0]), sampling_params=SAMPLING, tokenizer=tokenizer, env_factory=ScriptedEnvFactory(),
+        config_for(urls[0]),
+        sampling_params=SAMPLING,
+        tokenizer=tokenizer,
+        env_factory=ScriptedEnvFactory(),
         engine_urls=urls,
     )
     batch = [Sample(prompt="q", index=i) for i in range(30)]
@@ -340,8 +343,9 @@ async def test_no_finished_batch_returns_a_pending_sample_when_no_rollout_can_be
 ) -> None:
     config = config_for(fake_vllm.url)
     bad_sampling = {**SAMPLING, "max_new_tokens": -5}
-    async with RolloutRunner(config, sampling_params=bad_sampling, tokenizer=tokenizer,
-                             env_factory=ScriptedEnvFactory()) as runner:
+    async with RolloutRunner(
+        config, sampling_params=bad_sampling, tokenizer=tokenizer, env_factory=ScriptedEnvFactory()
+    ) as runner:
         if how == "batch":
             done = await runner.run_batch(samples(3))
         elif how == "group":

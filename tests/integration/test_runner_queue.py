@@ -106,7 +106,10 @@ async def test_an_abort_ends_the_samples_still_queued_as_not_started_and_sends_n
     assert snapshot.reasons == {"cancelled": 1, NOT_STARTED: 2}
     ended = {str(event["sample_id"]): event for event in events if event["dst"] == "aborted"}
     assert {key: (event["src"], event["reason"]) for key, event in ended.items()} == {
-        "0": ("generating", "cancelled"), "1": ("pending", NOT_STARTED), "2": ("pending", NOT_STARTED)}
+        "0": ("generating", "cancelled"),
+        "1": ("pending", NOT_STARTED),
+        "2": ("pending", NOT_STARTED),
+    }
 
 
 @pytest.mark.parametrize("how", ["cancel the batch", "close the stream"])

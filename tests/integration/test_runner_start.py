@@ -161,4 +161,4 @@ async def test_entering_loads_the_tokenizer_and_probes_the_template_while_the_lo
     assert probed, "the template probe ran before any sample"
     assert loop_thread not in probed
     # the sample's rollout found the probe done: nothing of the probe was rendered on the loop
-    assert renderings[len(probed):].count(loop_thread) == 0
+    assert renderings[len(probed) :].count(loop_thread) == 0

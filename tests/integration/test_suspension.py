@@ -59,8 +59,9 @@ class GreedyEngine:
     async def close(self) -> None:
         pass
 
-    async def post_json(self, path: str, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
-                        ) -> Any:
+    async def post_json(
+        self, path: str, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
+    ) -> Any:
         self.requests.append((path, payload))
         if path == RENDER_PATH:
             ids = self.tokenizer.apply_chat_template(payload["messages"], add_generation_prompt=True, tokenize=True)
@@ -120,16 +121,20 @@ class GreedyEngine:
                 spans.append({"version": version, "start": position, "end": position + 1})
         return {
             "request_id": server_request_id(request_id),
-            "choices": [{
-                "index": 0,
-                "finish_reason": finish,
-                "token_ids": tokens,
-                "logprobs": {"content": [
-                    {"token_id": token, "logprob": logprob_of(len(context) + i, token)}
-                    for i, token in enumerate(tokens)
-                ]},
-                "weight_versions": spans,
-            }],
+            "choices": [
+                {
+                    "index": 0,
+                    "finish_reason": finish,
+                    "token_ids": tokens,
+                    "logprobs": {
+                        "content": [
+                            {"token_id": token, "logprob": logprob_of(len(context) + i, token)}
+                            for i, token in enumerate(tokens)
+                        ]
+                    },
+                    "weight_versions": spans,
+                }
+            ],
             "usage": {"prompt_tokens": len(context), "completion_tokens": len(tokens)},
         }
 
@@ -170,8 +175,12 @@ class CountingEnv:
 
 
 def config(**overrides: Any) -> RolloutConfig:
-    values: dict[str, Any] = {"engine_url": "http://greedy.invalid", "model": MODEL, "max_turns": 4,
-                              "check_invariants": True}
+    values: dict[str, Any] = {
+        "engine_url": "http://greedy.invalid",
+        "model": MODEL,
+        "max_turns": 4,
+        "check_invariants": True,
+    }
     values.update(overrides)
     return RolloutConfig(**values)
 
@@ -180,13 +189,26 @@ SAMPLING = {"max_new_tokens": 160, "temperature": 0.0, "top_p": 1.0}
 PROMPTS = [f"Question {i}: what is {i} + {i * 3}?" for i in range(12)]
 
 
-async def run_all(tokenizer: Any, engine: GreedyEngine, suspender: Suspender | None, *, on_step: Any = None,
-                  sampling: Mapping[str, Any] = SAMPLING, **overrides: Any) -> list[Rollout]:
+async def run_all(
+    tokenizer: Any,
+    engine: GreedyEngine,
+    suspender: Suspender | None,
+    *,
+    on_step: Any = None,
+    sampling: Mapping[str, Any] = SAMPLING,
+    **overrides: Any,
+) -> list[Rollout]:
     client = VLLMClient(transport=engine)
     rollouts = [
-        Rollout(Sample(prompt=prompt, index=index), config=config(**overrides), sampling_params=sampling,
-                client=client, tokenizer=tokenizer, env_factory=lambda **_: CountingEnv(on_step),
-                suspender=suspender)
+        Rollout(
+            Sample(prompt=prompt, index=index),
+            config=config(**overrides),
+            sampling_params=sampling,
+            client=client,
+            tokenizer=tokenizer,
+            env_factory=lambda **_: CountingEnv(on_step),
+            suspender=suspender,
+        )
         for index, prompt in enumerate(PROMPTS)
     ]
     await asyncio.gather(*(rollout.run() for rollout in rollouts))
@@ -206,8 +228,7 @@ def assert_spans_cover_generated_positions(sample: Sample) -> None:
 
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
-async def test_greedy_rollouts_suspended_at_random_moments_match_uninterrupted_ones(tokenizer: Any, seed: int
-                                                                                    ) -> None:
+async def test_greedy_rollouts_suspended_at_random_moments_match_uninterrupted_ones(tokenizer: Any, seed: int) -> None:
     reference = await run_all(tokenizer, GreedyEngine(tokenizer), None)
     assert {rollout.sample.status.value for rollout in reference} >= {"completed"}
 
@@ -290,8 +311,15 @@ async def test_a_weight_update_labels_the_tokens_after_it_with_the_new_version(t
     client.update_weight_version = set_version  # type: ignore[method-assign]
     suspender = Suspender(lambda: [client])
     engine.hold_probability = 0.0
-    warm_up = Rollout(Sample(prompt="warm up", index=99), config=config(), sampling_params=SAMPLING, client=client,
-                      tokenizer=tokenizer, env_factory=lambda **_: CountingEnv(), suspender=suspender)
+    warm_up = Rollout(
+        Sample(prompt="warm up", index=99),
+        config=config(),
+        sampling_params=SAMPLING,
+        client=client,
+        tokenizer=tokenizer,
+        env_factory=lambda **_: CountingEnv(),
+        suspender=suspender,
+    )
     await warm_up.run()  # an answer tells the runner the engine's version before the update
     assert suspender.weight_version == "default"
     engine.hold_probability = 1.0
@@ -313,15 +341,20 @@ async def test_a_weight_update_labels_the_tokens_after_it_with_the_new_version(t
         assert weight_staleness(sample, "1", history=["default", "1"]) == (1 if "default" in versions else 0)
 
 
-async def test_a_partial_turn_that_used_the_whole_budget_ends_length_without_another_request(tokenizer: Any
-                                                                                            ) -> None:
+async def test_a_partial_turn_that_used_the_whole_budget_ends_length_without_another_request(tokenizer: Any) -> None:
     engine = GreedyEngine(tokenizer)
     client = VLLMClient(transport=engine)
     suspender = Suspender(lambda: [client])
     sampling = {"max_new_tokens": 4, "temperature": 0.0, "top_p": 1.0}
-    rollout = Rollout(Sample(prompt=PROMPTS[0], index=0), config=config(), sampling_params=sampling,
-                      client=client, tokenizer=tokenizer, env_factory=lambda **_: CountingEnv(),
-                      suspender=suspender)
+    rollout = Rollout(
+        Sample(prompt=PROMPTS[0], index=0),
+        config=config(),
+        sampling_params=sampling,
+        client=client,
+        tokenizer=tokenizer,
+        env_factory=lambda **_: CountingEnv(),
+        suspender=suspender,
+    )
     engine.hold_probability = 1.0
     engine.rng.randrange = lambda start, stop: stop  # type: ignore[method-assign,assignment]  # held after every token
     run = asyncio.ensure_future(rollout.run())
@@ -347,12 +380,22 @@ def test_a_turn_merged_from_its_answers_ends_at_the_stop_string_vllm_stops_at(
     token_ids = tokenizer.encode("one cat, two cats, three cats", add_special_tokens=False)
     assert len(token_ids) == 8  # "one", " cat", ",", " two", " cats", ",", " three", " cats"
     sampling = {**SAMPLING, "stop": ["cat"], "min_new_tokens": min_new_tokens}
-    rollout = Rollout(Sample(prompt=PROMPTS[0], index=0), config=config(), sampling_params=sampling,
-                      client=VLLMClient(transport=GreedyEngine(tokenizer)), tokenizer=tokenizer,
-                      env_factory=lambda **_: CountingEnv())
+    rollout = Rollout(
+        Sample(prompt=PROMPTS[0], index=0),
+        config=config(),
+        sampling_params=sampling,
+        client=VLLMClient(transport=GreedyEngine(tokenizer)),
+        tokenizer=tokenizer,
+        env_factory=lambda **_: CountingEnv(),
+    )
     parts = [
-        GeneratedTurn(request_id="r", finish=finish, token_ids=ids, logprobs=[-0.5] * len(ids),
-                      meta=TurnMeta(finish_reason=finish))
+        GeneratedTurn(
+            request_id="r",
+            finish=finish,
+            token_ids=ids,
+            logprobs=[-0.5] * len(ids),
+            meta=TurnMeta(finish_reason=finish),
+        )
         for finish, ids in (("abort", token_ids[:1]), ("length", token_ids[1:]))
     ]
     turn, spans = merge_turns(parts, request_id="r", fallback_version=None, cut_at_stop=rollout._stop_string_end)

@@ -29,8 +29,13 @@ TEXTS = [
 
 
 def config(server: FakeVLLMServer, tmp_path: Path | None = None, **overrides: Any) -> RolloutConfig:
-    values: dict[str, Any] = {"engine_url": server.url, "model": server.model, "max_turns": 2,
-                              "router_policy": "consistent_hash", "check_invariants": True}
+    values: dict[str, Any] = {
+        "engine_url": server.url,
+        "model": server.model,
+        "max_turns": 2,
+        "router_policy": "consistent_hash",
+        "check_invariants": True,
+    }
     if tmp_path is not None:
         values.update(trace=str(tmp_path / "run.jsonl"), record=True)
     values.update(overrides)
@@ -54,27 +59,37 @@ def script(server: FakeVLLMServer, *, holds: list[list[tuple[int, tuple[int, ...
 
 
 def outcome(sample: Sample) -> tuple[Any, ...]:
-    return (sample.tokens, sample.loss_mask, sample.rollout_log_probs, sample.status,
-            sample.metadata.get("rollout_reason"), sample.response)
+    return (
+        sample.tokens,
+        sample.loss_mask,
+        sample.rollout_log_probs,
+        sample.status,
+        sample.metadata.get("rollout_reason"),
+        sample.response,
+    )
 
 
 async def reference_run(server: FakeVLLMServer) -> list[Sample]:
     script(server)
-    async with RolloutRunner(config(server), sampling_params=SAMPLING, tokenizer=server.tokenizer,
-                             env_factory=ScriptedEnvFactory()) as runner:
+    async with RolloutRunner(
+        config(server), sampling_params=SAMPLING, tokenizer=server.tokenizer, env_factory=ScriptedEnvFactory()
+    ) as runner:
         return await runner.run_batch(samples())
 
 
-async def interrupted_run(server: FakeVLLMServer, rng: random.Random, tmp_path: Path | None = None
-                          ) -> tuple[list[Sample], int]:
+async def interrupted_run(
+    server: FakeVLLMServer, rng: random.Random, tmp_path: Path | None = None
+) -> tuple[list[Sample], int]:
     """Every turn held once or twice at random token counts (the second cut of one turn comes right after the
     first resume); each hold is either released or cut by a suspension."""
-    holds = [[(rng.randrange(0, 12), (rng.randrange(0, 6),) if rng.random() < 0.5 else ()) for _ in texts]
-             for texts in TEXTS]
+    holds = [
+        [(rng.randrange(0, 12), (rng.randrange(0, 6),) if rng.random() < 0.5 else ()) for _ in texts] for texts in TEXTS
+    ]
     script(server, holds=holds)
     suspensions = 0
-    async with RolloutRunner(config(server, tmp_path), sampling_params=SAMPLING, tokenizer=server.tokenizer,
-                             env_factory=ScriptedEnvFactory()) as runner:
+    async with RolloutRunner(
+        config(server, tmp_path), sampling_params=SAMPLING, tokenizer=server.tokenizer, env_factory=ScriptedEnvFactory()
+    ) as runner:
         batch = asyncio.ensure_future(runner.run_batch(samples()))
         while not batch.done():
             waiting = asyncio.ensure_future(server.wait_until_waiting(1))
@@ -116,27 +131,31 @@ async def test_a_stop_string_across_the_cut_ends_the_turn_where_the_engine_would
     cut = len(tokenizer.encode("So it is <answ", add_special_tokens=False))
     async with FakeVLLMServer(tokenizer) as server:
         server.script([ScriptedTurn(text=text)], session="s0")
-        async with RolloutRunner(config(server, max_turns=1), sampling_params=sampling, tokenizer=tokenizer,
-                                 env_factory=ScriptedEnvFactory()) as runner:
+        async with RolloutRunner(
+            config(server, max_turns=1), sampling_params=sampling, tokenizer=tokenizer, env_factory=ScriptedEnvFactory()
+        ) as runner:
             reference = await runner.run(Sample(prompt="p", index=0, session_id="s0"))
         server.script([ScriptedTurn(text=text, hang=True, held_after=cut)], session="s0")
-        async with RolloutRunner(config(server, max_turns=1), sampling_params=sampling, tokenizer=tokenizer,
-                                 env_factory=ScriptedEnvFactory()) as runner:
+        async with RolloutRunner(
+            config(server, max_turns=1), sampling_params=sampling, tokenizer=tokenizer, env_factory=ScriptedEnvFactory()
+        ) as runner:
             run = asyncio.ensure_future(runner.run(Sample(prompt="p", index=0, session_id="s0")))
             await server.wait_until_waiting(1)
             await runner.suspend()
             await runner.resume()
             today = await run
     assert outcome(today) == outcome(reference)
-    assert today.response.endswith("<answer>") and today.metadata["rollout_reason"] == reference.metadata[
-        "rollout_reason"]
+    assert (
+        today.response.endswith("<answer>") and today.metadata["rollout_reason"] == reference.metadata["rollout_reason"]
+    )
 
 
 async def test_samples_not_started_and_new_runs_wait_for_the_resume(tokenizer: Any) -> None:
     async with FakeVLLMServer(tokenizer) as server:
         script(server)
-        async with RolloutRunner(config(server), sampling_params=SAMPLING, tokenizer=tokenizer,
-                                 env_factory=ScriptedEnvFactory()) as runner:
+        async with RolloutRunner(
+            config(server), sampling_params=SAMPLING, tokenizer=tokenizer, env_factory=ScriptedEnvFactory()
+        ) as runner:
             await runner.suspend()
             with capture_transitions() as events:
                 batch = asyncio.ensure_future(runner.run_batch(samples()[:2]))
@@ -172,8 +191,9 @@ async def test_a_suspension_between_turns_takes_effect_before_the_next_request(t
                 env.step = step_and_suspend  # type: ignore[method-assign]
                 return env
 
-        async with RolloutRunner(config(server), sampling_params=SAMPLING, tokenizer=tokenizer,
-                                 env_factory=SuspendingEnvs()) as runner:
+        async with RolloutRunner(
+            config(server), sampling_params=SAMPLING, tokenizer=tokenizer, env_factory=SuspendingEnvs()
+        ) as runner:
             runner_box.append(runner)
             with capture_transitions() as events:
                 batch = asyncio.ensure_future(runner.run_batch(samples()))

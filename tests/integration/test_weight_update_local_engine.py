@@ -39,6 +39,7 @@ async def engine() -> AsyncIterator[LocalEngine]:
 
 async def tokens_sampled(engine: LocalEngine, *, requests: int, at_least: int = 1) -> None:
     """Wait until ``requests`` generate requests each sampled ``at_least`` tokens (bounded)."""
+
     async def reached() -> None:  # the engine signals nothing per token: poll its state briefly
         while sum(1 for count in engine.live_token_counts().values() if count >= at_least) < requests:  # noqa: ASYNC110
             await asyncio.sleep(0.005)
@@ -47,8 +48,13 @@ async def tokens_sampled(engine: LocalEngine, *, requests: int, at_least: int = 
 
 
 def config(engine: LocalEngine, **overrides: Any) -> RolloutConfig:
-    values: dict[str, Any] = {"engine_url": engine.url, "model": engine.served_model_name, "max_turns": 2,
-                              "tokenizer_path": str(engine.model_dir), "check_invariants": True}
+    values: dict[str, Any] = {
+        "engine_url": engine.url,
+        "model": engine.served_model_name,
+        "max_turns": 2,
+        "tokenizer_path": str(engine.model_dir),
+        "check_invariants": True,
+    }
     values.update(overrides)
     return RolloutConfig(**values)
 
@@ -123,8 +129,12 @@ async def test_keep_strategy_freezes_the_requests_and_the_spans_show_both_versio
 def compat_args(engine: LocalEngine, **overrides: Any) -> SimpleNamespace:
     url = urlsplit(engine.url)
     values: dict[str, Any] = {
-        "vllm_router_ip": url.hostname, "vllm_router_port": url.port, "hf_checkpoint": engine.served_model_name,
-        "max_turns": 1, "rollout_max_context_len": None, "partial_rollout": True,
+        "vllm_router_ip": url.hostname,
+        "vllm_router_port": url.port,
+        "hf_checkpoint": engine.served_model_name,
+        "max_turns": 1,
+        "rollout_max_context_len": None,
+        "partial_rollout": True,
         "rollout_interaction_env_path": "fsm_rollout.envs.geo3k",
     }
     values.update(overrides)
@@ -137,8 +147,12 @@ def geo3k_sample(index: int) -> Sample:
 
 async def test_partial_rollout_hands_samples_back_and_resumes_them(engine: LocalEngine) -> None:
     args = compat_args(engine)
-    reference = await asyncio.gather(*(compat.generate(compat_args(engine, partial_rollout=False),
-                                                       geo3k_sample(i), dict(SAMPLING)) for i in range(2)))
+    reference = await asyncio.gather(
+        *(
+            compat.generate(compat_args(engine, partial_rollout=False), geo3k_sample(i), dict(SAMPLING))
+            for i in range(2)
+        )
+    )
     calls = [asyncio.ensure_future(compat.generate(args, geo3k_sample(i), dict(SAMPLING))) for i in range(2)]
     await tokens_sampled(engine, requests=2, at_least=2)
     await compat.suspend()
@@ -190,8 +204,13 @@ async def test_a_sample_handed_back_resumes_in_another_process(engine: LocalEngi
     data = json.dumps(handed_back.to_dict())
     compat.discard_suspended(handed_back)  # this process forgets it: only the dict goes on
     result = await asyncio.to_thread(
-        subprocess.run, [sys.executable, "-c", RESUME_ELSEWHERE, json.dumps(vars(args)), json.dumps(SAMPLING)],
-        input=data, capture_output=True, text=True, timeout=WAIT_S, env={**os.environ, "PYTHONPATH": os.getcwd()},
+        subprocess.run,
+        [sys.executable, "-c", RESUME_ELSEWHERE, json.dumps(vars(args)), json.dumps(SAMPLING)],
+        input=data,
+        capture_output=True,
+        text=True,
+        timeout=WAIT_S,
+        env={**os.environ, "PYTHONPATH": os.getcwd()},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     resumed = Sample.from_dict(json.loads(result.stdout.strip().splitlines()[-1]))

@@ -21,9 +21,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def contract(
-    ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory
-) -> AsyncIterator[Contract]:
+async def contract(ray_cluster: Any, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Contract]:
     trace_dir: Path = tmp_path_factory.mktemp("service-pool")
     async with FakeVLLMServer(load_qwen_tokenizer(), model=MODEL) as server:
         config = pool_config(server.url, str(qwen_tokenizer_dir()), trace=str(trace_dir / "run.jsonl"))

@@ -115,12 +115,19 @@ async def run_samples(
         for i in chosen:
             server.script([ScriptedTurn(text=text) for text in answers(i % VARIANTS)], session=f"s{i}")
         injector = Injector(server if faults else None, seed)
-        config = RolloutConfig(engine_url=server.url, model="fake-model", max_turns=TURNS, retry=RETRY,
-                               router_policy="consistent_hash", check_invariants=True)
+        config = RolloutConfig(
+            engine_url=server.url,
+            model="fake-model",
+            max_turns=TURNS,
+            retry=RETRY,
+            router_policy="consistent_hash",
+            check_invariants=True,
+        )
         samples = [Sample(prompt=prompt(i % VARIANTS), index=i, session_id=f"s{i}") for i in chosen]
         started = time.perf_counter()
-        async with RolloutRunner(config, sampling_params=SAMPLING, tokenizer=tokenizer,
-                                 env_factory=IndexedFactory(injector.factory())) as runner:
+        async with RolloutRunner(
+            config, sampling_params=SAMPLING, tokenizer=tokenizer, env_factory=IndexedFactory(injector.factory())
+        ) as runner:
             done = await runner.run_batch(samples, concurrency=concurrency)
         return done, injector, time.perf_counter() - started
 
@@ -143,9 +150,14 @@ class Report:
 
     @property
     def ok(self) -> bool:
-        return (self.lost == 0 and self.terminal == self.samples and self.identical == self.completed
-                and not self.mismatched and not self.failed_unexpected
-                and self.completed + self.env_faults == self.samples)
+        return (
+            self.lost == 0
+            and self.terminal == self.samples
+            and self.identical == self.completed
+            and not self.mismatched
+            and not self.failed_unexpected
+            and self.completed + self.env_faults == self.samples
+        )
 
     def lines(self) -> list[str]:
         faulted = sum(self.server_faults.values())
@@ -179,16 +191,24 @@ async def measure(tokenizer: Any, count: int, *, seed: int = 0, concurrency: int
     completed = [sample for sample in done if sample.status.value == "completed"]
     mismatched = [s.index for s in completed if training_arrays(s) != expected[s.index % VARIANTS]]
     failed_unexpected = [
-        s.index for s in done
+        s.index
+        for s in done
         if s.status.value != "completed" and (s.metadata.get("rollout_error") or {}).get("type") != "EnvFault"
     ]
     return Report(
-        samples=count, terminal=terminal, lost=lost,
+        samples=count,
+        terminal=terminal,
+        lost=lost,
         statuses=dict(Counter(sample.status.value for sample in done)),
         reasons=dict(Counter(sample.metadata.get("rollout_reason") for sample in done)),
-        completed=len(completed), identical=len(completed) - len(mismatched), mismatched=mismatched,
-        failed_unexpected=failed_unexpected, server_faults=dict(injector.server_faults),
-        env_faults=injector.env_faults, wall_s=wall, reference_wall_s=reference_wall,
+        completed=len(completed),
+        identical=len(completed) - len(mismatched),
+        mismatched=mismatched,
+        failed_unexpected=failed_unexpected,
+        server_faults=dict(injector.server_faults),
+        env_faults=injector.env_faults,
+        wall_s=wall,
+        reference_wall_s=reference_wall,
     )
 
 

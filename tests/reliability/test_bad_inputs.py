@@ -47,31 +47,40 @@ def png_data_url() -> str:
     return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
 
 
-
-
-
 # (sample factory, error class, message fragment)
 SAMPLE_CASES: dict[str, Any] = {
     "status-aborted": (lambda: Sample(prompt="q", status=Status.ABORTED), SampleStateError, "pending sample"),
     "status-failed": (lambda: Sample(prompt="q", status=Status.FAILED), SampleStateError, "got status 'failed'"),
     "status-truncated": (lambda: Sample(prompt="q", status=Status.TRUNCATED), SampleStateError, "'truncated'"),
     "metadata-not-a-dict": pytest.param(
-        lambda: Sample(prompt="q", metadata=[1]), SampleStateError, "metadata",
+        lambda: Sample(prompt="q", metadata=[1]),
+        SampleStateError,
+        "metadata",
     ),
 }
 
 
 @pytest.mark.parametrize(("factory", "error", "fragment"), list(SAMPLE_CASES.values()), ids=list(SAMPLE_CASES))
 async def test_samples_that_cannot_start(
-    fake_vllm: FakeVLLMServer, client: VLLMClient, tokenizer: Any, factory: Callable[[], Sample],
-    error: type[Exception], fragment: str,
+    fake_vllm: FakeVLLMServer,
+    client: VLLMClient,
+    tokenizer: Any,
+    factory: Callable[[], Sample],
+    error: type[Exception],
+    fragment: str,
 ) -> None:
     sample = factory()
     before = sample.to_dict()
     envs = HookedEnvFactory()
     with pytest.raises(error, match=re.escape(fragment)):
-        Rollout(sample, config=make_config(fake_vllm.url), sampling_params=dict(SAMPLING), client=client,
-                tokenizer=tokenizer, env_factory=envs)
+        Rollout(
+            sample,
+            config=make_config(fake_vllm.url),
+            sampling_params=dict(SAMPLING),
+            client=client,
+            tokenizer=tokenizer,
+            env_factory=envs,
+        )
     assert sample.to_dict() == before
     assert envs.built == [] and fake_vllm.requests == []
 
@@ -82,41 +91,74 @@ RUN_CASES: dict[str, Any] = {
     "prompt-int": pytest.param(lambda: Sample(prompt=42), SampleStateError, "prompt"),
     "prompt-empty-messages": pytest.param(lambda: Sample(prompt=[]), SampleStateError, "prompt"),
     "prompt-message-without-role": pytest.param(lambda: Sample(prompt=[{"content": "x"}]), SampleStateError, "role"),
-    "image-int": (lambda: Sample(prompt="<image>x", multimodal_inputs={"images": [123]}),
-                  ImageInputError, "unsupported image type int"),
-    "image-not-a-url": (lambda: Sample(prompt="<image>x", multimodal_inputs={"images": ["not-a-url"]}),
-                        ImageInputError, "not a data: URL"),
-    "image-bad-base64": (lambda: Sample(prompt="<image>x", multimodal_inputs={"images": ["data:image/png;base64,!!!"]}),
-                         ImageInputError, "not valid base64"),
-    "image-not-an-image": (lambda: Sample(prompt="<image>x",
-                                          multimodal_inputs={"images": ["data:image/png;base64,aGVsbG8="]}),
-                           ImageInputError, "not an image PIL can read"),
-    "image-missing-file": (lambda: Sample(prompt="<image>x", multimodal_inputs={"images": ["/nonexistent/x.png"]}),
-                           ImageInputError, "existing file"),
-    "image-file-url": (lambda: Sample(prompt="<image>x", multimodal_inputs={"images": ["file:///etc/passwd"]}),
-                       ImageInputError, "unsupported URL scheme 'file'"),
-    "image-ftp-url": (lambda: Sample(prompt="<image>x", multimodal_inputs={"images": ["ftp://host/a.png"]}),
-                      ImageInputError, "ftp"),
+    "image-int": (
+        lambda: Sample(prompt="<image>x", multimodal_inputs={"images": [123]}),
+        ImageInputError,
+        "unsupported image type int",
+    ),
+    "image-not-a-url": (
+        lambda: Sample(prompt="<image>x", multimodal_inputs={"images": ["not-a-url"]}),
+        ImageInputError,
+        "not a data: URL",
+    ),
+    "image-bad-base64": (
+        lambda: Sample(prompt="<image>x", multimodal_inputs={"images": ["data:image/png;base64,!!!"]}),
+        ImageInputError,
+        "not valid base64",
+    ),
+    "image-not-an-image": (
+        lambda: Sample(prompt="<image>x", multimodal_inputs={"images": ["data:image/png;base64,aGVsbG8="]}),
+        ImageInputError,
+        "not an image PIL can read",
+    ),
+    "image-missing-file": (
+        lambda: Sample(prompt="<image>x", multimodal_inputs={"images": ["/nonexistent/x.png"]}),
+        ImageInputError,
+        "existing file",
+    ),
+    "image-file-url": (
+        lambda: Sample(prompt="<image>x", multimodal_inputs={"images": ["file:///etc/passwd"]}),
+        ImageInputError,
+        "unsupported URL scheme 'file'",
+    ),
+    "image-ftp-url": (
+        lambda: Sample(prompt="<image>x", multimodal_inputs={"images": ["ftp://host/a.png"]}),
+        ImageInputError,
+        "ftp",
+    ),
     "images-a-string": pytest.param(
-        lambda: Sample(prompt="<image>x", multimodal_inputs={"images": "x.png"}), ImageInputError, "list",
+        lambda: Sample(prompt="<image>x", multimodal_inputs={"images": "x.png"}),
+        ImageInputError,
+        "list",
     ),
     "image-count-mismatch": pytest.param(
         lambda: Sample(prompt="<image><image>x", multimodal_inputs={"images": [png_data_url()]}),
-        ImageInputError, "<image>",
+        ImageInputError,
+        "<image>",
     ),
 }
 
 
 @pytest.mark.parametrize(("factory", "error", "fragment"), list(RUN_CASES.values()), ids=list(RUN_CASES))
 async def test_bad_prompts_and_images_fail_before_any_request(
-    fake_vllm: FakeVLLMServer, client: VLLMClient, tokenizer: Any, factory: Callable[[], Sample],
-    error: type[Exception], fragment: str,
+    fake_vllm: FakeVLLMServer,
+    client: VLLMClient,
+    tokenizer: Any,
+    factory: Callable[[], Sample],
+    error: type[Exception],
+    fragment: str,
 ) -> None:
     sample = factory()
     prompt, images = sample.prompt, (sample.multimodal_inputs or {}).get("images")
     envs = HookedEnvFactory()
-    rollout = Rollout(sample, config=make_config(fake_vllm.url), sampling_params=dict(SAMPLING), client=client,
-                      tokenizer=tokenizer, env_factory=envs)
+    rollout = Rollout(
+        sample,
+        config=make_config(fake_vllm.url),
+        sampling_params=dict(SAMPLING),
+        client=client,
+        tokenizer=tokenizer,
+        env_factory=envs,
+    )
     with pytest.raises(error, match=re.escape(fragment)):
         await rollout.run()
     assert fake_vllm.requests == []
@@ -131,8 +173,14 @@ async def test_pre_filled_tokens_that_differ_from_the_render_fail_with_a_render_
 ) -> None:
     sample = Sample(prompt="q", tokens=[1, 2, 3])
     envs = HookedEnvFactory()
-    rollout = Rollout(sample, config=make_config(fake_vllm.url), sampling_params=dict(SAMPLING), client=client,
-                      tokenizer=tokenizer, env_factory=envs)
+    rollout = Rollout(
+        sample,
+        config=make_config(fake_vllm.url),
+        sampling_params=dict(SAMPLING),
+        client=client,
+        tokenizer=tokenizer,
+        env_factory=envs,
+    )
     with pytest.raises(RenderError, match=r"differ from sample\.tokens"):
         await rollout.run()
     assert sample.tokens == [1, 2, 3]  # the caller's tokens are not overwritten
@@ -177,7 +225,6 @@ def test_bad_retry_policies(kwargs: dict[str, Any], fragment: str) -> None:
 # ------------------------------------------------------------ env modules
 
 
-
 @pytest.mark.parametrize(
     ("source", "error", "fragment"),
     [
@@ -208,8 +255,13 @@ async def test_unknown_environment_module_fails_in_pending_before_any_request(
     fake_vllm: FakeVLLMServer, client: VLLMClient, tokenizer: Any
 ) -> None:
     sample = Sample(prompt="q")
-    rollout = Rollout(sample, config=make_config(fake_vllm.url, env_path="no_such_pkg.env"),
-                      sampling_params=dict(SAMPLING), client=client, tokenizer=tokenizer)
+    rollout = Rollout(
+        sample,
+        config=make_config(fake_vllm.url, env_path="no_such_pkg.env"),
+        sampling_params=dict(SAMPLING),
+        client=client,
+        tokenizer=tokenizer,
+    )
     with pytest.raises(EnvironmentLoadError, match=r"cannot import environment module 'no_such_pkg\.env'"):
         await rollout.run()
     assert fake_vllm.requests == [] and sample.status == Status.FAILED
@@ -224,8 +276,14 @@ async def test_environment_without_step_fails_before_any_request_and_is_closed(
         built.append(NoStep())
         return built[-1]
 
-    rollout = Rollout(Sample(prompt="q"), config=make_config(fake_vllm.url), sampling_params=dict(SAMPLING),
-                      client=client, tokenizer=tokenizer, env_factory=factory)
+    rollout = Rollout(
+        Sample(prompt="q"),
+        config=make_config(fake_vllm.url),
+        sampling_params=dict(SAMPLING),
+        client=client,
+        tokenizer=tokenizer,
+        env_factory=factory,
+    )
     with pytest.raises(EnvironmentContractError, match=r"lacks the environment method\(s\) \['step', 'format_obs"):
         await rollout.run()
     assert fake_vllm.requests == []
@@ -312,13 +370,36 @@ async def engine() -> AsyncIterator[Any]:
         (GENERATE, {"token_ids": [1], "sampling_params": {}, "request_id": 5}, "request_id", "string"),
         (ABORT, {"request_ids": "abc"}, "request_ids", "list of strings"),
         (RENDER, {"messages": "hello"}, "messages", "non-empty list"),
-        (RENDER, {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]},
-         "chat_template_kwargs", "dictionary"),
-        (RENDER, {"messages": [{"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}]}]}, None, "remote images"),
+        (
+            RENDER,
+            {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": [1]},
+            "chat_template_kwargs",
+            "dictionary",
+        ),
+        (
+            RENDER,
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "http://example.com/a.png"}}],
+                    }
+                ]
+            },
+            None,
+            "remote images",
+        ),
     ],
-    ids=["float-token", "stop-token-ids-strings", "max-tokens-string", "request-id-int", "abort-ids-string",
-         "messages-string", "template-kwargs-list", "remote-image"],
+    ids=[
+        "float-token",
+        "stop-token-ids-strings",
+        "max-tokens-string",
+        "request-id-int",
+        "abort-ids-string",
+        "messages-string",
+        "template-kwargs-list",
+        "remote-image",
+    ],
 )
 async def test_bad_engine_requests_get_a_400_naming_the_field(
     engine: Any, path: str, body: Any, param: str | None, fragment: str

@@ -127,9 +127,7 @@ async def test_server_fault(
     else:
         fake_vllm.fail_next(path, **fault.inject)
     envs = HookedEnvFactory(steps=ENV_STEPS, hook=hook)
-    outcome = await run_scenario(
-        fake_vllm, tokenizer, envs=envs, retry=fault.retry, request_timeout_s=fault.timeout_s
-    )
+    outcome = await run_scenario(fake_vllm, tokenizer, envs=envs, retry=fault.retry, request_timeout_s=fault.timeout_s)
     check_common(outcome)
     expected = malformed_error(site) if fault.name == "malformed-json" else fault.error
     if expected is None:  # transient, within the retry policy: as if nothing happened
@@ -175,35 +173,49 @@ def logprobs(n: int) -> dict[str, Any]:
 
 
 SCHEMA_FAULTS = {
-    "non-int-token": (raw_choice(finish_reason="stop", token_ids=[9707, "11"], logprobs=logprobs(2)),
-                      MalformedTokensError, "token"),
-    "bool-token": (raw_choice(finish_reason="stop", token_ids=[9707, True], logprobs=logprobs(2)),
-                   MalformedTokensError, "token"),
-    "negative-token": (raw_choice(finish_reason="stop", token_ids=[9707, -3], logprobs=logprobs(2)),
-                       GenerationError, "token"),
-    "logprob-count-mismatch": (raw_choice(finish_reason="stop", token_ids=[9707, 11], logprobs=logprobs(1)),
-                               GenerationError, "logprob"),
-    "unknown-finish-reason": (raw_choice(finish_reason="tool_calls", token_ids=[9707], logprobs=logprobs(1)),
-                              GenerationError, "finish"),
-    "more-tokens-than-requested": (raw_choice(finish_reason="length", token_ids=[9707] * 200,
-                                              logprobs=logprobs(200)),
-                                   BudgetExceededError, "generated_tokens=200"),
-    "bad-routed-experts": (raw_choice(finish_reason="stop", token_ids=[9707], logprobs=logprobs(1),
-                                      routed_experts="not base64!"),
-                           GenerationError, "routed"),
+    "non-int-token": (
+        raw_choice(finish_reason="stop", token_ids=[9707, "11"], logprobs=logprobs(2)),
+        MalformedTokensError,
+        "token",
+    ),
+    "bool-token": (
+        raw_choice(finish_reason="stop", token_ids=[9707, True], logprobs=logprobs(2)),
+        MalformedTokensError,
+        "token",
+    ),
+    "negative-token": (
+        raw_choice(finish_reason="stop", token_ids=[9707, -3], logprobs=logprobs(2)),
+        GenerationError,
+        "token",
+    ),
+    "logprob-count-mismatch": (
+        raw_choice(finish_reason="stop", token_ids=[9707, 11], logprobs=logprobs(1)),
+        GenerationError,
+        "logprob",
+    ),
+    "unknown-finish-reason": (
+        raw_choice(finish_reason="tool_calls", token_ids=[9707], logprobs=logprobs(1)),
+        GenerationError,
+        "finish",
+    ),
+    "more-tokens-than-requested": (
+        raw_choice(finish_reason="length", token_ids=[9707] * 200, logprobs=logprobs(200)),
+        BudgetExceededError,
+        "generated_tokens=200",
+    ),
+    "bad-routed-experts": (
+        raw_choice(finish_reason="stop", token_ids=[9707], logprobs=logprobs(1), routed_experts="not base64!"),
+        GenerationError,
+        "routed",
+    ),
     "missing-choices": ({"request_id": "x"}, GenerationError, "choices"),
 }
-
-
 
 
 @pytest.mark.parametrize("turn", [0, 1])
 @pytest.mark.parametrize(
     "name",
-    [
-        name
-        for name in SCHEMA_FAULTS
-    ],
+    [name for name in SCHEMA_FAULTS],
 )
 async def test_schema_violation(fake_vllm: FakeVLLMServer, tokenizer: Any, name: str, turn: int) -> None:
     raw, error, fragment = SCHEMA_FAULTS[name]
@@ -245,8 +257,9 @@ ENV_FAULTS = {
     "format_observation": EnvFault("format_observation:1", "observing", "generate", 1),
     "close-on-completed": EnvFault("close:1", "stepping", "observe", 2),
     "close-on-max-turns": EnvFault("close:1", "stepping", "observe", 1, config=(("max_turns", 1),)),
-    "close-on-length": EnvFault("close:1", "generating", "step", 1, script=("one two three four five six",),
-                                sampling=(("max_new_tokens", 3),)),
+    "close-on-length": EnvFault(
+        "close:1", "generating", "step", 1, script=("one two three four five six",), sampling=(("max_new_tokens", 3),)
+    ),
     "close-on-budget-exhausted": EnvFault("close:1", "rendered", "generate", 0, sampling=(("max_new_tokens", 0),)),
 }
 
@@ -265,9 +278,12 @@ async def test_environment_fault(fake_vllm: FakeVLLMServer, tokenizer: Any, name
             raise EnvBoom(f"{method} broke")
 
     closing = fault.method.startswith("close")  # close is counted by the env itself, then raises
-    envs = HookedEnvFactory(steps=list(fault.steps), hook=None if closing else hook,
-                            raise_in={"close": EnvBoom("close broke")} if closing else {},
-                            build_error=EnvBoom("build broke") if fault.method == "build" else None)
+    envs = HookedEnvFactory(
+        steps=list(fault.steps),
+        hook=None if closing else hook,
+        raise_in={"close": EnvBoom("close broke")} if closing else {},
+        build_error=EnvBoom("build broke") if fault.method == "build" else None,
+    )
     outcome = await run_scenario(
         fake_vllm, tokenizer, envs=envs, sampling={**SAMPLING_BASE, **dict(fault.sampling)}, **dict(fault.config)
     )
@@ -309,8 +325,6 @@ async def test_close_error_on_abort_fails_the_sample_and_keeps_the_abort_reason_
     assert (last["src"], last["dst"], last["failed_trigger"]) == ("generating", "failed", "abort")
     assert envs.last.close_count == 1
     assert outcome.sample.metadata["rollout_error"]["message"] == "close broke"
-
-
 
 
 async def test_a_sample_that_fails_while_aborting_has_reason_error(fake_vllm: FakeVLLMServer, tokenizer: Any) -> None:

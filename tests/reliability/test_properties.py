@@ -114,11 +114,15 @@ def scenarios(draw: st.DrawFn, *, faults: bool = True, aborts: bool = True, env_
         env_raise = draw(st.sampled_from(["reset:1", "step:1", "step:2", "format_observation:1", "close:1"]))
     fault_list: list[tuple[int, str, int]] = []
     if faults:
-        fault_list = draw(st.lists(
-            st.tuples(st.integers(0, n - 1), st.sampled_from(["503", "429", "502", "reset", "500"]),
-                      st.integers(1, 3)),
-            max_size=2, unique_by=lambda fault: fault[0],
-        ))
+        fault_list = draw(
+            st.lists(
+                st.tuples(
+                    st.integers(0, n - 1), st.sampled_from(["503", "429", "502", "reset", "500"]), st.integers(1, 3)
+                ),
+                max_size=2,
+                unique_by=lambda fault: fault[0],
+            )
+        )
     abort_at = draw(st.one_of(st.none(), st.integers(0, n - 1))) if aborts else None
     return Scenario(
         texts=texts,
@@ -146,7 +150,12 @@ class EnvError(RuntimeError):
 
 
 async def play(
-    server: FakeVLLMServer, client: VLLMClient, tokenizer: Any, scenario: Scenario, *, with_faults: bool = True,
+    server: FakeVLLMServer,
+    client: VLLMClient,
+    tokenizer: Any,
+    scenario: Scenario,
+    *,
+    with_faults: bool = True,
     record_dir: Path | None = None,
 ) -> Outcome:
     """Run one scenario on its own session of the shared server."""
@@ -167,7 +176,8 @@ async def play(
             inject(server, *faults[int(count)])
 
     envs = HookedEnvFactory(
-        steps=scenario.env_steps, hook=hook,
+        steps=scenario.env_steps,
+        hook=hook,
         raise_in={"close": EnvError("close broke")} if scenario.env_raise == "close:1" else {},
     )
     if 0 in faults:
@@ -197,8 +207,14 @@ async def play(
     try:
         if tracer is not None:
             rollout = recorded_rollout(
-                sample, config=_config(server, scenario), sampling_params=scenario.sampling(), client=client,
-                tokenizer=tokenizer, env_factory=envs, tracer=tracer, tape=tape,
+                sample,
+                config=_config(server, scenario),
+                sampling_params=scenario.sampling(),
+                client=client,
+                tokenizer=tokenizer,
+                env_factory=envs,
+                tracer=tracer,
+                tape=tape,
             )
             with capture_transitions() as events:
                 task = asyncio.ensure_future(rollout.run())
@@ -211,8 +227,14 @@ async def play(
             outcome = Outcome(rollout, envs, list(events), error, len(server.requests), extra)
         else:
             outcome = await run_scenario(
-                server, tokenizer, sample=sample, envs=envs, sampling=scenario.sampling(), client=client,
-                interrupt=interrupt, **_config_kwargs(scenario),
+                server,
+                tokenizer,
+                sample=sample,
+                envs=envs,
+                sampling=scenario.sampling(),
+                client=client,
+                interrupt=interrupt,
+                **_config_kwargs(scenario),
             )
         if "aborted_at" in outcome.extra:
             await asyncio.sleep(0.01)
@@ -225,8 +247,11 @@ async def play(
 
 
 def _config_kwargs(scenario: Scenario) -> dict[str, Any]:
-    return {"max_turns": scenario.max_turns, "rollout_max_context_len": scenario.context_len,
-            "router_policy": "consistent_hash"}
+    return {
+        "max_turns": scenario.max_turns,
+        "rollout_max_context_len": scenario.context_len,
+        "router_policy": "consistent_hash",
+    }
 
 
 def _config(server: FakeVLLMServer, scenario: Scenario) -> Any:
@@ -255,11 +280,17 @@ def check_outcome(outcome: Outcome, scenario: Scenario, server: FakeVLLMServer, 
         assert outcome.events[-1]["trigger"] == "fail"
     elif state == "completed":
         assert reason == "env_done"
-    trainable = [lp for lp, mask in zip(outcome.sample.rollout_log_probs or [], outcome.sample.loss_mask or [],
-                                        strict=True) if mask]
+    trainable = [
+        lp
+        for lp, mask in zip(outcome.sample.rollout_log_probs or [], outcome.sample.loss_mask or [], strict=True)
+        if mask
+    ]
     assert all(lp < 0 for lp in trainable)  # model tokens carry the server's logprobs
-    assert all(lp == 0.0 for lp, mask in zip(outcome.sample.rollout_log_probs or [], outcome.sample.loss_mask or [],
-                                             strict=True) if not mask)
+    assert all(
+        lp == 0.0
+        for lp, mask in zip(outcome.sample.rollout_log_probs or [], outcome.sample.loss_mask or [], strict=True)
+        if not mask
+    )
     if outcome.sample.response_length and state != "failed":
         assert outcome.sample.response  # decoded text of the model's tokens (may be empty only if none)
 
@@ -267,8 +298,11 @@ def check_outcome(outcome: Outcome, scenario: Scenario, server: FakeVLLMServer, 
 def budget(examples: int) -> settings:
     """The test's example budget; which examples (the same every run, or new ones) is the profile's
     (``tests/conftest.py``)."""
-    return settings(max_examples=examples, deadline=None,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
 
 
 @budget(600)

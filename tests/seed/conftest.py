@@ -50,9 +50,13 @@ def seed_file(request: pytest.FixtureRequest) -> Path:
         refused = f"; ${SKIP_ENV_VAR} is refused in CI" if os.environ.get(SKIP_ENV_VAR) else ""
         pytest.fail(f"{reason}: in CI the seed differential tier must run{refused}", pytrace=False)
     if not _skipped_for_missing_seed and os.environ.get(SKIP_ENV_VAR) != "1":
-        warnings.warn(pytest.PytestWarning(
-            f"{reason}: the seed differential tests are skipped and the library is NOT compared with the seed "
-            f"(set {SKIP_ENV_VAR}=1 if that is intended)"), stacklevel=1)
+        warnings.warn(
+            pytest.PytestWarning(
+                f"{reason}: the seed differential tests are skipped and the library is NOT compared with the seed "
+                f"(set {SKIP_ENV_VAR}=1 if that is intended)"
+            ),
+            stacklevel=1,
+        )
     _skipped_for_missing_seed.append(request.node.nodeid)
     pytest.skip(reason)
 
@@ -66,7 +70,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         "=" if intended else "!",
         f"{NOT_RUN_BANNER}: {count} test{'' if count == 1 else 's'} skipped, no seed at {seed_path()}"
         + (f" ({SKIP_ENV_VAR}=1)" if intended else ""),
-        yellow=True, bold=not intended,
+        yellow=True,
+        bold=not intended,
     )
 
 

@@ -18,9 +18,22 @@ def run_seed_tier(tmp_path: Path, **env: str) -> subprocess.CompletedProcess[str
     environ.update(env, FSM_ROLLOUT_SEED=str(tmp_path / "no-such-seed.py"))
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), environ.get("PYTHONPATH")]))
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "tests/seed/test_seed_differential.py", "-k", SELECTED,
-         "-p", "no:cacheprovider", "-q"],
-        cwd=REPO, env=environ, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "tests/seed/test_seed_differential.py",
+            "-k",
+            SELECTED,
+            "-p",
+            "no:cacheprovider",
+            "-q",
+        ],
+        cwd=REPO,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
 
 

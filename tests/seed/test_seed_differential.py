@@ -84,8 +84,9 @@ SESSION_HEADER = "x-session-id"
 LIBRARY_ONLY_GENERATE_KEYS = frozenset({"request_id"})
 # Metadata the library adds on top of the seed's (README: "rollout_reason" on every end, "rollout_error" on errors,
 # the weight versions of the generated tokens, the record of each appended observation).
-LIBRARY_ONLY_METADATA_KEYS = frozenset({"rollout_reason", "rollout_error", "weight_version_spans",
-                                        "start_weight_version", "observations"})
+LIBRARY_ONLY_METADATA_KEYS = frozenset(
+    {"rollout_reason", "rollout_error", "weight_version_spans", "start_weight_version", "observations"}
+)
 
 
 @pytest.fixture

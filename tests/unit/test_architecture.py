@@ -104,9 +104,7 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_package_has_no_import_cycle_counting_every_import() -> None:
     graph = import_graph()
-    cycles = [
-        {member: sorted(graph[member] & set(group)) for member in group} for group in import_cycles(graph)
-    ]
+    cycles = [{member: sorted(graph[member] & set(group)) for member in group} for group in import_cycles(graph)]
     assert cycles == []
 
 
@@ -144,9 +142,9 @@ def layout_names(text: str, indent: str = "  ") -> list[str]:
 
 def test_the_layout_map_names_every_top_level_module_and_package_with_its_docstring() -> None:
     text = docs.layout_map()
-    expected = sorted(
-        [path.name for path in PACKAGE.glob("*.py") if path.name != "__init__.py"]
-    ) + sorted(f"{path.parent.name}/" for path in PACKAGE.glob("*/__init__.py"))
+    expected = sorted([path.name for path in PACKAGE.glob("*.py") if path.name != "__init__.py"]) + sorted(
+        f"{path.parent.name}/" for path in PACKAGE.glob("*/__init__.py")
+    )
     assert layout_names(text) == expected
     assert "  chat.py" in text and docs.module_summary(PACKAGE / "chat.py").split()[0] in text.split("  chat.py")[1]
     assert all(len(line) <= docs.LAYOUT_WIDTH for line in text.splitlines())
@@ -191,8 +189,13 @@ def test_no_module_writes_a_private_attribute_of_another_object() -> None:
     writes = []
     for path in modules().values():
         for node in ast.walk(ast.parse(path.read_text())):
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, ast.AugAssign | ast.AnnAssign) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, ast.AugAssign | ast.AnnAssign)
+                else []
+            )
             for target in targets:
                 for item in ast.walk(target):
                     if (

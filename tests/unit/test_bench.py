@@ -12,8 +12,18 @@ import pytest
 
 from fsm_rollout.cli import main
 
-SECTIONS = {"machine", "turn", "client_http", "scale", "tracing", "replay", "baseline", "weight_update", "slow_env",
-            "goals"}
+SECTIONS = {
+    "machine",
+    "turn",
+    "client_http",
+    "scale",
+    "tracing",
+    "replay",
+    "baseline",
+    "weight_update",
+    "slow_env",
+    "goals",
+}
 GOALS = {
     "machine_share_of_client_turn_cpu",
     "client_cpu_us_per_turn_excl_template",
@@ -40,26 +50,54 @@ def test_quick_bench_writes_every_figure_as_json(tmp_path: Path, capsys: pytest.
     assert main(["bench", "--quick", "--json", str(out)]) == 0
     figures = json.loads(out.read_text())
     assert set(figures) == SECTIONS
-    assert {"shared_machine_transition_us", "plain_transitions_machine_transition_us", "dict_table_transition_us",
-            "async_machine_transition_us", "interleaved_transition_us"} <= set(figures["machine"])
+    assert {
+        "shared_machine_transition_us",
+        "plain_transitions_machine_transition_us",
+        "dict_table_transition_us",
+        "async_machine_transition_us",
+        "interleaved_transition_us",
+    } <= set(figures["machine"])
     breakdown = {name: value for name, value in figures["client_http"].items() if name.startswith("breakdown_")}
-    assert set(breakdown) == {"breakdown_machine_us", "breakdown_observation_tokens_us",
-                              "breakdown_tokenizer_decode_us", "breakdown_rest_of_rollout_us", "breakdown_json_us",
-                              "breakdown_http_and_event_loop_us"}
+    assert set(breakdown) == {
+        "breakdown_machine_us",
+        "breakdown_observation_tokens_us",
+        "breakdown_tokenizer_decode_us",
+        "breakdown_rest_of_rollout_us",
+        "breakdown_json_us",
+        "breakdown_http_and_event_loop_us",
+    }
     assert all(value >= 0 for value in breakdown.values())
     assert figures["client_http"]["json_decode_and_parse_answer_us"] > 0
     assert {"turn_cpu_us_trace_off", "turn_cpu_us_trace_file", "machine_share_of_turn"} <= set(figures["turn"])
-    assert {"time_ratio", "200_wall_s", "1000_wall_s", "1000_peak_rss_mib", "1000_kib_per_sample_beyond_tokens",
-            "1000_loop_lag_p99_ms"} <= set(figures["scale"])
-    assert {"overhead", "overhead_http_direct", "cpu_us_per_turn_off", "cpu_us_per_turn_file",
-            "cpu_us_per_turn_file_least", "cpu_us_per_turn_file_greatest",
-            "in_process_us_per_turn"} <= set(figures["tracing"])
+    assert {
+        "time_ratio",
+        "200_wall_s",
+        "1000_wall_s",
+        "1000_peak_rss_mib",
+        "1000_kib_per_sample_beyond_tokens",
+        "1000_loop_lag_p99_ms",
+    } <= set(figures["scale"])
+    assert {
+        "overhead",
+        "overhead_http_direct",
+        "cpu_us_per_turn_off",
+        "cpu_us_per_turn_file",
+        "cpu_us_per_turn_file_least",
+        "cpu_us_per_turn_file_greatest",
+        "in_process_us_per_turn",
+    } <= set(figures["tracing"])
     tracing, client = figures["tracing"], figures["client_http"]
     assert tracing["cpu_us_per_turn_file_least"] <= tracing["cpu_us_per_turn_file"]
     assert tracing["cpu_us_per_turn_file"] <= tracing["cpu_us_per_turn_file_greatest"]
     assert client["cpu_us_per_turn_least"] <= client["cpu_us_per_turn"] <= client["cpu_us_per_turn_greatest"]
-    assert {"1000_full_gc_count", "1000_server_cpu_s", "200_wall_s_least", "1000_wall_s_greatest",
-            "loop_lag_p99_ms_greatest", "time_ratio_of_median_walls"} <= set(figures["scale"])
+    assert {
+        "1000_full_gc_count",
+        "1000_server_cpu_s",
+        "200_wall_s_least",
+        "1000_wall_s_greatest",
+        "loop_lag_p99_ms_greatest",
+        "time_ratio_of_median_walls",
+    } <= set(figures["scale"])
     scale = figures["scale"]
     assert scale["time_ratio_pair_least"] <= scale["time_ratio"] <= scale["time_ratio_pair_greatest"]
     assert figures["replay"]["turns_executed"] > 0 and "turns_per_s" in figures["replay"]
@@ -83,8 +121,12 @@ def test_weight_update_workload_loses_nothing_with_suspend_and_resume(
     and resume keep every token the server produced, exactly, with one abort call (timings are not asserted)."""
     out = tmp_path / "weights.json"
     samples = 20
-    assert main(["bench", "--only", "weight-update", "--quick", "--weight-update-samples", str(samples),
-                 "--json", str(out)]) == 0
+    assert (
+        main(
+            ["bench", "--only", "weight-update", "--quick", "--weight-update-samples", str(samples), "--json", str(out)]
+        )
+        == 0
+    )
     figures = json.loads(out.read_text())
     assert set(figures) == {"weight_update", "goals"}
     assert set(figures["goals"]) == WEIGHT_UPDATE_GOALS
@@ -148,8 +190,9 @@ def test_check_exits_1_naming_each_missed_goal_under_the_targets_that_apply(
     assert re.search(r"loop_lag_p99_ms +72\.500 +<= 50 ms +MISSED", captured.out)
     targets = "targets of the --quick profile" if quick else "targets of a full run, as in the README"
     assert targets in captured.out
-    assert ("time_ratio_big_vs_small is held to <= 5.25 (the README's <= 10.5)" in " ".join(captured.out.split())) \
-        == quick
+    assert (
+        "time_ratio_big_vs_small is held to <= 5.25 (the README's <= 10.5)" in " ".join(captured.out.split())
+    ) == quick
 
     assert main(["bench", *profile]) == 0  # without --check a miss is reported, not failed
     assert "goal missed: loop_lag_p99_ms" in capsys.readouterr().err

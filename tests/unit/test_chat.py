@@ -189,15 +189,17 @@ def grouped() -> Any:
 
 
 def tool_results(count: int) -> list[dict[str, Any]]:
-    return [{"role": "tool", "content": f"result {i}", "tool_call_id": f"call_{i}", "name": "calc"}
-            for i in range(count)]
+    return [
+        {"role": "tool", "content": f"result {i}", "tool_call_id": f"call_{i}", "name": "calc"} for i in range(count)
+    ]
 
 
 def template_suffix(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     """What the template renders for ``messages`` after the tool-call dummy prefix, from the prefix's last EOS."""
     prefix = tokenizer.apply_chat_template(list(TOOL_DUMMY_MESSAGES), tokenize=True, return_dict=False)
-    whole = tokenizer.apply_chat_template([*TOOL_DUMMY_MESSAGES, *messages], tokenize=True,
-                                          add_generation_prompt=True, return_dict=False)
+    whole = tokenizer.apply_chat_template(
+        [*TOOL_DUMMY_MESSAGES, *messages], tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     assert whole[: len(prefix)] == prefix
     eos_at = len(prefix) - 1 - prefix[::-1].index(tokenizer.eos_token_id)
     return prefix[eos_at:] + whole[len(prefix) :]
@@ -233,7 +235,7 @@ def test_a_user_observation_keeps_the_plain_dummy_prefix(tokenizer: Any) -> None
     encoder.encode(OBSERVATION, ends_with_eos=True)
     ((shape, _),) = encoder._prefixes
     assert shape == "user"
-    (prefix, _), = encoder._prefixes.values()
+    ((prefix, _),) = encoder._prefixes.values()
     assert prefix == tokenizer.apply_chat_template(list(DUMMY_MESSAGES), tokenize=True, return_dict=False)
 
 
@@ -317,10 +319,16 @@ def test_validate_observation_returns_the_messages_as_a_list() -> None:
         (None, ObservationError, "or a non-empty list of them"),
         ([OBSERVATION, "text"], ObservationError, r"observation message \[1\]: format_observation must return"),
         ([OBSERVATION, {"role": "tool"}], ObservationError, r"message \[1\]"),
-        ([{"role": "user", "content": [{"type": "image", "image": "a.png"}]}], ImageObservationError,
-         r"observation message \[0\]: observation content\[0\] is an image part"),
-        ([{"role": "tool", "content": "1", "tool_call_id": 3}], ObservationError,
-         r"\[0\]: a tool observation's 'tool_call_id' must be a string, got int"),
+        (
+            [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}],
+            ImageObservationError,
+            r"observation message \[0\]: observation content\[0\] is an image part",
+        ),
+        (
+            [{"role": "tool", "content": "1", "tool_call_id": 3}],
+            ObservationError,
+            r"\[0\]: a tool observation's 'tool_call_id' must be a string, got int",
+        ),
         ({"role": "tool", "content": "1", "name": None}, ObservationError, "'name' must be a string"),
     ],
 )

@@ -35,8 +35,9 @@ def run_ci(tmp_path: Path, apt_get: str) -> subprocess.CompletedProcess[str]:
     _stub(bin_dir, "apt-get", apt_get.replace("BIN", str(bin_dir)))
     _stub(bin_dir, "python3", f'echo "$@" >> {tmp_path}/python3.log')
     env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
-    return subprocess.run([str(bin_dir / "bash"), str(checkout / ".ci" / "run")], env=env, capture_output=True,
-                          text=True, timeout=60)
+    return subprocess.run(
+        [str(bin_dir / "bash"), str(checkout / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 @pytest.mark.parametrize(

@@ -71,9 +71,7 @@ def test_run_turns_the_process_wide_settings_on_unless_told_not_to(
     ("argv", "expected"),
     [((), Settings(5.0, True)), (("--loop-slice-ms", "0", "--no-tune-gc"), Settings(None, False))],
 )
-def test_bench_turns_the_process_wide_settings_on_unless_told_not_to(
-    argv: tuple[str, ...], expected: Settings
-) -> None:
+def test_bench_turns_the_process_wide_settings_on_unless_told_not_to(argv: tuple[str, ...], expected: Settings) -> None:
     assert bench_settings(build_parser().parse_args(["bench", *argv])) == expected
 
 
@@ -86,14 +84,23 @@ def test_help_shows_defaults_but_not_empty_ones(
         build_parser().parse_args([command, "--help"])
     out = capsys.readouterr().out
     assert "(default: None)" not in out and "(default: False)" not in out and "(default: [])" not in out
-    expected = {"run": ["--max-turns N         turns per sample at most (default: 3)", "(default: results.jsonl)",
-                        "run only the first N prompts of the dataset (each as --n-samples-per-prompt samples)",
-                        "required with --data (default with the demo: fsm_rollout.envs.geo3k)",
-                        "response budget over all turns (default: 176)",
-                        f"(default: {DEMO_SAMPLES_PER_PROMPT} with the demo, else 1)",
-                        "(default: 5.0)", "Exit codes:"],
-                "bench": ["(default: 5.0)"], "serve": ["(default: 8000)", "(default: 127.0.0.1, loopback only)"],
-                "replay": ["Exit codes:"], "inspect": ["Exit codes:"], "diagram": ["Exit codes:"]}[command]
+    expected = {
+        "run": [
+            "--max-turns N         turns per sample at most (default: 3)",
+            "(default: results.jsonl)",
+            "run only the first N prompts of the dataset (each as --n-samples-per-prompt samples)",
+            "required with --data (default with the demo: fsm_rollout.envs.geo3k)",
+            "response budget over all turns (default: 176)",
+            f"(default: {DEMO_SAMPLES_PER_PROMPT} with the demo, else 1)",
+            "(default: 5.0)",
+            "Exit codes:",
+        ],
+        "bench": ["(default: 5.0)"],
+        "serve": ["(default: 8000)", "(default: 127.0.0.1, loopback only)"],
+        "replay": ["Exit codes:"],
+        "inspect": ["Exit codes:"],
+        "diagram": ["Exit codes:"],
+    }[command]
     for text in expected:
         assert text in out, text
 
@@ -114,17 +121,27 @@ def test_help_shows_defaults_but_not_empty_ones(
         (("--top-p", "1.5"), "--top-p 1.5: top_p must be in (0, 1]"),
         (("--top-p", "nan"), "--top-p nan: top_p must be in (0, 1]"),
         (("--image-merge-size", "0"), "--image-merge-size 0: image_merge_size must be at least 1"),
-        (("--loop-slice-ms", "-1"),
-         "--loop-slice-ms -1: loop_slice_ms must be a positive number of milliseconds, or 0 to turn pacing off"),
-        (("--engine-url", "localhost:8000"),
-         "--engine-url localhost:8000: engine_url must be an http(s) URL such as http://127.0.0.1:8000"),
+        (
+            ("--loop-slice-ms", "-1"),
+            "--loop-slice-ms -1: loop_slice_ms must be a positive number of milliseconds, or 0 to turn pacing off",
+        ),
+        (
+            ("--engine-url", "localhost:8000"),
+            "--engine-url localhost:8000: engine_url must be an http(s) URL such as http://127.0.0.1:8000",
+        ),
         (("--record",), "--record needs --trace (the tape is written beside the trace)"),
-        (("--data", "d.jsonl"), "--data needs --env: the environment that runs and grades your dataset (the demo's "
-                                "is --env fsm_rollout.envs.geo3k)"),
+        (
+            ("--data", "d.jsonl"),
+            "--data needs --env: the environment that runs and grades your dataset (the demo's "
+            "is --env fsm_rollout.envs.geo3k)",
+        ),
     ],
 )
 def test_run_refuses_a_bad_option_in_one_line_before_starting_anything(
-    argv: tuple[str, ...], message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+    argv: tuple[str, ...],
+    message: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     def started(args: Any) -> int:
@@ -144,8 +161,12 @@ def failed(kind: str, message: str) -> Sample:
 
 
 def test_the_error_lines_count_distinct_errors_most_frequent_first() -> None:
-    samples = [failed("EngineHTTPError", "HTTP 500\ndetails"), Sample(prompt="q", status=Status.COMPLETED),
-               failed("ConfigError", "bad"), failed("EngineHTTPError", "HTTP 500\nother details")]
+    samples = [
+        failed("EngineHTTPError", "HTTP 500\ndetails"),
+        Sample(prompt="q", status=Status.COMPLETED),
+        failed("ConfigError", "bad"),
+        failed("EngineHTTPError", "HTTP 500\nother details"),
+    ]
     assert error_lines(samples) == [
         "errors (3 failed sample(s), 2 distinct)",
         "     2 x EngineHTTPError: HTTP 500",
@@ -181,8 +202,14 @@ def test_the_reward_line_counts_right_answers_and_which_of_them_completed() -> N
     def rewarded(reward: object, status: Status) -> Sample:
         return Sample(prompt="q", reward=reward, status=status)  # type: ignore[arg-type]
 
-    samples = [rewarded(1.0, Status.COMPLETED), rewarded(1.0, Status.TRUNCATED), rewarded(0.0, Status.TRUNCATED),
-               rewarded(0.0, Status.COMPLETED), rewarded(None, Status.FAILED), rewarded(True, Status.COMPLETED)]
+    samples = [
+        rewarded(1.0, Status.COMPLETED),
+        rewarded(1.0, Status.TRUNCATED),
+        rewarded(0.0, Status.TRUNCATED),
+        rewarded(0.0, Status.COMPLETED),
+        rewarded(None, Status.FAILED),
+        rewarded(True, Status.COMPLETED),
+    ]
     assert reward_lines(samples) == ["reward mean 0.500 over 4 samples; 2 at 1.0 (1 completed)"]
     assert reward_lines([rewarded(None, Status.COMPLETED)]) == []
 
@@ -192,12 +219,17 @@ def test_what_the_readme_commands_write_in_the_checkout_is_ignored_by_git() -> N
     readme = "\n".join(path.read_text() for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))])
     traces = set(re.findall(r"fsm-rollout run[^\n`]*--trace ([\w.-]+\.jsonl)", readme))
     assert "trace.jsonl" in traces and "run.jsonl" in traces, traces
-    written = {str(build_parser().parse_args(["run"]).out), *traces, *(str(tape_path_for(name)) for name in traces),
-               *re.findall(r"fsm-rollout bench --json (\S+?)`", readme)}
+    written = {
+        str(build_parser().parse_args(["run"]).out),
+        *traces,
+        *(str(tape_path_for(name)) for name in traces),
+        *re.findall(r"fsm-rollout bench --json (\S+?)`", readme),
+    }
     assert "results.jsonl" in written and "bench.json" in written, written
     for name in sorted(written):
         ignored = subprocess.run(["git", "check-ignore", "--no-index", "-q", name], cwd=root, check=False)
         assert ignored.returncode == 0, f"{name} is written in the checkout and not ignored by git"
-    kept = subprocess.run(["git", "check-ignore", "--no-index", "-q", "tests/fixtures/tapes/schema1/run.jsonl"],
-                          cwd=root, check=False)
+    kept = subprocess.run(
+        ["git", "check-ignore", "--no-index", "-q", "tests/fixtures/tapes/schema1/run.jsonl"], cwd=root, check=False
+    )
     assert kept.returncode == 1  # only the checkout's top level: the fixtures of the same names stay tracked

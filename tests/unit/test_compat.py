@@ -51,10 +51,19 @@ def test_a_checkpoint_whose_processor_needs_torchvision_still_gives_the_image_me
 
     checkpoint = tmp_path / "qwen2-vl-checkpoint"
     checkpoint.mkdir()
-    (checkpoint / "preprocessor_config.json").write_text(json.dumps({
-        "image_processor_type": "Qwen2VLImageProcessor", "processor_class": "Qwen2VLProcessor", "merge_size": 2,
-        "patch_size": 14, "temporal_patch_size": 2, "min_pixels": 3136, "max_pixels": 12845056,
-    }))
+    (checkpoint / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "processor_class": "Qwen2VLProcessor",
+                "merge_size": 2,
+                "patch_size": 14,
+                "temporal_patch_size": 2,
+                "min_pixels": 3136,
+                "max_pixels": 12845056,
+            }
+        )
+    )
 
     def needs_torchvision(*_: Any, **__: Any) -> Any:
         raise ImportError("Qwen2VLVideoProcessor requires the Torchvision library but it was not found")
@@ -70,7 +79,7 @@ def test_a_checkpoint_whose_processor_needs_torchvision_still_gives_the_image_me
     validate_image_tokens([1, *[pad] * 4, 2], tokenizer, processor, grid)  # merge size 1 would expect 16
 
 
-TRAINER = '''
+TRAINER = """
 import asyncio, sys, threading
 from types import SimpleNamespace
 from urllib.parse import urlsplit
@@ -103,7 +112,7 @@ threading.Thread(target=background.run_forever, daemon=True).start()
 asyncio.run_coroutine_threadsafe(one_rollout(), background).result()
 left_open = asyncio.new_event_loop()  # a loop never closed
 left_open.run_until_complete(one_rollout())
-'''
+"""
 
 
 def test_clients_never_closed_by_the_caller_leave_no_unclosed_session_warning(tmp_path: Path) -> None:
@@ -112,8 +121,9 @@ def test_clients_never_closed_by_the_caller_leave_no_unclosed_session_warning(tm
     script = tmp_path / "trainer.py"
     script.write_text(TRAINER)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    result = subprocess.run([sys.executable, "-X", "dev", str(script)], cwd=tmp_path, env=env,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-X", "dev", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.count("rollout truncated") == 4, result.stdout + result.stderr
     assert "after asyncio.run: 0 0" in result.stdout  # nothing kept for the loops asyncio.run closed
@@ -147,6 +157,7 @@ def test_the_seed_compat_path_keeps_trusting_the_checkpoint_code_as_the_seed_tra
             if kind == "processor":
                 raise ImportError("needs torchvision")
             return object()
+
         return from_pretrained
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recording("tokenizer"))
@@ -157,9 +168,7 @@ def test_the_seed_compat_path_keeps_trusting_the_checkpoint_code_as_the_seed_tra
     assert seen == [("tokenizer", True), ("processor", True), ("image processor", True)]
 
 
-def test_the_image_processor_runs_its_own_code_only_when_asked(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_the_image_processor_runs_its_own_code_only_when_asked(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     import transformers
 
     from fsm_rollout.multimodal import load_image_processor

@@ -38,8 +38,14 @@ def test_the_engine_imports_nothing_from_testing_data_or_envs() -> None:
     found = []
     for path in sorted(engine.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
-            names = [alias.name for alias in node.names] if isinstance(node, ast.Import) else (
-                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
-            found += [f"{path.name}: {name}" for name in names
-                      if name.startswith(("fsm_rollout.testing", "fsm_rollout.data", "fsm_rollout.envs"))]
+            names = (
+                [alias.name for alias in node.names]
+                if isinstance(node, ast.Import)
+                else ([node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            )
+            found += [
+                f"{path.name}: {name}"
+                for name in names
+                if name.startswith(("fsm_rollout.testing", "fsm_rollout.data", "fsm_rollout.envs"))
+            ]
     assert found == []

@@ -23,8 +23,9 @@ REPO = Path(__file__).resolve().parents[2]
 MERMAID_EDGE = re.compile(r"^    (\w+) --> (\w+) : (.*)$", re.MULTILINE)
 DOT_EDGE = re.compile(r"^    (\w+) -> (\w+) \[(.*)\];$", re.MULTILINE)
 # In CI (where .ci/run installs Graphviz) a missing dot fails these tests instead of skipping them.
-needs_dot = pytest.mark.skipif(shutil.which("dot") is None and not os.environ.get("CI"),
-                               reason="Graphviz `dot` is not installed")
+needs_dot = pytest.mark.skipif(
+    shutil.which("dot") is None and not os.environ.get("CI"), reason="Graphviz `dot` is not installed"
+)
 
 
 def expected_guard_labels() -> dict[int, str]:
@@ -62,8 +63,13 @@ def fake_checkout(tmp_path: Path) -> Path:
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "fsm-rollout"\n')
     (tmp_path / "fsm_rollout").mkdir()
     (tmp_path / "fsm_rollout" / "lifecycle.py").write_text("")
-    for name in ("README.md", diagram_cli.CLI_DOC, "diagrams/lifecycle.mmd", "diagrams/lifecycle.dot",
-                 "diagrams/lifecycle.svg"):
+    for name in (
+        "README.md",
+        diagram_cli.CLI_DOC,
+        "diagrams/lifecycle.mmd",
+        "diagrams/lifecycle.dot",
+        "diagrams/lifecycle.svg",
+    ):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(REPO / name, tmp_path / name)
     return tmp_path
@@ -607,6 +613,9 @@ def test_writing_outside_a_checkout_leaves_any_readme_alone(
     (tmp_path / "README.md").write_text("# another project, no markers\n")
     assert cli_main(["diagram"]) == 0
     assert sorted(path.name for path in (tmp_path / "diagrams").iterdir()) == [
-        "lifecycle.dot", "lifecycle.mmd", "lifecycle.svg"]
+        "lifecycle.dot",
+        "lifecycle.mmd",
+        "lifecycle.svg",
+    ]
     assert (tmp_path / "README.md").read_text() == "# another project, no markers\n"
     assert "no README was rewritten" in capsys.readouterr().err

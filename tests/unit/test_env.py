@@ -44,8 +44,11 @@ def test_a_missing_module_is_a_load_error_and_an_import_error() -> None:
 
 @pytest.mark.parametrize(
     ("target", "missing"),
-    [("no_such_env_module", "no_such_env_module"), ("no_such_pkg.env", "no_such_pkg"),
-     ("os.no_such_env", "os.no_such_env")],
+    [
+        ("no_such_env_module", "no_such_env_module"),
+        ("no_such_pkg.env", "no_such_pkg"),
+        ("os.no_such_env", "os.no_such_env"),
+    ],
 )
 def test_a_missing_module_is_a_module_not_found_error_as_in_the_seed(target: str, missing: str) -> None:
     with pytest.raises(ModuleNotFoundError) as caught:  # what code written against the seed catches
@@ -64,8 +67,9 @@ def test_a_missing_py_file_is_a_module_not_found_error_as_in_the_seed(tmp_path: 
 def test_a_missing_import_of_the_environment_module_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     write_env(tmp_path / "env_with_missing_dep.py", "import no_such_dependency_xyz\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(EnvironmentNotFoundError, match="imports 'no_such_dependency_xyz', which is not installed") \
-            as caught:
+    with pytest.raises(
+        EnvironmentNotFoundError, match="imports 'no_such_dependency_xyz', which is not installed"
+    ) as caught:
         load_env_module("env_with_missing_dep")
     assert isinstance(caught.value, ModuleNotFoundError) and caught.value.name == "no_such_dependency_xyz"
 

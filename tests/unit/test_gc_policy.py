@@ -35,8 +35,9 @@ def test_tuned_while_in_flight_and_restored_after() -> None:
     assert gc.get_threshold() == (700, 10, 10)
 
 
-@pytest.mark.parametrize("saved", [(700, 10, 10), (2000, 10, 10), (500, 5, 7), (1000, 20, 30), (300, 1, 10),
-                                   (2000, 0, 3), (1, 0, 0)])
+@pytest.mark.parametrize(
+    "saved", [(700, 10, 10), (2000, 10, 10), (500, 5, 7), (1000, 20, 30), (300, 1, 10), (2000, 0, 3), (1, 0, 0)]
+)
 def test_a_full_pass_needs_the_factor_times_the_allocations(saved: tuple[int, int, int]) -> None:
     tuned = gc_policy.tuned_thresholds(saved)
     needed = gc_policy.full_pass_allocations(saved) * gc_policy.FULL_GC_THRESHOLD_FACTOR
@@ -62,8 +63,13 @@ print(starts[2] - starts[1], starts[1] - starts[0])
 def test_the_full_pass_period_is_what_this_cpython_does(thresholds: tuple[int, int, int]) -> None:
     """The arithmetic checked against the running interpreter: the net allocations between full passes, counted
     in a fresh one (its small heap keeps the promoted-quarter condition from deferring them)."""
-    run = subprocess.run([sys.executable, "-I", "-S", "-c", PERIOD, *map(str, thresholds)],
-                         capture_output=True, text=True, timeout=60, check=True)
+    run = subprocess.run(
+        [sys.executable, "-I", "-S", "-c", PERIOD, *map(str, thresholds)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
     expected = gc_policy.full_pass_allocations(thresholds)
     for period in map(int, run.stdout.split()):
         assert expected - 2 <= period <= expected  # the callbacks' own argument tuples count too

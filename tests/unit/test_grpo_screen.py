@@ -70,8 +70,6 @@ async def test_a_screen_without_signal_still_fills_the_pool() -> None:
     assert [sample.index for sample in pool] == [0, 1]
 
 
-
-
 async def test_the_pool_takes_one_question_per_label_while_it_can() -> None:
     samples = [Sample(index=index, label=label) for index, label in enumerate(["10", "10", "7", "10"])]
     runner = FixedRewards({0: [1, 0], 1: [1, 0], 2: [0, 0], 3: [0.5, 0]})

@@ -39,9 +39,23 @@ def run_property(tmp_path: Path, name: str, **env: str) -> tuple[list[str], str]
     environ.update(env, EXAMPLES_OUT=str(examples))
     environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(TESTS), str(TESTS.parent), environ.get("PYTHONPATH")]))
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "conftest", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
-         str(tmp_path / "test_property.py")],
-        cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-p",
+            "conftest",
+            "-p",
+            "no:cacheprovider",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path / "test_property.py"),
+        ],
+        cwd=tmp_path,
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return examples.read_text().splitlines(), result.stdout

@@ -46,8 +46,7 @@ def _action(name: str) -> Callable[..., None]:
 def _lifecycle_pair() -> tuple[Machine, Machine]:
     guards = {name: _guard(name) for name in lifecycle.guard_names()}
     actions = {name: _action(name) for name in lifecycle.action_names() | {"record_outcome"}}
-    return (lifecycle.build_machine(guards, actions, machine_class=Machine),
-            lifecycle.build_machine(guards, actions))
+    return (lifecycle.build_machine(guards, actions, machine_class=Machine), lifecycle.build_machine(guards, actions))
 
 
 def _walk(machines: tuple[Machine, Machine], seed: int, steps: int = 12) -> None:
@@ -84,19 +83,35 @@ def _general_pair(on_exception: bool) -> tuple[Machine, Machine]:
             names.append("on_exception")
         hooks: dict[str, Any] = {name: [_action(name)] for name in names}
         states = [
-            {"name": state.name, "on_enter": [_action(f"enter_{state.name}")],
-             "on_exit": [_action(f"exit_{state.name}")], "final": state.terminal}
+            {
+                "name": state.name,
+                "on_enter": [_action(f"enter_{state.name}")],
+                "on_exit": [_action(f"exit_{state.name}")],
+                "final": state.terminal,
+            }
             for state in lifecycle.STATES
         ]
         transitions = [
-            {"trigger": edge.trigger, "source": edge.source, "dest": edge.dest,
-             "conditions": [_guard(edge.guard)] if edge.guard else [],
-             "prepare": [_action("prepare")], "before": [_action(name) for name in edge.actions],
-             "after": [_action("after")]}
+            {
+                "trigger": edge.trigger,
+                "source": edge.source,
+                "dest": edge.dest,
+                "conditions": [_guard(edge.guard)] if edge.guard else [],
+                "prepare": [_action("prepare")],
+                "before": [_action(name) for name in edge.actions],
+                "after": [_action("after")],
+            }
             for edge in lifecycle.TRANSITIONS
         ]
-        return cls(model=None, states=states, initial=lifecycle.INITIAL, transitions=transitions,
-                   auto_transitions=False, send_event=False, **hooks)
+        return cls(
+            model=None,
+            states=states,
+            initial=lifecycle.INITIAL,
+            transitions=transitions,
+            auto_transitions=False,
+            send_event=False,
+            **hooks,
+        )
 
     return machine(Machine), machine(lifecycle.LifecycleMachine)
 
@@ -121,8 +136,9 @@ def test_the_replaced_upstream_methods_are_the_verified_ones() -> None:
     version = transitions.__version__
     assert version in lean_machine.VERIFIED_SOURCES, f"transitions {version} was never verified"
     recorded = lean_machine.VERIFIED_SOURCES[version]
-    changed = sorted(name for name, digest in lean_machine.upstream_source_sha256().items()
-                     if recorded.get(name) != digest)
+    changed = sorted(
+        name for name, digest in lean_machine.upstream_source_sha256().items() if recorded.get(name) != digest
+    )
     assert not changed, f"transitions {version} changed methods the lean machine copies: {changed}"
     assert set(recorded) == set(lean_machine.upstream_source_sha256())
     assert lean_machine.is_verified()
@@ -174,8 +190,11 @@ def test_the_verified_install_gets_the_lean_machine_without_a_warning() -> None:
         ({"send_event": True}, ValueError, "send_event"),
         ({"queued": True}, ValueError, "queued"),
         ({"model": "self"}, ValueError, "no models"),
-        ({"transitions": [{"trigger": "go", "source": "a", "dest": "b", "conditions": "is_ready"}]},
-         TypeError, "'is_ready'"),
+        (
+            {"transitions": [{"trigger": "go", "source": "a", "dest": "b", "conditions": "is_ready"}]},
+            TypeError,
+            "'is_ready'",
+        ),
         ({"transitions": [{"trigger": "go", "source": "a", "dest": "b", "after": ["done"]}]}, TypeError, "'done'"),
         ({"states": ["a", {"name": "b", "on_enter": "entered"}]}, TypeError, "state 'b'"),
         ({"before_state_change": "before"}, TypeError, "before_state_change"),

@@ -17,8 +17,9 @@ async def _iteration_counter(stop: asyncio.Event, counter: list[int]) -> None:
         await asyncio.sleep(0)
 
 
-async def _worker(pacer: LoopPacer, name: int, log: list[tuple[int, int]], counter: list[int],
-                  busy_s: float = 0.0) -> None:
+async def _worker(
+    pacer: LoopPacer, name: int, log: list[tuple[int, int]], counter: list[int], busy_s: float = 0.0
+) -> None:
     waiter = pacer.admit()
     if waiter is not None:
         await waiter

@@ -49,8 +49,9 @@ def thinking_stripper() -> Any:
 
 
 def tool_results(count: int) -> list[dict[str, Any]]:
-    return [{"role": "tool", "content": f"result {i}", "tool_call_id": f"call_{i}", "name": "calc"}
-            for i in range(count)]
+    return [
+        {"role": "tool", "content": f"result {i}", "tool_call_id": f"call_{i}", "name": "calc"} for i in range(count)
+    ]
 
 
 def build_sample(
@@ -67,8 +68,9 @@ def build_sample(
     encoder = ObservationEncoder(tokenizer)
     prompt = prompt if prompt is not None else PROMPT
     sample = Sample(prompt=prompt, metadata={"tools": tools} if tools else {})
-    sample.tokens = tokenizer.apply_chat_template(prompt, tools=tools, tokenize=True, add_generation_prompt=True,
-                                                  return_dict=False)
+    sample.tokens = tokenizer.apply_chat_template(
+        prompt, tools=tools, tokenize=True, add_generation_prompt=True, return_dict=False
+    )
     eos = tokenizer.eos_token_id
     for number, (text, ending) in enumerate(turns):
         ids = tokenizer.encode(text, add_special_tokens=False) + ([eos] if ending == "eos" else [])
@@ -80,8 +82,7 @@ def build_sample(
         ends_with_eos = sample.tokens[-1] == eos
         messages = observations[number]
         parts = [[message] for message in messages] if one_by_one else [messages]
-        boundary = [token for part in parts for token in encoder.encode(part, ends_with_eos=ends_with_eos,
-                                                                         tools=tools)]
+        boundary = [token for part in parts for token in encoder.encode(part, ends_with_eos=ends_with_eos, tools=tools)]
         start = sample.response_length
         sample.append_response_tokens(boundary, trainable=False)
         record_observation(sample.metadata, messages, start=start, end=sample.response_length)
@@ -105,8 +106,9 @@ def test_conversations_of_every_shape_render_as_the_appended_tokens(
     tokenizer = templates[template]
     observation = SHAPES[shape]
     turn = TOOL_TURN if observation[0]["role"] == "tool" else THINKING
-    sample = build_sample(tokenizer, [(turn, "eos"), (turn, "eos"), ("Done.", "eos")], [observation, observation],
-                          tools=TOOLS)
+    sample = build_sample(
+        tokenizer, [(turn, "eos"), (turn, "eos"), ("Done.", "eos")], [observation, observation], tools=TOOLS
+    )
     report = check_template_parity(sample, tokenizer)
     assert report.ok, report.describe()
     assert report.position is None
@@ -141,11 +143,20 @@ def test_a_sample_that_ends_with_an_observation_renders_with_the_generation_prom
 
 def test_an_empty_turn_between_observations_is_still_a_turn(templates: dict[str, Any]) -> None:
     tokenizer = templates["bundled"]
-    sample = build_sample(tokenizer, [(THINKING, "eos"), ("", "open"), ("Done.", "eos")],
-                          [SHAPES["one user message"], SHAPES["one user message"]])
+    sample = build_sample(
+        tokenizer,
+        [(THINKING, "eos"), ("", "open"), ("Done.", "eos")],
+        [SHAPES["one user message"], SHAPES["one user message"]],
+    )
     conversation = rebuild_conversation(sample, tokenizer)
     assert [segment.label for segment in conversation.segments] == [
-        "the prompt", "assistant turn 0", "observation 0", "assistant turn 1", "observation 1", "assistant turn 2"]
+        "the prompt",
+        "assistant turn 0",
+        "observation 0",
+        "assistant turn 1",
+        "observation 1",
+        "assistant turn 2",
+    ]
     assert conversation.messages[4] == {"role": "assistant", "content": ""}
     assert check_template_parity(sample, tokenizer).ok
 
@@ -154,8 +165,12 @@ def test_the_rebuilt_conversation_is_prompt_turns_and_recorded_observations(temp
     tokenizer = templates["grouped"]
     sample = build_sample(tokenizer, [(TOOL_TURN, "stop_eos"), ("Done.", "eos")], [tool_results(2)])
     conversation = rebuild_conversation(sample, tokenizer)
-    assert conversation.messages == [*PROMPT, {"role": "assistant", "content": TOOL_TURN}, *tool_results(2),
-                                     {"role": "assistant", "content": "Done."}]
+    assert conversation.messages == [
+        *PROMPT,
+        {"role": "assistant", "content": TOOL_TURN},
+        *tool_results(2),
+        {"role": "assistant", "content": "Done."},
+    ]
     assert not conversation.add_generation_prompt
 
 
@@ -244,9 +259,14 @@ def test_image_placeholder_runs_compare_as_one_unit(tokenizer: Any) -> None:
     from PIL import Image
 
     image = Image.new("RGB", (4, 4), "red")
-    sample = build_sample(tokenizer, [(THINKING, "eos"), ("Done.", "eos")], [SHAPES["one user message"]],
-                          prompt=[{"role": "user", "content": [{"type": "image", "image": image},
-                                                               {"type": "text", "text": "What is shown?"}]}])
+    sample = build_sample(
+        tokenizer,
+        [(THINKING, "eos"), ("Done.", "eos")],
+        [SHAPES["one user message"]],
+        prompt=[
+            {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": "What is shown?"}]}
+        ],
+    )
     pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     at = sample.tokens.index(pad)
     sample.tokens[at:at] = [pad] * 5  # vLLM's render expands the placeholder to the image's tokens
@@ -290,8 +310,11 @@ def test_malformed_observation_records_are_input_errors(templates: dict[str, Any
 
 def test_overlapping_records_are_input_errors(templates: dict[str, Any]) -> None:
     tokenizer = templates["bundled"]
-    sample = build_sample(tokenizer, [(THINKING, "eos"), ("a", "eos"), ("b", "eos")],
-                          [SHAPES["one user message"], SHAPES["one user message"]])
+    sample = build_sample(
+        tokenizer,
+        [(THINKING, "eos"), ("a", "eos"), ("b", "eos")],
+        [SHAPES["one user message"], SHAPES["one user message"]],
+    )
     first, second = sample.metadata["observations"]
     sample.metadata["observations"] = [first, {**second, "start": first["end"] - 1}]
     with pytest.raises(ParityInputError):

@@ -143,9 +143,17 @@ def test_boolean_token_ids_are_rejected() -> None:
 
 def test_aborted_turn_keeps_the_partial_tokens_and_logprobs_the_server_sent() -> None:
     turn = parse_generate_response(
-        {"choices": [{"finish_reason": "abort", "token_ids": [1, 2],
-                      "logprobs": {"content": [{"token_id": 1, "logprob": -0.5}, {"token_id": 2, "logprob": -1.0}]},
-                      "weight_versions": [{"version": "3", "start": 0, "end": 2}]}]}, "r"
+        {
+            "choices": [
+                {
+                    "finish_reason": "abort",
+                    "token_ids": [1, 2],
+                    "logprobs": {"content": [{"token_id": 1, "logprob": -0.5}, {"token_id": 2, "logprob": -1.0}]},
+                    "weight_versions": [{"version": "3", "start": 0, "end": 2}],
+                }
+            ]
+        },
+        "r",
     )
     assert (turn.finish, turn.token_ids, turn.logprobs) == ("abort", [1, 2], [-0.5, -1.0])
     assert turn.meta.weight_version_spans == (("3", 0, 2),)

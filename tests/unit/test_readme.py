@@ -49,6 +49,15 @@ def test_package_is_ruff_clean() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+def test_the_tree_is_ruff_formatted() -> None:
+    """The whole checkout stays as `ruff format` writes it (ruff is pinned in .ci/constraints-cpu.txt, since another
+    version may format differently)."""
+    result = subprocess.run(
+        [sys.executable, "-m", "ruff", "format", "--check", "."], cwd=ROOT, capture_output=True, text=True
+    )
+    assert result.returncode == 0, "run `ruff format .`:\n" + result.stdout + result.stderr
+
+
 def test_package_is_mypy_clean() -> None:
     result = subprocess.run([sys.executable, "-m", "mypy"], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr

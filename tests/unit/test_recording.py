@@ -41,9 +41,18 @@ LONG = "data:image/png;base64," + "A" * BLOB_MIN_CHARS
 
 def sample_record(sample_id: str, *, io: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     return {
-        "kind": "sample", "schema": 1, "run": "r", "sample_id": sample_id, "session_id": None,
-        "request_prefix": "fsm-x", "config": {}, "sampling_params": {}, "sample": {"prompt": "q"},
-        "io": io or [], "transitions": [], "result": {"status": "completed"},
+        "kind": "sample",
+        "schema": 1,
+        "run": "r",
+        "sample_id": sample_id,
+        "session_id": None,
+        "request_prefix": "fsm-x",
+        "config": {},
+        "sampling_params": {},
+        "sample": {"prompt": "q"},
+        "io": io or [],
+        "transitions": [],
+        "result": {"status": "completed"},
     }
 
 
@@ -83,7 +92,8 @@ def test_values_that_are_not_json_become_named_stand_ins() -> None:
             return "<Board 3x3>"
 
     assert jsonable({"a": (1, 2), 3: Board()}) == {
-        "a": [1, 2], "3": {"$object": {"type": "Board", "repr": "<Board 3x3>"}}
+        "a": [1, 2],
+        "3": {"$object": {"type": "Board", "repr": "<Board 3x3>"}},
     }
     revived = revive(jsonable(Board()))
     assert type(revived).__name__ == "Board"
@@ -152,18 +162,26 @@ def test_a_missing_file_is_a_recording_format_error(tmp_path: Path) -> None:
 def test_a_tape_of_another_schema_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "t.tape.jsonl"
     path.write_bytes(orjson.dumps({"kind": "header", "schema": 3, "run": "r"}) + b"\n")
-    with pytest.raises(SchemaVersionError, match=r"tape schema 3, but this fsm-rollout reads tape schema 2 \(and the "
-                                                 r"older 1\)"):
+    with pytest.raises(
+        SchemaVersionError,
+        match=r"tape schema 3, but this fsm-rollout reads tape schema 2 \(and the "
+        r"older 1\)",
+    ):
         read_tape(path)
 
 
 def test_a_schema_1_tape_is_still_read(tmp_path: Path) -> None:
     path = tmp_path / "t.tape.jsonl"
-    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in (
-        {"kind": "header", "schema": 1, "run": "r"},
-        {"kind": "blob", "hash": "sha256:a", "data": LONG},
-        {**sample_record("0"), "schema": 1},
-    )))
+    path.write_bytes(
+        b"".join(
+            orjson.dumps(line) + b"\n"
+            for line in (
+                {"kind": "header", "schema": 1, "run": "r"},
+                {"kind": "blob", "hash": "sha256:a", "data": LONG},
+                {**sample_record("0"), "schema": 1},
+            )
+        )
+    )
     tape = read_tape(path)
     assert [record.sample_id for record in tape.samples] == ["0"]
     assert tape.blobs["sha256:a"] == LONG
@@ -172,7 +190,7 @@ def test_a_schema_1_tape_is_still_read(tmp_path: Path) -> None:
 def feature_like_base64(size: int) -> str:
     """Base64 of float32 patches of a mostly uniform image, like vLLM's multimodal feature items."""
     values = np.full(size // 4, 1.9303, dtype=np.float32)
-    values[:: 97] = np.linspace(-1.0, 1.0, len(values[:: 97]), dtype=np.float32)
+    values[::97] = np.linspace(-1.0, 1.0, len(values[::97]), dtype=np.float32)
     return base64.b64encode(values.tobytes()).decode("ascii")
 
 
@@ -220,11 +238,16 @@ def test_a_tape_writer_packs_blobs_on_its_own_thread_and_keeps_blobs_before_thei
 
 def test_an_unknown_blob_encoding_is_a_problem_and_the_sample_that_needs_it_lacks_it(tmp_path: Path) -> None:
     path = tmp_path / "t.tape.jsonl"
-    path.write_bytes(b"".join(orjson.dumps(line) + b"\n" for line in (
-        {"kind": "header", "schema": 2, "run": "r"},
-        {"kind": "blob", "hash": "sha256:a", "encoding": "brotli", "data": "xx"},
-        sample_record("0", io=[{"op": "render", "answer": {"$blob": "sha256:a"}, "refs": True}]),
-    )))
+    path.write_bytes(
+        b"".join(
+            orjson.dumps(line) + b"\n"
+            for line in (
+                {"kind": "header", "schema": 2, "run": "r"},
+                {"kind": "blob", "hash": "sha256:a", "encoding": "brotli", "data": "xx"},
+                sample_record("0", io=[{"op": "render", "answer": {"$blob": "sha256:a"}, "refs": True}]),
+            )
+        )
+    )
     tape = read_tape(path)
     assert any("blob encoding 'brotli' is unknown" in problem.message for problem in tape.problems)
     assert tape.missing_blobs(tape.samples[0].io) == ["sha256:a"]
@@ -241,8 +264,14 @@ def test_a_malformed_sample_record_is_a_problem_not_an_error(tmp_path: Path) -> 
     path = tmp_path / "t.tape.jsonl"
     bad = sample_record("3")
     del bad["io"]
-    path.write_bytes(orjson.dumps({"kind": "header", "schema": 1, "run": "r"}) + b"\n" + orjson.dumps(bad) + b"\n"
-                     + orjson.dumps(sample_record("4")) + b"\n")
+    path.write_bytes(
+        orjson.dumps({"kind": "header", "schema": 1, "run": "r"})
+        + b"\n"
+        + orjson.dumps(bad)
+        + b"\n"
+        + orjson.dumps(sample_record("4"))
+        + b"\n"
+    )
     tape = read_tape(path)
     assert [sample.sample_id for sample in tape.samples] == ["4"]
     assert tape.problems == [LineProblem(path, 2, "sample record lacks or mistypes io; skipped", "3")]
@@ -298,8 +327,13 @@ def path_of(*edges: tuple[str, str, str] | tuple[str, str, str, str], first_line
 
 
 def test_a_path_of_table_edges_ending_terminal_is_legal() -> None:
-    verdict, findings = check_path(path_of(("pending", "render", "rendered"), ("rendered", "generate", "generating"),
-                                           ("generating", "step", "truncated", "length")))
+    verdict, findings = check_path(
+        path_of(
+            ("pending", "render", "rendered"),
+            ("rendered", "generate", "generating"),
+            ("generating", "step", "truncated", "length"),
+        )
+    )
     assert (verdict, findings) == ("legal", [])
 
 
@@ -310,8 +344,9 @@ def test_an_edge_missing_from_the_table_is_illegal_with_its_line() -> None:
 
 
 def test_a_reason_the_edge_cannot_give_is_illegal() -> None:
-    verdict, findings = check_path(path_of(("pending", "render", "rendered"),
-                                           ("rendered", "generate", "truncated", "length")))
+    verdict, findings = check_path(
+        path_of(("pending", "render", "rendered"), ("rendered", "generate", "truncated", "length"))
+    )
     assert verdict == "illegal"
     assert "with reason 'length'; today's table gives 'budget_exhausted'" in findings[0]
 
@@ -339,8 +374,9 @@ def test_a_jump_between_states_is_illegal_unless_an_unreadable_line_explains_it(
 
 
 def test_a_transition_after_the_end_is_illegal() -> None:
-    verdict, findings = check_path(path_of(("pending", "abort", "aborted", "x"), ("aborted", "fail", "failed",
-                                                                                  "error")))
+    verdict, findings = check_path(
+        path_of(("pending", "abort", "aborted", "x"), ("aborted", "fail", "failed", "error"))
+    )
     assert verdict == "illegal"
     assert findings[0] == "line 11: aborted --fail--> failed after the sample ended in aborted"
 
@@ -349,9 +385,11 @@ def test_a_transition_after_the_end_is_illegal() -> None:
 
 
 def test_an_image_late_in_a_message_list_is_still_stored_as_a_blob() -> None:
-    messages = [{"role": "system", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": LONG}}]},
-                {"role": "assistant", "content": "ok"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": LONG}}]},
+        {"role": "assistant", "content": "ok"},
+    ]
     encoded = encode_sample_record(sample_record("1", io=[{"op": "render", "request": {"messages": messages}}]), set())
     assert LONG.encode() not in encoded.splitlines()[-1]
 

@@ -57,21 +57,35 @@ def request(**overrides: Any) -> dict[str, Any]:
 
 
 def event(src: str, trigger: str, dst: str, **fields: Any) -> dict[str, Any]:
-    return {"src": src, "trigger": trigger, "dst": dst, "turn": 0, "response_length": 0, "remaining_budget": 10,
-            **fields}
+    return {
+        "src": src,
+        "trigger": trigger,
+        "dst": dst,
+        "turn": 0,
+        "response_length": 0,
+        "remaining_budget": 10,
+        **fields,
+    }
 
 
-TRANSITIONS = [event("pending", "render", "rendered"), event("rendered", "generate", "generating"),
-               event("generating", "step", "stepping", response_length=3),
-               event("stepping", "observe", "observing", turn=1, response_length=5),
-               event("observing", "generate", "generating", turn=1, response_length=5),
-               event("generating", "step", "truncated", turn=1, response_length=8, reason="length")]
+TRANSITIONS = [
+    event("pending", "render", "rendered"),
+    event("rendered", "generate", "generating"),
+    event("generating", "step", "stepping", response_length=3),
+    event("stepping", "observe", "observing", turn=1, response_length=5),
+    event("observing", "generate", "generating", turn=1, response_length=5),
+    event("generating", "step", "truncated", turn=1, response_length=8, reason="length"),
+]
 
 
 def outcome(**overrides: Any) -> Outcome:
     values: dict[str, Any] = {
-        "tokens": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9], "prompt_length": 2, "loss_mask": [1, 1, 1, 0, 0, 1, 1, 1],
-        "rollout_log_probs": [-0.5] * 8, "status": "failed", "reason": "error",
+        "tokens": [0, 1, 2, 3, 4, 5, 6, 7, 8, 9],
+        "prompt_length": 2,
+        "loss_mask": [1, 1, 1, 0, 0, 1, 1, 1],
+        "rollout_log_probs": [-0.5] * 8,
+        "status": "failed",
+        "reason": "error",
         "error": {"type": "ValueError", "message": "boom", "state": "stepping", "trigger": "observe"},
     }
     values.update(overrides)
@@ -136,8 +150,9 @@ def test_different_headers_diverge_and_no_headers_equal_empty_ones() -> None:
 def test_a_request_without_recorded_tokens_compares_its_whole_body() -> None:
     body = {"model": "m", "messages": [{"role": "user", "content": "q"}]}
     assert compare_engine_request(**request(recorded_tokens=None, recorded_request=body, payload=body)) is None
-    found = compare_engine_request(**request(recorded_tokens=None, recorded_request=body,
-                                             payload={**body, "messages": []}))
+    found = compare_engine_request(
+        **request(recorded_tokens=None, recorded_request=body, payload={**body, "messages": []})
+    )
     assert found is not None and "messages (length)" in found.message
 
 
@@ -174,8 +189,9 @@ def test_another_destination_is_reported_at_the_recorded_turn_and_state() -> Non
     found = compare_transition(5, TRANSITIONS[5], {**TRANSITIONS[5], "dst": "stepping", "reason": None})
     assert found is not None
     assert (found.kind, found.turn, found.state, found.index) == ("transition", 1, "generating", 5)
-    assert found.message.startswith("transition 6: recorded generating --step--> truncated, today generating "
-                                    "--step--> stepping; differs in dst")
+    assert found.message.startswith(
+        "transition 6: recorded generating --step--> truncated, today generating --step--> stepping; differs in dst"
+    )
 
 
 def test_a_summary_field_both_events_have_is_compared() -> None:
@@ -210,8 +226,9 @@ def test_the_same_outcome_does_not_diverge() -> None:
 
 
 def test_a_different_token_is_placed_in_the_turn_that_generated_it() -> None:
-    found = compare_tokens(outcome(), outcome(tokens=[0, 1, 2, 3, 4, 5, 6, 25, 8, 9]), tokenizer=TOKENIZER,
-                           transitions=TRANSITIONS)
+    found = compare_tokens(
+        outcome(), outcome(tokens=[0, 1, 2, 3, 4, 5, 6, 25, 8, 9]), tokenizer=TOKENIZER, transitions=TRANSITIONS
+    )
     assert found is not None
     assert (found.kind, found.index, found.turn) == ("tokens", 7, 1)  # response index 5: grown past in turn 1
     assert found.message == "tokens[7]: 7 'h' recorded, 25 'z' today (10 vs 10 tokens)"
@@ -224,16 +241,18 @@ def test_a_shorter_token_list_diverges_at_its_end() -> None:
 
 
 def test_a_loss_mask_difference_is_reported_at_its_token_index() -> None:
-    found = compare_loss_mask(outcome(), outcome(loss_mask=[1, 1, 1, 1, 0, 1, 1, 1]), tokenizer=TOKENIZER,
-                              transitions=TRANSITIONS)
+    found = compare_loss_mask(
+        outcome(), outcome(loss_mask=[1, 1, 1, 1, 0, 1, 1, 1]), tokenizer=TOKENIZER, transitions=TRANSITIONS
+    )
     assert found is not None
     assert (found.kind, found.index, found.turn) == ("loss_mask", 5, 1)
     assert found.message == "loss_mask[3] (tokens[5]): 0 recorded, 1 today"
 
 
 def test_a_missing_loss_mask_differs_from_an_empty_one() -> None:
-    found = compare_loss_mask(outcome(loss_mask=None), outcome(loss_mask=[]), tokenizer=TOKENIZER,
-                              transitions=TRANSITIONS)
+    found = compare_loss_mask(
+        outcome(loss_mask=None), outcome(loss_mask=[]), tokenizer=TOKENIZER, transitions=TRANSITIONS
+    )
     assert found is not None and found.index == 2
 
 
@@ -246,7 +265,11 @@ def test_logprobs_are_compared_exactly() -> None:
 def test_status_and_reason_are_reported_at_the_turn_the_rollout_ended_in() -> None:
     found = compare_status(outcome(), outcome(status="truncated"), turn=4)
     assert found is not None and (found.kind, found.turn, found.expected, found.actual) == (
-        "status", 4, "failed", "truncated")
+        "status",
+        4,
+        "failed",
+        "truncated",
+    )
     found = compare_reason(outcome(), outcome(reason="max_turns"), turn=4)
     assert found is not None and (found.kind, found.expected, found.actual) == ("reason", "error", "max_turns")
 
@@ -275,16 +298,29 @@ def test_a_response_index_past_every_transition_falls_in_the_last_turn() -> None
 
 def test_divergences_are_values() -> None:
     found = compare_status(outcome(), outcome(status="completed"), turn=1)
-    assert found == Divergence("status", "the sample ends with another status", turn=1, expected="failed",
-                               actual="completed")
+    assert found == Divergence(
+        "status", "the sample ends with another status", turn=1, expected="failed", actual="completed"
+    )
 
 
 # --------------------------------------------------------------------------- the tape cursor
 
 
 def record(io: list[dict[str, Any]], result: dict[str, Any] | None = None) -> TapeSample:
-    return TapeSample(line=7, sample_id="1", session_id=None, request_prefix="p", config={}, sampling_params={},
-                      sample={}, io=io, transitions=[], result=result or {}, tokenizer={}, processor_merge_size=None)
+    return TapeSample(
+        line=7,
+        sample_id="1",
+        session_id=None,
+        request_prefix="p",
+        config={},
+        sampling_params={},
+        sample={},
+        io=io,
+        transitions=[],
+        result=result or {},
+        tokenizer={},
+        processor_merge_size=None,
+    )
 
 
 def take(cursor: TapeCursor, op: str) -> dict[str, Any]:
@@ -305,8 +341,11 @@ def test_the_cursor_hands_out_entries_in_order_and_names_what_is_missing() -> No
 
 
 def test_generate_tokens_are_rebuilt_from_deltas_on_the_render_answer() -> None:
-    io = [{"op": "render", "answer": {"token_ids": [1, 2]}}, {"op": "generate", "tokens": {"keep": 2, "add": [3]}},
-          {"op": "generate", "tokens": {"keep": 3, "add": [4, 5]}}]
+    io = [
+        {"op": "render", "answer": {"token_ids": [1, 2]}},
+        {"op": "generate", "tokens": {"keep": 2, "add": [3]}},
+        {"op": "generate", "tokens": {"keep": 3, "add": [4, 5]}},
+    ]
     cursor = TapeCursor(record(io, {"tokens": {"keep": 5, "add": [6]}}), TapeFile(Path("t")))
     cursor.answered(take(cursor, "render"))
     assert cursor.generate_tokens(take(cursor, "generate")) == [1, 2, 3]
@@ -339,8 +378,9 @@ def test_a_packed_blob_that_does_not_unpack_is_a_tape_divergence_not_a_crash() -
 
 
 def test_a_recorded_abort_lands_only_where_it_was_requested() -> None:
-    io = [{"op": "abort_requested", "reason": "weight_update", "state": "generating", "running": True,
-           "in_flight": True}]
+    io = [
+        {"op": "abort_requested", "reason": "weight_update", "state": "generating", "running": True, "in_flight": True}
+    ]
     cursor = TapeCursor(record(io), TapeFile(Path("t")))
     assert cursor.abort_before_start() is None  # it came while the rollout ran
     assert cursor.abort_landing("stepping", in_flight=True) is None

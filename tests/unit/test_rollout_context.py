@@ -23,9 +23,15 @@ from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TurnMeta
 
 
 def a_turn(request_id: str = "r-turn0", tokens: tuple[int, ...] = (5, 6, 7)) -> GeneratedTurn:
-    return GeneratedTurn(request_id=request_id, finish="stop", token_ids=list(tokens), logprobs=[-0.5] * len(tokens),
-                         meta=TurnMeta(finish_reason="stop", weight_version="3", prompt_tokens=4,
-                                       weight_version_spans=(("3", 0, len(tokens)),)))
+    return GeneratedTurn(
+        request_id=request_id,
+        finish="stop",
+        token_ids=list(tokens),
+        logprobs=[-0.5] * len(tokens),
+        meta=TurnMeta(
+            finish_reason="stop", weight_version="3", prompt_tokens=4, weight_version_spans=(("3", 0, len(tokens)),)
+        ),
+    )
 
 
 # A value unlike the default for each type a data field may have. A field of a new type fails the round-trip test
@@ -49,8 +55,14 @@ NON_DEFAULT: dict[str, Any] = {
 
 def deps(**config: Any) -> Deps:
     tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens=False: " ".join(map(str, ids)))
-    return Deps(config=RolloutConfig(model="m", engine_url="http://engine.invalid", max_turns=3, **config),
-                params={"max_tokens": 10}, encoder=None, tokenizer=tokenizer, processor=None, gate=GatePoint(None))
+    return Deps(
+        config=RolloutConfig(model="m", engine_url="http://engine.invalid", max_turns=3, **config),
+        params={"max_tokens": 10},
+        encoder=None,
+        tokenizer=tokenizer,
+        processor=None,
+        gate=GatePoint(None),
+    )
 
 
 def fresh(**fields: Any) -> RolloutContext:
@@ -101,11 +113,24 @@ def test_an_unknown_version_is_refused() -> None:
 
 def test_a_version_1_resume_state_still_reads() -> None:
     old = {  # what a handed-back sample carried before the context existed
-        "version": 1, "token": "abc", "state": "suspended", "reason": "weight_update", "sample_id": "4",
-        "request_prefix": "s4", "status": "pending", "turn_index": 1, "turn_requests": 2, "suspensions": 1,
-        "prompt_length": 3, "budget": 20, "rendered": {"token_ids": [1, 2, 3], "generate_body": {"model": "m"}},
-        "image_hashes": [], "response_token_ids": [9, 9], "partial_turn": [],
-        "env_snapshot": {"turns": 1}, "env_snapshot_error": None,
+        "version": 1,
+        "token": "abc",
+        "state": "suspended",
+        "reason": "weight_update",
+        "sample_id": "4",
+        "request_prefix": "s4",
+        "status": "pending",
+        "turn_index": 1,
+        "turn_requests": 2,
+        "suspensions": 1,
+        "prompt_length": 3,
+        "budget": 20,
+        "rendered": {"token_ids": [1, 2, 3], "generate_body": {"model": "m"}},
+        "image_hashes": [],
+        "response_token_ids": [9, 9],
+        "partial_turn": [],
+        "env_snapshot": {"turns": 1},
+        "env_snapshot_error": None,
     }
     back = RolloutContext.from_json(old, sample=Sample(prompt="p"), deps=deps(), sample_id="4")
     assert (back.suspend_reason, back.status_before_hand_back, back.turn_requests) == ("weight_update", "pending", 2)
@@ -191,7 +216,13 @@ def test_hooks_see_a_read_only_view_that_stands_for_its_rollout() -> None:
     owner = object()
     view = View(context, rollout_uid="u", owner=owner)
     assert (view.state, view.turn_index, view.suspensions, view.sample_id, view.request_prefix, view.rollout_uid) == (
-        "generating", 2, 1, "7", "s7", "u")
+        "generating",
+        2,
+        1,
+        "7",
+        "s7",
+        "u",
+    )
     assert view.sample is context.sample
     with pytest.raises(AttributeError):
         view.state = "aborted"  # type: ignore[misc]

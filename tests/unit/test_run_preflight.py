@@ -41,7 +41,8 @@ def refuse_the_hub(monkeypatch: pytest.MonkeyPatch, error: Exception) -> list[fl
 
 def test_a_local_directory_loads_without_the_hub(loads: list[tuple[str, bool]]) -> None:
     assert load_run_tokenizer(str(qwen_tokenizer_dir()), named_by="--tokenizer") == (
-        f"tokenizer of {qwen_tokenizer_dir()}")
+        f"tokenizer of {qwen_tokenizer_dir()}"
+    )
     assert loads == [(str(qwen_tokenizer_dir()), True)]
 
 
@@ -52,8 +53,10 @@ def test_offline_a_name_not_in_the_cache_fails_at_once(
     asked = refuse_the_hub(monkeypatch, AssertionError("the hub was asked"))
     with pytest.raises(PreflightError) as caught:
         load_run_tokenizer("org/model", named_by="--model")
-    assert str(caught.value) == ("--model 'org/model' is neither a local directory nor in the Hugging Face cache, "
-                                 "and the hub is offline (HF_HUB_OFFLINE): pass --tokenizer DIR")
+    assert str(caught.value) == (
+        "--model 'org/model' is neither a local directory nor in the Hugging Face cache, "
+        "and the hub is offline (HF_HUB_OFFLINE): pass --tokenizer DIR"
+    )
     assert loads == [("org/model", True)] and asked == []
 
 
@@ -67,7 +70,8 @@ def test_an_unreachable_hub_is_asked_once_with_a_timeout_and_never_retried(
         load_run_tokenizer("org/model", named_by="--tokenizer")
     assert str(caught.value) == (
         "--tokenizer 'org/model' is neither a local directory nor in the Hugging Face cache, and the hub cannot "
-        "provide it (ConnectionError: [Errno -2] Name or service not known): pass --tokenizer DIR")
+        "provide it (ConnectionError: [Errno -2] Name or service not known): pass --tokenizer DIR"
+    )
     assert asked == [preflight.HUB_CHECK_TIMEOUT_S]
     assert loads == [("org/model", True)]  # no download attempt, so none of transformers' retries
 

@@ -11,8 +11,17 @@ from fsm_rollout.metrics import MetricsSnapshot
 
 def snapshot(**values: Any) -> MetricsSnapshot:
     base: dict[str, Any] = {
-        "occupancy": {}, "in_flight": 0, "dwell_ms_mean": {}, "statuses": {}, "reasons": {}, "samples_done": 0,
-        "turns": 0, "tokens_generated": 0, "elapsed_s": 1.0, "samples_per_s": 0.0, "turns_per_s": 0.0,
+        "occupancy": {},
+        "in_flight": 0,
+        "dwell_ms_mean": {},
+        "statuses": {},
+        "reasons": {},
+        "samples_done": 0,
+        "turns": 0,
+        "tokens_generated": 0,
+        "elapsed_s": 1.0,
+        "samples_per_s": 0.0,
+        "turns_per_s": 0.0,
         "tokens_per_s": 0.0,
     }
     return MetricsSnapshot(**{**base, **values})

@@ -241,9 +241,7 @@ def test_missing_loss_mask_is_backfilled_with_ones_for_earlier_response_tokens()
 
 
 def test_missing_logprobs_are_backfilled_with_zeros_before_non_trainable_tokens() -> None:
-    sample = rendered_sample(
-        tokens=[*PROMPT, 21, 22], response_length=2, loss_mask=[1, 1], rollout_log_probs=None
-    )
+    sample = rendered_sample(tokens=[*PROMPT, 21, 22], response_length=2, loss_mask=[1, 1], rollout_log_probs=None)
     sample.append_response_tokens([31], trainable=False)
     assert sample.rollout_log_probs == [0.0, 0.0, 0.0]
 
@@ -328,9 +326,7 @@ def test_failed_append_leaves_the_sample_unchanged() -> None:
 
 
 def test_append_onto_misaligned_arrays_raises_invariant_violation() -> None:
-    sample = rendered_sample(
-        tokens=[*PROMPT, 21], response_length=1, loss_mask=[1, 1], rollout_log_probs=[0.0]
-    )
+    sample = rendered_sample(tokens=[*PROMPT, 21], response_length=1, loss_mask=[1, 1], rollout_log_probs=[0.0])
     with pytest.raises(InvariantViolation, match="loss_mask"):
         sample.append_response_tokens([31], trainable=False)
 
@@ -450,9 +446,7 @@ def test_top_p_spans_merge_across_appends_with_shifted_offsets() -> None:
 
 def test_non_trainable_tokens_get_empty_top_p_spans_mask_zero_and_logprob_zero() -> None:
     sample = rendered_sample()
-    sample.append_response_tokens(
-        [21], [-0.1], meta=meta(top_p_token_ids=[21, 5], top_p_token_offsets=[0, 2])
-    )
+    sample.append_response_tokens([21], [-0.1], meta=meta(top_p_token_ids=[21, 5], top_p_token_offsets=[0, 2]))
     sample.append_response_tokens([31, 32], trainable=False)
     assert sample.rollout_top_p_token_ids == [21, 5]
     assert sample.rollout_top_p_token_offsets == [0, 2, 2, 2]
@@ -462,9 +456,7 @@ def test_non_trainable_tokens_get_empty_top_p_spans_mask_zero_and_logprob_zero()
 
 def test_spans_after_empty_spans_shift_by_the_id_count() -> None:
     sample = rendered_sample()
-    sample.append_response_tokens(
-        [21], [-0.1], meta=meta(top_p_token_ids=[21, 5], top_p_token_offsets=[0, 2])
-    )
+    sample.append_response_tokens([21], [-0.1], meta=meta(top_p_token_ids=[21, 5], top_p_token_offsets=[0, 2]))
     sample.append_response_tokens([31], trainable=False)
     sample.append_response_tokens([22], [-0.2], meta=meta(top_p_token_ids=[22], top_p_token_offsets=[0, 1]))
     assert sample.rollout_top_p_token_ids == [21, 5, 22]
@@ -480,9 +472,7 @@ def test_non_trainable_tokens_add_no_spans_when_the_sample_has_none() -> None:
 def test_first_spans_give_earlier_response_tokens_empty_spans() -> None:
     sample = rendered_sample()
     sample.append_response_tokens([31, 32], trainable=False)
-    sample.append_response_tokens(
-        [21], [-0.1], meta=meta(top_p_token_ids=[21, 5], top_p_token_offsets=[0, 2])
-    )
+    sample.append_response_tokens([21], [-0.1], meta=meta(top_p_token_ids=[21, 5], top_p_token_offsets=[0, 2]))
     assert sample.rollout_top_p_token_ids == [21, 5]
     assert sample.rollout_top_p_token_offsets == [0, 0, 0, 2]
 
@@ -697,9 +687,7 @@ def populated_sample() -> Sample:
         top_p_token_ids=[21, 5, 22],
         top_p_token_offsets=[0, 2, 3],
     )
-    sample.append_response_tokens(
-        [21, 22], [-0.1, -0.2], meta=turn, expert_dims=EXPERT_DIMS, track_spec_stats=True
-    )
+    sample.append_response_tokens([21, 22], [-0.1, -0.2], meta=turn, expert_dims=EXPERT_DIMS, track_spec_stats=True)
     sample.append_response_tokens([31], trainable=False)
     return sample
 

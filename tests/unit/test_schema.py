@@ -260,12 +260,14 @@ def test_a_model_list_parses_with_the_embedded_engines_extra_fields_and_without(
     ours = model_list("m", root="/models/m", max_model_len=512, tokenizer="/models/m", image_merge_size=2)
     vllm = model_list("m", root="/models/m", max_model_len=512)
     assert "tokenizer" not in vllm["data"][0] and "image_merge_size" not in vllm["data"][0]
-    assert parse_model_list(ours) == [ServedModel(name="m", root="/models/m", max_model_len=512,
-                                                  tokenizer="/models/m", image_merge_size=2)]
+    assert parse_model_list(ours) == [
+        ServedModel(name="m", root="/models/m", max_model_len=512, tokenizer="/models/m", image_merge_size=2)
+    ]
     assert parse_model_list(vllm) == [ServedModel(name="m", root="/models/m", max_model_len=512)]
     # Optional fields of the wrong type are dropped: they only fill in defaults the caller can give itself.
     assert parse_model_list({"data": [{"id": "m", "image_merge_size": True, "tokenizer": 3}]}) == [
-        ServedModel(name="m")]
+        ServedModel(name="m")
+    ]
 
 
 @pytest.mark.parametrize("answer", [[], {"data": {}}, {"data": [{"id": ""}]}, {"data": [{"root": "x"}]}])

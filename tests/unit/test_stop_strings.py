@@ -109,9 +109,11 @@ def test_cut_at_stop_prefers_the_stop_token_on_the_same_token_and_the_earlier_st
     tokens = ids("a", "</", "ans", "wer>", "b")
     token = ids("wer>")[0]
     assert cut_at_stop(tokens, max_tokens=10, stop=["</answer>"], stop_token_ids={token}, decode=decode) == StopCut(
-        tokens[:4], "stop", token)
+        tokens[:4], "stop", token
+    )
     assert cut_at_stop(tokens, max_tokens=10, stop=["a"], stop_token_ids={token}, decode=decode) == StopCut(
-        tokens[:1], "stop", "a")
+        tokens[:1], "stop", "a"
+    )
 
 
 def test_cut_at_stop_caps_at_max_tokens_unless_the_last_token_stops() -> None:

@@ -111,9 +111,7 @@ def test_chat_template_renders_system_user_with_generation_prompt(tokenizer: Pre
 
 def test_chat_template_inserts_default_system_message(tokenizer: PreTrainedTokenizerFast) -> None:
     rendered = _render(tokenizer, [{"role": "user", "content": "Hi!"}])
-    assert rendered == (
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n"
-    )
+    assert rendered == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n")
 
 
 def test_chat_template_renders_image_part_as_vision_tokens(tokenizer: PreTrainedTokenizerFast) -> None:
@@ -138,9 +136,7 @@ def test_chat_template_renders_tools_section_and_tool_turns(tokenizer: PreTraine
         {
             "role": "assistant",
             "content": "",
-            "tool_calls": [
-                {"type": "function", "function": {"name": "get_weather", "arguments": {"c": "P"}}}
-            ],
+            "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": {"c": "P"}}}],
         },
         {"role": "tool", "content": "sunny"},
     ]
@@ -169,9 +165,7 @@ def test_apply_chat_template_tokenize_returns_batch_encoding_by_default(
     assert as_list == encoded["input_ids"]
 
 
-_TEXT = st.text(
-    alphabet=st.characters(codec="utf-8", categories=("L", "N", "P", "S", "Zs", "Cc")), max_size=30
-)
+_TEXT = st.text(alphabet=st.characters(codec="utf-8", categories=("L", "N", "P", "S", "Zs", "Cc")), max_size=30)
 _PART = st.one_of(
     st.builds(lambda t: {"type": "text", "text": t}, _TEXT),
     st.just({"type": "image"}),
@@ -196,9 +190,7 @@ def test_chat_template_is_token_prefix_stable(
     tokenizer: PreTrainedTokenizerFast, conversation: list[dict[str, Any]], next_user: Any
 ) -> None:
     before = _chat_ids(tokenizer, conversation, add_generation_prompt=False)
-    after = _chat_ids(
-        tokenizer, [*conversation, {"role": "user", "content": next_user}], add_generation_prompt=True
-    )
+    after = _chat_ids(tokenizer, [*conversation, {"role": "user", "content": next_user}], add_generation_prompt=True)
     assert after[: len(before)] == before
     assert after[-3:] == tokenizer.encode("<|im_start|>assistant\n")
 
@@ -255,9 +247,7 @@ def test_losing_the_build_race_keeps_the_winners_directory(
     assert [p.name for p in tmp_path.iterdir()] == [qt.BUILD_VERSION]  # staging dir cleaned up
 
 
-def test_failed_build_leaves_no_partial_directory(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path
-) -> None:
+def test_failed_build_leaves_no_partial_directory(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
     def crash(staging: pathlib.Path) -> None:
         (staging / "tokenizer.json").write_text("{")
         raise OSError("disk full")
@@ -305,7 +295,5 @@ def test_importing_module_does_not_import_transformers_or_torch() -> None:
         "import sys, fsm_rollout.testing.tokenizer; "
         "print(sorted(m for m in ('transformers', 'torch', 'tokenizers') if m in sys.modules))"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True
-    ).stdout
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -28,7 +28,9 @@ def test_several_calls_come_back_in_order_with_their_positions() -> None:
     parse = parse_tool_calls(text)
     assert parse.ok
     assert [(call.name, call.arguments) for call in parse.calls] == [
-        ("search", {"query": "x", "k": 3}), ("calc", {"expr": "1+1"})]
+        ("search", {"query": "x", "k": 3}),
+        ("calc", {"expr": "1+1"}),
+    ]
     for call, written in zip(parse.calls, (first, second), strict=True):
         assert text[call.start : call.end] == written
         assert call.raw == written[len("<tool_call>") : -len("</tool_call>")]
@@ -63,8 +65,12 @@ def test_a_code_fence_around_the_body_is_ignored() -> None:
         ('{"name": 5, "arguments": {}}', "missing_name", 5, None),
         ('{"name": "calc", "arguments": [1]}', "arguments_not_object", "calc", "array"),
         ('{"name": "calc", "arguments": null}', "arguments_not_object", "calc", "null"),
-        ('{"name": "calc", "arguments": "{x"}', "malformed_arguments", "calc",
-         "Expecting property name enclosed in double quotes at character 1"),
+        (
+            '{"name": "calc", "arguments": "{x"}',
+            "malformed_arguments",
+            "calc",
+            "Expecting property name enclosed in double quotes at character 1",
+        ),
         ('{"name": "calc", "arguments": "7"}', "arguments_not_object", "calc", "number"),
     ],
 )

@@ -60,8 +60,15 @@ def test_a_capture_and_a_file_sink_each_get_the_event_as_emitted(tmp_path: Path)
         tracer.emit(dict(fields))
     tracer.close()
     (line,) = [orjson.loads(raw) for raw in path.read_bytes().splitlines()]
-    assert line == {**fields, "event": "transition", "sample_id": "s9", "session_id": None, "step": 4,
-                    "schema": TRACE_SCHEMA_VERSION, "ts": line["ts"]}
+    assert line == {
+        **fields,
+        "event": "transition",
+        "sample_id": "s9",
+        "session_id": None,
+        "step": 4,
+        "schema": TRACE_SCHEMA_VERSION,
+        "ts": line["ts"],
+    }
     assert events == [{**fields, "event": "transition", "sample_id": "s9", "session_id": None, "step": 4}]
 
 

@@ -457,8 +457,13 @@ class RecordingProxy:
             body: Any = json.loads(raw) if raw else None
         except ValueError:
             body = raw.decode("utf-8", errors="replace")
-        exchange = Exchange(path=request.path, body=body, headers=dict(request.headers), received_at=time.monotonic(),
-                            query=request.query_string)
+        exchange = Exchange(
+            path=request.path,
+            body=body,
+            headers=dict(request.headers),
+            received_at=time.monotonic(),
+            query=request.query_string,
+        )
         hold = self._holds.get(request.path)
         self.exchanges.append(exchange)
         async with self._arrived:

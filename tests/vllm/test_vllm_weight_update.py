@@ -247,8 +247,11 @@ async def _suspend_three_ways(proxy: Any, url: str, config: Any, tokenizer: Any,
         if turn >= MAX_TURNS - 1:
             await _give_up(runner, run, f"sample 0 is already in its last turn ({turn}): the suspensions came late")
         hold = proxy.hold_answer_when(
-            lambda exchange: exchange.path == GENERATE_PATH and str(exchange.request_id).startswith(f"{name}-0-")
-            and finish_reason(exchange) not in (None, "abort")
+            lambda exchange: (
+                exchange.path == GENERATE_PATH
+                and str(exchange.request_id).startswith(f"{name}-0-")
+                and finish_reason(exchange) not in (None, "abort")
+            )
         )
         held = await asyncio.wait_for(hold.held, WAIT_S)
         assert held.request_id is not None and held.request_id.startswith(f"{name}-0-turn{turn}")

@@ -79,13 +79,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = EPILOG
     parser.add_argument("--quick", action="store_true", help="fewer samples and repeats (a smoke run)")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON to this file")
-    parser.add_argument("--only", choices=WORKLOADS, metavar="WORKLOAD",
-                        help="run only this workload and its goals: weight-update, slow-env or scale-out (scale-out "
-                             "needs Ray and runs only so; the others share interleaved runs and always run together)")
-    parser.add_argument("--check", action="store_true",
-                        help="exit 1 when a goal is missed, naming each one (default: report only and exit 0)")
-    parser.add_argument("--weight-update-samples", type=_positive_int, metavar="N",
-                        help="samples in flight in the weight-update workload (default: 1000, 200 with --quick)")
+    parser.add_argument(
+        "--only",
+        choices=WORKLOADS,
+        metavar="WORKLOAD",
+        help="run only this workload and its goals: weight-update, slow-env or scale-out (scale-out "
+        "needs Ray and runs only so; the others share interleaved runs and always run together)",
+    )
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="exit 1 when a goal is missed, naming each one (default: report only and exit 0)",
+    )
+    parser.add_argument(
+        "--weight-update-samples",
+        type=_positive_int,
+        metavar="N",
+        help="samples in flight in the weight-update workload (default: 1000, 200 with --quick)",
+    )
     add_process_settings(parser.add_argument_group("process-wide settings of the measured rollouts"))
 
 

@@ -61,16 +61,30 @@ def _run(url: str, tokenizer: Any, settings: Settings, samples: int, mode: str) 
     from fsm_rollout.sample import Sample
 
     executor = "thread" if mode == "thread" else "inline"
-    config = RolloutConfig(engine_url=url, model="fake-model", max_turns=TURNS + 1, env_executor=executor,
-                           env_max_workers=max(samples, 1), loop_slice_ms=settings.loop_slice_ms,
-                           tune_gc=settings.tune_gc)
+    config = RolloutConfig(
+        engine_url=url,
+        model="fake-model",
+        max_turns=TURNS + 1,
+        env_executor=executor,
+        env_max_workers=max(samples, 1),
+        loop_slice_ms=settings.loop_slice_ms,
+        tune_gc=settings.tune_gc,
+    )
 
     async def main() -> dict[str, float]:
         client = VLLMClient.from_config(config)
         monitor = _LoopMonitor()
-        rollouts = [Rollout(Sample(prompt=PROMPT, index=i), config=config, sampling_params=SAMPLING, client=client,
-                            tokenizer=tokenizer, env_factory=lambda **_: _SleepingEnv(mode))
-                    for i in range(samples)]
+        rollouts = [
+            Rollout(
+                Sample(prompt=PROMPT, index=i),
+                config=config,
+                sampling_params=SAMPLING,
+                client=client,
+                tokenizer=tokenizer,
+                env_factory=lambda **_: _SleepingEnv(mode),
+            )
+            for i in range(samples)
+        ]
         monitor.start()
         wall = time.perf_counter()
         results = await asyncio.gather(*(rollout.run() for rollout in rollouts), return_exceptions=True)
@@ -80,23 +94,35 @@ def _run(url: str, tokenizer: Any, settings: Settings, samples: int, mode: str) 
         errors = [result for result in results if isinstance(result, BaseException)]
         if errors:
             raise RuntimeError(f"bench: {len(errors)} rollout(s) failed, first: {errors[0]!r}")
-        return {"samples": float(samples), "wall_s": wall, "loop_lag_p99_ms": monitor.lag_p99_ms(),
-                "loop_lag_max_ms": max(monitor.lags, default=0.0) * 1000.0}
+        return {
+            "samples": float(samples),
+            "wall_s": wall,
+            "loop_lag_p99_ms": monitor.lag_p99_ms(),
+            "loop_lag_max_ms": max(monitor.lags, default=0.0) * 1000.0,
+        }
 
     return asyncio.run(main())
 
 
 def bench_slow_environments(url: str, tokenizer: Any, settings: Settings, samples: int) -> dict[str, float]:
     """The four cases' walls and loop lags, and each overlapping case's wall beyond the sleep-free batch."""
-    figures: dict[str, float] = {"samples": float(samples), "turns": float(TURNS), "step_ms": STEP_S * 1000.0,
-                                 "inline_samples": float(min(samples, INLINE_SAMPLES))}
+    figures: dict[str, float] = {
+        "samples": float(samples),
+        "turns": float(TURNS),
+        "step_ms": STEP_S * 1000.0,
+        "inline_samples": float(min(samples, INLINE_SAMPLES)),
+    }
     # The pool starts its threads on the first batch that needs them (each start waits for the new thread): that
     # batch is reported apart as "cold", and the figures are a later batch's, as a trainer's pool is after one step.
     cold = _run(url, tokenizer, settings, samples, "thread")
     figures["thread_cold_wall_s"] = cold["wall_s"]
     figures["thread_cold_loop_lag_p99_ms"] = cold["loop_lag_p99_ms"]
-    for mode, count in (("none", samples), ("thread", samples), ("async", samples),
-                        ("inline", min(samples, INLINE_SAMPLES))):
+    for mode, count in (
+        ("none", samples),
+        ("thread", samples),
+        ("async", samples),
+        ("inline", min(samples, INLINE_SAMPLES)),
+    ):
         for name, value in _run(url, tokenizer, settings, count, mode).items():
             if name != "samples":
                 figures[f"{mode}_{name}"] = value

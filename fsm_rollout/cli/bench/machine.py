@@ -117,8 +117,9 @@ def bench_machine(samples: int = 2_000, repeats: int = 5) -> dict[str, float]:
             shared.add_model(model)
         return (time.perf_counter() - start) / samples * 1e6
 
-    async_machine = AsyncMachine(model=None, states=states, transitions=specs, initial="pending",
-                                 auto_transitions=False)
+    async_machine = AsyncMachine(
+        model=None, states=states, transitions=specs, initial="pending", auto_transitions=False
+    )
 
     async def async_transitions() -> float:
         models = [Flagged() for _ in range(samples // 10)]
@@ -143,5 +144,3 @@ def bench_machine(samples: int = 2_000, repeats: int = 5) -> dict[str, float]:
         "shared_add_model_setup_us_at_n": _best_of(1, shared_add_model),
         "shared_machine_setup_us": 0.0,
     }
-
-

@@ -89,8 +89,9 @@ def _token_data_bytes(samples: list[Any]) -> int:
     return total
 
 
-def run_rollouts(url: str, tokenizer: Any, samples: int, settings: Settings, *, trace: str | None = None,
-                 record: bool = False) -> dict[str, float]:
+def run_rollouts(
+    url: str, tokenizer: Any, samples: int, settings: Settings, *, trace: str | None = None, record: bool = False
+) -> dict[str, float]:
     """``samples`` rollouts of three turns each, all in flight at once, against the server at ``url``."""
     from fsm_rollout.config import RolloutConfig
     from fsm_rollout.engine.client import VLLMClient
@@ -99,8 +100,15 @@ def run_rollouts(url: str, tokenizer: Any, samples: int, settings: Settings, *, 
     from fsm_rollout.sample import Sample
     from fsm_rollout.testing.envs import ScriptedEnvFactory
 
-    config = RolloutConfig(engine_url=url, model="fake-model", max_turns=SCALE_TURNS, trace=trace, record=record,
-                           loop_slice_ms=settings.loop_slice_ms, tune_gc=settings.tune_gc)
+    config = RolloutConfig(
+        engine_url=url,
+        model="fake-model",
+        max_turns=SCALE_TURNS,
+        trace=trace,
+        record=record,
+        loop_slice_ms=settings.loop_slice_ms,
+        tune_gc=settings.tune_gc,
+    )
     build = recorded_rollout if record else Rollout
 
     async def main() -> dict[str, float]:
@@ -114,8 +122,14 @@ def run_rollouts(url: str, tokenizer: Any, samples: int, settings: Settings, *, 
         with gc_policy.rollouts_in_flight() if config.tune_gc else contextlib.nullcontext():
             records = [Sample(prompt=PROMPT, index=i) for i in range(samples)]
             rollouts = [
-                build(sample, config=config, sampling_params=SAMPLING, client=client, tokenizer=tokenizer,
-                      env_factory=factory)
+                build(
+                    sample,
+                    config=config,
+                    sampling_params=SAMPLING,
+                    client=client,
+                    tokenizer=tokenizer,
+                    env_factory=factory,
+                )
                 for sample in records
             ]
             monitor.start()
@@ -160,8 +174,11 @@ def baseline_rollouts(url: str, tokenizer: Any, samples: int) -> dict[str, float
     dummy = list(DUMMY_MESSAGES)
 
     async def one(session: Any, index: int) -> int:
-        async with session.post(url + RENDER_PATH, data=json.dumps(
-                {"model": "fake-model", "messages": [{"role": "user", "content": PROMPT}]}), headers=headers) as r:
+        async with session.post(
+            url + RENDER_PATH,
+            data=json.dumps({"model": "fake-model", "messages": [{"role": "user", "content": PROMPT}]}),
+            headers=headers,
+        ) as r:
             rendered = json.loads(await r.read())
         tokens = list(rendered["token_ids"])
         prompt_length = len(tokens)
@@ -172,8 +189,13 @@ def baseline_rollouts(url: str, tokenizer: Any, samples: int) -> dict[str, float
         turns = 0
         for turn in range(SCALE_TURNS):
             params = dict(rendered["sampling_params"] or {})
-            params.update(max_tokens=SAMPLING["max_new_tokens"] - len(loss_mask), temperature=1.0, top_p=1.0,
-                          logprobs=0, skip_special_tokens=False)
+            params.update(
+                max_tokens=SAMPLING["max_new_tokens"] - len(loss_mask),
+                temperature=1.0,
+                top_p=1.0,
+                logprobs=0,
+                skip_special_tokens=False,
+            )
             body = {**rendered, "token_ids": tokens, "sampling_params": params, "request_id": f"b{index}-{turn}"}
             async with session.post(url + GENERATE_PATH, data=json.dumps(body), headers=headers) as r:
                 answer = json.loads(await r.read())
@@ -187,10 +209,11 @@ def baseline_rollouts(url: str, tokenizer: Any, samples: int) -> dict[str, float
             if done or turn + 1 == SCALE_TURNS:
                 break
             message = env.format_observation(observation)
-            with_obs = tokenizer.apply_chat_template([*dummy, message], tokenize=True, add_generation_prompt=True,
-                                                     return_dict=False)
+            with_obs = tokenizer.apply_chat_template(
+                [*dummy, message], tokenize=True, add_generation_prompt=True, return_dict=False
+            )
             without = tokenizer.apply_chat_template(dummy, tokenize=True, return_dict=False)
-            boundary = list(with_obs[len(without):])
+            boundary = list(with_obs[len(without) :])
             tokens += boundary
             loss_mask += [0] * len(boundary)
             logprobs += [0.0] * len(boundary)
@@ -205,8 +228,13 @@ def baseline_rollouts(url: str, tokenizer: Any, samples: int) -> dict[str, float
         turns = sum(await asyncio.gather(*(one(session, i) for i in range(samples))))
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         await client.close()
-        return {"samples": float(samples), "turns": float(turns), "wall_s": wall, "cpu_s": cpu,
-                "cpu_us_per_turn": cpu / turns * 1e6}
+        return {
+            "samples": float(samples),
+            "turns": float(turns),
+            "wall_s": wall,
+            "cpu_s": cpu,
+            "cpu_us_per_turn": cpu / turns * 1e6,
+        }
 
     return asyncio.run(main())
 
@@ -225,8 +253,12 @@ def measure_json_costs(url: str, repeats: int = 2_000) -> dict[str, float]:
         async with aiohttp.ClientSession() as session:
             async with session.post(url + RENDER_PATH, json=render_payload) as response:
                 render = await response.read()
-            generate_payload = {"model": "fake-model", "token_ids": orjson_loads(render)["token_ids"],
-                                "request_id": "bench", "sampling_params": {"max_tokens": 256, "logprobs": 1}}
+            generate_payload = {
+                "model": "fake-model",
+                "token_ids": orjson_loads(render)["token_ids"],
+                "request_id": "bench",
+                "sampling_params": {"max_tokens": 256, "logprobs": 1},
+            }
             async with session.post(url + GENERATE_PATH, json=generate_payload) as response:
                 generate = await response.read()
         return render, generate
@@ -235,8 +267,12 @@ def measure_json_costs(url: str, repeats: int = 2_000) -> dict[str, float]:
     rendered = parse_render_response(orjson_loads(raw_render), "fake-model")
     answer = parse_generate_response(orjson_loads(raw_generate), "bench").token_ids
     tokens = [*rendered.token_ids, *answer, *answer[:12]]  # the middle turn's context: prompt, a turn, an observation
-    body = {**rendered.generate_body, "token_ids": tokens,
-            "sampling_params": build_inference_sampling_params(SAMPLING), "request_id": "bench-turn1"}
+    body = {
+        **rendered.generate_body,
+        "token_ids": tokens,
+        "sampling_params": build_inference_sampling_params(SAMPLING),
+        "request_id": "bench-turn1",
+    }
     start = time.process_time()
     for _ in range(repeats):
         orjson_dumps(body)
@@ -250,8 +286,11 @@ def measure_json_costs(url: str, repeats: int = 2_000) -> dict[str, float]:
         orjson_dumps(render_payload)
         parse_render_response(orjson_loads(raw_render), "fake-model")
     render_us = (time.process_time() - start) / repeats * 1e6
-    return {"encode_us": encode_us, "decode_and_parse_us": decode_us,
-            "per_turn_us": encode_us + decode_us + render_us / SCALE_TURNS}
+    return {
+        "encode_us": encode_us,
+        "decode_and_parse_us": decode_us,
+        "per_turn_us": encode_us + decode_us + render_us / SCALE_TURNS,
+    }
 
 
 def replay_rate(url: str, tokenizer: Any, samples: int, settings: Settings) -> dict[str, float]:
@@ -275,5 +314,3 @@ def replay_rate(url: str, tokenizer: Any, samples: int, settings: Settings) -> d
         "seconds": report.seconds,
         "turns_per_s": report.turns_executed / report.seconds,
     }
-
-

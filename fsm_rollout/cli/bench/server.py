@@ -151,7 +151,10 @@ _REASONS: Final = {status.value: status.phrase for status in HTTPStatus}
 
 def _http_response(body: bytes, status: int = 200) -> bytes:
     head = b"HTTP/1.1 %d %s\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (
-        status, _REASONS.get(status, "Error").encode(), len(body))
+        status,
+        _REASONS.get(status, "Error").encode(),
+        len(body),
+    )
     return head + body
 
 
@@ -174,8 +177,7 @@ class _Answers:
 
     def render(self, raw: bytes) -> bytes:
         parsed = parse_render_request(read_json(raw), MODEL)
-        return _json_response(
-            render_answer(parsed, self.canned.prompt, None, model=MODEL, max_model_len=MAX_MODEL_LEN))
+        return _json_response(render_answer(parsed, self.canned.prompt, None, model=MODEL, max_model_len=MAX_MODEL_LEN))
 
     def parse_generate(self, raw: bytes) -> GenerateRequest:
         return parse_generate_request(read_json(raw), MODEL, max_model_len=MAX_MODEL_LEN)
@@ -183,34 +185,53 @@ class _Answers:
     def generate(self, request: GenerateRequest, version: str) -> bytes:
         """The canned answer cut for this request, under its id, its tokens labelled ``version``."""
         settings = request.settings
-        key = (settings.max_tokens, settings.min_tokens, settings.stop, settings.stop_token_ids, settings.ignore_eos,
-               settings.skip_special_tokens)
+        key = (
+            settings.max_tokens,
+            settings.min_tokens,
+            settings.stop,
+            settings.stop_token_ids,
+            settings.ignore_eos,
+            settings.skip_special_tokens,
+        )
         cut = self._cuts.get(key)
         if cut is None:
             canned = self.canned
             skip = settings.skip_special_tokens
             cut = self._cuts[key] = cut_at_stop(
-                canned.answer, max_tokens=settings.max_tokens, min_tokens=settings.min_tokens, stop=settings.stop,
+                canned.answer,
+                max_tokens=settings.max_tokens,
+                min_tokens=settings.min_tokens,
+                stop=settings.stop,
                 stop_token_ids=settings.stop_token_ids,
                 eos_token_id=None if settings.ignore_eos else canned.eos_token_id,
-                decode=lambda ids: canned.decode(ids, skip))
+                decode=lambda ids: canned.decode(ids, skip),
+            )
             if len(self._cuts) > _CACHE_LIMIT:
                 self._cuts = {key: cut}
         count = len(cut.token_ids)
         return self.answer(request, 0, count, cut.finish, ((version, 0, count),) if count else (), cut.stop_reason)
 
-    def answer(self, request: GenerateRequest, start: int, end: int, finish: str,
-               spans: tuple[tuple[str, int, int], ...], stop_reason: str | int | None = None) -> bytes:
+    def answer(
+        self,
+        request: GenerateRequest,
+        start: int,
+        end: int,
+        finish: str,
+        spans: tuple[tuple[str, int, int], ...],
+        stop_reason: str | int | None = None,
+    ) -> bytes:
         """A generate answer of the canned answer's tokens ``start:end`` whose versions are ``spans`` (positions in
         the answer, from ``start``), for ``request``."""
         key = (request.prompt_len, start, end, finish, spans, stop_reason)
         parts = self._bodies.get(key)
         if parts is None:
             outcome = GenerateOutcome(
-                token_ids=self.canned.answer[start:end], finish=finish,  # type: ignore[arg-type]
+                token_ids=self.canned.answer[start:end],
+                finish=finish,  # type: ignore[arg-type]
                 logprobs=_entries(self.canned.answer[start:end], self.canned.logprobs[start:end]),
                 weight_versions=[{"version": version, "start": first, "end": last} for version, first, last in spans],
-                stop_reason=stop_reason)
+                stop_reason=stop_reason,
+            )
             body = orjson.dumps(generate_answer(_ID_MARK, request.prompt_len, outcome, model=MODEL))
             head, _, tail = body.partition(orjson.dumps(server_request_id(_ID_MARK)))
             parts = self._bodies[key] = (head, tail)
@@ -286,8 +307,15 @@ class _Hold:
                 self._reset()
             else:
                 raise RequestError(400, f"bench server: unknown hold mode {mode!r}", "mode")
-            return _json_response({**self.stats(), "prompt_token_ids": self._prompt, "answer_token_ids": self._answer,
-                                   "answer_logprobs": self._answers.canned.logprobs, "partial_tokens": self.partial})
+            return _json_response(
+                {
+                    **self.stats(),
+                    "prompt_token_ids": self._prompt,
+                    "answer_token_ids": self._answer,
+                    "answer_logprobs": self._answers.canned.logprobs,
+                    "partial_tokens": self.partial,
+                }
+            )
         if path == WAIT_PATH:
             kind = "held" if "held" in request else "continued"
             self._wait(kind, int(request[kind]), protocol, b"")
@@ -468,7 +496,7 @@ class _CannedHTTP(asyncio.Protocol):
             if len(buffer) < end:
                 return
             method, target = head.split(" ", 2)[:2]
-            body = bytes(buffer[head_end + 4: end])
+            body = bytes(buffer[head_end + 4 : end])
             del buffer[:end]
             try:
                 response = self._respond(method, target, body)
@@ -528,9 +556,20 @@ class _CannedHTTP(asyncio.Protocol):
 
 
 _METHODS: Final = {
-    RENDER_PATH: "POST", GENERATE_PATH: "POST", ABORT_PATH: "POST", HEALTH_PATH: "GET", MODELS_PATH: "GET",
-    PAUSE_PATH: "POST", RESUME_PATH: "POST", IS_PAUSED_PATH: "GET", UPDATE_WEIGHT_VERSION_PATH: "POST",
-    WEIGHT_INFO_PATH: "GET", UPDATE_WEIGHTS_PATH: "POST", HOLD_PATH: "POST", WAIT_PATH: "POST", STATS_PATH: "POST",
+    RENDER_PATH: "POST",
+    GENERATE_PATH: "POST",
+    ABORT_PATH: "POST",
+    HEALTH_PATH: "GET",
+    MODELS_PATH: "GET",
+    PAUSE_PATH: "POST",
+    RESUME_PATH: "POST",
+    IS_PAUSED_PATH: "GET",
+    UPDATE_WEIGHT_VERSION_PATH: "POST",
+    WEIGHT_INFO_PATH: "GET",
+    UPDATE_WEIGHTS_PATH: "POST",
+    HOLD_PATH: "POST",
+    WAIT_PATH: "POST",
+    STATS_PATH: "POST",
 }
 """Every path the server answers, with its method."""
 
@@ -558,6 +597,8 @@ def serve(delay: float) -> None:
         server.close()
 
     asyncio.run(main())
+
+
 class Server:
     """The canned loopback server (:func:`serve`) in a child process, so its CPU and memory are not the client's."""
 
@@ -588,5 +629,3 @@ class Server:
         assert self._process.stdin is not None
         self._process.stdin.close()
         self._process.wait(timeout=30)
-
-

@@ -42,13 +42,16 @@ def _goal(figure: float, target: float, *, at_most: bool, unit: str) -> dict[str
 
 def _weight_update_goals(figures: dict[str, float]) -> dict[str, dict[str, Any]]:
     return {
-        "weight_update_tokens_thrown_away": _goal(figures["suspend_resume_tokens_thrown_away"], 0, at_most=True,
-                                                  unit="tokens"),
+        "weight_update_tokens_thrown_away": _goal(
+            figures["suspend_resume_tokens_thrown_away"], 0, at_most=True, unit="tokens"
+        ),
         "weight_update_suspend_ms": _goal(figures["suspend_resume_suspend_ms"], 100, at_most=True, unit="ms"),
-        "weight_update_resume_to_all_resent_ms": _goal(figures["suspend_resume_resume_to_all_resent_ms"], 100,
-                                                       at_most=True, unit="ms"),
-        "weight_update_abort_calls_per_engine": _goal(figures["suspend_resume_abort_calls"], 1, at_most=True,
-                                                      unit="calls"),
+        "weight_update_resume_to_all_resent_ms": _goal(
+            figures["suspend_resume_resume_to_all_resent_ms"], 100, at_most=True, unit="ms"
+        ),
+        "weight_update_abort_calls_per_engine": _goal(
+            figures["suspend_resume_abort_calls"], 1, at_most=True, unit="calls"
+        ),
     }
 
 
@@ -60,8 +63,10 @@ def _slow_env_goals(figures: dict[str, float]) -> dict[str, dict[str, Any]]:
         for mode in ("thread", "async")
         for name, goal in (
             ("loop_lag_p99_ms", _goal(figures[f"{mode}_loop_lag_p99_ms"], 50, at_most=True, unit="ms")),
-            ("wall_beyond_sleep_free_s", _goal(figures[f"{mode}_wall_beyond_sleep_free_s"], beyond, at_most=True,
-                                               unit="s")),
+            (
+                "wall_beyond_sleep_free_s",
+                _goal(figures[f"{mode}_wall_beyond_sleep_free_s"], beyond, at_most=True, unit="s"),
+            ),
         )
     }
 
@@ -105,8 +110,7 @@ def run_weight_update(quick: bool, settings: Settings, samples: int | None = Non
     try:
         url = server.url()
         tokenizer = load_qwen_tokenizer()
-        figures = bench_weight_update(url, tokenizer, settings, _batch_size(quick, samples),
-                                      repeats=1 if quick else 3)
+        figures = bench_weight_update(url, tokenizer, settings, _batch_size(quick, samples), repeats=1 if quick else 3)
     finally:
         server.stop()
     return {"weight_update": figures, "goals": _weight_update_goals(figures)}
@@ -159,17 +163,21 @@ def run_all(quick: bool, settings: Settings, *, weight_update_samples: int | Non
                 median_run[name] = max(r[name] for r in runs)
         with tempfile.TemporaryDirectory() as tmp:
             trace = str(Path(tmp) / "trace.jsonl")
-            every_run = _interleaved_runs(repeats, {
-                "off": lambda: run_rollouts(url, tokenizer, small, settings),
-                "file": lambda: run_rollouts(url, tokenizer, small, settings, trace=trace),
-                "baseline": lambda: baseline_rollouts(url, tokenizer, small),
-                "machine": lambda: machine_turn_cost(400 if quick else 2_000),
-            })
+            every_run = _interleaved_runs(
+                repeats,
+                {
+                    "off": lambda: run_rollouts(url, tokenizer, small, settings),
+                    "file": lambda: run_rollouts(url, tokenizer, small, settings, trace=trace),
+                    "baseline": lambda: baseline_rollouts(url, tokenizer, small),
+                    "machine": lambda: machine_turn_cost(400 if quick else 2_000),
+                },
+            )
             get_tracer(trace).close()
         replayed = replay_rate(url, tokenizer, replay_samples, settings)
         json_costs = measure_json_costs(url, repeats=200 if quick else 2_000)
-        weight_update = bench_weight_update(url, tokenizer, settings, _batch_size(quick, weight_update_samples),
-                                            repeats=1 if quick else 3)
+        weight_update = bench_weight_update(
+            url, tokenizer, settings, _batch_size(quick, weight_update_samples), repeats=1 if quick else 3
+        )
         slow_env = bench_slow_environments(url, tokenizer, settings, 200 if quick else 1_000)
     finally:
         server.stop()
@@ -202,9 +210,13 @@ def run_all(quick: bool, settings: Settings, *, weight_update_samples: int | Non
         "breakdown_machine_us": machine_per_turn,
         "breakdown_observation_tokens_us": turn["of_which_observation_template_us"] * (SCALE_TURNS - 1) / SCALE_TURNS,
         "breakdown_tokenizer_decode_us": turn["of_which_decode_us"],
-        "breakdown_rest_of_rollout_us": max(0.0, in_process - machine_per_turn - turn["of_which_decode_us"]
-                                            - turn["of_which_observation_template_us"] * (SCALE_TURNS - 1)
-                                            / SCALE_TURNS),
+        "breakdown_rest_of_rollout_us": max(
+            0.0,
+            in_process
+            - machine_per_turn
+            - turn["of_which_decode_us"]
+            - turn["of_which_observation_template_us"] * (SCALE_TURNS - 1) / SCALE_TURNS,
+        ),
         "breakdown_json_us": json_costs["per_turn_us"],
         "breakdown_http_and_event_loop_us": max(0.0, client_turn - in_process - json_costs["per_turn_us"]),
         "tracing_file_us": turn["turn_cpu_us_trace_file"] - in_process,
@@ -256,7 +268,8 @@ def run_all(quick: bool, settings: Settings, *, weight_update_samples: int | Non
     results["goals"] = {
         "machine_share_of_client_turn_cpu": _goal(machine_per_turn / client_turn, 0.05, at_most=True, unit=""),
         "client_cpu_us_per_turn_excl_template": _goal(
-            results["client_http"]["cpu_us_per_turn_excl_template"], 1000, at_most=True, unit="us"),
+            results["client_http"]["cpu_us_per_turn_excl_template"], 1000, at_most=True, unit="us"
+        ),
         "kib_per_inflight_sample": _goal(scale_big["kib_per_sample_beyond_tokens"], 50, at_most=True, unit="KiB"),
         "loop_lag_p99_ms": _goal(results["scale"]["loop_lag_p99_ms_greatest"], 50, at_most=True, unit="ms"),
         "time_ratio_big_vs_small": _goal(results["scale"]["time_ratio"], 1.05 * big / small, at_most=True, unit=""),
@@ -297,5 +310,3 @@ def print_table(results: dict[str, dict[str, Any]], *, quick: bool = False) -> N
             continue
         for name, value in figures.items():
             print(f"  {name:<{width}} {value:>12.3f}")
-
-

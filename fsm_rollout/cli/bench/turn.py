@@ -48,13 +48,25 @@ def bench_turn(settings: Settings, samples: int = 300, turns: int = 3) -> dict[s
     sampling = {"max_new_tokens": 4096, "temperature": 1.0, "top_p": 1.0}
 
     def run(trace: str | None) -> float:
-        config = RolloutConfig(engine_url="http://127.0.0.1:1", model="m", max_turns=turns, trace=trace,
-                               loop_slice_ms=settings.loop_slice_ms, tune_gc=settings.tune_gc)
+        config = RolloutConfig(
+            engine_url="http://127.0.0.1:1",
+            model="m",
+            max_turns=turns,
+            trace=trace,
+            loop_slice_ms=settings.loop_slice_ms,
+            tune_gc=settings.tune_gc,
+        )
 
         async def main() -> float:
             rollouts = [
-                Rollout(Sample(prompt="q", index=i), config=config, sampling_params=sampling,
-                        client=ZeroLatencyClient(), tokenizer=tokenizer, env_factory=ScriptedEnvFactory())  # type: ignore[arg-type]
+                Rollout(
+                    Sample(prompt="q", index=i),
+                    config=config,
+                    sampling_params=sampling,
+                    client=ZeroLatencyClient(),
+                    tokenizer=tokenizer,
+                    env_factory=ScriptedEnvFactory(),
+                )  # type: ignore[arg-type]
                 for i in range(samples)
             ]
             start = time.process_time()
@@ -93,5 +105,3 @@ def bench_turn(settings: Settings, samples: int = 300, turns: int = 3) -> dict[s
         "of_which_observation_template_us": template_us,
         "of_which_decode_us": decode_us,
     }
-
-

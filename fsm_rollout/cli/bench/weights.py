@@ -31,8 +31,17 @@ OLD_VERSION, NEW_VERSION = "1", "2"
 """The weight versions before and after the update."""
 WAIT_LIMIT_S = 120.0
 """How long the bench waits for the server to hold or see the requests it expects before it gives up."""
-TIMINGS = ("suspend_ms", "suspend_cpu_ms", "suspend_server_cpu_ms", "all_suspended_ms", "resume_returned_ms",
-           "resume_to_first_resent_ms", "resume_to_all_resent_ms", "resume_cpu_ms", "resume_server_cpu_ms")
+TIMINGS = (
+    "suspend_ms",
+    "suspend_cpu_ms",
+    "suspend_server_cpu_ms",
+    "all_suspended_ms",
+    "resume_returned_ms",
+    "resume_to_first_resent_ms",
+    "resume_to_all_resent_ms",
+    "resume_cpu_ms",
+    "resume_server_cpu_ms",
+)
 """The suspend/resume figures that vary from run to run: each is the median over the runs."""
 SPREAD = ("suspend_ms", "resume_to_all_resent_ms")
 """The timings with goals, whose least and greatest over the runs are given beside them."""
@@ -91,7 +100,7 @@ async def _unless_ended(call: Awaitable[T], batch: asyncio.Future[Any], what: st
 
 def _generated(sample: Any) -> tuple[list[int], list[float]]:
     """The sample's generated tokens (loss mask 1) and their logprobs, in order."""
-    response = sample.tokens[len(sample.tokens) - sample.response_length:]
+    response = sample.tokens[len(sample.tokens) - sample.response_length :]
     kept = [index for index, mask in enumerate(sample.loss_mask or []) if mask]
     return [response[i] for i in kept], [sample.rollout_log_probs[i] for i in kept]
 
@@ -104,12 +113,17 @@ def _as_produced(sample: Any, hold: dict[str, Any]) -> bool:
     if tokens != answer * SCALE_TURNS or token_logprobs != logprobs * SCALE_TURNS:
         return False
     spans = sample.metadata.get("weight_version_spans") or []
-    return (len(spans) >= 2 and spans[0] == {"version": OLD_VERSION, "start": 0, "end": partial}
-            and spans[1]["start"] == partial and all(span["version"] == NEW_VERSION for span in spans[1:]))
+    return (
+        len(spans) >= 2
+        and spans[0] == {"version": OLD_VERSION, "start": 0, "end": partial}
+        and spans[1]["start"] == partial
+        and all(span["version"] == NEW_VERSION for span in spans[1:])
+    )
 
 
-def bench_weight_update(url: str, tokenizer: Any, settings: Settings, samples: int = 1_000, *, repeats: int = 3,
-                        partial: int = 13) -> dict[str, float]:
+def bench_weight_update(
+    url: str, tokenizer: Any, settings: Settings, samples: int = 1_000, *, repeats: int = 3, partial: int = 13
+) -> dict[str, float]:
     """A weight update with ``samples`` first-turn requests in flight, each having produced ``partial`` tokens:
     ``runner.abort`` (today) once, then ``suspend()``/``resume()`` ``repeats`` times, one batch each, against the
     canned server at ``url``."""
@@ -120,11 +134,21 @@ def bench_weight_update(url: str, tokenizer: Any, settings: Settings, samples: i
 
     # the last turn's step says done, so a sample that runs to its end is completed (not truncated by max_turns)
     steps = [CONTINUE] * (SCALE_TURNS - 1) + [(CONTINUE[0], True)]
-    config = RolloutConfig(engine_url=url, model="fake-model", max_turns=SCALE_TURNS,
-                           loop_slice_ms=settings.loop_slice_ms, tune_gc=settings.tune_gc)
+    config = RolloutConfig(
+        engine_url=url,
+        model="fake-model",
+        max_turns=SCALE_TURNS,
+        loop_slice_ms=settings.loop_slice_ms,
+        tune_gc=settings.tune_gc,
+    )
 
-    async def suspend_and_resume(runner: RolloutRunner, control: _Control, batch: asyncio.Future[Any],
-                                 suspensions: _Suspensions, figures: dict[str, float]) -> None:
+    async def suspend_and_resume(
+        runner: RolloutRunner,
+        control: _Control,
+        batch: asyncio.Future[Any],
+        suspensions: _Suspensions,
+        figures: dict[str, float],
+    ) -> None:
         server_cpu = (await control.post(STATS_PATH, {}))["cpu_s"]
         started, cpu = time.perf_counter(), time.process_time()
         await runner.suspend()
@@ -145,24 +169,28 @@ def bench_weight_update(url: str, tokenizer: Any, settings: Settings, samples: i
         started, cpu = time.monotonic(), time.process_time()  # monotonic: the server's clock (see its _Hold)
         await runner.resume()
         figures["resume_returned_ms"] = (time.monotonic() - started) * 1000.0
-        resent = await _unless_ended(control.post(WAIT_PATH, {"continued": samples}), batch,
-                                     f"{samples} continuation requests")
+        resent = await _unless_ended(
+            control.post(WAIT_PATH, {"continued": samples}), batch, f"{samples} continuation requests"
+        )
         figures["resume_cpu_ms"] = (time.process_time() - cpu) * 1000.0
         figures["resume_to_first_resent_ms"] = (resent["continued_first_at"] - started) * 1000.0
         figures["resume_to_all_resent_ms"] = (resent["continued_last_at"] - started) * 1000.0
         figures["resume_server_cpu_ms"] = (resent["cpu_s"] - server_cpu) * 1000.0
 
     async def held_batch(control: _Control, way: str) -> dict[str, float]:
-        hold = await control.post(HOLD_PATH, {"mode": "hold", "partial_tokens": partial,
-                                              "weight_version": OLD_VERSION})
+        hold = await control.post(HOLD_PATH, {"mode": "hold", "partial_tokens": partial, "weight_version": OLD_VERSION})
         records = [Sample(prompt=PROMPT, index=i) for i in range(samples)]
         figures: dict[str, float] = {}
         suspensions = _Suspensions()
-        async with RolloutRunner(config, sampling_params=SAMPLING, tokenizer=tokenizer,
-                                 env_factory=ScriptedEnvFactory(steps=steps), hooks=suspensions) as runner:
+        async with RolloutRunner(
+            config,
+            sampling_params=SAMPLING,
+            tokenizer=tokenizer,
+            env_factory=ScriptedEnvFactory(steps=steps),
+            hooks=suspensions,
+        ) as runner:
             batch = asyncio.ensure_future(runner.run_batch(records, concurrency=samples))
-            held = await _unless_ended(control.post(WAIT_PATH, {"held": samples}), batch,
-                                       f"{samples} held requests")
+            held = await _unless_ended(control.post(WAIT_PATH, {"held": samples}), batch, f"{samples} held requests")
             if way == "abort":
                 started = time.perf_counter()
                 await runner.abort("weight_update")
@@ -175,9 +203,14 @@ def bench_weight_update(url: str, tokenizer: Any, settings: Settings, samples: i
         produced = (await control.post(HOLD_PATH, {"mode": "off"}))["tokens_produced"]
         kept = sum(len(_generated(sample)[0]) for sample in finished if _as_produced(sample, hold))
         completed = sum(sample.status == Status.COMPLETED for sample in finished)
-        figures.update(held_requests=float(held["held"]), tokens_produced=float(produced), tokens_kept=float(kept),
-                       tokens_thrown_away=float(produced - kept), samples_completed=float(completed),
-                       samples_lost=float(samples - completed))
+        figures.update(
+            held_requests=float(held["held"]),
+            tokens_produced=float(produced),
+            tokens_kept=float(kept),
+            tokens_thrown_away=float(produced - kept),
+            samples_completed=float(completed),
+            samples_lost=float(samples - completed),
+        )
         if way != "abort":  # today's samples all end aborted, holding none of what was produced for them
             figures["samples_not_as_produced"] = float(sum(not _as_produced(sample, hold) for sample in finished))
         return figures
@@ -186,14 +219,17 @@ def bench_weight_update(url: str, tokenizer: Any, settings: Settings, samples: i
         """The same exchanges without rollouts: the engine client alone, all ``samples`` calls at once."""
         from fsm_rollout.engine.client import VLLMClient
 
-        hold = await control.post(HOLD_PATH, {"mode": "hold", "partial_tokens": partial,
-                                              "weight_version": OLD_VERSION})
+        hold = await control.post(HOLD_PATH, {"mode": "hold", "partial_tokens": partial, "weight_version": OLD_VERSION})
         prompt, answer = hold["prompt_token_ids"], hold["answer_token_ids"]
         client = VLLMClient.from_config(config)
 
         def generate(token_ids: list[int], request_id: str) -> asyncio.Future[Any]:
-            body = {"model": config.model, "token_ids": token_ids, "request_id": request_id,
-                    "sampling_params": {"max_tokens": 64, "logprobs": 0}}
+            body = {
+                "model": config.model,
+                "token_ids": token_ids,
+                "request_id": request_id,
+                "sampling_params": {"max_tokens": 64, "logprobs": 0},
+            }
             return asyncio.ensure_future(client.generate(body, request_id=request_id))
 
         try:
@@ -203,12 +239,15 @@ def bench_weight_update(url: str, tokenizer: Any, settings: Settings, samples: i
             started, cpu = time.perf_counter(), time.process_time()
             await client.abort(ids)
             await first
-            figures = {"abort_to_all_answered_ms": (time.perf_counter() - started) * 1000.0,
-                       "abort_to_all_answered_cpu_ms": (time.process_time() - cpu) * 1000.0}
+            figures = {
+                "abort_to_all_answered_ms": (time.perf_counter() - started) * 1000.0,
+                "abort_to_all_answered_cpu_ms": (time.process_time() - cpu) * 1000.0,
+            }
             started, cpu = time.monotonic(), time.process_time()
             again = asyncio.gather(*(generate(prompt + answer[:partial], f"{request_id}-part1") for request_id in ids))
-            resent = await _unless_ended(control.post(WAIT_PATH, {"continued": samples}), again,
-                                         f"{samples} continuation requests")
+            resent = await _unless_ended(
+                control.post(WAIT_PATH, {"continued": samples}), again, f"{samples} continuation requests"
+            )
             figures["send_to_all_arrived_ms"] = (resent["continued_last_at"] - started) * 1000.0
             figures["send_to_all_arrived_cpu_ms"] = (time.process_time() - cpu) * 1000.0
             await control.post(HOLD_PATH, {"mode": "off"})
@@ -248,4 +287,3 @@ def bench_weight_update(url: str, tokenizer: Any, settings: Settings, samples: i
         **{f"suspend_resume_{name}": value for name, value in suspended.items()},
         **{f"bare_client_{name}": value for name, value in reference.items()},
     }
-

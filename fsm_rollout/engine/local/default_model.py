@@ -415,8 +415,14 @@ def _train_into(directory: pathlib.Path, base: pathlib.Path, inputs: pathlib.Pat
     (directory / BUILD_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
-def _fit(model: Any, examples: Sequence[TrainingExample], recipe: Mapping[str, Any], *, pad_id: int,
-         on_step: Callable[[int, float], None]) -> list[float]:
+def _fit(
+    model: Any,
+    examples: Sequence[TrainingExample],
+    recipe: Mapping[str, Any],
+    *,
+    pad_id: int,
+    on_step: Callable[[int, float], None],
+) -> list[float]:
     """Next-token cross-entropy on the trainable positions, AdamW with a linear warm-up; the loss per step (also
     given to ``on_step`` with the step's number, from 1).
 

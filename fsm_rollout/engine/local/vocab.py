@@ -241,9 +241,7 @@ def _load_from_dir(path: str) -> PreTrainedTokenizerFast:
     """Load a saved tokenizer directory (memoized per resolved path)."""
     from transformers import PreTrainedTokenizerFast
 
-    return cast(
-        "PreTrainedTokenizerFast", PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True)
-    )
+    return cast("PreTrainedTokenizerFast", PreTrainedTokenizerFast.from_pretrained(path, local_files_only=True))
 
 
 def _is_complete(directory: pathlib.Path) -> bool:
@@ -271,9 +269,7 @@ def _build_backend(vocab_file: pathlib.Path) -> Tokenizer:
     backend.normalizer = normalizers.NFC()
     if backend.get_vocab_size() != _NUM_ORDINARY_TOKENS:
         raise RuntimeError(f"expected {_NUM_ORDINARY_TOKENS} BPE ranks, got {backend.get_vocab_size()}")
-    backend.add_special_tokens(
-        [AddedToken(token, special=True, normalized=False) for token in QWEN2_SPECIAL_TOKENS]
-    )
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in QWEN2_SPECIAL_TOKENS])
     for offset, token in enumerate(QWEN2_SPECIAL_TOKENS):
         if backend.token_to_id(token) != _NUM_ORDINARY_TOKENS + offset:
             raise RuntimeError(f"special token {token!r} got id {backend.token_to_id(token)}")
@@ -320,6 +316,4 @@ def _build_into(directory: pathlib.Path) -> None:
         "tokenizers": tokenizers.__version__,
         "build_seconds": round(time.perf_counter() - started, 3),
     }
-    (directory / BUILD_MARKER).write_text(
-        json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8"
-    )
+    (directory / BUILD_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True) + "\n", encoding="utf-8")

@@ -68,9 +68,7 @@ class ScriptedTurn:
 
     def __post_init__(self) -> None:
         if self.raw is None and self.status == 200 and (self.text is None) == (self.token_ids is None):
-            raise ValueError(
-                "ScriptedTurn needs exactly one of text= or token_ids= (unless raw= or status= is set)"
-            )
+            raise ValueError("ScriptedTurn needs exactly one of text= or token_ids= (unless raw= or status= is set)")
         if self.delay < 0:
             raise ValueError(f"ScriptedTurn.delay must be >= 0, got {self.delay}")
 
@@ -82,14 +80,8 @@ def check_turns(turns: Sequence[ScriptedTurn]) -> None:
         if not isinstance(turn, ScriptedTurn):
             raise TypeError(f"script() takes ScriptedTurn objects, got {type(turn).__name__}")
         _check_holds(turn)
-        if (
-            turn.token_ids is not None
-            and turn.logprobs is not None
-            and len(turn.logprobs) != len(turn.token_ids)
-        ):
-            raise ValueError(
-                f"ScriptedTurn has {len(turn.logprobs)} logprobs for {len(turn.token_ids)} token ids"
-            )
+        if turn.token_ids is not None and turn.logprobs is not None and len(turn.logprobs) != len(turn.token_ids):
+            raise ValueError(f"ScriptedTurn has {len(turn.logprobs)} logprobs for {len(turn.token_ids)} token ids")
 
 
 def _check_holds(turn: ScriptedTurn) -> None:

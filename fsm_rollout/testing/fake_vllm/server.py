@@ -145,9 +145,7 @@ class FakeVLLMServer:
         weight_version_spans: bool = True,
     ) -> None:
         if logprob_entry_style not in ("token_id", "token"):
-            raise ValueError(
-                f"logprob_entry_style must be 'token_id' or 'token', got {logprob_entry_style!r}"
-            )
+            raise ValueError(f"logprob_entry_style must be 'token_id' or 'token', got {logprob_entry_style!r}")
         if max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.tokenizer = tokenizer
