@@ -63,10 +63,10 @@ def bench_turn(settings: Settings, samples: int = 300, turns: int = 3) -> dict[s
                     Sample(prompt="q", index=i),
                     config=config,
                     sampling_params=sampling,
-                    client=ZeroLatencyClient(),
+                    client=ZeroLatencyClient(),  # type: ignore[arg-type]
                     tokenizer=tokenizer,
                     env_factory=ScriptedEnvFactory(),
-                )  # type: ignore[arg-type]
+                )
                 for i in range(samples)
             ]
             start = time.process_time()
