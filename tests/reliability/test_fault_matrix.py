@@ -475,9 +475,10 @@ async def test_runner_abort(fake_vllm: FakeVLLMServer, tokenizer: Any, state: st
             await asyncio.sleep(0.05)
             check_no_requests_after(fake_vllm, sent)
             assert runner.in_flight == 0
-            assert runner.metrics().reasons == {"weight_update": 2}
+            assert runner.metrics().reasons == {"weight_update": 1, "not_started": 1}
     assert [s.status.value for s in done] == ["aborted", "aborted"]
-    assert [s.metadata["rollout_reason"] for s in done] == ["weight_update"] * 2
+    # the queued sample never had a concurrency slot: its reason says it never started
+    assert [s.metadata["rollout_reason"] for s in done] == ["weight_update", "not_started"]
     assert len(envs.built) == 1 and envs.last.close_count == 1  # the queued sample never built one
     mine = [e for e in events if e.get("sample_id") == "0"]
     assert (mine[-1]["src"], mine[-1]["dst"]) == (LANDING[state][0], "aborted")
