@@ -8,11 +8,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
-from aiohttp import web
 
 from fsm_rollout import RolloutConfig, Sample, Status
 from fsm_rollout import tokenizers as tokenizer_module
-from fsm_rollout.engine.schema.wire import model_list
 from fsm_rollout.errors import TokenizerNotFoundError
 from fsm_rollout.runner import RolloutRunner
 from fsm_rollout.testing.envs import ScriptedEnvFactory
@@ -27,12 +25,7 @@ class NamingServer(FakeVLLMServer):
 
     def __init__(self, tokenizer: Any, *, root: str) -> None:
         super().__init__(tokenizer, model="served-name")
-        self.root = root
-        self.listed = 0
-
-    async def _handle_models(self, request: web.Request) -> web.StreamResponse:
-        self.listed += 1
-        return web.json_response(model_list(self.model, root=self.root, max_model_len=self.max_model_len))
+        self.model_root = root
 
 
 @pytest.fixture
@@ -68,7 +61,7 @@ async def test_without_tokenizer_path_the_runner_loads_the_tokenizer_the_engine_
     async with RolloutRunner(config_for(naming_server.url), sampling_params=SAMPLING,
                              env_factory=ScriptedEnvFactory(steps=[("ok", True)])) as runner:  # fmt: skip
         done = await runner.run(Sample(prompt="What is 6 * 7?", index=0))
-    assert naming_server.listed == 1
+    assert len(naming_server.requests_to("/v1/models")) == 1
     assert loads == [(str(qwen_tokenizer_dir()), {"trust_remote_code": False, "local_files_only": True})]
     assert done.status == Status.COMPLETED and done.response == "42"
 

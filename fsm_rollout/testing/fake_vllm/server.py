@@ -150,6 +150,9 @@ class FakeVLLMServer:
             raise ValueError(f"max_model_len must be >= 1, got {max_model_len}")
         self.tokenizer = tokenizer
         self.model = model
+        self.model_root = model
+        """What ``/v1/models`` names as the model's ``root`` (vLLM: the path it loaded); a test may point it at a
+        tokenizer directory."""
         self.max_model_len = max_model_len
         self.logprob_entry_style: LogprobEntryStyle = logprob_entry_style
         self.host = host
@@ -597,7 +600,7 @@ class _Backend:
 
     def models(self) -> ModelList:
         server = self._server
-        return models_answer(server.model, root=server.model, max_model_len=server.max_model_len)
+        return models_answer(server.model, root=server.model_root, max_model_len=server.max_model_len)
 
     async def render(self, request: RenderRequest) -> tuple[list[int], Any]:
         return await self._server._render(request)
