@@ -18,6 +18,10 @@ waits: the aborted request's recorded answer carries the partial turn, and the c
 request. When the rollout ends, its outcome is compared with the
 recorded result. The first difference is kept; every later call raises :class:`ReplayDiverged` so that the
 rollout ends at once. Nothing here touches process-wide state.
+
+Why this module is long: the tape answers every seam of one rollout (transport, environment, gate, hooks) from one
+shared cursor, and each seam must see what the others consumed in the same step; split across modules, that cursor
+and its first-difference rule would be passed around instead of read in one place.
 """
 
 from __future__ import annotations
