@@ -141,7 +141,8 @@ async def test_abort_in_flight_ends_the_sample_and_nothing_follows(engine: Engin
             engine,
             client,
             Sample(prompt="Think at length.", index=2, session_id="abort-me"),
-            sampling={**SAMPLING, "max_new_tokens": 4000},
+            # ignore_eos: the turn cannot end on its own before the abort lands, whatever the model draws
+            sampling={**SAMPLING, "max_new_tokens": 4000, "ignore_eos": True},
             rollout_max_context_len=None,
         )
         task = asyncio.ensure_future(rollout.run())
