@@ -122,12 +122,13 @@ def script_everywhere(servers: tuple[FakeVLLMServer, ...], session: str, turns: 
 
 
 def sessions_by_server(servers: tuple[FakeVLLMServer, ...], prefix: str) -> list[dict[str, int]]:
+    """How many generate requests of each session ``<prefix>*`` each server received, routing probes left out."""
     counts: list[dict[str, int]] = []
     for server in servers:
         seen: dict[str, int] = defaultdict(int)
         for request in server.requests_to(GENERATE_PATH):
             session = request.headers.get("x-session-id", "")
-            if session.startswith(prefix):
+            if session.startswith(prefix) and not _is_probe(request.body):
                 seen[session] += 1
         counts.append(dict(seen))
     return counts
@@ -148,22 +149,92 @@ async def until_held(servers: tuple[FakeVLLMServer, ...], prefix: str, n: int) -
             watcher.cancel()
 
 
-def two_turn_samples(prefix: str, n: int) -> list[Sample]:
-    return [Sample(prompt=f"q{i}", index=i, session_id=f"{prefix}{i}", metadata=dict(TWO_TURNS)) for i in range(n)]
+def two_turn_samples(sessions: list[str]) -> list[Sample]:
+    return [Sample(prompt=f"q{i}", index=i, session_id=session, metadata=dict(TWO_TURNS))
+            for i, session in enumerate(sessions)]  # fmt: skip
+
+
+PROBE_CANDIDATES = 64
+
+
+def _is_probe(body: Any) -> bool:
+    return isinstance(body, dict) and body.get("routing_probe") is True
+
+
+def spread_over_both(where: dict[str, int], n: int) -> list[str]:
+    """``n`` of the probed sessions, taken in turn from server 0 and server 1 so that both serve some.
+
+    The ring of consistent hashing depends on the servers' URLs, whose ports change each run: which server a
+    session name lands on is decided by the router, so tests ask it rather than assume a split.
+    """
+    by_server: list[list[str]] = [[], []]
+    for session, server in where.items():
+        by_server[server].append(session)
+    if not by_server[0] or not by_server[1]:
+        pytest.fail(f"the router sent all {len(where)} probed sessions to one server: {by_server}")
+    chosen: list[str] = []
+    while len(chosen) < n and (by_server[0] or by_server[1]):
+        for names in by_server:
+            if names and len(chosen) < n:
+                chosen.append(names.pop(0))
+    assert len(chosen) == n, f"only {len(chosen)} probed sessions for {n} samples"
+    return chosen
+
+
+async def sessions_on_both_fakes(url: str, servers: tuple[FakeVLLMServer, FakeVLLMServer], prefix: str,
+                                 n: int) -> list[str]:  # fmt: skip
+    """``n`` session names ``<prefix><k>`` that the router spreads over both fake servers. Each candidate is sent
+    once through the router as a probe that its server refuses with a 400 before any scripted turn is used."""
+    for server in servers:
+        server.fail_next(GENERATE_PATH, status=400, times=PROBE_CANDIDATES)
+    try:
+        async with aiohttp.ClientSession() as http:
+            for k in range(PROBE_CANDIDATES):
+                headers = {"x-session-id": f"{prefix}{k}"}
+                body = {"model": MODEL, "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1},
+                        "routing_probe": True}  # fmt: skip
+                async with http.post(url + GENERATE_PATH, json=body, headers=headers) as answer:
+                    await answer.read()
+    finally:
+        for server in servers:
+            server.clear_faults()
+    where: dict[str, int] = {}
+    for i, server in enumerate(servers):
+        for request in server.requests_to(GENERATE_PATH):
+            session = request.headers.get("x-session-id", "")
+            if _is_probe(request.body) and session.startswith(prefix):
+                where[session] = i
+    assert len(where) == PROBE_CANDIDATES, f"{PROBE_CANDIDATES - len(where)} probes reached no server"
+    return spread_over_both(where, n)
+
+
+async def sessions_on_both_engines(url: str, model: str, versions: tuple[str, str], prefix: str, n: int) -> list[str]:
+    """``n`` session names that the router spreads over both embedded engines, told apart by the weight version
+    each labels its tokens with. A probe is a one-token generate through the router."""
+    where: dict[str, int] = {}
+    async with aiohttp.ClientSession() as http:
+        for k in range(PROBE_CANDIDATES // 2):
+            body = {"model": model, "token_ids": [1, 2, 3], "sampling_params": {"max_tokens": 1, "temperature": 0}}
+            async with http.post(url + GENERATE_PATH, json=body, headers={"x-session-id": f"{prefix}{k}"}) as answer:
+                assert answer.status == 200, await answer.text()
+                spans = (await answer.json())["choices"][0]["weight_versions"]
+            where[f"{prefix}{k}"] = versions.index(spans[0]["version"])
+    return spread_over_both(where, n)
 
 
 async def test_every_turn_of_a_sample_reaches_the_same_server(
     fakes: tuple[FakeVLLMServer, FakeVLLMServer, str],
 ) -> None:
     a, b, url = fakes
-    for i in range(12):
-        script_everywhere((a, b), f"sticky{i}", [ScriptedTurn(text="one"), ScriptedTurn(text="two")])
+    sessions = await sessions_on_both_fakes(url, (a, b), "sticky", 12)
+    for session in sessions:
+        script_everywhere((a, b), session, [ScriptedTurn(text="one"), ScriptedTurn(text="two")])
     async with runner_behind(url, [a.url, b.url]) as runner:
-        done = await runner.run_batch(two_turn_samples("sticky", 12))
+        done = await runner.run_batch(two_turn_samples(sessions))
     assert all(sample.status == Status.COMPLETED for sample in done)
     at_a, at_b = sessions_by_server((a, b), "sticky")
     assert not set(at_a) & set(at_b), "a session was split over the two servers"
-    assert set(at_a) | set(at_b) == {f"sticky{i}" for i in range(12)}
+    assert set(at_a) | set(at_b) == set(sessions)
     assert at_a and at_b, "the router sent every session to one server"
     assert set(at_a.values()) | set(at_b.values()) == {2}  # both turns' generates, at one server
 
@@ -175,7 +246,7 @@ async def test_an_abort_reaches_the_server_holding_the_request(
     for i in range(6):
         script_everywhere((a, b), f"held{i}", [ScriptedTurn(text="never", hang=True)])
     async with runner_behind(url, [a.url, b.url]) as runner:
-        batch = asyncio.ensure_future(runner.run_batch(two_turn_samples("held", 6)))
+        batch = asyncio.ensure_future(runner.run_batch(two_turn_samples([f"held{i}" for i in range(6)])))
         await until_held((a, b), "held", 6)
         held = {server.url: {r for r in server.held_request_ids if "held" in r} for server in (a, b)}
         await runner.abort("cancelled")
@@ -222,10 +293,11 @@ async def test_a_server_taken_down_mid_run_fails_only_its_own_samples(
     fakes: tuple[FakeVLLMServer, FakeVLLMServer, str],
 ) -> None:
     a, b, url = fakes
-    for i in range(8):
-        script_everywhere((a, b), f"down{i}", [ScriptedTurn(text="first", hang=True), ScriptedTurn(text="second")])
+    sessions = await sessions_on_both_fakes(url, (a, b), "down", 8)
+    for session in sessions:
+        script_everywhere((a, b), session, [ScriptedTurn(text="first", hang=True), ScriptedTurn(text="second")])
     async with runner_behind(url, [a.url, b.url]) as runner:
-        batch = asyncio.ensure_future(runner.run_batch(two_turn_samples("down", 8)))
+        batch = asyncio.ensure_future(runner.run_batch(two_turn_samples(sessions)))
         await until_held((a, b), "down", 8)
         on_b = set(sessions_by_server((b,), "down")[0])
         assert on_b and len(on_b) < 8
@@ -265,7 +337,8 @@ async def test_embedded_engines_behind_the_router_keep_each_sample_on_one_engine
                          weight_update_strategy="keep")  # fmt: skip
     sampling = {"max_new_tokens": 12, "temperature": 1.0, "top_p": 1.0, "seed": 5}
     async with RolloutRunner(config, sampling_params=sampling) as runner:
-        done = await runner.run_batch(two_turn_samples("engines", 12))
+        sessions = await sessions_on_both_engines(url, a.served_model_name, ("engine-a", "engine-b"), "engines", 12)
+        done = await runner.run_batch(two_turn_samples(sessions))
         await runner.suspend()
         assert a.is_paused and b.is_paused
         await runner.resume()
