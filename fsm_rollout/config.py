@@ -12,6 +12,9 @@ from typing import Any
 
 from fsm_rollout.errors import ConfigError, IncompatibleOptionsError, SamplingParamsError, TemplateKwargsError
 
+HISTORY_POLICIES: tuple[str, ...] = ("append", "fork", "per_turn", "auto")
+"""How a rollout carries the conversation's history from one turn to the next (``RolloutConfig.history_policy``)."""
+
 DEFAULT_ENV_MODULE = "examples.geo3k_vlm_multi_turn.env_geo3k"
 """The seed's default environment module (used when neither ``env_path`` nor a factory is given)."""
 
@@ -84,6 +87,13 @@ class RolloutConfig:
     (a server ignores ids it does not know). Requests of samples, and a sample's own abort, still go through
     ``engine_url``.
 
+    ``history_policy`` says how the conversation's history reaches the next turn (:mod:`fsm_rollout.rollout.history`):
+    ``"append"`` appends each observation's boundary tokens to the tokens so far and never re-renders; ``"fork"``
+    re-renders the conversation through the engine at each observation and, where that does not extend the tokens
+    so far, closes the training sequence (into ``sample.branches``) and opens one whose prompt is the re-render;
+    ``"per_turn"`` makes every model call its own training sequence; ``"auto"`` (the default) lets the runner choose
+    append or fork once at start-up from the template probe (a rollout built directly treats it as append).
+
     ``partial_rollout`` (slime/vime's flag, for :mod:`fsm_rollout.compat`) hands a suspended sample back to the
     trainer instead of waiting (status ``aborted``, ``metadata["resume_state"]``); passing it again resumes it.
 
@@ -128,6 +138,7 @@ class RolloutConfig:
     reward_fn: Any = field(default=None, repr=False, compare=False)
     servers_behind_router: tuple[str, ...] = ()
     trust_remote_code: bool = False
+    history_policy: str = "auto"
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_turns) or self.max_turns <= 0:
@@ -201,6 +212,10 @@ class RolloutConfig:
             raise ConfigError(f"trust_remote_code must be True or False, got {self.trust_remote_code!r}")
         if self.reward_fn is not None and not callable(self.reward_fn):
             raise ConfigError(f"reward_fn must be callable (sample) -> float, got {type(self.reward_fn).__name__}")
+        if self.history_policy not in HISTORY_POLICIES:
+            raise ConfigError(
+                f"history_policy must be one of {', '.join(map(repr, HISTORY_POLICIES))}, got {self.history_policy!r}"
+            )
 
     @property
     def expert_dims(self) -> tuple[int, int] | None:

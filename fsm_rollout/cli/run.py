@@ -34,7 +34,7 @@ from fsm_rollout.cli.run_report import (
     summary,
     write_results,
 )
-from fsm_rollout.config import RolloutConfig
+from fsm_rollout.config import HISTORY_POLICIES, RolloutConfig
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.recording import tape_path_for
 from fsm_rollout.runner import MetricsSnapshot, RolloutRunner, group_members
@@ -166,6 +166,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"stop string (repeatable; default with {DEMO_ENV}: {' '.join(GEO3K_STOP)})",
     )
     rollout.add_argument("--seed", type=int, metavar="N", help="sampling seed sent with every request")
+    rollout.add_argument(
+        "--history-policy",
+        choices=HISTORY_POLICIES,
+        default="auto",
+        help="how history reaches the next turn: append boundary tokens, fork where the template rewrites it, one "
+        "training row per model call, or auto (chosen once at start-up from the template probe)",
+    )
     add_process_settings(parser.add_argument_group("process-wide settings"))
 
 
@@ -300,6 +307,7 @@ def build_config(
         tune_gc=not args.no_tune_gc,
         api_key=api_key,
         trust_remote_code=args.trust_remote_code,
+        history_policy=args.history_policy,
     )
 
 
