@@ -28,7 +28,7 @@ from fsm_rollout.hooks import RolloutHooks
 from fsm_rollout.metrics import MetricsSnapshot
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.runner import RolloutRunner
-from fsm_rollout.sample import Sample, Status
+from fsm_rollout.sample import Sample, Status, training_sequences
 from fsm_rollout.service import RolloutService
 from fsm_rollout.suspension import Suspender, weight_staleness
 from fsm_rollout.trace import capture_transitions, get_tracer
@@ -57,6 +57,7 @@ __all__ = [
     "VLLMClient",
     "capture_transitions",
     "get_tracer",
+    "training_sequences",
     "weight_staleness",
 ]
 __version__ = "0.2.0"

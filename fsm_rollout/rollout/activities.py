@@ -26,9 +26,10 @@ from fsm_rollout.multimodal import build_initial_messages, prepare_render_messag
 from fsm_rollout.partial_turn import answer_spans, merge_turns
 from fsm_rollout.rollout.cancel import CancelScope, TimedOut
 from fsm_rollout.rollout.context import RolloutContext
+from fsm_rollout.rollout.history import keeps_history, reconcile
 from fsm_rollout.rollout.stops import stop_string_end
 from fsm_rollout.suspension import HandBack
-from fsm_rollout.types import GeneratedTurn, TokenIds
+from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
 
 
 class Activities:
@@ -112,6 +113,9 @@ class Activities:
         ctx = self.ctx
         formatted = await self.env_call("env.format_observation", ctx.env.format_observation, ctx.observation)
         ctx.observation_messages = validate_observation(formatted)
+        if keeps_history(ctx.deps.config):  # fork / per_turn: the engine's re-render decides (one render request)
+            self.next_trigger = await reconcile(ctx, self._render)
+            return
         tokens = ctx.sample.tokens
         encoder = ctx.deps.encoder
         ctx.observation_tokens = encoder.encode(
@@ -138,13 +142,19 @@ class Activities:
             payload["tools"] = tools
         if config.apply_chat_template_kwargs:
             payload["chat_template_kwargs"] = dict(config.apply_chat_template_kwargs)
-        rendered = await self.scope.run(self.client.render(payload, headers=self.headers))
+        rendered = await self._render(payload)
+        if keeps_history(config):
+            ctx.history = [dict(message) for message in render.messages]
         if sample.tokens and sample.tokens != rendered.token_ids:
             raise RenderError(
                 f"sample {ctx.sample_id}: Initial render token_ids differ from sample.tokens "
                 f"(render gave {len(rendered.token_ids)} ids, the sample holds {len(sample.tokens)})"
             )
         ctx.rendered = rendered
+
+    async def _render(self, payload: dict[str, Any]) -> RenderedPrompt:
+        rendered: RenderedPrompt = await self.scope.run(self.client.render(payload, headers=self.headers))
+        return rendered
 
     async def request_turn(self) -> None:
         """Send the turn's generate request (or its continuation after a suspension); the one place the

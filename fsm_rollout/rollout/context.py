@@ -102,6 +102,13 @@ class RolloutContext:
     env_snapshot_error: str | None = None
     failed_state: str | None = None
     failed_trigger: str | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """The conversation so far as messages (prompt, assistant turns, observations), kept under the ``fork`` and
+    ``per_turn`` history policies for the engine's re-render."""
+    fork_prompt: RenderedPrompt | None = None
+    """The re-render the ``fork`` edge opens the next sequence with, from the observation until the edge."""
+    branch_start: int = 0
+    """Where the current sequence's generated tokens start in ``response_token_ids`` (after its branches')."""
 
     @property
     def remaining_budget(self) -> int | None:
@@ -180,6 +187,8 @@ _ENCODE: dict[str, Any] = {
     "partial_turn": lambda parts: [turn_to_json(part) for part in parts],
     "turn_spans": lambda spans: [[version, start, end] for version, start, end in spans],
     "observation_messages": lambda messages: [dict(message) for message in messages],
+    "history": lambda messages: [dict(message) for message in messages],
+    "fork_prompt": _rendered_to_json,
 }
 _DECODE: dict[str, Any] = {
     "rendered": _rendered_from_json,
@@ -190,6 +199,9 @@ _DECODE: dict[str, Any] = {
     "response_token_ids": _ints,
     "observation_tokens": _ints,
     "observation_messages": lambda messages: [dict(message) for message in messages],
+    "history": lambda messages: [dict(message) for message in messages],
+    "fork_prompt": _rendered_from_json,
+    "branch_start": int,
     "turn_index": int,
     "turn_requests": int,
     "suspensions": int,

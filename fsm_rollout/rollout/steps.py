@@ -2,7 +2,8 @@
 
 Guards are pure predicates; actions change the sample and the context. Neither sends anything or awaits: the I/O
 is in :mod:`fsm_rollout.rollout.activities`. Each is testable with a context built by hand, without a client.
-The machine is built here from the table and these functions (:data:`_MACHINE`; the driver looks it up at each
+The fork edge's guard and actions come from :mod:`fsm_rollout.rollout.history`. The machine is built here from
+the table and these functions (:data:`_MACHINE`; the driver looks it up at each
 transition, so a test may swap it).
 """
 
@@ -18,7 +19,9 @@ from fsm_rollout.multimodal import decode_train_features, validate_image_tokens
 from fsm_rollout.partial_turn import join_spans, shift_spans
 from fsm_rollout.resume_state import RESUME_STATE_KEY
 from fsm_rollout.rollout.context import RolloutContext
+from fsm_rollout.rollout.history import fork_exceeds_budget, fork_history, note_fork_truncation
 from fsm_rollout.sample import Status
+from fsm_rollout.sample.branches import share_outcome
 
 # ---------------------------------------------------------------------------------------------------------- guards
 
@@ -77,6 +80,7 @@ def record_outcome(ctx: RolloutContext, dest: str, reason: str | None) -> None:
     ctx.reason = reason
     ctx.sample.status = Status(dest)
     ctx.sample.metadata["rollout_reason"] = reason
+    share_outcome(ctx.sample)
 
 
 def start_response(ctx: RolloutContext) -> None:
@@ -201,13 +205,13 @@ def finalize(ctx: RolloutContext) -> None:
         sample_id=ctx.sample_id,
     )
     ctx.sample.multimodal_train_inputs = train_inputs
-    ctx.sample.response = deps.decode(ctx.response_token_ids)
+    ctx.sample.response = deps.decode(ctx.response_token_ids[ctx.branch_start :])
 
 
 def salvage_response(ctx: RolloutContext) -> None:
     """On failure keep what can be kept: the response text of the tokens generated so far."""
     try:
-        ctx.sample.response = ctx.deps.decode(ctx.response_token_ids)
+        ctx.sample.response = ctx.deps.decode(ctx.response_token_ids[ctx.branch_start :])
     except Exception as error:  # the sample's tokens stay; only the text is missing
         ctx.sample.metadata["response_decode_error"] = f"{type(error).__name__}: {error}"
 
@@ -248,6 +252,9 @@ def close_environment_after_error(ctx: RolloutContext) -> None:
     if inspect.isawaitable(closing):
         ctx.closing = closing
 
+
+# The fork edge's guard and actions are the history policies' (fsm_rollout.rollout.history), named here with the rest.
+_FORK_STEPS = (fork_exceeds_budget, fork_history, note_fork_truncation)
 
 _GUARDS: dict[str, Callable[[RolloutContext], bool]] = {
     name: globals()[name] for name in sorted(lifecycle.guard_names())

@@ -220,7 +220,21 @@ def every_field_set() -> RolloutConfig:
         rollout_timeout_s=50.0,
         servers_behind_router=("http://a:1", "http://b:2"),
         trust_remote_code=True,
+        history_policy="per_turn",
     )
+
+
+@pytest.mark.parametrize("policy", ["append", "fork", "per_turn", "auto"])
+def test_history_policy_takes_each_policy_and_defaults_to_auto(policy: str) -> None:
+    config = RolloutConfig(engine_url="http://h:1", model="m", max_turns=1, history_policy=policy)
+    assert RolloutConfig.from_dict(config.to_dict()).history_policy == policy
+    assert RolloutConfig(engine_url="http://h:1", model="m", max_turns=1).history_policy == "auto"
+
+
+@pytest.mark.parametrize("policy", ["Fork", "branch", "", None, 1])
+def test_an_unknown_history_policy_is_refused_naming_the_policies(policy: Any) -> None:
+    with pytest.raises(ConfigError, match=r"history_policy must be one of 'append', 'fork', 'per_turn', 'auto'"):
+        RolloutConfig(engine_url="http://h:1", model="m", max_turns=1, history_policy=policy)
 
 
 def test_every_field_but_the_reward_function_round_trips_through_to_dict() -> None:
