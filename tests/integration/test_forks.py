@@ -1,0 +1,311 @@
+"""Trajectories that fork: the fork and per_turn history policies against the fake vLLM server, whose /render
+applies the chat template of the tokenizer it serves (here one that strips the thinking of earlier turns)."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+
+from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, Status, training_sequences
+from fsm_rollout.engine.client import VLLMClient
+from fsm_rollout.parity import template_token_ids
+from fsm_rollout.testing.envs import ScriptedEnvFactory
+from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
+from fsm_rollout.testing.templates import (
+    GROUPED_TOOLS_CHAT_TEMPLATE,
+    THINK_STRIPPING_CHAT_TEMPLATE,
+    qwen_tokenizer_with_template,
+)
+from fsm_rollout.trace import capture_transitions
+
+MODEL = "fake-model"
+EOS = "<|im_end|>"
+PROMPT = "What is 6 * 7?"
+OBSERVATION = "Continue the reasoning."
+
+
+@pytest.fixture(scope="module")
+def stripping_tokenizer() -> Any:
+    return qwen_tokenizer_with_template(THINK_STRIPPING_CHAT_TEMPLATE)
+
+
+@pytest.fixture
+async def server(stripping_tokenizer: Any) -> AsyncIterator[FakeVLLMServer]:
+    async with FakeVLLMServer(stripping_tokenizer, model=MODEL) as fake:
+        yield fake
+
+
+@pytest.fixture
+async def engine(server: FakeVLLMServer) -> AsyncIterator[VLLMClient]:
+    async with VLLMClient(server.url, retry=RetryPolicy(max_attempts=2, base_delay_s=0.01)) as client:
+        yield client
+
+
+def config_for(server: FakeVLLMServer, policy: str, **overrides: Any) -> RolloutConfig:
+    values: dict[str, Any] = {
+        "engine_url": server.url,
+        "model": MODEL,
+        "max_turns": 3,
+        "check_invariants": True,
+        "history_policy": policy,
+    }
+    values.update(overrides)
+    return RolloutConfig(**values)
+
+
+async def run(
+    server: FakeVLLMServer,
+    engine: VLLMClient,
+    tokenizer: Any,
+    policy: str,
+    turns: list[str],
+    *,
+    max_new_tokens: int = 256,
+    sample: Sample | None = None,
+    envs: ScriptedEnvFactory | None = None,
+    **overrides: Any,
+) -> tuple[Rollout, list[dict[str, Any]]]:
+    server.script([ScriptedTurn(text=text) for text in turns])
+    rollout = Rollout(
+        sample or Sample(prompt=PROMPT, index=3, group_index=1),
+        config=config_for(server, policy, max_turns=len(turns), **overrides),
+        sampling_params={"max_new_tokens": max_new_tokens, "temperature": 1.0, "top_p": 1.0},
+        client=engine,
+        tokenizer=tokenizer,
+        env_factory=envs or ScriptedEnvFactory(),
+    )
+    with capture_transitions() as events:
+        await rollout.run()
+    return rollout, events
+
+
+def prompt_of(sequence: Sample) -> list[int]:
+    return sequence.tokens[: len(sequence.tokens) - sequence.response_length]
+
+
+def trained_tokens(sequences: list[Sample]) -> list[int]:
+    """The tokens with loss mask 1, sequence after sequence."""
+    out: list[int] = []
+    for sequence in sequences:
+        response = sequence.tokens[len(sequence.tokens) - sequence.response_length :]
+        out.extend(token for token, mask in zip(response, sequence.loss_mask or [], strict=True) if mask == 1)
+    return out
+
+
+def render(tokenizer: Any, messages: list[dict[str, Any]], **kwargs: Any) -> list[int]:
+    options = {"add_generation_prompt": True, **kwargs}
+    return template_token_ids(tokenizer.apply_chat_template(messages, tokenize=True, **options), what="test render")
+
+
+THINKING = [
+    f"<think>\nSix sevens.\n</think>\n\nIt is 42.{EOS}",
+    f"<think>\nCheck again.\n</think>\n\nStill 42.{EOS}",
+    f"<think>\nOnce more.\n</think>\n\nYes, 42.{EOS}",
+]
+
+
+async def test_a_template_that_strips_thinking_forks_at_each_user_observation_and_prompts_are_the_engines_render(
+    server: FakeVLLMServer, engine: VLLMClient, stripping_tokenizer: Any
+) -> None:
+    rollout, events = await run(server, engine, stripping_tokenizer, "fork", THINKING)
+    sample = rollout.sample
+    assert len(sample.branches) == 2
+    forks = [event for event in events if event["trigger"] == "fork"]
+    assert [(event["src"], event["dst"], event["reason"], event["branch"]) for event in forks] == [
+        ("observing", "rendered", "history_rewritten", 1),
+        ("observing", "rendered", "history_rewritten", 2),
+    ]
+    # one render at the start and exactly one per observation
+    assert [request.path for request in server.requests] == [
+        RENDER_PATH,
+        GENERATE_PATH,
+        RENDER_PATH,
+        GENERATE_PATH,
+        RENDER_PATH,
+        GENERATE_PATH,
+    ]
+    sequences = training_sequences([sample])
+    assert sequences == [*sample.branches, sample]
+    # each sequence's prompt is what the template makes of the conversation so far (thinking of earlier turns gone)
+    conversation: list[dict[str, Any]] = [{"role": "user", "content": PROMPT}]
+    for number, sequence in enumerate(sequences):
+        assert prompt_of(sequence) == render(stripping_tokenizer, conversation)
+        assert sequence.loss_mask == [1] * sequence.response_length
+        conversation += [
+            {"role": "assistant", "content": THINKING[number].removesuffix(EOS)},
+            {"role": "user", "content": OBSERVATION},
+        ]
+    # and that is what the engine was asked to continue
+    generate = [request.body["token_ids"] for request in server.requests_to(GENERATE_PATH)]
+    assert generate == [prompt_of(sequence) for sequence in sequences]
+    assert [sequence.response for sequence in sequences] == THINKING
+    generated = [
+        token for text in THINKING for token in stripping_tokenizer.encode(text, add_special_tokens=False)
+    ]
+    assert trained_tokens(sequences) == generated
+    for position, sequence in enumerate(sequences):
+        assert sequence.metadata["branch"] == position
+        assert (sequence.index, sequence.group_index, sequence.status) == (3, 1, Status.TRUNCATED)
+        sequence.check_invariants(len(prompt_of(sequence)))
+
+
+async def test_turns_without_thinking_extend_the_sequence_so_nothing_forks(
+    server: FakeVLLMServer, engine: VLLMClient, stripping_tokenizer: Any
+) -> None:
+    plain = [f"It is 42.{EOS}", f"Still 42.{EOS}", f"Yes.{EOS}"]
+    rollout, events = await run(server, engine, stripping_tokenizer, "fork", plain)
+    assert rollout.sample.branches == []
+    assert not [event for event in events if event["trigger"] == "fork"]
+    conversation: list[dict[str, Any]] = [{"role": "user", "content": PROMPT}]
+    for text in plain:
+        conversation += [{"role": "assistant", "content": text.removesuffix(EOS)}]
+        conversation += [{"role": "user", "content": OBSERVATION}]
+    full = render(stripping_tokenizer, conversation[:-1], add_generation_prompt=False)
+    assert rollout.sample.tokens == full[: len(rollout.sample.tokens)]
+    assert len(server.requests_to(RENDER_PATH)) == 3  # one per observation under fork
+
+
+async def test_an_empty_think_block_the_template_drops_is_no_break(
+    server: FakeVLLMServer, engine: VLLMClient, stripping_tokenizer: Any
+) -> None:
+    empty = [f"<think>\n\n</think>\n\nIt is 42.{EOS}", f"<think>\n\n</think>\n\nStill 42.{EOS}"]
+    rollout, events = await run(server, engine, stripping_tokenizer, "fork", empty)
+    # the template writes the history without the empty block: the tokens differ, the meaning does not
+    history = render(
+        stripping_tokenizer,
+        [
+            {"role": "user", "content": PROMPT},
+            {"role": "assistant", "content": empty[0].removesuffix(EOS)},
+            {"role": "user", "content": OBSERVATION},
+        ],
+    )
+    first = server.requests_to(GENERATE_PATH)[1].body["token_ids"]
+    assert first != history
+    assert rollout.sample.branches == []
+    assert not [event for event in events if event["trigger"] == "fork"]
+
+
+async def test_per_turn_makes_every_model_call_its_own_row_prompted_with_the_render_of_its_history(
+    server: FakeVLLMServer, engine: VLLMClient, stripping_tokenizer: Any
+) -> None:
+    plain = [f"It is 42.{EOS}", f"Still 42.{EOS}", f"Yes.{EOS}"]
+    rollout, _ = await run(server, engine, stripping_tokenizer, "per_turn", plain)
+    sequences = training_sequences([rollout.sample])
+    assert len(sequences) == 3
+    conversation: list[dict[str, Any]] = [{"role": "user", "content": PROMPT}]
+    for text, sequence in zip(plain, sequences, strict=True):
+        assert prompt_of(sequence) == render(stripping_tokenizer, conversation)
+        assert sequence.tokens[len(prompt_of(sequence)) :] == stripping_tokenizer.encode(
+            text, add_special_tokens=False
+        )
+        conversation += [{"role": "assistant", "content": text.removesuffix(EOS)}]
+        conversation += [{"role": "user", "content": OBSERVATION}]
+
+
+async def test_tool_calls_written_in_another_key_order_and_spacing_are_no_break() -> None:
+    tokenizer = qwen_tokenizer_with_template(GROUPED_TOOLS_CHAT_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    call = '<tool_call>\n{"arguments": {"exact": false, "expression": "6*7"},  "name": "calc"}\n</tool_call>'
+    observation = {"role": "tool", "content": "42", "tool_call_id": "call_0", "name": "calc"}
+    async with FakeVLLMServer(tokenizer, model=MODEL) as fake, VLLMClient(fake.url) as client:
+        rollout, events = await run(
+            fake,
+            client,
+            tokenizer,
+            "fork",
+            [f"{call}{EOS}", f"It is 42.{EOS}"],
+            sample=Sample(prompt=PROMPT, metadata={"tools": tools}),
+            envs=ScriptedEnvFactory(steps=[(observation, False)]),
+        )
+        # the engine re-serialised the call (its own key order and spacing), yet the sequence goes on
+        rerender = fake.requests_to(RENDER_PATH)[1].body["messages"][1]
+        assert rerender["tool_calls"][0]["function"] == {"name": "calc", "arguments": {"exact": False, "expression": "6*7"}}
+    assert rollout.sample.branches == []
+    assert not [event for event in events if event["trigger"] == "fork"]
+
+
+async def test_the_whole_rollout_shares_max_new_tokens_across_its_sequences(
+    server: FakeVLLMServer, engine: VLLMClient, stripping_tokenizer: Any
+) -> None:
+    budget = 24
+    rollout, _ = await run(server, engine, stripping_tokenizer, "fork", THINKING, max_new_tokens=budget)
+    sequences = training_sequences([rollout.sample])
+    assert len(trained_tokens(sequences)) <= budget
+    asked = [request.body["sampling_params"]["max_tokens"] for request in server.requests_to(GENERATE_PATH)]
+    first = len(stripping_tokenizer.encode(THINKING[0], add_special_tokens=False))
+    assert asked[0] == budget
+    assert asked[1] == budget - first  # the second sequence may only generate what the first left
+
+
+async def test_a_re_render_longer_than_the_context_ends_the_rollout_before_forking(
+    server: FakeVLLMServer, engine: VLLMClient, stripping_tokenizer: Any
+) -> None:
+    first_prompt = len(render(stripping_tokenizer, [{"role": "user", "content": PROMPT}]))
+    first_turn = len(stripping_tokenizer.encode(THINKING[0], add_special_tokens=False))
+    # room for the first sequence, none for the re-render with the observation
+    rollout, events = await run(
+        server, engine, stripping_tokenizer, "fork", THINKING, rollout_max_context_len=first_prompt + first_turn + 2
+    )
+    assert rollout.sample.branches == []
+    assert rollout.reason == "insufficient_budget_for_next_turn"
+    assert events[-1]["trigger"] == "fork" and events[-1]["dst"] == "truncated"
+    assert rollout.sample.metadata["multiturn_truncation"]["reason"] == "insufficient_budget_for_next_turn"
+
+
+# ------------------------------------------------------------------------------- every token trained exactly once
+
+
+def random_turn(rng: random.Random) -> str:
+    words = " ".join(rng.choice(["six", "seven", "is", "42", "so", "then"]) for _ in range(rng.randint(1, 6)))
+    kind = rng.choice(["think", "empty", "plain", "unclosed"])
+    if kind == "think":
+        return f"<think>\n{words}\n</think>\n\n{words}.{EOS}"
+    if kind == "empty":
+        return f"<think>\n\n</think>\n\n{words}.{EOS}"
+    if kind == "unclosed":  # no EOS: the turn ends by length or runs into the next budget
+        return f"{words} {words} {words}"
+    return f"{words}.{EOS}"
+
+
+@pytest.mark.parametrize("seed", range(12))
+async def test_every_generated_token_is_trainable_in_exactly_one_sequence(
+    seed: int, server: FakeVLLMServer, engine: VLLMClient, stripping_tokenizer: Any
+) -> None:
+    rng = random.Random(seed)
+    policy = rng.choice(["fork", "per_turn"])
+    turns = [random_turn(rng) for _ in range(rng.randint(1, 5))]
+    observations = [
+        ("Again." if rng.random() < 0.5 else "Continue the reasoning.", rng.random() < 0.15) for _ in turns
+    ]
+    budget = rng.choice([8, 20, 40, 400])
+    rollout, events = await run(
+        server,
+        engine,
+        stripping_tokenizer,
+        policy,
+        turns,
+        max_new_tokens=budget,
+        envs=ScriptedEnvFactory(steps=observations),
+    )
+    sequences = training_sequences([rollout.sample])
+    script = [token for text in turns for token in stripping_tokenizer.encode(text, add_special_tokens=False)]
+    trained = trained_tokens(sequences)
+    # every generated token, in order, once; nothing else trainable
+    assert trained == rollout.ctx.response_token_ids
+    assert trained == script[: len(trained)]
+    assert len(trained) <= budget
+    renders = server.requests_to(RENDER_PATH)
+    engine_renders = [render(stripping_tokenizer, request.body["messages"]) for request in renders]
+    observations_seen = sum(1 for event in events if event["src"] == "observing")
+    assert len(renders) == 1 + observations_seen  # at most one render per observation
+    forks = sum(1 for event in events if event["trigger"] == "fork" and event["dst"] == "rendered")
+    assert len(sequences) == 1 + forks
+    for position, sequence in enumerate(sequences):
+        sequence.check_invariants(len(prompt_of(sequence)))
+        assert sequence.metadata.get("branch", 0) == position
+        assert sequence.status == rollout.sample.status
+        # every sequence's prompt is one of the engine's renders, the n-th sequence's the render it forked at
+        assert prompt_of(sequence) in engine_renders
