@@ -142,9 +142,7 @@ async def test_a_template_that_strips_thinking_forks_at_each_user_observation_an
     generate = [request.body["token_ids"] for request in server.requests_to(GENERATE_PATH)]
     assert generate == [prompt_of(sequence) for sequence in sequences]
     assert [sequence.response for sequence in sequences] == THINKING
-    generated = [
-        token for text in THINKING for token in stripping_tokenizer.encode(text, add_special_tokens=False)
-    ]
+    generated = [token for text in THINKING for token in stripping_tokenizer.encode(text, add_special_tokens=False)]
     assert trained_tokens(sequences) == generated
     for position, sequence in enumerate(sequences):
         assert sequence.metadata["branch"] == position
@@ -198,9 +196,7 @@ async def test_per_turn_makes_every_model_call_its_own_row_prompted_with_the_ren
     conversation: list[dict[str, Any]] = [{"role": "user", "content": PROMPT}]
     for text, sequence in zip(plain, sequences, strict=True):
         assert prompt_of(sequence) == render(stripping_tokenizer, conversation)
-        assert sequence.tokens[len(prompt_of(sequence)) :] == stripping_tokenizer.encode(
-            text, add_special_tokens=False
-        )
+        assert sequence.tokens[len(prompt_of(sequence)) :] == stripping_tokenizer.encode(text, add_special_tokens=False)
         conversation += [{"role": "assistant", "content": text.removesuffix(EOS)}]
         conversation += [{"role": "user", "content": OBSERVATION}]
 
@@ -222,7 +218,8 @@ async def test_tool_calls_written_in_another_key_order_and_spacing_are_no_break(
         )
         # the engine re-serialised the call (its own key order and spacing), yet the sequence goes on
         rerender = fake.requests_to(RENDER_PATH)[1].body["messages"][1]
-        assert rerender["tool_calls"][0]["function"] == {"name": "calc", "arguments": {"exact": False, "expression": "6*7"}}
+        expected = {"name": "calc", "arguments": {"exact": False, "expression": "6*7"}}
+        assert rerender["tool_calls"][0]["function"] == expected
     assert rollout.sample.branches == []
     assert not [event for event in events if event["trigger"] == "fork"]
 
@@ -270,42 +267,45 @@ def random_turn(rng: random.Random) -> str:
     return f"{words}.{EOS}"
 
 
-@pytest.mark.parametrize("seed", range(12))
-async def test_every_generated_token_is_trainable_in_exactly_one_sequence(
-    seed: int, server: FakeVLLMServer, engine: VLLMClient, stripping_tokenizer: Any
-) -> None:
-    rng = random.Random(seed)
-    policy = rng.choice(["fork", "per_turn"])
-    turns = [random_turn(rng) for _ in range(rng.randint(1, 5))]
-    observations = [
-        ("Again." if rng.random() < 0.5 else "Continue the reasoning.", rng.random() < 0.15) for _ in turns
-    ]
-    budget = rng.choice([8, 20, 40, 400])
-    rollout, events = await run(
-        server,
-        engine,
-        stripping_tokenizer,
-        policy,
-        turns,
-        max_new_tokens=budget,
-        envs=ScriptedEnvFactory(steps=observations),
-    )
-    sequences = training_sequences([rollout.sample])
-    script = [token for text in turns for token in stripping_tokenizer.encode(text, add_special_tokens=False)]
-    trained = trained_tokens(sequences)
-    # every generated token, in order, once; nothing else trainable
-    assert trained == rollout.ctx.response_token_ids
-    assert trained == script[: len(trained)]
-    assert len(trained) <= budget
-    renders = server.requests_to(RENDER_PATH)
-    engine_renders = [render(stripping_tokenizer, request.body["messages"]) for request in renders]
-    observations_seen = sum(1 for event in events if event["src"] == "observing")
-    assert len(renders) == 1 + observations_seen  # at most one render per observation
-    forks = sum(1 for event in events if event["trigger"] == "fork" and event["dst"] == "rendered")
-    assert len(sequences) == 1 + forks
-    for position, sequence in enumerate(sequences):
-        sequence.check_invariants(len(prompt_of(sequence)))
-        assert sequence.metadata.get("branch", 0) == position
-        assert sequence.status == rollout.sample.status
-        # every sequence's prompt is one of the engine's renders, the n-th sequence's the render it forked at
-        assert prompt_of(sequence) in engine_renders
+async def test_every_generated_token_is_trainable_in_exactly_one_sequence(stripping_tokenizer: Any) -> None:
+    """Seeded random scripted runs (turns with and without thinking, empty think blocks, turns cut by the budget,
+    random done flags) under fork and per_turn: the tokens with loss mask 1, sequence after sequence, are the
+    generated tokens in order, each once."""
+    seen = {"forked_twice": 0, "no_fork": 0, "cut_by_budget": 0}
+    for seed in range(16):
+        rng = random.Random(seed)
+        policy = rng.choice(["fork", "per_turn"])
+        turns = [random_turn(rng) for _ in range(rng.randint(1, 5))]
+        observations = [(rng.choice(["Again.", OBSERVATION]), rng.random() < 0.15) for _ in turns]
+        budget = rng.choice([8, 20, 40, 400])
+        async with FakeVLLMServer(stripping_tokenizer, model=MODEL) as server, VLLMClient(server.url) as engine:
+            rollout, events = await run(
+                server,
+                engine,
+                stripping_tokenizer,
+                policy,
+                turns,
+                max_new_tokens=budget,
+                envs=ScriptedEnvFactory(steps=observations),
+            )
+            asked = server.requests_to(RENDER_PATH)
+            renders = [render(stripping_tokenizer, request.body["messages"]) for request in asked]
+        sequences = training_sequences([rollout.sample])
+        script = [token for text in turns for token in stripping_tokenizer.encode(text, add_special_tokens=False)]
+        trained = trained_tokens(sequences)
+        assert trained == rollout.ctx.response_token_ids, seed
+        assert trained == script[: len(trained)], seed
+        assert len(trained) <= budget, seed
+        observed = sum(1 for event in events if event["src"] == "observing")
+        assert len(renders) == 1 + observed, seed  # one render per observation
+        forks = sum(1 for event in events if event["trigger"] == "fork" and event["dst"] == "rendered")
+        assert len(sequences) == 1 + forks, seed
+        for position, sequence in enumerate(sequences):
+            sequence.check_invariants(len(prompt_of(sequence)))
+            assert sequence.metadata.get("branch", 0) == position, seed
+            assert sequence.status == rollout.sample.status, seed
+            assert prompt_of(sequence) in renders, seed  # every prompt is an engine's render
+        seen["forked_twice"] += forks >= 2
+        seen["no_fork"] += forks == 0
+        seen["cut_by_budget"] += len(trained) < len(script)
+    assert all(seen.values()), seen  # the seeds cover forking, not forking and running out of budget
