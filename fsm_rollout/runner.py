@@ -22,6 +22,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -151,6 +152,9 @@ class RolloutRunner:
             # loading a tokenizer and rendering the probe's conversations take long enough to stall every other
             # task of the loop (a trainer's heartbeat): they run in a thread of their own
             self.tokenizer, self._encoder = await _in_own_thread(lambda: self._tokenizer_and_encoder(source))
+            # HISTORY POLICY: "auto" is resolved here, once. PLACEHOLDER: the template probe's choice replaces "append".
+            if self.config.history_policy == "auto":
+                self.config = replace(self.config, history_policy="append")
             if self.env_factory is None:
                 self.env_factory = load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
         except BaseException:
@@ -300,6 +304,7 @@ class RolloutRunner:
         self._metrics.statuses["failed"] += 1
         self._metrics.reasons["error"] += 1
         self._metrics.done += 1
+        self._metrics.sequences += 1
         return sample
 
     async def _bounded(self, waiting: Waiting, semaphore: asyncio.Semaphore) -> Sample:

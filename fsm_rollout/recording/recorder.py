@@ -200,8 +200,26 @@ class SampleRecorder(RolloutHooks):
                 "rollout_log_probs": None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
                 "error": jsonable(sample.metadata.get("rollout_error")),
                 "reward": jsonable(sample.reward),  # what inspect shows; replay does not compare it
+                **_branches(sample),
             },
         }
+
+
+def _branches(sample: Sample) -> dict[str, Any]:
+    """A forked rollout's earlier sequences for the result (absent without forks, as on tapes from before)."""
+    if not sample.branches:
+        return {}
+    return {
+        "branches": [
+            {
+                "tokens": list(branch.tokens),
+                "prompt_length": len(branch.tokens) - branch.response_length,
+                "loss_mask": run_lengths(branch.loss_mask),
+                "response": branch.response,
+            }
+            for branch in sample.branches
+        ]
+    }
 
 
 class RecordingTransport:

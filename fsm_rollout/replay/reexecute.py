@@ -176,6 +176,7 @@ class _Replay:
             status=str(getattr(sample.status, "value", sample.status)),
             reason=rollout.reason,
             error=jsonable(sample.metadata.get("rollout_error")),
+            branches=tuple((list(branch.tokens), branch.loss_mask) for branch in sample.branches),
         )
         found = compare_outcome(
             recorded, today, tokenizer=self.tokenizer, transitions=self.cursor.transitions, turn=rollout.turn_index

@@ -3,15 +3,20 @@ applies the chat template of the tokenizer it serves (here one that strips the t
 
 from __future__ import annotations
 
+import asyncio
 import random
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, Status, training_sequences
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.parity import template_token_ids
+from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_path_for
+from fsm_rollout.replay import replay
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.templates import (
@@ -19,7 +24,7 @@ from fsm_rollout.testing.templates import (
     THINK_STRIPPING_CHAT_TEMPLATE,
     qwen_tokenizer_with_template,
 )
-from fsm_rollout.trace import capture_transitions
+from fsm_rollout.trace import Tracer, capture_transitions
 
 MODEL = "fake-model"
 EOS = "<|im_end|>"
@@ -309,3 +314,52 @@ async def test_every_generated_token_is_trainable_in_exactly_one_sequence(stripp
         seen["no_fork"] += forks == 0
         seen["cut_by_budget"] += len(trained) < len(script)
     assert all(seen.values()), seen  # the seeds cover forking, not forking and running out of budget
+
+
+# ------------------------------------------------------------------------------------------------ tape and replay
+
+
+async def record_forked_runs(tmp_path: Path, server: FakeVLLMServer, engine: VLLMClient, tokenizer: Any) -> Path:
+    trace = tmp_path / "run.jsonl"
+    tracer = Tracer(trace.open("ab"), owns_stream=True)
+    writer = TapeWriter(tape_path_for(trace))
+    for index, policy in enumerate(["fork", "per_turn"]):
+        server.script([ScriptedTurn(text=text) for text in THINKING], session=f"s{index}")
+        rollout = recorded_rollout(
+            Sample(prompt=PROMPT, index=index, session_id=f"s{index}"),
+            config=config_for(server, policy, router_policy="consistent_hash"),
+            sampling_params={"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0},
+            client=engine,
+            tokenizer=tokenizer,
+            env_factory=ScriptedEnvFactory(),
+            tracer=tracer,
+            tape=writer,
+        )
+        sample = await rollout.run()
+        assert len(sample.branches) == 2
+    writer.close()
+    tracer.close()
+    return trace
+
+
+async def test_a_forked_run_replays_identically_and_a_changed_branch_is_found(
+    tmp_path: Path, server: FakeVLLMServer, engine: VLLMClient, stripping_tokenizer: Any
+) -> None:
+    trace = await record_forked_runs(tmp_path, server, engine, stripping_tokenizer)
+    tape = tape_path_for(trace)
+    records = [orjson.loads(line) for line in tape.read_bytes().splitlines()]
+    samples = [record for record in records if record["kind"] == "sample"]
+    # the tape holds every render answer (one per observation) and the earlier sequences
+    assert [sum(entry["op"] == "render" for entry in record["io"]) for record in samples] == [3, 3]
+    assert [len(record["result"]["branches"]) for record in samples] == [2, 2]
+    report = await asyncio.to_thread(replay, trace, tokenizer=stripping_tokenizer)
+    assert report.exit_code == 0, report.render(verbose=True)
+    assert report.counts() == {"identical": 2}
+
+    for record in samples:  # a branch the recording says ended otherwise
+        record["result"]["branches"][1]["tokens"][-1] += 1
+    tape.write_bytes(b"\n".join(orjson.dumps(record) for record in records) + b"\n")
+    report = await asyncio.to_thread(replay, trace, tokenizer=stripping_tokenizer)
+    assert report.exit_code == 1
+    divergences = [sample.divergence for sample in report.samples]
+    assert all(found is not None and found.message.startswith("branch 1 tokens[") for found in divergences)

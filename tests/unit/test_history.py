@@ -67,7 +67,8 @@ def test_an_assistant_turn_with_tool_calls_is_structured_only_when_the_sample_ha
 def test_auto_reaching_a_rollout_is_append() -> None:
     config = RolloutConfig(engine_url="http://h:1", model="m", max_turns=1)
     assert rollout_policy(config) == "append"
-    assert rollout_policy(RolloutConfig(engine_url="http://h:1", model="m", max_turns=1, history_policy="fork")) == "fork"
+    fork = RolloutConfig(engine_url="http://h:1", model="m", max_turns=1, history_policy="fork")
+    assert rollout_policy(fork) == "fork"
 
 
 def a_forked_sample() -> Sample:
