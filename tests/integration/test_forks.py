@@ -4,8 +4,10 @@ applies the chat template of the tokenizer it serves (here one that strips the t
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,8 @@ from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.parity import template_token_ids
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_path_for
 from fsm_rollout.replay import replay
-from fsm_rollout.testing.envs import ScriptedEnvFactory
+from fsm_rollout.suspension import HandBack, Suspender
+from fsm_rollout.testing.envs import ScriptedEnv, ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.templates import (
     GROUPED_TOOLS_CHAT_TEMPLATE,
@@ -363,3 +366,98 @@ async def test_a_forked_run_replays_identically_and_a_changed_branch_is_found(
     assert report.exit_code == 1
     divergences = [sample.divergence for sample in report.samples]
     assert all(found is not None and found.message.startswith("branch 1 tokens[") for found in divergences)
+
+
+# ------------------------------------------------------------------------------------------------ suspend and resume
+
+
+class HandingBack(Suspender):
+    """A gate that hands a suspended rollout back instead of letting it wait (``partial_rollout``)."""
+
+    async def wait_resumed(self) -> None:
+        if self.suspended:
+            raise HandBack
+
+
+@dataclass
+class SnapshotEnv(ScriptedEnv):
+    def snapshot(self) -> dict[str, Any]:
+        return {"texts": list(self.texts)}
+
+    def restore(self, state: Any) -> None:
+        self.texts = list(state["texts"])
+
+
+@dataclass
+class SnapshotEnvFactory(ScriptedEnvFactory):
+    def __call__(self, *, sample: Any, args: Any) -> ScriptedEnv:
+        env = SnapshotEnv(steps=list(self.steps), default=self.default)
+        self.built.append(env)
+        return env
+
+
+def sequences_of(sample: Sample) -> list[tuple[Any, ...]]:
+    return [
+        (sequence.tokens, sequence.loss_mask, sequence.rollout_log_probs, sequence.response, sequence.status)
+        for sequence in training_sequences([sample])
+    ]
+
+
+@pytest.mark.parametrize("held_turn", [0, 1, 2])
+async def test_a_rollout_handed_back_on_either_side_of_a_fork_resumes_to_the_uninterrupted_result(
+    held_turn: int, server: FakeVLLMServer, engine: VLLMClient, stripping_tokenizer: Any
+) -> None:
+    """Turn 0 is held before any fork, turn 1 between the two, turn 2 after both: the handed-back sample goes
+    through to_dict/from_dict (as the Ray pool moves it) and resumes to what the uninterrupted rollout gives."""
+    config = config_for(server, "fork", router_policy="consistent_hash")
+    sampling = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}
+    server.script([ScriptedTurn(text=text) for text in THINKING], session="reference")
+    reference = await Rollout(
+        Sample(prompt=PROMPT, index=0, session_id="reference"),
+        config=config,
+        sampling_params=sampling,
+        client=engine,
+        tokenizer=stripping_tokenizer,
+        env_factory=SnapshotEnvFactory(),
+    ).run()
+    assert len(reference.branches) == 2
+
+    turns = [
+        ScriptedTurn(text=text, hang=True, held_after=3) if number == held_turn else ScriptedTurn(text=text)
+        for number, text in enumerate(THINKING)
+    ]
+    server.script(turns, session="held")
+    gate = HandingBack(lambda: [engine])
+    envs = SnapshotEnvFactory()
+    run = asyncio.ensure_future(
+        Rollout(
+            Sample(prompt=PROMPT, index=0, session_id="held"),
+            config=config,
+            sampling_params=sampling,
+            client=engine,
+            tokenizer=stripping_tokenizer,
+            env_factory=envs,
+            suspender=gate,
+        ).run()
+    )
+    await server.wait_until_waiting(1)
+    await gate.suspend()
+    handed = await run
+    assert handed.metadata["rollout_reason"] == "handed_back"
+    assert len(handed.branches) == held_turn
+    moved = Sample.from_dict(json.loads(json.dumps(handed.to_dict())))
+    await gate.resume()
+    with capture_transitions() as events:
+        resumed = await Rollout(
+            moved,
+            config=config,
+            sampling_params=sampling,
+            client=engine,
+            tokenizer=stripping_tokenizer,
+            env_factory=envs,
+            suspender=gate,
+        ).run()
+    assert sequences_of(resumed) == sequences_of(reference)
+    assert [event["trigger"] for event in events].count("fork") == 2 - held_turn
+    for sequence in training_sequences([resumed]):
+        sequence.check_invariants(len(prompt_of(sequence)))
