@@ -4,17 +4,20 @@ applies the chat template of the tokenizer it serves (here one that strips the t
 from __future__ import annotations
 
 import asyncio
+import enum
 import json
 import random
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+from urllib.parse import urlsplit
 
 import orjson
 import pytest
 
-from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, Status, training_sequences
+from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, Status, compat, training_sequences
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.parity import template_token_ids
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_path_for
@@ -461,3 +464,66 @@ async def test_a_rollout_handed_back_on_either_side_of_a_fork_resumes_to_the_uni
     assert [event["trigger"] for event in events].count("fork") == 2 - held_turn
     for sequence in training_sequences([resumed]):
         sequence.check_invariants(len(prompt_of(sequence)))
+
+
+# ------------------------------------------------------------------------------------------------ compat.generate
+
+
+class TrainerStatus(enum.Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+@dataclass
+class TrainerSample:
+    """A trainer's own sample class (as slime's): some of the library's fields, its own status enum."""
+
+    prompt: Any = ""
+    index: int | None = None
+    tokens: list[int] = field(default_factory=list)
+    response_length: int = 0
+    loss_mask: list[int] | None = None
+    rollout_log_probs: list[float] | None = None
+    response: str = ""
+    status: TrainerStatus = TrainerStatus.PENDING
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+
+def compat_args(server: FakeVLLMServer, **extra: Any) -> SimpleNamespace:
+    return SimpleNamespace(
+        partial_rollout=False,
+        max_turns=3,
+        rollout_interaction_env_path="fsm_rollout.testing.envs",
+        vllm_router_ip="127.0.0.1",
+        vllm_router_port=urlsplit(server.url).port,
+        hf_checkpoint=MODEL,
+        rollout_max_context_len=None,
+        **extra,
+    )
+
+
+@pytest.mark.parametrize("sample_class", [Sample, TrainerSample])
+async def test_compat_generate_returns_a_forked_rollouts_sequences_as_a_list(
+    sample_class: type, server: FakeVLLMServer, stripping_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(compat, "_load_tokenizer_and_processor", lambda path: (stripping_tokenizer, None))
+    sampling = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}
+    try:
+        server.script([ScriptedTurn(text=text) for text in THINKING])
+        sample = sample_class(prompt=PROMPT, index=0, metadata={"scripted_env": {}})
+        result = await compat.generate(compat_args(server, fsm_rollout_history_policy="fork"), sample, sampling)
+        assert isinstance(result, list) and len(result) == 3 and result[-1] is sample
+        assert all(type(item) is sample_class for item in result)
+        assert trained_tokens(result) == [
+            token for text in THINKING for token in stripping_tokenizer.encode(text, add_special_tokens=False)
+        ]
+        assert [item.status.value for item in result] == ["truncated"] * 3
+        plain = [f"It is 42.{EOS}", f"Still 42.{EOS}", f"Yes.{EOS}"]
+        server.script([ScriptedTurn(text=text) for text in plain])
+        single = sample_class(prompt=PROMPT, index=1, metadata={"scripted_env": {}})
+        assert await compat.generate(compat_args(server, fsm_rollout_history_policy="fork"), single, sampling) is single
+    finally:
+        await compat.close_clients()
