@@ -192,12 +192,16 @@ class Segment:
 
 
 def response_segments(record: TapeSample) -> list[Segment]:
-    """The response side cut into turns and observations, from the response length after each transition."""
+    """The last sequence's response side cut into turns and observations, from the response length after each
+    transition (a fork starts a new sequence: the segments before it are a branch's)."""
     segments: list[Segment] = []
     previous = 0
     for event in record.transitions:
         length = event.get("response_length")
         turn = event.get("turn")
+        if event.get("trigger") == "fork" and event.get("dst") == "rendered":
+            segments, previous = [], 0  # what came before is an earlier sequence's (a branch's)
+            continue
         if not isinstance(length, int) or not isinstance(turn, int):
             continue
         if length > previous:
@@ -321,6 +325,7 @@ def _event_summary(event: dict[str, Any]) -> str:
         "response_length",
         "remaining_budget",
         "reason",
+        "branch",
         "error_type",
         "error",
     )
@@ -359,7 +364,8 @@ def _turn_lines(record: TapeSample, tape: TapeFile, tokenizer: Any, painter: Pai
         if painter.color
         else f"masked (loss mask 0) text is in {MASK_OPEN}…{MASK_CLOSE}; the rest is trainable"
     )
-    lines = [
+    lines = _branch_lines(result, tokenizer, painter)
+    lines += [
         "",
         f"  prompt: {prompt_length} tokens; response side: {len(response)} tokens "
         f"({sum(mask)} trainable, {len(mask) - sum(mask)} masked) — {legend}",
@@ -388,6 +394,29 @@ def _turn_lines(record: TapeSample, tape: TapeFile, tokenizer: Any, painter: Pai
                 content = revive(tape.resolve(observations[segment.turn].get("message")))
                 message = f" from {_clip(repr(content))}"
             lines.append(f"    observation ({len(ids)} masked){message}: {text}")
+    return lines
+
+
+def _branch_lines(result: dict[str, Any], tokenizer: Any, painter: Painter) -> list[str]:
+    """The earlier training sequences of a rollout that forked (``sample.branches``), oldest first."""
+    from fsm_rollout.recording.format import expand_run_lengths
+
+    lines: list[str] = []
+    for number, branch in enumerate(result.get("branches") or ()):
+        tokens = branch.get("tokens") or []
+        prompt_length = branch.get("prompt_length") or 0
+        mask = expand_run_lengths(branch.get("loss_mask")) or []
+        response = tokens[prompt_length:]
+        text = render_tokens(response, mask, tokenizer, painter) if tokenizer is not None else f"{len(response)} tokens"
+        lines += [
+            "",
+            painter.bold(f"  branch {number}")
+            + f" (an earlier sequence, closed by a fork): prompt {prompt_length} tokens; response side "
+            f"{len(response)} tokens ({sum(mask)} trainable, {len(mask) - sum(mask)} masked)",
+            f"    {text}",
+        ]
+    if lines:
+        lines += ["", painter.bold(f"  sequence {len(result['branches'])} (the sample itself)")]
     return lines
 
 

@@ -18,6 +18,7 @@ import orjson
 import pytest
 
 from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, Status, compat, training_sequences
+from fsm_rollout.cli import main as cli_main
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.parity import template_token_ids
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_path_for
@@ -30,6 +31,7 @@ from fsm_rollout.testing.templates import (
     THINK_STRIPPING_CHAT_TEMPLATE,
     qwen_tokenizer_with_template,
 )
+from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
 from fsm_rollout.trace import Tracer, capture_transitions
 
 MODEL = "fake-model"
@@ -527,3 +529,22 @@ async def test_compat_generate_returns_a_forked_rollouts_sequences_as_a_list(
         assert await compat.generate(compat_args(server, fsm_rollout_history_policy="fork"), single, sampling) is single
     finally:
         await compat.close_clients()
+
+
+async def test_inspect_shows_a_forked_rollouts_branches_and_the_fork(
+    tmp_path: Path,
+    server: FakeVLLMServer,
+    engine: VLLMClient,
+    stripping_tokenizer: Any,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    trace = await record_forked_runs(tmp_path, server, engine, stripping_tokenizer)
+    tokenizer_dir = str(qwen_tokenizer_dir())
+    code = await asyncio.to_thread(cli_main, ["inspect", str(trace), "--sample", "0", "--tokenizer", tokenizer_dir])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "observing --fork--> rendered" in out and "reason=history_rewritten" in out and "branch=2" in out
+    first, second, last = out.index("branch 0 (an earlier"), out.index("branch 1 (an earlier"), out.index("sequence 2")
+    assert first < second < last
+    assert "Six sevens." in out[first:second] and "Check again." in out[second:last]
+    assert "Once more." in out[last:] and "Six sevens." not in out[last:]
