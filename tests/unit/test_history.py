@@ -124,3 +124,28 @@ def test_training_sequences_flatten_each_rollout_and_share_its_outcome() -> None
     assert "branch" not in single.metadata
     with pytest.raises(TypeError, match="item 0 is dict"):
         training_sequences([{"tokens": []}])  # type: ignore[list-item]
+
+
+def test_the_grpo_example_gives_every_sequence_of_a_rollout_the_rollouts_advantage() -> None:
+    from types import SimpleNamespace
+
+    from fsm_rollout.examples.grpo import GRPOOptions, group_advantages, training_batch
+
+    forked = a_forked_sample()
+    forked.reward = 1.0
+    plain = Sample(prompt="q", index=5, reward=0.0, metadata={"weight_version_spans": []})
+    stale = a_forked_sample()  # its first sequence was sampled by weights three versions back
+    stale.reward = 1.0
+    stale.branches[0].metadata["weight_version_spans"] = [{"version": "0", "start": 0, "end": 2}]
+    for sample in (forked, stale):
+        sample.metadata["weight_version_spans"] = [{"version": "3", "start": 0, "end": 1}]
+        sample.branches[0].metadata.setdefault("weight_version_spans", [])
+    forked.branches[0].metadata["weight_version_spans"] = [{"version": "3", "start": 0, "end": 2}]
+    trainer = SimpleNamespace(version="3", history=["0", "1", "2", "3"])
+    samples, advantages, dropped = training_batch(
+        [[forked, plain, stale]], trainer, GRPOOptions(max_staleness=1)  # type: ignore[arg-type]
+    )
+    high, low, _ = group_advantages([1.0, 0.0, 1.0])  # one advantage per rollout, over the group's rollouts
+    assert samples == [forked.branches[0], forked, plain]
+    assert advantages == [high, high, low]
+    assert dropped == 1  # the stale rollout is dropped whole, all its sequences with it
