@@ -17,12 +17,24 @@ from urllib.parse import urlsplit
 import orjson
 import pytest
 
-from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, Status, compat, training_sequences
+from fsm_rollout import (
+    RetryPolicy,
+    Rollout,
+    RolloutConfig,
+    RolloutRunner,
+    Sample,
+    Status,
+    compat,
+    lifecycle,
+    training_sequences,
+)
 from fsm_rollout.cli import main as cli_main
+from fsm_rollout.diagrams import build_overlay
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.parity import template_token_ids
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_path_for
 from fsm_rollout.replay import replay
+from fsm_rollout.rollout.history import RESOLVED_POLICIES
 from fsm_rollout.suspension import HandBack, Suspender
 from fsm_rollout.testing.envs import ScriptedEnv, ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
@@ -548,3 +560,47 @@ async def test_inspect_shows_a_forked_rollouts_branches_and_the_fork(
     assert first < second < last
     assert "Six sevens." in out[first:second] and "Check again." in out[second:last]
     assert "Once more." in out[last:] and "Six sevens." not in out[last:]
+
+
+# ------------------------------------------------------------------------------------------------ runner, overlay
+
+
+async def test_the_runner_counts_forks_and_sequences_per_rollout_and_the_overlay_counts_the_fork_edge(
+    server: FakeVLLMServer, stripping_tokenizer: Any
+) -> None:
+    for session in ("a", "b"):
+        server.script([ScriptedTurn(text=text) for text in THINKING], session=session)
+    config = config_for(server, "fork", router_policy="consistent_hash")
+    runner = RolloutRunner(
+        config,
+        sampling_params={"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0},
+        tokenizer=stripping_tokenizer,
+        env_factory=ScriptedEnvFactory(),
+    )
+    with capture_transitions() as events:
+        async with runner:
+            samples = await runner.run_batch(
+                [Sample(prompt=PROMPT, index=number, session_id=session) for number, session in enumerate("ab")]
+            )
+            metrics = runner.metrics()
+    assert [len(sample.branches) for sample in samples] == [2, 2]
+    assert (metrics.forks, metrics.sequences, metrics.samples_done) == (4, 6, 2)
+    assert (metrics.forks_per_rollout, metrics.sequences_per_rollout) == (2.0, 3.0)
+    overlay = build_overlay(events)
+    (fork_edge,) = [
+        index for index, edge in enumerate(lifecycle.TRANSITIONS) if (edge.trigger, edge.dest) == ("fork", "rendered")
+    ]
+    assert (overlay.edges[fork_edge].transitions, overlay.edges[fork_edge].samples) == (4, 2)
+    assert not overlay.unmatched
+
+
+async def test_the_runner_resolves_auto_once_at_start_up(server: FakeVLLMServer, stripping_tokenizer: Any) -> None:
+    runner = RolloutRunner(
+        config_for(server, "auto"),
+        sampling_params={"max_new_tokens": 8},
+        tokenizer=stripping_tokenizer,
+        env_factory=ScriptedEnvFactory(),
+    )
+    assert runner.config.history_policy == "auto"
+    async with runner:
+        assert runner.config.history_policy in RESOLVED_POLICIES

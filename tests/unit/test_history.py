@@ -143,7 +143,9 @@ def test_the_grpo_example_gives_every_sequence_of_a_rollout_the_rollouts_advanta
     forked.branches[0].metadata["weight_version_spans"] = [{"version": "3", "start": 0, "end": 2}]
     trainer = SimpleNamespace(version="3", history=["0", "1", "2", "3"])
     samples, advantages, dropped = training_batch(
-        [[forked, plain, stale]], trainer, GRPOOptions(max_staleness=1)  # type: ignore[arg-type]
+        [[forked, plain, stale]],
+        trainer,
+        GRPOOptions(max_staleness=1),  # type: ignore[arg-type]
     )
     high, low, _ = group_advantages([1.0, 0.0, 1.0])  # one advantage per rollout, over the group's rollouts
     assert samples == [forked.branches[0], forked, plain]
