@@ -31,6 +31,7 @@ from fsm_rollout import (
 from fsm_rollout.cli import main as cli_main
 from fsm_rollout.diagrams import build_overlay
 from fsm_rollout.engine.client import VLLMClient
+from fsm_rollout.engine.local.tiny import tiny_model_dir
 from fsm_rollout.parity import template_token_ids
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_path_for
 from fsm_rollout.replay import replay
@@ -604,3 +605,83 @@ async def test_the_runner_resolves_auto_once_at_start_up(server: FakeVLLMServer,
     assert runner.config.history_policy == "auto"
     async with runner:
         assert runner.config.history_policy in RESOLVED_POLICIES
+
+
+# ------------------------------------------------------------------------------------------------ the embedded engine
+
+
+def tiny_model_with_template(tmp_path: Path, chat_template: str) -> Path:
+    """The tiny model's directory, its weights linked, with another chat template in its tokenizer config."""
+    source = tiny_model_dir()
+    target = tmp_path / "tiny-stripping"
+    target.mkdir()
+    for item in source.iterdir():
+        if item.name == "tokenizer_config.json":
+            config = json.loads(item.read_text())
+            config["chat_template"] = chat_template
+            (target / item.name).write_text(json.dumps(config))
+        elif item.name != "chat_template.jinja":
+            (target / item.name).symlink_to(item)
+    return target
+
+
+async def test_on_the_embedded_engine_every_prompt_is_its_render_and_every_token_its_generation(
+    tmp_path: Path,
+) -> None:
+    """Whatever the random weights write, under fork and per_turn each sequence's prompt is one of the engine's
+    renders, each render is the served template's rendering of the conversation sent, and the trainable tokens are
+    the engine's answers."""
+    from fsm_rollout.engine.local import LocalEngine
+    from fsm_rollout.tokenizers import load_tokenizer
+
+    model_dir = tiny_model_with_template(tmp_path, THINK_STRIPPING_CHAT_TEMPLATE)
+    tokenizer = load_tokenizer(str(model_dir))
+    renders: list[tuple[list[dict[str, Any]], list[int]]] = []
+    answers: list[list[int]] = []
+    engine = LocalEngine(model_dir, served_model_name="tiny", max_model_len=1024, torch_threads=1)
+    async with engine, VLLMClient(engine.url) as client:
+        render_once, generate_once = client.render, client.generate
+
+        async def render_kept(payload: dict[str, Any], **kwargs: Any) -> Any:
+            rendered = await render_once(payload, **kwargs)
+            renders.append((payload["messages"], list(rendered.token_ids)))
+            return rendered
+
+        async def generate_kept(body: dict[str, Any], **kwargs: Any) -> Any:
+            answer = await generate_once(body, **kwargs)
+            answers.append(list(answer.token_ids))
+            return answer
+
+        client.render, client.generate = render_kept, generate_kept  # type: ignore[method-assign]
+        for policy in ("fork", "per_turn"):
+            renders.clear()
+            answers.clear()
+            rollout = Rollout(
+                Sample(prompt=PROMPT, index=0),
+                config=RolloutConfig(
+                    engine_url=engine.url, model="tiny", max_turns=4, check_invariants=True, history_policy=policy
+                ),
+                # a stop token roughly every few tokens, so turns end and observations follow
+                sampling_params={
+                    "max_new_tokens": 200,
+                    "temperature": 1.0,
+                    "top_p": 1.0,
+                    "seed": 7,
+                    "stop_token_ids": list(range(0, len(tokenizer), 5)),
+                },
+                client=client,
+                tokenizer=tokenizer,
+                env_factory=ScriptedEnvFactory(),
+            )
+            sample = await rollout.run()
+            sequences = training_sequences([sample])
+            assert trained_tokens(sequences) == [token for answer in answers for token in answer], policy
+            assert len(answers) >= 2, policy  # observations followed turns
+            for messages, token_ids in renders:  # the engine rendered with the template it serves
+                assert token_ids == render(tokenizer, messages), policy
+            rendered = [token_ids for _, token_ids in renders]
+            for sequence in sequences:
+                assert prompt_of(sequence) in rendered, policy
+                sequence.check_invariants(len(prompt_of(sequence)))
+            if policy == "per_turn":
+                assert len(sequences) == len(answers)
