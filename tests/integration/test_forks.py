@@ -685,3 +685,22 @@ async def test_on_the_embedded_engine_every_prompt_is_its_render_and_every_token
                 sequence.check_invariants(len(prompt_of(sequence)))
             if policy == "per_turn":
                 assert len(sequences) == len(answers)
+
+
+def test_the_canned_bench_server_renders_a_conversation_so_fork_rollouts_extend_without_forking(
+    tokenizer: Any,
+) -> None:
+    """The forks benchmark's CPU figure is fork's own cost only if the canned server's re-render is the template's
+    (a canned first prompt for every render would fork every observation)."""
+    from fsm_rollout.cli.bench.forks import canned_run
+    from fsm_rollout.cli.bench.server import Server
+
+    server = Server(0.0)
+    try:
+        url = server.url()
+        fork = canned_run(url, tokenizer, "fork", 2)
+        append = canned_run(url, tokenizer, "append", 2)
+    finally:
+        server.stop()
+    assert (fork["renders_per_observation"], fork["forks_per_rollout"]) == (1.0, 0.0)
+    assert (append["renders_per_observation"], append["forks_per_rollout"]) == (0.0, 0.0)
