@@ -2,6 +2,9 @@
 
 What the command shows and its exit codes are in :data:`EPILOG` (printed by ``--help`` and in the README). The
 summarising and rendering below serve only this command, so they live here rather than in the library.
+
+Why this module is long: the batch summary and the timeline (its transitions, turns, observations and, for a rollout
+that forked, its earlier sequences) share one tape reading and one painter, and serve only this command.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ the environment's answer and the observation appended after it, with the sample'
 ended with (an environment's answer to one turn is not the reward: Geo3K's reward is the episode's best score).
 A group id (7) shows each of its members (7.0, 7.1, ...); an unknown id lists the ids there are. Trainable tokens
 (loss mask 1) are shown apart from masked ones: green and dim in a terminal, masked text in ⟦…⟧ when the output
-is piped.
+is piped. A rollout that forked shows its earlier training sequences (branches) first, then its last one.
 
 Exit codes: 0 shown; 2 unusable input (missing file, not a trace, another schema version, unknown sample)."""
 MASK_OPEN, MASK_CLOSE = "⟦", "⟧"
