@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import bisect
-import contextlib
 import copy
 import hashlib
 import time
@@ -38,6 +37,7 @@ from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_writer_for
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import Sample, Status
 from fsm_rollout.suspension import Suspender, SuspendStats
+from fsm_rollout.template_probe import HistoryPolicyChooser
 from fsm_rollout.tokenizers import TokenizerSource, load_tokenizer, tokenizer_source
 from fsm_rollout.trace import Tracer, get_tracer
 
@@ -132,6 +132,11 @@ class RolloutRunner:
         self._active = self._metrics.active
         self._waiting = self._metrics.waiting
         self._encoder: ObservationEncoder | None = None
+        self._history = HistoryPolicyChooser(
+            getattr(config, "history_policy", "auto"), config.apply_chat_template_kwargs
+        )
+        self.history_policy: str | None = None
+        """The history policy of samples without tools, resolved from the template probe on entering."""
         self._hooks = combine_hooks(self._metrics, hooks)
         self._entered = False
         self.suspender = Suspender(
@@ -166,9 +171,8 @@ class RolloutRunner:
         if source is not None:
             tokenizer = source.load(model=self.config.model, trust_remote_code=self.config.trust_remote_code)
         encoder = ObservationEncoder(tokenizer)
-        # a failed probe is not remembered: each sample's rollout probes again and fails naming the error
-        with contextlib.suppress(Exception):
-            encoder.probe(template_kwargs=self.config.apply_chat_template_kwargs)
+        # the template probe and the history policy of samples without tools (AppendRefused ends the start-up)
+        self.history_policy = self._history.resolve(tokenizer)
         return tokenizer, encoder
 
     async def __aexit__(
@@ -202,6 +206,9 @@ class RolloutRunner:
             raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
         if len(self._clients) > 1 and not sample.session_id:
             sample.session_id = str(uuid.uuid4())
+        tools = sample.metadata.get("tools") if isinstance(sample.metadata, Mapping) else None
+        if tools:  # a tool set not seen yet is probed once (AppendRefused fails the sample)
+            self._history.resolve(self.tokenizer, tools)
         options: dict[str, Any] = {
             "config": self.config,
             "sampling_params": self.sampling_params if seed is None else {**self.sampling_params, "seed": seed},
