@@ -381,6 +381,7 @@ def _boundary_after_rewrite(
     """The boundary (after the closing EOS) cut at the EOS that closes the dummy assistant turn, for a template that
     rewrote the dummy prefix: the prefix's EOS count locates it."""
     tokenizer, eos = encoder.tokenizer, encoder.eos_token_id
+    assert eos is not None  # probe_template checked it
     shape = observation_shape(observation)
     prefix = _render(tokenizer, DUMMY_PREFIXES[shape], tools, kwargs, generation=False, what="dummy prefix")
     full = _render(
@@ -451,7 +452,8 @@ class HistoryPolicyChooser:
     """Probes a tokenizer's template once per tool set and resolves the requested history policy for it.
 
     Each resolution is traced as one structlog event ``template_probe`` (the report's summary and the policy). A
-    template that rewrites history under ``"append"`` is logged once as a warning per (template, switches, tools);
+    template that rewrites history under ``"append"`` is logged as a warning once (the first time; every finding is
+    traced);
     :class:`AppendRefused` is raised where append cannot cut the boundary. The roles probed are ``user``, and
     ``tool`` too when the tool set is not empty.
     """
@@ -462,7 +464,7 @@ class HistoryPolicyChooser:
         self.requested = requested
         self.template_kwargs = dict(template_kwargs or {})
         self._resolved: dict[bytes, str] = {}
-        self._warned: set[bytes] = set()
+        self._warned = False
 
     def resolve(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The policy for rollouts with ``tools`` (probing the template the first time this tool set is seen)."""
@@ -479,8 +481,8 @@ class HistoryPolicyChooser:
             event.error("template_probe", requested=self.requested, policy=None, refused=str(error), **report.to_dict())
             raise
         event.info("template_probe", requested=self.requested, policy=policy, **report.to_dict())
-        if policy == "append" and not report.stable_for(roles) and key not in self._warned:
-            self._warned.add(key)
+        if policy == "append" and not report.stable_for(roles) and not self._warned:
+            self._warned = True  # once: samples may each bring a tool set of their own
             logger.warning(
                 "history_policy=%r on a template that rewrites history: the model is trained on the tokens it saw, "
                 "but deployment will show it a different history. %s",
