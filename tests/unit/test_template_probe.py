@@ -35,6 +35,7 @@ OFF: Mapping[str, Any] = {"enable_thinking": False}
 PRESERVE: Mapping[str, Any] = {"preserve_thinking": True}
 SWITCHES: Mapping[str, Mapping[str, Any]] = {"default": {}, "thinking_off": OFF, "preserve_thinking": PRESERVE}
 
+TH, NO = "thinking", "no_thinking"
 # (template, switches) -> generation prompt, then per role: (boundary cuttable, {variant: stable})
 Finding = tuple[bool, dict[str, bool]]
 EXPECTED: dict[tuple[str, str], tuple[str, dict[str, Finding]]] = {
@@ -43,74 +44,74 @@ EXPECTED: dict[tuple[str, str], tuple[str, dict[str, Finding]]] = {
     # their thinking (user role), turns after it keep non-empty thinking (tool role).
     ("qwen3", "default"): (
         "plain",
-        {"user": (False, {"thinking": False, "no_thinking": True}), "tool": (False, {"thinking": True, "no_thinking": True})},
+        {"user": (False, {TH: False, NO: True}), "tool": (False, {TH: True, NO: True})},
     ),
     # enable_thinking=false pre-fills '<think>\n\n</think>\n\n'; history never writes an empty block back.
     ("qwen3", "thinking_off"): (
         "closed_think",
-        {"user": (False, {"no_thinking": False}), "tool": (False, {"no_thinking": False})},
+        {"user": (False, {NO: False}), "tool": (False, {NO: False})},
     ),
     # Qwen3 has no preserve_thinking switch: the same as by default.
     ("qwen3", "preserve_thinking"): (
         "plain",
-        {"user": (False, {"thinking": False, "no_thinking": True}), "tool": (False, {"thinking": True, "no_thinking": True})},
+        {"user": (False, {TH: False, NO: True}), "tool": (False, {TH: True, NO: True})},
     ),
     # Qwen3.5 opens '<think>\n'; history writes '<think>\n' + reasoning + '\n</think>\n\n' after the last query
     # only: the user role loses it, the tool role keeps it, and a turn that did not reason comes back as a closed
     # empty block whose '\n\n' is one token where the rollout holds two.
     ("qwen3_5", "default"): (
         "open_think",
-        {"user": (False, {"thinking": False, "no_thinking": False}), "tool": (True, {"thinking": True, "no_thinking": False})},
+        {"user": (False, {TH: False, NO: False}), "tool": (True, {TH: True, NO: False})},
     ),
     ("qwen3_5", "thinking_off"): (
         "closed_think",
-        {"user": (False, {"no_thinking": False}), "tool": (True, {"no_thinking": True})},
+        {"user": (False, {NO: False}), "tool": (True, {NO: True})},
     ),
     ("qwen3_5", "preserve_thinking"): (
         "open_think",
-        {"user": (False, {"thinking": False, "no_thinking": False}), "tool": (True, {"thinking": True, "no_thinking": False})},
+        {"user": (False, {TH: False, NO: False}), "tool": (True, {TH: True, NO: False})},
     ),
     ("qwen3_6", "default"): (
         "open_think",
-        {"user": (False, {"thinking": False, "no_thinking": False}), "tool": (True, {"thinking": True, "no_thinking": False})},
+        {"user": (False, {TH: False, NO: False}), "tool": (True, {TH: True, NO: False})},
     ),
     ("qwen3_6", "thinking_off"): (
         "closed_think",
-        {"user": (False, {"no_thinking": False}), "tool": (True, {"no_thinking": True})},
+        {"user": (False, {NO: False}), "tool": (True, {NO: True})},
     ),
     # preserve_thinking keeps every turn's block: reasoning turns are stable in both roles and the user boundary
     # can be cut; a turn that did not reason still merges whitespace.
     ("qwen3_6", "preserve_thinking"): (
         "open_think",
-        {"user": (True, {"thinking": True, "no_thinking": False}), "tool": (True, {"thinking": True, "no_thinking": False})},
+        {"user": (True, {TH: True, NO: False}), "tool": (True, {TH: True, NO: False})},
     ),
     # Qwen3.8 keeps a block on every turn but reads reasoning from reasoning_content only: a turn's text after the
     # open '<think>\n' comes back after a closed empty block, whether it reasoned or not.
     ("qwen3_8", "default"): (
         "open_think",
-        {"user": (True, {"thinking": False, "no_thinking": False}), "tool": (True, {"thinking": False, "no_thinking": False})},
+        {"user": (True, {TH: False, NO: False}), "tool": (True, {TH: False, NO: False})},
     ),
     # thinking off: the pre-filled empty block is exactly what history writes.
     ("qwen3_8", "thinking_off"): (
         "closed_think",
-        {"user": (True, {"no_thinking": True}), "tool": (True, {"no_thinking": True})},
+        {"user": (True, {NO: True}), "tool": (True, {NO: True})},
     ),
     ("qwen3_8", "preserve_thinking"): (
         "open_think",
-        {"user": (True, {"thinking": False, "no_thinking": False}), "tool": (True, {"thinking": False, "no_thinking": False})},
+        {"user": (True, {TH: False, NO: False}), "tool": (True, {TH: False, NO: False})},
     ),
     # keeps thinking on tool-call turns only: the user role's reasoning turns lose it.
     ("tool_call_thinking", "default"): (
         "plain",
-        {"user": (True, {"thinking": False, "no_thinking": True}), "tool": (True, {"thinking": True, "no_thinking": True})},
+        {"user": (True, {TH: False, NO: True}), "tool": (True, {TH: True, NO: True})},
     ),
     ("tool_call_thinking", "thinking_off"): (
         "plain",
-        {"user": (True, {"thinking": False, "no_thinking": True}), "tool": (True, {"thinking": True, "no_thinking": True})},
+        {"user": (True, {TH: False, NO: True}), "tool": (True, {TH: True, NO: True})},
     ),
     ("tool_call_thinking", "preserve_thinking"): (
         "plain",
-        {"user": (True, {"thinking": False, "no_thinking": True}), "tool": (True, {"thinking": True, "no_thinking": True})},
+        {"user": (True, {TH: False, NO: True}), "tool": (True, {TH: True, NO: True})},
     ),
 }  # fmt: skip
 
