@@ -474,11 +474,13 @@ class HistoryPolicyChooser:
             return known
         roles = ("user", "tool") if tools else ("user",)
         report = probe_template(tokenizer, tools, self.template_kwargs, roles=roles)
-        event = structlog.get_logger("fsm_rollout.template_probe")
+        # structlog's processors (the user's, if configured) on top of this module's stdlib logger: nothing is
+        # printed unless the host asks for it
+        event = structlog.wrap_logger(logger)
         try:
             policy = choose_history_policy(report, self.requested, roles)
         except AppendRefused as error:
-            event.error("template_probe", requested=self.requested, policy=None, refused=str(error), **report.to_dict())
+            event.info("template_probe", requested=self.requested, policy=None, refused=str(error), **report.to_dict())
             raise
         event.info("template_probe", requested=self.requested, policy=policy, **report.to_dict())
         if policy == "append" and not report.stable_for(roles) and not self._warned:

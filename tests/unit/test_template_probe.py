@@ -293,4 +293,4 @@ def test_the_chooser_refuses_append_once_and_traces_the_refusal() -> None:
     with capture_logs() as events, pytest.raises(AppendRefused):
         chooser.resolve(shipped("qwen3_6"))
     (event,) = [event for event in events if event["event"] == "template_probe"]
-    assert event["log_level"] == "error" and event["policy"] is None and "boundary cannot be cut" in event["refused"]
+    assert event["policy"] is None and "boundary cannot be cut" in event["refused"]
