@@ -35,7 +35,9 @@ async def test_append_on_a_template_whose_boundary_cannot_be_cut_exits_2_once_wi
         pytest.skip("--history-policy comes with RolloutConfig.history_policy (the forks branch)")
     data = dataset(tmp_path / "d.jsonl", *(done_after_one_turn(f"q{n}") for n in range(3)))
     engine = ("--engine-url", fake_vllm.url, "--model", "fake-model", "--tokenizer", str(qwen3_6_dir))
-    code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--history-policy", "append", engine=engine)
+    code, _, stderr = await run_cli(
+        fake_vllm, tmp_path, "--data", str(data), "--history-policy", "append", engine=engine
+    )
     assert code == 2
     line = one_error_line(stderr)  # once, not per sample
     assert "history_policy='append' cannot run" in line and "boundary cannot be cut" in line
