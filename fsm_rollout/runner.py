@@ -13,10 +13,7 @@ same server, and adding a server moves only about 1/N of the sessions.
 from __future__ import annotations
 
 import asyncio
-import bisect
-import contextlib
 import copy
-import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -32,6 +29,7 @@ from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.env import EnvFactory, load_env_factory
 from fsm_rollout.errors import ConfigError, RolloutError
+from fsm_rollout.hashring import ConsistentHashRing
 from fsm_rollout.hooks import RolloutHooks, combine_hooks
 from fsm_rollout.metrics import MetricsSnapshot, RunnerMetrics
 from fsm_rollout.queueing import QueueNotingTracer, Waiting
@@ -39,6 +37,7 @@ from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_writer_for
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import Sample, Status
 from fsm_rollout.suspension import Suspender, SuspendStats
+from fsm_rollout.template_probe import HistoryPolicyChooser
 from fsm_rollout.tokenizers import TokenizerSource, load_tokenizer, tokenizer_source
 from fsm_rollout.trace import Tracer, get_tracer
 
@@ -47,32 +46,6 @@ NOT_STARTED = "not_started"
 never started, so it holds nothing but its input."""
 
 _T = TypeVar("_T")
-
-
-class ConsistentHashRing:
-    """Maps keys (session ids) to one of several engine URLs; stable when URLs are added or removed."""
-
-    def __init__(self, urls: Sequence[str], *, replicas: int = 64) -> None:
-        if not urls:
-            raise ConfigError("at least one engine URL is needed")
-        self._points: list[int] = []
-        self._owners: list[str] = []
-        for url in sorted(set(urls)):
-            for replica in range(replicas):
-                self._points.append(self._hash(f"{url}#{replica}"))
-                self._owners.append(url)
-        order = sorted(range(len(self._points)), key=self._points.__getitem__)
-        self._points = [self._points[i] for i in order]
-        self._owners = [self._owners[i] for i in order]
-
-    @staticmethod
-    def _hash(key: str) -> int:
-        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-
-    def url_for(self, key: str) -> str:
-        """The engine URL that owns ``key``."""
-        index = bisect.bisect(self._points, self._hash(key)) % len(self._points)
-        return self._owners[index]
 
 
 class RolloutRunner:
@@ -133,6 +106,10 @@ class RolloutRunner:
         self._active = self._metrics.active
         self._waiting = self._metrics.waiting
         self._encoder: ObservationEncoder | None = None
+        self._history = HistoryPolicyChooser(config.history_policy, config.apply_chat_template_kwargs)
+        self.history_policy: str | None = None
+        self._configs: dict[str, RolloutConfig] = {}
+        """The history policy of samples without tools, resolved from the template probe on entering."""
         self._hooks = combine_hooks(self._metrics, hooks)
         self._entered = False
         self.suspender = Suspender(
@@ -152,9 +129,6 @@ class RolloutRunner:
             # loading a tokenizer and rendering the probe's conversations take long enough to stall every other
             # task of the loop (a trainer's heartbeat): they run in a thread of their own
             self.tokenizer, self._encoder = await _in_own_thread(lambda: self._tokenizer_and_encoder(source))
-            # HISTORY POLICY: "auto" is resolved here, once. PLACEHOLDER: the template probe's choice replaces "append".
-            if self.config.history_policy == "auto":
-                self.config = replace(self.config, history_policy="append")
             if self.env_factory is None:
                 self.env_factory = load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
         except BaseException:
@@ -170,9 +144,8 @@ class RolloutRunner:
         if source is not None:
             tokenizer = source.load(model=self.config.model, trust_remote_code=self.config.trust_remote_code)
         encoder = ObservationEncoder(tokenizer)
-        # a failed probe is not remembered: each sample's rollout probes again and fails naming the error
-        with contextlib.suppress(Exception):
-            encoder.probe(template_kwargs=self.config.apply_chat_template_kwargs)
+        # the template probe and the history policy of samples without tools (AppendRefused ends the start-up)
+        self.history_policy = self._history.resolve(tokenizer)
         return tokenizer, encoder
 
     async def __aexit__(
@@ -194,6 +167,13 @@ class RolloutRunner:
 
     # ------------------------------------------------------------------ building rollouts
 
+    def _config_under(self, policy: str) -> RolloutConfig:
+        """The config with ``history_policy`` resolved to ``policy``, made once per policy."""
+        config = self._configs.get(policy)
+        if config is None:
+            config = self._configs[policy] = replace(self.config, history_policy=policy)
+        return config
+
     def _client_for(self, sample: Sample) -> VLLMClient:
         if len(self._clients) == 1:
             return next(iter(self._clients.values()))
@@ -206,8 +186,11 @@ class RolloutRunner:
             raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
         if len(self._clients) > 1 and not sample.session_id:
             sample.session_id = str(uuid.uuid4())
+        tools = sample.metadata.get("tools") if isinstance(sample.metadata, Mapping) else None
+        # a tool set not seen yet is probed once (AppendRefused fails the sample); the rollout runs the policy chosen
+        policy = self._history.resolve(self.tokenizer, tools) if tools else self.history_policy
         options: dict[str, Any] = {
-            "config": self.config,
+            "config": self._config_under(policy or self.config.history_policy),
             "sampling_params": self.sampling_params if seed is None else {**self.sampling_params, "seed": seed},
             "client": self._client_for(sample),
             "tokenizer": self.tokenizer,
@@ -489,7 +472,6 @@ def _positive(value: int) -> int:
 
 __all__ = [
     "NOT_STARTED",
-    "ConsistentHashRing",
     "MetricsSnapshot",
     "RolloutRunner",
     "group_members",
