@@ -35,7 +35,6 @@ from fsm_rollout.engine.local.tiny import tiny_model_dir
 from fsm_rollout.parity import template_token_ids
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_path_for
 from fsm_rollout.replay import replay
-from fsm_rollout.rollout.history import RESOLVED_POLICIES
 from fsm_rollout.suspension import HandBack, Suspender
 from fsm_rollout.testing.envs import ScriptedEnv, ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
