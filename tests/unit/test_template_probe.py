@@ -25,6 +25,7 @@ from fsm_rollout.template_probe import (
     probe_template,
 )
 from fsm_rollout.testing.chat_templates import CHAT_TEMPLATE_NAMES, chat_template, tokenizer_with_chat_template
+from fsm_rollout.testing.qwen3_6_tokenizer import load_qwen3_6_tokenizer
 from fsm_rollout.testing.templates import (
     MINIMAL_CHATML_TEMPLATE,
     THINK_STRIPPING_CHAT_TEMPLATE,
@@ -301,7 +302,7 @@ def test_the_chooser_refuses_append_once_and_traces_the_refusal() -> None:
 
 @functools.cache
 def qwen3_6_real() -> Any:
-    return tokenizer_with_chat_template("qwen3_6", vocabulary="qwen3_6")
+    return load_qwen3_6_tokenizer()  # it wears the Qwen3.6 template
 
 
 @pytest.mark.parametrize("switches", list(SWITCHES))

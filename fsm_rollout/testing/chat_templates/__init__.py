@@ -34,20 +34,10 @@ def chat_template(name: str) -> str:
     return importlib.resources.files(__name__).joinpath(f"{name}.jinja").read_text(encoding="utf-8")
 
 
-def tokenizer_with_chat_template(name: str, *, vocabulary: str = "qwen2") -> PreTrainedTokenizerFast:
-    """A fresh copy of a test tokenizer wearing a shipped template: the Qwen2 one
-    (:func:`~fsm_rollout.testing.templates.qwen_tokenizer_with_template`) or, with ``vocabulary="qwen3_6"``, the real
-    Qwen3.5/3.6 one (:mod:`fsm_rollout.testing.qwen3_6_tokenizer`, where ``<think>`` and the tool tags are special
-    tokens)."""
-    text = chat_template(name)
-    if vocabulary == "qwen2":
-        from fsm_rollout.testing.templates import qwen_tokenizer_with_template
+def tokenizer_with_chat_template(name: str) -> PreTrainedTokenizerFast:
+    """A fresh copy of the Qwen2 test tokenizer wearing a shipped template (see
+    :func:`~fsm_rollout.testing.templates.qwen_tokenizer_with_template`; the real Qwen3.5/3.6 vocabulary, where
+    ``<think>`` and the tool tags are special tokens, is :mod:`fsm_rollout.testing.qwen3_6_tokenizer`)."""
+    from fsm_rollout.testing.templates import qwen_tokenizer_with_template
 
-        return qwen_tokenizer_with_template(text)
-    if vocabulary == "qwen3_6":
-        from fsm_rollout.testing.qwen3_6_tokenizer import load_qwen3_6_tokenizer
-
-        tokenizer = load_qwen3_6_tokenizer()
-        tokenizer.chat_template = text
-        return tokenizer
-    raise ValueError(f"vocabulary must be 'qwen2' or 'qwen3_6', got {vocabulary!r}")
+    return qwen_tokenizer_with_template(chat_template(name))
