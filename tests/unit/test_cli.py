@@ -52,6 +52,19 @@ def run_config(*argv: str) -> tuple[float | None, bool]:
     return config.loop_slice_ms, config.tune_gc
 
 
+@pytest.mark.parametrize(("argv", "policy"), [((), "auto"), (("--history-policy", "per_turn"), "per_turn")])
+def test_run_passes_the_history_policy_on_and_defaults_to_auto(argv: tuple[str, ...], policy: str) -> None:
+    args = build_parser().parse_args(["run", *argv])
+    assert build_config(args, "http://127.0.0.1:1", "m", None, None).history_policy == policy
+
+
+def test_run_refuses_an_unknown_history_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["run", "--history-policy", "branch"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'branch'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [

@@ -151,3 +151,30 @@ def test_the_grpo_example_gives_every_sequence_of_a_rollout_the_rollouts_advanta
     assert samples == [forked.branches[0], forked, plain]
     assert advantages == [high, high, low]
     assert dropped == 1  # the stale rollout is dropped whole, all its sequences with it
+
+
+def test_pool_metrics_add_up_the_workers_forks_and_sequences() -> None:
+    from fsm_rollout.metrics import MetricsSnapshot, combine_metrics
+
+    def worker(done: int, forks: int) -> MetricsSnapshot:
+        return MetricsSnapshot(
+            occupancy={},
+            in_flight=0,
+            dwell_ms_mean={},
+            statuses={"completed": done},
+            reasons={"env_done": done},
+            samples_done=done,
+            turns=0,
+            tokens_generated=0,
+            elapsed_s=1.0,
+            samples_per_s=0.0,
+            turns_per_s=0.0,
+            tokens_per_s=0.0,
+            forks=forks,
+            sequences=done + forks,
+        )
+
+    pooled = combine_metrics([worker(2, 3), worker(4, 1)], elapsed_s=1.0, failed_in_pool={"worker_lost": 2})
+    assert (pooled.forks, pooled.sequences, pooled.samples_done) == (4, 12, 8)  # a lost sample is one sequence
+    assert pooled.forks_per_rollout == 0.5 and pooled.sequences_per_rollout == 1.5
+    assert worker(0, 0).sequences_per_rollout == 0.0

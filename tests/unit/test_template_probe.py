@@ -25,6 +25,7 @@ from fsm_rollout.template_probe import (
     probe_template,
 )
 from fsm_rollout.testing.chat_templates import CHAT_TEMPLATE_NAMES, chat_template, tokenizer_with_chat_template
+from fsm_rollout.testing.qwen3_6_tokenizer import load_qwen3_6_tokenizer
 from fsm_rollout.testing.templates import (
     MINIMAL_CHATML_TEMPLATE,
     THINK_STRIPPING_CHAT_TEMPLATE,
@@ -294,3 +295,33 @@ def test_the_chooser_refuses_append_once_and_traces_the_refusal() -> None:
         chooser.resolve(shipped("qwen3_6"))
     (event,) = [event for event in events if event["event"] == "template_probe"]
     assert event["policy"] is None and "boundary cannot be cut" in event["refused"]
+
+
+# --------------------------------------------------------------------------------------------- real Qwen3.6 vocab
+
+
+@functools.cache
+def qwen3_6_real() -> Any:
+    return load_qwen3_6_tokenizer()  # it wears the Qwen3.6 template
+
+
+@pytest.mark.parametrize("switches", list(SWITCHES))
+def test_the_findings_hold_on_the_real_qwen3_6_vocabulary(switches: str) -> None:
+    tokenizer = qwen3_6_real()
+    report = probe_template(tokenizer, template_kwargs=SWITCHES[switches])
+    generation, roles = EXPECTED[("qwen3_6", switches)]
+    assert report.generation_prompt == generation
+    found = {
+        role: (finding.cuttable, {c.variant: c.stable for c in finding.conversations})
+        for role, finding in report.roles.items()
+    }
+    assert found == roles
+
+
+def test_the_real_vocabulary_writes_the_think_tags_as_special_tokens() -> None:
+    tokenizer = qwen3_6_real()
+    think, end_think = tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
+    assert (think, end_think) == (248068, 248069)
+    # the Qwen3.8-style merge: history's '\n\n' is one token where a turn sampled after '<think>\n' holds two
+    assert tokenizer.encode("<think>\n\n</think>") == [think, 271, end_think]
+    assert tokenizer.encode("<think>\n") + tokenizer.encode("\n</think>") == [think, 198, 198, end_think]

@@ -36,7 +36,8 @@ def chat_template(name: str) -> str:
 
 def tokenizer_with_chat_template(name: str) -> PreTrainedTokenizerFast:
     """A fresh copy of the Qwen2 test tokenizer wearing a shipped template (see
-    :func:`~fsm_rollout.testing.templates.qwen_tokenizer_with_template`)."""
+    :func:`~fsm_rollout.testing.templates.qwen_tokenizer_with_template`; the real Qwen3.5/3.6 vocabulary, where
+    ``<think>`` and the tool tags are special tokens, is :mod:`fsm_rollout.testing.qwen3_6_tokenizer`)."""
     from fsm_rollout.testing.templates import qwen_tokenizer_with_template
 
     return qwen_tokenizer_with_template(chat_template(name))
