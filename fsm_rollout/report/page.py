@@ -35,11 +35,13 @@ def render_page(index: dict[str, Any], details: Sequence[dict[str, Any]], *, tit
         '<div id="app"><p class="loading">loading…</p></div>\n',
         f'<script type="application/json" id="report-index">{json_for_script(index)}</script>\n',
     ]
+    # the script comes before the samples' data: the page is drawn while the parser still reads that data
+    parts.append(f"<script>{SCRIPT}</script>\n")
     parts.extend(
         f'<script type="application/json" id="d{position}">{json_for_script(page)}</script>\n'
         for position, page in enumerate(details)
     )
-    parts.append(f"<script>{SCRIPT}</script>\n</body>\n</html>\n")
+    parts.append("</body>\n</html>\n")
     return "".join(parts)
 
 
