@@ -144,16 +144,16 @@ SCRIPT = r"""
     el.appendChild(child instanceof Node ? child : document.createTextNode(String(child)));
   }
   function fmt(value, digits) {
-    if (value === null || value === undefined) return "–";
+    if (value === null || value === undefined) return "\u2013";
     if (typeof value !== "number") return String(value);
     if (Number.isInteger(value)) return value.toLocaleString("en-US");
     return value.toFixed(digits === undefined ? 1 : digits);
   }
   function ms(value) {
-    if (value === null || value === undefined) return "–";
+    if (value === null || value === undefined) return "\u2013";
     return value >= 1000 ? (value / 1000).toFixed(2) + " s" : value.toFixed(1) + " ms";
   }
-  function badge(text, cls) { return h("span", { class: "badge " + (cls || text || "") }, text || "–"); }
+  function badge(text, cls) { return h("span", { class: "badge " + (cls || text || "") }, text || "\u2013"); }
   function detail(i) {
     if (!cache.has(i) || cache.get(i) === null) {
       const el = document.getElementById("d" + i);
@@ -183,10 +183,11 @@ SCRIPT = r"""
     const list = [
       [fmt(S.runs), "sample runs (" + fmt(S.finished) + " finished, " + fmt(S.unfinished) + " unfinished)"],
       [fmt(S.turns_total), "turns"],
-      [gen ? fmt(gen.total) : "–", "tokens generated"],
-      [t ? fmt(t.tokens_per_s, 0) : "–", "tokens/s" + (t ? " over " + fmt(t.seconds, 1) + " s" : "")],
-      [t ? fmt(t.samples_per_s, 2) : "–", "samples/s"],
-      [mean === null ? "–" : mean.toFixed(3), "mean reward" + (rewards.length ? " (" + rewards.length + ")" : "")],
+      [gen ? fmt(gen.total) : "\u2013", "tokens generated"],
+      [t ? fmt(t.tokens_per_s, 0) : "\u2013", "tokens/s" + (t ? " over " + fmt(t.seconds, 1) + " s" : "")],
+      [t ? fmt(t.samples_per_s, 2) : "\u2013", "samples/s"],
+      [mean === null ? "\u2013" : mean.toFixed(3),
+        "mean reward" + (rewards.length ? " (" + rewards.length + ")" : "")],
     ];
     if (S.groups.length) list.push([zero + "/" + S.groups.length, "groups with zero reward variance"]);
     if (S.forks) list.push([fmt(S.forks.transitions), "forks in " + fmt(S.forks.samples) + " samples"]);
@@ -203,7 +204,8 @@ SCRIPT = r"""
         h("td", { class: "reasons" }, s.reasons.map(([reason, n]) => h("a", { href: "#", onclick: (e) => {
           e.preventDefault(); setFilter({ reason: reason }); } }, reason + " " + n)))));
     }
-    if (S.unfinished) rows.push(h("tr", null, h("td", null, badge("unfinished")), h("td", { class: "n" }, fmt(S.unfinished))));
+    if (S.unfinished) rows.push(h("tr", null, h("td", null, badge("unfinished")), h("td", { class: "n" },
+      fmt(S.unfinished))));
     return h("section", null, h("h2", null, "Statuses and reasons"),
       h("table", null, h("tr", null, h("th", null, "status"), h("th", { class: "n" }, "samples"), h("th"),
         h("th", null, "reasons (click to filter)")), rows),
@@ -214,29 +216,33 @@ SCRIPT = r"""
     const tok = (name, label) => {
       const s = S.tokens[name];
       return h("tr", null, h("td", null, label), ...(s ? [s.n, s.mean, s.p50, s.p95, s.max].map((x) =>
-        h("td", { class: "n" }, fmt(x))) : [h("td", { class: "n" }, "–")]));
+        h("td", { class: "n" }, fmt(x))) : [h("td", { class: "n" }, "\u2013")]));
     };
     return h("section", null, h("h2", null, "Turns and tokens"),
       h("h3", null, "turns per sample"),
       h("table", null, S.turns.map(([turns, n]) => h("tr", null, h("td", { class: "n", style: "width:40px" }, turns),
         h("td", null, h("span", { class: "bar", style: "width:" + (200 * n / max) + "px" }), n)))),
       h("h3", null, "tokens per sample"),
-      h("table", null, h("tr", null, ["", "n", "mean", "p50", "p95", "max"].map((x) => h("th", { class: x ? "n" : "" }, x))),
+      h("table", null, h("tr", null, ["", "n", "mean", "p50", "p95", "max"].map((x) => h("th",
+        { class: x ? "n" : "" }, x))),
         tok("prompt", "prompt"), tok("generated", "generated"), tok("response", "response side")));
   }
   function timeSection() {
     const rows = S.dwell.filter((d) => d.n);
     const total = rows.reduce((a, d) => a + d.total, 0) + (S.queued ? S.queued.total : 0);
-    const line = (name, d, cls, note) => h("tr", null, h("td", null, name, note ? h("div", { class: "note" }, note) : null),
+    const line = (name, d, cls, note) => h("tr", null, h("td", null, name, note ? h("div", { class: "note" },
+      note) : null),
       h("td", { class: "n" }, fmt(d.n)), h("td", { class: "n" }, ms(d.p50)), h("td", { class: "n" }, ms(d.p95)),
       h("td", { class: "n" }, ms(d.total)),
-      h("td", null, h("span", { class: "bar " + (cls || ""), style: "width:" + (160 * d.total / Math.max(1, total)) + "px" })));
+      h("td", null, h("span", { class: "bar " + (cls || ""), style: "width:" + (160 * d.total / Math.max(1,
+        total)) + "px" })));
     return h("section", null, h("h2", null, "Where the time went"),
       h("table", null, h("tr", null, ["state", "n", "p50", "p95", "total", "share"].map((x, k) =>
         h("th", { class: k && k < 5 ? "n" : "" }, x))),
         S.queued ? line("queued for a slot", S.queued, "queue",
           "waiting for a concurrency slot before the rollout starts: not part of pending's own work") : null,
-        rows.map((d) => line(d.state, d, "", d.state === "pending" ? "the rollout's own start-up (render request)" : null))),
+        rows.map((d) => line(d.state, d, "",
+          d.state === "pending" ? "the rollout's own start-up (render request)" : null))),
       h("p", { class: "note" }, "dwell: time in a state per transition out of it (trace field dwell_ms)"));
   }
   function groupsSection() {
@@ -274,14 +280,15 @@ SCRIPT = r"""
       url ? h("div", { class: "scroll" }, h("img", { src: url, alt: "lifecycle diagram with the run's counts" }))
         : h("p", { class: "note" }, "diagram not drawn: " + (L.svg_error || "no Graphviz")),
       h("details", null, h("summary", null, "every edge of the table"),
-        h("table", null, h("tr", null, ["from", "trigger [guard]", "to", "reason", "transitions", "samples"].map((x, k) =>
+        h("table", null, h("tr", null, ["from", "trigger [guard]", "to", "reason", "transitions", "samples"].map((x,
+          k) =>
           h("th", { class: k > 3 ? "n" : "" }, x))),
           L.edges.map((e) => h("tr", { style: e.transitions ? "" : "color:#b0b7bb" }, h("td", null, e.src),
             h("td", null, e.guard ? e.trigger + " [" + e.guard + "]" : e.trigger), h("td", null, e.dst),
             h("td", null, e.reason || ""), h("td", { class: "n" }, fmt(e.transitions)),
             h("td", { class: "n" }, fmt(e.samples)))))),
       L.unmatched.length ? h("p", { class: "err" }, "transitions today's table has no edge for: " +
-        L.unmatched.map((u) => u.edge.join(" ") + " ×" + u.transitions).join("; ")) : null);
+        L.unmatched.map((u) => u.edge.join(" ") + " \u00d7" + u.transitions).join("; ")) : null);
   }
   function replaySection() {
     const R = INDEX.replay;
@@ -354,20 +361,22 @@ SCRIPT = r"""
       const x = r.v[C[name]];
       if (name === "status") return badge(x);
       if (name === "verdict") return x ? badge(x) : "";
-      if (name === "reward") return typeof x === "number" ? x.toFixed(3) : "–";
-      if (name === "duration_ms") return x === null ? "–" : (x / 1000).toFixed(2) + " s";
-      return x === null || x === undefined ? "–" : String(x);
+      if (name === "reward") return typeof x === "number" ? x.toFixed(3) : "\u2013";
+      if (name === "duration_ms") return x === null ? "\u2013" : (x / 1000).toFixed(2) + " s";
+      return x === null || x === undefined ? "\u2013" : String(x);
     }
     function draw() {
       const top = viewport.scrollTop, height = viewport.clientHeight || 600;
-      const first = Math.max(0, Math.floor(top / ROW_H) - 5), last = Math.min(view.length, Math.ceil((top + height) / ROW_H) + 5);
+      const first = Math.max(0, Math.floor(top / ROW_H) - 5), last = Math.min(view.length,
+        Math.ceil((top + height) / ROW_H) + 5);
       const keep = new Map();
       for (let k = first; k < last; k++) {
         const r = view[k];
         let el = drawn.get(k);
         if (!el || el._row !== r) {
           if (el) el.remove();
-          el = h("a", { class: "vrow", href: "#s" + r.i, style: "top:" + k * ROW_H + "px", "data-sample": r.v[C.label] },
+          el = h("a", { class: "vrow", href: "#s" + r.i, style: "top:" + k * ROW_H + "px",
+            "data-sample": r.v[C.label] },
             COLS.map((name) => h("span", null, cell(r, name))));
           el._row = r;
           viewport.appendChild(el);
@@ -391,18 +400,20 @@ SCRIPT = r"""
     const input = (key, attrs) => h("input", Object.assign({ value: filter[key], "data-filter": key,
       oninput: (e) => { filter[key] = e.target.value; refresh(true); } }, attrs));
     const select = (key, name) => {
-      const el = h("select", { "data-filter": key, onchange: (e) => { filter[key] = e.target.value; refresh(true); } },
+      const el = h("select", { "data-filter": key,
+        onchange: (e) => { filter[key] = e.target.value; refresh(true); } },
         options(name));
       el.value = filter[key];
       return el;
     };
     const filters = h("div", { class: "filters" },
       h("label", null, "sample ", input("text", { type: "search", placeholder: "id or flag", size: 10 })),
-      h("label", null, "status ", select("status", "status")), h("label", null, "reason ", select("reason", "reason")),
+      h("label", null, "status ", select("status", "status")), h("label", null, "reason ", select("reason",
+        "reason")),
       h("label", null, "group ", select("group", "group")),
-      h("label", null, "reward ", input("rmin", { type: "number", step: "any", placeholder: "min" }), " – ",
+      h("label", null, "reward ", input("rmin", { type: "number", step: "any", placeholder: "min" }), " \u2013 ",
         input("rmax", { type: "number", step: "any", placeholder: "max" })),
-      h("label", null, "turns ", input("tmin", { type: "number", placeholder: "min" }), " – ",
+      h("label", null, "turns ", input("tmin", { type: "number", placeholder: "min" }), " \u2013 ",
         input("tmax", { type: "number", placeholder: "max" })),
       INDEX.replay ? h("label", null, "replay ", select("verdict", "verdict")) : null, count);
     table = { refresh: refresh };
@@ -420,20 +431,28 @@ SCRIPT = r"""
     const used = [...new Set(d.timeline.map((e) => e.src))].filter((s) => STATE_COLOURS[s]);
     const last = d.timeline[d.timeline.length - 1];
     return h("section", null, h("h2", null, "Timeline"),
-      last && last.terminal ? h("p", null, "ended by ", h("b", null, last.src + " --" + last.trigger + "--> " + last.dst),
-        " with reason ", h("b", null, last.reason || "–")) : h("p", { class: "err" }, "unfinished: no terminal edge"),
-      gantt, h("div", { class: "legend" }, used.map((s) => h("span", null, h("i", { style: "background:" + STATE_COLOURS[s] }), s))),
-      h("table", { class: "timeline" }, h("tr", null, ["+s", "dwell", "turn", "transition", "reason", "fields"].map((x) => h("th", null, x))),
-        d.timeline.map((e) => h("tr", { class: e.terminal ? "terminal" : "" }, h("td", { class: "n" }, e.at === null ? "" : e.at.toFixed(3)),
+      last && last.terminal ? h("p", null, "ended by ", h("b", null,
+        last.src + " --" + last.trigger + "--> " + last.dst),
+        " with reason ", h("b", null, last.reason || "\u2013")) : h("p", { class: "err" },
+          "unfinished: no terminal edge"),
+      gantt, h("div", { class: "legend" }, used.map((s) => h("span", null, h("i",
+        { style: "background:" + STATE_COLOURS[s] }), s))),
+      h("table", { class: "timeline" }, h("tr", null, ["+s", "dwell", "turn", "transition", "reason",
+        "fields"].map((x) => h("th", null, x))),
+        d.timeline.map((e) => h("tr", { class: e.terminal ? "terminal" : "" }, h("td", { class: "n" },
+          e.at === null ? "" : e.at.toFixed(3)),
           h("td", { class: "n" }, ms(e.dwell_ms)), h("td", { class: "n" }, e.turn),
           h("td", null, e.src + " --" + e.trigger + "--> " + e.dst), h("td", null, e.reason || ""),
           h("td", null, e.detail.map(([k, v]) => k + "=" + v).join("  "))))));
   }
   function parts(list) {
     return list.map((p) => {
-      if (p.kind === "image") { const url = imageUrl(p.url); return url ? h("img", { src: url, alt: "image" }) : null; }
-      if (p.kind === "think") return h("span", { class: "part think" }, h("span", { class: "tag" }, "THINKING"), p.text);
-      if (p.kind === "tool_call") return h("span", { class: "part tool_call" }, h("span", { class: "tag" }, "TOOL CALL"), p.text);
+      if (p.kind === "image") { const url = imageUrl(p.url); return url ? h("img", { src: url,
+        alt: "image" }) : null; }
+      if (p.kind === "think") return h("span", { class: "part think" }, h("span", { class: "tag" }, "THINKING"),
+        p.text);
+      if (p.kind === "tool_call") return h("span", { class: "part tool_call" }, h("span", { class: "tag" },
+        "TOOL CALL"), p.text);
       return h("span", { class: "part text" }, p.text);
     });
   }
@@ -441,21 +460,28 @@ SCRIPT = r"""
     const c = d.conversation;
     if (!c) return h("section", null, h("h2", null, "Conversation"),
       h("p", { class: "note" }, "no tape or results row for this sample: the trace gives its timeline only"));
-    return h("section", null, h("h2", null, "Conversation", h("span", { class: "note" }, "  (from the " + d.source + ")")),
-      c.prompt.map((m) => h("div", { class: "msg " + m.role }, h("span", { class: "role" }, "prompt · " + m.role), parts(m.parts))),
+    return h("section", null, h("h2", null, "Conversation", h("span", { class: "note" },
+      "  (from the " + d.source + ")")),
+      c.prompt.map((m) => h("div", { class: "msg " + m.role }, h("span", { class: "role" }, "prompt · " + m.role),
+        parts(m.parts))),
       h("div", { class: "msg system" }, h("span", { class: "role" }, "label"), c.label),
       c.turns.map((t) => [
-        h("div", { class: "msg assistant" }, h("span", { class: "role" }, t.turn === null ? "model (whole response)" : "model · turn " + t.turn),
+        h("div", { class: "msg assistant" }, h("span", { class: "role" },
+          t.turn === null ? "model (whole response)" : "model · turn " + t.turn),
           parts(t.parts)),
         t.env ? h("div", { class: "msg env" }, h("span", { class: "role" }, "environment"),
           t.env.error ? h("span", { class: "err" }, "env.step raised " + t.env.error)
             : "done=" + t.env.done + "\n" + t.env.observation) : null,
-        t.observation ? h("div", { class: "msg observation" }, h("span", { class: "role" }, "observation appended · " +
-          t.observation.role + (t.observation_tokens !== undefined ? " · " + t.observation_tokens + " masked tokens" : "")),
+        t.observation ? h("div", { class: "msg observation" }, h("span", { class: "role" },
+          "observation appended · " +
+          t.observation.role + (t.observation_tokens !== undefined ? " · " + t.observation_tokens +
+            " masked tokens" : "")),
           parts(t.observation.parts)) : null]),
-      h("div", { class: "msg system" }, h("span", { class: "role" }, "reward"), c.reward === null || c.reward === undefined ? "–" : String(c.reward)),
+      h("div", { class: "msg system" }, h("span", { class: "role" }, "reward"),
+        c.reward === null || c.reward === undefined ? "\u2013" : String(c.reward)),
       c.error ? h("div", { class: "msg system err" }, h("span", { class: "role" }, "error"),
-        typeof c.error === "object" ? (c.error.type || "") + ": " + (c.error.message || JSON.stringify(c.error)) : String(c.error)) : null);
+        typeof c.error === "object" ? (c.error.type || "") + ": " +
+          (c.error.message || JSON.stringify(c.error)) : String(c.error)) : null);
   }
   function expandRuns(runs, n) {
     const out = new Uint8Array(n);
@@ -466,7 +492,8 @@ SCRIPT = r"""
   function showText(text) { return text.replace(/\n/g, "\u21b5\n").replace(/\t/g, "\u21e5"); }
   function stripSection(d) {
     const T = d.tokens;
-    if (!T) return h("section", null, h("h2", null, "Tokens"), h("p", { class: "note" }, "no token data for this sample"));
+    if (!T) return h("section", null, h("h2", null, "Tokens"), h("p", { class: "note" },
+      "no token data for this sample"));
     const n = T.ids.length;
     const mask = expandRuns(T.mask, n);
     const kind = new Array(n).fill("");
@@ -477,21 +504,28 @@ SCRIPT = r"""
     const version = new Array(n).fill(null);
     for (const [a, b, v] of T.versions) for (let k = a; k < b && k < n; k++) version[k] = v;
     const marks = new Map();
-    const mark = (k, cls, text) => { if (!marks.has(k)) marks.set(k, []); marks.get(k).push(h("span", { class: "mark " + cls }, text)); };
+    const mark = (k, cls, text) => { if (!marks.has(k)) marks.set(k, []); marks.get(k).push(h("span",
+      { class: "mark " + cls }, text)); };
     for (const [a, , name] of T.sequences) mark(a, "seq", "\u2503 " + name);
-    for (const [a, , kindName, turn] of T.segments) mark(a, kindName === "model" ? "turn" : "obs", kindName === "model" ? "turn " + turn : "observation");
+    for (const [a, , kindName, turn] of T.segments) mark(a, kindName === "model" ? "turn" : "obs",
+      kindName === "model" ? "turn " + turn : "observation");
     let lastVersion = null;
-    for (let k = 0; k < n; k++) if (version[k] !== null && version[k] !== lastVersion) { mark(k, "ver", "weights " + version[k]); lastVersion = version[k]; }
+    for (let k = 0; k < n; k++) if (version[k] !== null && version[k] !== lastVersion) { mark(k, "ver",
+      "weights " + version[k]); lastVersion = version[k]; }
     for (const [a] of T.images) mark(a, "img", "image");
-    const info = h("div", { class: "tokinfo" }, "hover a token: its position, id, decoded text, mask, logprob and weight version");
+    const info = h("div", { class: "tokinfo" },
+      "hover a token: its position, id, decoded text, mask, logprob and weight version");
     const strip = h("div", { class: "strip" });
     let trained = 0, masked = 0, promptCount = 0;
     const showPrompt = h("input", { type: "checkbox" });
     function describe(k) {
       const text = T.texts ? T.texts[String(T.ids[k])] : undefined;
-      return "#" + k + "  id " + T.ids[k] + "  text " + (text === undefined ? "(no tokenizer)" : JSON.stringify(text)) +
-        "  " + (prompt[k] ? "prompt" : mask[k] ? "trained" : "masked") + (eos[k] ? "  inserted EOS" : "") + (image[k] ? "  image" : "") +
-        (T.logprobs && !prompt[k] ? "  logprob " + T.logprobs[k] : "") + (version[k] !== null ? "  weights " + version[k] : "");
+      return "#" + k + "  id " + T.ids[k] + "  text " +
+        (text === undefined ? "(no tokenizer)" : JSON.stringify(text)) +
+        "  " + (prompt[k] ? "prompt" : mask[k] ? "trained" : "masked") + (eos[k] ? "  inserted EOS" : "") +
+          (image[k] ? "  image" : "") +
+        (T.logprobs && !prompt[k] ? "  logprob " + T.logprobs[k] : "") + (version[k] !== null ? "  weights " +
+          version[k] : "");
     }
     function fill() {
       strip.textContent = "";
@@ -499,9 +533,11 @@ SCRIPT = r"""
       for (let k = 0; k < n; k++) {
         if (prompt[k] && !showPrompt.checked && !marks.has(k)) continue;
         if (marks.has(k)) for (const m of marks.get(k)) frag.appendChild(m.cloneNode(true));
-        if (prompt[k] && !showPrompt.checked) { frag.appendChild(h("span", { class: "note" }, "[" + countPrompt(k) + " prompt tokens hidden] ")); continue; }
+        if (prompt[k] && !showPrompt.checked) { frag.appendChild(h("span", { class: "note" },
+          "[" + countPrompt(k) + " prompt tokens hidden] ")); continue; }
         const text = T.texts ? T.texts[String(T.ids[k])] : undefined;
-        const cls = "tok" + (prompt[k] ? " prompt" : mask[k] ? " trained" : " masked") + (image[k] ? " image" : "") + (eos[k] ? " eos" : "");
+        const cls = "tok" + (prompt[k] ? " prompt" : mask[k] ? " trained" : " masked") + (image[k] ? " image" : "") +
+          (eos[k] ? " eos" : "");
         const el = document.createElement("span");
         el.className = cls;
         el.dataset.k = k;
@@ -512,15 +548,22 @@ SCRIPT = r"""
     }
     function countPrompt(k) { let e = k; while (e < n && prompt[e]) e++; return e - k; }
     for (let k = 0; k < n; k++) { if (prompt[k]) promptCount++; else if (mask[k]) trained++; else masked++; }
-    strip.addEventListener("mouseover", (e) => { const k = e.target.dataset ? e.target.dataset.k : undefined; if (k !== undefined) info.textContent = describe(Number(k)); });
+    strip.addEventListener("mouseover", (e) => {
+      const k = e.target.dataset ? e.target.dataset.k : undefined;
+      if (k !== undefined) info.textContent = describe(Number(k));
+    });
     showPrompt.addEventListener("change", fill);
     fill();
     return h("section", { id: "tokens" }, h("h2", null, "Tokens"),
-      h("p", { class: "note" }, n + " tokens: " + promptCount + " prompt, " + trained + " trained (loss mask 1), " + masked + " masked (loss mask 0)" +
+      h("p", { class: "note" },
+        n + " tokens: " + promptCount + " prompt, " + trained + " trained (loss mask 1), " + masked +
+          " masked (loss mask 0)" +
         (T.texts ? "" : "; no tokenizer, ids shown")),
       h("div", { class: "legend" }, h("span", null, h("i", { style: "background:var(--train)" }), "trained"),
-        h("span", null, h("i", { style: "background:var(--mask)" }), "masked"), h("span", null, h("i", { style: "background:var(--prompt);border:1px solid #ddd" }), "prompt"),
-        h("span", null, h("i", { style: "outline:2px solid var(--eos)" }), "inserted EOS"), h("span", null, h("i", { style: "background:var(--img)" }), "image"),
+        h("span", null, h("i", { style: "background:var(--mask)" }), "masked"), h("span", null, h("i",
+          { style: "background:var(--prompt);border:1px solid #ddd" }), "prompt"),
+        h("span", null, h("i", { style: "outline:2px solid var(--eos)" }), "inserted EOS"), h("span", null, h("i",
+          { style: "background:var(--img)" }), "image"),
         h("label", null, showPrompt, " show prompt tokens")),
       info, strip);
   }
@@ -530,17 +573,23 @@ SCRIPT = r"""
     const v = R.divergence;
     const items = [h("h2", null, "Replay ", badge(R.verdict))];
     if (v) {
-      const where = [v.turn !== null && v.turn !== undefined ? "turn " + v.turn : null, v.state ? "state " + v.state : null,
-        v.index !== null && v.index !== undefined ? "index " + v.index : null, v.line ? "line " + v.line : null].filter(Boolean).join(", ");
+      const where = [v.turn !== null && v.turn !== undefined ? "turn " + v.turn : null,
+        v.state ? "state " + v.state : null,
+        v.index !== null && v.index !== undefined ? "index " + v.index : null,
+          v.line ? "line " + v.line : null].filter(Boolean).join(", ");
       const val = (x) => (typeof x === "string" ? x : JSON.stringify(x));
-      items.push(h("div", { class: "diverge" }, h("p", null, h("b", null, "first divergence: " + v.kind), where ? " at " + where : "", h("br"), v.message),
-        v.expected !== null || v.actual !== null ? h("div", { class: "ctx" }, h("span", null, "recorded"), h("span", { class: "exp" }, val(v.expected)),
+      items.push(h("div", { class: "diverge" }, h("p", null, h("b", null, "first divergence: " + v.kind),
+        where ? " at " + where : "", h("br"), v.message),
+        v.expected !== null || v.actual !== null ? h("div", { class: "ctx" }, h("span", null, "recorded"), h("span",
+          { class: "exp" }, val(v.expected)),
           h("span", null, "today"), h("span", { class: "act" }, val(v.actual))) : null,
-        v.context ? h("div", { class: "ctx", style: "margin-top:8px" }, h("span", null, "text before"), h("span", null, "\u2026" + v.context.before),
+        v.context ? h("div", { class: "ctx", style: "margin-top:8px" }, h("span", null, "text before"), h("span",
+          null, "\u2026" + v.context.before),
           h("span", null, "recorded"), h("span", { class: "exp" }, v.context.expected + "\u2026"),
           h("span", null, "today"), h("span", { class: "act" }, v.context.actual + "\u2026")) : null));
     }
-    if (R.turns_replayed !== null && R.turns_replayed !== undefined) items.push(h("p", { class: "note" }, "turns replayed: " + R.turns_replayed + " of " + R.turns));
+    if (R.turns_replayed !== null && R.turns_replayed !== undefined) items.push(h("p", { class: "note" },
+      "turns replayed: " + R.turns_replayed + " of " + R.turns));
     for (const f of R.findings || []) items.push(h("p", { class: "note" }, f));
     for (const f of R.notes || []) items.push(h("p", { class: "note" }, "note: " + f));
     return h("section", { id: "replay" }, items);
@@ -549,7 +598,7 @@ SCRIPT = r"""
     const row = ROWS[i];
     if (row && !document.getElementById("d" + i) && document.readyState === "loading") {
       document.addEventListener("DOMContentLoaded", render, { once: true });  // its data is not parsed yet
-      return h("main", null, h("p", { class: "loading" }, "loading sample data…"));
+      return h("main", null, h("p", { class: "loading" }, "loading sample data\u2026"));
     }
     const d = detail(i);
     if (!d || !row) return h("main", null, h("p", { class: "err" }, "no such sample"), h("a", { href: "#" }, "back"));
@@ -557,9 +606,12 @@ SCRIPT = r"""
     const prev = pos > 0 ? view[pos - 1].i : null, next = pos >= 0 && pos + 1 < view.length ? view[pos + 1].i : null;
     return h("main", { id: "sample" },
       h("div", { class: "nav" }, h("a", { href: "#" }, "\u2190 all samples"),
-        prev !== null ? h("a", { href: "#s" + prev }, "\u2039 previous") : null, next !== null ? h("a", { href: "#s" + next }, "next \u203a") : null),
-      h("section", null, h("h2", null, "Sample " + d.label + " ", badge(d.status), d.reason ? badge(d.reason, "reason") : null),
-        h("p", { class: "note" }, d.turns + " turn(s) · group " + fmt(row.v[C.group]) + " · reward " + fmt(row.v[C.reward], 3) +
+        prev !== null ? h("a", { href: "#s" + prev }, "\u2039 previous") : null, next !== null ? h("a",
+          { href: "#s" + next }, "next \u203a") : null),
+      h("section", null, h("h2", null, "Sample " + d.label + " ", badge(d.status), d.reason ? badge(d.reason,
+        "reason") : null),
+        h("p", { class: "note" },
+          d.turns + " turn(s) · group " + fmt(row.v[C.group]) + " · reward " + fmt(row.v[C.reward], 3) +
           (d.session_id ? " · session " + d.session_id : "") + (d.rollout_uid ? " · rollout " + d.rollout_uid : ""))),
       replayBox(d), timelineSection(d), conversationSection(d), stripSection(d));
   }
@@ -571,7 +623,8 @@ SCRIPT = r"""
     app.textContent = "";
     app.appendChild(header());
     if (m) { app.appendChild(samplePage(Number(m[1]))); window.scrollTo(0, 0); return; }
-    if (!overview) overview = h("main", null, cards(), h("div", { class: "grid" }, statuses(), turnsAndTokens(), timeSection()),
+    if (!overview) overview = h("main", null, cards(), h("div", { class: "grid" }, statuses(), turnsAndTokens(),
+      timeSection()),
       groupsSection(), extrasSection(), replaySection(), samplesSection(), lifecycleSection());
     app.appendChild(overview);
     if (table) requestAnimationFrame(() => table.refresh(false));

@@ -37,6 +37,10 @@ def find_chromium() -> str | None:
     return next((found for found in map(shutil.which, CANDIDATES) if found), None)
 
 
+def _read_text(path: Path) -> str:
+    return path.read_text(errors="replace")
+
+
 class Chromium:
     """One headless Chromium with one page (an async context manager)."""
 
@@ -45,7 +49,7 @@ class Chromium:
         self.height = height
         self.start_timeout_s = start_timeout_s
         self.events: list[tuple[str, dict[str, Any]]] = []
-        self._process: subprocess.Popen[bytes] | None = None
+        self._process: asyncio.subprocess.Process | None = None
         self._profile: tempfile.TemporaryDirectory[str] | None = None
         self._log = Path(os.devnull)
         self._session: Any = None
@@ -86,7 +90,9 @@ class Chromium:
         if hasattr(os, "geteuid") and os.geteuid() == 0:
             arguments.insert(1, "--no-sandbox")  # Chromium refuses to run as root with its sandbox
         with self._log.open("wb") as log:  # a file, not a pipe: a pipe nobody reads would stall Chromium
-            self._process = subprocess.Popen(arguments, stdout=subprocess.DEVNULL, stderr=log)
+            self._process = await asyncio.create_subprocess_exec(
+                *arguments, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log
+            )
         port = await self._port(profile / "DevToolsActivePort")
         self._session = aiohttp.ClientSession()
         try:
@@ -100,6 +106,7 @@ class Chromium:
         self._reader = asyncio.create_task(self._read())
         for domain in ("Page", "Runtime", "Network", "Log"):
             await self.send(f"{domain}.enable")
+        await self.send("Page.setLifecycleEventsEnabled", {"enabled": True})
         await self.send(
             "Emulation.setDeviceMetricsOverride",
             {"width": self.width, "height": self.height, "deviceScaleFactor": 1, "mobile": False},
@@ -115,12 +122,12 @@ class Chromium:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.start_timeout_s
         while loop.time() < deadline:
-            if self._process.poll() is not None:
-                stderr = self._log.read_text(errors="replace")
+            if self._process.returncode is not None:
+                stderr = _read_text(self._log)
                 await self.close()
                 raise ChromiumError(f"Chromium exited with {self._process.returncode} at start: {stderr[-2000:]}")
             with contextlib.suppress(FileNotFoundError, ValueError, IndexError):
-                return int(marker.read_text().splitlines()[0])
+                return int(_read_text(marker).splitlines()[0])
             await asyncio.sleep(0.05)  # Chromium gives no other signal that it listens
         await self.close()
         raise ChromiumError(f"Chromium did not open its debugging port within {self.start_timeout_s:.0f}s")
@@ -162,10 +169,19 @@ class Chromium:
         return waiter
 
     async def open(self, url: str, *, timeout_s: float = 60.0) -> None:
-        """Navigate to ``url`` and wait for its load event."""
-        loaded = self.expect(lambda method, _params: method == "Page.loadEventFired")
-        await self.send("Page.navigate", {"url": url})
-        await asyncio.wait_for(loaded, timeout_s)
+        """Navigate to ``url`` and wait for the load event of that navigation (not of an earlier page)."""
+        result = await self.send("Page.navigate", {"url": url})
+        if result.get("errorText"):
+            raise ChromiumError(f"cannot open {url}: {result['errorText']}")
+        loader = result.get("loaderId")
+
+        def loaded(method: str, params: dict[str, Any]) -> bool:
+            return method == "Page.lifecycleEvent" and params.get("name") == "load" and params.get("loaderId") == loader
+
+        waiter = self.expect(loaded)
+        if any(loaded(method, params) for method, params in self.events):
+            return
+        await asyncio.wait_for(waiter, timeout_s)
 
     async def evaluate(self, expression: str, *, timeout_s: float = 60.0) -> Any:
         """Evaluate a JavaScript expression in the page (promises awaited); returns its value as JSON."""
@@ -200,7 +216,7 @@ class Chromium:
             )
         result = await self.send("Page.captureScreenshot", params)
         target = Path(path)
-        target.write_bytes(base64.b64decode(result["data"]))
+        await asyncio.to_thread(target.write_bytes, base64.b64decode(result["data"]))
         return target
 
     def console_errors(self) -> list[str]:
@@ -233,13 +249,13 @@ class Chromium:
             await self._session.close()
             self._session = None
         if self._process is not None:
-            if self._process.poll() is None:
+            if self._process.returncode is None:
                 self._process.terminate()
                 try:
-                    await asyncio.to_thread(self._process.wait, 20)
-                except subprocess.TimeoutExpired:
+                    await asyncio.wait_for(self._process.wait(), 20)
+                except TimeoutError:
                     self._process.kill()
-                    await asyncio.to_thread(self._process.wait)
+                    await self._process.wait()
             self._process = None
         if self._profile is not None:
             self._profile.cleanup()

@@ -48,6 +48,7 @@ def timeline(path: Any) -> list[dict[str, Any]]:
     rows = []
     for event in path.events:
         ts = event.get("ts")
+        shown = [[key, _short(event[key])] for key in EVENT_DETAIL_KEYS if event.get(key) not in (None, False)]
         rows.append(
             {
                 "at": round(ts - first, 4) if isinstance(ts, float) and first is not None else None,
@@ -58,7 +59,7 @@ def timeline(path: Any) -> list[dict[str, Any]]:
                 "turn": event.get("turn"),
                 "reason": event.get("reason"),
                 "terminal": event.get("dst") in lifecycle.TERMINAL,
-                "detail": [[key, _short(event[key])] for key in EVENT_DETAIL_KEYS if event.get(key) not in (None, False)],
+                "detail": shown,
             }
         )
     return rows
@@ -105,7 +106,7 @@ def image_part(url: Any) -> dict[str, str]:
 
 def _short(value: Any, limit: int = 300) -> Any:
     if isinstance(value, str) and len(value) > limit:
-        return value[:limit] + "…"
+        return value[:limit] + "\u2026"
     if isinstance(value, list | dict):
         return _short(repr(value), limit)
     return value
@@ -233,16 +234,17 @@ def conversation_from_results(row: Mapping[str, Any]) -> dict[str, Any]:
     """What a results row says of the conversation: the prompt, the whole response as one turn, label, reward."""
     prompt = row.get("prompt")
     if isinstance(prompt, list):
-        messages = [{"role": str(m.get("role")), "parts": content_parts(m.get("content"))}
-                    for m in prompt if isinstance(m, dict)]  # fmt: skip
+        messages: list[dict[str, Any]] = [{"role": str(m.get("role")), "parts": content_parts(m.get("content"))}
+                                          for m in prompt if isinstance(m, dict)]  # fmt: skip
     else:
         messages = [{"role": "prompt", "parts": content_parts(prompt)}]
-    images = (row.get("multimodal_inputs") or {}).get("images") if isinstance(row.get("multimodal_inputs"), dict) else None
+    inputs = row.get("multimodal_inputs")
+    images = inputs.get("images") if isinstance(inputs, dict) else None
     for url in images if isinstance(images, list) else []:
         messages[-1]["parts"].append(image_part(url))
     response = _text(row.get("response", ""))
-    metadata = row.get("metadata") if isinstance(row.get("metadata"), dict) else {}
-    error = metadata.get("rollout_error")
+    metadata = row.get("metadata")
+    error = metadata.get("rollout_error") if isinstance(metadata, dict) else None
     return {
         "prompt": messages,
         "label": _text(row.get("label")),

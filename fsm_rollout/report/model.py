@@ -144,8 +144,8 @@ def match_results(paths: Sequence[Any], results: Sequence[Mapping[str, Any]]) ->
 
 
 def _row_names(row: Mapping[str, Any]) -> list[str]:
-    metadata = row.get("metadata") if isinstance(row.get("metadata"), dict) else {}
-    member = metadata.get("group_member")
+    metadata = row.get("metadata")
+    member = metadata.get("group_member") if isinstance(metadata, dict) else None
     if row.get("group_index") is not None and member is not None:
         return [f"{row['group_index']}.{member}"]
     return [str(row["index"])] if row.get("index") is not None else []
@@ -223,12 +223,12 @@ def run_summary(inputs: Inputs, rows: Sequence[Mapping[str, Any] | None]) -> dic
     turns = sum(turns * count for turns, count in summary.turns.items())
     generated = sum(summary.generated_tokens)
     order = list(lifecycle.STATE_BY_NAME)
-    dwell = [
-        {"state": state, **(stats(values) or {})}
-        for state, values in sorted(
-            summary.dwell_ms.items(), key=lambda item: (order.index(item[0]) if item[0] in order else len(order), item[0])
-        )
-    ]
+
+    def state_order(item: tuple[str, Any]) -> tuple[int, str]:
+        return (order.index(item[0]) if item[0] in order else len(order), item[0])
+
+    ordered = sorted(summary.dwell_ms.items(), key=state_order)
+    dwell = [{"state": state, **(stats(values) or {})} for state, values in ordered]
     problems = [*(inputs.trace.problems if inputs.trace else []), *(inputs.tape.problems if inputs.tape else [])]
     return {
         "runs": summary.runs,
@@ -358,7 +358,8 @@ def lifecycle_usage(paths: Sequence[Any]) -> dict[str, Any]:
         "svg": svg_url,
         "svg_error": svg_error,
         "states": {
-            name: {"samples": usage.samples, "dwell_p50_ms": usage.dwell_p50_ms} for name, usage in overlay.states.items()
+            name: {"samples": usage.samples, "dwell_p50_ms": usage.dwell_p50_ms}
+            for name, usage in overlay.states.items()
         },
     }
 
@@ -366,9 +367,7 @@ def lifecycle_usage(paths: Sequence[Any]) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------- rows
 
 
-def sample_row(
-    path: Any, row: Mapping[str, Any] | None, replayed: Mapping[str, Any] | None
-) -> list[Any]:
+def sample_row(path: Any, row: Mapping[str, Any] | None, replayed: Mapping[str, Any] | None) -> list[Any]:
     """One sample run as a table row (:data:`ROW_COLUMNS`)."""
     times = [event["ts"] for event in path.events if isinstance(event.get("ts"), float)]
     queued = _number(path.events[0].get("queued_ms")) if path.events else None

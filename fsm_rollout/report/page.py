@@ -26,9 +26,9 @@ def json_for_script(value: Any) -> str:
 def render_page(index: dict[str, Any], details: Sequence[dict[str, Any]], *, title: str = "fsm-rollout report") -> str:
     """The whole page: ``index`` parsed on load, each of ``details`` (one per row) only when its sample is opened."""
     parts = [
-        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n",
+        '<!DOCTYPE html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n',
         # the page may load nothing from anywhere: images are data URLs, everything else is inline
-        "<meta http-equiv=\"Content-Security-Policy\" content=\"default-src 'none'; img-src data:; "
+        '<meta http-equiv="Content-Security-Policy" content="default-src \'none\'; img-src data:; '
         "style-src 'unsafe-inline'; script-src 'unsafe-inline'\">\n",
         '<meta name="viewport" content="width=device-width, initial-scale=1">\n',
         f"<title>{_escape_text(title)}</title>\n<style>{CSS}</style>\n</head>\n<body>\n",
