@@ -95,7 +95,7 @@ word-break:break-all}
 .mark{display:inline-block;font-size:10px;font-family:system-ui,sans-serif;color:#fff;background:var(--accent);
 border-radius:3px;padding:0 4px;margin:0 3px;line-height:1.5;vertical-align:middle}
 .mark.seq{background:#6a1b9a}.mark.ver{background:#00838f}.mark.turn{background:#546e7a}.mark.obs{background:#8e24aa}
-.mark.img{background:#5e35b1}
+.mark.img{background:#5e35b1}.mark.div{background:#b8002e}
 .tokinfo{position:sticky;top:0;z-index:1;background:#263238;color:#eceff1;font-family:ui-monospace,Menlo,monospace;
 font-size:12px;padding:5px 10px;border-radius:4px;margin-top:8px;min-height:26px;white-space:pre-wrap}
 .diverge{border:1px solid #f3a8b7;background:#fff5f7;border-radius:6px;padding:8px 12px}
@@ -513,6 +513,10 @@ SCRIPT = r"""
     for (let k = 0; k < n; k++) if (version[k] !== null && version[k] !== lastVersion) { mark(k, "ver",
       "weights " + version[k]); lastVersion = version[k]; }
     for (const [a] of T.images) mark(a, "img", "image");
+    const div = d.replay && d.replay.divergence;
+    if (div && ["tokens", "loss_mask", "logprobs"].includes(div.kind) && div.index !== null && div.index < n) {
+      mark(div.index, "div", "\u2716 replay diverges here");
+    }
     const info = h("div", { class: "tokinfo" },
       "hover a token: its position, id, decoded text, mask, logprob and weight version");
     const strip = h("div", { class: "strip" });
@@ -578,10 +582,14 @@ SCRIPT = r"""
         v.index !== null && v.index !== undefined ? "index " + v.index : null,
           v.line ? "line " + v.line : null].filter(Boolean).join(", ");
       const val = (x) => (typeof x === "string" ? x : JSON.stringify(x));
+      const raised = v.kind === "error" && v.actual && typeof v.actual === "object" ? v.actual : null;
       items.push(h("div", { class: "diverge" }, h("p", null, h("b", null, "first divergence: " + v.kind),
         where ? " at " + where : "", h("br"), v.message),
-        v.expected !== null || v.actual !== null ? h("div", { class: "ctx" }, h("span", null, "recorded"), h("span",
-          { class: "exp" }, val(v.expected)),
+        raised ? h("p", { class: "err" }, "today's run raised " + raised.type + ": " + raised.message +
+          (raised.state ? " (in state " + raised.state + ", on " + raised.trigger + ")" : "")) : null,
+        raised && v.expected === null ? h("p", { class: "note" }, "the recording did not fail here") : null,
+        !raised && (v.expected !== null || v.actual !== null) ? h("div", { class: "ctx" },
+          h("span", null, "recorded"), h("span", { class: "exp" }, val(v.expected)),
           h("span", null, "today"), h("span", { class: "act" }, val(v.actual))) : null,
         v.context ? h("div", { class: "ctx", style: "margin-top:8px" }, h("span", null, "text before"), h("span",
           null, "\u2026" + v.context.before),

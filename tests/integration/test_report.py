@@ -224,7 +224,8 @@ def test_forks_and_suspensions_are_counted_from_the_trace(tmp_path: Path) -> Non
     assert build_report(trace).index["rows"][0][-1].split()[:2] == ["fork", "suspended"]
 
 
-async def test_a_replay_divergence_is_on_the_sample_page(recorded: Recorded, tmp_path: Path) -> None:
+async def diverged_report(recorded: Recorded, tmp_path: Path) -> Any:
+    """The report of the recording with one result token of sample 1.0 changed, and its replay."""
     replacement = recorded.tokenizer.encode(" banana", add_special_tokens=False)[0]
     lines = recorded.tape.read_bytes().splitlines()
     for number, line in enumerate(lines):
@@ -236,7 +237,11 @@ async def test_a_replay_divergence_is_on_the_sample_page(recorded: Recorded, tmp
     report = await asyncio.to_thread(replay, recorded.trace, tokenizer=recorded.tokenizer)
     replay_json = tmp_path / "replay.json"
     replay_json.write_bytes(orjson.dumps(report.to_dict()))
-    data = await asyncio.to_thread(build, recorded, replay=replay_json)
+    return await asyncio.to_thread(build, recorded, replay=replay_json)
+
+
+async def test_a_replay_divergence_is_on_the_sample_page(recorded: Recorded, tmp_path: Path) -> None:
+    data = await diverged_report(recorded, tmp_path)
     verdicts = [row[8] for row in data.index["rows"]]
     assert verdicts == ["identical", "identical", "identical", "diverged", "identical"]
     divergence = data.details[3]["replay"]["divergence"]
@@ -339,4 +344,23 @@ async def test_ten_thousand_samples_open_with_a_bounded_page(tmp_path: Path) -> 
             "[...document.querySelectorAll('#rows .vrow')].map((r) => r.dataset.sample).includes('2499.3') && 'yes'"
         )
         assert last == "yes"
+        assert browser.console_errors() == []
+
+
+@needs_chromium
+async def test_the_replay_divergence_shows_both_sides_and_marks_the_token(recorded: Recorded, tmp_path: Path) -> None:
+    data = await diverged_report(recorded, tmp_path)
+    page = write_report(data, tmp_path / "report.html")
+    index = data.details[3]["replay"]["divergence"]["index"]
+    async with Chromium() as browser:
+        await open_report(browser, page)
+        await browser.evaluate("location.hash = '#s3'")
+        await browser.wait_for("document.getElementById('tokens')")
+        box = await browser.evaluate("document.querySelector('.diverge').textContent")
+        assert "first divergence: tokens" in box and "banana" in box
+        marked = await browser.evaluate(
+            "(() => { const m = [...document.querySelectorAll('.mark.div')]; return m.length === 1 &&"
+            " Number(m[0].nextElementSibling.dataset.k); })()"
+        )
+        assert marked == index
         assert browser.console_errors() == []
