@@ -68,7 +68,8 @@ class Chromium:
                 "no Chromium found (looked for $CHROMIUM and " + ", ".join(CANDIDATES) + " on PATH); install it "
                 "(Debian/Ubuntu: `apt-get install chromium`)"
             )
-        self._profile = tempfile.TemporaryDirectory(prefix="fsm-rollout-chromium-")
+        # Chromium's helper processes may still write to the profile as it exits: a leftover file is no error
+        self._profile = tempfile.TemporaryDirectory(prefix="fsm-rollout-chromium-", ignore_cleanup_errors=True)
         profile = Path(self._profile.name) / "profile"
         self._log = Path(self._profile.name) / "stderr.log"
         arguments = [
