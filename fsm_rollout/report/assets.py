@@ -26,7 +26,8 @@ main{padding:14px 20px;max-width:1400px;margin:0 auto}
 section{background:var(--card);border:1px solid var(--line);border-radius:6px;padding:12px 16px;margin:0 0 14px}
 h2{font-size:15px;margin:0 0 8px}
 h3{font-size:13px;margin:12px 0 6px;color:var(--dim);text-transform:uppercase;letter-spacing:.04em}
-.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(420px,1fr));gap:14px;margin-bottom:14px}
+.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(520px,1fr));gap:14px;margin-bottom:14px}
+.grid>.wide{grid-column:1/-1}
 .reasons a{display:block;white-space:nowrap}
 .grid>section{margin:0}
 .cards{display:flex;gap:10px;flex-wrap:wrap;margin-bottom:14px}
@@ -36,7 +37,7 @@ h3{font-size:13px;margin:12px 0 6px;color:var(--dim);text-transform:uppercase;le
 table{border-collapse:collapse;width:100%}
 th,td{text-align:left;padding:3px 8px;border-bottom:1px solid #eef1f3;vertical-align:top}
 th{font-weight:600;color:var(--dim);font-size:12px}
-td.n,th.n{text-align:right;font-variant-numeric:tabular-nums}
+td.n,th.n{text-align:right;font-variant-numeric:tabular-nums;white-space:nowrap}
 .bar{display:inline-block;height:9px;background:#90a4ae;border-radius:2px;vertical-align:middle;margin-right:6px}
 .bar.queue{background:#f0b35a}
 .note{color:var(--dim);font-size:12px}
@@ -236,7 +237,7 @@ SCRIPT = r"""
       h("td", { class: "n" }, ms(d.total)),
       h("td", null, h("span", { class: "bar " + (cls || ""), style: "width:" + (160 * d.total / Math.max(1,
         total)) + "px" })));
-    return h("section", null, h("h2", null, "Where the time went"),
+    return h("section", { class: "wide" }, h("h2", null, "Where the time went"),
       h("table", null, h("tr", null, ["state", "n", "p50", "p95", "total", "share"].map((x, k) =>
         h("th", { class: k && k < 5 ? "n" : "" }, x))),
         S.queued ? line("queued for a slot", S.queued, "queue",
