@@ -124,7 +124,7 @@ def _tokenizer(inputs: Inputs, given: Any, notes: list[str]) -> Any:
     from fsm_rollout.replay import load_recorded_tokenizer
 
     if given is not None and not isinstance(given, str | Path):
-        inputs.tokenizer_name = str(getattr(given, "name_or_path", type(given).__name__))
+        inputs.tokenizer_name = _shown_name(getattr(given, "name_or_path", type(given).__name__))
         return given
     records = inputs.tape.samples if inputs.tape is not None else []
     if given is None and not records:
@@ -134,8 +134,14 @@ def _tokenizer(inputs: Inputs, given: Any, notes: list[str]) -> Any:
     except RecordingFormatError as error:
         notes.append(f"token texts left out: {error}")
         return None
-    inputs.tokenizer_name = str(getattr(loaded, "name_or_path", given))
+    inputs.tokenizer_name = _shown_name(getattr(loaded, "name_or_path", given))
     return loaded
+
+
+def _shown_name(name: Any) -> str:
+    """A tokenizer's name as the page shows it: a local path's last part (the page names no directory)."""
+    text = str(name)
+    return Path(text).name if "/" in text and Path(text).is_absolute() else text
 
 
 def write_report(data: ReportData, output: str | Path) -> Path:
