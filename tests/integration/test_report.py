@@ -395,3 +395,31 @@ def test_a_screenshot_of_another_page_is_stale(tmp_path: Path) -> None:
     results = tmp_path / SOURCE_DIR / "results.jsonl"  # a changed reward changes the page
     results.write_text(results.read_text().replace('"reward":1.0', '"reward":0.5', 1))
     assert "shows another report" in str(screenshot_problem(tmp_path))
+
+
+# ---------------------------------------------------------------------------------------------------- the strip
+
+
+def test_a_forked_rollouts_branches_are_sequences_of_the_strip_with_their_boundaries() -> None:
+    from fsm_rollout.report.detail import strip_from_results
+
+    branch = {"tokens": [1, 2, 3, 4], "response_length": 2, "loss_mask": [1, 1], "rollout_log_probs": [-0.5, -0.25],
+              "metadata": {"weight_version_spans": [{"version": "1", "start": 0, "end": 2}]}}  # fmt: skip
+    row = {"tokens": [1, 2, 5, 6, 7], "response_length": 3, "loss_mask": [0, 1, 1],
+           "rollout_log_probs": [0.0, -1.0, -2.0], "branches": [branch],
+           "metadata": {"weight_version_spans": [{"version": "2", "start": 1, "end": 3}]}}  # fmt: skip
+    strip = strip_from_results(row, None)
+    assert strip is not None
+    assert strip["ids"] == [1, 2, 3, 4, 1, 2, 5, 6, 7]
+    assert strip["sequences"] == [[0, 4, "branch 0"], [4, 9, "final sequence"]]
+    assert strip["prompts"] == [[0, 2], [4, 6]]
+    assert expand(strip["mask"]) == [0, 0, 1, 1, 0, 0, 0, 1, 1]
+    assert strip["logprobs"] == [0.0, 0.0, -0.5, -0.25, 0.0, 0.0, 0.0, -1.0, -2.0]
+    assert strip["versions"] == [[2, 4, "1"], [7, 9, "2"]]
+
+
+def test_image_spans_run_from_vision_start_to_vision_end() -> None:
+    from fsm_rollout.report.detail import image_spans
+
+    texts = {"1": "a", "2": "<|vision_start|>", "3": "<|image_pad|>", "4": "<|vision_end|>"}
+    assert image_spans([1, 2, 3, 3, 4, 1, 2, 3, 4], texts) == [[1, 5], [6, 9]]
