@@ -463,14 +463,10 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _screenshot_root(args: argparse.Namespace) -> Path | None:
-    """The checkout whose README screenshot of a report (docs/report.png) this run keeps current: only with the
-    default targets inside a checkout that keeps the run it shows."""
-    from fsm_rollout.report.screenshot import SOURCE_DIR
+    """The checkout whose docs/report.png this run keeps current (the default targets only), or None."""
+    from fsm_rollout.report.screenshot import kept_by
 
-    root = checkout_root()
-    if root is None or args.out is not None or args.readme is not None or args.no_readme:
-        return None
-    return root if (root / SOURCE_DIR).is_dir() else None
+    return None if args.out is not None or args.readme is not None or args.no_readme else kept_by(checkout_root())
 
 
 def _screenshot_problem(root: Path) -> str | None:
@@ -480,15 +476,13 @@ def _screenshot_problem(root: Path) -> str | None:
 
 
 def _write_screenshot(root: Path) -> Path:
-    """Shoot docs/report.png again; a missing Chromium is a :class:`DiagramError` that says what to install."""
     from fsm_rollout.report.chromium import ChromiumError
-    from fsm_rollout.report.screenshot import SCREENSHOT, write_screenshot
+    from fsm_rollout.report.screenshot import write_screenshot
 
     try:
-        write_screenshot(root)
-    except ChromiumError as error:
-        raise DiagramError(f"{SCREENSHOT} is stale and cannot be shot again: {error}") from error
-    return Path(os.path.relpath(root / SCREENSHOT))
+        return Path(os.path.relpath(write_screenshot(root)))
+    except ChromiumError as error:  # say what to install
+        raise DiagramError(f"docs/report.png is stale and cannot be shot again: {error}") from error
 
 
 def _main_overlay(args: argparse.Namespace) -> int:

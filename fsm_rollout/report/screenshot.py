@@ -25,6 +25,11 @@ CHUNK_KEY = b"fsm-rollout-report"
 VIEWPORT = (1400, 1000)
 
 
+def kept_by(root: Path | None) -> Path | None:
+    """``root`` when it is a checkout that keeps the run the screenshot shows, else None."""
+    return root if root is not None and (root / SOURCE_DIR).is_dir() else None
+
+
 def build_docs_report(root: Path) -> Any:
     """The report of the kept demo run, decoded with the Qwen tokenizer the project ships for tests (the demo
     model's vocabulary), so it builds the same on any machine."""

@@ -1,6 +1,6 @@
 """The report's figures: size and build time of a report, and how soon headless Chromium shows it.
 
-``python -m fsm_rollout.report.bench [--trace TRACE --results R] [--samples 10000]`` reports a recorded run (the
+``python -m fsm_rollout.cli.report_bench [--trace TRACE --results R] [--samples 10000]`` reports a recorded run (the
 demo's, when given) and a synthetic run of ``--samples`` sample runs (trace and results, no tape). For each: the
 tokenizer's load time (apart: it is the same for any run), the time to read and summarise the run, to write the
 page, the page's size, and in headless Chromium (the median of ``--repeat`` loads) the first contentful paint and
@@ -53,7 +53,7 @@ async def paint_times(page: Path, repeat: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsm_rollout.report.bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m fsm_rollout.cli.report_bench", description=__doc__)
     parser.add_argument("--trace", type=Path, help="a recorded run's trace (its tape beside it), e.g. the demo's")
     parser.add_argument("--results", type=Path, help="that run's results file")
     parser.add_argument("--samples", type=int, default=10_000, help="sample runs of the synthetic run")
