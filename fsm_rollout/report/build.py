@@ -53,6 +53,9 @@ def build_report(
     rows = match_results(inputs.paths, inputs.results) if inputs.results else [None] * len(inputs.paths)
     replays = match_replay(inputs.paths, inputs.replay)
     records = match_records(inputs.paths, inputs.tape)
+    # without a results row, the reward the tape recorded at the sample's end
+    rows = [row if row is not None or record is None or "reward" not in record.result
+            else {"reward": record.result["reward"]} for row, record in zip(rows, records, strict=True)]  # fmt: skip
     if inputs.tape is None:
         notes.append("no tape: the sample pages show timelines only (record with `fsm-rollout run --record`)")
     index = {

@@ -154,6 +154,20 @@ async def test_a_sample_page_has_its_timeline_conversation_and_token_strip(recor
     assert all(strip["texts"][str(token)] == recorded.tokenizer.decode([token]) for token in sample.tokens[:5])
 
 
+async def test_without_results_the_rewards_come_from_the_tape(recorded: Recorded) -> None:
+    lines = recorded.tape.read_bytes().splitlines()
+    for number, line in enumerate(lines):
+        record = orjson.loads(line)
+        if record.get("kind") == "sample":
+            record["result"]["reward"] = {"1.0": 0.5, "1.1": 0.5}.get(record["sample_id"], 0.0)
+            lines[number] = orjson.dumps(record)
+    recorded.tape.write_bytes(b"\n".join(lines) + b"\n")
+    data = await asyncio.to_thread(build_report, recorded.trace, tokenizer=recorded.tokenizer)
+    assert [row[5] for row in data.index["rows"]] == [0.0, 0.0, 0.0, 0.5, 0.5]
+    groups = {group["group"]: group["zero_variance"] for group in data.index["summary"]["groups"]}
+    assert groups == {"0": True, "1": True}
+
+
 async def test_without_a_tape_the_trace_still_gives_timelines_reasons_and_counts(recorded: Recorded) -> None:
     recorded.tape.unlink()
     data = await asyncio.to_thread(build_report, recorded.trace)
