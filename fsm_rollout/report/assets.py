@@ -536,10 +536,14 @@ SCRIPT = r"""
       strip.textContent = "";
       const frag = document.createDocumentFragment();
       for (let k = 0; k < n; k++) {
-        if (prompt[k] && !showPrompt.checked && !marks.has(k)) continue;
+        const hidden = prompt[k] && !showPrompt.checked;
+        const first = !prompt[k] || k === 0 || !prompt[k - 1];
+        if (hidden && !first) continue;  // one note stands for a hidden prompt
         if (marks.has(k)) for (const m of marks.get(k)) frag.appendChild(m.cloneNode(true));
-        if (prompt[k] && !showPrompt.checked) { frag.appendChild(h("span", { class: "note" },
-          "[" + countPrompt(k) + " prompt tokens hidden] ")); continue; }
+        if (hidden) {
+          frag.appendChild(h("span", { class: "note" }, "[" + countPrompt(k) + " prompt tokens hidden] "));
+          continue;
+        }
         const text = T.texts ? T.texts[String(T.ids[k])] : undefined;
         const cls = "tok" + (prompt[k] ? " prompt" : mask[k] ? " trained" : " masked") + (image[k] ? " image" : "") +
           (eos[k] ? " eos" : "");

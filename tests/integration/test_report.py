@@ -306,6 +306,14 @@ async def test_clicking_a_sample_shows_its_token_strip_with_masked_tokens_marked
         eos_id = recorded.tokenizer.convert_tokens_to_ids(EOS)
         assert f"id {eos_id}" in hovered and '"<|im_end|>"' in hovered and "masked" in hovered
         assert "inserted EOS" in hovered
+        prompt_length = len(sample.tokens) - sample.response_length
+        note = await browser.evaluate("document.querySelector('#tokens .strip .note').textContent")
+        assert note == f"[{prompt_length} prompt tokens hidden] "
+        shown = (
+            "(() => { const c = document.querySelector('#tokens input[type=checkbox]'); c.checked = true;"
+            " c.dispatchEvent(new Event('change')); return document.querySelectorAll('.tok.prompt').length; })()"
+        )
+        assert await browser.evaluate(shown) == prompt_length
 
 
 @needs_chromium
