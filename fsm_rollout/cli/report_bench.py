@@ -36,7 +36,8 @@ def measure(trace: Path, results: Path | None, output: Path, tokenizer: Any = No
 
 
 async def paint_times(page: Path, repeat: int) -> dict[str, float]:
-    """Median first contentful paint and time to ready over ``repeat`` loads, each in a fresh Chromium."""
+    """Median first contentful paint (-1 when no load timed it) and time to ready over ``repeat`` loads, each in a
+    fresh Chromium."""
     from fsm_rollout.report.chromium import Chromium
 
     paints, readies = [], []
@@ -47,9 +48,10 @@ async def paint_times(page: Path, repeat: int) -> dict[str, float]:
             paint = await browser.evaluate(
                 "(performance.getEntriesByName('first-contentful-paint')[0] || {startTime: null}).startTime"
             )
-            paints.append(float(paint) if paint is not None else float("nan"))
+            if paint is not None:  # headless Chromium does not always time the first paint
+                paints.append(float(paint))
             readies.append(float(await browser.evaluate("window.reportReadyMs")))
-    return {"first_paint_ms": statistics.median(paints), "ready_ms": statistics.median(readies)}
+    return {"first_paint_ms": statistics.median(paints) if paints else -1.0, "ready_ms": statistics.median(readies)}
 
 
 def main(argv: list[str] | None = None) -> int:
