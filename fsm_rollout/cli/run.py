@@ -26,6 +26,7 @@ from fsm_rollout.cli.preflight import (
     option_problem,
     redacted,
 )
+from fsm_rollout.cli.report import default_output as report_path_for
 from fsm_rollout.cli.run_report import (
     error_lines,
     next_lines,
@@ -86,6 +87,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also record the I/O tape beside the trace (X.jsonl -> X.tape.jsonl) so that "
         "`fsm-rollout replay` can re-execute the run offline (needs --trace)",
+    )
+    data.add_argument(
+        "--report",
+        nargs="?",
+        const=True,
+        type=Path,
+        metavar="FILE",
+        help="also write the run as one web page (`fsm-rollout report`; FILE default: beside the trace, "
+        "X.jsonl -> X.html; needs --trace)",
     )
     data.add_argument(
         "--include-features",
@@ -375,7 +385,10 @@ async def _run(args: argparse.Namespace) -> int:
     )
     if args.record:
         print(f"tape: {tape_path_for(args.trace)}")
-    print("\n".join(next_lines(samples, sample_ids, trace=args.trace, record=args.record)))
+    page = await _write_report(args, tokenizer) if args.report is not None else None
+    print(
+        "\n".join(next_lines(samples, sample_ids, trace=args.trace, record=args.record, results=args.out, report=page))
+    )
     if interrupted.is_set():
         return EXIT_INTERRUPTED
     nothing = nothing_generated(samples, max_context_len=args.max_context_len)
@@ -385,6 +398,21 @@ async def _run(args: argparse.Namespace) -> int:
     return EXIT_FAILED_SAMPLES if snapshot.statuses.get("failed") else EXIT_OK
 
 
+async def _write_report(args: argparse.Namespace, tokenizer: Any) -> Path | None:
+    """``--report``: the run's web page, from its trace (and tape) and results; None when it cannot be built."""
+    from fsm_rollout.report import build_report, write_report
+
+    output = report_path_for(args.trace) if args.report is True else args.report
+    try:
+        data = await asyncio.to_thread(build_report, args.trace, results=args.out, tokenizer=tokenizer)
+        page = await asyncio.to_thread(write_report, data, output)
+    except (RolloutError, OSError) as error:
+        print(f"error: the report could not be written: {error}", file=sys.stderr)
+        return None
+    print(f"report: {page}")
+    return page
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``fsm-rollout run``."""
     from fsm_rollout.dataset import DatasetError
@@ -392,6 +420,8 @@ def main(args: argparse.Namespace) -> int:
     problem = option_problem(args)
     if problem is None and args.record and args.trace is None:
         problem = "--record needs --trace (the tape is written beside the trace)"
+    if problem is None and args.report is not None and args.trace is None:
+        problem = "--report needs --trace (the page is built from the trace)"
     if problem is None and args.data is not None and args.env is None:
         # the demo's Geo3K grading would silently score another dataset
         problem = (
