@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 import time
@@ -183,7 +184,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="how history reaches the next turn: append boundary tokens, fork where the template rewrites it, one "
         "training row per model call, or auto (chosen once at start-up from the template probe)",
     )
+    rollout.add_argument(
+        "--chat-template-kwargs",
+        type=_json_object,
+        metavar="JSON",
+        help="chat template switches, e.g. '{\"enable_thinking\": false}': the template probe, the observation "
+        "boundaries and the engine's render all get them",
+    )
     add_process_settings(parser.add_argument_group("process-wide settings"))
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """``--chat-template-kwargs``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _load_samples(args: argparse.Namespace) -> tuple[list[Sample], int]:
@@ -318,6 +337,7 @@ def build_config(
         api_key=api_key,
         trust_remote_code=args.trust_remote_code,
         history_policy=args.history_policy,
+        apply_chat_template_kwargs=args.chat_template_kwargs,
     )
 
 

@@ -66,6 +66,25 @@ def test_run_refuses_an_unknown_history_policy(capsys: pytest.CaptureFixture[str
 
 
 @pytest.mark.parametrize(
+    ("argv", "switches"),
+    [((), None), (("--chat-template-kwargs", '{"enable_thinking": false}'), {"enable_thinking": False})],
+)
+def test_run_passes_chat_template_switches_on(argv: tuple[str, ...], switches: Any) -> None:
+    args = build_parser().parse_args(["run", *argv])
+    assert build_config(args, "http://127.0.0.1:1", "m", None, None).apply_chat_template_kwargs == switches
+
+
+@pytest.mark.parametrize(("value", "problem"), [("{enable", "not JSON"), ("[1]", "must be a JSON object, got list")])
+def test_run_refuses_chat_template_switches_that_are_not_a_json_object(
+    value: str, problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["run", "--chat-template-kwargs", value])
+    assert exit_info.value.code == 2
+    assert problem in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     ("argv", "expected"),
     [
         ((), (5.0, True)),
