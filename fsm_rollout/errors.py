@@ -141,7 +141,16 @@ class ImageInputError(RolloutError, ValueError):
 
 
 class ImageObservationError(ObservationError):
-    """An observation carries an image part: observations are text-only (images belong in the prompt)."""
+    """An observation's image part cannot be taken: a media part other than an image, or an image the engine's
+    render did not encode into matching placeholders and features."""
+
+
+class VideoObservationError(ImageObservationError):
+    """An observation carries a video part: observations take images only."""
+
+
+class ImageTooLargeError(ImageInputError):
+    """An image is over the configured byte or pixel limit (a decompression bomb, or just too big)."""
 
 
 class MalformedFeaturesError(MultimodalError, TypeError):

@@ -22,13 +22,14 @@ from fsm_rollout.config import DEFAULT_ENV_MODULE
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.env import EnvFactory, check_environment, env_thread_pool, load_env_factory, unpack_step_info
 from fsm_rollout.errors import BudgetExceededError, RenderError, ResumeError, RoutingReplayError
-from fsm_rollout.multimodal import build_initial_messages, prepare_render_messages
+from fsm_rollout.multimodal import build_initial_messages, observation_image_count, prepare_render_messages
 from fsm_rollout.partial_turn import answer_spans, merge_turns
 from fsm_rollout.rollout.cancel import CancelScope, TimedOut
 from fsm_rollout.rollout.context import RolloutContext
+from fsm_rollout.rollout.observation_images import encode_image_observation
 from fsm_rollout.rollout.stops import stop_string_end
 from fsm_rollout.suspension import HandBack
-from fsm_rollout.types import GeneratedTurn, TokenIds
+from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
 
 
 class Activities:
@@ -112,6 +113,10 @@ class Activities:
         ctx = self.ctx
         formatted = await self.env_call("env.format_observation", ctx.env.format_observation, ctx.observation)
         ctx.observation_messages = validate_observation(formatted)
+        ctx.observation_features, ctx.observation_image_hashes = None, ()
+        if observation_image_count(ctx.observation_messages):  # the engine renders it: one request
+            await encode_image_observation(ctx, ctx.observation_messages, self._render)
+            return
         tokens = ctx.sample.tokens
         encoder = ctx.deps.encoder
         ctx.observation_tokens = encoder.encode(
@@ -122,6 +127,9 @@ class Activities:
         )
 
     # ------------------------------------------------------------------ engine
+
+    async def _render(self, payload: dict[str, Any]) -> RenderedPrompt:
+        return await self.scope.run(self.client.render(payload, headers=self.headers))
 
     async def request_render(self) -> None:
         ctx = self.ctx

@@ -299,13 +299,13 @@ async def test_a_bad_image_fails_before_any_request_naming_the_image(
     assert re.search(reason, str(error))
 
 
-async def test_an_observation_with_an_image_part_fails_naming_the_part(
+async def test_an_observation_with_a_bad_image_part_fails_naming_the_part(
     run_images: Callable[..., Any], fake_vllm: FakeVLLMServer
 ) -> None:
     fake_vllm.script([ScriptedTurn(text="a"), ScriptedTurn(text="b")])
     observation = {"role": "user", "content": [{"type": "text", "text": "See:"}, {"type": "image", "image": "x.png"}]}
     envs = ScriptedEnvFactory(steps=[(observation, False)])
-    error = await run_failing(run_images, image_sample(), ObservationError, max_turns=2, envs=envs)
+    error = await run_failing(run_images, image_sample(), ImageInputError, max_turns=2, envs=envs)
     assert "content[1]" in str(error)
     assert len(fake_vllm.requests_to(GENERATE_PATH)) == 1
 
@@ -347,13 +347,14 @@ async def test_the_placeholder_token_and_merge_size_come_from_the_config(
     assert "<|video_pad|>" in str(error)
 
 
-async def test_an_image_observation_raises_the_specific_error(
+async def test_a_video_observation_raises_the_specific_error(
     run_images: Callable[..., Any], fake_vllm: FakeVLLMServer
 ) -> None:
-    from fsm_rollout.errors import ImageObservationError
+    from fsm_rollout.errors import ImageObservationError, VideoObservationError
 
     fake_vllm.script([ScriptedTurn(text="a"), ScriptedTurn(text="b")])
-    observation = {"role": "user", "content": [{"type": "image", "image": "x.png"}]}
+    observation = {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]}
     envs = ScriptedEnvFactory(steps=[(observation, False)])
-    error = await run_failing(run_images, image_sample(), ImageObservationError, max_turns=2, envs=envs)
-    assert "observation content[0] is an image part" in str(error)
+    error = await run_failing(run_images, image_sample(), VideoObservationError, max_turns=2, envs=envs)
+    assert isinstance(error, ImageObservationError) and isinstance(error, ObservationError)
+    assert "content[0] is a 'video' part" in str(error)
