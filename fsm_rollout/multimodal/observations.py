@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -290,6 +291,7 @@ def place_features(
 
 def known_items(features: Any) -> dict[str, tuple[Any, Any]]:
     """The sample's image items by hash: ``{hash: (kwargs item, metadata item)}`` (for filling null items)."""
+    features = features_dict(features)
     if not isinstance(features, dict):
         return {}
     hashes = (features.get("mm_hashes") or {}).get("image") or []
@@ -303,12 +305,50 @@ def known_items(features: Any) -> dict[str, tuple[Any, Any]]:
     return known
 
 
+def features_dict(features: Any) -> Any:
+    """Render ``features`` as a dictionary when an engine sent them as JSON text (older vLLM); else as they are."""
+    if isinstance(features, str):
+        try:
+            return json.loads(features)
+        except json.JSONDecodeError as error:
+            raise MalformedFeaturesError(f"render features are a string but not JSON: {error}") from error
+    return features
+
+
+def fill_null_items(features: Any, *, sample_id: Any = None) -> Any:
+    """A prompt's render ``features`` with each null image item (the engine's processor-cache hit) filled from an
+    item of the same hash in the same answer; one no item can fill is an
+    :class:`~fsm_rollout.errors.ImageFeaturesMissingError` naming the engine flag, raised before any generate
+    request could carry it (a null item kills vLLM's engine). Features without null items come back as they are.
+    """
+    original, features = features, features_dict(features)
+    items = ((features.get("kwargs_data") or {}).get("image") if isinstance(features, dict) else None) or []
+    if None not in items:
+        return original  # as the engine sent them (text stays text)
+    known = known_items(features)
+    hashes = (features.get("mm_hashes") or {}).get("image") or []
+    filled = list(items)
+    for index, item in enumerate(items):
+        if item is not None:
+            continue
+        digest = hashes[index] if index < len(hashes) else None
+        cached = known.get(digest) if isinstance(digest, str) else None
+        if cached is None:
+            raise ImageFeaturesMissingError(
+                f"{sample_prefix(sample_id)}features.kwargs_data.image[{index}] is null (vLLM's multimodal cache hit) "
+                f"and no other image of the answer has its hash: {NULL_ITEM_ADVICE}"
+            )
+        filled[index] = cached[0]
+    return {**features, "kwargs_data": {**features["kwargs_data"], "image": filled}}
+
+
 def merge_features(base: Any, new: dict[str, Any]) -> dict[str, Any]:
     """The sample's features with an observation's placed features appended (image order is sequence order).
 
     A list missing on one side is filled with nulls for the other side's items, except ``kwargs_data``, which
     :func:`place_features` always fills.
     """
+    base = features_dict(base)
     if not isinstance(base, dict) or not ((base.get("mm_placeholders") or {}).get("image")):
         merged = dict(base) if isinstance(base, dict) else {}
         merged.update(new)
@@ -392,6 +432,8 @@ __all__ = [
     "check_image_limits",
     "check_observation_parts",
     "check_observation_tokens",
+    "features_dict",
+    "fill_null_items",
     "image_features",
     "item_grids",
     "known_items",

@@ -22,7 +22,12 @@ from fsm_rollout.config import DEFAULT_ENV_MODULE
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.env import EnvFactory, check_environment, env_thread_pool, load_env_factory, unpack_step_info
 from fsm_rollout.errors import BudgetExceededError, RenderError, ResumeError, RoutingReplayError
-from fsm_rollout.multimodal import build_initial_messages, observation_image_count, prepare_render_messages
+from fsm_rollout.multimodal import (
+    build_initial_messages,
+    fill_null_items,
+    observation_image_count,
+    prepare_render_messages,
+)
 from fsm_rollout.partial_turn import answer_spans, merge_turns
 from fsm_rollout.rollout.cancel import CancelScope, TimedOut
 from fsm_rollout.rollout.context import RolloutContext
@@ -151,6 +156,12 @@ class Activities:
             raise RenderError(
                 f"sample {ctx.sample_id}: Initial render token_ids differ from sample.tokens "
                 f"(render gave {len(rendered.token_ids)} ids, the sample holds {len(sample.tokens)})"
+            )
+        features = rendered.generate_body.get("features")
+        filled = fill_null_items(features, sample_id=ctx.sample_id)  # a null item must never reach generate
+        if filled is not features:
+            rendered = RenderedPrompt(
+                token_ids=rendered.token_ids, generate_body={**rendered.generate_body, "features": filled}
             )
         ctx.rendered = rendered
 

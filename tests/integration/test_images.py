@@ -264,6 +264,21 @@ async def test_a_null_feature_item_fails_with_the_server_flag_to_use(
     fake_vllm.script([ScriptedTurn(text="a")])
     error = await run_failing(run_images, image_sample(), ImageFeaturesMissingError, max_turns=1)
     assert "image[1] is null" in str(error) and "--mm-processor-cache-gb 0" in str(error)
+    assert fake_vllm.requests_to(GENERATE_PATH) == []  # a null item kills vLLM's engine: never sent
+
+
+async def test_a_null_item_of_a_repeated_prompt_image_is_filled_from_its_twin(
+    run_images: Callable[..., Any], fake_vllm: FakeVLLMServer, renderer: QwenLikeRender
+) -> None:
+    renderer.null_item = 1  # the same figure twice: the engine's cache hit leaves out the second one's tensors
+    fake_vllm.script([ScriptedTurn(text="a")])
+    figure = draw_figure(*FIGURES[0])
+    sample = image_sample(images=[figure, figure])
+    await run_images(sample, max_turns=1)
+    (request,) = fake_vllm.requests_to(GENERATE_PATH)
+    items = request.body["features"]["kwargs_data"]["image"]
+    assert items[0] is not None and items[1] == items[0]
+    assert sample.multimodal_train_inputs["image_grid_thw"].shape[0] == 2
 
 
 async def test_image_tokens_without_features_fail_like_the_seed(
