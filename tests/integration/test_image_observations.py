@@ -329,3 +329,57 @@ async def test_a_null_item_no_one_holds_fails_naming_the_engine_flag_before_any_
         await rollout(target, sample, envs, turns=3)
     assert image_counts(target) == [0]  # nothing was sent with the null item
     assert envs.last.close_count == 1
+
+
+# ------------------------------------------------------------------------------------ downstream
+
+
+async def test_a_recorded_image_observation_run_replays_identically_with_each_image_stored_once(
+    fake_images: FakeVLLMServer, tmp_path: Any
+) -> None:
+    import asyncio
+
+    import orjson
+
+    from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_path_for
+    from fsm_rollout.replay import replay
+    from fsm_rollout.trace import Tracer
+
+    fake_images.render_features = QwenLikeImageRender(load_qwen_tokenizer())
+    fake_images.script([ScriptedTurn(text=f"Move {i}: up.") for i in range(3)])
+    trace = tmp_path / "run.jsonl"
+    tracer = Tracer(trace.open("ab"), owns_stream=True)
+    writer = TapeWriter(tape_path_for(trace))
+    def shaded(cell: tuple[int, int]) -> dict[str, Any]:  # a gradient, so its PNG is long enough to be a blob
+        image = board(cell, size=128)
+        draw = ImageDraw.Draw(image)
+        for row in range(0, 128, 2):
+            draw.line([(0, row), (127, row)], fill=(row * 2, 255 - row, (row * 7) % 256))
+        draw.rectangle([cell[0] * 32, cell[1] * 32, cell[0] * 32 + 31, cell[1] * 32 + 31], fill=(200, 40, 40))
+        return {"role": "user", "content": [{"type": "image", "image": image}]}
+
+    first, second = shaded((0, 0)), shaded((0, 1))
+    same = [([first, second], False), ([first], False)]  # board (0, 0) twice
+    sample = Sample(prompt=PROMPT, index=9)
+    config = RolloutConfig(engine_url=fake_images.url, model="fake-model", max_turns=3, image_merge_size=MERGE)
+    async with VLLMClient(fake_images.url) as client:
+        rollout = recorded_rollout(
+            sample,
+            config=config,
+            sampling_params={**SAMPLING, "max_new_tokens": 1000},
+            client=client,
+            tokenizer=load_qwen_tokenizer(),
+            env_factory=ScriptedEnvFactory(steps=same),
+            tracer=tracer,
+            tape=writer,
+        )
+        await rollout.run()
+    writer.close()
+    tracer.close()
+    assert sample.status == Status.TRUNCATED and sample.multimodal_train_inputs["image_grid_thw"].shape[0] == 3
+    report = await asyncio.to_thread(replay, trace, tokenizer=load_qwen_tokenizer())
+    assert report.exit_code == 0, report.render(verbose=True)
+    assert report.counts() == {"identical": 1}
+    lines = [orjson.loads(line) for line in tape_path_for(trace).read_bytes().splitlines()]
+    blobs = [line["data"] for line in lines if line["kind"] == "blob" and line["data"].startswith("data:image/png")]
+    assert len(blobs) == len(set(blobs)) == 2  # two distinct boards, each stored once however often it is sent
