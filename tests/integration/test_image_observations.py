@@ -8,6 +8,7 @@ and its training inputs must equal the features of that render, decoded.
 
 from __future__ import annotations
 
+import asyncio
 import struct
 import zlib
 from collections.abc import AsyncIterator
@@ -335,7 +336,7 @@ async def test_a_null_item_no_one_holds_fails_naming_the_engine_flag_before_any_
 
 
 async def test_a_recorded_image_observation_run_replays_identically_with_each_image_stored_once(
-    fake_images: FakeVLLMServer, tmp_path: Any
+    fake_images: FakeVLLMServer, tmp_path: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     import asyncio
 
@@ -350,6 +351,7 @@ async def test_a_recorded_image_observation_run_replays_identically_with_each_im
     trace = tmp_path / "run.jsonl"
     tracer = Tracer(trace.open("ab"), owns_stream=True)
     writer = TapeWriter(tape_path_for(trace))
+
     def shaded(cell: tuple[int, int]) -> dict[str, Any]:  # a gradient, so its PNG is long enough to be a blob
         image = board(cell, size=128)
         draw = ImageDraw.Draw(image)
@@ -383,3 +385,88 @@ async def test_a_recorded_image_observation_run_replays_identically_with_each_im
     lines = [orjson.loads(line) for line in tape_path_for(trace).read_bytes().splitlines()]
     blobs = [line["data"] for line in lines if line["kind"] == "blob" and line["data"].startswith("data:image/png")]
     assert len(blobs) == len(set(blobs)) == 2  # two distinct boards, each stored once however often it is sent
+
+    from fsm_rollout.cli import main as cli_main
+    from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
+
+    capsys.readouterr()
+    args = ["inspect", str(trace), "--sample", "9", "--tokenizer", str(qwen_tokenizer_dir()), "--color", "never"]
+    assert await asyncio.to_thread(cli_main, args) == 0
+    out = capsys.readouterr().out
+    assert out.count("[image: 64 tokens]") == 3  # image spans marked, not 64 placeholders each
+    assert "<|image_pad|>" not in out and "data:image" not in out and "'<image>'" in out
+
+
+async def test_a_handed_back_image_sample_keeps_its_features_through_json_and_resumes_to_the_same_result(
+    fake_images: FakeVLLMServer,
+) -> None:
+    import json
+    from dataclasses import dataclass, field
+
+    from fsm_rollout.suspension import HandBack, Suspender
+    from fsm_rollout.testing.envs import ScriptedEnv
+
+    class HandingBack(Suspender):
+        async def wait_resumed(self) -> None:
+            if self.suspended:
+                raise HandBack
+
+    @dataclass
+    class SnapshotEnv(ScriptedEnv):
+        restored: list[Any] = field(default_factory=list)
+
+        def snapshot(self) -> dict[str, Any]:
+            return {"texts": list(self.texts)}
+
+        def restore(self, state: Any) -> None:
+            self.restored.append(state)
+            self.texts[:] = state["texts"]
+
+    @dataclass
+    class SnapshotEnvFactory(ScriptedEnvFactory):
+        def __call__(self, *, sample: Any, args: Any) -> ScriptedEnv:
+            env = SnapshotEnv(steps=list(self.steps), default=self.default)
+            self.built.append(env)
+            return env
+
+    steps = [(image_message((0, 0), (3, 3)), False), (image_message((1, 2)), False)]
+    turns = ["Move 0: right.", "Move 1: down and then left.", "Move 2: up."]
+    values = {"engine_url": fake_images.url, "model": "fake-model", "max_turns": 3, "image_merge_size": MERGE,
+              "router_policy": "consistent_hash", "check_invariants": True}  # fmt: skip
+    fake_images.render_features = QwenLikeImageRender(load_qwen_tokenizer())
+    async with VLLMClient(fake_images.url) as client:
+
+        def build(sample: Sample, envs: ScriptedEnvFactory, gate: Suspender | None = None) -> Rollout:
+            return Rollout(sample, config=RolloutConfig(**values), sampling_params=dict(SAMPLING), client=client,
+                           tokenizer=load_qwen_tokenizer(), env_factory=envs, suspender=gate)  # fmt: skip
+
+        fake_images.script([ScriptedTurn(text=text) for text in turns], session="img")
+        reference = await build(
+            Sample(prompt=PROMPT, index=10, session_id="img"), SnapshotEnvFactory(steps=steps)
+        ).run()
+        held = ScriptedTurn(text=turns[1], hang=True, held_after=3)  # handed back during the turn after the images
+        fake_images.script([ScriptedTurn(text=turns[0]), held, ScriptedTurn(text=turns[2])], session="img")
+        gate = HandingBack(lambda: [client])
+        envs = SnapshotEnvFactory(steps=steps)
+        sample = Sample(prompt=PROMPT, index=10, session_id="img")
+        run = asyncio.ensure_future(build(sample, envs, gate).run())
+        await fake_images.wait_until_waiting(1)
+        await gate.suspend()
+        await run
+        assert sample.metadata["rollout_reason"] == "handed_back"
+        state = sample.metadata["resume_state"]
+        features = state["rendered"]["generate_body"]["features"]
+        assert len(features["kwargs_data"]["image"]) == 2  # the first observation's images are in the resume state
+        shipped = Sample.from_dict(json.loads(json.dumps(sample.to_dict())))  # as Ray would carry it
+        await gate.resume()
+        resumed = await build(shipped, envs, gate).run()
+    assert (resumed.tokens, resumed.loss_mask, resumed.status) == (
+        reference.tokens,
+        reference.loss_mask,
+        reference.status,
+    )
+    ours, theirs = resumed.multimodal_train_inputs, reference.multimodal_train_inputs
+    assert ours is not None and theirs is not None and ours["image_grid_thw"].shape[0] == 3
+    assert all(torch.equal(ours[key], theirs[key]) for key in ("pixel_values", "image_grid_thw"))
+    again = Sample.from_dict(json.loads(json.dumps(resumed.to_dict())))
+    assert torch.equal(again.multimodal_train_inputs["pixel_values"], ours["pixel_values"])
