@@ -246,25 +246,6 @@ def render_tokens(
     return "".join(parts)
 
 
-def _image_token(record: TapeSample, tokenizer: Any) -> int | None:
-    """The id of the recorded config's image placeholder token, when the tokenizer knows it."""
-    from fsm_rollout.multimodal import IMAGE_PAD_TOKEN, image_pad_token_id
-
-    token = record.config.get("image_placeholder_token") or IMAGE_PAD_TOKEN
-    return image_pad_token_id(tokenizer, token) if tokenizer is not None and isinstance(token, str) else None
-
-
-def _without_image_data(value: Any) -> Any:
-    """A recorded message with each image (a data URL) shown as ``<image>`` (the pixels say nothing as text)."""
-    if isinstance(value, list):
-        return [_without_image_data(item) for item in value]
-    if isinstance(value, dict):
-        return {key: _without_image_data(item) for key, item in value.items()}
-    if isinstance(value, str) and value.startswith("data:image/"):
-        return "<image>"
-    return value
-
-
 def render_timeline(
     path: TracedPath,
     record: TapeSample | None,
@@ -390,7 +371,10 @@ def _turn_lines(record: TapeSample, tape: TapeFile, tokenizer: Any, painter: Pai
         f"  prompt: {prompt_length} tokens; response side: {len(response)} tokens "
         f"({sum(mask)} trainable, {len(mask) - sum(mask)} masked) — {legend}",
     ]
-    image_token = _image_token(record, tokenizer)
+    from fsm_rollout.multimodal import IMAGE_PAD_TOKEN, image_pad_token_id, without_image_data
+
+    placeholder = record.config.get("image_placeholder_token") or IMAGE_PAD_TOKEN
+    image_token = image_pad_token_id(tokenizer, placeholder) if tokenizer is not None else None
     for segment in response_segments(record):
         ids = response[segment.start : segment.end]
         seg_mask = mask[segment.start : segment.end]
@@ -416,7 +400,7 @@ def _turn_lines(record: TapeSample, tape: TapeFile, tokenizer: Any, painter: Pai
         else:
             message = ""
             if segment.turn < len(observations):
-                content = _without_image_data(revive(tape.resolve(observations[segment.turn].get("message"))))
+                content = without_image_data(revive(tape.resolve(observations[segment.turn].get("message"))))
                 message = f" from {_clip(repr(content))}"
             lines.append(f"    observation ({len(ids)} masked){message}: {text}")
     return lines

@@ -49,6 +49,7 @@ from fsm_rollout.multimodal.images import (
     image_to_render_url,
     messages_for_render,
     prepare_render_messages,
+    without_image_data,
 )
 from fsm_rollout.multimodal.merge_size import (
     PREPROCESSOR_CONFIG,
@@ -109,4 +110,5 @@ __all__ = [
     "prepare_render_messages",
     "processor_merge_size",
     "validate_image_tokens",
+    "without_image_data",
 ]
