@@ -470,3 +470,52 @@ async def test_a_handed_back_image_sample_keeps_its_features_through_json_and_re
     assert all(torch.equal(ours[key], theirs[key]) for key in ("pixel_values", "image_grid_thw"))
     again = Sample.from_dict(json.loads(json.dumps(resumed.to_dict())))
     assert torch.equal(again.multimodal_train_inputs["pixel_values"], ours["pixel_values"])
+
+
+# ------------------------------------------------------------------------------------ an engine that disagrees
+
+
+class Skewed(QwenLikeImageRender):
+    """The fake's image render, altered in one way for observations (renders after the dummy prefix)."""
+
+    def __init__(self, tokenizer: Any, how: str) -> None:
+        super().__init__(tokenizer)
+        self.how = how
+
+    def __call__(self, messages: list[dict[str, Any]], ids: list[int]) -> tuple[list[int], dict[str, Any] | None]:
+        expanded, features = super().__call__(messages, ids)
+        if features is None or messages[0].get("content") != "You are a helpful assistant.":
+            return expanded, features
+        if self.how == "prefix":  # the engine's template renders the dummy prefix differently
+            return [expanded[0], *expanded], features
+        if self.how == "fewer_pads":  # one placeholder token short of what the grid says
+            place = features["mm_placeholders"]["image"][0]
+            del expanded[place["offset"]]
+            place["length"] -= 1
+        if self.how == "no_features":
+            return expanded, None
+        return expanded, features
+
+
+@pytest.mark.parametrize(
+    ("how", "error", "match"),
+    [
+        ("prefix", "TemplateNotPrefixStable", "render of the dummy prefix"),
+        ("fewer_pads", "ImageTokenMismatchError", "image_tokens=15, expected_image_tokens=16"),
+        ("no_features", "ImageFeaturesMissingError", "answered no image features"),
+    ],
+)
+async def test_an_observation_the_engine_encodes_inconsistently_fails_before_it_is_appended(
+    fake_images: FakeVLLMServer, how: str, error: str, match: str
+) -> None:
+    target = Target("fake", fake_images.url, "fake-model", fake_images)
+    fake_images.requests.clear()
+    fake_images.render_features = Skewed(load_qwen_tokenizer(), how)
+    envs = ScriptedEnvFactory(steps=[(image_message((1, 1)), False)])
+    sample = Sample(prompt=PROMPT, index=11)
+    with pytest.raises(Exception, match=match) as caught:
+        await rollout(target, sample, envs, turns=3)
+    assert type(caught.value).__name__ == error
+    assert sample.status == Status.FAILED and envs.last.close_count == 1
+    assert image_counts(target) == [0]  # nothing of the observation reached a generate request
+    assert load_qwen_tokenizer().convert_tokens_to_ids("<|image_pad|>") not in sample.tokens
