@@ -165,6 +165,11 @@ class ImageFeaturesMissingError(MultimodalError):
     """The prompt has images, but the render answer carries no image tensors for (some of) them."""
 
 
+class ImageObservationFeaturesMissingError(ImageObservationError, ImageFeaturesMissingError):
+    """An observation holds images, but the engine's render of it answered no image features (a text-only model,
+    or a server that does not encode images): the observation cannot be taken."""
+
+
 class ImageMergeSizeUnknownError(MultimodalError):
     """The prompt has image grids, but neither the processor nor the config gives the image merge size."""
 

@@ -33,6 +33,7 @@ from fsm_rollout.errors import (
     FeatureCodecError,
     ImageFeaturesMissingError,
     ImageInputError,
+    ImageObservationError,
     ImageTooLargeError,
     MalformedFeaturesError,
     VideoObservationError,
@@ -72,8 +73,13 @@ def observation_image_count(messages: Sequence[Mapping[str, Any]]) -> int:
 
 
 def check_observation_parts(messages: Sequence[Mapping[str, Any]]) -> None:
-    """Refuse media parts other than images (a video, say) with :class:`~fsm_rollout.errors.VideoObservationError`
-    naming the part."""
+    """Refuse media parts other than images (a video, say) with :class:`~fsm_rollout.errors.VideoObservationError`,
+    and images given as ``http(s)`` URLs with :class:`~fsm_rollout.errors.ImageObservationError`, naming the part.
+
+    A remote image would be fetched by the engine, so the rollout would never see its content: its trace and tape
+    could hold only the URL, and a replay could not show that the image was the same. An environment has its
+    images at hand; it passes them as PIL images, files or ``data:`` URLs.
+    """
     for message_index, message in enumerate(messages):
         content = message.get("content")
         if not isinstance(content, list):
@@ -81,6 +87,14 @@ def check_observation_parts(messages: Sequence[Mapping[str, Any]]) -> None:
         for index, part in enumerate(content):
             if not isinstance(part, dict):
                 continue
+            source = part.get("image_url", part.get("image"))
+            source = source.get("url") if isinstance(source, dict) else source
+            if isinstance(source, str) and source.startswith(("http://", "https://")):
+                raise ImageObservationError(
+                    f"observation message [{message_index}] content[{index}] is a remote image ({source[:80]!r}): "
+                    "pass the image itself (a PIL image, a file path or a data: URL), whose content the trace and "
+                    "tape can keep"
+                )
             kind = part.get("type")
             media = kind if kind in MEDIA_PART_TYPES else next((key for key in part if key in MEDIA_PART_TYPES), None)
             if media is not None:

@@ -16,7 +16,11 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from fsm_rollout.errors import ImageFeaturesMissingError, ImageObservationError, TemplateNotPrefixStable
+from fsm_rollout.errors import (
+    ImageObservationError,
+    ImageObservationFeaturesMissingError,
+    TemplateNotPrefixStable,
+)
 from fsm_rollout.multimodal import (
     ImageLimits,
     check_encoded_sizes,
@@ -73,7 +77,7 @@ async def encode_image_observation(ctx: RolloutContext, messages: list[dict[str,
     features = image_features(rendered.generate_body.get("features"), what=what, sample_id=sample_id)
     images = len(prepared.image_hashes)
     if features is None:
-        raise ImageFeaturesMissingError(
+        raise ImageObservationFeaturesMissingError(
             f"sample {sample_id}: {what} holds {images} image(s) but the engine's render answered no image features "
             "(is the served model a vision-language model?)"
         )

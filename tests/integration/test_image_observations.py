@@ -502,7 +502,7 @@ class Skewed(QwenLikeImageRender):
     [
         ("prefix", "TemplateNotPrefixStable", "render of the dummy prefix"),
         ("fewer_pads", "ImageTokenMismatchError", "image_tokens=15, expected_image_tokens=16"),
-        ("no_features", "ImageFeaturesMissingError", "answered no image features"),
+        ("no_features", "ImageObservationFeaturesMissingError", "answered no image features"),
     ],
 )
 async def test_an_observation_the_engine_encodes_inconsistently_fails_before_it_is_appended(

@@ -340,6 +340,16 @@ def test_validate_observation_returns_the_messages_as_a_list() -> None:
             r"observation message \[0\]: observation message \[0\] content\[0\] is a 'video' part",
         ),
         (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.invalid/a.png"}}]}],
+            ImageObservationError,
+            r"content\[0\] is a remote image \('https://x.invalid/a.png'\): pass the image itself",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "image", "image": "http://x.invalid/b.png"}]}],
+            ImageObservationError,
+            "is a remote image",
+        ),
+        (
             [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
             ImageObservationError,
             r"content\[0\] is a 'input_audio' part",
