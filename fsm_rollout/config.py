@@ -79,7 +79,8 @@ class RolloutConfig:
     ``rollout_timeout_s`` one rollout's wall time (time ``suspended`` for a weight update excluded); either ends the
     sample ``truncated`` (reasons ``env_timeout`` / ``rollout_timeout``, ``metadata["rollout_timeout"]``).
     ``reward_fn`` (``(sample) -> float``, sync or async) sets ``sample.reward`` on the way into ``completed`` or
-    ``truncated``; it is never recorded.
+    ``truncated``; it is never recorded. ``observation_image_max_bytes`` and ``observation_image_max_pixels`` limit
+    each image an environment's observation holds (a bigger one fails the sample before its pixels are decoded).
 
     Behind a router (``engine_url`` a ``vllm-router`` in front of several servers), ``servers_behind_router`` lists
     the servers' own URLs: a router forwards each request to one server, so a weight update's ``/pause``,
@@ -127,6 +128,8 @@ class RolloutConfig:
     check_invariants: bool = False
     image_placeholder_token: str = "<|image_pad|>"
     image_merge_size: int | None = None
+    observation_image_max_bytes: int = 16 * 1024 * 1024
+    observation_image_max_pixels: int = 4096 * 4096
     loop_slice_ms: float | None = None
     tune_gc: bool = False
     api_key: str | None = field(default=None, repr=False)
@@ -191,6 +194,9 @@ class RolloutConfig:
             )
         if self.image_merge_size is not None and (not _is_int(self.image_merge_size) or self.image_merge_size < 1):
             raise ConfigError(f"image_merge_size must be a positive integer or None, got {self.image_merge_size!r}")
+        for name in ("observation_image_max_bytes", "observation_image_max_pixels"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.env_executor not in ("inline", "thread"):
             raise ConfigError(f"env_executor must be 'inline' or 'thread', got {self.env_executor!r}")
         if not _is_int(self.env_max_workers) or self.env_max_workers < 1:

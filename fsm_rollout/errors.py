@@ -141,7 +141,16 @@ class ImageInputError(RolloutError, ValueError):
 
 
 class ImageObservationError(ObservationError):
-    """An observation carries an image part: observations are text-only (images belong in the prompt)."""
+    """An observation's image part cannot be taken: a media part other than an image, or an image the engine's
+    render did not encode into matching placeholders and features."""
+
+
+class VideoObservationError(ImageObservationError):
+    """An observation carries a video part: observations take images only."""
+
+
+class ImageTooLargeError(ImageInputError):
+    """An image is over the configured byte or pixel limit (a decompression bomb, or just too big)."""
 
 
 class MalformedFeaturesError(MultimodalError, TypeError):
@@ -154,6 +163,11 @@ class FeatureCodecError(MultimodalError, ValueError):
 
 class ImageFeaturesMissingError(MultimodalError):
     """The prompt has images, but the render answer carries no image tensors for (some of) them."""
+
+
+class ImageObservationFeaturesMissingError(ImageObservationError, ImageFeaturesMissingError):
+    """An observation holds images, but the engine's render of it answered no image features (a text-only model,
+    or a server that does not encode images): the observation cannot be taken."""
 
 
 class ImageMergeSizeUnknownError(MultimodalError):

@@ -232,15 +232,22 @@ class Painter:
         return f"{_BOLD}{text}{_RESET}" if self.color else text
 
 
-def render_tokens(tokens: Sequence[int], mask: Sequence[int], tokenizer: Any, painter: Painter) -> str:
-    """Decoded text of ``tokens``, with each run of equal loss mask painted as trainable or masked."""
+def render_tokens(
+    tokens: Sequence[int], mask: Sequence[int], tokenizer: Any, painter: Painter, *, image_token: int | None = None
+) -> str:
+    """Decoded text of ``tokens``, with each run of equal loss mask painted as trainable or masked; a run of the
+    image placeholder ``image_token`` is marked as one ``[image: N tokens]`` span instead of N placeholders."""
     parts: list[str] = []
     start = 0
     while start < len(tokens):
         end = start
-        while end < len(tokens) and mask[end] == mask[start]:
+        image = image_token is not None and tokens[start] == image_token
+        while end < len(tokens) and mask[end] == mask[start] and (tokens[end] == image_token) == image:
             end += 1
-        text = str(tokenizer.decode(list(tokens[start:end]), skip_special_tokens=False)).replace("\n", "\n      ")
+        if image:
+            text = painter.bold(f"[image: {end - start} tokens]")
+        else:
+            text = str(tokenizer.decode(list(tokens[start:end]), skip_special_tokens=False)).replace("\n", "\n      ")
         parts.append(painter.trainable(text) if mask[start] else painter.masked(text))
         start = end
     return "".join(parts)
@@ -373,10 +380,18 @@ def _turn_lines(record: TapeSample, tape: TapeFile, tokenizer: Any, painter: Pai
         f"  prompt: {prompt_length} tokens; response side: {len(response)} tokens "
         f"({sum(mask)} trainable, {len(mask) - sum(mask)} masked) — {legend}",
     ]
+    from fsm_rollout.multimodal import IMAGE_PAD_TOKEN, image_pad_token_id, without_image_data
+
+    placeholder = record.config.get("image_placeholder_token") or IMAGE_PAD_TOKEN
+    image_token = image_pad_token_id(tokenizer, placeholder) if tokenizer is not None else None
     for segment in response_segments(record):
         ids = response[segment.start : segment.end]
         seg_mask = mask[segment.start : segment.end]
-        text = render_tokens(ids, seg_mask, tokenizer, painter) if tokenizer is not None else f"{len(ids)} tokens"
+        text = (
+            render_tokens(ids, seg_mask, tokenizer, painter, image_token=image_token)
+            if tokenizer is not None
+            else f"{len(ids)} tokens"
+        )
         if segment.kind == "model":
             lines += [
                 "",
@@ -394,7 +409,7 @@ def _turn_lines(record: TapeSample, tape: TapeFile, tokenizer: Any, painter: Pai
         else:
             message = ""
             if segment.turn < len(observations):
-                content = revive(tape.resolve(observations[segment.turn].get("message")))
+                content = without_image_data(revive(tape.resolve(observations[segment.turn].get("message"))))
                 message = f" from {_clip(repr(content))}"
             lines.append(f"    observation ({len(ids)} masked){message}: {text}")
     return lines

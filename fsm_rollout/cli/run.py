@@ -50,7 +50,8 @@ EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 EPILOG = """\
 With no --engine-url the embedded CPU engine is started in-process; with no --data the bundled demo dataset runs
-with the built-in Geo3K environment, each question as a group of samples (--n-samples-per-prompt); a dataset of
+with the built-in Geo3K environment (or, with --env, that environment's own demo_samples() when it has them, as
+fsm_rollout.envs.grid does), each question as a group of samples (--n-samples-per-prompt); a dataset of
 your own (--data) needs the environment that grades it (--env). --limit N takes the first N prompts. A live progress
 line shows samples done, per-state occupancy and tokens/s; the run ends with a summary (status and reason counts,
 the rewards the environment wrote, turns, tokens, throughput), the most frequent errors of the failed samples, and
@@ -210,8 +211,11 @@ def _load_samples(args: argparse.Namespace) -> tuple[list[Sample], int]:
 
     if args.data is None:
         from fsm_rollout.data.demo import demo_samples
+        from fsm_rollout.env import load_env_module
 
-        samples, skipped = demo_samples(), 0
+        # an environment that brings its own demo prompts (fsm_rollout.envs.grid) runs them; else the Geo3K demo
+        own = getattr(load_env_module(args.env), "demo_samples", None) if args.env else None
+        samples, skipped = (own() if callable(own) else demo_samples()), 0
     else:
         dataset = load_jsonl(args.data, skip_bad=args.skip_bad)
         samples, skipped = dataset.samples, len(dataset.skipped)

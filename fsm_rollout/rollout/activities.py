@@ -22,11 +22,17 @@ from fsm_rollout.config import DEFAULT_ENV_MODULE
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.env import EnvFactory, check_environment, env_thread_pool, load_env_factory, unpack_step_info
 from fsm_rollout.errors import BudgetExceededError, RenderError, ResumeError, RoutingReplayError
-from fsm_rollout.multimodal import build_initial_messages, prepare_render_messages
+from fsm_rollout.multimodal import (
+    build_initial_messages,
+    fill_null_items,
+    observation_image_count,
+    prepare_render_messages,
+)
 from fsm_rollout.partial_turn import answer_spans, merge_turns
 from fsm_rollout.rollout.cancel import CancelScope, TimedOut
 from fsm_rollout.rollout.context import RolloutContext
 from fsm_rollout.rollout.history import keeps_history, reconcile
+from fsm_rollout.rollout.observation_images import encode_image_observation
 from fsm_rollout.rollout.stops import stop_string_end
 from fsm_rollout.suspension import HandBack
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
@@ -113,8 +119,12 @@ class Activities:
         ctx = self.ctx
         formatted = await self.env_call("env.format_observation", ctx.env.format_observation, ctx.observation)
         ctx.observation_messages = validate_observation(formatted)
+        ctx.observation_features, ctx.observation_image_hashes = None, ()
         if keeps_history(ctx.deps.config):  # fork / per_turn: the engine's re-render decides (one render request)
             self.next_trigger = await reconcile(ctx, self._render)
+            return
+        if observation_image_count(ctx.observation_messages):  # the engine renders it: one request
+            await encode_image_observation(ctx, ctx.observation_messages, self._render)
             return
         tokens = ctx.sample.tokens
         encoder = ctx.deps.encoder
@@ -149,6 +159,12 @@ class Activities:
             raise RenderError(
                 f"sample {ctx.sample_id}: Initial render token_ids differ from sample.tokens "
                 f"(render gave {len(rendered.token_ids)} ids, the sample holds {len(sample.tokens)})"
+            )
+        features = rendered.generate_body.get("features")
+        filled = fill_null_items(features, sample_id=ctx.sample_id)  # a null item must never reach generate
+        if filled is not features:
+            rendered = RenderedPrompt(
+                token_ids=rendered.token_ids, generate_body={**rendered.generate_body, "features": filled}
             )
         ctx.rendered = rendered
 

@@ -88,6 +88,10 @@ class RolloutContext:
     env_done: bool = False
     observation_messages: list[dict[str, Any]] = field(default_factory=list)
     observation_tokens: TokenIds = field(default_factory=list)
+    observation_features: dict[str, Any] | None = None
+    """An image observation's features placed in the sequence, until appending merges them into ``rendered``."""
+    observation_image_hashes: tuple[str, ...] = ()
+    """The content hashes of the images of the observation being encoded (for the trace)."""
     partial_turn: list[GeneratedTurn] = field(default_factory=list)
     """The answers of the turn in progress that a suspension cut off (their tokens are the partial turn)."""
     suspensions: int = 0
@@ -196,6 +200,7 @@ _DECODE: dict[str, Any] = {
     "partial_turn": lambda parts: [turn_from_json(part) for part in parts],
     "turn_spans": lambda spans: [(str(version), int(start), int(end)) for version, start, end in spans],
     "image_hashes": lambda hashes: tuple(str(item) for item in hashes),
+    "observation_image_hashes": lambda hashes: tuple(str(item) for item in hashes),
     "response_token_ids": _ints,
     "observation_tokens": _ints,
     "observation_messages": lambda messages: [dict(message) for message in messages],

@@ -20,6 +20,7 @@ from fsm_rollout.partial_turn import join_spans, shift_spans
 from fsm_rollout.resume_state import RESUME_STATE_KEY
 from fsm_rollout.rollout.context import RolloutContext
 from fsm_rollout.rollout.history import fork_exceeds_budget, fork_history, note_fork_truncation
+from fsm_rollout.rollout.observation_images import with_observation_features
 from fsm_rollout.sample import Status
 from fsm_rollout.sample.branches import share_outcome
 
@@ -150,6 +151,9 @@ def append_observation(ctx: RolloutContext) -> None:
     sample.append_response_tokens(ctx.observation_tokens, trainable=False)
     record_observation(sample.metadata, ctx.observation_messages, start=start, end=sample.response_length)
     ctx.observation_messages = []  # consumed: the sample's metadata holds them now
+    if ctx.observation_features is not None:  # its images join the features every later request carries
+        ctx.rendered = with_observation_features(ctx.rendered, ctx.observation_features)
+        ctx.observation_features = None
 
 
 def next_turn(ctx: RolloutContext) -> None:

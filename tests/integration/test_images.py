@@ -264,6 +264,21 @@ async def test_a_null_feature_item_fails_with_the_server_flag_to_use(
     fake_vllm.script([ScriptedTurn(text="a")])
     error = await run_failing(run_images, image_sample(), ImageFeaturesMissingError, max_turns=1)
     assert "image[1] is null" in str(error) and "--mm-processor-cache-gb 0" in str(error)
+    assert fake_vllm.requests_to(GENERATE_PATH) == []  # a null item kills vLLM's engine: never sent
+
+
+async def test_a_null_item_of_a_repeated_prompt_image_is_filled_from_its_twin(
+    run_images: Callable[..., Any], fake_vllm: FakeVLLMServer, renderer: QwenLikeRender
+) -> None:
+    renderer.null_item = 1  # the same figure twice: the engine's cache hit leaves out the second one's tensors
+    fake_vllm.script([ScriptedTurn(text="a")])
+    figure = draw_figure(*FIGURES[0])
+    sample = image_sample(images=[figure, figure])
+    await run_images(sample, max_turns=1)
+    (request,) = fake_vllm.requests_to(GENERATE_PATH)
+    items = request.body["features"]["kwargs_data"]["image"]
+    assert items[0] is not None and items[1] == items[0]
+    assert sample.multimodal_train_inputs["image_grid_thw"].shape[0] == 2
 
 
 async def test_image_tokens_without_features_fail_like_the_seed(
@@ -299,13 +314,13 @@ async def test_a_bad_image_fails_before_any_request_naming_the_image(
     assert re.search(reason, str(error))
 
 
-async def test_an_observation_with_an_image_part_fails_naming_the_part(
+async def test_an_observation_with_a_bad_image_part_fails_naming_the_part(
     run_images: Callable[..., Any], fake_vllm: FakeVLLMServer
 ) -> None:
     fake_vllm.script([ScriptedTurn(text="a"), ScriptedTurn(text="b")])
     observation = {"role": "user", "content": [{"type": "text", "text": "See:"}, {"type": "image", "image": "x.png"}]}
     envs = ScriptedEnvFactory(steps=[(observation, False)])
-    error = await run_failing(run_images, image_sample(), ObservationError, max_turns=2, envs=envs)
+    error = await run_failing(run_images, image_sample(), ImageInputError, max_turns=2, envs=envs)
     assert "content[1]" in str(error)
     assert len(fake_vllm.requests_to(GENERATE_PATH)) == 1
 
@@ -347,13 +362,14 @@ async def test_the_placeholder_token_and_merge_size_come_from_the_config(
     assert "<|video_pad|>" in str(error)
 
 
-async def test_an_image_observation_raises_the_specific_error(
+async def test_a_video_observation_raises_the_specific_error(
     run_images: Callable[..., Any], fake_vllm: FakeVLLMServer
 ) -> None:
-    from fsm_rollout.errors import ImageObservationError
+    from fsm_rollout.errors import ImageObservationError, VideoObservationError
 
     fake_vllm.script([ScriptedTurn(text="a"), ScriptedTurn(text="b")])
-    observation = {"role": "user", "content": [{"type": "image", "image": "x.png"}]}
+    observation = {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]}
     envs = ScriptedEnvFactory(steps=[(observation, False)])
-    error = await run_failing(run_images, image_sample(), ImageObservationError, max_turns=2, envs=envs)
-    assert "observation content[0] is an image part" in str(error)
+    error = await run_failing(run_images, image_sample(), VideoObservationError, max_turns=2, envs=envs)
+    assert isinstance(error, ImageObservationError) and isinstance(error, ObservationError)
+    assert "content[0] is a 'video' part" in str(error)

@@ -36,6 +36,13 @@ def test_context_limit_must_be_a_non_negative_int(limit: Any) -> None:
         config(rollout_max_context_len=limit)
 
 
+@pytest.mark.parametrize("name", ["observation_image_max_bytes", "observation_image_max_pixels"])
+@pytest.mark.parametrize("limit", [0, -5, 2.5, True, None])
+def test_observation_image_limits_must_be_positive_ints(name: str, limit: Any) -> None:
+    with pytest.raises(ConfigError, match=name):
+        config(**{name: limit})
+
+
 @pytest.mark.parametrize("missing", ["num_layers", "moe_router_topk"])
 def test_routing_replay_needs_layer_and_topk_counts(missing: str) -> None:
     values = {"use_rollout_routing_replay": True, "num_layers": 2, "moe_router_topk": 2, missing: None}
@@ -210,6 +217,8 @@ def every_field_set() -> RolloutConfig:
         check_invariants=True,
         image_placeholder_token="<img>",
         image_merge_size=2,
+        observation_image_max_bytes=1000,
+        observation_image_max_pixels=500,
         loop_slice_ms=4.0,
         tune_gc=True,
         api_key="secret",

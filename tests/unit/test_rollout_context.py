@@ -50,6 +50,7 @@ NON_DEFAULT: dict[str, Any] = {
     "list[dict[str, Any]]": [{"role": "user", "content": "the tool says 42"}],
     "list[GeneratedTurn]": [a_turn("r-turn1"), a_turn("r-turn1-part1", (8,))],
     "Any": {"turns": 2, "scores": [0.5]},
+    "dict[str, Any] | None": {"mm_placeholders": {"image": [{"offset": 3, "length": 2}]}, "kwargs_data": None},
 }
 
 

@@ -43,6 +43,10 @@ Workloads, one module each:
   ``RayRolloutPool`` of two workers on a local Ray cluster, 2,000 three-turn samples (``--quick``: 400) against the
   canned server: each side's wall (median of three), the throughput ratio, the pool's CPU per sample in the
   trainer's process and a sample's serialisation round trip.
+* ``images`` (:mod:`.images`, ``--only images``): an environment's 448x448 image observation, the engine's render
+  answer computed beforehand by the embedded engine's image processing: the client's CPU per image observation
+  (image encoding, the answer's JSON, placing and checking the features, the append), render calls per image
+  observation, and the memory a sample holds with four images in its features.
 * ``goals`` (:mod:`.suite`, which runs everything): each goal with its figure, target and met/missed.
 
 The rollouts run with pacing and the tuned collector on, as ``fsm-rollout run`` does (``--loop-slice-ms 0`` and
@@ -65,7 +69,7 @@ from fsm_rollout.cli.common import add_process_settings
 EPILOG = """\
 Prints each workload's figures, then each goal with its figure, target and met/missed; --json FILE writes them too.
 --quick is a smoke run (fewer samples and repeats) whose goals are checked against the quick profile's own targets,
-named before the goals; --only weight-update, --only slow-env or --only scale-out runs
+named before the goals; --only weight-update, --only slow-env, --only scale-out or --only images runs
 that workload alone (scale-out, a Ray pool of two workers against one runner, runs only so). The rollouts
 run with pacing and the tuned collector, as `fsm-rollout run` does, unless --loop-slice-ms 0 or --no-tune-gc turn
 them off.
@@ -83,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--only",
         choices=WORKLOADS,
         metavar="WORKLOAD",
-        help="run only this workload and its goals: weight-update, slow-env or scale-out (scale-out "
+        help="run only this workload and its goals: weight-update, slow-env, scale-out or images (scale-out "
         "needs Ray and runs only so; the others share interleaved runs and always run together)",
     )
     parser.add_argument(
@@ -118,6 +122,7 @@ def main(args: argparse.Namespace) -> int:
         missed_goals,
         print_table,
         run_all,
+        run_images,
         run_scale_out,
         run_slow_env,
         run_weight_update,
@@ -129,6 +134,8 @@ def main(args: argparse.Namespace) -> int:
         results = run_weight_update(bool(args.quick), settings(args), args.weight_update_samples)
     elif args.only == "slow-env":
         results = run_slow_env(bool(args.quick), settings(args))
+    elif args.only == "images":
+        results = run_images(bool(args.quick))
     else:
         results = run_all(bool(args.quick), settings(args), weight_update_samples=args.weight_update_samples)
     print_table(results, quick=bool(args.quick))
