@@ -118,7 +118,8 @@ STATES: tuple[StateSpec, ...] = (
         "observing",
         activity=("encode_observation",),
         trigger="generate",
-        doc="`format_observation`, text/image check, boundary tokens (images: one engine render; fork, per_turn: the engine's re-render, compared)",
+        doc="`format_observation`, text/image check, boundary tokens (images: one engine render; fork, per_turn: "
+        "the engine's re-render, compared)",
     ),
     StateSpec("completed", terminal=True, on_arrival=("finalize", "close_environment")),
     StateSpec("truncated", terminal=True, on_arrival=("finalize", "close_environment")),
