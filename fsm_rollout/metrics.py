@@ -48,6 +48,10 @@ class MetricsSnapshot:
     """Mean time samples waited for a concurrency slot; the ``pending`` dwell starts once they have one."""
     queue_waits: int = 0
     """How many waits ``queued_ms_mean`` averages (its weight when snapshots are combined)."""
+    sessions_open: int = 0
+    """Agent gateway sessions open right now (:mod:`fsm_rollout.gateway`)."""
+    sessions_total: int = 0
+    """Agent gateway sessions opened since the runner started."""
 
 
 @dataclass(eq=False)
@@ -72,6 +76,17 @@ class RunnerMetrics(RolloutHooks):
     """The runner's rollouts that have not ended (each leaves the set at its terminal transition)."""
     waiting: set[Any] = field(default_factory=set)
     """The runner's samples waiting for a concurrency slot (each leaves the set when it gets one or is ended)."""
+
+    sessions_open: int = 0
+    sessions_total: int = 0
+
+    def session_opened(self) -> None:
+        """An agent gateway session was opened."""
+        self.sessions_open += 1
+        self.sessions_total += 1
+
+    def session_closed(self) -> None:
+        self.sessions_open -= 1
 
     def queue_left(self, waited_ms: float) -> None:
         self.queue_wait_sum += waited_ms
@@ -119,6 +134,8 @@ class RunnerMetrics(RolloutHooks):
             queued=len(self.waiting),
             queued_ms_mean=self.queue_wait_sum / self.queue_waits if self.queue_waits else 0.0,
             queue_waits=self.queue_waits,
+            sessions_open=self.sessions_open,
+            sessions_total=self.sessions_total,
         )
 
 

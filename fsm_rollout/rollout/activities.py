@@ -161,9 +161,15 @@ class Activities:
             self._take_turn([*ctx.partial_turn[:-1], _length_finished(ctx.partial_turn[-1])], remaining)
             return
         params = dict(ctx.deps.params)
+        call = _call_params(ctx.env)
+        ctx.call_max_tokens = call.pop("max_tokens", None)
+        params.update(call)
         # Unbounded: an explicit null means "up to the context limit" on every vLLM version, where an omitted key
         # meant the SamplingParams default of 16 on older ones.
         params["max_tokens"] = None if remaining is None else remaining - held
+        if ctx.call_max_tokens is not None:
+            allowed = ctx.call_max_tokens - held
+            params["max_tokens"] = allowed if remaining is None else min(allowed, remaining - held)
         token_ids = ctx.sample.tokens
         if held:
             token_ids = token_ids + [token for part in ctx.partial_turn for token in part.token_ids]
@@ -269,6 +275,22 @@ class Activities:
         self.start_clock()
         if self.ctx.env is None:  # resumed from a handed-back sample: rebuild the environment from its snapshot
             await self._restore_environment()
+
+
+_CALL_PARAMS = frozenset({"temperature", "top_p", "seed", "stop", "max_tokens"})
+
+
+def _call_params(env: Any) -> dict[str, Any]:
+    """The sampling parameters an environment asks for its next turn: an environment driven from outside (a gateway
+    session, whose agent sends them with each call) may define ``turn_sampling_params() -> dict``."""
+    ask = getattr(env, "turn_sampling_params", None) if env is not None else None
+    if not callable(ask):
+        return {}
+    params = dict(ask() or {})
+    unknown = sorted(set(params) - _CALL_PARAMS)
+    if unknown:
+        raise ValueError(f"turn_sampling_params() names unknown parameters {unknown}; allowed: {sorted(_CALL_PARAMS)}")
+    return {key: value for key, value in params.items() if value is not None}
 
 
 def _length_finished(part: GeneratedTurn) -> GeneratedTurn:

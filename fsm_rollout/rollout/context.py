@@ -88,6 +88,8 @@ class RolloutContext:
     env_done: bool = False
     observation_messages: list[dict[str, Any]] = field(default_factory=list)
     observation_tokens: TokenIds = field(default_factory=list)
+    call_max_tokens: int | None = None
+    """The per-call ``max_tokens`` the environment asked for the turn in progress (a gateway agent's), if any."""
     partial_turn: list[GeneratedTurn] = field(default_factory=list)
     """The answers of the turn in progress that a suspension cut off (their tokens are the partial turn)."""
     suspensions: int = 0
@@ -196,6 +198,7 @@ _DECODE: dict[str, Any] = {
     "start_epoch": int,
     "prompt_length": _optional_int,
     "budget": _optional_int,
+    "call_max_tokens": _optional_int,
     "eos_due": bool,
     "env_done": bool,
     "env_closed": bool,
