@@ -5,6 +5,8 @@ later call's new messages are an observation, and closing the session is ``done`
 :mod:`fsm_rollout.gateway.server` (the HTTP surface and :class:`AgentGateway`),
 :mod:`fsm_rollout.gateway.session` (one session), :mod:`fsm_rollout.gateway.conversation` (the history check by
 meaning) and :mod:`fsm_rollout.gateway.openai_wire` (requests, answers, streams, errors).
+
+Its modules are internal: import from this package.
 """
 
 from fsm_rollout.gateway.openai_wire import GatewayError

@@ -22,11 +22,12 @@ import hmac
 import secrets
 from collections.abc import Awaitable, Callable
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import orjson
 from aiohttp import web
 
+from fsm_rollout.env import EnvFactory
 from fsm_rollout.errors import ConfigError
 from fsm_rollout.gateway.openai_wire import (
     GatewayError,
@@ -91,7 +92,7 @@ class AgentGateway:
     async def __aenter__(self) -> AgentGateway:
         runner = self.runner
         runner.config = dataclasses.replace(runner.config, router_policy="consistent_hash", env_step_timeout_s=None)
-        runner.env_factory = self._build_env
+        runner.env_factory = cast(EnvFactory, self._build_env)  # its step is a coroutine: the rollout awaits it
         await runner.__aenter__()
         try:
             app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
@@ -107,9 +108,9 @@ class AgentGateway:
             site = web.TCPSite(site_runner, self.host, self.port)
             await site.start()
             self._site_runner = site_runner
-            sockets = site._server.sockets if site._server is not None else ()  # type: ignore[union-attr]
-            if sockets:
-                self.port = int(sockets[0].getsockname()[1])
+            addresses = site_runner.addresses
+            if addresses:
+                self.port = int(addresses[0][1])
         except BaseException:
             await runner.__aexit__(None, None, None)
             raise

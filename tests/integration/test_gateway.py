@@ -93,7 +93,9 @@ async def test_sdk_tool_call_session_is_token_exact(
     gateway: AgentGateway, fake_vllm: FakeVLLMServer, tokenizer: Any
 ) -> None:
     session = await gateway.open_session(metadata={"task": "add"})
-    fake_vllm.script([ScriptedTurn(text=CALL), ScriptedTurn(text="The sum is 5.<|im_end|>")], session=session.session_id)
+    fake_vllm.script(
+        [ScriptedTurn(text=CALL), ScriptedTurn(text="The sum is 5.<|im_end|>")], session=session.session_id
+    )
     client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
     messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3?"}]
     first = await client.chat.completions.create(model="fake-model", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
@@ -242,7 +244,9 @@ async def test_a_second_concurrent_call_gets_409(gateway: AgentGateway, fake_vll
     session = await gateway.open_session()
     fake_vllm.script([ScriptedTurn(text="slow<|im_end|>", hang=True)], session=session.session_id)
     client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
-    first = asyncio.ensure_future(client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}]))
+    first = asyncio.ensure_future(
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+    )
     await fake_vllm.wait_until_waiting(1)
     with pytest.raises(openai.ConflictError):
         await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])

@@ -19,7 +19,7 @@ PUBLIC_MODULES = frozenset({
     "fsm_rollout.engine.local.default_model", "fsm_rollout.engine.probe", "fsm_rollout.engine.transport",
     "fsm_rollout.env", "fsm_rollout.envs", "fsm_rollout.envs.calculator", "fsm_rollout.envs.geo3k",
     "fsm_rollout.errors", "fsm_rollout.examples", "fsm_rollout.examples.embed_local", "fsm_rollout.examples.grpo",
-    "fsm_rollout.examples.grpo_cli", "fsm_rollout.examples.grpo_tiny", "fsm_rollout.gc_policy", "fsm_rollout.hooks",
+    "fsm_rollout.examples.grpo_cli", "fsm_rollout.examples.grpo_tiny", "fsm_rollout.gateway", "fsm_rollout.gc_policy", "fsm_rollout.hooks",
     "fsm_rollout.lifecycle", "fsm_rollout.metrics", "fsm_rollout.mm_codec", "fsm_rollout.multimodal",
     "fsm_rollout.parity", "fsm_rollout.recording", "fsm_rollout.replay", "fsm_rollout.resume_state",
     "fsm_rollout.rollout", "fsm_rollout.runner", "fsm_rollout.sample", "fsm_rollout.service",
