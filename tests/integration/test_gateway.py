@@ -12,6 +12,7 @@ import openai
 import pytest
 
 from fsm_rollout import RolloutConfig, Sample
+from fsm_rollout.chat import template_token_ids
 from fsm_rollout.gateway import AgentGateway
 from fsm_rollout.runner import RolloutRunner
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
@@ -276,3 +277,91 @@ async def test_api_keys_guard_control_and_agent_endpoints(fake_vllm: FakeVLLMSer
         assert answer.choices[0].message.content == "ok"
         assert (await http.get(f"/sessions/{session_id}"))[0] == 401
         assert (await http.post(f"/sessions/{session_id}/close", headers=control))[0] == 200
+
+
+async def test_a_rewritten_history_forks_and_never_trains_unseen_tokens(
+    gateway: AgentGateway, fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    session = await gateway.open_session()
+    fake_vllm.script(
+        [ScriptedTurn(text="First answer.<|im_end|>"), ScriptedTurn(text="Second answer.<|im_end|>")],
+        session=session.session_id,
+    )
+    client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+    question = {"role": "user", "content": "Question?"}
+    first = await client.chat.completions.create(model="m", messages=[question])  # type: ignore[list-item]
+    assert first.choices[0].message.content == "First answer."
+    # the agent compacts its history: the model's answer is replaced by a summary it never wrote
+    rewritten = [
+        question,
+        {"role": "assistant", "content": "(summary of an earlier answer)"},
+        {"role": "user", "content": "Go on."},
+    ]
+    second = await client.chat.completions.create(model="m", messages=rewritten)  # type: ignore[arg-type]
+    assert second.choices[0].message.content == "Second answer."
+    samples = await session.close(reward=2.0)
+    assert [s.metadata["rollout_reason"] for s in samples] == ["history_rewritten", "session_closed"]
+    assert [s.metadata["branch"] for s in samples] == [0, 1]
+    assert all(s.reward == 2.0 and s.session_id == session.session_id for s in samples)
+    # the new sequence's prompt is the template's render of the new conversation, all of it mask 0
+    renders = [r for r in fake_vllm.requests_to(RENDER_PATH) if r.headers.get("x-session-id") == session.session_id]
+    assert len(renders) == 2
+    expected = template_token_ids(
+        tokenizer.apply_chat_template(rewritten, tokenize=True, add_generation_prompt=True), what="the re-render"
+    )
+    second_sample = samples[1]
+    assert second_sample.tokens[: len(second_sample.tokens) - second_sample.response_length] == expected
+    # each generated token is trained in exactly one sequence, and the summary is in no sequence's trained tokens
+    generated = [tokenizer.encode("First answer.<|im_end|>"), tokenizer.encode("Second answer.<|im_end|>")]
+    for sample, tokens in zip(samples, generated, strict=True):
+        assert sample.loss_mask is not None
+        start = len(sample.tokens) - sample.response_length
+        trained = [t for t, bit in zip(sample.tokens[start:], sample.loss_mask, strict=True) if bit == 1]
+        assert trained == tokens
+    assert "summary" not in tokenizer.decode(samples[0].tokens)
+
+
+async def test_changed_tools_fork_and_a_retried_call_is_answered_again(
+    gateway: AgentGateway, fake_vllm: FakeVLLMServer
+) -> None:
+    session = await gateway.open_session()
+    fake_vllm.script(
+        [ScriptedTurn(text="One.<|im_end|>"), ScriptedTurn(text="Two.<|im_end|>")], session=session.session_id
+    )
+    client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "Hi"}]
+    first = await client.chat.completions.create(model="m", messages=messages)
+    # the agent's client retries the same call (a timeout on its side, say): the same answer, nothing generated
+    again = await client.chat.completions.create(model="m", messages=messages)
+    assert again.choices[0].message.content == first.choices[0].message.content == "One."
+    assert len(fake_vllm.requests_to(GENERATE_PATH)) == 1
+    messages += [{"role": "assistant", "content": "One."}, {"role": "user", "content": "More"}]
+    second = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+    assert second.choices[0].message.content == "Two."
+    samples = await session.close()
+    assert [s.metadata["rollout_reason"] for s in samples] == ["history_rewritten", "session_closed"]
+    assert samples[0].metadata["history_rewritten"] == "the tools changed"
+    assert samples[1].metadata["tools"] == TOOLS
+
+
+async def test_the_agents_max_tokens_cut_is_length_and_the_session_goes_on(
+    gateway: AgentGateway, fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    session = await gateway.open_session()
+    fake_vllm.script(
+        [ScriptedTurn(text="one two three four five six<|im_end|>"), ScriptedTurn(text="done<|im_end|>")],
+        session=session.session_id,
+    )
+    client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "Count"}]
+    cut = await client.chat.completions.create(model="m", messages=messages, max_completion_tokens=3)
+    assert cut.choices[0].finish_reason == "length"
+    assert cut.usage is not None and cut.usage.completion_tokens == 3
+    assert fake_vllm.requests_to(GENERATE_PATH)[0].body["sampling_params"]["max_tokens"] == 3
+    messages += [{"role": "assistant", "content": cut.choices[0].message.content}, {"role": "user", "content": "?"}]
+    last = await client.chat.completions.create(model="m", messages=messages, logprobs=True)
+    assert last.choices[0].message.content == "done"
+    assert last.choices[0].logprobs is not None and last.choices[0].logprobs.content
+    samples = await session.close()
+    assert len(samples) == 1 and samples[0].metadata["rollout_reason"] == "session_closed"
+    assert tokenizer.decode(samples[0].tokens).count("one two three") == 1
