@@ -14,8 +14,9 @@ went idle past the limit (``truncated``, ``agent_timeout``), or rewrote the hist
 of the new conversation, so each generated token is trained in exactly one sequence and no sequence holds a token
 the model did not see. ``close`` returns the sequences, oldest first.
 
-The agent's per-call sampling settings reach that call's generate request through the environment's
-``turn_sampling_params()``; its ``max_tokens`` bounds the turn without ending the sequence.
+The agent's per-call sampling settings reach that call's generate request in the observation (the first call's in
+the sample's metadata, :mod:`fsm_rollout.rollout.agent_end`), so a tape holds them and a replay sends them; its
+``max_tokens`` bounds the turn without ending the sequence.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsm_rollout.gateway.conversation import compare_history
 from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer, render_message
-from fsm_rollout.rollout.agent_end import CLOSED, HISTORY_REWRITTEN, IDLE, agent_end
+from fsm_rollout.rollout.agent_end import AGENT_CALL_KEY, CLOSED, HISTORY_REWRITTEN, IDLE, agent_call, agent_end
 from fsm_rollout.sample import Sample
 from fsm_rollout.tool_calls import parse_tool_calls
 
@@ -50,14 +51,11 @@ class SessionEnvironment:
     def reset(self) -> None:
         return None
 
-    def turn_sampling_params(self) -> dict[str, Any]:
-        return dict(self._session.call_sampling)
-
     async def step(self, response_text: str) -> tuple[Any, bool, dict[str, Any]]:
         return await self._session.hand_over(response_text)
 
     def format_observation(self, observation: Any) -> list[dict[str, Any]]:
-        messages: list[dict[str, Any]] = list(observation)
+        messages: list[dict[str, Any]] = list(observation[AGENT_CALL_KEY]["messages"])
         return messages
 
     def close(self) -> None:
@@ -175,7 +173,11 @@ class GatewaySession:
 
     def _start_sequence(self, call: ChatCall) -> None:
         branch = len(self._sequences)
-        metadata: dict[str, Any] = {"gateway_session": dict(self.metadata), "branch": branch}
+        metadata: dict[str, Any] = {
+            "gateway_session": dict(self.metadata),
+            "branch": branch,
+            AGENT_CALL_KEY: {"sampling": dict(call.sampling)},
+        }
         if call.tools:
             metadata["tools"] = [dict(tool) for tool in call.tools]
         sample = Sample(
@@ -227,7 +229,7 @@ class GatewaySession:
         except TimeoutError:
             return agent_end(IDLE), True, {}
         if kind == "messages":
-            return payload, False, {}
+            return agent_call(payload, self.call_sampling), False, {}
         if kind == "rewritten":
             return agent_end(HISTORY_REWRITTEN), True, {}
         info = {} if payload is None else {"reward": payload}

@@ -24,6 +24,7 @@ from fsm_rollout.env import EnvFactory, check_environment, env_thread_pool, load
 from fsm_rollout.errors import BudgetExceededError, RenderError, ResumeError, RoutingReplayError
 from fsm_rollout.multimodal import build_initial_messages, prepare_render_messages
 from fsm_rollout.partial_turn import answer_spans, merge_turns
+from fsm_rollout.rollout.agent_end import call_sampling
 from fsm_rollout.rollout.cancel import CancelScope, TimedOut
 from fsm_rollout.rollout.context import RolloutContext
 from fsm_rollout.rollout.stops import stop_string_end
@@ -161,7 +162,7 @@ class Activities:
             self._take_turn([*ctx.partial_turn[:-1], _length_finished(ctx.partial_turn[-1])], remaining)
             return
         params = dict(ctx.deps.params)
-        call = _call_params(ctx.env)
+        call = _call_params(call_sampling(ctx.observation, ctx.sample.metadata))
         ctx.call_max_tokens = call.pop("max_tokens", None)
         params.update(call)
         # Unbounded: an explicit null means "up to the context limit" on every vLLM version, where an omitted key
@@ -280,17 +281,12 @@ class Activities:
 _CALL_PARAMS = frozenset({"temperature", "top_p", "seed", "stop", "max_tokens"})
 
 
-def _call_params(env: Any) -> dict[str, Any]:
-    """The sampling parameters an environment asks for its next turn: an environment driven from outside (a gateway
-    session, whose agent sends them with each call) may define ``turn_sampling_params() -> dict``."""
-    ask = getattr(env, "turn_sampling_params", None) if env is not None else None
-    if not callable(ask):
-        return {}
-    params = dict(ask() or {})
-    unknown = sorted(set(params) - _CALL_PARAMS)
+def _call_params(asked: dict[str, Any]) -> dict[str, Any]:
+    """The sampling parameters an agent's call asked for its turn (:mod:`fsm_rollout.rollout.agent_end`), checked."""
+    unknown = sorted(set(asked) - _CALL_PARAMS)
     if unknown:
-        raise ValueError(f"turn_sampling_params() names unknown parameters {unknown}; allowed: {sorted(_CALL_PARAMS)}")
-    return {key: value for key, value in params.items() if value is not None}
+        raise ValueError(f"an agent call asks for sampling parameters {unknown}; allowed: {sorted(_CALL_PARAMS)}")
+    return {key: value for key, value in asked.items() if value is not None}
 
 
 def _length_finished(part: GeneratedTurn) -> GeneratedTurn:

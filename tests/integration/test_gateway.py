@@ -365,3 +365,30 @@ async def test_the_agents_max_tokens_cut_is_length_and_the_session_goes_on(
     samples = await session.close()
     assert len(samples) == 1 and samples[0].metadata["rollout_reason"] == "session_closed"
     assert tokenizer.decode(samples[0].tokens).count("one two three") == 1
+
+
+async def test_a_recorded_session_replays_identically_and_inspect_shows_it(
+    fake_vllm: FakeVLLMServer, tokenizer: Any, tmp_path: Any, capsys: Any
+) -> None:
+    trace = tmp_path / "gateway.jsonl"
+    runner = runner_for(fake_vllm, tokenizer, trace=str(trace), record=True)
+    async with AgentGateway(runner) as gateway:
+        session = await gateway.open_session()
+        fake_vllm.script([ScriptedTurn(text=CALL), ScriptedTurn(text="Five.<|im_end|>")], session=session.session_id)
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+        messages: list[Any] = [{"role": "user", "content": "2+3?"}]
+        first = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0.5)  # type: ignore[arg-type]
+        call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+        messages += [first.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "tool", "tool_call_id": call.id, "content": "5"}]
+        await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, top_p=0.5, max_tokens=30)  # type: ignore[arg-type]
+        await session.close(reward=1.0)
+    from fsm_rollout.cli import main
+
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["replay", str(trace)]) == 0, capsys.readouterr()
+    replayed = capsys.readouterr().out
+    assert "re-executed 2 turns" in replayed and "identical 1" in replayed, replayed
+    assert await asyncio.to_thread(main, ["inspect", str(trace), "--sample", "0.0"]) == 0
+    shown = capsys.readouterr().out
+    assert "session_closed" in shown
