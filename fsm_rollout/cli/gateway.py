@@ -83,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--history-policy",
         choices=HISTORY_POLICIES,
         default="auto",
-        help="how observations meet the chat template's history (see `run`); a rewritten history always forks",
+        help="how observations meet the chat template's history (see `run`); a rewritten history always forks "
+        "(default: %(default)s)",
     )
     rollout.add_argument("--max-turns", type=int, default=1000, metavar="N", help="calls per training sequence at most")
     rollout.add_argument(

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from openai.types.chat import ChatCompletionMessageFunctionToolCall
 
 from fsm_rollout import RolloutConfig, RolloutRunner, Sample
 from fsm_rollout.engine.local import LocalEngine
@@ -67,6 +68,8 @@ async def agent(client: openai.AsyncOpenAI, model: str, question: str, seed: int
         if not message.tool_calls:
             break
         for call in message.tool_calls:
+            if not isinstance(call, ChatCompletionMessageFunctionToolCall):
+                continue  # only function tools are offered
             try:
                 arguments = json.loads(call.function.arguments)
                 result = str(multiply(float(arguments["a"]), float(arguments["b"])))

@@ -180,6 +180,7 @@ def _reserialised(arguments: dict[str, Any], variant: int) -> str:
 
 async def bench_retokenization(tokenizer: Any, sessions: int) -> dict[str, float]:
     import openai
+    from openai.types.chat import ChatCompletionMessageFunctionToolCall
 
     from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
 
@@ -201,6 +202,7 @@ async def bench_retokenization(tokenizer: Any, sessions: int) -> dict[str, float
             messages: list[Any] = [{"role": "user", "content": f"Search {index}"}]
             first = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
             made = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+            assert isinstance(made, ChatCompletionMessageFunctionToolCall)
             decoded = json.loads(made.function.arguments)
             messages.append(
                 {
