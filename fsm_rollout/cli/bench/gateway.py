@@ -43,7 +43,7 @@ def _gateway(url: str, tokenizer: Any, *, max_turns: int = 16) -> Any:
     from fsm_rollout import RolloutConfig, RolloutRunner
     from fsm_rollout.gateway import AgentGateway
 
-    config = RolloutConfig(engine_url=url, model="fake-model", max_turns=max_turns, loop_slice_ms=5.0, tune_gc=False)
+    config = RolloutConfig(engine_url=url, model="fake-model", max_turns=max_turns, loop_slice_ms=5.0, tune_gc=True)
     runner = RolloutRunner(
         config, sampling_params={"max_new_tokens": None, "temperature": 1.0, "top_p": 1.0}, tokenizer=tokenizer
     )
