@@ -63,6 +63,11 @@ class MetricsSnapshot:
         """Mean training sequences of the samples done (1.0 without forks; 0.0 before any is done)."""
         return self.sequences / self.samples_done if self.samples_done else 0.0
 
+    sessions_open: int = 0
+    """Agent gateway sessions open right now (:mod:`fsm_rollout.gateway`)."""
+    sessions_total: int = 0
+    """Agent gateway sessions opened since the runner started."""
+
 
 @dataclass(eq=False)
 class RunnerMetrics(RolloutHooks):
@@ -88,6 +93,17 @@ class RunnerMetrics(RolloutHooks):
     """The runner's rollouts that have not ended (each leaves the set at its terminal transition)."""
     waiting: set[Any] = field(default_factory=set)
     """The runner's samples waiting for a concurrency slot (each leaves the set when it gets one or is ended)."""
+
+    sessions_open: int = 0
+    sessions_total: int = 0
+
+    def session_opened(self) -> None:
+        """An agent gateway session was opened."""
+        self.sessions_open += 1
+        self.sessions_total += 1
+
+    def session_closed(self) -> None:
+        self.sessions_open -= 1
 
     def queue_left(self, waited_ms: float) -> None:
         self.queue_wait_sum += waited_ms
@@ -140,6 +156,8 @@ class RunnerMetrics(RolloutHooks):
             queue_waits=self.queue_waits,
             forks=self.forks,
             sequences=self.sequences,
+            sessions_open=self.sessions_open,
+            sessions_total=self.sessions_total,
         )
 
 

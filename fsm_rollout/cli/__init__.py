@@ -29,6 +29,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "serve": ("fsm_rollout.cli.serve", "run the embedded CPU engine speaking vLLM's token-in/token-out API"),
     "bench": ("fsm_rollout.cli.bench", "measure the machine and the client against plain alternatives"),
+    "gateway": (
+        "fsm_rollout.cli.gateway",
+        "serve OpenAI-compatible agent sessions, each a traced rollout trained token-exact",
+    ),
 }
 """Subcommand name → (module, one-line help)."""
 

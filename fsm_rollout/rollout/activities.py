@@ -29,6 +29,7 @@ from fsm_rollout.multimodal import (
     prepare_render_messages,
 )
 from fsm_rollout.partial_turn import answer_spans, merge_turns
+from fsm_rollout.rollout.agent_end import call_sampling
 from fsm_rollout.rollout.cancel import CancelScope, TimedOut
 from fsm_rollout.rollout.context import RolloutContext
 from fsm_rollout.rollout.history import keeps_history, reconcile
@@ -187,9 +188,15 @@ class Activities:
             self._take_turn([*ctx.partial_turn[:-1], _length_finished(ctx.partial_turn[-1])], remaining)
             return
         params = dict(ctx.deps.params)
+        call = _call_params(call_sampling(ctx.observation, ctx.sample.metadata))
+        ctx.call_max_tokens = call.pop("max_tokens", None)
+        params.update(call)
         # Unbounded: an explicit null means "up to the context limit" on every vLLM version, where an omitted key
         # meant the SamplingParams default of 16 on older ones.
         params["max_tokens"] = None if remaining is None else remaining - held
+        if ctx.call_max_tokens is not None:
+            allowed = ctx.call_max_tokens - held
+            params["max_tokens"] = allowed if remaining is None else min(allowed, remaining - held)
         token_ids = ctx.sample.tokens
         if held:
             token_ids = token_ids + [token for part in ctx.partial_turn for token in part.token_ids]
@@ -295,6 +302,17 @@ class Activities:
         self.start_clock()
         if self.ctx.env is None:  # resumed from a handed-back sample: rebuild the environment from its snapshot
             await self._restore_environment()
+
+
+_CALL_PARAMS = frozenset({"temperature", "top_p", "seed", "stop", "max_tokens"})
+
+
+def _call_params(asked: dict[str, Any]) -> dict[str, Any]:
+    """The sampling parameters an agent's call asked for its turn (:mod:`fsm_rollout.rollout.agent_end`), checked."""
+    unknown = sorted(set(asked) - _CALL_PARAMS)
+    if unknown:
+        raise ValueError(f"an agent call asks for sampling parameters {unknown}; allowed: {sorted(_CALL_PARAMS)}")
+    return {key: value for key, value in asked.items() if value is not None}
 
 
 def _length_finished(part: GeneratedTurn) -> GeneratedTurn:

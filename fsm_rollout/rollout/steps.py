@@ -18,6 +18,7 @@ from fsm_rollout.config import response_budget
 from fsm_rollout.multimodal import decode_train_features, validate_image_tokens
 from fsm_rollout.partial_turn import join_spans, shift_spans
 from fsm_rollout.resume_state import RESUME_STATE_KEY
+from fsm_rollout.rollout.agent_end import CLOSED, HISTORY_REWRITTEN, IDLE, agent_ended
 from fsm_rollout.rollout.context import RolloutContext
 from fsm_rollout.rollout.history import fork_exceeds_budget, fork_history, note_fork_truncation
 from fsm_rollout.rollout.observation_images import with_observation_features
@@ -52,8 +53,27 @@ def no_budget_for_stop_eos(ctx: RolloutContext) -> bool:
 
 
 def finished_by_length(ctx: RolloutContext) -> bool:
-    """The turn hit its token limit (the environment is then not stepped)."""
-    return ctx.turn is not None and ctx.turn.finish == "length"
+    """The turn hit the rollout's token limit (the environment is then not stepped). A turn cut by a per-call
+    limit the environment asked for (``call_max_tokens``, a gateway agent's ``max_tokens``) is an ordinary turn."""
+    if ctx.turn is None or ctx.turn.finish != "length":
+        return False
+    return ctx.call_max_tokens is None or len(ctx.turn.token_ids) < ctx.call_max_tokens
+
+
+def session_closed(ctx: RolloutContext) -> bool:
+    """The agent closed its gateway session."""
+    return agent_ended(ctx.observation, CLOSED)
+
+
+def agent_idle(ctx: RolloutContext) -> bool:
+    """The agent was idle past its gateway session's limit."""
+    return agent_ended(ctx.observation, IDLE)
+
+
+def agent_rewrote_history(ctx: RolloutContext) -> bool:
+    """The agent's call does not extend the conversation the model saw (edited, dropped or compacted messages,
+    changed tools)."""
+    return agent_ended(ctx.observation, HISTORY_REWRITTEN)
 
 
 def env_done(ctx: RolloutContext) -> bool:

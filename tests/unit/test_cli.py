@@ -42,7 +42,7 @@ def test_building_the_parser_imports_neither_torch_nor_transformers() -> None:
 
 
 def test_every_subcommand_lives_in_the_cli_package() -> None:
-    assert set(SUBCOMMANDS) == {"run", "replay", "inspect", "report", "diagram", "serve", "bench"}
+    assert set(SUBCOMMANDS) == {"run", "replay", "inspect", "report", "diagram", "serve", "bench", "gateway"}
     assert all(module.startswith("fsm_rollout.cli.") for module, _help in SUBCOMMANDS.values())
 
 
@@ -129,6 +129,7 @@ def test_help_shows_defaults_but_not_empty_ones(
         ],
         "bench": ["(default: 5.0)"],
         "serve": ["(default: 8000)", "(default: 127.0.0.1, loopback only)"],
+        "gateway": ["(default: 127.0.0.1)", "(default: 8300)", "(default: auto)", "Exit codes:"],
         "replay": ["Exit codes:"],
         "inspect": ["Exit codes:"],
         "report": ["Exit codes:"],

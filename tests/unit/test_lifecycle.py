@@ -53,6 +53,10 @@ def test_the_seed_outcomes_are_all_reachable_in_the_normal_flow() -> None:
         "env_timeout",  # the library's limits (not the seed's): an environment call, a rollout's wall time
         "rollout_timeout",
         "handed_back",  # a suspended sample going back to its caller (partial_rollout)
+        # an agent gateway session: the agent closed it, went idle, or rewrote the history (a new sequence follows)
+        "session_closed",
+        "agent_timeout",
+        "history_rewritten",
     }
 
 
