@@ -18,6 +18,8 @@ It scales: each sample's page data is its own JSON element, parsed only when the
 * :mod:`~fsm_rollout.report.synthetic`: a seeded synthetic run of any size; :mod:`~fsm_rollout.report.screenshot`:
   the README's screenshot (docs/report.png) and whether it is current.
 
+Its modules are internal: use the names this package exports.
+
 The benchmark of its figures is `python -m fsm_rollout.cli.report_bench`.
 """
 

@@ -25,7 +25,7 @@ PUBLIC_MODULES = frozenset({
     "fsm_rollout.hooks",
     "fsm_rollout.lifecycle", "fsm_rollout.metrics", "fsm_rollout.mm_codec", "fsm_rollout.multimodal",
     "fsm_rollout.parity", "fsm_rollout.recording", "fsm_rollout.replay", "fsm_rollout.resume_state",
-    "fsm_rollout.rollout", "fsm_rollout.runner", "fsm_rollout.sample", "fsm_rollout.service",
+    "fsm_rollout.report", "fsm_rollout.rollout", "fsm_rollout.runner", "fsm_rollout.sample", "fsm_rollout.service",
     "fsm_rollout.suspension", "fsm_rollout.tape", "fsm_rollout.template_probe", "fsm_rollout.testing",
     "fsm_rollout.testing.chat_templates", "fsm_rollout.testing.envs",
     "fsm_rollout.testing.fake_vllm", "fsm_rollout.testing.templates", "fsm_rollout.testing.tokenizer",
