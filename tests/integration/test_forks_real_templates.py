@@ -199,3 +199,50 @@ async def test_per_turn_prompts_every_model_call_with_the_engines_render_of_its_
         assert prompt_of(sequence) == render(case, conversation) == tokens
         assert sequence.response == text
     check_each_generated_token_trained_once(case, sequences, turns)
+
+
+# ------------------------------------------------------- preserve_thinking: what still rewrites the history
+
+# Turns in the form a thinking model writes (``reasoning\n</think>\n\nanswer``) never fork under preserve_thinking
+# (above). Qwen3.6 writes every kept turn as '<think>\n' + reasoning|trim + '\n</think>\n\n' + answer, so:
+PRESERVED_TURNS: dict[str, tuple[list[str], int]] = {
+    # a turn that did not reason comes back as a closed empty block whose '\n\n' is one token where the rollout
+    # holds two: the same text, so by meaning no break (the model keeps its own tokens)
+    "empty_think": (
+        [f"\n</think>\n\nIt is 42.{EOS}", f"Check.\n</think>\n\nYes.{EOS}", f"\n</think>\n\nDone.{EOS}"],
+        0,
+    ),
+    # a turn that never closed its think block comes back as the answer after an empty block: what the model
+    # wrote as thinking is now its answer, a real rewrite
+    "unclosed_think": ([f"It is 42.{EOS}", f"Check.\n</think>\n\nYes.{EOS}", f"Done.\n</think>\n\nOk.{EOS}"], 1),
+    # reasoning and answer are trimmed: a non-empty block written with other whitespace is a rewrite too
+    "untrimmed_reasoning": (
+        [f"  Six.  \n</think>\n\nIt is 42.{EOS}", f"Check.\n\n</think>\n\n\nYes.{EOS}", f"Done.\n</think>\n\nOk.{EOS}"],
+        2,
+    ),
+}
+
+
+@pytest.mark.parametrize("case", ["qwen3_6_preserve_thinking"])
+@pytest.mark.parametrize("variant", sorted(PRESERVED_TURNS))
+async def test_under_preserve_thinking_only_a_turn_the_template_writes_otherwise_forks(
+    case: str, variant: str, server: FakeVLLMServer, engine: VLLMClient
+) -> None:
+    turns, expected_forks = PRESERVED_TURNS[variant]
+    rollout, events = await run(case, server, engine, "fork", turns)
+    sequences = training_sequences([rollout.sample])
+    assert sum(1 for event in events if event["trigger"] == "fork") == len(sequences) - 1 == expected_forks
+    tokenizer = real_tokenizer(CASES[case][0])
+    renders = [render(case, conversation) for conversation in conversations(turns)]
+    asked = [request.body["token_ids"] for request in server.requests_to(GENERATE_PATH)]
+    # every sequence opens with the engine's render of the conversation before its first turn
+    starts = [renders.index(prompt_of(sequence)) for sequence in sequences]
+    assert starts == sorted(starts) and starts[0] == 0
+    for turn, (tokens, rendered) in enumerate(zip(asked, renders, strict=True)):
+        if turn in starts:
+            assert tokens == rendered
+        else:  # the sequence went on: the model's own tokens, which say what the render says
+            assert tokenizer.decode(tokens) == tokenizer.decode(rendered)
+    if variant == "empty_think":
+        assert asked[1] != renders[1]  # the tokens differ where the whitespace merged
+    check_each_generated_token_trained_once(case, sequences, turns)
