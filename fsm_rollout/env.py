@@ -7,11 +7,11 @@ import importlib.util
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
+from fsm_rollout.env_pool import env_thread_pool as env_thread_pool  # re-exported: its home before the adapters
 from fsm_rollout.errors import EnvironmentContractError, EnvironmentLoadError, EnvironmentNotFoundError
 
 
@@ -133,19 +133,3 @@ def unpack_step_info(result: Any) -> tuple[Any, bool, Any]:
         )
     observation, done, info = result
     return observation, bool(done), info
-
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def env_thread_pool(max_workers: int) -> ThreadPoolExecutor:
-    """The worker pool that runs synchronous environment calls with ``env_executor="thread"``: one per size,
-    created on first use (the caller asked for threads by choosing that executor)."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(max_workers)
-        if pool is None:
-            pool = _POOLS[max_workers] = ThreadPoolExecutor(
-                max_workers=max_workers, thread_name_prefix="fsm-rollout-env"
-            )
-        return pool
