@@ -1,14 +1,16 @@
 """Environments and trainers you already have, through fsm-rollout: adapters from their protocols to ours.
 
 Inbound (each returns an environment factory, a ``build_env``, for the runner, the CLI and the Ray pool):
-:func:`gym_env`, :func:`skyrl_env`, :func:`trl_env`. The foreign packages are imported when an adapter is
+:func:`gym_env`, :func:`skyrl_env`, :func:`trl_env`, :func:`verifiers_env`
+(with :func:`verifiers_samples`). The foreign packages are imported when an adapter is
 used; a missing one is a :class:`~fsm_rollout.errors.MissingExtraError` naming the extra that installs it.
 """
 
 from __future__ import annotations
 
-from fsm_rollout.adapters.gym_env import gym_env, gym_samples
-from fsm_rollout.adapters.skyrl_env import skyrl_env
-from fsm_rollout.adapters.trl_env import trl_env
+from fsm_rollout.adapters.gym import gym_env, gym_samples
+from fsm_rollout.adapters.skyrl import skyrl_env
+from fsm_rollout.adapters.trl import trl_env
+from fsm_rollout.adapters.verifiers import verifiers_env, verifiers_samples
 
-__all__ = ["gym_env", "gym_samples", "skyrl_env", "trl_env"]
+__all__ = ["gym_env", "gym_samples", "skyrl_env", "trl_env", "verifiers_env", "verifiers_samples"]
