@@ -102,7 +102,13 @@ def env_factory_from_module(module: ModuleType) -> EnvFactory:
 
 
 def load_env_factory(target: str) -> EnvFactory:
-    """Load ``build_env`` from an environment module name or ``.py`` path."""
+    """Load ``build_env`` from an environment module name or ``.py`` path, or build it through an adapter
+    (``verifiers:NAME``, ``skyrl:NAME``, ``gym:ID``, ``trl:MODULE:CLASS``; see :mod:`fsm_rollout.adapters`)."""
+    from fsm_rollout.adapters.spec import factory_from_spec, is_adapter_spec
+
+    if is_adapter_spec(target):
+        factory: EnvFactory = factory_from_spec(target, load_module=load_env_module)
+        return factory
     return env_factory_from_module(load_env_module(target))
 
 

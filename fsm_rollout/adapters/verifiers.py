@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from fsm_rollout.adapters._common import ENV_STOP_KEY, import_extra, jsonable_items, max_turns_of, reward_value
-from fsm_rollout.errors import AdapterProtocolError
+from fsm_rollout.errors import AdapterProtocolError, EnvironmentContractError
 from fsm_rollout.tool_calls import ToolCall, parse_tool_calls
 
 ADAPTER = "verifiers"
@@ -268,7 +268,7 @@ class VerifiersEnvFactory:
         if isinstance(env, str):
             env = vf.load_environment(env)
         if not isinstance(env, vf.MultiTurnEnv):
-            raise TypeError(
+            raise EnvironmentContractError(
                 "verifiers_env takes a verifiers MultiTurnEnv (ToolEnv, SingleTurnEnv, ...), "
                 f"got {type(env).__name__}"
             )

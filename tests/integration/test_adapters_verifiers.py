@@ -13,7 +13,7 @@ from adapters_support import inspect_text, replay_counts, run_recorded
 from verifiers_envs import load_game_environment, load_tool_environment
 
 from fsm_rollout.adapters import verifiers_env, verifiers_samples
-from fsm_rollout.errors import AdapterProtocolError
+from fsm_rollout.errors import AdapterProtocolError, EnvironmentContractError
 from fsm_rollout.testing.fake_vllm import ScriptedTurn
 
 MULTIPLY = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
@@ -110,5 +110,5 @@ async def test_an_env_response_that_raises_fails_the_sample_naming_the_adapter_a
 
 
 def test_only_verifiers_environments_are_taken() -> None:
-    with pytest.raises(TypeError, match="verifiers_env takes a verifiers MultiTurnEnv"):
+    with pytest.raises(EnvironmentContractError, match="verifiers_env takes a verifiers MultiTurnEnv"):
         verifiers_env(object())
