@@ -15,7 +15,8 @@ What TRL's ``GRPOTrainer(environment_factory=...)`` does with such a class, done
   ``get_reward()`` plus the ``reward_funcs`` given (TRL's reward functions, called with one-item lists of
   ``prompts``, ``completions``, ``environments`` and the row's columns), each weighted 1 as TRL weighs an
   environment's reward. It is also computed on the last turn the rollout allows, so a sample cut off by the
-  turn limit is scored as TRL scores one cut off by ``max_tool_calling_iterations``.
+  turn limit is scored as TRL scores one cut off by ``max_tool_calling_iterations``, and a sample cut off by its
+  token budget is scored when its environment is closed (``sample.reward`` set there).
 
 Synchronous methods run in the environment worker pool, under the step timeout; coroutine methods are awaited.
 Not supported: a dict of several environment factories (one adapter per factory), multimodal tool results (they
@@ -91,6 +92,7 @@ class TRLEpisode:
         self.tools = {method.__name__: method for method in tool_methods(env)}
         self.completion: list[dict[str, Any]] = []
         self.turns = 0
+        self.scored = False
 
     async def reset(self) -> None:
         """Nothing: ``reset(**row)`` ran when the episode was built (what it returns is part of the prompt)."""
@@ -144,6 +146,7 @@ class TRLEpisode:
                 raise AdapterProtocolError(ADAPTER, f"reward function {name}", "must return a list of one reward")
             scores[name] = reward_value(ADAPTER, f"reward function {name}", values[0])
         total = sum(scores.values())
+        self.scored = True
         self.sample.metadata[ADAPTER] = {"rewards": scores, "turns": self.turns}
         return total
 
@@ -151,9 +154,18 @@ class TRLEpisode:
         return list(observation)
 
     async def close(self) -> None:
+        if not self.scored and _ended_with_data(self.sample):  # cut off before a verdict (its budget ran out)
+            self.sample.reward = await self.reward()
         close = getattr(self.env, "close", None)
         if callable(close):
             await _call(self.args, close)
+
+
+def _ended_with_data(sample: Any) -> bool:
+    """The sample ended completed or truncated (not failed or aborted): it is scored as it stands, as TRL scores
+    a completion cut off by its length limit."""
+    status = getattr(getattr(sample, "status", None), "value", None)
+    return status in ("completed", "truncated")
 
 
 def sample_row(sample: Any) -> dict[str, Any]:

@@ -16,8 +16,9 @@ the model as it reports any argument it cannot parse); the tool definitions go i
 
 The first request's prompt becomes the sample's prompt when the environment is built. When the rollout's own turn
 limit ends the sample first, the environment's loop is stopped (its cleanup runs) and the rollout is scored as it
-stands. Not supported: group rubrics (``score_group``), environments that change earlier messages between turns
-(each observation must extend the previous prompt), and the verifiers 0.4 v1 Taskset/Harness API.
+stands; so is a sample its token budget cut off, when its environment is closed. Not supported: group rubrics
+(``score_group``), environments that change earlier messages between turns (each observation must extend the
+previous prompt), and the verifiers 0.4 v1 Taskset/Harness API.
 """
 
 from __future__ import annotations
@@ -208,6 +209,9 @@ class VerifiersEpisode:
 
     async def close(self) -> None:
         await self._stop_loop()
+        status = getattr(getattr(self.sample, "status", None), "value", None)
+        if not self.scored and self.state is not None and status in ("completed", "truncated"):
+            self.sample.reward = await self._score()  # cut off by its token budget: scored as it stands
 
 
 _CLIENT_CLASSES: dict[int, type] = {}

@@ -111,3 +111,10 @@ async def test_a_class_that_breaks_trls_protocol_fails_the_sample_naming_the_ada
     assert bad.metadata["rollout_error"]["message"] == (
         "trl adapter: get_reward returned the reward 'high', not a number"
     )
+
+
+async def test_a_sample_its_budget_cuts_off_is_scored_as_it_stands(tokenizer: Any, tmp_path: Path) -> None:
+    turns = [ScriptedTurn(text=call("probe", number=4)), ScriptedTurn(text="It is", finish="length")]
+    [sample] = await run_recorded(tokenizer, tmp_path, trl_env(HiddenNumberEnv), [hidden(4)], turns)
+    assert sample.status.value == "truncated" and sample.metadata["rollout_reason"] == "length"
+    assert sample.reward == 1.0 and sample.metadata["trl"]["rewards"] == {"HiddenNumberEnv": 1.0}

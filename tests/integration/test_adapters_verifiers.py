@@ -112,3 +112,11 @@ async def test_an_env_response_that_raises_fails_the_sample_naming_the_adapter_a
 def test_only_verifiers_environments_are_taken() -> None:
     with pytest.raises(EnvironmentContractError, match="verifiers_env takes a verifiers MultiTurnEnv"):
         verifiers_env(object())
+
+
+async def test_a_sample_its_budget_cuts_off_is_scored_as_it_stands(tokenizer: Any, tmp_path: Path) -> None:
+    env = load_game_environment()
+    turns = [ScriptedTurn(text="beaver"), ScriptedTurn(text="ott", finish="length")]
+    [sample] = await run_recorded(tokenizer, tmp_path, verifiers_env(env), verifiers_samples(env), turns)
+    assert sample.status.value == "truncated" and sample.metadata["rollout_reason"] == "length"
+    assert sample.reward == 0.0 and sample.metadata["verifiers"]["metrics"]["quick"] == 0.5
