@@ -1,5 +1,5 @@
-"""The adapters' names on the command line and in ``RolloutConfig.env_path``: ``verifiers:NAME``, ``skyrl:NAME``,
-``gym:ID`` and ``trl:MODULE:CLASS``, and the samples an environment brings when it has a dataset.
+"""Internal: the adapters' names on the command line and in ``RolloutConfig.env_path`` (``verifiers:NAME``,
+``skyrl:NAME``, ``gym:ID`` and ``trl:MODULE:CLASS``), and the samples an environment brings when it has one.
 
 :func:`fsm_rollout.env.load_env_factory` resolves these names here, so the CLI, the runner, the Ray pool's workers
 and replay all accept them wherever they accept an environment module.
