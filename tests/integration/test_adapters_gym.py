@@ -4,6 +4,7 @@ the replay identical and inspect readable."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -129,3 +130,29 @@ async def test_an_environment_that_breaks_the_gym_protocol_fails_the_sample_nami
     assert error["message"] == (
         "gym adapter: env.step returned a tuple of 4, not (observation, reward, terminated, truncated, info)"
     )
+
+
+class StuckGym:
+    """Its step blocks its thread until released (a foreign environment that hangs)."""
+
+    release = threading.Event()
+
+    def reset(self, seed: int | None = None) -> tuple[str, dict[str, Any]]:
+        return "start", {}
+
+    def step(self, action: Any) -> tuple[str, float, bool, bool, dict[str, Any]]:
+        StuckGym.release.wait(60)
+        return "late", 1.0, True, False, {}
+
+
+async def test_a_foreign_step_that_hangs_runs_in_the_pool_and_ends_the_sample_at_the_step_timeout(
+    tokenizer: Any, tmp_path: Path
+) -> None:
+    try:
+        [sample] = await run_recorded(
+            tokenizer, tmp_path, gym_env(StuckGym), [Sample(index=0)], [ScriptedTurn(text="x")],
+            env_step_timeout_s=0.5,
+        )  # fmt: skip
+    finally:
+        StuckGym.release.set()
+    assert sample.status.value == "truncated" and sample.metadata["rollout_reason"] == "env_timeout"
