@@ -273,8 +273,7 @@ class VerifiersEnvFactory:
             env = vf.load_environment(env)
         if not isinstance(env, vf.MultiTurnEnv):
             raise EnvironmentContractError(
-                "verifiers_env takes a verifiers MultiTurnEnv (ToolEnv, SingleTurnEnv, ...), "
-                f"got {type(env).__name__}"
+                f"verifiers_env takes a verifiers MultiTurnEnv (ToolEnv, SingleTurnEnv, ...), got {type(env).__name__}"
             )
         self.env = env
 

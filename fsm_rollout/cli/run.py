@@ -140,10 +140,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rollout = parser.add_argument_group("rollout")
     rollout.add_argument(
         "--env",
-        metavar="MODULE|FILE|ADAPTER:NAME",
-        help=f"environment module or .py file that grades the samples, or one you already have through an adapter: "
-        f"verifiers:NAME, skyrl:NAME, gym:ID, trl:MODULE:CLASS (verifiers and gym bring their own samples); "
-        f"required with --data (default with the demo: {DEMO_ENV})",
+        metavar="MODULE|FILE",
+        help=f"environment module or .py file, or one through an adapter (verifiers:NAME, skyrl:NAME, gym:ID, "
+        f"trl:MODULE:CLASS); required with --data (default with the demo: {DEMO_ENV})",
     )
     rollout.add_argument("--max-turns", type=int, default=3, metavar="N", help="turns per sample at most")
     rollout.add_argument(

@@ -94,5 +94,3 @@ async def test_a_missing_optional_package_is_one_line_naming_the_extra(
     assert stderr == (
         "error: the gym adapter needs gymnasium, which is not installed: pip install 'fsm-rollout[gym]'\n"
     )
-
-

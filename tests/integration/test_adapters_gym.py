@@ -28,17 +28,13 @@ def secret_number(seed: int) -> int:
     return int(env.game_number)
 
 
-async def test_a_gem_text_game_runs_turn_by_turn_with_its_rewards_on_the_sample(
-    tokenizer: Any, tmp_path: Path
-) -> None:
+async def test_a_gem_text_game_runs_turn_by_turn_with_its_rewards_on_the_sample(tokenizer: Any, tmp_path: Path) -> None:
     from gem.utils.constants import LanguageGameReward
 
     target = secret_number(3)
     wrong = 1 if target != 1 else 2
     turns = [ScriptedTurn(text=f"I guess \\boxed{{{wrong}}}"), ScriptedTurn(text=f"Then \\boxed{{{target}}}")]
-    [sample] = await run_recorded(
-        tokenizer, tmp_path, gym_env(GAME), [Sample(index=0, metadata={"seed": 3})], turns
-    )
+    [sample] = await run_recorded(tokenizer, tmp_path, gym_env(GAME), [Sample(index=0, metadata={"seed": 3})], turns)
     assert sample.status.value == "completed", sample.metadata.get("rollout_error")
     assert sample.metadata["rollout_reason"] == "env_done" and sample.metadata["env_stop"] == "terminated"
     rewards = [LanguageGameReward.internal_step_reward, LanguageGameReward.success_reward]

@@ -38,9 +38,7 @@ async def test_gsm8k_single_turn_scores_the_answer_with_the_label_as_ground_trut
     tokenizer: Any, tmp_path: Path
 ) -> None:
     samples = [Sample(index=0, prompt=QUESTION, label="42"), Sample(index=1, prompt=QUESTION, label="7")]
-    done = await run_recorded(
-        tokenizer, tmp_path, skyrl_env("gsm8k"), samples, [ScriptedTurn(text="#### 42")] * 2
-    )
+    done = await run_recorded(tokenizer, tmp_path, skyrl_env("gsm8k"), samples, [ScriptedTurn(text="#### 42")] * 2)
     assert [(sample.status.value, sample.reward) for sample in done] == [("completed", 1.0), ("completed", 0.0)]
 
 

@@ -61,9 +61,7 @@ def test_grpo_trainer_takes_two_steps_on_our_rollouts(engine_in_a_thread: LocalE
 
     model_dir = str(tiny_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    config = RolloutConfig(
-        engine_url=engine_in_a_thread.url, model=engine_in_a_thread.served_model_name, max_turns=2
-    )
+    config = RolloutConfig(engine_url=engine_in_a_thread.url, model=engine_in_a_thread.served_model_name, max_turns=2)
     calls: list[dict[str, Any]] = []
     rollout = trl_rollout_func(
         config,

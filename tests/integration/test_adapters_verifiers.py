@@ -84,9 +84,7 @@ async def test_the_rollouts_turn_limit_stops_the_loop_and_scores_it_as_it_stands
 ) -> None:
     env = load_game_environment()
     turns = [ScriptedTurn(text="cat"), ScriptedTurn(text="dog")]
-    [sample] = await run_recorded(
-        tokenizer, tmp_path, verifiers_env(env), verifiers_samples(env), turns, max_turns=2
-    )
+    [sample] = await run_recorded(tokenizer, tmp_path, verifiers_env(env), verifiers_samples(env), turns, max_turns=2)
     assert sample.status.value == "truncated" and sample.metadata["rollout_reason"] == "max_turns"
     assert sample.reward == 0.0 and sample.metadata["verifiers"]["state"]["wrong_guesses"] == 2
     assert "env_stop" not in sample.metadata
