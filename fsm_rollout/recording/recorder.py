@@ -80,7 +80,7 @@ class SampleRecorder(RolloutHooks):
             entry = self._entry("env_build")
             sample = kwargs.get("sample")
             tools_before = _sample_tools(sample)
-            prompt_before = jsonable(getattr(sample, "prompt", None))
+            prompt_before = getattr(sample, "prompt", None)
             try:
                 inner = factory or load_env_factory(config.env_path or DEFAULT_ENV_MODULE)
                 env = inner(**kwargs)
@@ -107,9 +107,9 @@ class SampleRecorder(RolloutHooks):
         tools = _sample_tools(sample)
         if tools != tools_before:  # the environment gave the sample its tools: replay gives them the same way
             entry["sample_tools"] = jsonable(tools)
-        prompt = jsonable(getattr(sample, "prompt", None))
-        if prompt != prompt_before:  # an adapted environment's first observation is the prompt: the same on replay
-            entry["sample_prompt"] = prompt
+        prompt = getattr(sample, "prompt", None)
+        if prompt is not prompt_before:  # an adapted environment's first observation is the prompt: same on replay
+            entry["sample_prompt"] = jsonable(prompt)
         entry["type"] = type(env).__name__
         missing = [name for name in ENV_METHODS if not callable(getattr(env, name, None))]
         if missing:  # the rollout rejects it; calls on it are not recorded
