@@ -191,3 +191,24 @@ class ResumeError(SampleStateError):
 class PoolError(RolloutError, RuntimeError):
     """A :class:`~fsm_rollout.distributed.RayRolloutPool` cannot do what was asked: Ray is missing, its workers did
     not start, or none of them is alive."""
+
+
+class MissingExtraError(EnvironmentNotFoundError):
+    """An environment adapter needs an optional package that is not installed; the message names the extra."""
+
+    def __init__(self, *, adapter: str, package: str, extra: str) -> None:
+        super().__init__(
+            f"the {adapter} adapter needs {package}, which is not installed: pip install 'fsm-rollout[{extra}]'",
+            name=package,
+        )
+        self.adapter = adapter
+        self.extra = extra
+
+
+class AdapterProtocolError(EnvironmentContractError):
+    """A foreign environment behind an adapter broke its own protocol: ``adapter`` and ``call`` name where."""
+
+    def __init__(self, adapter: str, call: str, problem: str) -> None:
+        super().__init__(f"{adapter} adapter: {call} {problem}")
+        self.adapter = adapter
+        self.call = call

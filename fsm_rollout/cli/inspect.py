@@ -295,7 +295,11 @@ def _sample_lines(record: TapeSample, tape: TapeFile) -> list[str]:
     sample = revive(tape.resolve(record.sample))
     if not isinstance(sample, dict):
         return []
-    return [f"  prompt: {_clip(_prompt_text(sample.get('prompt')), 400)}", f"  label: {sample.get('label')!r}"]
+    prompt = sample.get("prompt")
+    for entry in record.io:  # an adapted environment gives the prompt when it is built (its first observation)
+        if entry.get("op") == "env_build" and "sample_prompt" in entry:
+            prompt = revive(tape.resolve(entry["sample_prompt"]))
+    return [f"  prompt: {_clip(_prompt_text(prompt), 400)}", f"  label: {sample.get('label')!r}"]
 
 
 def _prompt_text(prompt: Any) -> str:

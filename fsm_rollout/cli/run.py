@@ -153,8 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument(
         "--env",
         metavar="MODULE|FILE",
-        help=f"environment module or .py file that grades the samples; required with --data "
-        f"(default with the demo: {DEMO_ENV})",
+        help=f"environment module or .py file, or one through an adapter (verifiers:NAME, skyrl:NAME, gym:ID, "
+        f"trl:MODULE:CLASS); required with --data (default with the demo: {DEMO_ENV})",
     )
     rollout.add_argument("--max-turns", type=int, default=3, metavar="N", help="turns per sample at most")
     rollout.add_argument(
@@ -206,9 +206,12 @@ def _json_object(text: str) -> dict[str, Any]:
     return value
 
 
-def _load_samples(args: argparse.Namespace) -> tuple[list[Sample], int]:
+def _load_samples(args: argparse.Namespace, env_factory: Any = None) -> tuple[list[Sample], int]:
+    from fsm_rollout.adapters.spec import is_adapter_spec, samples_from_spec
     from fsm_rollout.dataset import load_jsonl
 
+    if args.data is None and args.env is not None and is_adapter_spec(args.env):  # the environment's own dataset
+        return samples_from_spec(args.env, env_factory, limit=args.limit), 0
     if args.data is None:
         from fsm_rollout.data.demo import demo_samples
         from fsm_rollout.env import load_env_module
@@ -230,7 +233,10 @@ def _groups(samples: Sequence[Sample], args: argparse.Namespace) -> tuple[list[S
                                                                           list[int | None]]:  # fmt: skip
     """Each prompt's group members in order, their trace names and, with ``--seed S``, member ``m``'s seed
     ``S + m`` (a group is reproducible and its members still differ); one sample a prompt stays as it was."""
-    n = args.n_samples_per_prompt or (DEMO_SAMPLES_PER_PROMPT if args.data is None else 1)
+    from fsm_rollout.adapters.spec import is_adapter_spec
+
+    demo = args.data is None and not (args.env is not None and is_adapter_spec(args.env))
+    n = args.n_samples_per_prompt or (DEMO_SAMPLES_PER_PROMPT if demo else 1)
     if n == 1:
         return list(samples), [], []
     members: list[Sample] = []
@@ -348,9 +354,9 @@ def build_config(
 async def _run(args: argparse.Namespace) -> int:
     from fsm_rollout.env import load_env_factory
 
-    prompts, skipped = _load_samples(args)
-    samples, sample_ids, seeds = _groups(prompts, args)
     env_factory = load_env_factory(args.env or DEMO_ENV)  # a bad --env fails before any engine starts
+    prompts, skipped = _load_samples(args, env_factory)
+    samples, sample_ids, seeds = _groups(prompts, args)
     key = api_key(args)
     sampling: dict[str, Any] = {
         "max_new_tokens": args.max_new_tokens,

@@ -339,6 +339,8 @@ def _env_factory(replay: _Replay) -> Any:
         metadata = getattr(kwargs.get("sample"), "metadata", None)
         if "sample_tools" in entry and isinstance(metadata, dict):
             metadata["tools"] = revive(entry["sample_tools"])  # the recorded environment set them
+        if "sample_prompt" in entry and kwargs.get("sample") is not None:
+            kwargs["sample"].prompt = revive(entry["sample_prompt"])  # the recorded environment set it
         env = _env_class(str(entry.get("type") or "Environment"))(replay)
         missing = entry.get("missing")
         if isinstance(missing, list) and missing:  # the rollout rejects it, as it did the recorded one
