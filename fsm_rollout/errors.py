@@ -116,7 +116,7 @@ class EnvironmentContractError(RolloutError, ValueError):
 
 
 class ObservationError(RolloutError, ValueError, TypeError):
-    """An observation message is not a text-only chat message."""
+    """An observation message is not a chat message the rollout can take (text, and image parts)."""
 
 
 class TemplateError(RolloutError, ValueError):
