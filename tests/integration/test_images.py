@@ -1,15 +1,13 @@
 """Images end to end: a multi-turn rollout with an image prompt against the fake vLLM server over real HTTP.
 
-The fake server's render is given a Qwen2-VL-like image processor (below): it cuts each image into 8x8 patches,
-expands every ``<|image_pad|>`` to ``t*h*w / 2**2`` placeholders, and answers the image tensors in vLLM's wire
+The fake server's render is given the Qwen2-VL-like image processor of ``testing.fake_vllm.images``: it cuts each
+image into 8x8 patches, expands every ``<|image_pad|>`` to ``t*h*w / 2**2`` placeholders, and answers the image tensors in vLLM's wire
 format (:mod:`fsm_rollout.mm_codec`), as ``vllm serve --enable-scale-out`` does for Qwen2-VL. Images are drawn
 with Pillow at test time.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import re
 from collections.abc import AsyncIterator, Callable
@@ -29,14 +27,13 @@ from fsm_rollout.errors import (
     MultimodalError,
     ObservationError,
 )
-from fsm_rollout.mm_codec import qwen_vl_image_items, render_features
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
+from fsm_rollout.testing.fake_vllm.images import MERGE, patchify
+from fsm_rollout.testing.fake_vllm.images import QwenLikeImageRender as QwenLikeRender
 
 MODEL = "fake-model"
 SAMPLING = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0}
-PATCH = 8
-MERGE = 2
 QWEN_PROCESSOR = SimpleNamespace(image_processor=SimpleNamespace(merge_size=MERGE))
 
 
@@ -45,57 +42,6 @@ def draw_figure(width: int, height: int, color: tuple[int, int, int]) -> Image.I
     image = Image.new("RGB", (width, height), color=(255, 255, 255))
     ImageDraw.Draw(image).polygon([(1, height - 1), (width - 1, height - 1), (width // 3, 1)], fill=color)
     return image
-
-
-def patchify(image: Image.Image) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """Qwen2-VL-style pixel rows: one row of ``3 * PATCH * PATCH`` floats per patch, and the (t, h, w) grid."""
-    pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
-    height, width = pixels.shape[0] // PATCH, pixels.shape[1] // PATCH
-    patches = pixels.reshape(height, PATCH, width, PATCH, 3).transpose(0, 2, 4, 1, 3)
-    return patches.reshape(height * width, 3 * PATCH * PATCH), (1, height, width)
-
-
-class QwenLikeRender:
-    """The fake server's ``render_features`` hook: what vLLM's Qwen2-VL processor does to a conversation."""
-
-    def __init__(self, tokenizer: Any, *, null_item: int | None = None) -> None:
-        self.pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        self.null_item = null_item
-        self.answers: list[tuple[list[int], dict[str, Any] | None]] = []
-
-    def __call__(self, messages: list[dict[str, Any]], ids: list[int]) -> tuple[list[int], dict[str, Any] | None]:
-        urls = [
-            part["image_url"]["url"]
-            for message in messages
-            if isinstance(message.get("content"), list)
-            for part in message["content"]
-            if part.get("type") == "image_url"
-        ]
-        if not urls:
-            self.answers.append((ids, None))
-            return ids, None
-        rows, grids = zip(*(patchify(load_data_url(url)) for url in urls), strict=True)
-        counts = [t * h * w // MERGE**2 for t, h, w in grids]
-        expanded: list[int] = []
-        placeholders: list[tuple[int, int]] = []
-        for token in ids:
-            if token == self.pad_id:
-                placeholders.append((len(expanded), counts[len(placeholders)]))
-                expanded.extend([self.pad_id] * placeholders[-1][1])
-            else:
-                expanded.append(token)
-        items = qwen_vl_image_items(torch.from_numpy(np.concatenate(rows)), torch.tensor(grids))
-        features = render_features(items, placeholders)
-        if self.null_item is not None:
-            features["kwargs_data"]["image"][self.null_item] = None
-        self.answers.append((expanded, features))
-        return expanded, features
-
-
-def load_data_url(url: str) -> Image.Image:
-    header, _, payload = url.partition(",")
-    assert header == "data:image/png;base64"
-    return Image.open(io.BytesIO(base64.b64decode(payload)))
 
 
 @pytest.fixture
