@@ -620,12 +620,12 @@ async def test_serve_command_prints_the_url_and_stops_on_sigterm() -> None:
     )
     try:
         assert process.stdout is not None
-        url = (await asyncio.wait_for(process.stdout.readline(), 60.0)).decode().strip()
+        url = (await asyncio.wait_for(process.stdout.readline(), 300.0)).decode().strip()
         assert url.startswith("http://127.0.0.1:")
         async with aiohttp.ClientSession() as session, session.get(url + "/v1/models") as response:
             assert (await response.json())["data"][0]["max_model_len"] == 256
         process.send_signal(signal.SIGTERM)
-        assert await asyncio.wait_for(process.wait(), 15.0) == 0
+        assert await asyncio.wait_for(process.wait(), 120.0) == 0
     finally:
         if process.returncode is None:
             process.kill()

@@ -66,10 +66,14 @@ async def run_cli(
         env=cli_env(env),
     )
     if interrupt_after is not None:
-        for _ in range(3000):
-            if len(server.requests_to(GENERATE_PATH)) >= interrupt_after:
-                break
-            await asyncio.sleep(0.01)
+        # the signal goes only once the run is provably mid-flight: a loaded machine can take long to start it
+        try:
+            await asyncio.wait_for(
+                server.wait_until(lambda: len(server.requests_to(GENERATE_PATH)) >= interrupt_after), timeout=300
+            )
+        except TimeoutError:
+            process.kill()
+            raise
         process.send_signal(signal.SIGINT)
     stdout, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
     return process.returncode, stdout.decode(), stderr.decode()
