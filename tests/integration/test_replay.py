@@ -203,7 +203,7 @@ class Recording:
 
 
 async def wait_for_generates(server: FakeVLLMServer, session: str, count: int) -> None:
-    for _ in range(1000):
+    for _ in range(24000):  # up to 120 s: a loaded machine can be slow to get there
         arrived = [r for r in server.requests_to(GENERATE_PATH) if r.headers.get("x-session-id") == session]
         if len(arrived) >= count:
             return

@@ -340,7 +340,7 @@ async def test_every_transition_is_traced_with_the_schema(run_rollout: Any, fake
 
 
 async def wait_for_generate(server: FakeVLLMServer, count: int = 1) -> None:
-    for _ in range(500):
+    for _ in range(12000):  # up to 120 s: a loaded machine can be slow to get there
         if len(server.requests_to(GENERATE_PATH)) >= count:
             return
         await asyncio.sleep(0.01)

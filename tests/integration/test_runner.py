@@ -40,7 +40,7 @@ def runner_for(server: FakeVLLMServer, tokenizer: Any, **kwargs: Any) -> Rollout
 
 
 async def wait_for_generates(server: FakeVLLMServer, count: int) -> None:
-    for _ in range(500):
+    for _ in range(12000):  # up to 120 s: a loaded machine can be slow to get there
         if len(server.requests_to(GENERATE_PATH)) >= count:
             return
         await asyncio.sleep(0.01)
