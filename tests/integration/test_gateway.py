@@ -300,9 +300,16 @@ async def test_a_rewritten_history_forks_and_never_trains_unseen_tokens(
     second = await client.chat.completions.create(model="m", messages=rewritten)  # type: ignore[arg-type]
     assert second.choices[0].message.content == "Second answer."
     samples = await session.close(reward=2.0)
-    assert [s.metadata["rollout_reason"] for s in samples] == ["history_rewritten", "session_closed"]
+    # one rollout that took the history policies' fork edge: the first sequence is the last one's branch
+    assert samples[-1].branches == samples[:-1]
+    assert samples[0].metadata["history_rewritten"].startswith("messages[1] (assistant) differs")
+    assert samples[-1].metadata["rollout_reason"] == "session_closed"
+    assert "history_rewritten" not in samples[-1].metadata
+    assert all(s.status.value == "completed" for s in samples)
     assert [s.metadata["branch"] for s in samples] == [0, 1]
     assert all(s.reward == 2.0 and s.session_id == session.session_id for s in samples)
+    metrics = gateway.runner.metrics()
+    assert (metrics.forks, metrics.samples_done, metrics.sequences) == (1, 1, 2)
     # the new sequence's prompt is the template's render of the new conversation, all of it mask 0
     renders = [r for r in fake_vllm.requests_to(RENDER_PATH) if r.headers.get("x-session-id") == session.session_id]
     assert len(renders) == 2
@@ -339,9 +346,13 @@ async def test_changed_tools_fork_and_a_retried_call_is_answered_again(
     second = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
     assert second.choices[0].message.content == "Two."
     samples = await session.close()
-    assert [s.metadata["rollout_reason"] for s in samples] == ["history_rewritten", "session_closed"]
+    assert samples[-1].branches == samples[:-1] and len(samples) == 2
+    assert samples[-1].metadata["rollout_reason"] == "session_closed"
     assert samples[0].metadata["history_rewritten"] == "the tools changed"
+    assert "tools" not in samples[0].metadata
     assert samples[1].metadata["tools"] == TOOLS
+    # the new sequence's prompt was rendered with the call's tools
+    assert fake_vllm.requests_to(RENDER_PATH)[-1].body["tools"] == TOOLS
 
 
 async def test_the_agents_max_tokens_cut_is_length_and_the_session_goes_on(
@@ -392,3 +403,33 @@ async def test_a_recorded_session_replays_identically_and_inspect_shows_it(
     assert await asyncio.to_thread(main, ["inspect", str(trace), "--sample", "0.0"]) == 0
     shown = capsys.readouterr().out
     assert "session_closed" in shown
+
+
+async def test_a_rewrite_the_engine_renders_as_the_model_saw_it_continues_the_sequence(
+    gateway: AgentGateway, fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    # the agent renames its tool message: a rewrite by the history check, but the template does not write tool
+    # names, so the engine's render of the call extends the tokens the model saw and no sequence closes
+    session = await gateway.open_session()
+    fake_vllm.script(
+        [ScriptedTurn(text=CALL), ScriptedTurn(text="Five.<|im_end|>"), ScriptedTurn(text="Bye.<|im_end|>")],
+        session=session.session_id,
+    )
+    client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "2+3?"}]
+    first = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+    call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+    messages += [first.choices[0].message.model_dump(exclude_none=True)]
+    messages += [{"role": "tool", "tool_call_id": call.id, "name": "add", "content": "5"}]
+    second = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+    messages[-1] = {**messages[-1], "name": "plus"}
+    messages += [{"role": "assistant", "content": second.choices[0].message.content}]
+    messages += [{"role": "user", "content": "Thanks."}]
+    third = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+    assert third.choices[0].message.content == "Bye."
+    samples = await session.close()
+    assert len(samples) == 1 and samples[0].branches == []
+    assert gateway.runner.metrics().forks == 0
+    check_token_exact(fake_vllm, session.session_id, samples[0], tokenizer)
+    renders = [r for r in fake_vllm.requests_to(RENDER_PATH) if r.headers.get("x-session-id") == session.session_id]
+    assert len(renders) == 2  # the first call's, and the rewritten call's
