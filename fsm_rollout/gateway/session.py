@@ -40,10 +40,30 @@ if TYPE_CHECKING:
     from fsm_rollout.rollout import Rollout
     from fsm_rollout.runner import RolloutRunner
 
-__all__ = ["GatewaySession", "SessionEnvironment"]
+__all__ = ["GatewaySession", "SessionEnvironment", "TokenText"]
 
 DISCONNECTED = "agent_disconnected"
 """The abort reason of a sequence whose agent went away while its call was being answered."""
+
+
+class TokenText:
+    """Reads an answer's text from its tokens: the tokenizer's end tokens and a decode, found once per gateway.
+
+    A fast tokenizer without clean-up decodes through its backend directly, which is what its ``decode`` returns
+    without the per-call wrapper work."""
+
+    def __init__(self, tokenizer: Any, sampling_params: Mapping[str, Any]) -> None:
+        ends = {getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)}
+        ends.update(sampling_params.get("stop_token_ids") or ())
+        self.end_token_ids: frozenset[int] = frozenset(token for token in ends if isinstance(token, int))
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+            self._decode: Callable[..., str] = backend.decode
+        else:
+            self._decode = tokenizer.decode
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._decode(token_ids, skip_special_tokens=False) if token_ids else ""
 
 
 class SessionEnvironment:
@@ -81,6 +101,7 @@ class GatewaySession:
         label: Any = None,
         idle_timeout_s: float | None = None,
         on_closed: Callable[[GatewaySession], None] | None = None,
+        token_text: TokenText | None = None,
     ) -> None:
         self.session_id = session_id
         self.base_url = base_url
@@ -92,6 +113,7 @@ class GatewaySession:
         self.calls = 0
         self.call_sampling: dict[str, Any] = {}
         self._runner = runner
+        self._text = token_text or TokenText(runner.tokenizer, runner.sampling_params)
         self._on_closed = on_closed
         self._closed = False
         self._closed_samples: list[Sample] | None = None
@@ -260,11 +282,12 @@ class GatewaySession:
         offset = len(sample.tokens) - len(sample.loss_mask or [])
         token_ids = [sample.tokens[i] for i in positions]
         logprobs = [float((sample.rollout_log_probs or [])[i - offset]) for i in positions]
-        ends = self._end_token_ids()
-        text_ids = list(token_ids)
-        while text_ids and text_ids[-1] in ends:
-            text_ids.pop()
-        text = self._runner.tokenizer.decode(text_ids, skip_special_tokens=False) if text_ids else ""
+        ends = self._text.end_token_ids
+        cut = len(token_ids)
+        while cut and token_ids[cut - 1] in ends:
+            cut -= 1
+        text_ids = token_ids[:cut]
+        text = self._text.decode(text_ids)
         parsed = parse_tool_calls(text)
         content = text
         for call in reversed(parsed.calls):
@@ -292,12 +315,6 @@ class GatewaySession:
             text=text,
             weight_version=spans[-1]["version"] if spans else None,
         )
-
-    def _end_token_ids(self) -> set[int]:
-        tokenizer = self._runner.tokenizer
-        ends = {getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)}
-        ends.update(self._runner.sampling_params.get("stop_token_ids") or ())
-        return {token for token in ends if isinstance(token, int)}
 
     def _sequence_ended(self, task: asyncio.Future[Sample]) -> None:
         """A sequence's rollout ended: a call still waiting gets the turn it cut short, or the reason."""

@@ -433,3 +433,18 @@ async def test_a_rewrite_the_engine_renders_as_the_model_saw_it_continues_the_se
     check_token_exact(fake_vllm, session.session_id, samples[0], tokenizer)
     renders = [r for r in fake_vllm.requests_to(RENDER_PATH) if r.headers.get("x-session-id") == session.session_id]
     assert len(renders) == 2  # the first call's, and the rewritten call's
+
+
+async def test_http_calls_share_the_rollouts_pacer_under_a_loop_slice(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    from fsm_rollout.pacing import pacer_for
+
+    async with AgentGateway(runner_for(fake_vllm, tokenizer, loop_slice_ms=5.0)) as gateway:
+        pacer = pacer_for(asyncio.get_running_loop(), 5.0)
+        before = pacer.admitted
+        async with aiohttp.ClientSession() as raw:
+            status, _ = await Http(gateway.url, raw).post("/sessions", json={})
+        assert status == 201
+        # opening a session starts no rollout: the one admission is the handler's
+        assert pacer.admitted == before + 1
