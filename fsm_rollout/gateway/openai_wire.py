@@ -67,6 +67,9 @@ class ChatCall:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    tool_choice: str = "auto"
+    """``"auto"`` (tool calls are parsed from the answer), ``"none"`` (they are not: the answer is all content)
+    or ``"required"`` (asked for, not forced: see :func:`parse_chat_request`)."""
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -112,6 +115,7 @@ def parse_chat_request(body: Any) -> ChatCall:
             "(send logprobs=true for those)",
             "top_logprobs",
         )
+    tool_choice = _tool_choice(body.get("tool_choice"), tools)
     stream_options = body.get("stream_options")
     include_usage = isinstance(stream_options, Mapping) and bool(stream_options.get("include_usage"))
     model = body.get("model")
@@ -123,8 +127,32 @@ def parse_chat_request(body: Any) -> ChatCall:
         stream=bool(body.get("stream")),
         include_usage=include_usage,
         logprobs=bool(body.get("logprobs")),
+        tool_choice=tool_choice,
         raw=body,
     )
+
+
+def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str:
+    """``tool_choice`` checked. ``"none"`` is enforced on the answer: its tool-call markup is left in the content
+    and no call is returned (as vLLM answers without a tool parser), so the tokens stay the model's. ``"required"``
+    is passed through as ``"auto"`` is: the model sees the tools, and frameworks that always send it (smolagents)
+    run; no call can be forced without constrained decoding, so an answer without one comes back as generated. A
+    named function would have to be forced the same way: it is refused."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise _bad(f"'tool_choice' {choice!r} is not one of 'auto', 'none', 'required'", "tool_choice")
+        if choice == "required" and not tools:
+            raise _bad("'tool_choice' 'required' needs 'tools'", "tool_choice")
+        return choice
+    if isinstance(choice, Mapping) and choice.get("type") in ("function", "allowed_tools"):
+        raise _bad(
+            "a named or allowed-tools 'tool_choice' is not supported: the gateway cannot force a call without "
+            "constrained decoding (send 'auto', 'required' or 'none')",
+            "tool_choice",
+        )
+    raise _bad("'tool_choice' must be 'auto', 'none', 'required' or a function object", "tool_choice")
 
 
 def _is_tool(tool: Any) -> bool:

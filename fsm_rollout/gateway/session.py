@@ -112,6 +112,7 @@ class GatewaySession:
         self.reward: Any = None
         self.calls = 0
         self.call_sampling: dict[str, Any] = {}
+        self._tool_choice = "auto"
         self._runner = runner
         self._text = token_text or TokenText(runner.tokenizer, runner.sampling_params)
         self._on_closed = on_closed
@@ -144,6 +145,7 @@ class GatewaySession:
         self._busy = True
         try:
             self.calls += 1
+            self._tool_choice = call.tool_choice
             if self._sample is None:
                 self._start_sequence(call)
             else:
@@ -288,14 +290,15 @@ class GatewaySession:
             cut -= 1
         text_ids = token_ids[:cut]
         text = self._text.decode(text_ids)
-        parsed = parse_tool_calls(text)
+        # tool_choice "none": no call is parsed, the markup stays content (the tokens are the model's either way)
+        found = parse_tool_calls(text).calls if self._tool_choice != "none" else []
         content = text
-        for call in reversed(parsed.calls):
+        for call in reversed(found):
             content = content[: call.start] + content[call.end :]
         content = content.strip()
         calls = [
             {"id": f"call_{secrets.token_hex(12)}", "name": call.name, "arguments": dict(call.arguments)}
-            for call in parsed.calls
+            for call in found
         ]
         if finish is None:
             limit = self.call_sampling.get("max_tokens")

@@ -448,3 +448,21 @@ async def test_http_calls_share_the_rollouts_pacer_under_a_loop_slice(
         assert status == 201
         # opening a session starts no rollout: the one admission is the handler's
         assert pacer.admitted == before + 1
+
+
+async def test_tool_choice_none_returns_the_markup_as_content_and_no_call(
+    gateway: AgentGateway, fake_vllm: FakeVLLMServer
+) -> None:
+    session = await gateway.open_session()
+    fake_vllm.script([ScriptedTurn(text=CALL), ScriptedTurn(text="Ok.<|im_end|>")], session=session.session_id)
+    client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "2+3?"}]
+    first = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="none")  # type: ignore[arg-type]
+    choice = first.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.content == CALL.removesuffix("<|im_end|>").strip()
+    # sent back as the text it was, the history extends: one sequence
+    messages += [{"role": "assistant", "content": choice.message.content}, {"role": "user", "content": "And?"}]
+    await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="none")  # type: ignore[arg-type]
+    samples = await session.close()
+    assert len(samples) == 1 and samples[0].metadata["rollout_reason"] == "session_closed"
