@@ -116,6 +116,11 @@ class GatewaySession:
         self._runner = runner
         self._text = token_text or TokenText(runner.tokenizer, runner.sampling_params)
         self._on_closed = on_closed
+        self._ended = asyncio.Event()
+        self._expired = False
+        self._reaper: asyncio.TimerHandle | None = None
+        if idle_timeout_s is not None:  # a session never called has no rollout to time it out: a timer does
+            self._reaper = asyncio.get_running_loop().call_later(idle_timeout_s, self._expire_if_never_called)
         self._closed = False
         self._closed_samples: list[Sample] | None = None
         self._busy = False
@@ -349,6 +354,23 @@ class GatewaySession:
             raise GatewayError(409, "the session is closed", code="session_closed")
         self.reward = reward
 
+    def _expire_if_never_called(self) -> None:
+        """The idle limit passed and the agent never called: the session ends ``truncated`` (``agent_timeout``)
+        with no training sequence, and the gateway forgets it."""
+        self._reaper = None
+        if self.calls or self._closed:
+            return
+        self._expired = True
+        self._closed = True
+        self._closed_samples = []
+        self._ended.set()
+        if self._on_closed is not None:
+            self._on_closed(self)
+
+    async def wait_ended(self) -> None:
+        """Wait until the session is closed, or ended by the idle limit without a call."""
+        await self._ended.wait()
+
     async def close(self, reward: Any = None) -> list[Sample]:
         """End the session: its training sequences, oldest first (the last ends ``completed``, ``session_closed``,
         unless it ended otherwise before). ``reward`` (else the one set before) is every sequence's reward."""
@@ -357,6 +379,9 @@ class GatewaySession:
         if self._busy:
             raise GatewayError(409, "a call of this session is in flight; close it after the answer", code="busy")
         self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         if reward is None:
             reward = self.reward
         waiting = self._agent
@@ -369,6 +394,7 @@ class GatewaySession:
             sample.reward = reward
         samples = training_sequences([sample]) if sample is not None else []
         self._closed_samples = samples
+        self._ended.set()
         if self._on_closed is not None:
             self._on_closed(self)
         return samples
@@ -376,6 +402,9 @@ class GatewaySession:
     async def abort(self, reason: str) -> None:
         """End the session's rollout ``aborted`` with ``reason`` (the gateway shutting down)."""
         self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         if self._rollout is not None and not self._rollout.terminal:
             await self._rollout.abort(reason)
 
@@ -392,8 +421,10 @@ class GatewaySession:
             "turns": (rollout.turn_index + (rollout.state not in ("pending", "rendered", "generating")))
             if rollout is not None
             else 0,
-            "status": sample.status.value if sample is not None else "pending",
-            "reason": sample.metadata.get("rollout_reason") if sample is not None else None,
+            "status": sample.status.value if sample is not None else ("truncated" if self._expired else "pending"),
+            "reason": sample.metadata.get("rollout_reason")
+            if sample is not None
+            else (IDLE if self._expired else None),
             "reward": self.reward,
             "metadata": self.metadata,
             "label": self.label,
