@@ -466,3 +466,86 @@ async def test_tool_choice_none_returns_the_markup_as_content_and_no_call(
     await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="none")  # type: ignore[arg-type]
     samples = await session.close()
     assert len(samples) == 1 and samples[0].metadata["rollout_reason"] == "session_closed"
+
+
+def png_data_url(color: tuple[int, int, int]) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), color).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+async def test_image_url_parts_reach_the_engine_as_image_observations(tokenizer: Any) -> None:
+    from fsm_rollout.testing.fake_vllm import QwenLikeImageRender
+
+    render = QwenLikeImageRender(tokenizer)
+    async with (
+        FakeVLLMServer(tokenizer, model="fake-model", render_features=render) as fake,
+        AgentGateway(runner_for(fake, tokenizer, image_merge_size=2)) as gateway,
+    ):
+        session = await gateway.open_session()
+        fake.script(
+            [ScriptedTurn(text="A red square.<|im_end|>"), ScriptedTurn(text="Now blue.<|im_end|>")],
+            session=session.session_id,
+        )
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+        red, blue = png_data_url((200, 0, 0)), png_data_url((0, 0, 200))
+        messages: list[Any] = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image_url", "image_url": {"url": red}},
+                ],
+            }
+        ]
+        first = await client.chat.completions.create(model="m", messages=messages)
+        assert first.choices[0].message.content == "A red square."
+        messages += [
+            {"role": "assistant", "content": "A red square."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": blue}},
+                    {"type": "text", "text": "And this?"},
+                ],
+            },
+        ]
+        second = await client.chat.completions.create(model="m", messages=messages)
+        assert second.choices[0].message.content == "Now blue."
+        samples = await session.close()
+        with pytest.raises(openai.BadRequestError):  # an image behind a URL the tape could not hold
+            other = await gateway.open_session()
+            agent = openai.AsyncOpenAI(base_url=other.base_url, api_key="unused", max_retries=0)
+            await agent.chat.completions.create(
+                model="m",
+                messages=[
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}
+                ],
+            )
+    assert len(samples) == 1 and samples[0].metadata["rollout_reason"] == "session_closed"
+    sample = samples[0]
+    check_token_exact(fake, session.session_id, sample, tokenizer)
+    # both images went to the engine's render, in order, and the sample trains with both images' features
+    renders = [r for r in fake.requests_to(RENDER_PATH) if r.headers.get("x-session-id") == session.session_id]
+    urls = [
+        part["image_url"]["url"]
+        for r in renders
+        for m in r.body["messages"]
+        for part in (m["content"] if isinstance(m["content"], list) else [])
+        if part.get("type") == "image_url"
+    ]
+    assert red in urls and blue in urls and urls.index(red) < urls.index(blue)
+    assert sample.multimodal_train_inputs is not None
+    assert len(sample.multimodal_train_inputs["image_grid_thw"]) == 2
+    # the image tokens are in the prompt and the observation, never trained
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert pad in sample.tokens
+    start = len(sample.tokens) - sample.response_length
+    assert all(
+        bit == 0 for token, bit in zip(sample.tokens[start:], sample.loss_mask or [], strict=True) if token == pad
+    )
