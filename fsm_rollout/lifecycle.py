@@ -9,7 +9,8 @@ Guards are pure predicates over the rollout's context; actions change the sample
 ``fork`` is the ``observing`` state's other exit, chosen by its activity under the ``fork`` and ``per_turn`` history
 policies (:mod:`fsm_rollout.rollout.history`): the engine's re-render of the conversation does not extend the
 tokens so far (``per_turn``: always), so the sequence so far closes into ``sample.branches`` and the re-render is
-the prompt of the next one; from ``rendered`` the ``generate`` edges apply as after the first render.
+the prompt of the next one; from ``rendered`` the ``generate`` edges apply as after the first render. A gateway
+agent that rewrote the history takes it too, under any policy (:func:`fsm_rollout.rollout.history.rewrite_history`).
 
 Some triggers are the driver's choice rather than a state's: ``suspend`` (a weight update closed the rollout's
 gate while it was generating, or as it was about to), ``env_timeout`` and ``rollout_timeout`` (a limit of the
@@ -248,14 +249,6 @@ TRANSITIONS: tuple[Edge, ...] = (
         guard="agent_idle",
         reason="agent_timeout",
         work="the agent was idle past the gateway session's limit; the data so far is kept",
-    ),
-    Edge(
-        "observe",
-        "stepping",
-        "completed",
-        guard="agent_rewrote_history",
-        reason="history_rewritten",
-        work="the agent rewrote history: this training sequence ends, the session goes on in a new one",
     ),
     Edge("observe", "stepping", "completed", guard="env_done", reason="env_done"),
     Edge(

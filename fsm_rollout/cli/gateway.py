@@ -13,12 +13,12 @@ from collections.abc import Callable
 from typing import Any
 
 from fsm_rollout.cli.common import add_process_settings
-from fsm_rollout.cli.preflight import API_KEY_ENV_VAR, PreflightError, api_key, load_run_tokenizer, redacted
+from fsm_rollout.cli.engine_options import add_engine_options, add_history_options
+from fsm_rollout.cli.preflight import PreflightError, api_key, load_run_tokenizer, redacted
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError
 
 EXIT_OK, EXIT_BAD_INPUT = 0, 2
-HISTORY_POLICIES = ("auto", "append", "fork", "per_turn")
 
 EPILOG = """\
 With no --engine-url the embedded CPU engine is started in-process, as `fsm-rollout run` does. The gateway listens
@@ -60,34 +60,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--record", action="store_true", help="also record the I/O tape beside the trace, for `fsm-rollout replay`"
     )
     serve.add_argument("--quiet", action="store_true", help="no engine start-up progress")
-    engine = parser.add_argument_group("engine")
-    engine.add_argument(
-        "--engine-url",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="vLLM server or router URL; repeat for several servers, each session kept on one "
-        "(default: start the embedded CPU engine)",
-    )
-    engine.add_argument("--model", metavar="NAME", help="served model name (default: the engine's)")
-    engine.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory or Hugging Face id")
-    engine.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run its own Python code")
-    engine.add_argument(
-        "--api-key",
-        metavar="KEY",
-        help=f"the engine's key, also required on the gateway's control endpoints (default: ${API_KEY_ENV_VAR})",
+    add_engine_options(
+        parser.add_argument_group("engine"),
+        several_urls="each session kept on one",
+        api_key="the engine's key, also required on the gateway's control endpoints",
     )
     rollout = parser.add_argument_group("sessions")
+    add_history_options(rollout)  # a rewritten history forks under every policy
+    rollout.add_argument("--max-turns", type=int, default=1000, metavar="N", help="calls per session at most")
     rollout.add_argument(
-        "--history-policy",
-        choices=HISTORY_POLICIES,
-        default="auto",
-        help="how observations meet the chat template's history (see `run`); a rewritten history always forks "
-        "(default: %(default)s)",
-    )
-    rollout.add_argument("--max-turns", type=int, default=1000, metavar="N", help="calls per training sequence at most")
-    rollout.add_argument(
-        "--max-new-tokens", type=int, metavar="N", help="response budget of a training sequence (default: unbounded)"
+        "--max-new-tokens",
+        type=int,
+        metavar="N",
+        help="response budget of a session, over all its training sequences (default: unbounded)",
     )
     rollout.add_argument("--max-context-len", type=int, metavar="N", help="context limit (prompt + response)")
     rollout.add_argument("--temperature", type=float, default=1.0, metavar="T", help="default sampling temperature")
@@ -113,6 +98,7 @@ def build_config(args: argparse.Namespace, url: str, model: str, tokenizer_path:
         "trust_remote_code": args.trust_remote_code,
     }
     values["history_policy"] = args.history_policy
+    values["apply_chat_template_kwargs"] = args.chat_template_kwargs
     return RolloutConfig(**values)
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import signal
 import sys
 import time
@@ -17,8 +16,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from fsm_rollout.cli.common import add_process_settings
+from fsm_rollout.cli.engine_options import add_engine_options, add_history_options
 from fsm_rollout.cli.preflight import (
-    API_KEY_ENV_VAR,
     EngineChoice,
     PreflightError,
     api_key,
@@ -36,7 +35,7 @@ from fsm_rollout.cli.run_report import (
     summary,
     write_results,
 )
-from fsm_rollout.config import HISTORY_POLICIES, RolloutConfig
+from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.recording import tape_path_for
 from fsm_rollout.runner import MetricsSnapshot, RolloutRunner, group_members
@@ -113,22 +112,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     data.add_argument("--quiet", action="store_true", help="no progress line")
     engine = parser.add_argument_group("engine")
-    engine.add_argument(
-        "--engine-url",
-        action="append",
-        default=[],
-        metavar="URL",
-        help="vLLM server or router URL; repeat for several servers (sticky consistent hashing) "
-        "(default: start the embedded CPU engine)",
-    )
-    engine.add_argument(
-        "--model", metavar="NAME", help="served model name (default: the engine's, when it serves one model)"
-    )
-    engine.add_argument(
-        "--tokenizer",
-        metavar="PATH",
-        help="tokenizer directory or Hugging Face id (default: the one the engine names, else its "
-        "model path, else --model)",
+    add_engine_options(
+        engine,
+        several_urls="sticky consistent hashing",
+        api_key="sent as `Authorization: Bearer KEY` on every engine request, never printed or recorded",
     )
     engine.add_argument("--router-policy", choices=["consistent_hash"], help="send x-session-id on every request")
     engine.add_argument(
@@ -136,18 +123,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         metavar="N",
         help="vision merge size for the image-token check (Qwen-VL: 2; default: the engine's, when it says)",
-    )
-    engine.add_argument(
-        "--trust-remote-code",
-        action="store_true",
-        help="let a tokenizer that ships its own Python code run it (off: a path or hub id you "
-        "type should not run code from that repository)",
-    )
-    engine.add_argument(
-        "--api-key",
-        metavar="KEY",
-        help=f"sent as `Authorization: Bearer KEY` on every engine request, never printed or "
-        f"recorded (default: ${API_KEY_ENV_VAR})",
     )
     rollout = parser.add_argument_group("rollout")
     rollout.add_argument(
@@ -178,32 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"stop string (repeatable; default with {DEMO_ENV}: {' '.join(GEO3K_STOP)})",
     )
     rollout.add_argument("--seed", type=int, metavar="N", help="sampling seed sent with every request")
-    rollout.add_argument(
-        "--history-policy",
-        choices=HISTORY_POLICIES,
-        default="auto",
-        help="how history reaches the next turn: append boundary tokens, fork where the template rewrites it, one "
-        "training row per model call, or auto (chosen once at start-up from the template probe)",
-    )
-    rollout.add_argument(
-        "--chat-template-kwargs",
-        type=_json_object,
-        metavar="JSON",
-        help="chat template switches, e.g. '{\"enable_thinking\": false}': the template probe, the observation "
-        "boundaries and the engine's render all get them",
-    )
+    add_history_options(rollout)
     add_process_settings(parser.add_argument_group("process-wide settings"))
-
-
-def _json_object(text: str) -> dict[str, Any]:
-    """``--chat-template-kwargs``: a JSON object."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise argparse.ArgumentTypeError(f"not JSON ({error})") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
-    return value
 
 
 def _load_samples(args: argparse.Namespace, env_factory: Any = None) -> tuple[list[Sample], int]:

@@ -108,9 +108,12 @@ async def main(model_dir: Path | None = None) -> list[Sample]:
 def describe(sample: Sample) -> str:
     """One exported training sequence in a line: its outcome, reward and token counts."""
     mask = sample.loss_mask or []
+    # a sequence closed by a fork says why (the agent rewrote the history); the last one ends with the session
+    rewritten = sample.metadata.get("history_rewritten")
+    ended = f"forked: {rewritten}" if rewritten else sample.metadata.get("rollout_reason")
     return (
-        f"session {sample.index} sequence {sample.metadata['branch']}: {sample.status.value} "
-        f"({sample.metadata['rollout_reason']}), reward {sample.reward}, {len(sample.tokens)} tokens "
+        f"session {sample.index} sequence {sample.metadata.get('branch', 0)}: {sample.status.value} "
+        f"({ended}), reward {sample.reward}, {len(sample.tokens)} tokens "
         f"({len(sample.tokens) - sample.response_length} prompt, {sum(mask)} generated and trained, "
         f"{len(mask) - sum(mask)} tool results and templates masked)"
     )

@@ -1,7 +1,7 @@
 """OpenAI Chat Completions on the wire: the request a gateway session accepts, its answer, its stream, its errors.
 
 Requests are checked strictly, because every message becomes tokens the model is trained on or conditioned on:
-a malformed message, ``n > 1`` or an image part is a 400 in OpenAI's error shape
+a malformed message, ``n > 1`` or an image part the gateway cannot carry is a 400 in OpenAI's error shape
 ``{"error": {"message", "type", "code"}}``, never a silent guess.
 
 Messages are kept in two forms. The *wire* form is what the agent sent (tool-call ``arguments`` as JSON strings).
@@ -67,6 +67,9 @@ class ChatCall:
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
+    tool_choice: str = "auto"
+    """``"auto"`` (tool calls are parsed from the answer), ``"none"`` (they are not: the answer is all content)
+    or ``"required"`` (asked for, not forced: see :func:`parse_chat_request`)."""
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -112,6 +115,7 @@ def parse_chat_request(body: Any) -> ChatCall:
             "(send logprobs=true for those)",
             "top_logprobs",
         )
+    tool_choice = _tool_choice(body.get("tool_choice"), tools)
     stream_options = body.get("stream_options")
     include_usage = isinstance(stream_options, Mapping) and bool(stream_options.get("include_usage"))
     model = body.get("model")
@@ -123,8 +127,32 @@ def parse_chat_request(body: Any) -> ChatCall:
         stream=bool(body.get("stream")),
         include_usage=include_usage,
         logprobs=bool(body.get("logprobs")),
+        tool_choice=tool_choice,
         raw=body,
     )
+
+
+def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str:
+    """``tool_choice`` checked. ``"none"`` is enforced on the answer: its tool-call markup is left in the content
+    and no call is returned (as vLLM answers without a tool parser), so the tokens stay the model's. ``"required"``
+    is passed through as ``"auto"`` is: the model sees the tools, and frameworks that always send it (smolagents)
+    run; no call can be forced without constrained decoding, so an answer without one comes back as generated. A
+    named function would have to be forced the same way: it is refused."""
+    if choice is None:
+        return "auto"
+    if isinstance(choice, str):
+        if choice not in ("auto", "none", "required"):
+            raise _bad(f"'tool_choice' {choice!r} is not one of 'auto', 'none', 'required'", "tool_choice")
+        if choice == "required" and not tools:
+            raise _bad("'tool_choice' 'required' needs 'tools'", "tool_choice")
+        return choice
+    if isinstance(choice, Mapping) and choice.get("type") in ("function", "allowed_tools"):
+        raise _bad(
+            "a named or allowed-tools 'tool_choice' is not supported: the gateway cannot force a call without "
+            "constrained decoding (send 'auto', 'required' or 'none')",
+            "tool_choice",
+        )
+    raise _bad("'tool_choice' must be 'auto', 'none', 'required' or a function object", "tool_choice")
 
 
 def _is_tool(tool: Any) -> bool:
@@ -159,28 +187,54 @@ def _message(index: int, message: Any) -> dict[str, Any]:
     return out
 
 
-def _content(where: str, content: Any, role: str) -> str | None:
-    """Text content: a string, or a list of text parts (joined). Image, audio and file parts are refused."""
+_IMAGE_ROLES = frozenset({"user", "tool"})
+
+
+def _content(where: str, content: Any, role: str) -> str | list[dict[str, Any]] | None:
+    """Text content: a string, or a list of text parts (joined). In a user or tool message, ``image_url`` parts
+    with a ``data:`` URL are images the model sees: the content is then kept as its list of parts, in order (an
+    image observation, :mod:`fsm_rollout.rollout.observation_images`). Other image, audio and file parts, and
+    images behind http(s) URLs (a tape could not hold them), are refused."""
     if content is None or isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise _bad(f"{where}.content must be a string or a list of content parts", "messages")
-    texts = []
+    parts: list[dict[str, Any]] = []
+    images = 0
     for part in content:
         kind = part.get("type") if isinstance(part, Mapping) else None
         if kind == "text" and isinstance(part.get("text"), str):
-            texts.append(part["text"])
-        elif kind in ("image_url", "input_image", "image", "input_audio", "file", "video_url"):
+            parts.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            parts.append(_image_part(where, part, role))
+            images += 1
+        elif kind in ("input_image", "image", "input_audio", "file", "video_url"):
             raise _bad(
-                f"{where} has a {kind!r} part: the gateway accepts text content only (image observations are not "
-                "supported yet)",
+                f"{where} has a {kind!r} part: the gateway accepts text, and images as 'image_url' parts with a "
+                "data: URL in user and tool messages",
                 "unsupported_content",
             )
         else:
             raise _bad(
                 f"{where} has a content part that is not {{'type': 'text', 'text': str}}: {part!r:.80}", "messages"
             )
-    return "".join(texts)
+    if images:
+        return parts
+    return "".join(part["text"] for part in parts)
+
+
+def _image_part(where: str, part: Mapping[str, Any], role: str) -> dict[str, Any]:
+    if role not in _IMAGE_ROLES:
+        raise _bad(f"{where} ({role}) has an image part: images are accepted in user and tool messages", "messages")
+    image = part.get("image_url")
+    url = image.get("url") if isinstance(image, Mapping) else image
+    if not isinstance(url, str) or not url.startswith("data:image/"):
+        raise _bad(
+            f"{where} has an 'image_url' part whose url is not a data:image/... URL (http(s) images are refused: "
+            "the session's tape could not hold their content)",
+            "unsupported_content",
+        )
+    return {"type": "image_url", "image_url": {"url": url}}
 
 
 def _tool_call(where: str, call: Any) -> dict[str, Any]:

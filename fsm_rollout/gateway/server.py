@@ -36,7 +36,8 @@ from fsm_rollout.gateway.openai_wire import (
     parse_chat_request,
     stream_chunks,
 )
-from fsm_rollout.gateway.session import GatewaySession, SessionEnvironment
+from fsm_rollout.gateway.session import GatewaySession, SessionEnvironment, TokenText
+from fsm_rollout.pacing import LoopPacer, pacer_for
 from fsm_rollout.runner import RolloutRunner
 from fsm_rollout.sample import Sample
 
@@ -58,7 +59,9 @@ class AgentGateway:
     starts the HTTP server on ``host:port`` (port 0: a free one; :attr:`url` says which). The gateway's sessions
     are the runner's environment, so the runner must not have an ``env_factory`` of its own; its config is used
     with ``router_policy="consistent_hash"`` (every request carries ``x-session-id``) and without an environment
-    step limit (an agent's pause between calls is bounded by ``session_idle_timeout_s`` instead).
+    step limit (an agent's pause between calls is bounded by ``session_idle_timeout_s`` instead). Under the
+    config's ``loop_slice_ms`` the HTTP handlers share the rollouts' pacer (:mod:`fsm_rollout.pacing`): a burst of
+    agents' calls starts a few per loop iteration, so the loop stays responsive.
     """
 
     def __init__(
@@ -86,6 +89,8 @@ class AgentGateway:
         self._sessions: dict[str, GatewaySession] = {}
         self._opened = 0
         self._site_runner: web.AppRunner | None = None
+        self._pacer: LoopPacer | None = None
+        self._text: TokenText | None = None
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -94,6 +99,8 @@ class AgentGateway:
         runner.config = dataclasses.replace(runner.config, router_policy="consistent_hash", env_step_timeout_s=None)
         runner.env_factory = cast(EnvFactory, self._build_env)  # its step is a coroutine: the rollout awaits it
         await runner.__aenter__()
+        slice_ms = runner.config.loop_slice_ms
+        self._pacer = pacer_for(asyncio.get_running_loop(), slice_ms) if slice_ms is not None else None
         try:
             app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
             app.router.add_post("/sessions", self._open)
@@ -150,11 +157,17 @@ class AgentGateway:
             label=label,
             idle_timeout_s=self.session_idle_timeout_s,
             on_closed=self._forget,
+            token_text=self._token_text(),
         )
         self._opened += 1
         self._sessions[session_id] = session
         self.runner._metrics.session_opened()
         return session
+
+    def _token_text(self) -> TokenText:
+        if self._text is None:
+            self._text = TokenText(self.runner.tokenizer, self.runner.sampling_params)
+        return self._text
 
     def session(self, session_id: str) -> GatewaySession:
         """The open session ``session_id`` (a 404 :class:`GatewayError` otherwise)."""
@@ -183,6 +196,10 @@ class AgentGateway:
     @web.middleware
     async def _errors(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
         try:
+            if self._pacer is not None:  # a burst of calls is admitted a few per loop iteration, as rollouts are
+                waiter = self._pacer.admit()
+                if waiter is not None:
+                    await waiter
             return await handler(request)
         except GatewayError as error:
             return _json(error.body(), error.status)

@@ -7,12 +7,15 @@ call and waits for the agent's next call; that call's new messages are the obser
 generated is ever re-tokenized: the answer is read from the sample's own tokens, and later calls are only checked
 against it by meaning (:mod:`fsm_rollout.gateway.conversation`).
 
-How a session's training sequence ends is an edge of the lifecycle table, chosen by what the environment's step
-returns (:mod:`fsm_rollout.rollout.agent_end`): the agent closed the session (``completed``, ``session_closed``),
-went idle past the limit (``truncated``, ``agent_timeout``), or rewrote the history (``completed``,
-``history_rewritten``): then the session goes on in a new training sequence whose prompt is the engine's render
-of the new conversation, so each generated token is trained in exactly one sequence and no sequence holds a token
-the model did not see. ``close`` returns the sequences, oldest first.
+How a session ends is an edge of the lifecycle table, chosen by what the environment's step returns
+(:mod:`fsm_rollout.rollout.agent_end`): the agent closed the session (``completed``, ``session_closed``) or went
+idle past the limit (``truncated``, ``agent_timeout``). An agent that rewrote the history (edited, dropped or
+compacted messages, changed tools) sends the whole conversation as the observation, and the rollout takes the
+history policies' ``fork`` edge (reason ``history_rewritten``, :func:`fsm_rollout.rollout.history.rewrite_history`):
+the sequence so far closes into ``sample.branches`` and the engine's render of the conversation as sent is the
+next sequence's prompt, so each generated token is trained in exactly one sequence and no sequence holds a token
+the model did not see. ``close`` returns the session's training sequences, oldest first
+(:func:`fsm_rollout.sample.branches.training_sequences`).
 
 The agent's per-call sampling settings reach that call's generate request in the observation (the first call's in
 the sample's metadata, :mod:`fsm_rollout.rollout.agent_end`), so a tape holds them and a replay sends them; its
@@ -28,18 +31,39 @@ from typing import TYPE_CHECKING, Any
 
 from fsm_rollout.gateway.conversation import compare_history
 from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer, render_message
-from fsm_rollout.rollout.agent_end import AGENT_CALL_KEY, CLOSED, HISTORY_REWRITTEN, IDLE, agent_call, agent_end
+from fsm_rollout.rollout.agent_end import AGENT_CALL_KEY, CLOSED, IDLE, agent_call, agent_end, agent_rewrite
 from fsm_rollout.sample import Sample
+from fsm_rollout.sample.branches import training_sequences
 from fsm_rollout.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
     from fsm_rollout.rollout import Rollout
     from fsm_rollout.runner import RolloutRunner
 
-__all__ = ["GatewaySession", "SessionEnvironment"]
+__all__ = ["GatewaySession", "SessionEnvironment", "TokenText"]
 
 DISCONNECTED = "agent_disconnected"
 """The abort reason of a sequence whose agent went away while its call was being answered."""
+
+
+class TokenText:
+    """Reads an answer's text from its tokens: the tokenizer's end tokens and a decode, found once per gateway.
+
+    A fast tokenizer without clean-up decodes through its backend directly, which is what its ``decode`` returns
+    without the per-call wrapper work."""
+
+    def __init__(self, tokenizer: Any, sampling_params: Mapping[str, Any]) -> None:
+        ends = {getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)}
+        ends.update(sampling_params.get("stop_token_ids") or ())
+        self.end_token_ids: frozenset[int] = frozenset(token for token in ends if isinstance(token, int))
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+            self._decode: Callable[..., str] = backend.decode
+        else:
+            self._decode = tokenizer.decode
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self._decode(token_ids, skip_special_tokens=False) if token_ids else ""
 
 
 class SessionEnvironment:
@@ -77,6 +101,7 @@ class GatewaySession:
         label: Any = None,
         idle_timeout_s: float | None = None,
         on_closed: Callable[[GatewaySession], None] | None = None,
+        token_text: TokenText | None = None,
     ) -> None:
         self.session_id = session_id
         self.base_url = base_url
@@ -87,12 +112,18 @@ class GatewaySession:
         self.reward: Any = None
         self.calls = 0
         self.call_sampling: dict[str, Any] = {}
+        self._tool_choice = "auto"
         self._runner = runner
+        self._text = token_text or TokenText(runner.tokenizer, runner.sampling_params)
         self._on_closed = on_closed
+        self._ended = asyncio.Event()
+        self._expired = False
+        self._reaper: asyncio.TimerHandle | None = None
+        if idle_timeout_s is not None:  # a session never called has no rollout to time it out: a timer does
+            self._reaper = asyncio.get_running_loop().call_later(idle_timeout_s, self._expire_if_never_called)
         self._closed = False
         self._closed_samples: list[Sample] | None = None
         self._busy = False
-        self._sequences: list[Sample] = []
         self._sample: Sample | None = None
         self._rollout: Rollout | None = None
         self._task: asyncio.Future[Sample] | None = None
@@ -102,6 +133,7 @@ class GatewaySession:
         self._agent: asyncio.Future[tuple[str, Any]] | None = None
         self._last_answer: TurnAnswer | None = None
         self._mark = 0
+        self._mark_branch = 0
 
     # ------------------------------------------------------------------ what the agent's calls do
 
@@ -118,6 +150,7 @@ class GatewaySession:
         self._busy = True
         try:
             self.calls += 1
+            self._tool_choice = call.tool_choice
             if self._sample is None:
                 self._start_sequence(call)
             else:
@@ -125,7 +158,7 @@ class GatewaySession:
                 if isinstance(found, TurnAnswer):
                     return found
                 if kind == "rewritten":
-                    await self._fork(call, found)
+                    self._fork(call, found)
             answer = await self._wait_for_answer()
             self._held.append(answer.message())
             self._last_answer = answer
@@ -160,22 +193,22 @@ class GatewaySession:
         waiting.set_result(("messages", [render_message(message) for message in found.new]))
         return "extends", None
 
-    async def _fork(self, call: ChatCall, detail: str) -> None:
-        """The agent rewrote the history: the current sequence ends where the model last answered (its rollout takes
-        the ``history_rewritten`` edge), and a new one starts whose prompt is the new conversation."""
+    def _fork(self, call: ChatCall, detail: str) -> None:
+        """The agent rewrote the history: the whole conversation as sent is the observation, and the rollout forks
+        (the sequence so far closes into ``sample.branches``; the engine's render of the call is the next prompt)."""
         waiting = self._agent
-        assert waiting is not None and self._task is not None and self._sample is not None
-        self._sample.metadata["history_rewritten"] = detail
-        waiting.set_result(("rewritten", detail))
-        await asyncio.shield(self._task)
-        self._sequences.append(self._sample)
-        self._start_sequence(call)
+        assert waiting is not None
+        self._held = [dict(message) for message in call.messages]
+        self._tools = [dict(tool) for tool in call.tools] if call.tools else None
+        self._last_answer = None
+        self.call_sampling = dict(call.sampling)
+        self._answer = asyncio.get_running_loop().create_future()
+        messages = [render_message(message) for message in call.messages]
+        waiting.set_result(("rewritten", agent_rewrite(messages, self._tools, call.sampling, detail)))
 
     def _start_sequence(self, call: ChatCall) -> None:
-        branch = len(self._sequences)
         metadata: dict[str, Any] = {
             "gateway_session": dict(self.metadata),
-            "branch": branch,
             AGENT_CALL_KEY: {"sampling": dict(call.sampling)},
         }
         if call.tools:
@@ -194,10 +227,11 @@ class GatewaySession:
         self._answer = asyncio.get_running_loop().create_future()
         self._agent = None
         self._mark = 0
+        self._mark_branch = 0
         self._sample = sample
         # the runner's own rollout path (metrics, tape, trace, weight-update gate) with the rollout object kept,
         # so an agent that goes away can abort it with a reason of its own
-        rollout = self._runner._rollout(sample, sample_id=f"{self.index}.{branch}")
+        rollout = self._runner._rollout(sample, sample_id=f"{self.index}.0")
         self._rollout = rollout
         task = asyncio.ensure_future(self._runner._drive(rollout))
         task.add_done_callback(self._sequence_ended)
@@ -231,7 +265,7 @@ class GatewaySession:
         if kind == "messages":
             return agent_call(payload, self.call_sampling), False, {}
         if kind == "rewritten":
-            return agent_end(HISTORY_REWRITTEN), True, {}
+            return payload, False, {}
         info = {} if payload is None else {"reward": payload}
         return agent_end(CLOSED), True, info
 
@@ -241,7 +275,8 @@ class GatewaySession:
         assert sample is not None
         mask = sample.loss_mask or []
         offset = len(sample.tokens) - len(mask)
-        start = max(self._mark, offset)
+        # after a fork the sequence is new: its turn starts after its prompt
+        start = max(self._mark, offset) if len(sample.branches) == self._mark_branch else offset
         positions = [i for i in range(start, len(sample.tokens)) if mask[i - offset] == 1]
         return positions, (positions[0] if positions else len(sample.tokens))
 
@@ -250,22 +285,25 @@ class GatewaySession:
         assert sample is not None
         positions, prompt_tokens = self._turn_positions()
         self._mark = len(sample.tokens)
+        self._mark_branch = len(sample.branches)
         offset = len(sample.tokens) - len(sample.loss_mask or [])
         token_ids = [sample.tokens[i] for i in positions]
         logprobs = [float((sample.rollout_log_probs or [])[i - offset]) for i in positions]
-        ends = self._end_token_ids()
-        text_ids = list(token_ids)
-        while text_ids and text_ids[-1] in ends:
-            text_ids.pop()
-        text = self._runner.tokenizer.decode(text_ids, skip_special_tokens=False) if text_ids else ""
-        parsed = parse_tool_calls(text)
+        ends = self._text.end_token_ids
+        cut = len(token_ids)
+        while cut and token_ids[cut - 1] in ends:
+            cut -= 1
+        text_ids = token_ids[:cut]
+        text = self._text.decode(text_ids)
+        # tool_choice "none": no call is parsed, the markup stays content (the tokens are the model's either way)
+        found = parse_tool_calls(text).calls if self._tool_choice != "none" else []
         content = text
-        for call in reversed(parsed.calls):
+        for call in reversed(found):
             content = content[: call.start] + content[call.end :]
         content = content.strip()
         calls = [
             {"id": f"call_{secrets.token_hex(12)}", "name": call.name, "arguments": dict(call.arguments)}
-            for call in parsed.calls
+            for call in found
         ]
         if finish is None:
             limit = self.call_sampling.get("max_tokens")
@@ -285,12 +323,6 @@ class GatewaySession:
             text=text,
             weight_version=spans[-1]["version"] if spans else None,
         )
-
-    def _end_token_ids(self) -> set[int]:
-        tokenizer = self._runner.tokenizer
-        ends = {getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)}
-        ends.update(self._runner.sampling_params.get("stop_token_ids") or ())
-        return {token for token in ends if isinstance(token, int)}
 
     def _sequence_ended(self, task: asyncio.Future[Sample]) -> None:
         """A sequence's rollout ended: a call still waiting gets the turn it cut short, or the reason."""
@@ -322,6 +354,23 @@ class GatewaySession:
             raise GatewayError(409, "the session is closed", code="session_closed")
         self.reward = reward
 
+    def _expire_if_never_called(self) -> None:
+        """The idle limit passed and the agent never called: the session ends ``truncated`` (``agent_timeout``)
+        with no training sequence, and the gateway forgets it."""
+        self._reaper = None
+        if self.calls or self._closed:
+            return
+        self._expired = True
+        self._closed = True
+        self._closed_samples = []
+        self._ended.set()
+        if self._on_closed is not None:
+            self._on_closed(self)
+
+    async def wait_ended(self) -> None:
+        """Wait until the session is closed, or ended by the idle limit without a call."""
+        await self._ended.wait()
+
     async def close(self, reward: Any = None) -> list[Sample]:
         """End the session: its training sequences, oldest first (the last ends ``completed``, ``session_closed``,
         unless it ended otherwise before). ``reward`` (else the one set before) is every sequence's reward."""
@@ -330,6 +379,9 @@ class GatewaySession:
         if self._busy:
             raise GatewayError(409, "a call of this session is in flight; close it after the answer", code="busy")
         self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         if reward is None:
             reward = self.reward
         waiting = self._agent
@@ -337,11 +389,12 @@ class GatewaySession:
             waiting.set_result(("close", reward))
         if self._task is not None:
             await asyncio.shield(self._task)
-        samples = [*self._sequences, *([self._sample] if self._sample is not None else [])]
-        for sample in samples:
-            if reward is not None:
-                sample.reward = reward
+        sample = self._sample
+        if sample is not None and reward is not None:
+            sample.reward = reward
+        samples = training_sequences([sample]) if sample is not None else []
         self._closed_samples = samples
+        self._ended.set()
         if self._on_closed is not None:
             self._on_closed(self)
         return samples
@@ -349,6 +402,9 @@ class GatewaySession:
     async def abort(self, reason: str) -> None:
         """End the session's rollout ``aborted`` with ``reason`` (the gateway shutting down)."""
         self._closed = True
+        if self._reaper is not None:
+            self._reaper.cancel()
+            self._reaper = None
         if self._rollout is not None and not self._rollout.terminal:
             await self._rollout.abort(reason)
 
@@ -360,13 +416,15 @@ class GatewaySession:
             "session_id": self.session_id,
             "closed": self._closed,
             "calls": self.calls,
-            "sequences": len(self._sequences) + (sample is not None),
+            "sequences": len(sample.branches) + 1 if sample is not None else 0,
             "state": rollout.state if rollout is not None else "waiting_for_first_call",
             "turns": (rollout.turn_index + (rollout.state not in ("pending", "rendered", "generating")))
             if rollout is not None
             else 0,
-            "status": sample.status.value if sample is not None else "pending",
-            "reason": sample.metadata.get("rollout_reason") if sample is not None else None,
+            "status": sample.status.value if sample is not None else ("truncated" if self._expired else "pending"),
+            "reason": sample.metadata.get("rollout_reason")
+            if sample is not None
+            else (IDLE if self._expired else None),
             "reward": self.reward,
             "metadata": self.metadata,
             "label": self.label,

@@ -29,10 +29,10 @@ from fsm_rollout.multimodal import (
     prepare_render_messages,
 )
 from fsm_rollout.partial_turn import answer_spans, merge_turns
-from fsm_rollout.rollout.agent_end import call_sampling
+from fsm_rollout.rollout.agent_end import call_sampling, rewrite_of
 from fsm_rollout.rollout.cancel import CancelScope, TimedOut
 from fsm_rollout.rollout.context import RolloutContext
-from fsm_rollout.rollout.history import keeps_history, reconcile
+from fsm_rollout.rollout.history import keeps_history, reconcile, rewrite_history
 from fsm_rollout.rollout.observation_images import encode_image_observation
 from fsm_rollout.rollout.stops import stop_string_end
 from fsm_rollout.suspension import HandBack
@@ -121,6 +121,10 @@ class Activities:
         formatted = await self.env_call("env.format_observation", ctx.env.format_observation, ctx.observation)
         ctx.observation_messages = validate_observation(formatted)
         ctx.observation_features, ctx.observation_image_hashes = None, ()
+        rewrite = rewrite_of(ctx.observation)
+        if rewrite is not None:  # a gateway agent rewrote the history: render it as sent, fork unless it extends
+            self.next_trigger = await rewrite_history(ctx, self._render, rewrite)
+            return
         if keeps_history(ctx.deps.config):  # fork / per_turn: the engine's re-render decides (one render request)
             self.next_trigger = await reconcile(ctx, self._render)
             return

@@ -1,8 +1,14 @@
 """What an environment driven from outside (a gateway session) says through its observations.
 
-An agent behind the gateway ends its session in ways an ordinary environment does not: it closes it, it goes
-idle past the session's limit, or it rewrites the history the model saw. The session's ``step`` returns one of
-these observations (with ``done=True``), and the lifecycle table's guards pick the edge and its reason from it.
+An agent behind the gateway ends its session in ways an ordinary environment does not: it closes it, or it goes
+idle past the session's limit. The session's ``step`` returns one of these observations (with ``done=True``), and
+the lifecycle table's guards pick the edge and its reason from it.
+
+An agent may also rewrite the history the model saw (edit, drop or compact messages, change the tools). Its call
+is then :func:`agent_rewrite`: the whole conversation as sent, its tools and why it is a rewrite. The observing
+state renders that conversation through the engine and takes the history policies' ``fork`` edge (reason
+``history_rewritten``, :func:`fsm_rollout.rollout.history.rewrite_history`), so the sequence so far closes into
+``sample.branches`` and the render is the next sequence's prompt.
 
 An agent's call also carries its own sampling settings (``temperature``, ``max_tokens``, ...) for the turn it asks
 for. The session's observation is then :func:`agent_call` (the new messages and those settings), and the first
@@ -20,25 +26,24 @@ __all__ = [
     "AGENT_CALL_KEY",
     "AGENT_END_KEY",
     "CLOSED",
-    "HISTORY_REWRITTEN",
     "IDLE",
     "agent_call",
     "agent_end",
     "agent_ended",
+    "agent_rewrite",
     "call_sampling",
+    "rewrite_of",
 ]
 
 AGENT_END_KEY: Final = "fsm_rollout.agent_end"
 AGENT_CALL_KEY: Final = "agent_call"
 CLOSED: Final = "session_closed"
 IDLE: Final = "agent_timeout"
-HISTORY_REWRITTEN: Final = "history_rewritten"
-_KINDS = frozenset({CLOSED, IDLE, HISTORY_REWRITTEN})
+_KINDS = frozenset({CLOSED, IDLE})
 
 
 def agent_end(kind: str) -> dict[str, Any]:
-    """The observation that ends the episode for ``kind`` (one of :data:`CLOSED`, :data:`IDLE`,
-    :data:`HISTORY_REWRITTEN`)."""
+    """The observation that ends the episode for ``kind`` (:data:`CLOSED` or :data:`IDLE`)."""
     if kind not in _KINDS:
         raise ValueError(f"unknown agent end {kind!r}; expected one of {sorted(_KINDS)}")
     return {AGENT_END_KEY: kind}
@@ -52,6 +57,29 @@ def agent_ended(observation: Any, kind: str) -> bool:
 def agent_call(messages: list[dict[str, Any]], sampling: Mapping[str, Any]) -> dict[str, Any]:
     """The observation of an agent's call: its new messages and its sampling settings for the next turn."""
     return {AGENT_CALL_KEY: {"messages": messages, "sampling": dict(sampling)}}
+
+
+def agent_rewrite(
+    messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, sampling: Mapping[str, Any], detail: str
+) -> dict[str, Any]:
+    """The observation of a call that rewrote the history: the whole conversation it sent (``messages``), its tools
+    (None: none), its sampling settings and ``detail`` (where it first differs from what the model saw)."""
+    return {
+        AGENT_CALL_KEY: {
+            "messages": messages,
+            "sampling": dict(sampling),
+            "rewrite": {"detail": detail, "tools": tools},
+        }
+    }
+
+
+def rewrite_of(observation: Any) -> dict[str, Any] | None:
+    """The ``{"messages", "tools", "detail"}`` of an :func:`agent_rewrite` observation, else None."""
+    call = observation.get(AGENT_CALL_KEY) if isinstance(observation, Mapping) else None
+    if not isinstance(call, Mapping) or not isinstance(call.get("rewrite"), Mapping):
+        return None
+    rewrite = call["rewrite"]
+    return {"messages": list(call["messages"]), "tools": rewrite.get("tools"), "detail": str(rewrite.get("detail"))}
 
 
 def call_sampling(observation: Any, metadata: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -21,6 +21,11 @@ key order written alike), whitespace around tool-call blocks is dropped, and so 
 not reason. A non-empty think block the template dropped is a break. When the forms match, the boundary tokens
 are appended, so the model keeps its own tokens.
 
+**A rewritten history.** An agent behind the gateway may send a conversation that does not extend what the model
+saw (:func:`fsm_rollout.rollout.agent_end.agent_rewrite`), under any policy. :func:`rewrite_history` renders the
+conversation as sent (one request); a render that extends the tokens so far is appended, anything else takes the
+``fork`` edge, and the fork gives the next sequence the call's tools.
+
 The conversation (the prompt's messages, each assistant turn, each observation) is kept in the context
 (``history``) for the re-render; an assistant turn is its text without the closing EOS, or, when the sample has
 tools and the text's tool calls parse, the text before them plus structured ``tool_calls`` as a deployment's tool
@@ -38,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 from fsm_rollout.config import response_budget
 from fsm_rollout.errors import TemplateError
 from fsm_rollout.multimodal import decode_train_features
+from fsm_rollout.rollout.agent_end import rewrite_of
 from fsm_rollout.sample.branches import split_branch
 from fsm_rollout.tool_calls import ToolCall, parse_tool_calls
 from fsm_rollout.types import RenderedPrompt, TokenIds
@@ -184,6 +190,35 @@ async def reconcile(ctx: RolloutContext, render: Render) -> str | None:
     return _fork(ctx, rendered)
 
 
+async def rewrite_history(ctx: RolloutContext, render: Render, rewrite: Mapping[str, Any]) -> str | None:
+    """The agent rewrote the history (``rewrite`` is :func:`~fsm_rollout.rollout.agent_end.rewrite_of`'s): render
+    the conversation as sent with the call's tools. Returns ``"fork"`` unless the render extends the tokens so far
+    (then its new tokens are appended, as under ``fork``). Sends exactly one render request."""
+    messages = [dict(message) for message in rewrite["messages"]]
+    payload = render_payload(ctx, messages)
+    payload.pop("tools", None)
+    if rewrite["tools"]:
+        payload["tools"] = rewrite["tools"]
+    rendered = await render(payload)
+    if keeps_history(ctx.deps.config):
+        ctx.history = messages
+    tokens = ctx.sample.tokens
+    new = rendered.token_ids
+    if rollout_policy(ctx.deps.config) != "per_turn" and len(new) > len(tokens) and new[: len(tokens)] == tokens:
+        _set_tools(ctx, rewrite["tools"])
+        ctx.observation_tokens = list(new[len(tokens) :])
+        ctx.rendered = rendered
+        return None
+    return _fork(ctx, rendered)
+
+
+def _set_tools(ctx: RolloutContext, tools: Any) -> None:
+    if tools:
+        ctx.sample.metadata["tools"] = tools
+    else:
+        ctx.sample.metadata.pop("tools", None)
+
+
 def _fork(ctx: RolloutContext, rendered: RenderedPrompt) -> str:
     ctx.fork_prompt = rendered
     ctx.observation_tokens = []
@@ -239,11 +274,15 @@ def fork_history(ctx: RolloutContext) -> None:
     assert prompt is not None
     sample = ctx.sample
     features = ctx.rendered.generate_body.get("features") if ctx.rendered is not None else None
-    split_branch(
+    branch = split_branch(
         sample,
         response=ctx.deps.decode(ctx.response_token_ids[ctx.branch_start :]),
         train_inputs=decode_train_features(features, sample_id=ctx.sample_id),
     )
+    rewrite = rewrite_of(ctx.observation)
+    if rewrite is not None:  # the agent's rewrite: the closed branch says why, the next one has the call's tools
+        branch.metadata["history_rewritten"] = rewrite["detail"]
+        _set_tools(ctx, rewrite["tools"])
     sample.tokens = list(prompt.token_ids)
     ctx.branch_start = len(ctx.response_token_ids)
     ctx.rendered = prompt
@@ -274,6 +313,7 @@ __all__ = [
     "keeps_history",
     "note_fork_truncation",
     "reconcile",
+    "rewrite_history",
     "rollout_policy",
     "same_meaning",
 ]

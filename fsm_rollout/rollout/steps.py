@@ -18,7 +18,7 @@ from fsm_rollout.config import response_budget
 from fsm_rollout.multimodal import decode_train_features, validate_image_tokens
 from fsm_rollout.partial_turn import join_spans, shift_spans
 from fsm_rollout.resume_state import RESUME_STATE_KEY
-from fsm_rollout.rollout.agent_end import CLOSED, HISTORY_REWRITTEN, IDLE, agent_ended
+from fsm_rollout.rollout.agent_end import CLOSED, IDLE, agent_ended
 from fsm_rollout.rollout.context import RolloutContext
 from fsm_rollout.rollout.history import fork_exceeds_budget, fork_history, note_fork_truncation
 from fsm_rollout.rollout.observation_images import with_observation_features
@@ -68,12 +68,6 @@ def session_closed(ctx: RolloutContext) -> bool:
 def agent_idle(ctx: RolloutContext) -> bool:
     """The agent was idle past its gateway session's limit."""
     return agent_ended(ctx.observation, IDLE)
-
-
-def agent_rewrote_history(ctx: RolloutContext) -> bool:
-    """The agent's call does not extend the conversation the model saw (edited, dropped or compacted messages,
-    changed tools)."""
-    return agent_ended(ctx.observation, HISTORY_REWRITTEN)
 
 
 def env_done(ctx: RolloutContext) -> bool:

@@ -300,9 +300,16 @@ async def test_a_rewritten_history_forks_and_never_trains_unseen_tokens(
     second = await client.chat.completions.create(model="m", messages=rewritten)  # type: ignore[arg-type]
     assert second.choices[0].message.content == "Second answer."
     samples = await session.close(reward=2.0)
-    assert [s.metadata["rollout_reason"] for s in samples] == ["history_rewritten", "session_closed"]
+    # one rollout that took the history policies' fork edge: the first sequence is the last one's branch
+    assert samples[-1].branches == samples[:-1]
+    assert samples[0].metadata["history_rewritten"].startswith("messages[1] (assistant) differs")
+    assert samples[-1].metadata["rollout_reason"] == "session_closed"
+    assert "history_rewritten" not in samples[-1].metadata
+    assert all(s.status.value == "completed" for s in samples)
     assert [s.metadata["branch"] for s in samples] == [0, 1]
     assert all(s.reward == 2.0 and s.session_id == session.session_id for s in samples)
+    metrics = gateway.runner.metrics()
+    assert (metrics.forks, metrics.samples_done, metrics.sequences) == (1, 1, 2)
     # the new sequence's prompt is the template's render of the new conversation, all of it mask 0
     renders = [r for r in fake_vllm.requests_to(RENDER_PATH) if r.headers.get("x-session-id") == session.session_id]
     assert len(renders) == 2
@@ -339,9 +346,13 @@ async def test_changed_tools_fork_and_a_retried_call_is_answered_again(
     second = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
     assert second.choices[0].message.content == "Two."
     samples = await session.close()
-    assert [s.metadata["rollout_reason"] for s in samples] == ["history_rewritten", "session_closed"]
+    assert samples[-1].branches == samples[:-1] and len(samples) == 2
+    assert samples[-1].metadata["rollout_reason"] == "session_closed"
     assert samples[0].metadata["history_rewritten"] == "the tools changed"
+    assert "tools" not in samples[0].metadata
     assert samples[1].metadata["tools"] == TOOLS
+    # the new sequence's prompt was rendered with the call's tools
+    assert fake_vllm.requests_to(RENDER_PATH)[-1].body["tools"] == TOOLS
 
 
 async def test_the_agents_max_tokens_cut_is_length_and_the_session_goes_on(
@@ -392,3 +403,149 @@ async def test_a_recorded_session_replays_identically_and_inspect_shows_it(
     assert await asyncio.to_thread(main, ["inspect", str(trace), "--sample", "0.0"]) == 0
     shown = capsys.readouterr().out
     assert "session_closed" in shown
+
+
+async def test_a_rewrite_the_engine_renders_as_the_model_saw_it_continues_the_sequence(
+    gateway: AgentGateway, fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    # the agent renames its tool message: a rewrite by the history check, but the template does not write tool
+    # names, so the engine's render of the call extends the tokens the model saw and no sequence closes
+    session = await gateway.open_session()
+    fake_vllm.script(
+        [ScriptedTurn(text=CALL), ScriptedTurn(text="Five.<|im_end|>"), ScriptedTurn(text="Bye.<|im_end|>")],
+        session=session.session_id,
+    )
+    client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "2+3?"}]
+    first = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+    call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+    messages += [first.choices[0].message.model_dump(exclude_none=True)]
+    messages += [{"role": "tool", "tool_call_id": call.id, "name": "add", "content": "5"}]
+    second = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+    messages[-1] = {**messages[-1], "name": "plus"}
+    messages += [{"role": "assistant", "content": second.choices[0].message.content}]
+    messages += [{"role": "user", "content": "Thanks."}]
+    third = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+    assert third.choices[0].message.content == "Bye."
+    samples = await session.close()
+    assert len(samples) == 1 and samples[0].branches == []
+    assert gateway.runner.metrics().forks == 0
+    check_token_exact(fake_vllm, session.session_id, samples[0], tokenizer)
+    renders = [r for r in fake_vllm.requests_to(RENDER_PATH) if r.headers.get("x-session-id") == session.session_id]
+    assert len(renders) == 2  # the first call's, and the rewritten call's
+
+
+async def test_http_calls_share_the_rollouts_pacer_under_a_loop_slice(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    from fsm_rollout.pacing import pacer_for
+
+    async with AgentGateway(runner_for(fake_vllm, tokenizer, loop_slice_ms=5.0)) as gateway:
+        pacer = pacer_for(asyncio.get_running_loop(), 5.0)
+        before = pacer.admitted
+        async with aiohttp.ClientSession() as raw:
+            status, _ = await Http(gateway.url, raw).post("/sessions", json={})
+        assert status == 201
+        # opening a session starts no rollout: the one admission is the handler's
+        assert pacer.admitted == before + 1
+
+
+async def test_tool_choice_none_returns_the_markup_as_content_and_no_call(
+    gateway: AgentGateway, fake_vllm: FakeVLLMServer
+) -> None:
+    session = await gateway.open_session()
+    fake_vllm.script([ScriptedTurn(text=CALL), ScriptedTurn(text="Ok.<|im_end|>")], session=session.session_id)
+    client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "2+3?"}]
+    first = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="none")  # type: ignore[arg-type]
+    choice = first.choices[0]
+    assert choice.finish_reason == "stop" and not choice.message.tool_calls
+    assert choice.message.content == CALL.removesuffix("<|im_end|>").strip()
+    # sent back as the text it was, the history extends: one sequence
+    messages += [{"role": "assistant", "content": choice.message.content}, {"role": "user", "content": "And?"}]
+    await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, tool_choice="none")  # type: ignore[arg-type]
+    samples = await session.close()
+    assert len(samples) == 1 and samples[0].metadata["rollout_reason"] == "session_closed"
+
+
+def png_data_url(color: tuple[int, int, int]) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (32, 32), color).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+async def test_image_url_parts_reach_the_engine_as_image_observations(tokenizer: Any) -> None:
+    from fsm_rollout.testing.fake_vllm import QwenLikeImageRender
+
+    render = QwenLikeImageRender(tokenizer)
+    async with (
+        FakeVLLMServer(tokenizer, model="fake-model", render_features=render) as fake,
+        AgentGateway(runner_for(fake, tokenizer, image_merge_size=2)) as gateway,
+    ):
+        session = await gateway.open_session()
+        fake.script(
+            [ScriptedTurn(text="A red square.<|im_end|>"), ScriptedTurn(text="Now blue.<|im_end|>")],
+            session=session.session_id,
+        )
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+        red, blue = png_data_url((200, 0, 0)), png_data_url((0, 0, 200))
+        messages: list[Any] = [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "What is this?"},
+                    {"type": "image_url", "image_url": {"url": red}},
+                ],
+            }
+        ]
+        first = await client.chat.completions.create(model="m", messages=messages)
+        assert first.choices[0].message.content == "A red square."
+        messages += [
+            {"role": "assistant", "content": "A red square."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": blue}},
+                    {"type": "text", "text": "And this?"},
+                ],
+            },
+        ]
+        second = await client.chat.completions.create(model="m", messages=messages)
+        assert second.choices[0].message.content == "Now blue."
+        samples = await session.close()
+        with pytest.raises(openai.BadRequestError):  # an image behind a URL the tape could not hold
+            other = await gateway.open_session()
+            agent = openai.AsyncOpenAI(base_url=other.base_url, api_key="unused", max_retries=0)
+            await agent.chat.completions.create(
+                model="m",
+                messages=[
+                    {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}
+                ],
+            )
+    assert len(samples) == 1 and samples[0].metadata["rollout_reason"] == "session_closed"
+    sample = samples[0]
+    check_token_exact(fake, session.session_id, sample, tokenizer)
+    # both images went to the engine's render, in order, and the sample trains with both images' features
+    renders = [r for r in fake.requests_to(RENDER_PATH) if r.headers.get("x-session-id") == session.session_id]
+    urls = [
+        part["image_url"]["url"]
+        for r in renders
+        for m in r.body["messages"]
+        for part in (m["content"] if isinstance(m["content"], list) else [])
+        if part.get("type") == "image_url"
+    ]
+    assert red in urls and blue in urls and urls.index(red) < urls.index(blue)
+    assert sample.multimodal_train_inputs is not None
+    assert len(sample.multimodal_train_inputs["image_grid_thw"]) == 2
+    # the image tokens are in the prompt and the observation, never trained
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    assert pad in sample.tokens
+    start = len(sample.tokens) - sample.response_length
+    assert all(
+        bit == 0 for token, bit in zip(sample.tokens[start:], sample.loss_mask or [], strict=True) if token == pad
+    )

@@ -60,8 +60,10 @@ async def test_a_smolagents_tool_calling_agent_runs_a_multi_step_task_unchanged(
     # smolagents writes its own history: the model's tool call comes back as an assistant text "Calling tools:
     # [...]" and the result as a user "Observation:" message. That is not what the model saw, so the session forks:
     # each model call is its own training sequence, whose prompt is the render of the conversation as sent.
-    assert [s.metadata["rollout_reason"] for s in samples] == ["history_rewritten", "session_closed"]
-    assert samples[1].prompt[2]["content"].startswith("Calling tools:")
+    assert samples[-1].branches == samples[:-1] and len(samples) == 2
+    assert samples[-1].metadata["rollout_reason"] == "session_closed"
+    assert samples[0].metadata["history_rewritten"].startswith("messages[")
+    assert "Calling tools:" in tokenizer.decode(samples[1].tokens)
     assert all(s.label == 42 and s.reward == 1.0 for s in samples)
     generates = fake_vllm.requests_to(GENERATE_PATH)
     assert len(generates) == 2

@@ -10,8 +10,9 @@ from pathlib import Path
 from typing import Any
 
 import openai
+import pytest
 
-from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
+from fsm_rollout.testing.fake_vllm import RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
 
 
@@ -22,7 +23,8 @@ async def test_the_gateway_command_serves_a_session_and_stops_on_sigterm(
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "fsm_rollout.cli", "gateway", "--engine-url", fake_vllm.url, "--model", "fake-model",
         "--tokenizer", str(qwen_tokenizer_dir()), "--port", "0", "--trace", str(trace), "--record",
-        "--api-key", "k", "--loop-slice-ms", "0", "--no-tune-gc",
+        "--api-key", "k", "--loop-slice-ms", "0", "--no-tune-gc", "--history-policy", "append",
+        "--chat-template-kwargs", '{"enable_thinking": false}',
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert process.stdout is not None and process.stderr is not None
@@ -42,6 +44,9 @@ async def test_the_gateway_command_serves_a_session_and_stops_on_sigterm(
         async with http.post(f"{url}/sessions/{opened['session_id']}/close", json={"reward": 1}) as response:
             samples = (await response.json())["samples"]
     assert samples[0]["metadata"]["rollout_reason"] == "session_closed"
+    # the chat template switches (an option shared with `run`) reach the engine's render
+    renders = fake_vllm.requests_to(RENDER_PATH)
+    assert renders and all(r.body["chat_template_kwargs"] == {"enable_thinking": False} for r in renders)
     process.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(process.wait(), 60) == 0
     events = [json.loads(line) for line in trace.read_text().splitlines()]
@@ -56,3 +61,7 @@ def test_bad_options_exit_2(capsys: Any) -> None:
     assert "http(s) URL" in capsys.readouterr().err
     assert main(["gateway", "--record"]) == 2
     assert "--record needs --trace" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["gateway", "--chat-template-kwargs", "[1]"])
+    assert exited.value.code == 2
+    assert "must be a JSON object" in capsys.readouterr().err

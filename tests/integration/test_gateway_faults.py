@@ -86,7 +86,8 @@ async def test_an_agent_that_disconnects_aborts_the_engine_request_and_keeps_ear
 async def test_an_idle_agent_ends_its_session_truncated_agent_timeout(
     fake_vllm: FakeVLLMServer, tokenizer: Any
 ) -> None:
-    async with gateway_for(fake_vllm, tokenizer, session_idle_timeout_s=0.05) as gateway:
+    # long enough for the first call to arrive (a session never called is reaped after it: see the next test)
+    async with gateway_for(fake_vllm, tokenizer, session_idle_timeout_s=1.0) as gateway:
         session = await gateway.open_session()
         fake_vllm.script([ScriptedTurn(text="Hello.<|im_end|>")], session=session.session_id)
         client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
@@ -105,3 +106,22 @@ async def test_an_idle_agent_ends_its_session_truncated_agent_timeout(
         samples = await session.close()
     assert samples[0].status.value == "truncated" and samples[0].metadata["rollout_reason"] == "agent_timeout"
     assert sum(samples[0].loss_mask or []) == len(tokenizer.encode("Hello.<|im_end|>"))
+
+
+async def test_a_session_never_called_is_reaped_truncated_agent_timeout(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    async with gateway_for(fake_vllm, tokenizer, session_idle_timeout_s=0.05) as gateway:
+        async with aiohttp.ClientSession() as http:
+            async with http.post(f"{gateway.url}/sessions", json={}) as response:
+                opened = await response.json()
+            session = gateway.session(opened["session_id"])
+            await asyncio.wait_for(session.wait_ended(), 30)  # the idle limit's timer ends it; no call came
+            assert (session.status()["status"], session.status()["reason"]) == ("truncated", "agent_timeout")
+            assert gateway.sessions == 0 and gateway.runner.metrics().sessions_open == 0
+            async with http.get(f"{gateway.url}/sessions/{opened['session_id']}") as response:
+                assert response.status == 404
+            async with http.post(f"{opened['base_url']}/chat/completions", json={"messages": []}) as response:
+                assert response.status == 404
+        assert await session.close() == []
+    assert not fake_vllm.requests_to(GENERATE_PATH)

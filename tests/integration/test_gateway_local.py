@@ -44,7 +44,11 @@ class Spy:
 async def test_the_example_runs_on_the_embedded_engine() -> None:
     samples = await agent_gateway.main(tiny_model_dir())
     assert len(samples) >= len(agent_gateway.QUESTIONS)
-    assert {s.metadata["rollout_reason"] for s in samples} <= {"session_closed", "history_rewritten", "length"}
+    # a sequence ended with its session, or closed into a branch because the agent rewrote the history
+    assert all(
+        s.metadata.get("rollout_reason") in {"session_closed", "length"} or "history_rewritten" in s.metadata
+        for s in samples
+    )
     for sample in samples:
         assert sample.reward in (0.0, 1.0)
         assert sample.loss_mask is not None and sum(sample.loss_mask) > 0

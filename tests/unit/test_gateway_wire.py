@@ -70,3 +70,40 @@ def test_requests_are_checked_and_normalised() -> None:
         with pytest.raises(GatewayError) as error:
             parse_chat_request(body)
         assert error.value.status == 400 and error.value.code == code
+
+
+def test_tool_choice_is_checked_and_a_named_function_refused() -> None:
+    user = {"role": "user", "content": "Hi"}
+    tools = [{"type": "function", "function": {"name": "f"}}]
+    assert parse_chat_request({"messages": [user]}).tool_choice == "auto"
+    assert parse_chat_request({"messages": [user], "tool_choice": "none"}).tool_choice == "none"
+    assert parse_chat_request({"messages": [user], "tools": tools, "tool_choice": "required"}).tool_choice == (
+        "required"
+    )
+    refused = [
+        ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "constrained decoding"),
+        ({"tool_choice": "required"}, "needs 'tools'"),
+        ({"tool_choice": "any"}, "is not one of"),
+        ({"tool_choice": 3}, "must be"),
+    ]
+    for extra, words in refused:
+        with pytest.raises(GatewayError) as error:
+            parse_chat_request({"messages": [user], **extra})
+        assert error.value.status == 400 and error.value.code == "tool_choice" and words in error.value.message
+
+
+def test_image_url_parts_with_data_urls_are_kept_in_user_and_tool_messages() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    text = {"type": "text", "text": "Look:"}
+    (kept,) = checked({"role": "user", "content": [text, image]})
+    assert kept["content"] == [text, image]
+    assert checked({"role": "user", "content": [text, text]})[0]["content"] == "Look:Look:"  # text only: joined
+    refused = [
+        ({"role": "assistant", "content": [image]}, "user and tool messages"),
+        ({"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}]}, "data:image"),
+        ({"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}, "data:"),
+    ]
+    for message, words in refused:
+        with pytest.raises(GatewayError) as error:
+            checked(message)
+        assert error.value.status == 400 and words in error.value.message

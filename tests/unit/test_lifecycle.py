@@ -53,11 +53,13 @@ def test_the_seed_outcomes_are_all_reachable_in_the_normal_flow() -> None:
         "env_timeout",  # the library's limits (not the seed's): an environment call, a rollout's wall time
         "rollout_timeout",
         "handed_back",  # a suspended sample going back to its caller (partial_rollout)
-        # an agent gateway session: the agent closed it, went idle, or rewrote the history (a new sequence follows)
+        # an agent gateway session: the agent closed it or went idle
         "session_closed",
         "agent_timeout",
-        "history_rewritten",
     }
+    # a rewritten history (a fork policy's re-render, or a gateway agent's call) closes a sequence, not the rollout
+    rewritten = [edge for edge in lifecycle.TRANSITIONS if edge.reason == "history_rewritten"]
+    assert [(edge.trigger, edge.source, edge.dest) for edge in rewritten] == [("fork", "observing", "rendered")]
 
 
 @pytest.mark.parametrize("state", lifecycle.NON_TERMINAL)

@@ -8,8 +8,9 @@ Run it with ``python -m fsm_rollout.cli.bench.gateway`` (``--quick``: fewer sess
   call) and minus the agent's own HTTP client, measured alone against the gateway's models endpoint, which does no
   rollout work. Beside it, the wall time per call through the gateway against a direct generate request with the
   same tokens to the same server: the difference is what the gateway adds.
-* ``concurrent``: 1,000 sessions (``--quick``: 200) of three calls each, all open at once, against the canned server
-  with its 50 ms delay: wall, CPU per call and event-loop lag (p99, max).
+* ``concurrent``: 1,000 sessions (``--quick``: 200) of three calls each, all opened at once over HTTP by agents in a
+  child process (:mod:`.gateway_agents`; agents are other programs in front of a real gateway), against the canned
+  server with its 50 ms delay: wall, the gateway process's CPU per call and its event-loop lag (p99, max).
 * ``retokenization``: 200 scripted sessions against the fake vLLM server whose model calls a tool with arguments
   such as ``false``, ``1.0`` and non-ASCII text, and whose agent re-serialises those arguments its own way (key
   order, spacing, escapes) before sending the history back. A break is a session that forked: the gateway found
@@ -37,13 +38,23 @@ from fsm_rollout.parity import template_token_ids
 
 CALLS = 3
 GOALS = {"gateway_cpu_ms_per_call": 1.0, "loop_lag_p99_ms": 50.0, "retokenization_breaks": 0}
+SUMMARY: tuple[tuple[str, str, str, float | None], ...] = (
+    ("gateway CPU per call, template excluded (ms)", "per_call", "gateway_cpu_ms_per_call", 1.0),
+    ("added latency per call vs a direct generate (ms)", "per_call", "added_latency_ms_per_call", None),
+    ("loop lag p99, concurrent sessions (ms)", "concurrent", "loop_lag_p99_ms", 50.0),
+    ("re-tokenization breaks (sessions)", "retokenization", "retokenization_breaks", 0.0),
+)
+"""The issue's four figures: label, workload, figure and goal (None: reported only)."""
 
 
-def _gateway(url: str, tokenizer: Any, *, max_turns: int = 16) -> Any:
+def _gateway(url: str, tokenizer: Any, *, max_turns: int = 16, paced: bool = True) -> Any:
     from fsm_rollout import RolloutConfig, RolloutRunner
     from fsm_rollout.gateway import AgentGateway
 
-    config = RolloutConfig(engine_url=url, model="fake-model", max_turns=max_turns, loop_slice_ms=5.0, tune_gc=True)
+    slice_ms = 5.0 if paced else None
+    config = RolloutConfig(
+        engine_url=url, model="fake-model", max_turns=max_turns, loop_slice_ms=slice_ms, tune_gc=True
+    )
     runner = RolloutRunner(
         config, sampling_params={"max_new_tokens": None, "temperature": 1.0, "top_p": 1.0}, tokenizer=tokenizer
     )
@@ -135,23 +146,32 @@ async def bench_per_call(url: str, tokenizer: Any, sessions: int) -> dict[str, f
     }
 
 
-async def bench_concurrent(url: str, tokenizer: Any, sessions: int) -> dict[str, float]:
-    import aiohttp
-
-    connector = aiohttp.TCPConnector(limit=0)
-    async with _gateway(url, tokenizer) as gateway, aiohttp.ClientSession(connector=connector) as http:
-        await _session(gateway, http)
+async def bench_concurrent(url: str, tokenizer: Any, sessions: int, *, paced: bool = True) -> dict[str, float]:
+    """``sessions`` agents at once, in a child process (:mod:`.gateway_agents`), against a gateway in this one."""
+    async with _gateway(url, tokenizer, paced=paced) as gateway:
         monitor = _LoopMonitor()
         monitor.start()
         wall, cpu = time.perf_counter(), time.process_time()
-        await asyncio.gather(*(_session(gateway, http) for _ in range(sessions)))
+        agents = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "fsm_rollout.cli.bench.gateway_agents",
+            gateway.url,
+            str(sessions),
+            stdout=asyncio.subprocess.PIPE,
+        )
+        out, _ = await agents.communicate()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         await monitor.stop()
-        assert gateway.runner.metrics().sessions_total == sessions + 1
+        if agents.returncode != 0:
+            raise RuntimeError(f"bench: the agents' process exited with {agents.returncode}")
+        made = json.loads(out)
+        if gateway.runner.metrics().sessions_total != sessions or made["calls"] != sessions * CALLS:
+            raise RuntimeError(f"bench: {made['calls']} calls in {gateway.runner.metrics().sessions_total} sessions")
     return {
         "sessions": float(sessions),
         "wall_s": wall,
-        "cpu_ms_per_call": cpu / (sessions * CALLS) * 1e3,
+        "process_cpu_ms_per_call": cpu / (sessions * CALLS) * 1e3,
         "loop_lag_p99_ms": monitor.lag_p99_ms(),
         "loop_lag_max_ms": max(monitor.lags, default=0.0) * 1e3,
     }
@@ -279,6 +299,12 @@ def main(argv: list[str] | None = None) -> int:
             goal = GOALS.get(name)
             met = "" if goal is None else f"  (goal <= {goal:g}: {'met' if value <= goal else 'missed'})"
             print(f"  {name:34s} {value:10.3f}{met}")
+    print("\nthe issue's figures, side by side")
+    for label, workload, name, goal in SUMMARY:
+        value = figures[workload][name]
+        verdict = "" if goal is None else ("met" if value <= goal else "missed")
+        goal_text = "" if goal is None else f"<= {goal:g}"
+        print(f"  {label:46s} {value:10.3f}  {goal_text:8s} {verdict}")
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2))
     return 0

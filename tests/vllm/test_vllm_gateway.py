@@ -1,0 +1,97 @@
+"""The agent gateway in front of a real ``vllm serve``: one ``openai`` SDK session, token-exact.
+
+The tiny model has random weights, so it cannot be asked for a tool call; the session is a plain multi-turn
+conversation, greedy and cut by the agent's ``max_completion_tokens``. Every request the gateway sends reaches vLLM
+through the tier's recording proxy, so the exported sequences are checked against what vLLM was sent and what it
+generated, token for token.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+from vllm_helpers import GENERATE_PATH, RENDER_PATH, SERVED_MODEL
+
+from fsm_rollout import RolloutConfig
+from fsm_rollout.gateway import AgentGateway
+from fsm_rollout.runner import RolloutRunner
+
+pytestmark = pytest.mark.vllm
+
+QUESTIONS = ["What is 6 * 7?", "And 6 * 8?", "Thanks. One more: 7 * 8?"]
+
+
+async def test_an_sdk_session_exports_exactly_what_vllm_was_sent_and_generated(proxy: Any, vllm_tokenizer: Any) -> None:
+    config = RolloutConfig(
+        engine_url=proxy.url, model=SERVED_MODEL, max_turns=10, check_invariants=True, request_timeout_s=300.0
+    )
+    runner = RolloutRunner(
+        config, sampling_params={"max_new_tokens": 200, "temperature": 0.0, "top_p": 1.0}, tokenizer=vllm_tokenizer
+    )
+    async with AgentGateway(runner) as gateway:
+        session = await gateway.open_session(metadata={"tier": "vllm"})
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0, timeout=300.0)
+        models = await client.models.list()
+        assert [model.id for model in models.data] == [SERVED_MODEL]
+        messages: list[Any] = [{"role": "system", "content": "You are a calculator."}]
+        answers = []
+        for question in QUESTIONS:
+            messages.append({"role": "user", "content": question})
+            answer = await client.chat.completions.create(
+                model=SERVED_MODEL, messages=messages, max_completion_tokens=8, temperature=0.0, logprobs=True
+            )
+            answers.append(answer)
+            messages.append({"role": "assistant", "content": answer.choices[0].message.content or ""})
+        samples = await session.close(reward=1.0)
+
+    generates = proxy.to(GENERATE_PATH)
+    assert len(generates) == len(QUESTIONS)
+    assert all(exchange.status == 200 for exchange in generates)
+    assert all(exchange.headers.get("x-session-id") == session.session_id for exchange in proxy.exchanges)
+    # the requests carried the agent's settings
+    assert all(exchange.body["sampling_params"]["max_tokens"] <= 8 for exchange in generates)
+    assert all(exchange.body["sampling_params"]["temperature"] == 0.0 for exchange in generates)
+    generated = [list(exchange.response["choices"][0]["token_ids"]) for exchange in generates]
+    assert all(generated)
+
+    assert samples[-1].metadata["rollout_reason"] == "session_closed"
+    assert samples[-1].branches == samples[:-1]
+    assert all(sample.reward == 1.0 for sample in samples)
+    # each request continued an exported sequence: what it sent is a prefix, what vLLM generated follows (mask 1)
+    for exchange, tokens in zip(generates, generated, strict=True):
+        sent = list(exchange.body["token_ids"])
+        holders = [sample for sample in samples if sample.tokens[: len(sent) + len(tokens)] == sent + tokens]
+        assert len(holders) == 1, "no exported sequence continues this request with vLLM's tokens"
+        sample = holders[0]
+        assert sample.loss_mask is not None
+        start = len(sent) - (len(sample.tokens) - sample.response_length)
+        assert sample.loss_mask[start : start + len(tokens)] == [1] * len(tokens)
+    # every trained token is one vLLM generated, each exactly once, in order; nothing else is trained
+    trained = [
+        token
+        for sample in samples
+        for token, bit in zip(
+            sample.tokens[len(sample.tokens) - sample.response_length :], sample.loss_mask or [], strict=True
+        )
+        if bit == 1
+    ]
+    assert trained == [token for tokens in generated for token in tokens]
+    # each sequence's prompt is a render vLLM answered, and the first is the first call's
+    renders = [list(exchange.response["token_ids"]) for exchange in proxy.to(RENDER_PATH)]
+    for sample in samples:
+        assert sample.tokens[: len(sample.tokens) - sample.response_length] in renders
+    assert samples[0].tokens[: len(renders[0])] == renders[0]
+    # the agent saw vLLM's tokens: answer text and logprobs are read from them, never re-tokenized
+    for answer, exchange, tokens in zip(answers, generates, generated, strict=True):
+        choice = answer.choices[0]
+        eos = vllm_tokenizer.eos_token_id
+        text_ids = tokens[:-1] if tokens[-1] == eos else tokens
+        assert (choice.message.content or "") == vllm_tokenizer.decode(text_ids, skip_special_tokens=False).strip()
+        assert answer.usage is not None and answer.usage.completion_tokens == len(tokens)
+        assert choice.logprobs is not None and choice.logprobs.content is not None
+        vllm_logprobs = exchange.response["choices"][0]["logprobs"]["content"]
+        assert [item.logprob for item in choice.logprobs.content] == pytest.approx(
+            [item["logprob"] for item in vllm_logprobs]
+        )
