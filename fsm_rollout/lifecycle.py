@@ -257,6 +257,14 @@ TRANSITIONS: tuple[Edge, ...] = (
         reason="history_rewritten",
         work="the agent rewrote history: this training sequence ends, the session goes on in a new one",
     ),
+    Edge(
+        "observe",
+        "stepping",
+        "truncated",
+        guard="env_truncated",
+        reason="env_truncated",
+        work='the environment cut the episode short (`info["truncated"]`: a Gymnasium/GEM time limit)',
+    ),
     Edge("observe", "stepping", "completed", guard="env_done", reason="env_done"),
     Edge(
         "observe",

@@ -66,6 +66,9 @@ class RolloutContext:
     env: Any = field(default=None, metadata=LIVE)
     observation: Any = field(default=None, metadata=LIVE)
     """What the environment's last step returned, until ``format_observation`` turned it into messages."""
+    env_truncated: bool = field(default=False, metadata=LIVE)
+    """The environment's last step said it cut the episode short (``info["truncated"]``), read by the ``observe``
+    edges right after (so never part of a resume state)."""
     error: BaseException | None = field(default=None, metadata=LIVE)
     closing: Any = field(default=None, metadata=LIVE)
     """An environment's async ``close()``, awaited by the driver once the rollout has ended."""

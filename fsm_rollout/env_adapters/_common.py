@@ -1,5 +1,6 @@
-"""What the adapters share: importing a foreign package (or naming the extra that installs it), running a
-synchronous foreign call in the environment worker pool, and the chat-message and metadata helpers."""
+"""Internal: what the inbound adapters share: importing a foreign package (or naming the extra that installs
+it), running a synchronous foreign call in the environment worker pool, and the chat-message and metadata
+helpers."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ DEFAULT_WORKERS = 16
 ENV_STOP_KEY = "env_stop"
 """``sample.metadata[ENV_STOP_KEY]``: why the foreign environment ended the episode, in its own words (a verifiers
 stop condition's name, ``terminated`` or ``truncated`` for Gymnasium/GEM, ``done`` for skyrl-gym,
-``no_tool_calls`` for a TRL environment); the rollout's own reason stays ``env_done``."""
+``no_tool_calls`` for a TRL environment); the rollout's own reason stays ``env_done``, except for a
+Gymnasium/GEM ``truncated`` episode (``env_truncated``)."""
 
 
 def import_extra(module: str, *, adapter: str, package: str, extra: str) -> ModuleType:
