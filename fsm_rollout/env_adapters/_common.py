@@ -5,10 +5,12 @@ helpers."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import json
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -25,11 +27,29 @@ stop condition's name, ``terminated`` or ``truncated`` for Gymnasium/GEM, ``done
 Gymnasium/GEM ``truncated`` episode (``env_truncated``)."""
 
 
-def import_extra(module: str, *, adapter: str, package: str, extra: str) -> ModuleType:
-    """``module``, imported; a :class:`~fsm_rollout.errors.MissingExtraError` naming the extra when the package is
-    not installed (an import error inside an installed package is left as it is)."""
+@contextlib.contextmanager
+def root_logging_kept() -> Iterator[None]:
+    """Put the root logger's handlers and level back as they were: some packages configure logging when imported
+    (GEM calls ``logging.basicConfig``), and the host process's logging is not theirs to change."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
     try:
-        return importlib.import_module(module)
+        yield
+    finally:
+        for handler in [handler for handler in root.handlers if handler not in handlers]:
+            root.removeHandler(handler)
+        for handler in [handler for handler in handlers if handler not in root.handlers]:
+            root.addHandler(handler)
+        root.setLevel(level)
+
+
+def import_extra(module: str, *, adapter: str, package: str, extra: str) -> ModuleType:
+    """``module``, imported with the host's root logging kept as it was; a
+    :class:`~fsm_rollout.errors.MissingExtraError` naming the extra when the package is not installed (an import
+    error inside an installed package is left as it is)."""
+    try:
+        with root_logging_kept():
+            return importlib.import_module(module)
     except ModuleNotFoundError as error:
         top = module.split(".")[0]
         if error.name is not None and (error.name == top or module.startswith(f"{error.name}.")):

@@ -1,10 +1,12 @@
 """The gym adapter runs real GEM and Gymnasium environments, unchanged: a GEM text game over several turns, a
-Gymnasium toy-text game through obs_to_text/action_parser with its time limit (truncated), rewards on the sample,
-the replay identical and inspect readable."""
+Gymnasium toy-text game through obs_to_text/action_parser with its time limit (truncated, with its own reason),
+rewards on the sample, the replay identical and inspect readable; importing GEM leaves the host's logging alone."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -224,3 +226,22 @@ async def test_a_foreign_step_that_hangs_runs_in_the_pool_and_ends_the_sample_at
     finally:
         StuckGym.release.set()
     assert sample.status.value == "truncated" and sample.metadata["rollout_reason"] == "env_timeout"
+
+
+ROOT_LOGGING = "import logging; root = logging.getLogger(); print(len(root.handlers), root.level)"
+
+
+def root_logging_after(code: str) -> str:
+    """The root logger's handler count and level after ``code`` runs in a fresh interpreter."""
+    script = f"{code}\n{ROOT_LOGGING}"
+    return subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def test_using_gem_leaves_the_host_processs_root_logging_as_it_was() -> None:
+    untouched = root_logging_after("")
+    assert root_logging_after("import gem") != untouched  # GEM configures logging when imported...
+    played = (
+        "from fsm_rollout.env_adapters.gym import make_gym_env\n"
+        f"env = make_gym_env({GAME!r}); env.reset(seed=0); env.step('\\\\boxed{{1}}')"
+    )
+    assert root_logging_after(played) == untouched  # ...the adapter puts it back
