@@ -26,9 +26,10 @@ from verl.experimental.agent_loop.agent_loop import (
 from verl.utils.dataset.rl_dataset import RLHFDataset
 from verl.workers.rollout.replica import TokenOutput
 
-from fsm_rollout.adapters.verl_agent_loop import AGENT_NAME, FsmRolloutAgentLoop
+from fsm_rollout.adapters.verl_agent_loop import AGENT_NAME, FsmRolloutAgentLoop, VerlServerTransport
 from fsm_rollout.engine.client import VLLMClient
-from fsm_rollout.errors import RolloutError
+from fsm_rollout.engine.schema import GENERATE_PATH, RENDER_PATH
+from fsm_rollout.errors import EngineHTTPError, RolloutError
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
 
 GAME = "game:GuessTheNumber-v0-easy"
@@ -141,3 +142,44 @@ async def test_the_response_length_is_the_rollouts_budget(tokenizer: Any) -> Non
 def test_the_loop_needs_an_environment(tokenizer: Any) -> None:
     with pytest.raises(RolloutError, match="needs env="):
         agent_loop(object(), tokenizer)
+
+
+class Answering:
+    """A server manager that answers every request with fixed tokens and says how it stopped."""
+
+    def __init__(self, tokens: list[int], stop_reason: str | None) -> None:
+        self.tokens = tokens
+        self.stop_reason = stop_reason
+
+    async def generate(self, request_id: str, **kwargs: Any) -> TokenOutput:
+        return TokenOutput(token_ids=self.tokens, log_probs=[-0.5] * len(self.tokens), stop_reason=self.stop_reason)
+
+
+def transport(tokenizer: Any, manager: Any) -> VerlServerTransport:
+    return VerlServerTransport(manager, tokenizer, model="m", max_model_len=64, request_id="r")
+
+
+@pytest.mark.parametrize(
+    "stop_reason, tokens, finish",
+    [("aborted", [11, 12], "abort"), ("completed", [11, 12, 13, 14], "length"), ("completed", [11], "stop")],
+)
+async def test_the_transport_answers_generate_in_vllms_shape_with_the_finish_verl_implies(
+    tokenizer: Any, stop_reason: str, tokens: list[int], finish: str
+) -> None:
+    body = {"model": "m", "token_ids": [1, 2, 3], "request_id": "q", "sampling_params": {"max_tokens": 4}}
+    answer = await transport(tokenizer, Answering(tokens, stop_reason)).post_json(GENERATE_PATH, body)
+    [choice] = answer["choices"]
+    assert (choice["finish_reason"], choice["token_ids"]) == (finish, tokens)
+    assert [entry["logprob"] for entry in choice["logprobs"]["content"]] == [-0.5] * len(tokens)
+
+
+async def test_the_transport_refuses_image_parts_and_paths_it_does_not_serve(tokenizer: Any) -> None:
+    seam = transport(tokenizer, Answering([], None))
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    body = {"model": "m", "messages": [{"role": "user", "content": [image]}]}
+    with pytest.raises(EngineHTTPError, match="only text parts") as refused:
+        await seam.post_json(RENDER_PATH, body)
+    assert refused.value.status == 400
+    with pytest.raises(EngineHTTPError, match="not served") as unknown:
+        await seam.post_json("/pause?mode=keep", {})
+    assert unknown.value.status == 404
