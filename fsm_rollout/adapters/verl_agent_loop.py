@@ -16,7 +16,8 @@ Use it from verl's agent-loop config (``_target_: fsm_rollout.adapters.verl_agen
 ``fsm_rollout``. Text only: an image observation is refused by the render. The rollout keeps one sequence
 (history policy ``append``), since an ``AgentLoopOutput`` holds one.
 
-verl does not install beside this project's pins with pip's resolver (verl 0.9.1 asks for an older transformers).
+verl does not install beside this project's pins with pip's resolver: verl 0.9.1 requires
+``transformers>=5.5.3,<5.11,!=5.6.0``, this package ``transformers>=5.16``.
 Its agent-loop module imports with them when installed without its dependencies plus the few it needs::
 
     pip install --no-deps verl==0.9.1 tensordict==0.15.3 pyvers==0.2.3 codetiming==1.4.0 cachetools==8.0.2 \
