@@ -6,7 +6,7 @@ import importlib
 import importlib.util
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
@@ -20,7 +20,9 @@ class Environment(Protocol):
     """One sample's interaction environment.
 
     ``step`` receives the decoded text of a generated turn and returns exactly ``(observation, done, info)``;
-    ``info["reward"]``, when there, becomes ``sample.reward``. ``format_observation`` turns an observation into a
+    ``info["reward"]``, when there, becomes ``sample.reward``; ``info["truncated"] = True`` with ``done`` ends the
+    sample ``truncated`` (reason ``env_truncated``: the episode was cut short, as by a time limit) instead of
+    ``completed``. ``format_observation`` turns an observation into a
     text-only chat message ``{"role", "content"}``, or a non-empty list of them (one ``{"role": "tool", "content",
     "tool_call_id"}`` result per tool call, say), which is appended as one observation rendered as the template
     renders those messages together. Any method (and ``build_env``) may be a coroutine function or return an
@@ -103,8 +105,9 @@ def env_factory_from_module(module: ModuleType) -> EnvFactory:
 
 def load_env_factory(target: str) -> EnvFactory:
     """Load ``build_env`` from an environment module name or ``.py`` path, or build it through an adapter
-    (``verifiers:NAME``, ``skyrl:NAME``, ``gym:ID``, ``trl:MODULE:CLASS``; see :mod:`fsm_rollout.adapters`)."""
-    from fsm_rollout.adapters.spec import factory_from_spec, is_adapter_spec
+    (``verifiers:NAME``, ``skyrl:NAME``, ``gym:ID``, ``trl:MODULE:CLASS``; see :mod:`fsm_rollout.adapters`, resolved in
+    :mod:`fsm_rollout.env_adapters.spec`)."""
+    from fsm_rollout.env_adapters.spec import factory_from_spec, is_adapter_spec
 
     if is_adapter_spec(target):
         factory: EnvFactory = factory_from_spec(target, load_module=load_env_module)
@@ -139,3 +142,15 @@ def unpack_step_info(result: Any) -> tuple[Any, bool, Any]:
         )
     observation, done, info = result
     return observation, bool(done), info
+
+
+def step_truncated(info: Any) -> bool:
+    """Whether a step's ``info`` says the environment cut the episode short (``info["truncated"]``, a bool)."""
+    if not isinstance(info, Mapping) or "truncated" not in info:
+        return False
+    truncated = info["truncated"]
+    if not isinstance(truncated, bool):
+        raise EnvironmentContractError(
+            f"env.step's info['truncated'] must be a bool, got {type(truncated).__name__} {truncated!r}"
+        )
+    return truncated

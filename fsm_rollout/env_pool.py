@@ -1,6 +1,6 @@
 """Internal: the worker pools that run synchronous environment code off the event loop.
 
-Kept apart from :mod:`fsm_rollout.env` so that the environment adapters (:mod:`fsm_rollout.adapters`), which
+Kept apart from :mod:`fsm_rollout.env` so that the environment adapters (:mod:`fsm_rollout.env_adapters`), which
 :mod:`fsm_rollout.env` loads by name, can use the same pools without importing it back.
 """
 

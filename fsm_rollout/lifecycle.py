@@ -250,6 +250,14 @@ TRANSITIONS: tuple[Edge, ...] = (
         reason="agent_timeout",
         work="the agent was idle past the gateway session's limit; the data so far is kept",
     ),
+    Edge(
+        "observe",
+        "stepping",
+        "truncated",
+        guard="env_truncated",
+        reason="env_truncated",
+        work='the environment cut the episode short (`info["truncated"]`: a Gymnasium/GEM time limit)',
+    ),
     Edge("observe", "stepping", "completed", guard="env_done", reason="env_done"),
     Edge(
         "observe",

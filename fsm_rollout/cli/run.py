@@ -158,8 +158,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_samples(args: argparse.Namespace, env_factory: Any = None) -> tuple[list[Sample], int]:
-    from fsm_rollout.adapters.spec import is_adapter_spec, samples_from_spec
     from fsm_rollout.dataset import load_jsonl
+    from fsm_rollout.env_adapters.spec import is_adapter_spec, samples_from_spec
 
     if args.data is None and args.env is not None and is_adapter_spec(args.env):  # the environment's own dataset
         return samples_from_spec(args.env, env_factory, limit=args.limit), 0
@@ -184,7 +184,7 @@ def _groups(samples: Sequence[Sample], args: argparse.Namespace) -> tuple[list[S
                                                                           list[int | None]]:  # fmt: skip
     """Each prompt's group members in order, their trace names and, with ``--seed S``, member ``m``'s seed
     ``S + m`` (a group is reproducible and its members still differ); one sample a prompt stays as it was."""
-    from fsm_rollout.adapters.spec import is_adapter_spec
+    from fsm_rollout.env_adapters.spec import is_adapter_spec
 
     demo = args.data is None and not (args.env is not None and is_adapter_spec(args.env))
     n = args.n_samples_per_prompt or (DEMO_SAMPLES_PER_PROMPT if demo else 1)

@@ -44,8 +44,9 @@ Format: JSON lines, schema :data:`TAPE_SCHEMA_VERSION`. Three kinds of line:
                                             methods it lacks) or ``error``
     ``reset`` / ``close``                   ``error`` when the call raised
     ``step``                                ``text`` (the model's decoded turn) and ``result``: ``{"observation",
-                                            "done"}``, or ``{"tuple_len": N}`` / ``{"type": NAME}`` for a result
-                                            that is not a 3-tuple; or ``error``
+                                            "done"}`` (and ``"truncated"`` when the info had it), or
+                                            ``{"tuple_len": N}`` / ``{"type": NAME}`` for a result that is not a
+                                            3-tuple; or ``error``
     ``format_observation``                  ``message`` (what the environment returned) or ``error``
     ``abort_requested``                     ``reason``, ``state``, ``running``, ``in_flight``: a caller's abort,
                                             where it landed

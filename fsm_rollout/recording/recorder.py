@@ -338,6 +338,9 @@ def _sample_tools(sample: Any) -> Any:
 def _keep_step_result(entry: dict[str, Any], result: Any) -> None:
     if isinstance(result, tuple) and len(result) == 3:
         entry["result"] = {"observation": jsonable(result[0]), "done": bool(result[1])}
+        info = result[2]
+        if isinstance(info, Mapping) and "truncated" in info:  # the only part of info that picks an edge
+            entry["result"]["truncated"] = jsonable(info["truncated"])
     elif isinstance(result, tuple):
         entry["result"] = {"tuple_len": len(result)}
     else:

@@ -306,7 +306,8 @@ class _TapeEnv:
             return tuple([None] * result["tuple_len"])
         if isinstance(result.get("type"), str):
             return revive({"$object": {"type": result["type"], "repr": ""}})
-        return (revive(result.get("observation")), bool(result.get("done")), {})
+        info = {"truncated": revive(result["truncated"])} if "truncated" in result else {}
+        return (revive(result.get("observation")), bool(result.get("done")), info)
 
     def format_observation(self, observation: Any) -> Any:
         entry = self._call("format_observation")

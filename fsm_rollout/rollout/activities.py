@@ -20,7 +20,14 @@ from fsm_rollout import lifecycle
 from fsm_rollout.chat import stop_string_eos_due, validate_observation
 from fsm_rollout.config import DEFAULT_ENV_MODULE
 from fsm_rollout.engine.client import VLLMClient
-from fsm_rollout.env import EnvFactory, check_environment, env_thread_pool, load_env_factory, unpack_step_info
+from fsm_rollout.env import (
+    EnvFactory,
+    check_environment,
+    env_thread_pool,
+    load_env_factory,
+    step_truncated,
+    unpack_step_info,
+)
 from fsm_rollout.errors import BudgetExceededError, RenderError, ResumeError, RoutingReplayError
 from fsm_rollout.multimodal import (
     build_initial_messages,
@@ -113,6 +120,7 @@ class Activities:
         ctx = self.ctx
         result = await self.env_call("env.step", ctx.env.step, ctx.turn_text)
         ctx.observation, ctx.env_done, info = unpack_step_info(result)
+        ctx.env_truncated = step_truncated(info)
         if isinstance(info, Mapping) and "reward" in info:
             ctx.sample.reward = info["reward"]
 

@@ -34,6 +34,9 @@ _ADDED_IN_3 = frozenset(
 """Fields a version-2 state (written before forks, image observations and gateway calls) lacks: they take their
 defaults, which are what such a rollout had."""
 """Version 2: the context's JSON, keys named as its fields. Version 1 (before the context) is still read."""
+_OPTIONAL_IN_3 = frozenset({"env_truncated"})
+"""Fields added after version 3 was first written: a state without them takes their defaults, which are what the
+rollout that wrote it had."""
 
 _LEGACY_KEYS = {"reason": "suspend_reason", "status": "status_before_hand_back"}
 """Version-1 keys whose field has another name now."""
@@ -92,6 +95,8 @@ class RolloutContext:
     turn_text: str = ""
     eos_due: bool = False
     env_done: bool = False
+    env_truncated: bool = False
+    """The environment's last step said it cut the episode short (``info["truncated"]``)."""
     observation_messages: list[dict[str, Any]] = field(default_factory=list)
     observation_tokens: TokenIds = field(default_factory=list)
     observation_features: dict[str, Any] | None = None
@@ -151,7 +156,11 @@ class RolloutContext:
             for item in data_fields():
                 if item.name in values:
                     setattr(context, item.name, _DECODE.get(item.name, _plain)(values[item.name]))
-                elif not legacy and not (state["version"] == 2 and item.name in _ADDED_IN_3):
+                elif (
+                    not legacy
+                    and item.name not in _OPTIONAL_IN_3
+                    and not (state["version"] == 2 and item.name in _ADDED_IN_3)
+                ):
                     raise KeyError(item.name)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ResumeError(
@@ -224,6 +233,7 @@ _DECODE: dict[str, Any] = {
     "call_max_tokens": _optional_int,
     "eos_due": bool,
     "env_done": bool,
+    "env_truncated": bool,
     "env_closed": bool,
     "suspend_cut_request": bool,
     "state": str,

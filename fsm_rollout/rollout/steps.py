@@ -70,6 +70,11 @@ def agent_idle(ctx: RolloutContext) -> bool:
     return agent_ended(ctx.observation, IDLE)
 
 
+def env_truncated(ctx: RolloutContext) -> bool:
+    """The environment ended the episode by cutting it short (``done`` with ``info["truncated"]``)."""
+    return ctx.env_done and ctx.env_truncated
+
+
 def env_done(ctx: RolloutContext) -> bool:
     """The environment said the episode is done."""
     return ctx.env_done

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from fsm_rollout import RolloutConfig, Sample
-from fsm_rollout.adapters import skyrl_env
-from fsm_rollout.adapters.trl_rollout import env_reward, trl_answer, trl_rollout_func
+from fsm_rollout.adapters import env_reward, skyrl_env, trl_rollout_func
+from fsm_rollout.adapters.trl_rollout import trl_answer
 from fsm_rollout.engine.local import LocalEngine
 from fsm_rollout.engine.local.tiny import TINY_MODEL_NAME, tiny_model_dir
 

@@ -49,6 +49,7 @@ def test_the_seed_outcomes_are_all_reachable_in_the_normal_flow() -> None:
         "insufficient_budget_for_stop_eos",
         "length",
         "env_done",
+        "env_truncated",  # the environment cut the episode short (a Gymnasium/GEM time limit)
         "max_turns",
         "env_timeout",  # the library's limits (not the seed's): an environment call, a rollout's wall time
         "rollout_timeout",

@@ -13,8 +13,7 @@ import fsm_rollout
 PACKAGE = Path(fsm_rollout.__file__).parent
 
 PUBLIC_MODULES = frozenset({
-    "fsm_rollout", "fsm_rollout.adapters", "fsm_rollout.adapters.gym", "fsm_rollout.adapters.skyrl",
-    "fsm_rollout.adapters.trl", "fsm_rollout.adapters.trl_rollout", "fsm_rollout.adapters.verifiers",
+    "fsm_rollout", "fsm_rollout.adapters", "fsm_rollout.adapters.trl_rollout", "fsm_rollout.adapters.verl_agent_loop",
     "fsm_rollout.cli", "fsm_rollout.compat", "fsm_rollout.config", "fsm_rollout.data",
     "fsm_rollout.data.demo", "fsm_rollout.data.practice", "fsm_rollout.dataset", "fsm_rollout.diagrams",
     "fsm_rollout.distributed", "fsm_rollout.engine", "fsm_rollout.engine.client", "fsm_rollout.engine.local",

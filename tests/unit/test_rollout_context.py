@@ -124,6 +124,17 @@ def test_a_version_2_state_reads_with_the_later_fields_at_their_defaults() -> No
         RolloutContext.from_json(state, sample=context.sample, deps=context.deps, sample_id="0")
 
 
+def test_a_version_3_state_from_before_the_truncation_flag_reads_it_as_false() -> None:
+    context = every_field_set()
+    state = json.loads(json.dumps(context.to_json()))
+    del state["env_truncated"]  # what a handed-back sample carried before environments could end it truncated
+    back = RolloutContext.from_json(state, sample=context.sample, deps=context.deps, sample_id="0")
+    assert back.env_truncated is False and back.env_done == context.env_done
+    del state["env_done"]  # a field it had is still required
+    with pytest.raises(ResumeError, match=r"damaged.*env_done"):
+        RolloutContext.from_json(state, sample=context.sample, deps=context.deps, sample_id="0")
+
+
 def test_an_unknown_version_is_refused() -> None:
     with pytest.raises(ResumeError, match=f"version {RESUME_STATE_VERSION}"):
         RolloutContext.from_json({"version": 99}, sample=Sample(prompt="p"), deps=deps(), sample_id="9")

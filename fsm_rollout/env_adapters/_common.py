@@ -1,13 +1,16 @@
-"""What the adapters share: importing a foreign package (or naming the extra that installs it), running a
-synchronous foreign call in the environment worker pool, and the chat-message and metadata helpers."""
+"""Internal: what the inbound adapters share: importing a foreign package (or naming the extra that installs
+it), running a synchronous foreign call in the environment worker pool, and the chat-message and metadata
+helpers."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import importlib
 import json
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -20,14 +23,33 @@ DEFAULT_WORKERS = 16
 ENV_STOP_KEY = "env_stop"
 """``sample.metadata[ENV_STOP_KEY]``: why the foreign environment ended the episode, in its own words (a verifiers
 stop condition's name, ``terminated`` or ``truncated`` for Gymnasium/GEM, ``done`` for skyrl-gym,
-``no_tool_calls`` for a TRL environment); the rollout's own reason stays ``env_done``."""
+``no_tool_calls`` for a TRL environment); the rollout's own reason stays ``env_done``, except for a
+Gymnasium/GEM ``truncated`` episode (``env_truncated``)."""
+
+
+@contextlib.contextmanager
+def root_logging_kept() -> Iterator[None]:
+    """Put the root logger's handlers and level back as they were: some packages configure logging when imported
+    (GEM calls ``logging.basicConfig``), and the host process's logging is not theirs to change."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    try:
+        yield
+    finally:
+        for handler in [handler for handler in root.handlers if handler not in handlers]:
+            root.removeHandler(handler)
+        for handler in [handler for handler in handlers if handler not in root.handlers]:
+            root.addHandler(handler)
+        root.setLevel(level)
 
 
 def import_extra(module: str, *, adapter: str, package: str, extra: str) -> ModuleType:
-    """``module``, imported; a :class:`~fsm_rollout.errors.MissingExtraError` naming the extra when the package is
-    not installed (an import error inside an installed package is left as it is)."""
+    """``module``, imported with the host's root logging kept as it was; a
+    :class:`~fsm_rollout.errors.MissingExtraError` naming the extra when the package is not installed (an import
+    error inside an installed package is left as it is)."""
     try:
-        return importlib.import_module(module)
+        with root_logging_kept():
+            return importlib.import_module(module)
     except ModuleNotFoundError as error:
         top = module.split(".")[0]
         if error.name is not None and (error.name == top or module.startswith(f"{error.name}.")):

@@ -29,7 +29,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from fsm_rollout.adapters._common import ENV_STOP_KEY, import_extra, jsonable_items, max_turns_of, reward_value
+from fsm_rollout.env_adapters._common import ENV_STOP_KEY, import_extra, jsonable_items, max_turns_of, reward_value
 from fsm_rollout.errors import AdapterProtocolError, EnvironmentContractError
 from fsm_rollout.tool_calls import ToolCall, parse_tool_calls
 
@@ -253,7 +253,7 @@ def _bridge_client(vf: Any, episode: VerifiersEpisode) -> Any:
 
 def rollout_input(sample: Any) -> dict[str, Any]:
     """The verifiers ``RolloutInput`` of a sample: its prompt and ``sample.metadata["verifiers_row"]``'s fields."""
-    from fsm_rollout.adapters._common import prompt_messages
+    from fsm_rollout.env_adapters._common import prompt_messages
 
     metadata = getattr(sample, "metadata", None) or {}
     row = dict(metadata.get("verifiers_row") or {}) if isinstance(metadata, Mapping) else {}

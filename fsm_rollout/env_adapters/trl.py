@@ -29,7 +29,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fsm_rollout.adapters._common import (
+from fsm_rollout.env_adapters._common import (
     ENV_STOP_KEY,
     import_extra,
     max_turns_of,

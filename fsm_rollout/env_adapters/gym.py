@@ -4,8 +4,9 @@ One episode per sample. The foreign environment is made and reset when the sampl
 seed ``sample.metadata["seed"]`` (else ``sample.index``), so a group's samples play the same game and a replay
 gets the same one. The initial observation becomes the prompt's last user message (after the sample's own prompt
 messages, if any, e.g. a system message). Each turn's text goes through ``action_parser`` (default: the text as
-it is) into ``env.step``; the next observation comes back as a user message. ``terminated`` and ``truncated`` both
-end the episode; which one is in ``sample.metadata["env_stop"]``. The rewards of the steps are summed
+it is) into ``env.step``; the next observation comes back as a user message. ``terminated`` ends the sample
+``completed`` (reason ``env_done``); ``truncated`` (a time limit) ends it ``truncated`` with the reason
+``env_truncated``; which one is also in ``sample.metadata["env_stop"]``. The rewards of the steps are summed
 (``reward="sum"``) or the last one taken (``reward="last"``) into ``sample.reward``, every step, so a sample cut off
 by the rollout's turn limit keeps what it earned; each step's reward is in ``sample.metadata["gym"]["rewards"]``.
 
@@ -17,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from fsm_rollout.adapters._common import (
+from fsm_rollout.env_adapters._common import (
     ENV_STOP_KEY,
     describe,
     import_extra,
@@ -114,12 +115,14 @@ class GymEpisode:
         total = sum(self.rewards) if self.reward_mode == "sum" else self.rewards[-1]
         done = bool(terminated) or bool(truncated)
         record: dict[str, Any] = {"rewards": list(self.rewards)}
+        info: dict[str, Any] = {"reward": total}
         if done:
-            stop = "terminated" if terminated else "truncated"
+            stop = "terminated" if terminated else "truncated"  # a terminal state reached counts over a time limit
             record["stop"] = stop
             self.sample.metadata[ENV_STOP_KEY] = stop
+            info["truncated"] = stop == "truncated"
         self.sample.metadata[ADAPTER] = record
-        return self._text(observation), done, {"reward": total}
+        return self._text(observation), done, info
 
     async def format_observation(self, observation: Any) -> dict[str, Any]:
         return {"role": "user", "content": str(observation)}

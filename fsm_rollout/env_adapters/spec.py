@@ -39,18 +39,18 @@ def factory_from_spec(target: str, *, load_module: Callable[[str], ModuleType]) 
     ``.py`` path)."""
     prefix, rest = _split(target)
     if prefix == "verifiers":
-        from fsm_rollout.adapters.verifiers import verifiers_env
+        from fsm_rollout.env_adapters.verifiers import verifiers_env
 
         return verifiers_env(rest)
     if prefix == "skyrl":
-        from fsm_rollout.adapters.skyrl import skyrl_env
+        from fsm_rollout.env_adapters.skyrl import skyrl_env
 
         return skyrl_env(rest)
     if prefix == "gym":
-        from fsm_rollout.adapters.gym import gym_env
+        from fsm_rollout.env_adapters.gym import gym_env
 
         return gym_env(rest)
-    from fsm_rollout.adapters.trl import trl_env
+    from fsm_rollout.env_adapters.trl import trl_env
 
     module_name, colon, class_name = rest.rpartition(":")
     if not colon or not module_name or not class_name:
@@ -67,11 +67,11 @@ def samples_from_spec(target: str, factory: Any, *, limit: int | None) -> list[A
     asks for ``--data``."""
     prefix, _rest = _split(target)
     if prefix == "verifiers":
-        from fsm_rollout.adapters.verifiers import verifiers_samples
+        from fsm_rollout.env_adapters.verifiers import verifiers_samples
 
         return verifiers_samples(factory, n=-1 if limit is None else limit)
     if prefix == "gym":
-        from fsm_rollout.adapters.gym import gym_samples
+        from fsm_rollout.env_adapters.gym import gym_samples
 
         return gym_samples(DEFAULT_EPISODES if limit is None else limit)
     raise EnvironmentContractError(
