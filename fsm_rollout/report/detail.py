@@ -12,6 +12,7 @@ Every string here is data, put in the page as JSON and shown as text by the page
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -36,6 +37,7 @@ EVENT_DETAIL_KEYS = (
     "error",
 )
 """Transition fields shown beside each step of the timeline, when set."""
+_DETAIL_ORDER = {key: position for position, key in enumerate(EVENT_DETAIL_KEYS)}
 
 _PARTS = re.compile(r"(<think>.*?(?:</think>|$)|<tool_call>.*?(?:</tool_call>|$))", re.DOTALL)
 _IMAGE_OPEN, _IMAGE_CLOSE = "<|vision_start|>", "<|vision_end|>"
@@ -48,7 +50,9 @@ def timeline(path: Any) -> list[dict[str, Any]]:
     rows = []
     for event in path.events:
         ts = event.get("ts")
-        shown = [[key, _short(event[key])] for key in EVENT_DETAIL_KEYS if event.get(key) not in (None, False)]
+        # the few detail keys an event has, in the order shown (most events have one or two of the many)
+        present = sorted(_DETAIL_ORDER.keys() & event.keys(), key=_DETAIL_ORDER.__getitem__)
+        shown = [[key, _short(event[key])] for key in present if event[key] not in (None, False)]
         rows.append(
             {
                 "at": round(ts - first, 4) if isinstance(ts, float) and first is not None else None,
@@ -313,12 +317,12 @@ def build_strip(
     ``eos`` (inserted EOS tokens), ``images`` (``[start, end]`` of tokens between vision markers), ``segments``
     (``[start, end, kind, turn]``: model turns and observations) and ``sequences`` (``[start, end, name]`` of each
     training sequence when a forked rollout has several: the branch boundaries)."""
-    ids = [int(token) for token in tokens]
+    ids = list(map(int, tokens))
     texts = decode_each(sorted(set(ids)), tokenizer) if tokenizer is not None else None
     return {
         "ids": ids,
         "mask": _run_lengths(mask),
-        "logprobs": None if logprobs is None else [round(float(value), _LOGPROB_DIGITS) for value in logprobs],
+        "logprobs": None if logprobs is None else round_all(logprobs, _LOGPROB_DIGITS),
         "texts": texts,
         "prompts": [list(span) for span in prompts],
         "versions": [list(span) for span in versions],
@@ -330,13 +334,29 @@ def build_strip(
 
 
 def _run_lengths(values: Sequence[int]) -> list[list[int]]:
-    runs: list[list[int]] = []
-    for value in values:
-        if runs and runs[-1][0] == value:
-            runs[-1][1] += 1
-        else:
-            runs.append([int(value), 1])
-    return runs
+    return [[int(value), len(list(run))] for value, run in itertools.groupby(values)]
+
+
+def round_all(values: Sequence[float], digits: int) -> list[float]:
+    """``[round(float(value), digits) for value in values]``, the same floats, computed for whole arrays at once.
+
+    ``rint(value * 10**digits) / 10**digits`` is what ``round`` gives whenever the product is not near a half (the
+    product's own rounding error cannot cross one there, and the division is correctly rounded, as ``round``'s
+    decimal-to-float step is); the values near a half, very large or not finite go through ``round`` itself.
+    """
+    import numpy as np
+
+    array = np.asarray(values, dtype=np.float64)
+    scale = 10.0**digits
+    with np.errstate(invalid="ignore", over="ignore"):  # infinities and NaN are left to round() below
+        scaled = array * scale
+        result = np.rint(scaled) / scale
+        margin = np.abs(np.abs(scaled - np.floor(scaled)) - 0.5)
+        unsure = ~(np.isfinite(scaled) & (np.abs(scaled) < 1e9) & (margin > 1e-6))
+    rounded: list[float] = result.tolist()
+    for position in np.flatnonzero(unsure).tolist():
+        rounded[position] = round(float(values[position]), digits)
+    return rounded
 
 
 def decode_each(ids: Sequence[int], tokenizer: Any) -> dict[str, str]:
