@@ -515,8 +515,9 @@ SCRIPT = r"""
       "weights " + version[k]); lastVersion = version[k]; }
     for (const [a] of T.images) mark(a, "img", "image");
     const div = d.replay && d.replay.divergence;
-    if (div && ["tokens", "loss_mask", "logprobs"].includes(div.kind) && div.index !== null && div.index < n) {
-      mark(div.index, "div", "\u2716 replay diverges here");
+    const at = div ? div.strip_index : null;  // the strip runs a forked rollout's sequences end to end
+    if (div && at !== null && at !== undefined && at < n) {
+      mark(at, "div", "\u2716 replay diverges here");
     }
     const info = h("div", { class: "tokinfo" },
       "hover a token: its position, id, decoded text, mask, logprob and weight version");

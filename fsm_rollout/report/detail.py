@@ -192,43 +192,121 @@ def conversation_from_tape(record: Any, tape: Any) -> dict[str, Any]:
 
 
 def strip_from_tape(record: Any, tokenizer: Any) -> dict[str, Any] | None:
-    """The token strip of a tape record (None when the record has no readable tokens)."""
-    from fsm_rollout.cli.inspect import response_segments
-
+    """The token strip of a tape record (None when the record has no readable tokens): a forked rollout's earlier
+    sequences (the result's ``branches``) first, then its last one, with the boundaries between them."""
     tokens = recorded_tokens(record)
     result = record.result
     prompt_length = result.get("prompt_length")
     if tokens is None or not isinstance(prompt_length, int):
         return None
-    mask = expand_run_lengths(result.get("loss_mask")) or []
-    logprobs = result.get("rollout_log_probs") if isinstance(result.get("rollout_log_probs"), list) else None
-    segments = response_segments(record)
-    model_segments = [segment for segment in segments if segment.kind == "model"]
+    sequences: list[tuple[list[int], int, list[int]]] = []
+    for branch in result.get("branches") or []:
+        if isinstance(branch, dict) and isinstance(branch.get("tokens"), list):
+            length = branch.get("prompt_length")
+            sequences.append((list(branch["tokens"]), length if isinstance(length, int) else 0,
+                              expand_run_lengths(branch.get("loss_mask")) or []))  # fmt: skip
+    sequences.append((tokens, prompt_length, expand_run_lengths(result.get("loss_mask")) or []))
+    starts = list(itertools.accumulate((len(ids) for ids, _, _ in sequences[:-1]), initial=0))
+    ids = [token for sequence, _, _ in sequences for token in sequence]
+    mask = [bit for sequence, prompt, response in sequences for bit in [0] * prompt + response]
+    logprobs: list[float] | None = None
+    final_logprobs = result.get("rollout_log_probs")
+    if isinstance(final_logprobs, list):
+        # the last sequence's are the result's; an earlier sequence's come from its generate answers
+        logprobs = [0.0] * starts[-1] + [0.0] * prompt_length + list(final_logprobs)
     versions: list[list[Any]] = []
-    generates = [entry for entry in record.io if entry["op"] == "generate" and isinstance(entry.get("answer"), dict)]
-    for segment, entry in zip(model_segments, generates, strict=False):
-        choices = entry["answer"].get("choices")
-        spans = choices[0].get("weight_versions") if isinstance(choices, list) and choices else None
-        for span in spans if isinstance(spans, list) else []:
-            if isinstance(span, dict) and isinstance(span.get("start"), int) and isinstance(span.get("end"), int):
-                start = prompt_length + segment.start
-                versions.append([start + span["start"], start + span["end"], str(span.get("version"))])
-    steps = [event for event in record.transitions if event.get("trigger") == "step"]
-    eos = [
-        prompt_length + segment.end - 1
-        for segment, event in zip(model_segments, steps, strict=False)
-        if event.get("eos_inserted") and segment.end - 1 < len(mask) and mask[segment.end - 1] == 0
-    ]
+    position = 0
+    for context, turn in generated_turns(record):
+        while position < len(sequences) and sequences[position][0][: len(context)] != context:
+            position += 1  # a request that does not extend this sequence belongs to a later one
+        if position == len(sequences):
+            break
+        offset = starts[position] + len(context)
+        for version, start, stop in turn.meta.weight_version_spans or ():
+            versions.append([offset + start, offset + stop, version])
+        if logprobs is not None and position < len(sequences) - 1:
+            logprobs[offset : offset + len(turn.logprobs)] = turn.logprobs
+    segments: list[list[Any]] = []
+    eos: list[int] = []
+    for number, (pieces, steps) in enumerate(sequence_segments(record.transitions)):
+        if number >= len(sequences):
+            break
+        base = starts[number] + sequences[number][1]
+        segments += [[base + piece.start, base + piece.end, piece.kind, piece.turn] for piece in pieces]
+        models = [piece for piece in pieces if piece.kind == "model"]
+        response = sequences[number][2]
+        eos += [
+            base + piece.end - 1
+            for piece, event in zip(models, steps, strict=False)
+            if event.get("eos_inserted") and piece.end - 1 < len(response) and response[piece.end - 1] == 0
+        ]
     return build_strip(
-        tokens,
-        [0] * prompt_length + mask,
-        None if logprobs is None else [0.0] * prompt_length + list(logprobs),
+        ids,
+        mask,
+        logprobs,
         tokenizer,
-        prompts=[[0, prompt_length]],
+        prompts=[[start, start + prompt] for start, (_, prompt, _) in zip(starts, sequences, strict=True)],
         versions=versions,
         eos=eos,
-        segments=[[prompt_length + s.start, prompt_length + s.end, s.kind, s.turn] for s in segments],
+        segments=segments,
+        sequences=_sequence_names(starts, sequences) if len(sequences) > 1 else [],
     )
+
+
+def _sequence_names(starts: Sequence[int], sequences: Sequence[tuple[list[int], int, list[int]]]) -> list[list[Any]]:
+    last = len(sequences) - 1
+    return [[start, start + len(ids), "final sequence" if number == last else f"branch {number}"]
+            for number, (start, (ids, _, _)) in enumerate(zip(starts, sequences, strict=True))]  # fmt: skip
+
+
+def generated_turns(record: Any) -> list[tuple[list[int], Any]]:
+    """Each generate request the record holds, in order: the tokens it was sent and its parsed answer (a
+    :class:`~fsm_rollout.engine.schema.GeneratedTurn`; answers that do not parse are left out)."""
+    from fsm_rollout.engine.schema.answers import parse_generate_response
+    from fsm_rollout.errors import GenerationError
+
+    turns = []
+    base: list[int] = []
+    try:
+        for entry in record.io:
+            if entry["op"] == "render":
+                ids = answer_token_ids(entry.get("answer"))
+                base = list(ids) if ids is not None else base
+            elif entry["op"] == "generate" and isinstance(entry.get("tokens"), dict):
+                base = expand_tokens(entry["tokens"], base)
+                try:
+                    turns.append((base, parse_generate_response(entry.get("answer"), "report")))
+                except GenerationError:
+                    continue
+    except RecordingFormatError:
+        return turns
+    return turns
+
+
+def sequence_segments(transitions: Sequence[Mapping[str, Any]]) -> list[tuple[list[Any], list[Mapping[str, Any]]]]:
+    """Per training sequence (a fork starts the next): its response side cut into model turns and observations
+    (:class:`~fsm_rollout.cli.inspect.Segment`), and its ``step`` transitions."""
+    from fsm_rollout.cli.inspect import Segment
+
+    sequences: list[tuple[list[Any], list[Mapping[str, Any]]]] = [([], [])]
+    previous = 0
+    for event in transitions:
+        if event.get("trigger") == "fork" and event.get("dst") == "rendered":
+            sequences.append(([], []))
+            previous = 0
+            continue
+        if event.get("trigger") == "step":
+            sequences[-1][1].append(event)
+        length, turn = event.get("response_length"), event.get("turn")
+        if not isinstance(length, int) or not isinstance(turn, int):
+            continue
+        if length > previous:
+            if event.get("trigger") == "step":
+                sequences[-1][0].append(Segment(turn, "model", previous, length))
+            elif event.get("trigger") == "generate" and event.get("src") == "observing":
+                sequences[-1][0].append(Segment(turn - 1, "observation", previous, length))
+        previous = length
+    return sequences
 
 
 # ---------------------------------------------------------------------------------------------------- results
