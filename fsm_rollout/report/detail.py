@@ -32,6 +32,8 @@ EVENT_DETAIL_KEYS = (
     "suspend_reason",
     "suspended_ms",
     "weight_version",
+    "partial_tokens",
+    "branch",
     "failed_trigger",
     "error_type",
     "error",
@@ -176,6 +178,9 @@ def conversation_from_tape(record: Any, tape: Any) -> dict[str, Any]:
             elif message is not None:
                 turn["observation"] = {"role": "observation", "parts": content_parts(message)}
         turns.append(turn)
+    for index, events in turn_events(record.transitions).items():
+        if index < len(turns):
+            turns[index]["events"] = events
     lengths = [segment for segment in response_segments(record) if segment.kind == "observation"]
     for segment in lengths:
         if segment.turn < len(turns):
@@ -184,11 +189,43 @@ def conversation_from_tape(record: Any, tape: Any) -> dict[str, Any]:
     error = result.get("error")
     return {
         "prompt": prompt,
-        "label": _text(sample.get("label")),
+        "label": None if sample.get("label") is None else _text(sample.get("label")),
         "turns": turns,
         "reward": result.get("reward"),
         "error": _text(error) if error is not None and not isinstance(error, dict) else error,
     }
+
+
+def turn_events(transitions: Sequence[Mapping[str, Any]]) -> dict[int, list[str]]:
+    """What happened to each turn besides generating: the fork that started it (its history rewritten, a new
+    training sequence) and the suspensions it waited through, as lines of text by turn."""
+    events: dict[int, list[str]] = {}
+    for event in transitions:
+        turn, trigger = event.get("turn"), event.get("trigger")
+        if not isinstance(turn, int):
+            continue
+        if trigger == "fork" and event.get("dst") == "rendered":
+            text = (
+                f"fork ({event.get('reason')}): the template wrote the history back differently, so the conversation "
+                f"was rendered again ({event.get('prompt_tokens')} prompt tokens) and this turn starts training "
+                f"sequence {event.get('branch')}; the tokens before it are kept as an earlier sequence (a branch)"
+            )
+        elif trigger == "suspend":
+            partial = event.get("partial_tokens")
+            text = f"suspended ({event.get('suspend_reason')})" + (
+                f" after {partial} token(s) of this turn" if isinstance(partial, int) else ""
+            )
+        elif trigger == "resume":
+            version = event.get("weight_version")
+            text = "resumed" + (f" on weights {version}" if version is not None else "") + (
+                f" after {event['suspended_ms']:.1f} ms" if isinstance(event.get("suspended_ms"), int | float) else ""
+            )
+        elif trigger == "hand_back":
+            text = "handed back to the trainer while suspended (resumable)"
+        else:
+            continue
+        events.setdefault(turn, []).append(text)
+    return events
 
 
 def strip_from_tape(record: Any, tokenizer: Any) -> dict[str, Any] | None:
@@ -329,7 +366,7 @@ def conversation_from_results(row: Mapping[str, Any]) -> dict[str, Any]:
     error = metadata.get("rollout_error") if isinstance(metadata, dict) else None
     return {
         "prompt": messages,
-        "label": _text(row.get("label")),
+        "label": None if row.get("label") is None else _text(row.get("label")),
         "turns": [{"turn": None, "parts": message_parts(response)}] if response else [],
         "reward": row.get("reward"),
         "error": error,

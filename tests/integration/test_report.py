@@ -238,6 +238,18 @@ def test_forks_and_suspensions_are_counted_from_the_trace(tmp_path: Path) -> Non
     assert build_report(trace).index["rows"][0][-1].split()[:2] == ["fork", "suspended"]
 
 
+def test_a_sample_is_flagged_queued_only_when_it_waited_a_noticeable_time() -> None:
+    from fsm_rollout.replay import TracedPath
+    from fsm_rollout.report.model import sample_row
+
+    def flags(queued_ms: float) -> str:
+        event = {"trigger": "render", "src": "pending", "dst": "rendered", "queued_ms": queued_ms, "ts": 1.0}
+        return str(sample_row(TracedPath(sample_id="0", session_id=None, events=[event]), None, None)[-1])
+
+    assert flags(0.08) == "" and flags(49.0) == ""  # shown, these read "queued 0.0s": noise on every row
+    assert flags(50.0) == "queued 0.1s" and flags(13_400.0) == "queued 13.4s"
+
+
 async def diverged_report(recorded: Recorded, tmp_path: Path) -> Any:
     """The report of the recording with one result token of sample 1.0 changed, and its replay."""
     replacement = recorded.tokenizer.encode(" banana", add_special_tokens=False)[0]
@@ -361,6 +373,9 @@ async def test_ten_thousand_samples_open_with_a_bounded_page(tmp_path: Path) -> 
         rows = await browser.evaluate("document.querySelectorAll('#rows .vrow').length")
         assert 0 < rows < 100
         assert "10000 of 10000" in await browser.evaluate("document.querySelector('.count').textContent")
+        # 2,500 groups: only the zero-variance ones are drawn, up to a limit, so the table stays near the top
+        assert 0 < await browser.evaluate("document.querySelectorAll('.group').length") <= 60
+        assert await browser.evaluate("document.querySelectorAll('.group:not(.zero)').length") == 0
         await browser.evaluate("const v = document.getElementById('rows'); v.scrollTop = v.scrollHeight")
         last = await browser.wait_for(
             "[...document.querySelectorAll('#rows .vrow')].map((r) => r.dataset.sample).includes('2499.3') && 'yes'"

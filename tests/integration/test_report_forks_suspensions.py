@@ -109,6 +109,21 @@ async def test_the_summary_and_rows_show_the_forks_and_suspensions(run: Run) -> 
     assert sum(edge["transitions"] for edge in fork_edges) == 4
 
 
+async def test_the_conversation_says_where_a_turn_forked_and_waited_for_the_weight_update(run: Run) -> None:
+    data = await asyncio.to_thread(build, run)
+    conversation = data.details[0]["conversation"]
+    assert conversation["label"] is None  # the samples have none: nothing to show, not the text "None"
+    events = [turn.get("events", []) for turn in conversation["turns"]]
+    assert events[0] == []
+    fork, suspended, resumed = events[1]
+    assert fork.startswith("fork (history_rewritten)") and "training sequence 1" in fork
+    assert suspended == f"suspended (weight_update) after {HELD_AFTER} token(s) of this turn"
+    assert resumed.startswith("resumed on weights v2 after ")
+    assert len(events[2]) == 1 and "training sequence 2" in events[2][0]
+    fields = {key for step in data.details[0]["timeline"] for key, _ in step["detail"]}
+    assert {"branch", "partial_tokens", "suspend_reason", "weight_version"} <= fields
+
+
 async def test_the_tape_strip_runs_every_sequence_with_its_boundaries_and_weight_versions(run: Run) -> None:
     data = await asyncio.to_thread(build, run)
     for detail, sample in zip(data.details, run.samples, strict=True):
@@ -183,6 +198,10 @@ async def test_the_page_shows_the_forks_suspensions_and_branch_boundaries(run: R
         assert await browser.evaluate(texts.format("ver")) == ["weights default", "weights v2"]
         timeline = await browser.evaluate("document.getElementById('sample').textContent")
         assert "suspend" in timeline and "resume" in timeline and "fork" in timeline
+        lines = await browser.evaluate("[...document.querySelectorAll('.msg.event')].map((m) => m.textContent)")
+        assert len(lines) == 4 and "resumed on weights v2" in lines[2]
+        roles = await browser.evaluate("[...document.querySelectorAll('.msg .role')].map((m) => m.textContent)")
+        assert "label" not in roles
         sample = run.samples[0]
         trained = await browser.evaluate("document.querySelectorAll('#tokens .tok.trained').length")
         assert trained == sum(sum(sequence.loss_mask) for sequence in [*sample.branches, sample])
