@@ -54,7 +54,7 @@ def timeline(path: Any) -> list[dict[str, Any]]:
         ts = event.get("ts")
         # the few detail keys an event has, in the order shown (most events have one or two of the many)
         present = sorted(_DETAIL_ORDER.keys() & event.keys(), key=_DETAIL_ORDER.__getitem__)
-        shown = [[key, _short(event[key])] for key in present if event[key] not in (None, False)]
+        shown = [(key, _short(event[key])) for key in present if event[key] not in (None, False)]
         rows.append(
             {
                 "at": round(ts - first, 4) if isinstance(ts, float) and first is not None else None,
@@ -448,8 +448,10 @@ def build_strip(
     }
 
 
-def _run_lengths(values: Sequence[int]) -> list[list[int]]:
-    return [[int(value), len(list(run))] for value, run in itertools.groupby(values)]
+def _run_lengths(values: Sequence[int]) -> list[tuple[int, int]]:
+    # tuples, written as the same JSON arrays: a tuple of numbers leaves the garbage collector's watch, and a large
+    # report holds many of them
+    return [(int(value), len(list(run))) for value, run in itertools.groupby(values)]
 
 
 def round_all(values: Sequence[float], digits: int) -> list[float]:

@@ -106,7 +106,7 @@ def test_run_lengths_are_the_loops() -> None:
     rng = random.Random(5)
     for _ in range(200):
         values = [rng.choice([0, 1]) for _ in range(rng.randrange(0, 40))]
-        assert detail._run_lengths(values) == looped_run_lengths(values)
+        assert [list(run) for run in detail._run_lengths(values)] == looped_run_lengths(values)
 
 
 def test_script_json_escapes_as_the_translation_did() -> None:
