@@ -603,11 +603,18 @@ SCRIPT = r"""
           v.line ? "line " + v.line : null].filter(Boolean).join(", ");
       const val = (x) => (typeof x === "string" ? x : JSON.stringify(x));
       const raised = v.kind === "error" && v.actual && typeof v.actual === "object" ? v.actual : null;
+      // an error today: the message holds the error, what the recording did instead and what followed; each is
+      // shown once, on its own line
+      const cut = raised ? v.message.indexOf("; after it, ") : -1;
+      const head = cut >= 0 ? v.message.slice(0, cut) : v.message;
+      const then = raised ? (head.match(/\((the recording [^]*)\)$/) || [])[1] : undefined;
       items.push(h("div", { class: "diverge" }, h("p", null, h("b", null, "first divergence: " + v.kind),
-        where ? " at " + where : "", h("br"), v.message),
+        where ? " at " + where : "", raised ? null : h("br"), raised ? null : v.message),
         raised ? h("p", { class: "err" }, "today's run raised " + raised.type + ": " + raised.message +
           (raised.state ? " (in state " + raised.state + ", on " + raised.trigger + ")" : "")) : null,
-        raised && v.expected === null ? h("p", { class: "note" }, "the recording did not fail here") : null,
+        raised ? h("p", { class: "note" }, then || (v.expected === null ? "the recording did not fail here"
+          : "the recording failed otherwise")) : null,
+        raised && cut >= 0 ? h("p", { class: "note" }, "what followed: " + v.message.slice(cut + 12)) : null,
         !raised && (v.expected !== null || v.actual !== null) ? h("div", { class: "ctx" },
           h("span", null, "recorded"), h("span", { class: "exp" }, val(v.expected)),
           h("span", null, "today"), h("span", { class: "act" }, val(v.actual))) : null,

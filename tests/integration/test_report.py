@@ -403,6 +403,41 @@ async def test_the_replay_divergence_shows_both_sides_and_marks_the_token(record
         assert browser.console_errors() == []
 
 
+@needs_chromium
+async def test_an_error_today_is_shown_once_with_what_the_recording_did_and_what_followed(
+    recorded: Recorded, tmp_path: Path
+) -> None:
+    """One generated token of sample 1.0 changed on the tape, not its logprob: today's run raises where it parses
+    that answer, and the page says so, once, with the recording's outcome and what followed."""
+    lines = recorded.tape.read_bytes().splitlines()
+    for number, line in enumerate(lines):
+        record = orjson.loads(line)
+        if record.get("kind") == "sample" and record["sample_id"] == "1.0":
+            generate = next(entry for entry in record["io"] if entry["op"] == "generate")
+            generate["answer"]["choices"][0]["token_ids"][0] += 1
+            lines[number] = orjson.dumps(record)
+    recorded.tape.write_bytes(b"\n".join(lines) + b"\n")
+    report = await asyncio.to_thread(replay, recorded.trace, tokenizer=recorded.tokenizer)
+    replay_json = tmp_path / "replay.json"
+    replay_json.write_bytes(orjson.dumps(report.to_dict()))
+    data = await asyncio.to_thread(build, recorded, replay=replay_json)
+    divergence = data.details[3]["replay"]["divergence"]
+    assert divergence["kind"] == "error" and divergence["actual"]["type"] == "GenerationError"
+    page = write_report(data, tmp_path / "report.html")
+    async with Chromium() as browser:
+        await open_report(browser, page)
+        await browser.evaluate("location.hash = '#s3'")
+        await browser.wait_for("document.querySelector('.diverge')")
+        box = await browser.evaluate("[...document.querySelectorAll('.diverge p')].map((p) => p.textContent)")
+        assert box[0] == "first divergence: error at turn 0, state generating"
+        assert box[1].startswith("today's run raised GenerationError: ")
+        assert box[1].endswith("(in state generating, on step)")
+        assert box[2] == "the recording did not fail: it ended completed/env_done"
+        assert box[3].startswith("what followed: today's rollout calls env.close()")
+        assert sum(text.count(divergence["actual"]["message"]) for text in box) == 1
+        assert browser.console_errors() == []
+
+
 # ---------------------------------------------------------------------------------------------------- the screenshot
 
 REPO = Path(__file__).resolve().parents[2]
