@@ -474,7 +474,8 @@ SCRIPT = r"""
       h("p", { class: "note" }, "no tape or results row for this sample: the trace gives its timeline only"));
     return h("section", null, h("h2", null, "Conversation", h("span", { class: "note" },
       "  (from the " + d.source + ")")),
-      c.prompt.map((m) => h("div", { class: "msg " + m.role }, h("span", { class: "role" }, "prompt · " + m.role),
+      c.prompt.map((m) => h("div", { class: "msg " + m.role }, h("span", { class: "role" },
+        m.role === "prompt" ? "prompt" : "prompt · " + m.role),
         parts(m.parts))),
       c.label === null || c.label === undefined ? null : h("div", { class: "msg system" },
         h("span", { class: "role" }, "label"), c.label),

@@ -57,8 +57,14 @@ def build_report(
     # without a results row, the reward the tape recorded at the sample's end
     rows = [row if row is not None or record is None or "reward" not in record.result
             else {"reward": record.result["reward"]} for row, record in zip(rows, records, strict=True)]  # fmt: skip
-    if inputs.tape is None:
+    if inputs.tape is None and not inputs.results:
         notes.append("no tape: the sample pages show timelines only (record with `fsm-rollout run --record`)")
+    elif inputs.tape is None:
+        notes.append(
+            "no tape: the sample pages show the results file's prompt, whole response and tokens, not each turn "
+            "(record with `fsm-rollout run --record`)"
+            + ("" if inputs.tokenizer is not None else "; token ids only, give `--tokenizer` for their text")
+        )
     index = {
         "meta": {
             "trace": inputs.trace_path.name,

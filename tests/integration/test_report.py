@@ -175,6 +175,11 @@ async def test_without_a_tape_the_trace_still_gives_timelines_reasons_and_counts
     assert any("no tape" in note for note in data.notes)
     assert [row[3] for row in data.index["rows"]] == ["env_done", "max_turns", "error", "env_done", "env_done"]
     assert all(page["timeline"] and page["conversation"] is None for page in data.details)
+    with_results = await asyncio.to_thread(build_report, recorded.trace, results=recorded.results)
+    (note,) = with_results.notes  # the results file gives each page its prompt, response and tokens
+    assert note.startswith("no tape: the sample pages show the results file's prompt, whole response and tokens")
+    assert note.endswith("give `--tokenizer` for their text")
+    assert all(page["source"] == "results" and page["tokens"] for page in with_results.details)
 
 
 async def test_the_page_holds_no_markup_from_the_run(recorded: Recorded) -> None:
