@@ -347,13 +347,18 @@ SCRIPT = r"""
       const k = C[sortKey];
       view.sort((a, b) => {
         const x = a.v[k], y = b.v[k];
-        const c = x === y ? 0 : x === null || x === undefined ? 1 : y === null || y === undefined ? -1 : x < y ? -1 : 1;
+        const c = x === y ? 0 : x === null || x === undefined ? 1 : y === null || y === undefined ? -1 : natural(x, y);
         return (sortDesc ? -c : c) || a.i - b.i;
       });
     }
   }
+  // ids and groups in number order ("2" before "10", "7.2" before "7.10"), other text alphabetically
+  const collator = new Intl.Collator("en", { numeric: true });
+  function natural(x, y) {
+    return typeof x === "number" && typeof y === "number" ? x - y : collator.compare(String(x), String(y));
+  }
   function options(name) {
-    const seen = [...new Set(ROWS.map((r) => r.v[C[name]]).filter((x) => x !== null && x !== ""))].sort();
+    const seen = [...new Set(ROWS.map((r) => r.v[C[name]]).filter((x) => x !== null && x !== ""))].sort(natural);
     return [h("option", { value: "" }, "any"), seen.map((x) => h("option", { value: x }, x))];
   }
   function samplesSection() {

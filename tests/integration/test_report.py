@@ -351,6 +351,15 @@ async def test_the_filter_shows_only_matching_samples(recorded: Recorded, tmp_pa
         )
         assert await browser.evaluate(by_reward) == ["0.0", "1.0", "1.1"]
         assert "3 of 5" in await browser.evaluate("document.querySelector('.count').textContent")
+        by_reward = (
+            "(() => { const i = document.querySelector('input[data-filter=rmin]'); i.value = '';"
+            " i.dispatchEvent(new Event('input'));"
+            " const s = document.querySelector('select[data-filter=reason]'); s.value = '';"
+            " s.dispatchEvent(new Event('change'));"
+            " document.querySelectorAll('.vhead span')[5].click();"
+            " return [...document.querySelectorAll('#rows .vrow')].map((r) => r.dataset.sample); })()"
+        )
+        assert await browser.evaluate(by_reward) == ["0.1", "0.2", "1.0", "1.1", "0.0"]  # ties keep the run order
 
 
 @needs_chromium
@@ -378,6 +387,14 @@ async def test_ten_thousand_samples_open_with_a_bounded_page(tmp_path: Path) -> 
         rows = await browser.evaluate("document.querySelectorAll('#rows .vrow').length")
         assert 0 < rows < 100
         assert "10000 of 10000" in await browser.evaluate("document.querySelector('.count').textContent")
+        sort_by_group = "document.querySelectorAll('.vhead span')[1].click()"
+        await browser.evaluate(sort_by_group)
+        await browser.evaluate(sort_by_group)  # descending: groups in number order, 2499 first (not "999")
+        first = "document.querySelector('#rows .vrow').dataset.sample"
+        assert await browser.evaluate(first) == "2499.0"
+        options = await browser.evaluate("[...document.querySelectorAll('select[data-filter=group] option')]"
+                                         ".slice(1, 4).map((o) => o.value)")  # fmt: skip
+        assert options == ["0", "1", "2"]
         # 2,500 groups: only the zero-variance ones are drawn, up to a limit, so the table stays near the top
         assert 0 < await browser.evaluate("document.querySelectorAll('.group').length") <= 60
         assert await browser.evaluate("document.querySelectorAll('.group:not(.zero)').length") == 0
