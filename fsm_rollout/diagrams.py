@@ -207,22 +207,48 @@ def match_edge(event: Mapping[str, Any], transitions: Sequence[lifecycle.Edge]) 
 
     Candidates share the event's trigger, source and destination; a ``reason`` picks among terminal edges, and the
     fields in :data:`_GUARD_EVIDENCE` among the rest. If that still leaves several, the last (most general) wins.
+    For many events, build an :class:`EdgeIndex` once and call its :meth:`~EdgeIndex.match`.
     """
-    candidates = [
-        index
-        for index, edge in enumerate(transitions)
-        if (edge.trigger, edge.source, edge.dest) == (event.get("trigger"), event.get("src"), event.get("dst"))
-    ]
-    reason = event.get("reason")
-    if len(candidates) > 1 and any(transitions[index].reason == reason for index in candidates):
-        candidates = [index for index in candidates if transitions[index].reason == reason]
-    if len(candidates) > 1:
-        with_evidence = [index for index in candidates if transitions[index].guard in _GUARD_EVIDENCE]
-        for index in with_evidence:
-            if event.get(_GUARD_EVIDENCE[str(transitions[index].guard)]) is True:
-                return index
-        candidates = [index for index in candidates if index not in with_evidence] or candidates
-    return candidates[-1] if candidates else None
+    return EdgeIndex(transitions).match(event)
+
+
+class EdgeIndex:
+    """A transition table's edges by (trigger, source, destination), so that matching an event costs a lookup
+    rather than a scan of the table (a large trace has one event per transition)."""
+
+    def __init__(self, transitions: Sequence[lifecycle.Edge]) -> None:
+        self._transitions = transitions
+        candidates: dict[tuple[str, str, str], list[int]] = {}
+        for index, edge in enumerate(transitions):
+            candidates.setdefault((edge.trigger, edge.source, edge.dest), []).append(index)
+        # keyed by whatever an event holds (a lookup of a non-string finds nothing)
+        self._candidates: dict[tuple[Any, Any, Any], tuple[int, ...]] = {
+            key: tuple(indices) for key, indices in candidates.items()
+        }
+
+    def match(self, event: Mapping[str, Any]) -> int | None:
+        """What :func:`match_edge` gives for ``event`` on this table."""
+        key = (event.get("trigger"), event.get("src"), event.get("dst"))
+        try:
+            found = self._candidates.get(key)
+        except TypeError:  # an unhashable field: no edge of the table has it
+            return None
+        if found is None:
+            return None
+        if len(found) == 1:
+            return found[0]
+        transitions = self._transitions
+        candidates = list(found)
+        reason = event.get("reason")
+        if any(transitions[index].reason == reason for index in candidates):
+            candidates = [index for index in candidates if transitions[index].reason == reason]
+        if len(candidates) > 1:
+            with_evidence = [index for index in candidates if transitions[index].guard in _GUARD_EVIDENCE]
+            for index in with_evidence:
+                if event.get(_GUARD_EVIDENCE[str(transitions[index].guard)]) is True:
+                    return index
+            candidates = [index for index in candidates if index not in with_evidence] or candidates
+        return candidates[-1]
 
 
 def build_overlay(events: Iterable[Mapping[str, Any]], sample: str | None = None) -> Overlay:
@@ -234,6 +260,7 @@ def build_overlay(events: Iterable[Mapping[str, Any]], sample: str | None = None
     of it. Events without a ``sample_id``, ``trigger``, ``src`` or ``dst`` are skipped.
     """
     transitions = lifecycle.TRANSITIONS
+    edges = EdgeIndex(transitions)
     edge_transitions = [0] * len(transitions)
     edge_samples: list[set[str]] = [set() for _ in transitions]
     entered: dict[str, set[str]] = {state.name: set() for state in lifecycle.STATES}
@@ -265,7 +292,7 @@ def build_overlay(events: Iterable[Mapping[str, Any]], sample: str | None = None
         queued_ms = event.get("queued_ms")
         if src == lifecycle.INITIAL and isinstance(queued_ms, int | float) and not isinstance(queued_ms, bool):
             queued.append(float(queued_ms))
-        index = match_edge(event, transitions)
+        index = edges.match(event)
         if index is None:
             unmatched[(str(trigger), str(src), str(dst))] += 1
         else:

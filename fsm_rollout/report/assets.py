@@ -52,7 +52,8 @@ color:#1b5e20}
 .group.zero{border-color:#e0b000;background:#fffaf0}
 .group .r{display:inline-block;width:12px;height:12px;margin-left:2px;border-radius:2px;vertical-align:middle}
 .lifecycle .scroll{overflow-x:auto;margin-bottom:8px}
-.lifecycle img{display:block;margin:0 auto}
+.lifecycle img{display:block;margin:0 auto;cursor:zoom-out}
+.lifecycle img.fit{max-width:100%;height:auto;cursor:zoom-in}
 .filters{display:flex;gap:8px;flex-wrap:wrap;align-items:center;margin-bottom:8px}
 .filters label{font-size:12px;color:var(--dim)}
 .filters input,.filters select{font:inherit;font-size:13px;padding:2px 4px}
@@ -79,6 +80,7 @@ a.vrow{color:inherit;text-decoration:none}
 .msg .role{font-size:11px;color:var(--dim);text-transform:uppercase;font-weight:600;display:block}
 .msg.assistant{border-color:#66bb6a}.msg.user,.msg.prompt{border-color:#42a5f5}.msg.system{border-color:#9e9e9e}
 .msg.observation{border-color:#ab47bc}.msg.env{border-color:#ffa726}
+.msg.event{border-color:#7e57c2;color:#4a3a7a;font-size:13px}
 .part.think{display:block;color:#546e7a;background:#f3f5f6;border:1px dashed #b0bec5;padding:3px 6px;margin:3px 0;
 font-style:italic}
 .part.tool_call{display:block;font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;background:#fff7e6;
@@ -88,7 +90,7 @@ border:1px solid #f0c36d;padding:3px 6px;margin:3px 0}
 .strip{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;line-height:1.9;white-space:pre-wrap;
 word-break:break-all}
 .tok{border-radius:2px;padding:1px 0;margin-right:1px;background:var(--train);color:var(--train-ink)}
-.tok.masked{background:var(--mask);color:var(--mask-ink);text-decoration:line-through;text-decoration-color:#b0bec5}
+.tok.masked{background:var(--mask);color:var(--mask-ink)}
 .tok.prompt{background:var(--prompt);color:#90a4ae;text-decoration:none}
 .tok.image{background:var(--img);color:#5e35b1}
 .tok.eos{outline:2px solid var(--eos);color:var(--eos)}
@@ -148,6 +150,7 @@ SCRIPT = r"""
     if (value === null || value === undefined) return "\u2013";
     if (typeof value !== "number") return String(value);
     if (Number.isInteger(value)) return value.toLocaleString("en-US");
+    if (digits === 0) return Math.round(value).toLocaleString("en-US");
     return value.toFixed(digits === undefined ? 1 : digits);
   }
   function ms(value) {
@@ -187,9 +190,8 @@ SCRIPT = r"""
       [gen ? fmt(gen.total) : "\u2013", "tokens generated"],
       [t ? fmt(t.tokens_per_s, 0) : "\u2013", "tokens/s" + (t ? " over " + fmt(t.seconds, 1) + " s" : "")],
       [t ? fmt(t.samples_per_s, 2) : "\u2013", "samples/s"],
-      [mean === null ? "\u2013" : mean.toFixed(3),
-        "mean reward" + (rewards.length ? " (" + rewards.length + ")" : "")],
     ];
+    if (mean !== null) list.push([mean.toFixed(3), "mean reward (" + rewards.length + ")"]);
     if (S.groups.length) list.push([zero + "/" + S.groups.length, "groups with zero reward variance"]);
     if (S.forks) list.push([fmt(S.forks.transitions), "forks in " + fmt(S.forks.samples) + " samples"]);
     if (S.suspensions) list.push([fmt(S.suspensions.samples), "samples suspended"]);
@@ -244,16 +246,22 @@ SCRIPT = r"""
           "waiting for a concurrency slot before the rollout starts: not part of pending's own work") : null,
         rows.map((d) => line(d.state, d, "",
           d.state === "pending" ? "the rollout's own start-up (render request)" : null))),
-      h("p", { class: "note" }, "dwell: time in a state per transition out of it (trace field dwell_ms)"));
+      h("p", { class: "note" }, "dwell: time in a state per transition out of it (trace field dwell_ms). Totals " +
+        "add up every sample's time, so with samples running side by side they exceed the run's wall time."));
   }
+  const GROUPS_DRAWN = 60;  // beyond this, a chip per group would push the sample table far down
   function groupsSection() {
     if (!S.groups.length) return null;
     const zero = S.groups.filter((g) => g.zero_variance);
     const colour = (r) => "hsl(" + Math.round(120 * Math.max(0, Math.min(1, r))) + ",55%,55%)";
+    const shown = S.groups.length <= GROUPS_DRAWN ? S.groups : zero.slice(0, GROUPS_DRAWN);
     return h("section", null, h("h2", null, "Rewards per group"),
       h("p", { class: "note" }, zero.length + " of " + S.groups.length +
         " groups have zero reward variance (every member got the same reward: no signal for a group-relative update)"),
-      h("div", { class: "groups" }, S.groups.map((g) => h("span", {
+      shown.length < S.groups.length ? h("p", { class: "note" }, "drawn: " + (shown.length < zero.length ?
+        "the first " + shown.length + " of them" : "those " + shown.length) + "; every group is in the sample " +
+        "table's group filter") : null,
+      h("div", { class: "groups" }, shown.map((g) => h("span", {
         class: "group" + (g.zero_variance ? " zero" : ""), title: "rewards " + g.rewards.join(", "),
         onclick: () => setFilter({ group: g.group }) }, "group " + g.group + " ",
         g.rewards.map((r) => h("span", { class: "r", style: "background:" + colour(r) })),
@@ -278,8 +286,11 @@ SCRIPT = r"""
     const L = INDEX.lifecycle;
     const url = imageUrl(L.svg);
     return h("section", { class: "lifecycle" }, h("h2", null, "The lifecycle, with this run's counts"),
-      url ? h("div", { class: "scroll" }, h("img", { src: url, alt: "lifecycle diagram with the run's counts" }))
+      url ? h("div", { class: "scroll" }, h("img", { src: url, class: "fit",
+        alt: "lifecycle diagram with the run's counts", title: "click: natural size / fit the width",
+        onclick: (e) => e.target.classList.toggle("fit") }))
         : h("p", { class: "note" }, "diagram not drawn: " + (L.svg_error || "no Graphviz")),
+      url ? h("p", { class: "note" }, "click the diagram to see it at its natural size (it scrolls sideways)") : null,
       h("details", null, h("summary", null, "every edge of the table"),
         h("table", null, h("tr", null, ["from", "trigger [guard]", "to", "reason", "transitions", "samples"].map((x,
           k) =>
@@ -336,13 +347,18 @@ SCRIPT = r"""
       const k = C[sortKey];
       view.sort((a, b) => {
         const x = a.v[k], y = b.v[k];
-        const c = x === y ? 0 : x === null || x === undefined ? 1 : y === null || y === undefined ? -1 : x < y ? -1 : 1;
+        const c = x === y ? 0 : x === null || x === undefined ? 1 : y === null || y === undefined ? -1 : natural(x, y);
         return (sortDesc ? -c : c) || a.i - b.i;
       });
     }
   }
+  // ids and groups in number order ("2" before "10", "7.2" before "7.10"), other text alphabetically
+  const collator = new Intl.Collator("en", { numeric: true });
+  function natural(x, y) {
+    return typeof x === "number" && typeof y === "number" ? x - y : collator.compare(String(x), String(y));
+  }
   function options(name) {
-    const seen = [...new Set(ROWS.map((r) => r.v[C[name]]).filter((x) => x !== null && x !== ""))].sort();
+    const seen = [...new Set(ROWS.map((r) => r.v[C[name]]).filter((x) => x !== null && x !== ""))].sort(natural);
     return [h("option", { value: "" }, "any"), seen.map((x) => h("option", { value: x }, x))];
   }
   function samplesSection() {
@@ -463,10 +479,14 @@ SCRIPT = r"""
       h("p", { class: "note" }, "no tape or results row for this sample: the trace gives its timeline only"));
     return h("section", null, h("h2", null, "Conversation", h("span", { class: "note" },
       "  (from the " + d.source + ")")),
-      c.prompt.map((m) => h("div", { class: "msg " + m.role }, h("span", { class: "role" }, "prompt · " + m.role),
+      c.prompt.map((m) => h("div", { class: "msg " + m.role }, h("span", { class: "role" },
+        m.role === "prompt" ? "prompt" : "prompt · " + m.role),
         parts(m.parts))),
-      h("div", { class: "msg system" }, h("span", { class: "role" }, "label"), c.label),
+      c.label === null || c.label === undefined ? null : h("div", { class: "msg system" },
+        h("span", { class: "role" }, "label"), c.label),
       c.turns.map((t) => [
+        (t.events || []).map((e) => h("div", { class: "msg system event" }, h("span", { class: "role" },
+          "lifecycle"), e)),
         h("div", { class: "msg assistant" }, h("span", { class: "role" },
           t.turn === null ? "model (whole response)" : "model · turn " + t.turn),
           parts(t.parts)),
@@ -515,8 +535,9 @@ SCRIPT = r"""
       "weights " + version[k]); lastVersion = version[k]; }
     for (const [a] of T.images) mark(a, "img", "image");
     const div = d.replay && d.replay.divergence;
-    if (div && ["tokens", "loss_mask", "logprobs"].includes(div.kind) && div.index !== null && div.index < n) {
-      mark(div.index, "div", "\u2716 replay diverges here");
+    const at = div ? div.strip_index : null;  // the strip runs a forked rollout's sequences end to end
+    if (div && at !== null && at !== undefined && at < n) {
+      mark(at, "div", "\u2716 replay diverges here");
     }
     const info = h("div", { class: "tokinfo" },
       "hover a token: its position, id, decoded text, mask, logprob and weight version");
@@ -588,11 +609,18 @@ SCRIPT = r"""
           v.line ? "line " + v.line : null].filter(Boolean).join(", ");
       const val = (x) => (typeof x === "string" ? x : JSON.stringify(x));
       const raised = v.kind === "error" && v.actual && typeof v.actual === "object" ? v.actual : null;
+      // an error today: the message holds the error, what the recording did instead and what followed; each is
+      // shown once, on its own line
+      const cut = raised ? v.message.indexOf("; after it, ") : -1;
+      const head = cut >= 0 ? v.message.slice(0, cut) : v.message;
+      const then = raised ? (head.match(/\((the recording [^]*)\)$/) || [])[1] : undefined;
       items.push(h("div", { class: "diverge" }, h("p", null, h("b", null, "first divergence: " + v.kind),
-        where ? " at " + where : "", h("br"), v.message),
+        where ? " at " + where : "", raised ? null : h("br"), raised ? null : v.message),
         raised ? h("p", { class: "err" }, "today's run raised " + raised.type + ": " + raised.message +
           (raised.state ? " (in state " + raised.state + ", on " + raised.trigger + ")" : "")) : null,
-        raised && v.expected === null ? h("p", { class: "note" }, "the recording did not fail here") : null,
+        raised ? h("p", { class: "note" }, then || (v.expected === null ? "the recording did not fail here"
+          : "the recording failed otherwise")) : null,
+        raised && cut >= 0 ? h("p", { class: "note" }, "what followed: " + v.message.slice(cut + 12)) : null,
         !raised && (v.expected !== null || v.actual !== null) ? h("div", { class: "ctx" },
           h("span", null, "recorded"), h("span", { class: "exp" }, val(v.expected)),
           h("span", null, "today"), h("span", { class: "act" }, val(v.actual))) : null,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,8 +57,14 @@ def build_report(
     # without a results row, the reward the tape recorded at the sample's end
     rows = [row if row is not None or record is None or "reward" not in record.result
             else {"reward": record.result["reward"]} for row, record in zip(rows, records, strict=True)]  # fmt: skip
-    if inputs.tape is None:
+    if inputs.tape is None and not inputs.results:
         notes.append("no tape: the sample pages show timelines only (record with `fsm-rollout run --record`)")
+    elif inputs.tape is None:
+        notes.append(
+            "no tape: the sample pages show the results file's prompt, whole response and tokens, not each turn "
+            "(record with `fsm-rollout run --record`)"
+            + ("" if inputs.tokenizer is not None else "; token ids only, give `--tokenizer` for their text")
+        )
     index = {
         "meta": {
             "trace": inputs.trace_path.name,
@@ -106,7 +113,27 @@ def sample_detail(inputs: Inputs, path: Any, record: Any, row: Any, replayed: An
         page["tokens"] = detail.strip_from_results(row, inputs.tokenizer)
     if row is not None and page["conversation"] is not None and page["conversation"].get("reward") is None:
         page["conversation"]["reward"] = row.get("reward")
+    if replayed is not None and isinstance(replayed.get("divergence"), dict) and page["tokens"] is not None:
+        at = strip_position(replayed["divergence"], page["tokens"])
+        page["replay"] = {**replayed, "divergence": {**replayed["divergence"], "strip_index": at}}
     return page
+
+
+_BRANCH_DIVERGENCE = re.compile(r"^branch (\d+) tokens\[")
+
+
+def strip_position(divergence: dict[str, Any], strip: dict[str, Any]) -> int | None:
+    """Where in the token strip a token divergence is: replay counts positions in the sequence it compares (a
+    branch's, named in the message, or the last one), the strip runs all sequences end to end."""
+    index = divergence.get("index")
+    if divergence.get("kind") not in ("tokens", "loss_mask", "logprobs") or not isinstance(index, int):
+        return None
+    sequences = strip.get("sequences") or []
+    if not sequences:
+        return index
+    branch = _BRANCH_DIVERGENCE.match(str(divergence.get("message", "")))
+    number = int(branch.group(1)) if branch else len(sequences) - 1
+    return int(sequences[number][0]) + index if number < len(sequences) else None
 
 
 def _replay_summary(replay: dict[str, Any] | None) -> dict[str, Any] | None:

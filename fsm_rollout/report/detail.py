@@ -12,6 +12,7 @@ Every string here is data, put in the page as JSON and shown as text by the page
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -31,11 +32,14 @@ EVENT_DETAIL_KEYS = (
     "suspend_reason",
     "suspended_ms",
     "weight_version",
+    "partial_tokens",
+    "branch",
     "failed_trigger",
     "error_type",
     "error",
 )
 """Transition fields shown beside each step of the timeline, when set."""
+_DETAIL_ORDER = {key: position for position, key in enumerate(EVENT_DETAIL_KEYS)}
 
 _PARTS = re.compile(r"(<think>.*?(?:</think>|$)|<tool_call>.*?(?:</tool_call>|$))", re.DOTALL)
 _IMAGE_OPEN, _IMAGE_CLOSE = "<|vision_start|>", "<|vision_end|>"
@@ -48,7 +52,9 @@ def timeline(path: Any) -> list[dict[str, Any]]:
     rows = []
     for event in path.events:
         ts = event.get("ts")
-        shown = [[key, _short(event[key])] for key in EVENT_DETAIL_KEYS if event.get(key) not in (None, False)]
+        # the few detail keys an event has, in the order shown (most events have one or two of the many)
+        present = sorted(_DETAIL_ORDER.keys() & event.keys(), key=_DETAIL_ORDER.__getitem__)
+        shown = [(key, _short(event[key])) for key in present if event[key] not in (None, False)]
         rows.append(
             {
                 "at": round(ts - first, 4) if isinstance(ts, float) and first is not None else None,
@@ -172,6 +178,9 @@ def conversation_from_tape(record: Any, tape: Any) -> dict[str, Any]:
             elif message is not None:
                 turn["observation"] = {"role": "observation", "parts": content_parts(message)}
         turns.append(turn)
+    for index, events in turn_events(record.transitions).items():
+        if index < len(turns):
+            turns[index]["events"] = events
     lengths = [segment for segment in response_segments(record) if segment.kind == "observation"]
     for segment in lengths:
         if segment.turn < len(turns):
@@ -180,51 +189,161 @@ def conversation_from_tape(record: Any, tape: Any) -> dict[str, Any]:
     error = result.get("error")
     return {
         "prompt": prompt,
-        "label": _text(sample.get("label")),
+        "label": None if sample.get("label") is None else _text(sample.get("label")),
         "turns": turns,
         "reward": result.get("reward"),
         "error": _text(error) if error is not None and not isinstance(error, dict) else error,
     }
 
 
-def strip_from_tape(record: Any, tokenizer: Any) -> dict[str, Any] | None:
-    """The token strip of a tape record (None when the record has no readable tokens)."""
-    from fsm_rollout.cli.inspect import response_segments
+def turn_events(transitions: Sequence[Mapping[str, Any]]) -> dict[int, list[str]]:
+    """What happened to each turn besides generating: the fork that started it (its history rewritten, a new
+    training sequence) and the suspensions it waited through, as lines of text by turn."""
+    events: dict[int, list[str]] = {}
+    for event in transitions:
+        turn, trigger = event.get("turn"), event.get("trigger")
+        if not isinstance(turn, int):
+            continue
+        if trigger == "fork" and event.get("dst") == "rendered":
+            text = (
+                f"fork ({event.get('reason')}): the template wrote the history back differently, so the conversation "
+                f"was rendered again ({event.get('prompt_tokens')} prompt tokens) and this turn starts training "
+                f"sequence {event.get('branch')}; the tokens before it are kept as an earlier sequence (a branch)"
+            )
+        elif trigger == "suspend":
+            partial = event.get("partial_tokens")
+            text = f"suspended ({event.get('suspend_reason')})" + (
+                f" after {partial} token(s) of this turn" if isinstance(partial, int) else ""
+            )
+        elif trigger == "resume":
+            version = event.get("weight_version")
+            text = "resumed" + (f" on weights {version}" if version is not None else "") + (
+                f" after {event['suspended_ms']:.1f} ms" if isinstance(event.get("suspended_ms"), int | float) else ""
+            )
+        elif trigger == "hand_back":
+            text = "handed back to the trainer while suspended (resumable)"
+        else:
+            continue
+        events.setdefault(turn, []).append(text)
+    return events
 
+
+def strip_from_tape(record: Any, tokenizer: Any) -> dict[str, Any] | None:
+    """The token strip of a tape record (None when the record has no readable tokens): a forked rollout's earlier
+    sequences (the result's ``branches``) first, then its last one, with the boundaries between them."""
     tokens = recorded_tokens(record)
     result = record.result
     prompt_length = result.get("prompt_length")
     if tokens is None or not isinstance(prompt_length, int):
         return None
-    mask = expand_run_lengths(result.get("loss_mask")) or []
-    logprobs = result.get("rollout_log_probs") if isinstance(result.get("rollout_log_probs"), list) else None
-    segments = response_segments(record)
-    model_segments = [segment for segment in segments if segment.kind == "model"]
+    sequences: list[tuple[list[int], int, list[int]]] = []
+    for branch in result.get("branches") or []:
+        if isinstance(branch, dict) and isinstance(branch.get("tokens"), list):
+            length = branch.get("prompt_length")
+            sequences.append((list(branch["tokens"]), length if isinstance(length, int) else 0,
+                              expand_run_lengths(branch.get("loss_mask")) or []))  # fmt: skip
+    sequences.append((tokens, prompt_length, expand_run_lengths(result.get("loss_mask")) or []))
+    starts = list(itertools.accumulate((len(ids) for ids, _, _ in sequences[:-1]), initial=0))
+    ids = [token for sequence, _, _ in sequences for token in sequence]
+    mask = [bit for sequence, prompt, response in sequences for bit in [0] * prompt + response]
+    logprobs: list[float] | None = None
+    final_logprobs = result.get("rollout_log_probs")
+    if isinstance(final_logprobs, list):
+        # the last sequence's are the result's; an earlier sequence's come from its generate answers
+        logprobs = [0.0] * starts[-1] + [0.0] * prompt_length + list(final_logprobs)
     versions: list[list[Any]] = []
-    generates = [entry for entry in record.io if entry["op"] == "generate" and isinstance(entry.get("answer"), dict)]
-    for segment, entry in zip(model_segments, generates, strict=False):
-        choices = entry["answer"].get("choices")
-        spans = choices[0].get("weight_versions") if isinstance(choices, list) and choices else None
-        for span in spans if isinstance(spans, list) else []:
-            if isinstance(span, dict) and isinstance(span.get("start"), int) and isinstance(span.get("end"), int):
-                start = prompt_length + segment.start
-                versions.append([start + span["start"], start + span["end"], str(span.get("version"))])
-    steps = [event for event in record.transitions if event.get("trigger") == "step"]
-    eos = [
-        prompt_length + segment.end - 1
-        for segment, event in zip(model_segments, steps, strict=False)
-        if event.get("eos_inserted") and segment.end - 1 < len(mask) and mask[segment.end - 1] == 0
-    ]
+    position = 0
+    for context, turn in generated_turns(record):
+        while position < len(sequences) and sequences[position][0][: len(context)] != context:
+            position += 1  # a request that does not extend this sequence belongs to a later one
+        if position == len(sequences):
+            break
+        offset = starts[position] + len(context)
+        for version, start, stop in turn.meta.weight_version_spans or ():
+            versions.append([offset + start, offset + stop, version])
+        if logprobs is not None and position < len(sequences) - 1:
+            logprobs[offset : offset + len(turn.logprobs)] = turn.logprobs
+    segments: list[list[Any]] = []
+    eos: list[int] = []
+    for number, (pieces, steps) in enumerate(sequence_segments(record.transitions)):
+        if number >= len(sequences):
+            break
+        base = starts[number] + sequences[number][1]
+        segments += [[base + piece.start, base + piece.end, piece.kind, piece.turn] for piece in pieces]
+        models = [piece for piece in pieces if piece.kind == "model"]
+        response = sequences[number][2]
+        eos += [
+            base + piece.end - 1
+            for piece, event in zip(models, steps, strict=False)
+            if event.get("eos_inserted") and piece.end - 1 < len(response) and response[piece.end - 1] == 0
+        ]
     return build_strip(
-        tokens,
-        [0] * prompt_length + mask,
-        None if logprobs is None else [0.0] * prompt_length + list(logprobs),
+        ids,
+        mask,
+        logprobs,
         tokenizer,
-        prompts=[[0, prompt_length]],
+        prompts=[[start, start + prompt] for start, (_, prompt, _) in zip(starts, sequences, strict=True)],
         versions=versions,
         eos=eos,
-        segments=[[prompt_length + s.start, prompt_length + s.end, s.kind, s.turn] for s in segments],
+        segments=segments,
+        sequences=_sequence_names(starts, sequences) if len(sequences) > 1 else [],
     )
+
+
+def _sequence_names(starts: Sequence[int], sequences: Sequence[tuple[list[int], int, list[int]]]) -> list[list[Any]]:
+    last = len(sequences) - 1
+    return [[start, start + len(ids), "final sequence" if number == last else f"branch {number}"]
+            for number, (start, (ids, _, _)) in enumerate(zip(starts, sequences, strict=True))]  # fmt: skip
+
+
+def generated_turns(record: Any) -> list[tuple[list[int], Any]]:
+    """Each generate request the record holds, in order: the tokens it was sent and its parsed answer (a
+    :class:`~fsm_rollout.engine.schema.GeneratedTurn`; answers that do not parse are left out)."""
+    from fsm_rollout.engine.schema.answers import parse_generate_response
+    from fsm_rollout.errors import GenerationError
+
+    turns = []
+    base: list[int] = []
+    try:
+        for entry in record.io:
+            if entry["op"] == "render":
+                ids = answer_token_ids(entry.get("answer"))
+                base = list(ids) if ids is not None else base
+            elif entry["op"] == "generate" and isinstance(entry.get("tokens"), dict):
+                base = expand_tokens(entry["tokens"], base)
+                try:
+                    turns.append((base, parse_generate_response(entry.get("answer"), "report")))
+                except GenerationError:
+                    continue
+    except RecordingFormatError:
+        return turns
+    return turns
+
+
+def sequence_segments(transitions: Sequence[Mapping[str, Any]]) -> list[tuple[list[Any], list[Mapping[str, Any]]]]:
+    """Per training sequence (a fork starts the next): its response side cut into model turns and observations
+    (:class:`~fsm_rollout.cli.inspect.Segment`), and its ``step`` transitions."""
+    from fsm_rollout.cli.inspect import Segment
+
+    sequences: list[tuple[list[Any], list[Mapping[str, Any]]]] = [([], [])]
+    previous = 0
+    for event in transitions:
+        if event.get("trigger") == "fork" and event.get("dst") == "rendered":
+            sequences.append(([], []))
+            previous = 0
+            continue
+        if event.get("trigger") == "step":
+            sequences[-1][1].append(event)
+        length, turn = event.get("response_length"), event.get("turn")
+        if not isinstance(length, int) or not isinstance(turn, int):
+            continue
+        if length > previous:
+            if event.get("trigger") == "step":
+                sequences[-1][0].append(Segment(turn, "model", previous, length))
+            elif event.get("trigger") == "generate" and event.get("src") == "observing":
+                sequences[-1][0].append(Segment(turn - 1, "observation", previous, length))
+        previous = length
+    return sequences
 
 
 # ---------------------------------------------------------------------------------------------------- results
@@ -247,7 +366,7 @@ def conversation_from_results(row: Mapping[str, Any]) -> dict[str, Any]:
     error = metadata.get("rollout_error") if isinstance(metadata, dict) else None
     return {
         "prompt": messages,
-        "label": _text(row.get("label")),
+        "label": None if row.get("label") is None else _text(row.get("label")),
         "turns": [{"turn": None, "parts": message_parts(response)}] if response else [],
         "reward": row.get("reward"),
         "error": error,
@@ -313,12 +432,12 @@ def build_strip(
     ``eos`` (inserted EOS tokens), ``images`` (``[start, end]`` of tokens between vision markers), ``segments``
     (``[start, end, kind, turn]``: model turns and observations) and ``sequences`` (``[start, end, name]`` of each
     training sequence when a forked rollout has several: the branch boundaries)."""
-    ids = [int(token) for token in tokens]
+    ids = list(map(int, tokens))
     texts = decode_each(sorted(set(ids)), tokenizer) if tokenizer is not None else None
     return {
         "ids": ids,
         "mask": _run_lengths(mask),
-        "logprobs": None if logprobs is None else [round(float(value), _LOGPROB_DIGITS) for value in logprobs],
+        "logprobs": None if logprobs is None else round_all(logprobs, _LOGPROB_DIGITS),
         "texts": texts,
         "prompts": [list(span) for span in prompts],
         "versions": [list(span) for span in versions],
@@ -329,14 +448,32 @@ def build_strip(
     }
 
 
-def _run_lengths(values: Sequence[int]) -> list[list[int]]:
-    runs: list[list[int]] = []
-    for value in values:
-        if runs and runs[-1][0] == value:
-            runs[-1][1] += 1
-        else:
-            runs.append([int(value), 1])
-    return runs
+def _run_lengths(values: Sequence[int]) -> list[tuple[int, int]]:
+    # tuples, written as the same JSON arrays: a tuple of numbers leaves the garbage collector's watch, and a large
+    # report holds many of them
+    return [(int(value), len(list(run))) for value, run in itertools.groupby(values)]
+
+
+def round_all(values: Sequence[float], digits: int) -> list[float]:
+    """``[round(float(value), digits) for value in values]``, the same floats, computed for whole arrays at once.
+
+    ``rint(value * 10**digits) / 10**digits`` is what ``round`` gives whenever the product is not near a half (the
+    product's own rounding error cannot cross one there, and the division is correctly rounded, as ``round``'s
+    decimal-to-float step is); the values near a half, very large or not finite go through ``round`` itself.
+    """
+    import numpy as np
+
+    array = np.asarray(values, dtype=np.float64)
+    scale = 10.0**digits
+    with np.errstate(invalid="ignore", over="ignore"):  # infinities and NaN are left to round() below
+        scaled = array * scale
+        result = np.rint(scaled) / scale
+        margin = np.abs(np.abs(scaled - np.floor(scaled)) - 0.5)
+        unsure = ~(np.isfinite(scaled) & (np.abs(scaled) < 1e9) & (margin > 1e-6))
+    rounded: list[float] = result.tolist()
+    for position in np.flatnonzero(unsure).tolist():
+        rounded[position] = round(float(values[position]), digits)
+    return rounded
 
 
 def decode_each(ids: Sequence[int], tokenizer: Any) -> dict[str, str]:

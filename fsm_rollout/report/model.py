@@ -40,6 +40,8 @@ ROW_COLUMNS = (
 FORK_REASON = "history_rewritten"
 """The reason a non-terminal edge carries when a rollout rewrote its history (a fork: a new training sequence)."""
 SUSPEND_TRIGGERS = ("suspend", "resume", "hand_back")
+_QUEUED_SHOWN_MS = 50.0
+"""A sample is flagged as queued when it waited at least this long for a slot (shown as at least 0.1 s)."""
 
 
 class ReportInputError(RolloutError, ValueError):
@@ -383,7 +385,7 @@ def sample_row(path: Any, row: Mapping[str, Any] | None, replayed: Mapping[str, 
         flags.append("suspended")
     if any(event.get("trigger") == "fail" for event in path.events):
         flags.append("error")
-    if queued:
+    if queued is not None and queued >= _QUEUED_SHOWN_MS:
         flags.append(f"queued {queued / 1000.0:.1f}s")
     return [
         path.label or str(path.sample_id),

@@ -15,12 +15,12 @@ import orjson
 
 from fsm_rollout.report.assets import CSS, SCRIPT
 
-_ESCAPES = {ord("<"): "\\u003c", ord(">"): "\\u003e", ord("&"): "\\u0026"}
-
 
 def json_for_script(value: Any) -> str:
     """``value`` as JSON that is safe inside a ``<script type="application/json">`` element."""
-    return orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode().translate(_ESCAPES)
+    # three replaces rather than one str.translate: translate to several characters is a slow per-character path
+    text = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode()
+    return text.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
 
 def render_page(index: dict[str, Any], details: Sequence[dict[str, Any]], *, title: str = "fsm-rollout report") -> str:

@@ -175,6 +175,11 @@ async def test_without_a_tape_the_trace_still_gives_timelines_reasons_and_counts
     assert any("no tape" in note for note in data.notes)
     assert [row[3] for row in data.index["rows"]] == ["env_done", "max_turns", "error", "env_done", "env_done"]
     assert all(page["timeline"] and page["conversation"] is None for page in data.details)
+    with_results = await asyncio.to_thread(build_report, recorded.trace, results=recorded.results)
+    (note,) = with_results.notes  # the results file gives each page its prompt, response and tokens
+    assert note.startswith("no tape: the sample pages show the results file's prompt, whole response and tokens")
+    assert note.endswith("give `--tokenizer` for their text")
+    assert all(page["source"] == "results" and page["tokens"] for page in with_results.details)
 
 
 async def test_the_page_holds_no_markup_from_the_run(recorded: Recorded) -> None:
@@ -236,6 +241,18 @@ def test_forks_and_suspensions_are_counted_from_the_trace(tmp_path: Path) -> Non
     assert summary["suspensions"]["counts"] == {"suspend": 1, "resume": 1}
     assert summary["suspensions"]["suspended_ms"]["max"] == 120.0
     assert build_report(trace).index["rows"][0][-1].split()[:2] == ["fork", "suspended"]
+
+
+def test_a_sample_is_flagged_queued_only_when_it_waited_a_noticeable_time() -> None:
+    from fsm_rollout.replay import TracedPath
+    from fsm_rollout.report.model import sample_row
+
+    def flags(queued_ms: float) -> str:
+        event = {"trigger": "render", "src": "pending", "dst": "rendered", "queued_ms": queued_ms, "ts": 1.0}
+        return str(sample_row(TracedPath(sample_id="0", session_id=None, events=[event]), None, None)[-1])
+
+    assert flags(0.08) == "" and flags(49.0) == ""  # shown, these read "queued 0.0s": noise on every row
+    assert flags(50.0) == "queued 0.1s" and flags(13_400.0) == "queued 13.4s"
 
 
 async def diverged_report(recorded: Recorded, tmp_path: Path) -> Any:
@@ -334,6 +351,15 @@ async def test_the_filter_shows_only_matching_samples(recorded: Recorded, tmp_pa
         )
         assert await browser.evaluate(by_reward) == ["0.0", "1.0", "1.1"]
         assert "3 of 5" in await browser.evaluate("document.querySelector('.count').textContent")
+        by_reward = (
+            "(() => { const i = document.querySelector('input[data-filter=rmin]'); i.value = '';"
+            " i.dispatchEvent(new Event('input'));"
+            " const s = document.querySelector('select[data-filter=reason]'); s.value = '';"
+            " s.dispatchEvent(new Event('change'));"
+            " document.querySelectorAll('.vhead span')[5].click();"
+            " return [...document.querySelectorAll('#rows .vrow')].map((r) => r.dataset.sample); })()"
+        )
+        assert await browser.evaluate(by_reward) == ["0.1", "0.2", "1.0", "1.1", "0.0"]  # ties keep the run order
 
 
 @needs_chromium
@@ -361,6 +387,17 @@ async def test_ten_thousand_samples_open_with_a_bounded_page(tmp_path: Path) -> 
         rows = await browser.evaluate("document.querySelectorAll('#rows .vrow').length")
         assert 0 < rows < 100
         assert "10000 of 10000" in await browser.evaluate("document.querySelector('.count').textContent")
+        sort_by_group = "document.querySelectorAll('.vhead span')[1].click()"
+        await browser.evaluate(sort_by_group)
+        await browser.evaluate(sort_by_group)  # descending: groups in number order, 2499 first (not "999")
+        first = "document.querySelector('#rows .vrow').dataset.sample"
+        assert await browser.evaluate(first) == "2499.0"
+        options = await browser.evaluate("[...document.querySelectorAll('select[data-filter=group] option')]"
+                                         ".slice(1, 4).map((o) => o.value)")  # fmt: skip
+        assert options == ["0", "1", "2"]
+        # 2,500 groups: only the zero-variance ones are drawn, up to a limit, so the table stays near the top
+        assert 0 < await browser.evaluate("document.querySelectorAll('.group').length") <= 60
+        assert await browser.evaluate("document.querySelectorAll('.group:not(.zero)').length") == 0
         await browser.evaluate("const v = document.getElementById('rows'); v.scrollTop = v.scrollHeight")
         last = await browser.wait_for(
             "[...document.querySelectorAll('#rows .vrow')].map((r) => r.dataset.sample).includes('2499.3') && 'yes'"
@@ -385,6 +422,41 @@ async def test_the_replay_divergence_shows_both_sides_and_marks_the_token(record
             " Number(m[0].nextElementSibling.dataset.k); })()"
         )
         assert marked == index
+        assert browser.console_errors() == []
+
+
+@needs_chromium
+async def test_an_error_today_is_shown_once_with_what_the_recording_did_and_what_followed(
+    recorded: Recorded, tmp_path: Path
+) -> None:
+    """One generated token of sample 1.0 changed on the tape, not its logprob: today's run raises where it parses
+    that answer, and the page says so, once, with the recording's outcome and what followed."""
+    lines = recorded.tape.read_bytes().splitlines()
+    for number, line in enumerate(lines):
+        record = orjson.loads(line)
+        if record.get("kind") == "sample" and record["sample_id"] == "1.0":
+            generate = next(entry for entry in record["io"] if entry["op"] == "generate")
+            generate["answer"]["choices"][0]["token_ids"][0] += 1
+            lines[number] = orjson.dumps(record)
+    recorded.tape.write_bytes(b"\n".join(lines) + b"\n")
+    report = await asyncio.to_thread(replay, recorded.trace, tokenizer=recorded.tokenizer)
+    replay_json = tmp_path / "replay.json"
+    replay_json.write_bytes(orjson.dumps(report.to_dict()))
+    data = await asyncio.to_thread(build, recorded, replay=replay_json)
+    divergence = data.details[3]["replay"]["divergence"]
+    assert divergence["kind"] == "error" and divergence["actual"]["type"] == "GenerationError"
+    page = write_report(data, tmp_path / "report.html")
+    async with Chromium() as browser:
+        await open_report(browser, page)
+        await browser.evaluate("location.hash = '#s3'")
+        await browser.wait_for("document.querySelector('.diverge')")
+        box = await browser.evaluate("[...document.querySelectorAll('.diverge p')].map((p) => p.textContent)")
+        assert box[0] == "first divergence: error at turn 0, state generating"
+        assert box[1].startswith("today's run raised GenerationError: ")
+        assert box[1].endswith("(in state generating, on step)")
+        assert box[2] == "the recording did not fail: it ended completed/env_done"
+        assert box[3].startswith("what followed: today's rollout calls env.close()")
+        assert sum(text.count(divergence["actual"]["message"]) for text in box) == 1
         assert browser.console_errors() == []
 
 
