@@ -82,7 +82,7 @@ def test_rounding_whole_arrays_gives_what_round_gives() -> None:
     rng = random.Random(3)
     values: list[Any] = [-rng.expovariate(rng.choice([0.1, 2.0, 50.0])) for _ in range(50_000)]
     values += [rng.uniform(-1e6, 1e6) for _ in range(5_000)]
-    values += [(2 * rng.randrange(-10**6, 10**6) + 1) / 20_000 for _ in range(5_000)]  # halves: ties and near-ties
+    values += [(2 * rng.randrange(-(10**6), 10**6) + 1) / 20_000 for _ in range(5_000)]  # halves: ties and near-ties
     values += [math.nextafter(value, math.inf) for value in values[-5_000:]]
     values += [1 / 32, -1 / 32, 0.00005, -0.00005, 0.0, -0.0, -0.00003, 1e300, -1e20, 2.0**60 + 0.5]
     values += [math.inf, -math.inf, math.nan, 0, -3, True, 7]  # ints and bools as float() takes them
