@@ -53,7 +53,7 @@ async def encode_image_observation(ctx: RolloutContext, messages: list[dict[str,
     what = f"observation {ctx.turn_index}"
     messages = [_as_image_parts(message) for message in messages]
     check_image_limits(messages, image_limits(ctx), sample_id=sample_id)
-    prepared = prepare_render_messages(messages, sample_id=sample_id)
+    prepared = prepare_render_messages(messages, sample_id=sample_id, fast=True)
     check_encoded_sizes(prepared.messages, image_limits(ctx), sample_id=sample_id)
     tools = sample.metadata.get("tools")
     dummy, prefix, eos_index = deps.encoder.image_render_prefix(
