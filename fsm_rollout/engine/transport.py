@@ -18,6 +18,7 @@ import orjson
 
 from fsm_rollout.config import RetryPolicy
 from fsm_rollout.engine.schema import error_message
+from fsm_rollout.engine.schema.large_answers import loads_answer
 from fsm_rollout.errors import EngineConnectionError, EngineHTTPError, EngineTimeoutError
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
@@ -121,8 +122,8 @@ class AiohttpTransport:
                     ) from error
             else:
                 if status < 400:
-                    try:
-                        return orjson.loads(raw)
+                    try:  # image features make render answers megabytes of base64: see loads_answer
+                        return loads_answer(raw)
                     except orjson.JSONDecodeError:
                         return raw.decode("utf-8", errors="replace")
                 if status not in self.retry.retry_statuses or attempt >= self.retry.max_attempts:

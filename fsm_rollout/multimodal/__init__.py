@@ -45,6 +45,7 @@ from fsm_rollout.multimodal.image_tokens import (
 from fsm_rollout.multimodal.images import (
     RenderMessages,
     encode_pil_image,
+    fast_png,
     image_content_hash,
     image_to_render_url,
     messages_for_render,
@@ -94,6 +95,7 @@ __all__ = [
     "checkpoint_merge_size",
     "decode_train_features",
     "encode_pil_image",
+    "fast_png",
     "feature_item_decoder",
     "fill_null_items",
     "image_content_hash",

@@ -14,6 +14,8 @@ import hashlib
 import io
 import os
 import re
+import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,24 +30,28 @@ _BASE64_TEXT = re.compile(r"[A-Za-z0-9+/_-]+={0,2}")
 # Base64 of the magic bytes of PNG, JPEG, GIF and WebP files.
 _IMAGE_BASE64_PREFIXES = ("iVBORw0KGgo", "/9j/", "R0lGOD", "UklGR")
 _MIN_BARE_BASE64_CHARS = 64
+_PNG_PROBE_ROWS = 32
+_PNG_STORE_RATIO = 0.9
+_EXIF_ORIENTATION = 0x0112
 
 
 @dataclass(frozen=True, slots=True)
 class RenderMessages:
     """Chat messages ready for the render request, and one content hash per image in them, in order.
 
-    A hash is ``sha256:<16 hex>`` of the image bytes sent (PNG bytes for PIL images and files, the decoded
-    payload for ``data:`` URLs), or ``url-sha256:<16 hex>`` of the URL text for ``http(s)`` URLs, whose content
-    the rollout never sees.
+    A hash is ``sha256:<16 hex>`` of the image bytes sent (PNG bytes for PIL images, the file's bytes or its PNG
+    re-encoding for files, the decoded payload for ``data:`` URLs), or ``url-sha256:<16 hex>`` of the URL text
+    for ``http(s)`` URLs, whose content the rollout never sees.
     """
 
     messages: list[dict[str, Any]]
     image_hashes: tuple[str, ...]
 
 
-def encode_pil_image(image: Any) -> str:
-    """A PIL image as a ``data:image/png;base64,...`` URL (converted to RGB first when needed)."""
-    return _pil_image_url(image)[0]
+def encode_pil_image(image: Any, *, fast: bool = False) -> str:
+    """A PIL image as a ``data:image/png;base64,...`` URL (converted to RGB first when needed); ``fast`` encodes
+    it as an observation's image is (:func:`fast_png`)."""
+    return _pil_image_url(image, fast)[0]
 
 
 def image_to_render_url(image: Any) -> str:
@@ -67,12 +73,18 @@ def image_content_hash(url: str) -> str:
     return "url-" + _content_hash(url.encode("utf-8"))
 
 
-def prepare_render_messages(messages: Sequence[dict[str, Any]], *, sample_id: Any = None) -> RenderMessages:
+def prepare_render_messages(
+    messages: Sequence[dict[str, Any]], *, sample_id: Any = None, fast: bool = False
+) -> RenderMessages:
     """Copy messages for the render request, turning ``image`` parts into ``image_url`` parts, and hash images.
 
     Parts whose ``image`` is None, and all other parts, are copied as they are. Errors name the sample, the
     image's index among the image parts (for a string prompt, its index in ``multimodal_inputs["images"]``)
     and its place in the messages.
+
+    ``fast`` (observations) encodes a PIL image as a PNG without filters and with zlib's fastest level, and sends
+    a PNG or JPEG file in RGB without EXIF rotation as its own bytes; the pixels the engine decodes are the same
+    as without it. Prompts keep PIL's default PNG encoding, which the seed's image URLs are compared against.
     """
     rendered: list[dict[str, Any]] = []
     hashes: list[str] = []
@@ -91,7 +103,7 @@ def prepare_render_messages(messages: Sequence[dict[str, Any]], *, sample_id: An
                 index, image_index = image_index, image_index + 1
                 if part.get("image") is not None:
                     try:
-                        url, digest = _render_url_and_hash(part["image"])
+                        url, digest = _render_url_and_hash(part["image"], fast)
                     except ImageInputError as error:
                         raise ImageInputError(f"{sample_prefix(sample_id)}image {index} ({where}): {error}") from error
                     parts.append({"type": "image_url", "image_url": {"url": url}})
@@ -130,18 +142,18 @@ def _image_url_of_part(part: dict[str, Any]) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _render_url_and_hash(image: Any) -> tuple[str, str]:
+def _render_url_and_hash(image: Any, fast: bool = False) -> tuple[str, str]:
     if isinstance(image, str):
-        return _string_image_url(image)
+        return _string_image_url(image, fast)
     if isinstance(image, os.PathLike):
-        return _file_image_url(Path(os.fspath(image)).expanduser(), str(image))
+        return _file_image_url(Path(os.fspath(image)).expanduser(), str(image), fast)
     if isinstance(image, bytes | bytearray | memoryview):
         raise ImageInputError(
             f"raw bytes ({len(image)} bytes) are not an accepted image; pass PIL.Image.open(io.BytesIO(data)) "
             "or a 'data:image/png;base64,...' URL"
         )
     if hasattr(image, "mode") and hasattr(image, "save"):
-        return _pil_image_url(image)
+        return _pil_image_url(image, fast)
     if isinstance(image, dict) and ("bytes" in image or "path" in image):
         raise ImageInputError(
             "an undecoded dataset image ({'bytes', 'path'} dict) is not accepted; decode it to a PIL image "
@@ -154,21 +166,50 @@ def _render_url_and_hash(image: Any) -> tuple[str, str]:
     )
 
 
-def _pil_image_url(image: Any) -> tuple[str, str]:
+def _pil_image_url(image: Any, fast: bool = False) -> tuple[str, str]:
     if not hasattr(image, "mode") or not hasattr(image, "save"):
         raise ImageInputError(f"expected a PIL image, got {type(image).__name__}")
     try:
         if image.mode != "RGB":
             image = image.convert("RGB")
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG")
+        if fast:
+            data = fast_png(image)
+        else:
+            buffer = io.BytesIO()
+            image.save(buffer, format="PNG")
+            data = buffer.getvalue()
     except (OSError, ValueError) as error:
         raise ImageInputError(f"cannot encode the PIL image as PNG: {error}") from error
-    data = buffer.getvalue()
     return "data:image/png;base64," + base64.b64encode(data).decode("ascii"), _content_hash(data)
 
 
-def _string_image_url(image: str) -> tuple[str, str]:
+def fast_png(image: Any) -> bytes:
+    """An RGB PIL image as PNG bytes, fast: rows unfiltered, deflated at zlib's fastest level, or stored when a
+    probe of the first rows shows they barely compress (a photo, noise).
+
+    PIL's encoder tries every row filter and compresses at level 6, several times slower on a 448x448 board; the
+    decoded pixels are the same either way.
+    """
+    width, height = image.size
+    raw = image.tobytes()
+    stride = width * 3
+    if len(raw) != stride * height:
+        raise ValueError(f"expected an RGB image of {width}x{height}, got {len(raw)} bytes of pixels")
+    rows = b"".join([b"\x00" + raw[start : start + stride] for start in range(0, len(raw), stride)])
+    probe = rows[: (stride + 1) * _PNG_PROBE_ROWS]
+    level = 1 if len(zlib.compress(probe, 1)) < len(probe) * _PNG_STORE_RATIO else 0
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)  # 8-bit RGB, deflate, no interlace
+    return b"".join(
+        (b"\x89PNG\r\n\x1a\n", _png_chunk(b"IHDR", header), _png_chunk(b"IDAT", zlib.compress(rows, level)),
+         _png_chunk(b"IEND", b""))
+    )  # fmt: skip
+
+
+def _png_chunk(kind: bytes, data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+
+def _string_image_url(image: str, fast: bool = False) -> tuple[str, str]:
     if image.startswith("data:"):
         return _data_url(image)
     if image.startswith(("http://", "https://")):
@@ -182,7 +223,7 @@ def _string_image_url(image: str) -> tuple[str, str]:
             f"unsupported URL scheme {scheme.group(1)!r} in {image[:80]!r}: only data: and http(s) URLs are "
             f"accepted{hint}"
         )
-    return _file_image_url(Path(image).expanduser(), image)
+    return _file_image_url(Path(image).expanduser(), image, fast)
 
 
 def _data_url(url: str) -> tuple[str, str]:
@@ -200,7 +241,7 @@ def _data_url(url: str) -> tuple[str, str]:
     return url, _content_hash(data)
 
 
-def _file_image_url(path: Path, given: str) -> tuple[str, str]:
+def _file_image_url(path: Path, given: str, fast: bool = False) -> tuple[str, str]:
     try:
         is_file = path.is_file()
         exists = is_file or path.exists()
@@ -220,12 +261,27 @@ def _file_image_url(path: Path, given: str) -> tuple[str, str]:
     from PIL import Image, UnidentifiedImageError
 
     try:
-        with Image.open(path) as loaded:
-            return _pil_image_url(loaded)
+        data = path.read_bytes() if fast else None  # read once: the bytes checked are the bytes sent
+        with Image.open(path if data is None else io.BytesIO(data)) as loaded:
+            if data is not None and _sendable_as_is(loaded):
+                mime = "image/png" if loaded.format == "PNG" else "image/jpeg"
+                return f"data:{mime};base64," + base64.b64encode(data).decode("ascii"), _content_hash(data)
+            return _pil_image_url(loaded, fast)
     except UnidentifiedImageError as error:
         raise ImageInputError(f"{str(path)!r} is not an image file PIL can read") from error
     except (OSError, ValueError, Image.DecompressionBombError) as error:
         raise ImageInputError(f"cannot read image file {str(path)!r}: {error}") from error
+
+
+def _sendable_as_is(opened: Any) -> bool:
+    """Whether an opened image file decodes to the pixels its PIL RGB conversion has, on every engine: a single
+    RGB frame of PNG or JPEG with no EXIF rotation (the embedded engine applies one, vLLM does not)."""
+    return (
+        opened.format in ("PNG", "JPEG")
+        and opened.mode == "RGB"
+        and getattr(opened, "n_frames", 1) == 1
+        and opened.getexif().get(_EXIF_ORIENTATION, 1) == 1
+    )
 
 
 def _check_image_bytes(data: bytes, what: str) -> None:

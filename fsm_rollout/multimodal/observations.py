@@ -329,9 +329,10 @@ def features_dict(features: Any) -> Any:
     return features
 
 
-def fill_null_items(features: Any, *, sample_id: Any = None) -> Any:
+def fill_null_items(features: Any, *, sample_id: Any = None, known: Mapping[str, tuple[Any, Any]] | None = None) -> Any:
     """A prompt's render ``features`` with each null image item (the engine's processor-cache hit) filled from an
-    item of the same hash in the same answer; one no item can fill is an
+    item of the same hash in the same answer, or in ``known`` (the sample's items, for a re-render of a conversation
+    whose images the engine has seen); one no item can fill is an
     :class:`~fsm_rollout.errors.ImageFeaturesMissingError` naming the engine flag, raised before any generate
     request could carry it (a null item kills vLLM's engine). Features without null items come back as they are.
     """
@@ -339,7 +340,7 @@ def fill_null_items(features: Any, *, sample_id: Any = None) -> Any:
     items = ((features.get("kwargs_data") or {}).get("image") if isinstance(features, dict) else None) or []
     if None not in items:
         return original  # as the engine sent them (text stays text)
-    known = known_items(features)
+    known = {**(known or {}), **known_items(features)}
     hashes = (features.get("mm_hashes") or {}).get("image") or []
     filled = list(items)
     for index, item in enumerate(items):

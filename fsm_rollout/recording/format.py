@@ -112,25 +112,26 @@ def tape_path_for(trace: str | Path) -> Path:
     return path.with_name(path.name + ".tape.jsonl")
 
 
-def jsonable(value: Any, *, images_as_urls: bool = False) -> Any:
+def jsonable(value: Any, *, images_as_urls: bool = False, fast_png: bool = False) -> Any:
     """``value`` as JSON-native data: tuples become lists, numpy values lists or numbers, anything else opaque.
 
-    With ``images_as_urls`` PIL images become PNG data URLs (what the rollout would send for them); otherwise they
-    are opaque like any other object: ``{"$object": {"type": NAME, "repr": REPR}}``.
+    With ``images_as_urls`` PIL images become PNG data URLs (what the rollout would send for them: ``fast_png`` for
+    an observation's, see :func:`~fsm_rollout.multimodal.prepare_render_messages`); otherwise they are opaque like
+    any other object: ``{"$object": {"type": NAME, "repr": REPR}}``.
     """
     if value is None or isinstance(value, str | bool | int | float):
         return value
     if isinstance(value, Mapping):
         return {
-            key if isinstance(key, str) else str(key): jsonable(item, images_as_urls=images_as_urls)
+            key if isinstance(key, str) else str(key): jsonable(item, images_as_urls=images_as_urls, fast_png=fast_png)
             for key, item in value.items()
         }
     if isinstance(value, list | tuple):
-        return [jsonable(item, images_as_urls=images_as_urls) for item in value]
+        return [jsonable(item, images_as_urls=images_as_urls, fast_png=fast_png) for item in value]
     if images_as_urls and hasattr(value, "mode") and hasattr(value, "save"):
-        return encode_pil_image(value)
+        return encode_pil_image(value, fast=fast_png)
     if hasattr(value, "tolist") and type(value).__module__.startswith("numpy"):
-        return jsonable(value.tolist(), images_as_urls=images_as_urls)
+        return jsonable(value.tolist(), images_as_urls=images_as_urls, fast_png=fast_png)
     return opaque(value)
 
 

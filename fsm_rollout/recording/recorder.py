@@ -349,7 +349,7 @@ def _keep_step_result(entry: dict[str, Any], result: Any) -> None:
 
 def _keep_message(entry: dict[str, Any], message: Any) -> None:
     # PIL images as the PNG data URLs the rollout sends for them: long, so stored once as blobs by content hash
-    entry["message"] = jsonable(message, images_as_urls=True)
+    entry["message"] = jsonable(message, images_as_urls=True, fast_png=True)
 
 
 def recorded_rollout(

@@ -40,7 +40,12 @@ from fsm_rollout.rollout.agent_end import call_sampling, rewrite_of
 from fsm_rollout.rollout.cancel import CancelScope, TimedOut
 from fsm_rollout.rollout.context import RolloutContext
 from fsm_rollout.rollout.history import keeps_history, reconcile, rewrite_history
-from fsm_rollout.rollout.observation_images import encode_image_observation
+from fsm_rollout.rollout.observation_images import (
+    encode_image_observation,
+    filling_render,
+    hashed_messages,
+    render_ready_observation,
+)
 from fsm_rollout.rollout.stops import stop_string_end
 from fsm_rollout.suspension import HandBack
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
@@ -134,7 +139,13 @@ class Activities:
             self.next_trigger = await rewrite_history(ctx, self._render, rewrite)
             return
         if keeps_history(ctx.deps.config):  # fork / per_turn: the engine's re-render decides (one render request)
-            self.next_trigger = await reconcile(ctx, self._render)
+            formatted_messages = ctx.observation_messages
+            images = observation_image_count(formatted_messages)
+            if images:  # the conversation re-rendered from now on holds the images themselves
+                ctx.observation_messages = render_ready_observation(ctx, formatted_messages)
+            self.next_trigger = await reconcile(ctx, filling_render(ctx, self._render))
+            if images:  # the sample's records keep the images' hashes (the pixels are in its features)
+                ctx.observation_messages = hashed_messages(formatted_messages, ctx.observation_image_hashes)
             return
         if observation_image_count(ctx.observation_messages):  # the engine renders it: one request
             await encode_image_observation(ctx, ctx.observation_messages, self._render)

@@ -23,9 +23,11 @@ from fsm_rollout.errors import (
 )
 from fsm_rollout.multimodal import (
     ImageLimits,
+    RenderMessages,
     check_encoded_sizes,
     check_image_limits,
     check_observation_tokens,
+    fill_null_items,
     image_features,
     known_items,
     merge_features,
@@ -52,9 +54,7 @@ async def encode_image_observation(ctx: RolloutContext, messages: list[dict[str,
     config = deps.config
     what = f"observation {ctx.turn_index}"
     messages = [_as_image_parts(message) for message in messages]
-    check_image_limits(messages, image_limits(ctx), sample_id=sample_id)
-    prepared = prepare_render_messages(messages, sample_id=sample_id)
-    check_encoded_sizes(prepared.messages, image_limits(ctx), sample_id=sample_id)
+    prepared = _prepared(ctx, messages)
     tools = sample.metadata.get("tools")
     dummy, prefix, eos_index = deps.encoder.image_render_prefix(
         messages, tools=tools, template_kwargs=config.apply_chat_template_kwargs
@@ -111,6 +111,42 @@ async def encode_image_observation(ctx: RolloutContext, messages: list[dict[str,
     ctx.observation_messages = hashed_messages(messages, prepared.image_hashes)
 
 
+def render_ready_observation(ctx: RolloutContext, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """An observation with images as the render request sends it (images as ``data:`` URLs, within the limits),
+    with ``observation_image_hashes`` set on ``ctx``: what the ``fork`` and ``per_turn`` policies put in the
+    conversation they re-render, so every later render and generate request carries the images of its prefix."""
+    prepared = _prepared(ctx, [_as_image_parts(message) for message in messages])
+    ctx.observation_image_hashes = prepared.image_hashes
+    return prepared.messages
+
+
+def filling_render(ctx: RolloutContext, render: Render) -> Render:
+    """``render`` for the re-renders of the ``fork`` and ``per_turn`` policies: a null image item in the answer (the
+    engine's processor cache has the image from an earlier request of the sample) is filled from the sample's item
+    of the same hash, or refused, before any generate request could carry it."""
+
+    async def filled(payload: dict[str, Any]) -> RenderedPrompt:
+        rendered = await render(payload)
+        features = rendered.generate_body.get("features")
+        current = ctx.rendered.generate_body.get("features") if ctx.rendered is not None else None
+        complete = fill_null_items(features, sample_id=ctx.sample_id, known=known_items(current))
+        if complete is features:
+            return rendered
+        return RenderedPrompt(
+            token_ids=rendered.token_ids, generate_body={**rendered.generate_body, "features": complete}
+        )
+
+    return filled
+
+
+def _prepared(ctx: RolloutContext, messages: list[dict[str, Any]]) -> RenderMessages:
+    limits = image_limits(ctx)
+    check_image_limits(messages, limits, sample_id=ctx.sample_id)
+    prepared = prepare_render_messages(messages, sample_id=ctx.sample_id, fast=True)
+    check_encoded_sizes(prepared.messages, limits, sample_id=ctx.sample_id)
+    return prepared
+
+
 def with_observation_features(rendered: RenderedPrompt | None, features: dict[str, Any]) -> RenderedPrompt:
     """The rendered prompt whose generate body carries ``features`` (placed) after its own: every later request
     sends every image so far, and :func:`~fsm_rollout.rollout.steps.finalize` decodes them all, in order."""
@@ -159,4 +195,12 @@ def hashed_messages(messages: list[dict[str, Any]], hashes: tuple[str, ...]) -> 
     return out
 
 
-__all__ = ["Render", "encode_image_observation", "hashed_messages", "image_limits", "with_observation_features"]
+__all__ = [
+    "Render",
+    "encode_image_observation",
+    "filling_render",
+    "hashed_messages",
+    "image_limits",
+    "render_ready_observation",
+    "with_observation_features",
+]

@@ -10,6 +10,9 @@ placed, the image-token check, and the append that merges them into the sample's
 * ``client_cpu_ms_per_image_observation``: the median over observations of that CPU time (``time.process_time``),
   with the median of each part beside it (``encode_ms``: limits, PNG and data URL; ``answer_parse_ms``: the answer's
   JSON; the rest of the observation as ``place_and_check_ms``);
+* ``before_*`` and ``speedup_x``: the same observations with the parts done the previous way, timed in the same
+  run on the same inputs (PIL's default PNG encoder; the whole answer through ``orjson.loads``, which walks the
+  features' base64), and the median ratio of the totals;
 * ``render_calls_per_image_observation``: render requests per image observation in a rollout of four image
   observations against the fake server over HTTP (its prompt's render not counted);
 * ``kib_per_sample_with_four_images``: memory a sample holds once four images are in its features, measured with
@@ -106,37 +109,47 @@ def _context(tokenizer: Any, encoder: Any) -> Any:
 
 async def _observe(ctx: Any, image: Any, answer: bytes, timings: dict[str, list[float]]) -> None:
     """One image observation of ``ctx``'s sample, its client work timed by part; then the model's next turn (a few
-    canned tokens) so the next observation follows a turn."""
+    canned tokens) so the next observation follows a turn.
+
+    The previous way of each changed part (PIL's default PNG, the whole answer through ``orjson.loads``) is timed
+    beside it on the same input, and the total before is the total now with those parts swapped back."""
     from fsm_rollout.engine.schema.answers import parse_render_response
+    from fsm_rollout.engine.schema.large_answers import loads_answer
+    from fsm_rollout.multimodal import ImageLimits, check_image_limits, prepare_render_messages
     from fsm_rollout.rollout.observation_images import encode_image_observation
     from fsm_rollout.rollout.steps import append_observation
 
-    parse_cpu = 0.0
-    encode_cpu = 0.0
+    parse_cpu = parse_before = 0.0
 
     async def render(payload: dict[str, Any]) -> Any:
-        nonlocal parse_cpu
+        nonlocal parse_cpu, parse_before
         orjson.dumps(payload)  # the request body, as the transport serialises it
         started = time.process_time()
-        parsed = parse_render_response(orjson.loads(answer), "bench")
-        parse_cpu += time.process_time() - started
+        parse_render_response(orjson.loads(answer), "bench")
+        parse_before = time.process_time() - started
+        started = time.process_time()
+        parsed = parse_render_response(loads_answer(answer), "bench")  # as the transport parses it
+        parse_cpu = time.process_time() - started
         return parsed
 
-    from fsm_rollout.multimodal import ImageLimits, check_image_limits, prepare_render_messages
-
     messages = _observation(image)
-    started = time.process_time()
-    check_image_limits(messages, ImageLimits())
-    prepare_render_messages(messages)  # measured alone for the breakdown; the encode below repeats it
-    encode_cpu = time.process_time() - started
+    encode: dict[bool, float] = {}
+    for fast in (False, True):  # measured alone for the breakdown; the encode below repeats the fast one
+        started = time.process_time()
+        check_image_limits(messages, ImageLimits())
+        prepare_render_messages(messages, fast=fast)
+        encode[fast] = time.process_time() - started
     started = time.process_time()
     await encode_image_observation(ctx, messages, render)
     append_observation(ctx)
-    total = time.process_time() - started
+    total = time.process_time() - started - parse_before  # the old parse ran inside, for the breakdown only
     timings["total"].append(total * 1000)
-    timings["encode"].append(encode_cpu * 1000)
+    timings["encode"].append(encode[True] * 1000)
     timings["parse"].append(parse_cpu * 1000)
-    timings["rest"].append(max(0.0, total - encode_cpu - parse_cpu) * 1000)
+    timings["rest"].append(max(0.0, total - encode[True] - parse_cpu) * 1000)
+    timings["total_before"].append((total - encode[True] - parse_cpu + encode[False] + parse_before) * 1000)
+    timings["encode_before"].append(encode[False] * 1000)
+    timings["parse_before"].append(parse_before * 1000)
     eos = ctx.deps.encoder.eos_token_id
     turn = [*ctx.deps.tokenizer.encode("right", add_special_tokens=False), eos]
     ctx.sample.append_response_tokens(turn, [0.0] * len(turn), trainable=True)
@@ -151,7 +164,9 @@ def bench_image_observations(quick: bool) -> dict[str, float]:
     encoder = ObservationEncoder(tokenizer)
     images = [_image(seed) for seed in range(OBSERVATIONS)]
     answers = _engine_answers(tokenizer, encoder, images)
-    timings: dict[str, list[float]] = {"total": [], "encode": [], "parse": [], "rest": []}
+    timings: dict[str, list[float]] = {
+        name: [] for name in ("total", "encode", "parse", "rest", "total_before", "encode_before", "parse_before")
+    }
     samples = 2 if quick else 6
 
     async def run() -> list[Any]:
@@ -180,6 +195,12 @@ def bench_image_observations(quick: bool) -> dict[str, float]:
         "encode_ms": statistics.median(timings["encode"]),
         "answer_parse_ms": statistics.median(timings["parse"]),
         "place_and_check_ms": statistics.median(timings["rest"]),
+        "before_client_cpu_ms": statistics.median(timings["total_before"]),
+        "before_encode_ms": statistics.median(timings["encode_before"]),
+        "before_answer_parse_ms": statistics.median(timings["parse_before"]),
+        "speedup_x": statistics.median(
+            before / now for before, now in zip(timings["total_before"], timings["total"], strict=True)
+        ),
         "render_calls_per_image_observation": _render_calls_per_observation(),
         "kib_per_sample_with_four_images": held / len(kept) / 1024,
     }
