@@ -41,8 +41,27 @@ def test_the_verl_cases_pass_in_a_python_that_has_verl(tmp_path: pathlib.Path) -
         f"{run.tests} tests, {run.failures} failed, {run.errors} errors, {run.skipped} skipped"
     )
     print(summary)
-    problems = run.returncode != 0 or run.failures or run.errors or run.skipped or run.tests == 0
-    assert not problems, f"{summary}\n--- the cases' pytest run ---\n{run.output}"
+    assert not run.problems(), f"{summary}: {run.problems()}\n--- the cases' pytest run ---\n{run.output}"
+
+
+def test_a_case_run_counts_as_passing_only_when_every_case_ran_and_passed(tmp_path: pathlib.Path) -> None:
+    """The verdict the tier's test asserts on, from a real pytest run of case files (with this venv's python)."""
+    (tmp_path / "verl_case_mixed.py").write_text(
+        "import pytest\n\n"
+        "def test_passes():\n    assert True\n\n"
+        "def test_skips():\n    pytest.skip('no verl here')\n\n"
+        "def test_fails():\n    assert 1 == 2, 'a broken case'\n",
+        encoding="utf-8",
+    )
+    run = verl_venv.run_cases(sys.executable, tmp_path / "mixed.xml", cwd=ROOT, cases_dir=tmp_path)
+    assert (run.tests, run.failures, run.errors, run.skipped) == (3, 1, 0, 1)
+    assert run.problems() == ["pytest exited 1", "1 failed", "1 skipped"]
+    assert "a broken case" in run.output
+    (tmp_path / "verl_case_mixed.py").write_text("def test_passes():\n    assert True\n", encoding="utf-8")
+    assert verl_venv.run_cases(sys.executable, tmp_path / "ok.xml", cwd=ROOT, cases_dir=tmp_path).problems() == []
+    (tmp_path / "verl_case_mixed.py").write_text("X = 1\n", encoding="utf-8")
+    empty = verl_venv.run_cases(sys.executable, tmp_path / "empty.xml", cwd=ROOT, cases_dir=tmp_path)
+    assert empty.problems() == ["pytest exited 5", "no test ran"]
 
 
 def test_the_adapters_docstring_gives_the_recipe_the_tier_installs() -> None:

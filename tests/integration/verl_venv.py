@@ -234,11 +234,21 @@ class CaseRun:
     seconds: float
 
 
-def run_cases(python: str, report: pathlib.Path, *, cwd: pathlib.Path) -> CaseRun:
-    """Run every case file of :data:`CASES_DIR` with ``python`` (the layered venv's or the running one)."""
-    cases = sorted(str(path) for path in CASES_DIR.glob("verl_case_*.py"))
+    def problems(self) -> list[str]:
+        """Why the run does not count as the tier passing (empty when every case ran and passed)."""
+        found = [f"pytest exited {self.returncode}"] if self.returncode != 0 else []
+        found += [f"{count} {name}" for name, count in
+                  (("failed", self.failures), ("errors", self.errors), ("skipped", self.skipped)) if count]  # fmt: skip
+        return found + (["no test ran"] if self.tests == 0 else [])
+
+
+def run_cases(
+    python: str, report: pathlib.Path, *, cwd: pathlib.Path, cases_dir: pathlib.Path = CASES_DIR
+) -> CaseRun:
+    """Run every ``verl_case_*.py`` of ``cases_dir`` with ``python`` (the layered venv's or the running one)."""
+    cases = sorted(str(path) for path in cases_dir.glob("verl_case_*.py"))
     if not cases:
-        raise FileNotFoundError(f"no verl_case_*.py in {CASES_DIR}")
+        raise FileNotFoundError(f"no verl_case_*.py in {cases_dir}")
     command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *cases]
     started = time.perf_counter()
     result = subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=layered_env(), check=False)
