@@ -184,7 +184,8 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
 
     The sample is mutated in place and returned; a rollout that forked (``args.fsm_rollout_history_policy``
     ``"fork"`` or ``"per_turn"``; the seed's append is the default) returns its training sequences as a list, the
-    earlier ones first and the sample last. Errors are raised after the sample reached ``failed`` (its data
+    earlier ones first and the sample last, except when it is handed back (``aborted``): then the sample alone,
+    its earlier sequences in ``sample.branches``. Errors are raised after the sample reached ``failed`` (its data
     so far kept and written back); a cancelled task ends the sample ``aborted`` and re-raises the cancellation.
     """
     config = RolloutConfig.from_args(
@@ -210,7 +211,10 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     finally:
         if library_sample is not sample:
             _write_back(library_sample, sample)
-    if library_sample.branches:  # a rollout that forked: its training sequences, oldest first, as slime accepts
+    # A rollout that forked and finished: its training sequences, oldest first, as slime accepts. One handed back
+    # (aborted, to be resumed) stays a single sample, as slime's abort path reads ``.response`` off each one it
+    # gets; its earlier sequences travel in ``sample.branches`` and come back when the resumed rollout finishes.
+    if library_sample.branches and library_sample.status is not Status.ABORTED:
         return [*(_as_callers(branch, sample) for branch in library_sample.branches), sample]
     return sample
 

@@ -543,6 +543,33 @@ async def test_compat_generate_returns_a_forked_rollouts_sequences_as_a_list(
         await compat.close_clients()
 
 
+@pytest.mark.parametrize("sample_class", [Sample, TrainerSample])
+async def test_compat_generate_returns_a_handed_back_forked_rollout_as_the_sample_alone(
+    sample_class: type, server: FakeVLLMServer, stripping_tokenizer: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """slime's abort path reads ``.response`` off each sample it gets back: a forked rollout handed back for a
+    later resumption is the one sample, its earlier sequences kept in ``branches``, not a list."""
+    monkeypatch.setattr(compat, "_load_tokenizer_and_processor", lambda path: (stripping_tokenizer, None))
+    sampling = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}
+    turns = [ScriptedTurn(text=text) for text in THINKING[:2]]
+    server.script([*turns, ScriptedTurn(text=THINKING[2], hang=True, held_after=3)])
+    sample = sample_class(prompt=PROMPT, index=0, metadata={"scripted_env": {}})
+    args = compat_args(server, fsm_rollout_history_policy="fork")
+    args.partial_rollout = True
+    try:
+        run = asyncio.ensure_future(compat.generate(args, sample, sampling))
+        await server.wait_until_waiting(1)
+        await compat.suspend()
+        result = await run
+        assert result is sample
+        assert result.status.value == "aborted" and result.metadata["rollout_reason"] == "handed_back"
+        if sample_class is Sample:
+            assert len(result.branches) == 2
+    finally:
+        await compat.resume()
+        await compat.close_clients()
+
+
 async def test_inspect_shows_a_forked_rollouts_branches_and_the_fork(
     tmp_path: Path,
     server: FakeVLLMServer,
