@@ -217,15 +217,9 @@ def turn_events(transitions: Sequence[Mapping[str, Any]]) -> dict[int, list[str]
             )
         elif trigger == "resume":
             version = event.get("weight_version")
-            text = (
-                "resumed"
-                + (f" on weights {version}" if version is not None else "")
-                + (
-                    f" after {event['suspended_ms']:.1f} ms"
-                    if isinstance(event.get("suspended_ms"), int | float)
-                    else ""
-                )
-            )
+            waited = event.get("suspended_ms")
+            after = f" after {waited:.1f} ms" if isinstance(waited, int | float) else ""
+            text = "resumed" + (f" on weights {version}" if version is not None else "") + after
         elif trigger == "hand_back":
             text = "handed back to the trainer while suspended (resumable)"
         else:
