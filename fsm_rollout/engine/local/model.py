@@ -128,6 +128,15 @@ class LiveRowsHead:
         logits[self.rows] = (self._weight @ hidden).to(torch.float32)
         return logits
 
+    def batch_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The float32 logits (rows, vocabulary) of a batch of final hidden states (rows, hidden size)."""
+        if self.rows is None or self._weight is None:
+            full: torch.Tensor = (hidden @ self._model.get_output_embeddings().weight.detach().T).to(torch.float32)
+            return full
+        logits = torch.zeros((hidden.shape[0], self._vocab), dtype=torch.float32)
+        logits[:, self.rows] = (hidden @ self._weight.T).to(torch.float32)
+        return logits
+
 
 def _live_rows_head(model: Any) -> LiveRowsHead | None:
     """A :class:`LiveRowsHead` for ``model`` when its logits are a plain bias-free projection of the base model's
@@ -367,8 +376,19 @@ class Generation:
         return len(self._prompt)
 
     def step(self) -> Finish | None:
-        """Run one forward pass, sample one token and return why the generation ended, or None to go on."""
-        logits = self._forward()
+        """Run one forward pass on the request's own KV cache (the prompt the first time), sample one token and
+        return why the generation ended, or None to go on."""
+        return self.accept(self._forward())
+
+    def release_cache(self) -> Any:
+        """Hand over the KV cache (to a :class:`~fsm_rollout.engine.local.batch.DecodeBatch`): later tokens run
+        through the batch, which calls :meth:`accept` with their logits."""
+        cache, self._cache = self._cache, None
+        return cache
+
+    def accept(self, logits: torch.Tensor) -> Finish | None:
+        """Sample one token from ``logits`` (the next position's, float32; modified in place) and return why the
+        generation ended, or None to go on."""
         token, logprob = self._sample(logits)
         self.token_ids.append(token)
         self.logprobs.append(logprob)
