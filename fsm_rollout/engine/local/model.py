@@ -441,7 +441,8 @@ class Generation:
             logits = logits - settings.presence_penalty * (self._counts > 0).to(torch.float32)
         if settings.greedy:
             return logits
-        logits = logits / settings.temperature
+        if settings.temperature != 1.0:  # dividing by 1 changes nothing but costs a pass over the vocabulary
+            logits = logits / settings.temperature
         if settings.min_p > 0:
             probs = torch.softmax(logits, dim=0)
             logits = logits.masked_fill(probs < settings.min_p * probs.max(), float("-inf"))
