@@ -416,7 +416,10 @@ class Generation:
         logprob = float(logprobs[token])
         rank = int((logprobs > logprob).sum()) + 1
         top: tuple[tuple[int, float, int], ...] = ()
-        if settings.logprobs:
+        if settings.logprobs == 1:  # what rollouts ask for; a max is one pass, a top-k a much slower selection
+            best, best_id = torch.max(logprobs, dim=0)  # of equal values, the first id
+            values, ids = best.reshape(1), best_id.reshape(1)
+        elif settings.logprobs:
             values, ids = torch.topk(logprobs, settings.logprobs)
             top = tuple(
                 (int(candidate), max(float(value), _MIN_JSON_LOGPROB), position + 1)

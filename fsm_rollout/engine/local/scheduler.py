@@ -5,7 +5,8 @@ queue. Every decode step advances each admitted job by one token: a newly admitt
 prefill, into its own KV cache), then joins the others, and one forward pass over all of them
 (:class:`~fsm_rollout.engine.local.batch.DecodeBatch`) samples each one's next token, each from its own generator.
 A request's tokens do not depend on what else runs (see :mod:`fsm_rollout.engine.local.batch` for why).
-``batched=False`` keeps the one-at-a-time engine instead: the admitted jobs take turns, one decode step each, each
+A model whose KV cache is not a plain one (sliding-window or linear-attention layers) decodes one at a time, as
+does ``batched=False``: the admitted jobs take turns, one decode step each, each
 with batch size 1 (for comparison; it is several times slower). Tokenizer and image tasks (render, and the check of a
 generate request's image features) run before the next decode step.
 
