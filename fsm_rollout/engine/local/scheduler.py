@@ -6,9 +6,9 @@ prefill, into its own KV cache), then joins the others, and one forward pass ove
 (:class:`~fsm_rollout.engine.local.batch.DecodeBatch`) samples each one's next token, each from its own generator.
 A request's tokens do not depend on what else runs (see :mod:`fsm_rollout.engine.local.batch` for why).
 A model whose KV cache is not a plain one (sliding-window or linear-attention layers) decodes one at a time, as
-does ``batched=False``: the admitted jobs take turns, one decode step each, each
-with batch size 1 (for comparison; it is several times slower). Tokenizer and image tasks (render, and the check of a
-generate request's image features) run before the next decode step.
+does ``batched=False`` (kept for comparison): the admitted jobs take turns, one decode step each, each with batch
+size 1. Tokenizer and image tasks (render, and the check of a generate request's image features) run before the next
+decode step.
 
 An aborted or disconnected job is dropped between two decode steps: a waiting one before it starts, a running one
 after the step in progress, and answered with ``finish_reason="abort"`` and the tokens it had so far.
