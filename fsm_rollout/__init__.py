@@ -28,9 +28,10 @@ from fsm_rollout.hooks import RolloutHooks
 from fsm_rollout.metrics import MetricsSnapshot
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.runner import RolloutRunner
-from fsm_rollout.sample import Sample, Status
+from fsm_rollout.sample import Sample, Status, training_sequences
 from fsm_rollout.service import RolloutService
 from fsm_rollout.suspension import Suspender, weight_staleness
+from fsm_rollout.template_probe import TemplateReport, choose_history_policy, probe_template
 from fsm_rollout.trace import capture_transitions, get_tracer
 
 if TYPE_CHECKING:
@@ -53,10 +54,14 @@ __all__ = [
     "Sample",
     "Status",
     "Suspender",
+    "TemplateReport",
     "Transport",
     "VLLMClient",
     "capture_transitions",
+    "choose_history_policy",
     "get_tracer",
+    "probe_template",
+    "training_sequences",
     "weight_staleness",
 ]
 __version__ = "0.2.0"

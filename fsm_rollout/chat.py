@@ -29,7 +29,7 @@ from typing import Any, Final
 import orjson
 
 from fsm_rollout.errors import ImageObservationError, ObservationError, TemplateError, TemplateNotPrefixStable
-from fsm_rollout.multimodal import is_image_part
+from fsm_rollout.multimodal import check_observation_parts, is_image_part
 from fsm_rollout.parity import (
     OBSERVATIONS_KEY,
     ParityReport,
@@ -60,6 +60,7 @@ __all__ = [
     "template_identity",
     "template_token_ids",
     "validate_observation",
+    "validate_observation_message",
     "validate_text_observation",
 ]
 
@@ -109,10 +110,10 @@ def template_identity(tokenizer: Any) -> str:
     return f"{name} (chat template sha256:{hashlib.sha256(text.encode()).hexdigest()[:12]})"
 
 
-def validate_text_observation(message: Any) -> dict[str, Any]:
+def validate_text_observation(message: Any, *, images: bool = False) -> dict[str, Any]:
     """Check that an observation message is ``{"role", "content"}`` with text-only content; return it.
 
-    A ``tool`` message may carry ``tool_call_id`` and ``name``, as strings.
+    A ``tool`` message may carry ``tool_call_id`` and ``name``, as strings. ``images`` lets image parts through.
     """
     if not isinstance(message, dict) or not isinstance(message.get("role"), str) or "content" not in message:
         raise ObservationError(
@@ -133,25 +134,37 @@ def validate_text_observation(message: Any) -> dict[str, Any]:
         )
     for index, part in enumerate(content):
         if is_image_part(part):
+            if images:
+                continue
             raise ImageObservationError(
-                f"observation content[{index}] is an image part ({part.get('type')!r}): observations must be "
-                "text-only; images belong in the prompt, whose image features are sent unchanged on every turn"
+                f"observation content[{index}] is an image part ({part.get('type')!r}): this check takes "
+                "text-only messages (validate_observation takes image parts)"
             )
         if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise ObservationError(
-                f"the suffix-only rollout supports text observations only; content[{index}]={part!r:.200}"
+                f"observations hold text{' and image' if images else ''} parts only; content[{index}]={part!r:.200}"
             )
     return message
 
 
+def validate_observation_message(message: Any) -> dict[str, Any]:
+    """Check one observation message as :func:`validate_text_observation` does, but take image parts too
+    (``image``, or ``image_url`` with a data URL, a file path or a PIL image); a video or audio part is a
+    :class:`~fsm_rollout.errors.VideoObservationError`."""
+    if isinstance(message, dict):  # a media part is named as such, before the general part check
+        check_observation_parts([message])
+    return validate_text_observation(message, images=True)
+
+
 def validate_observation(observation: Any) -> list[dict[str, Any]]:
-    """Check what ``format_observation`` returned: one text message, or a non-empty list of them.
+    """Check what ``format_observation`` returned: one message, or a non-empty list of them.
 
     Returns the messages as a list (the caller's message objects, not copies). Each message is checked as
-    :func:`validate_text_observation` checks it; an error about a list item names its index.
+    :func:`validate_observation_message` checks it (text and image parts); an error about a list item names its
+    index.
     """
     if isinstance(observation, dict):
-        return [validate_text_observation(observation)]
+        return [validate_observation_message(observation)]
     if not isinstance(observation, list | tuple):
         raise ObservationError(
             "format_observation must return a {'role': str, 'content': ...} message or a non-empty list of them, "
@@ -162,7 +175,7 @@ def validate_observation(observation: Any) -> list[dict[str, Any]]:
     messages = []
     for index, message in enumerate(observation):
         try:
-            messages.append(validate_text_observation(message))
+            messages.append(validate_observation_message(message))
         except ObservationError as error:  # same class, the item named
             raise type(error)(f"observation message [{index}]: {error}") from None
     return messages
@@ -214,6 +227,22 @@ class ObservationEncoder:
             ) from error
         self._prefixes[(shape, key)] = (prefix, eos_index)
         return prefix, eos_index
+
+    def image_render_prefix(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        *,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
+    ) -> tuple[list[dict[str, Any]], TokenIds, int]:
+        """What an image observation is rendered after by the engine: the dummy messages of its shape, their tokens
+        as the local template renders them, and the index of the EOS that closes their assistant turn (the
+        boundary starts there, as for text)."""
+        kwargs = template_kwargs or {}
+        shape = observation_shape(messages)
+        prefix_key = orjson.dumps([tools, dict(kwargs)], option=orjson.OPT_SORT_KEYS)
+        prefix, eos_index = self._prefix(shape, prefix_key, tools, kwargs)
+        return [dict(message) for message in DUMMY_PREFIXES[shape]], prefix, eos_index
 
     def encode(
         self,

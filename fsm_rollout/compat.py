@@ -182,10 +182,16 @@ def _write_back(sample: Sample, foreign: Any) -> None:
 async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> Any:
     """Run one multi-turn rollout the way the seed's ``generate`` does, through the lifecycle machine.
 
-    The sample is mutated in place and returned. Errors are raised after the sample reached ``failed`` (its data
+    The sample is mutated in place and returned; a rollout that forked (``args.fsm_rollout_history_policy``
+    ``"fork"`` or ``"per_turn"``; the seed's append is the default) returns its training sequences as a list, the
+    earlier ones first and the sample last. Errors are raised after the sample reached ``failed`` (its data
     so far kept and written back); a cancelled task ends the sample ``aborted`` and re-raises the cancellation.
     """
-    config = RolloutConfig.from_args(args, trace=getattr(args, "fsm_rollout_trace", None))
+    config = RolloutConfig.from_args(
+        args,
+        trace=getattr(args, "fsm_rollout_trace", None),
+        history_policy=getattr(args, "fsm_rollout_history_policy", "append"),  # the seed's method unless asked
+    )
     tokenizer, processor = _load_tokenizer_and_processor(config.tokenizer_path or config.model)
     library_sample = sample if isinstance(sample, Sample) else _to_library_sample(sample)
     suspender = _suspender_for_strategy(config.weight_update_strategy)
@@ -204,7 +210,18 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
     finally:
         if library_sample is not sample:
             _write_back(library_sample, sample)
+    if library_sample.branches:  # a rollout that forked: its training sequences, oldest first, as slime accepts
+        return [*(_as_callers(branch, sample) for branch in library_sample.branches), sample]
     return sample
+
+
+def _as_callers(branch: Sample, sample: Any) -> Any:
+    """A branch as a sample of the caller's own class (the library's ``Sample`` stays as it is)."""
+    if isinstance(sample, Sample):
+        return branch
+    foreign = type(sample)()
+    _write_back(branch, foreign)
+    return foreign
 
 
 class _HandingBack:

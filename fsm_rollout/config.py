@@ -12,6 +12,9 @@ from typing import Any
 
 from fsm_rollout.errors import ConfigError, IncompatibleOptionsError, SamplingParamsError, TemplateKwargsError
 
+HISTORY_POLICIES: tuple[str, ...] = ("append", "fork", "per_turn", "auto")
+"""How a rollout carries the conversation's history from one turn to the next (``RolloutConfig.history_policy``)."""
+
 DEFAULT_ENV_MODULE = "examples.geo3k_vlm_multi_turn.env_geo3k"
 """The seed's default environment module (used when neither ``env_path`` nor a factory is given)."""
 
@@ -76,13 +79,21 @@ class RolloutConfig:
     ``rollout_timeout_s`` one rollout's wall time (time ``suspended`` for a weight update excluded); either ends the
     sample ``truncated`` (reasons ``env_timeout`` / ``rollout_timeout``, ``metadata["rollout_timeout"]``).
     ``reward_fn`` (``(sample) -> float``, sync or async) sets ``sample.reward`` on the way into ``completed`` or
-    ``truncated``; it is never recorded.
+    ``truncated``; it is never recorded. ``observation_image_max_bytes`` and ``observation_image_max_pixels`` limit
+    each image an environment's observation holds (a bigger one fails the sample before its pixels are decoded).
 
     Behind a router (``engine_url`` a ``vllm-router`` in front of several servers), ``servers_behind_router`` lists
     the servers' own URLs: a router forwards each request to one server, so a weight update's ``/pause``,
     ``/resume``, ``/update_weight_version`` and its ``abort_requests`` are sent to every listed server directly
     (a server ignores ids it does not know). Requests of samples, and a sample's own abort, still go through
     ``engine_url``.
+
+    ``history_policy`` says how the conversation's history reaches the next turn (:mod:`fsm_rollout.rollout.history`):
+    ``"append"`` appends each observation's boundary tokens to the tokens so far and never re-renders; ``"fork"``
+    re-renders the conversation through the engine at each observation and, where that does not extend the tokens
+    so far, closes the training sequence (into ``sample.branches``) and opens one whose prompt is the re-render;
+    ``"per_turn"`` makes every model call its own training sequence; ``"auto"`` (the default) lets the runner choose
+    append or fork once at start-up from the template probe (a rollout built directly treats it as append).
 
     ``partial_rollout`` (slime/vime's flag, for :mod:`fsm_rollout.compat`) hands a suspended sample back to the
     trainer instead of waiting (status ``aborted``, ``metadata["resume_state"]``); passing it again resumes it.
@@ -117,6 +128,8 @@ class RolloutConfig:
     check_invariants: bool = False
     image_placeholder_token: str = "<|image_pad|>"
     image_merge_size: int | None = None
+    observation_image_max_bytes: int = 16 * 1024 * 1024
+    observation_image_max_pixels: int = 4096 * 4096
     loop_slice_ms: float | None = None
     tune_gc: bool = False
     api_key: str | None = field(default=None, repr=False)
@@ -128,6 +141,7 @@ class RolloutConfig:
     reward_fn: Any = field(default=None, repr=False, compare=False)
     servers_behind_router: tuple[str, ...] = ()
     trust_remote_code: bool = False
+    history_policy: str = "auto"
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_turns) or self.max_turns <= 0:
@@ -180,6 +194,9 @@ class RolloutConfig:
             )
         if self.image_merge_size is not None and (not _is_int(self.image_merge_size) or self.image_merge_size < 1):
             raise ConfigError(f"image_merge_size must be a positive integer or None, got {self.image_merge_size!r}")
+        for name in ("observation_image_max_bytes", "observation_image_max_pixels"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
         if self.env_executor not in ("inline", "thread"):
             raise ConfigError(f"env_executor must be 'inline' or 'thread', got {self.env_executor!r}")
         if not _is_int(self.env_max_workers) or self.env_max_workers < 1:
@@ -201,6 +218,10 @@ class RolloutConfig:
             raise ConfigError(f"trust_remote_code must be True or False, got {self.trust_remote_code!r}")
         if self.reward_fn is not None and not callable(self.reward_fn):
             raise ConfigError(f"reward_fn must be callable (sample) -> float, got {type(self.reward_fn).__name__}")
+        if self.history_policy not in HISTORY_POLICIES:
+            raise ConfigError(
+                f"history_policy must be one of {', '.join(map(repr, HISTORY_POLICIES))}, got {self.history_policy!r}"
+            )
 
     @property
     def expert_dims(self) -> tuple[int, int] | None:

@@ -7,11 +7,11 @@ import importlib.util
 import sys
 import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
+from fsm_rollout.env_pool import env_thread_pool as env_thread_pool  # re-exported: its home before the adapters
 from fsm_rollout.errors import EnvironmentContractError, EnvironmentLoadError, EnvironmentNotFoundError
 
 
@@ -102,7 +102,13 @@ def env_factory_from_module(module: ModuleType) -> EnvFactory:
 
 
 def load_env_factory(target: str) -> EnvFactory:
-    """Load ``build_env`` from an environment module name or ``.py`` path."""
+    """Load ``build_env`` from an environment module name or ``.py`` path, or build it through an adapter
+    (``verifiers:NAME``, ``skyrl:NAME``, ``gym:ID``, ``trl:MODULE:CLASS``; see :mod:`fsm_rollout.adapters`)."""
+    from fsm_rollout.adapters.spec import factory_from_spec, is_adapter_spec
+
+    if is_adapter_spec(target):
+        factory: EnvFactory = factory_from_spec(target, load_module=load_env_module)
+        return factory
     return env_factory_from_module(load_env_module(target))
 
 
@@ -133,19 +139,3 @@ def unpack_step_info(result: Any) -> tuple[Any, bool, Any]:
         )
     observation, done, info = result
     return observation, bool(done), info
-
-
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-_POOLS_LOCK = threading.Lock()
-
-
-def env_thread_pool(max_workers: int) -> ThreadPoolExecutor:
-    """The worker pool that runs synchronous environment calls with ``env_executor="thread"``: one per size,
-    created on first use (the caller asked for threads by choosing that executor)."""
-    with _POOLS_LOCK:
-        pool = _POOLS.get(max_workers)
-        if pool is None:
-            pool = _POOLS[max_workers] = ThreadPoolExecutor(
-                max_workers=max_workers, thread_name_prefix="fsm-rollout-env"
-            )
-        return pool

@@ -116,7 +116,7 @@ class EnvironmentContractError(RolloutError, ValueError):
 
 
 class ObservationError(RolloutError, ValueError, TypeError):
-    """An observation message is not a text-only chat message."""
+    """An observation message is not a chat message the rollout can take (text, and image parts)."""
 
 
 class TemplateError(RolloutError, ValueError):
@@ -141,7 +141,16 @@ class ImageInputError(RolloutError, ValueError):
 
 
 class ImageObservationError(ObservationError):
-    """An observation carries an image part: observations are text-only (images belong in the prompt)."""
+    """An observation's image part cannot be taken: a media part other than an image, or an image the engine's
+    render did not encode into matching placeholders and features."""
+
+
+class VideoObservationError(ImageObservationError):
+    """An observation carries a video part: observations take images only."""
+
+
+class ImageTooLargeError(ImageInputError):
+    """An image is over the configured byte or pixel limit (a decompression bomb, or just too big)."""
 
 
 class MalformedFeaturesError(MultimodalError, TypeError):
@@ -154,6 +163,11 @@ class FeatureCodecError(MultimodalError, ValueError):
 
 class ImageFeaturesMissingError(MultimodalError):
     """The prompt has images, but the render answer carries no image tensors for (some of) them."""
+
+
+class ImageObservationFeaturesMissingError(ImageObservationError, ImageFeaturesMissingError):
+    """An observation holds images, but the engine's render of it answered no image features (a text-only model,
+    or a server that does not encode images): the observation cannot be taken."""
 
 
 class ImageMergeSizeUnknownError(MultimodalError):
@@ -177,3 +191,24 @@ class ResumeError(SampleStateError):
 class PoolError(RolloutError, RuntimeError):
     """A :class:`~fsm_rollout.distributed.RayRolloutPool` cannot do what was asked: Ray is missing, its workers did
     not start, or none of them is alive."""
+
+
+class MissingExtraError(EnvironmentNotFoundError):
+    """An environment adapter needs an optional package that is not installed; the message names the extra."""
+
+    def __init__(self, *, adapter: str, package: str, extra: str) -> None:
+        super().__init__(
+            f"the {adapter} adapter needs {package}, which is not installed: pip install 'fsm-rollout[{extra}]'",
+            name=package,
+        )
+        self.adapter = adapter
+        self.extra = extra
+
+
+class AdapterProtocolError(EnvironmentContractError):
+    """A foreign environment behind an adapter broke its own protocol: ``adapter`` and ``call`` name where."""
+
+    def __init__(self, adapter: str, call: str, problem: str) -> None:
+        super().__init__(f"{adapter} adapter: {call} {problem}")
+        self.adapter = adapter
+        self.call = call

@@ -6,6 +6,11 @@ trigger's edges are listed in order: the first edge whose guard holds is taken, 
 Guards are pure predicates over the rollout's context; actions change the sample. Their implementations live in
 :mod:`fsm_rollout.rollout.steps`, which hands them to :func:`build_machine` by name.
 
+``fork`` is the ``observing`` state's other exit, chosen by its activity under the ``fork`` and ``per_turn`` history
+policies (:mod:`fsm_rollout.rollout.history`): the engine's re-render of the conversation does not extend the
+tokens so far (``per_turn``: always), so the sequence so far closes into ``sample.branches`` and the re-render is
+the prompt of the next one; from ``rendered`` the ``generate`` edges apply as after the first render.
+
 Some triggers are the driver's choice rather than a state's: ``suspend`` (a weight update closed the rollout's
 gate while it was generating, or as it was about to), ``env_timeout`` and ``rollout_timeout`` (a limit of the
 config ran out), ``abort`` and ``fail``; they interrupt the state's own trigger. ``hand_back`` is the gate's
@@ -113,7 +118,8 @@ STATES: tuple[StateSpec, ...] = (
         "observing",
         activity=("encode_observation",),
         trigger="generate",
-        doc="`format_observation`, text check, boundary tokens",
+        doc="`format_observation`, text/image check, boundary tokens (images: one engine render; fork, per_turn: "
+        "the engine's re-render, compared)",
     ),
     StateSpec("completed", terminal=True, on_arrival=("finalize", "close_environment")),
     StateSpec("truncated", terminal=True, on_arrival=("finalize", "close_environment")),
@@ -153,6 +159,23 @@ TRANSITIONS: tuple[Edge, ...] = (
         "generating",
         actions=("append_observation", "next_turn"),
         work="observation appended (mask 0), next turn",
+    ),
+    Edge(
+        "fork",
+        "observing",
+        "truncated",
+        guard="fork_exceeds_budget",
+        reason="insufficient_budget_for_next_turn",
+        actions=("note_fork_truncation",),
+        work="the re-render leaves no budget for another turn; nothing forked",
+    ),
+    Edge(
+        "fork",
+        "observing",
+        "rendered",
+        reason="history_rewritten",
+        actions=("fork_history",),
+        work="the sequence so far closes into `sample.branches`; the engine's re-render is the new prompt",
     ),
     Edge(
         "suspend",
@@ -210,6 +233,30 @@ TRANSITIONS: tuple[Edge, ...] = (
         work="turn appended, then the masked EOS",
     ),
     Edge("step", "generating", "stepping", actions=("append_turn",), work="turn appended"),
+    Edge(
+        "observe",
+        "stepping",
+        "completed",
+        guard="session_closed",
+        reason="session_closed",
+        work="the agent closed its gateway session",
+    ),
+    Edge(
+        "observe",
+        "stepping",
+        "truncated",
+        guard="agent_idle",
+        reason="agent_timeout",
+        work="the agent was idle past the gateway session's limit; the data so far is kept",
+    ),
+    Edge(
+        "observe",
+        "stepping",
+        "completed",
+        guard="agent_rewrote_history",
+        reason="history_rewritten",
+        work="the agent rewrote history: this training sequence ends, the session goes on in a new one",
+    ),
     Edge("observe", "stepping", "completed", guard="env_done", reason="env_done"),
     Edge(
         "observe",

@@ -48,6 +48,25 @@ class MetricsSnapshot:
     """Mean time samples waited for a concurrency slot; the ``pending`` dwell starts once they have one."""
     queue_waits: int = 0
     """How many waits ``queued_ms_mean`` averages (its weight when snapshots are combined)."""
+    forks: int = 0
+    """``fork`` edges taken since the runner started: training sequences closed because the history was rewritten."""
+    sequences: int = 0
+    """Training sequences of the samples done (a rollout that forked n times has n + 1)."""
+
+    @property
+    def forks_per_rollout(self) -> float:
+        """Mean forks of the samples done (0.0 before any is)."""
+        return (self.sequences - self.samples_done) / self.samples_done if self.samples_done else 0.0
+
+    @property
+    def sequences_per_rollout(self) -> float:
+        """Mean training sequences of the samples done (1.0 without forks; 0.0 before any is done)."""
+        return self.sequences / self.samples_done if self.samples_done else 0.0
+
+    sessions_open: int = 0
+    """Agent gateway sessions open right now (:mod:`fsm_rollout.gateway`)."""
+    sessions_total: int = 0
+    """Agent gateway sessions opened since the runner started."""
 
 
 @dataclass(eq=False)
@@ -64,6 +83,8 @@ class RunnerMetrics(RolloutHooks):
     tokens_generated: int = 0
     done: int = 0
     suspensions: int = 0
+    forks: int = 0
+    sequences: int = 0
 
     queue_wait_sum: float = 0.0
     queue_waits: int = 0
@@ -72,6 +93,17 @@ class RunnerMetrics(RolloutHooks):
     """The runner's rollouts that have not ended (each leaves the set at its terminal transition)."""
     waiting: set[Any] = field(default_factory=set)
     """The runner's samples waiting for a concurrency slot (each leaves the set when it gets one or is ended)."""
+
+    sessions_open: int = 0
+    sessions_total: int = 0
+
+    def session_opened(self) -> None:
+        """An agent gateway session was opened."""
+        self.sessions_open += 1
+        self.sessions_total += 1
+
+    def session_closed(self) -> None:
+        self.sessions_open -= 1
 
     def queue_left(self, waited_ms: float) -> None:
         self.queue_wait_sum += waited_ms
@@ -86,6 +118,8 @@ class RunnerMetrics(RolloutHooks):
         self.dwell_count[src] += 1
         if trigger == "suspend":
             self.suspensions += 1
+        elif trigger == "fork" and dst == "rendered":
+            self.forks += 1
         if trigger == "step" and rollout.turn is not None:
             self.turns += 1
             self.tokens_generated += len(rollout.turn.token_ids)
@@ -93,6 +127,7 @@ class RunnerMetrics(RolloutHooks):
             self.statuses[dst] += 1
             self.reasons[rollout.reason or "unknown"] += 1
             self.done += 1
+            self.sequences += 1 + len(rollout.sample.branches)
             self.active.discard(rollout)
         else:
             self.occupancy[dst] += 1
@@ -119,6 +154,10 @@ class RunnerMetrics(RolloutHooks):
             queued=len(self.waiting),
             queued_ms_mean=self.queue_wait_sum / self.queue_waits if self.queue_waits else 0.0,
             queue_waits=self.queue_waits,
+            forks=self.forks,
+            sequences=self.sequences,
+            sessions_open=self.sessions_open,
+            sessions_total=self.sessions_total,
         )
 
 
@@ -183,6 +222,8 @@ def combine_metrics(
         queued=sum(s.queued for s in snapshots),
         queued_ms_mean=(sum(s.queued_ms_mean * s.queue_waits for s in snapshots) / queue_waits) if queue_waits else 0.0,
         queue_waits=queue_waits,
+        forks=sum(s.forks for s in snapshots),
+        sequences=sum(s.sequences for s in snapshots) + failed_here,
         workers_alive=len(snapshots),
         workers_lost=workers_lost,
         per_worker=tuple(snapshots),

@@ -13,15 +13,13 @@ same server, and adding a server moves only about 1/N of the sessions.
 from __future__ import annotations
 
 import asyncio
-import bisect
-import contextlib
 import copy
-import hashlib
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
+from dataclasses import replace
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -31,6 +29,7 @@ from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.env import EnvFactory, load_env_factory
 from fsm_rollout.errors import ConfigError, RolloutError
+from fsm_rollout.hashring import ConsistentHashRing
 from fsm_rollout.hooks import RolloutHooks, combine_hooks
 from fsm_rollout.metrics import MetricsSnapshot, RunnerMetrics
 from fsm_rollout.queueing import QueueNotingTracer, Waiting
@@ -38,6 +37,7 @@ from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_writer_for
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import Sample, Status
 from fsm_rollout.suspension import Suspender, SuspendStats
+from fsm_rollout.template_probe import HistoryPolicyChooser
 from fsm_rollout.tokenizers import TokenizerSource, load_tokenizer, tokenizer_source
 from fsm_rollout.trace import Tracer, get_tracer
 
@@ -46,32 +46,6 @@ NOT_STARTED = "not_started"
 never started, so it holds nothing but its input."""
 
 _T = TypeVar("_T")
-
-
-class ConsistentHashRing:
-    """Maps keys (session ids) to one of several engine URLs; stable when URLs are added or removed."""
-
-    def __init__(self, urls: Sequence[str], *, replicas: int = 64) -> None:
-        if not urls:
-            raise ConfigError("at least one engine URL is needed")
-        self._points: list[int] = []
-        self._owners: list[str] = []
-        for url in sorted(set(urls)):
-            for replica in range(replicas):
-                self._points.append(self._hash(f"{url}#{replica}"))
-                self._owners.append(url)
-        order = sorted(range(len(self._points)), key=self._points.__getitem__)
-        self._points = [self._points[i] for i in order]
-        self._owners = [self._owners[i] for i in order]
-
-    @staticmethod
-    def _hash(key: str) -> int:
-        return int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big")
-
-    def url_for(self, key: str) -> str:
-        """The engine URL that owns ``key``."""
-        index = bisect.bisect(self._points, self._hash(key)) % len(self._points)
-        return self._owners[index]
 
 
 class RolloutRunner:
@@ -132,6 +106,10 @@ class RolloutRunner:
         self._active = self._metrics.active
         self._waiting = self._metrics.waiting
         self._encoder: ObservationEncoder | None = None
+        self._history = HistoryPolicyChooser(config.history_policy, config.apply_chat_template_kwargs)
+        self.history_policy: str | None = None
+        self._configs: dict[str, RolloutConfig] = {}
+        """The history policy of samples without tools, resolved from the template probe on entering."""
         self._hooks = combine_hooks(self._metrics, hooks)
         self._entered = False
         self.suspender = Suspender(
@@ -166,9 +144,8 @@ class RolloutRunner:
         if source is not None:
             tokenizer = source.load(model=self.config.model, trust_remote_code=self.config.trust_remote_code)
         encoder = ObservationEncoder(tokenizer)
-        # a failed probe is not remembered: each sample's rollout probes again and fails naming the error
-        with contextlib.suppress(Exception):
-            encoder.probe(template_kwargs=self.config.apply_chat_template_kwargs)
+        # the template probe and the history policy of samples without tools (AppendRefused ends the start-up)
+        self.history_policy = self._history.resolve(tokenizer)
         return tokenizer, encoder
 
     async def __aexit__(
@@ -190,6 +167,13 @@ class RolloutRunner:
 
     # ------------------------------------------------------------------ building rollouts
 
+    def _config_under(self, policy: str) -> RolloutConfig:
+        """The config with ``history_policy`` resolved to ``policy``, made once per policy."""
+        config = self._configs.get(policy)
+        if config is None:
+            config = self._configs[policy] = replace(self.config, history_policy=policy)
+        return config
+
     def _client_for(self, sample: Sample) -> VLLMClient:
         if len(self._clients) == 1:
             return next(iter(self._clients.values()))
@@ -202,8 +186,11 @@ class RolloutRunner:
             raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
         if len(self._clients) > 1 and not sample.session_id:
             sample.session_id = str(uuid.uuid4())
+        tools = sample.metadata.get("tools") if isinstance(sample.metadata, Mapping) else None
+        # a tool set not seen yet is probed once (AppendRefused fails the sample); the rollout runs the policy chosen
+        policy = self._history.resolve(self.tokenizer, tools) if tools else self.history_policy
         options: dict[str, Any] = {
-            "config": self.config,
+            "config": self._config_under(policy or self.config.history_policy),
             "sampling_params": self.sampling_params if seed is None else {**self.sampling_params, "seed": seed},
             "client": self._client_for(sample),
             "tokenizer": self.tokenizer,
@@ -300,6 +287,7 @@ class RolloutRunner:
         self._metrics.statuses["failed"] += 1
         self._metrics.reasons["error"] += 1
         self._metrics.done += 1
+        self._metrics.sequences += 1
         return sample
 
     async def _bounded(self, waiting: Waiting, semaphore: asyncio.Semaphore) -> Sample:
@@ -484,7 +472,6 @@ def _positive(value: int) -> int:
 
 __all__ = [
     "NOT_STARTED",
-    "ConsistentHashRing",
     "MetricsSnapshot",
     "RolloutRunner",
     "group_members",

@@ -19,7 +19,8 @@ Schema (``schema`` = :data:`TRACE_SCHEMA_VERSION`), one object per line:
 ``reason``           terminal edges only: why the sample ended (``env_done``, ``max_turns``, ``length``, ...)
 payload summaries    ``prompt_tokens`` and ``image_hashes`` (render; one ``sha256:<16 hex>`` of each image's bytes,
                      or ``url-sha256:<16 hex>`` of an http(s) URL's text), ``generated_tokens``, ``finish``,
-                     ``eos_inserted`` (step), ``observation_tokens`` (generate from observing),
+                     ``eos_inserted`` (step), ``observation_tokens`` and, for an observation with images,
+                     ``observation_image_hashes`` (generate from observing),
                      ``error_type``/``error`` and ``failed_trigger`` (fail)
 
 Never raw images or whole token arrays. Per-sample keys (``sample_id``, ``session_id``, ``rollout_uid``) are bound

@@ -22,12 +22,17 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "run": ("fsm_rollout.cli.run", "roll a dataset out (default: the demo on the embedded CPU engine)"),
     "replay": ("fsm_rollout.cli.replay", "check a recorded run against today's machine and re-execute it offline"),
     "inspect": ("fsm_rollout.cli.inspect", "summarise a recorded run, or show one sample's timeline and text"),
+    "report": ("fsm_rollout.cli.report", "write a recorded run as one self-contained web page"),
     "diagram": (
         "fsm_rollout.cli.diagram",
         "write the lifecycle diagrams and the generated sections of README.md and docs/cli.md",
     ),
     "serve": ("fsm_rollout.cli.serve", "run the embedded CPU engine speaking vLLM's token-in/token-out API"),
     "bench": ("fsm_rollout.cli.bench", "measure the machine and the client against plain alternatives"),
+    "gateway": (
+        "fsm_rollout.cli.gateway",
+        "serve OpenAI-compatible agent sessions, each a traced rollout trained token-exact",
+    ),
 }
 """Subcommand name → (module, one-line help)."""
 

@@ -430,8 +430,11 @@ def main(args: argparse.Namespace) -> int:
         if args.trace is not None:
             return _main_overlay(args)
         out, readme, documents = _targets(args)
+        shot_root = _screenshot_root(args)
         if args.check:
             problems = stale_diagrams(out, readme, documents)
+            if shot_root is not None:
+                problems += [problem for problem in [_screenshot_problem(shot_root)] if problem is not None]
             if problems:
                 print("The lifecycle diagrams or generated sections are stale:", file=sys.stderr)
                 for problem in problems:
@@ -441,6 +444,8 @@ def main(args: argparse.Namespace) -> int:
             print("lifecycle diagrams and generated sections are up to date")
             return 0
         changed = write_diagrams(out, readme, documents)
+        if shot_root is not None and _screenshot_problem(shot_root) is not None:
+            changed.append(_write_screenshot(shot_root))
     except DiagramError as exc:
         print(f"fsm-rollout diagram: {exc}", file=sys.stderr)
         return 2
@@ -455,6 +460,29 @@ def main(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _screenshot_root(args: argparse.Namespace) -> Path | None:
+    """The checkout whose docs/report.png this run keeps current (the default targets only), or None."""
+    from fsm_rollout.report.screenshot import kept_by
+
+    return None if args.out is not None or args.readme is not None or args.no_readme else kept_by(checkout_root())
+
+
+def _screenshot_problem(root: Path) -> str | None:
+    from fsm_rollout.report.screenshot import screenshot_problem
+
+    return screenshot_problem(root)
+
+
+def _write_screenshot(root: Path) -> Path:
+    from fsm_rollout.report.chromium import ChromiumError
+    from fsm_rollout.report.screenshot import write_screenshot
+
+    try:
+        return Path(os.path.relpath(write_screenshot(root)))
+    except ChromiumError as error:  # say what to install
+        raise DiagramError(f"docs/report.png is stale and cannot be shot again: {error}") from error
 
 
 def _main_overlay(args: argparse.Namespace) -> int:

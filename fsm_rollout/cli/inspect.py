@@ -2,6 +2,9 @@
 
 What the command shows and its exit codes are in :data:`EPILOG` (printed by ``--help`` and in the README). The
 summarising and rendering below serve only this command, so they live here rather than in the library.
+
+Why this module is long: the batch summary and the timeline (its transitions, turns, observations and, for a rollout
+that forked, its earlier sequences) share one tape reading and one painter, and serve only this command.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ the environment's answer and the observation appended after it, with the sample'
 ended with (an environment's answer to one turn is not the reward: Geo3K's reward is the episode's best score).
 A group id (7) shows each of its members (7.0, 7.1, ...); an unknown id lists the ids there are. Trainable tokens
 (loss mask 1) are shown apart from masked ones: green and dim in a terminal, masked text in ⟦…⟧ when the output
-is piped.
+is piped. A rollout that forked shows its earlier training sequences (branches) first, then its last one.
 
 Exit codes: 0 shown; 2 unusable input (missing file, not a trace, another schema version, unknown sample)."""
 MASK_OPEN, MASK_CLOSE = "⟦", "⟧"
@@ -192,12 +195,16 @@ class Segment:
 
 
 def response_segments(record: TapeSample) -> list[Segment]:
-    """The response side cut into turns and observations, from the response length after each transition."""
+    """The last sequence's response side cut into turns and observations, from the response length after each
+    transition (a fork starts a new sequence: the segments before it are a branch's)."""
     segments: list[Segment] = []
     previous = 0
     for event in record.transitions:
         length = event.get("response_length")
         turn = event.get("turn")
+        if event.get("trigger") == "fork" and event.get("dst") == "rendered":
+            segments, previous = [], 0  # what came before is an earlier sequence's (a branch's)
+            continue
         if not isinstance(length, int) or not isinstance(turn, int):
             continue
         if length > previous:
@@ -225,15 +232,22 @@ class Painter:
         return f"{_BOLD}{text}{_RESET}" if self.color else text
 
 
-def render_tokens(tokens: Sequence[int], mask: Sequence[int], tokenizer: Any, painter: Painter) -> str:
-    """Decoded text of ``tokens``, with each run of equal loss mask painted as trainable or masked."""
+def render_tokens(
+    tokens: Sequence[int], mask: Sequence[int], tokenizer: Any, painter: Painter, *, image_token: int | None = None
+) -> str:
+    """Decoded text of ``tokens``, with each run of equal loss mask painted as trainable or masked; a run of the
+    image placeholder ``image_token`` is marked as one ``[image: N tokens]`` span instead of N placeholders."""
     parts: list[str] = []
     start = 0
     while start < len(tokens):
         end = start
-        while end < len(tokens) and mask[end] == mask[start]:
+        image = image_token is not None and tokens[start] == image_token
+        while end < len(tokens) and mask[end] == mask[start] and (tokens[end] == image_token) == image:
             end += 1
-        text = str(tokenizer.decode(list(tokens[start:end]), skip_special_tokens=False)).replace("\n", "\n      ")
+        if image:
+            text = painter.bold(f"[image: {end - start} tokens]")
+        else:
+            text = str(tokenizer.decode(list(tokens[start:end]), skip_special_tokens=False)).replace("\n", "\n      ")
         parts.append(painter.trainable(text) if mask[start] else painter.masked(text))
         start = end
     return "".join(parts)
@@ -281,7 +295,11 @@ def _sample_lines(record: TapeSample, tape: TapeFile) -> list[str]:
     sample = revive(tape.resolve(record.sample))
     if not isinstance(sample, dict):
         return []
-    return [f"  prompt: {_clip(_prompt_text(sample.get('prompt')), 400)}", f"  label: {sample.get('label')!r}"]
+    prompt = sample.get("prompt")
+    for entry in record.io:  # an adapted environment gives the prompt when it is built (its first observation)
+        if entry.get("op") == "env_build" and "sample_prompt" in entry:
+            prompt = revive(tape.resolve(entry["sample_prompt"]))
+    return [f"  prompt: {_clip(_prompt_text(prompt), 400)}", f"  label: {sample.get('label')!r}"]
 
 
 def _prompt_text(prompt: Any) -> str:
@@ -321,6 +339,7 @@ def _event_summary(event: dict[str, Any]) -> str:
         "response_length",
         "remaining_budget",
         "reason",
+        "branch",
         "error_type",
         "error",
     )
@@ -359,15 +378,24 @@ def _turn_lines(record: TapeSample, tape: TapeFile, tokenizer: Any, painter: Pai
         if painter.color
         else f"masked (loss mask 0) text is in {MASK_OPEN}…{MASK_CLOSE}; the rest is trainable"
     )
-    lines = [
+    lines = _branch_lines(result, tokenizer, painter)
+    lines += [
         "",
         f"  prompt: {prompt_length} tokens; response side: {len(response)} tokens "
         f"({sum(mask)} trainable, {len(mask) - sum(mask)} masked) — {legend}",
     ]
+    from fsm_rollout.multimodal import IMAGE_PAD_TOKEN, image_pad_token_id, without_image_data
+
+    placeholder = record.config.get("image_placeholder_token") or IMAGE_PAD_TOKEN
+    image_token = image_pad_token_id(tokenizer, placeholder) if tokenizer is not None else None
     for segment in response_segments(record):
         ids = response[segment.start : segment.end]
         seg_mask = mask[segment.start : segment.end]
-        text = render_tokens(ids, seg_mask, tokenizer, painter) if tokenizer is not None else f"{len(ids)} tokens"
+        text = (
+            render_tokens(ids, seg_mask, tokenizer, painter, image_token=image_token)
+            if tokenizer is not None
+            else f"{len(ids)} tokens"
+        )
         if segment.kind == "model":
             lines += [
                 "",
@@ -385,9 +413,32 @@ def _turn_lines(record: TapeSample, tape: TapeFile, tokenizer: Any, painter: Pai
         else:
             message = ""
             if segment.turn < len(observations):
-                content = revive(tape.resolve(observations[segment.turn].get("message")))
+                content = without_image_data(revive(tape.resolve(observations[segment.turn].get("message"))))
                 message = f" from {_clip(repr(content))}"
             lines.append(f"    observation ({len(ids)} masked){message}: {text}")
+    return lines
+
+
+def _branch_lines(result: dict[str, Any], tokenizer: Any, painter: Painter) -> list[str]:
+    """The earlier training sequences of a rollout that forked (``sample.branches``), oldest first."""
+    from fsm_rollout.recording.format import expand_run_lengths
+
+    lines: list[str] = []
+    for number, branch in enumerate(result.get("branches") or ()):
+        tokens = branch.get("tokens") or []
+        prompt_length = branch.get("prompt_length") or 0
+        mask = expand_run_lengths(branch.get("loss_mask")) or []
+        response = tokens[prompt_length:]
+        text = render_tokens(response, mask, tokenizer, painter) if tokenizer is not None else f"{len(response)} tokens"
+        lines += [
+            "",
+            painter.bold(f"  branch {number}")
+            + f" (an earlier sequence, closed by a fork): prompt {prompt_length} tokens; response side "
+            f"{len(response)} tokens ({sum(mask)} trainable, {len(mask) - sum(mask)} masked)",
+            f"    {text}",
+        ]
+    if lines:
+        lines += ["", painter.bold(f"  sequence {len(result['branches'])} (the sample itself)")]
     return lines
 
 

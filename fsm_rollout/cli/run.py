@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 import time
@@ -26,6 +27,7 @@ from fsm_rollout.cli.preflight import (
     option_problem,
     redacted,
 )
+from fsm_rollout.cli.report import default_output as report_path_for
 from fsm_rollout.cli.run_report import (
     error_lines,
     next_lines,
@@ -34,7 +36,7 @@ from fsm_rollout.cli.run_report import (
     summary,
     write_results,
 )
-from fsm_rollout.config import RolloutConfig
+from fsm_rollout.config import HISTORY_POLICIES, RolloutConfig
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.recording import tape_path_for
 from fsm_rollout.runner import MetricsSnapshot, RolloutRunner, group_members
@@ -48,7 +50,8 @@ EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 EPILOG = """\
 With no --engine-url the embedded CPU engine is started in-process; with no --data the bundled demo dataset runs
-with the built-in Geo3K environment, each question as a group of samples (--n-samples-per-prompt); a dataset of
+with the built-in Geo3K environment (or, with --env, that environment's own demo_samples() when it has them, as
+fsm_rollout.envs.grid does), each question as a group of samples (--n-samples-per-prompt); a dataset of
 your own (--data) needs the environment that grades it (--env). --limit N takes the first N prompts. A live progress
 line shows samples done, per-state occupancy and tokens/s; the run ends with a summary (status and reason counts,
 the rewards the environment wrote, turns, tokens, throughput), the most frequent errors of the failed samples, and
@@ -86,6 +89,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="also record the I/O tape beside the trace (X.jsonl -> X.tape.jsonl) so that "
         "`fsm-rollout replay` can re-execute the run offline (needs --trace)",
+    )
+    data.add_argument(
+        "--report",
+        nargs="?",
+        const=True,
+        type=Path,
+        metavar="FILE",
+        help="also write the run as one web page (`fsm-rollout report`; FILE default: beside the trace, "
+        "X.jsonl -> X.html; needs --trace)",
     )
     data.add_argument(
         "--include-features",
@@ -141,8 +153,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument(
         "--env",
         metavar="MODULE|FILE",
-        help=f"environment module or .py file that grades the samples; required with --data "
-        f"(default with the demo: {DEMO_ENV})",
+        help=f"environment module or .py file, or one through an adapter (verifiers:NAME, skyrl:NAME, gym:ID, "
+        f"trl:MODULE:CLASS); required with --data (default with the demo: {DEMO_ENV})",
     )
     rollout.add_argument("--max-turns", type=int, default=3, metavar="N", help="turns per sample at most")
     rollout.add_argument(
@@ -166,16 +178,47 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"stop string (repeatable; default with {DEMO_ENV}: {' '.join(GEO3K_STOP)})",
     )
     rollout.add_argument("--seed", type=int, metavar="N", help="sampling seed sent with every request")
+    rollout.add_argument(
+        "--history-policy",
+        choices=HISTORY_POLICIES,
+        default="auto",
+        help="how history reaches the next turn: append boundary tokens, fork where the template rewrites it, one "
+        "training row per model call, or auto (chosen once at start-up from the template probe)",
+    )
+    rollout.add_argument(
+        "--chat-template-kwargs",
+        type=_json_object,
+        metavar="JSON",
+        help="chat template switches, e.g. '{\"enable_thinking\": false}': the template probe, the observation "
+        "boundaries and the engine's render all get them",
+    )
     add_process_settings(parser.add_argument_group("process-wide settings"))
 
 
-def _load_samples(args: argparse.Namespace) -> tuple[list[Sample], int]:
+def _json_object(text: str) -> dict[str, Any]:
+    """``--chat-template-kwargs``: a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _load_samples(args: argparse.Namespace, env_factory: Any = None) -> tuple[list[Sample], int]:
+    from fsm_rollout.adapters.spec import is_adapter_spec, samples_from_spec
     from fsm_rollout.dataset import load_jsonl
 
+    if args.data is None and args.env is not None and is_adapter_spec(args.env):  # the environment's own dataset
+        return samples_from_spec(args.env, env_factory, limit=args.limit), 0
     if args.data is None:
         from fsm_rollout.data.demo import demo_samples
+        from fsm_rollout.env import load_env_module
 
-        samples, skipped = demo_samples(), 0
+        # an environment that brings its own demo prompts (fsm_rollout.envs.grid) runs them; else the Geo3K demo
+        own = getattr(load_env_module(args.env), "demo_samples", None) if args.env else None
+        samples, skipped = (own() if callable(own) else demo_samples()), 0
     else:
         dataset = load_jsonl(args.data, skip_bad=args.skip_bad)
         samples, skipped = dataset.samples, len(dataset.skipped)
@@ -190,7 +233,10 @@ def _groups(samples: Sequence[Sample], args: argparse.Namespace) -> tuple[list[S
                                                                           list[int | None]]:  # fmt: skip
     """Each prompt's group members in order, their trace names and, with ``--seed S``, member ``m``'s seed
     ``S + m`` (a group is reproducible and its members still differ); one sample a prompt stays as it was."""
-    n = args.n_samples_per_prompt or (DEMO_SAMPLES_PER_PROMPT if args.data is None else 1)
+    from fsm_rollout.adapters.spec import is_adapter_spec
+
+    demo = args.data is None and not (args.env is not None and is_adapter_spec(args.env))
+    n = args.n_samples_per_prompt or (DEMO_SAMPLES_PER_PROMPT if demo else 1)
     if n == 1:
         return list(samples), [], []
     members: list[Sample] = []
@@ -300,15 +346,17 @@ def build_config(
         tune_gc=not args.no_tune_gc,
         api_key=api_key,
         trust_remote_code=args.trust_remote_code,
+        history_policy=args.history_policy,
+        apply_chat_template_kwargs=args.chat_template_kwargs,
     )
 
 
 async def _run(args: argparse.Namespace) -> int:
     from fsm_rollout.env import load_env_factory
 
-    prompts, skipped = _load_samples(args)
-    samples, sample_ids, seeds = _groups(prompts, args)
     env_factory = load_env_factory(args.env or DEMO_ENV)  # a bad --env fails before any engine starts
+    prompts, skipped = _load_samples(args, env_factory)
+    samples, sample_ids, seeds = _groups(prompts, args)
     key = api_key(args)
     sampling: dict[str, Any] = {
         "max_new_tokens": args.max_new_tokens,
@@ -367,7 +415,10 @@ async def _run(args: argparse.Namespace) -> int:
     )
     if args.record:
         print(f"tape: {tape_path_for(args.trace)}")
-    print("\n".join(next_lines(samples, sample_ids, trace=args.trace, record=args.record)))
+    page = await _write_report(args, tokenizer) if args.report is not None else None
+    print(
+        "\n".join(next_lines(samples, sample_ids, trace=args.trace, record=args.record, results=args.out, report=page))
+    )
     if interrupted.is_set():
         return EXIT_INTERRUPTED
     nothing = nothing_generated(samples, max_context_len=args.max_context_len)
@@ -377,6 +428,21 @@ async def _run(args: argparse.Namespace) -> int:
     return EXIT_FAILED_SAMPLES if snapshot.statuses.get("failed") else EXIT_OK
 
 
+async def _write_report(args: argparse.Namespace, tokenizer: Any) -> Path | None:
+    """``--report``: the run's web page, from its trace (and tape) and results; None when it cannot be built."""
+    from fsm_rollout.report import build_report, write_report
+
+    output = report_path_for(args.trace) if args.report is True else args.report
+    try:
+        data = await asyncio.to_thread(build_report, args.trace, results=args.out, tokenizer=tokenizer)
+        page = await asyncio.to_thread(write_report, data, output)
+    except (RolloutError, OSError) as error:
+        print(f"error: the report could not be written: {error}", file=sys.stderr)
+        return None
+    print(f"report: {page}")
+    return page
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``fsm-rollout run``."""
     from fsm_rollout.dataset import DatasetError
@@ -384,6 +450,8 @@ def main(args: argparse.Namespace) -> int:
     problem = option_problem(args)
     if problem is None and args.record and args.trace is None:
         problem = "--record needs --trace (the tape is written beside the trace)"
+    if problem is None and args.report is not None and args.trace is None:
+        problem = "--report needs --trace (the page is built from the trace)"
     if problem is None and args.data is not None and args.env is None:
         # the demo's Geo3K grading would silently score another dataset
         problem = (

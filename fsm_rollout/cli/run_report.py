@@ -11,6 +11,7 @@ from typing import Any
 import orjson
 
 from fsm_rollout.cli.preflight import one_line
+from fsm_rollout.cli.report import default_output as report_path_for
 from fsm_rollout.metrics import MetricsSnapshot
 from fsm_rollout.runner import NOT_STARTED
 from fsm_rollout.sample import Sample, Status
@@ -139,16 +140,29 @@ def example_sample_id(samples: Sequence[Sample], sample_ids: Sequence[str | None
 
 
 def next_lines(
-    samples: Sequence[Sample], sample_ids: Sequence[str | None], *, trace: Path | None, record: bool
+    samples: Sequence[Sample],
+    sample_ids: Sequence[str | None],
+    *,
+    trace: Path | None,
+    record: bool,
+    results: Path | None = None,
+    report: Path | None = None,
 ) -> list[str]:
-    """The commands that look inside this run, with a sample id it has."""
+    """The commands that look inside this run, with a sample id it has (``report``: the page ``--report`` wrote,
+    else the command that writes it, with ``results``)."""
     if trace is None:
         return [
             "next: run with --trace trace.jsonl --record to look inside each sample "
-            "(`fsm-rollout inspect`, `replay`, `diagram --trace`)"
+            "(`fsm-rollout report`, `inspect`, `replay`, `diagram --trace`)"
         ]
     example = example_sample_id(samples, sample_ids)
-    lines = ["next:", f"  fsm-rollout inspect {trace}"]
+    lines = ["next:"]
+    if report is not None:
+        lines.append(f"  open {report}")
+    else:
+        given = f" --results {results}" if results is not None else ""
+        lines.append(f"  fsm-rollout report {trace}{given} -o {report_path_for(trace)}")
+    lines.append(f"  fsm-rollout inspect {trace}")
     if example is not None:
         text = "" if record else "   (its turns' text needs a tape: run with --record)"
         lines.append(f"  fsm-rollout inspect {trace} --sample {example}{text}")

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from fsm_rollout import RolloutConfig, RolloutRunner, Sample, weight_staleness
+from fsm_rollout import RolloutConfig, RolloutRunner, Sample, training_sequences, weight_staleness
 from fsm_rollout.data.practice import practice_samples
 from fsm_rollout.engine.local import LocalEngine
 from fsm_rollout.engine.local.default_model import default_model_dir
@@ -150,15 +150,20 @@ async def rollout_step(runner: RolloutRunner, questions: Sequence[Sample], step:
 
 def training_batch(groups: Sequence[Sequence[Sample]], trainer: Trainer, options: GRPOOptions
                    ) -> tuple[list[Sample], list[float], int]:  # fmt: skip
-    """The samples to learn from with their advantages, and how many were dropped as too stale."""
+    """The training sequences to learn from with their advantages, and how many rollouts were dropped as too stale.
+
+    The advantage is the rollout's: a rollout that forked gives each of its sequences (``training_sequences``) the
+    same one, so a rollout counts once in its group however many sequences it has."""
     samples, advantages, dropped = [], [], 0
     for group in groups:
         for sample, advantage in zip(group, group_advantages([s.reward or 0.0 for s in group]), strict=True):
-            if weight_staleness(sample, trainer.version, history=trainer.history) > options.max_staleness:
+            sequences = training_sequences([sample])
+            staleness = max(weight_staleness(seq, trainer.version, history=trainer.history) for seq in sequences)
+            if staleness > options.max_staleness:
                 dropped += 1  # the trainer's choice: too far off-policy to learn from
             else:
-                samples.append(sample)
-                advantages.append(advantage)
+                samples.extend(sequences)
+                advantages.extend([advantage] * len(sequences))
     return samples, advantages, dropped
 
 

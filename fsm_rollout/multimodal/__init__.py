@@ -17,6 +17,9 @@ The rules, with the seed's fragile spots made strict:
   The merge size comes from the config or the processor (:func:`load_image_processor` finds one for checkpoints
   whose full processor does not load; :mod:`~fsm_rollout.multimodal.merge_size`); when neither knows it, image
   features are an error that says so.
+* Images in observations are rendered by the engine after a dummy prefix; their features are placed in the
+  sample's sequence and merged into its cumulative features, and their size is limited
+  (:mod:`~fsm_rollout.multimodal.observations`).
 * Only content hashes of the images (:attr:`RenderMessages.image_hashes`) are meant for traces, never the images.
 
 Every public name of the submodules is importable from here.
@@ -46,6 +49,7 @@ from fsm_rollout.multimodal.images import (
     image_to_render_url,
     messages_for_render,
     prepare_render_messages,
+    without_image_data,
 )
 from fsm_rollout.multimodal.merge_size import (
     PREPROCESSOR_CONFIG,
@@ -55,27 +59,56 @@ from fsm_rollout.multimodal.merge_size import (
     processor_merge_size,
 )
 from fsm_rollout.multimodal.messages import build_initial_messages, is_image_part
+from fsm_rollout.multimodal.observations import (
+    DEFAULT_MAX_IMAGE_BYTES,
+    DEFAULT_MAX_IMAGE_PIXELS,
+    ImageLimits,
+    check_encoded_sizes,
+    check_image_limits,
+    check_observation_parts,
+    check_observation_tokens,
+    fill_null_items,
+    image_features,
+    known_items,
+    merge_features,
+    observation_image_count,
+    place_features,
+)
 
 __all__ = [
+    "DEFAULT_MAX_IMAGE_BYTES",
+    "DEFAULT_MAX_IMAGE_PIXELS",
     "IMAGE_GRID_DIMENSIONS",
     "IMAGE_PAD_TOKEN",
     "NULL_ITEM_ADVICE",
     "PREPROCESSOR_CONFIG",
     "VLLM_MM_SERDE_MODULES",
     "CheckpointImageConfig",
+    "ImageLimits",
     "RenderMessages",
     "build_initial_messages",
+    "check_encoded_sizes",
+    "check_image_limits",
+    "check_observation_parts",
+    "check_observation_tokens",
     "checkpoint_merge_size",
     "decode_train_features",
     "encode_pil_image",
     "feature_item_decoder",
+    "fill_null_items",
     "image_content_hash",
+    "image_features",
     "image_pad_token_id",
     "image_to_render_url",
     "is_image_part",
+    "known_items",
     "load_image_processor",
+    "merge_features",
     "messages_for_render",
+    "observation_image_count",
+    "place_features",
     "prepare_render_messages",
     "processor_merge_size",
     "validate_image_tokens",
+    "without_image_data",
 ]

@@ -112,6 +112,17 @@ def messages_for_render(messages: Sequence[dict[str, Any]], *, sample_id: Any = 
     return prepare_render_messages(messages, sample_id=sample_id).messages
 
 
+def without_image_data(value: Any) -> Any:
+    """JSON data with each image ``data:`` URL shown as ``<image>`` (for text views of recorded messages)."""
+    if isinstance(value, list):
+        return [without_image_data(item) for item in value]
+    if isinstance(value, dict):
+        return {key: without_image_data(item) for key, item in value.items()}
+    if isinstance(value, str) and value.startswith("data:image/"):
+        return "<image>"
+    return value
+
+
 def _image_url_of_part(part: dict[str, Any]) -> str | None:
     value = part.get("image_url")
     if isinstance(value, dict):

@@ -80,6 +80,7 @@ class SampleRecorder(RolloutHooks):
             entry = self._entry("env_build")
             sample = kwargs.get("sample")
             tools_before = _sample_tools(sample)
+            prompt_before = getattr(sample, "prompt", None)
             try:
                 inner = factory or load_env_factory(config.env_path or DEFAULT_ENV_MODULE)
                 env = inner(**kwargs)
@@ -87,23 +88,28 @@ class SampleRecorder(RolloutHooks):
                 entry["error"] = describe_error(error)
                 raise
             if inspect.isawaitable(env):  # an async build_env: recorded once it built the environment
-                return self._built_later(entry, env, sample, tools_before)
-            return self._built(entry, env, sample, tools_before)
+                return self._built_later(entry, env, sample, tools_before, prompt_before)
+            return self._built(entry, env, sample, tools_before, prompt_before)
 
         return build_env
 
-    async def _built_later(self, entry: dict[str, Any], awaitable: Any, sample: Any, tools_before: Any) -> Any:
+    async def _built_later(
+        self, entry: dict[str, Any], awaitable: Any, sample: Any, tools_before: Any, prompt_before: Any
+    ) -> Any:
         try:
             env = await awaitable
         except Exception as error:
             entry["error"] = describe_error(error)
             raise
-        return self._built(entry, env, sample, tools_before)
+        return self._built(entry, env, sample, tools_before, prompt_before)
 
-    def _built(self, entry: dict[str, Any], env: Any, sample: Any, tools_before: Any) -> Any:
+    def _built(self, entry: dict[str, Any], env: Any, sample: Any, tools_before: Any, prompt_before: Any) -> Any:
         tools = _sample_tools(sample)
         if tools != tools_before:  # the environment gave the sample its tools: replay gives them the same way
             entry["sample_tools"] = jsonable(tools)
+        prompt = getattr(sample, "prompt", None)
+        if prompt is not prompt_before:  # an adapted environment's first observation is the prompt: same on replay
+            entry["sample_prompt"] = jsonable(prompt)
         entry["type"] = type(env).__name__
         missing = [name for name in ENV_METHODS if not callable(getattr(env, name, None))]
         if missing:  # the rollout rejects it; calls on it are not recorded
@@ -200,8 +206,26 @@ class SampleRecorder(RolloutHooks):
                 "rollout_log_probs": None if sample.rollout_log_probs is None else list(sample.rollout_log_probs),
                 "error": jsonable(sample.metadata.get("rollout_error")),
                 "reward": jsonable(sample.reward),  # what inspect shows; replay does not compare it
+                **_branches(sample),
             },
         }
+
+
+def _branches(sample: Sample) -> dict[str, Any]:
+    """A forked rollout's earlier sequences for the result (absent without forks, as on tapes from before)."""
+    if not sample.branches:
+        return {}
+    return {
+        "branches": [
+            {
+                "tokens": list(branch.tokens),
+                "prompt_length": len(branch.tokens) - branch.response_length,
+                "loss_mask": run_lengths(branch.loss_mask),
+                "response": branch.response,
+            }
+            for branch in sample.branches
+        ]
+    }
 
 
 class RecordingTransport:
@@ -321,7 +345,8 @@ def _keep_step_result(entry: dict[str, Any], result: Any) -> None:
 
 
 def _keep_message(entry: dict[str, Any], message: Any) -> None:
-    entry["message"] = jsonable(message)
+    # PIL images as the PNG data URLs the rollout sends for them: long, so stored once as blobs by content hash
+    entry["message"] = jsonable(message, images_as_urls=True)
 
 
 def recorded_rollout(

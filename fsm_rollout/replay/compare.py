@@ -89,6 +89,8 @@ class Outcome:
     reason: str | None
     error: Any = None
     """``metadata["rollout_error"]`` as JSON; None when the sample did not fail (or the tape predates it)."""
+    branches: tuple[tuple[list[int], list[int] | None], ...] = ()
+    """The rollout's earlier training sequences (``sample.branches``), each as its tokens and loss mask."""
 
 
 # ---------------------------------------------------------------------------------------------------- requests
@@ -261,6 +263,37 @@ def compare_tokens(
     )
 
 
+def compare_branches(recorded: Outcome, today: Outcome, *, tokenizer: Any) -> Divergence | None:
+    """The earlier training sequences of a rollout that forked: how many, then each one's tokens and loss mask."""
+    if recorded.branches == today.branches:
+        return None
+    if len(recorded.branches) != len(today.branches):
+        return Divergence(
+            "tokens",
+            f"{len(recorded.branches)} earlier sequence(s) (forks) recorded, {len(today.branches)} today",
+            expected=len(recorded.branches),
+            actual=len(today.branches),
+        )
+    for number, (old, new) in enumerate(zip(recorded.branches, today.branches, strict=True)):
+        if old[0] != new[0]:
+            index = first_index(old[0], new[0])
+            return Divergence(
+                "tokens",
+                f"branch {number} tokens[{index}]: {token_at(tokenizer, old[0], index)} recorded, "
+                f"{token_at(tokenizer, new[0], index)} today ({len(old[0])} vs {len(new[0])} tokens)",
+                index=index,
+                context=token_context(tokenizer, old[0], new[0], index),
+            )
+        if old[1] != new[1]:
+            index = first_index(old[1] or [], new[1] or [])
+            return Divergence(
+                "loss_mask",
+                f"branch {number} loss_mask[{index}]: {value_at(old[1] or [], index)} recorded, "
+                f"{value_at(new[1] or [], index)} today",
+            )
+    return None
+
+
 def compare_loss_mask(
     recorded: Outcome, today: Outcome, *, tokenizer: Any, transitions: Sequence[Mapping[str, Any]]
 ) -> Divergence | None:
@@ -337,7 +370,8 @@ def compare_outcome(
     """The first of tokens, loss mask, logprobs, status, reason and error that differs (``transitions``: the
     recorded ones, which place a token index in its turn; ``turn``: the one today's rollout ended in)."""
     return (
-        compare_tokens(recorded, today, tokenizer=tokenizer, transitions=transitions)
+        compare_branches(recorded, today, tokenizer=tokenizer)
+        or compare_tokens(recorded, today, tokenizer=tokenizer, transitions=transitions)
         or compare_loss_mask(recorded, today, tokenizer=tokenizer, transitions=transitions)
         or compare_logprobs(recorded, today, transitions=transitions)
         or compare_status(recorded, today, turn=turn)

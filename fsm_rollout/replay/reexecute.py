@@ -176,6 +176,7 @@ class _Replay:
             status=str(getattr(sample.status, "value", sample.status)),
             reason=rollout.reason,
             error=jsonable(sample.metadata.get("rollout_error")),
+            branches=tuple((list(branch.tokens), branch.loss_mask) for branch in sample.branches),
         )
         found = compare_outcome(
             recorded, today, tokenizer=self.tokenizer, transitions=self.cursor.transitions, turn=rollout.turn_index
@@ -338,6 +339,8 @@ def _env_factory(replay: _Replay) -> Any:
         metadata = getattr(kwargs.get("sample"), "metadata", None)
         if "sample_tools" in entry and isinstance(metadata, dict):
             metadata["tools"] = revive(entry["sample_tools"])  # the recorded environment set them
+        if "sample_prompt" in entry and kwargs.get("sample") is not None:
+            kwargs["sample"].prompt = revive(entry["sample_prompt"])  # the recorded environment set it
         env = _env_class(str(entry.get("type") or "Environment"))(replay)
         missing = entry.get("missing")
         if isinstance(missing, list) and missing:  # the rollout rejects it, as it did the recorded one

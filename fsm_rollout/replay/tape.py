@@ -201,6 +201,11 @@ class TapeCursor:
             status=result.get("status"),
             reason=result.get("reason"),
             error=result.get("error"),
+            branches=tuple(
+                (list(branch.get("tokens") or []), expand_run_lengths(branch.get("loss_mask")))
+                for branch in result.get("branches") or ()
+                if isinstance(branch, dict)
+            ),
         )
 
 

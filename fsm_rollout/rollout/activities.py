@@ -22,13 +22,21 @@ from fsm_rollout.config import DEFAULT_ENV_MODULE
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.env import EnvFactory, check_environment, env_thread_pool, load_env_factory, unpack_step_info
 from fsm_rollout.errors import BudgetExceededError, RenderError, ResumeError, RoutingReplayError
-from fsm_rollout.multimodal import build_initial_messages, prepare_render_messages
+from fsm_rollout.multimodal import (
+    build_initial_messages,
+    fill_null_items,
+    observation_image_count,
+    prepare_render_messages,
+)
 from fsm_rollout.partial_turn import answer_spans, merge_turns
+from fsm_rollout.rollout.agent_end import call_sampling
 from fsm_rollout.rollout.cancel import CancelScope, TimedOut
 from fsm_rollout.rollout.context import RolloutContext
+from fsm_rollout.rollout.history import keeps_history, reconcile
+from fsm_rollout.rollout.observation_images import encode_image_observation
 from fsm_rollout.rollout.stops import stop_string_end
 from fsm_rollout.suspension import HandBack
-from fsm_rollout.types import GeneratedTurn, TokenIds
+from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
 
 
 class Activities:
@@ -112,6 +120,13 @@ class Activities:
         ctx = self.ctx
         formatted = await self.env_call("env.format_observation", ctx.env.format_observation, ctx.observation)
         ctx.observation_messages = validate_observation(formatted)
+        ctx.observation_features, ctx.observation_image_hashes = None, ()
+        if keeps_history(ctx.deps.config):  # fork / per_turn: the engine's re-render decides (one render request)
+            self.next_trigger = await reconcile(ctx, self._render)
+            return
+        if observation_image_count(ctx.observation_messages):  # the engine renders it: one request
+            await encode_image_observation(ctx, ctx.observation_messages, self._render)
+            return
         tokens = ctx.sample.tokens
         encoder = ctx.deps.encoder
         ctx.observation_tokens = encoder.encode(
@@ -138,13 +153,25 @@ class Activities:
             payload["tools"] = tools
         if config.apply_chat_template_kwargs:
             payload["chat_template_kwargs"] = dict(config.apply_chat_template_kwargs)
-        rendered = await self.scope.run(self.client.render(payload, headers=self.headers))
+        rendered = await self._render(payload)
+        if keeps_history(config):
+            ctx.history = [dict(message) for message in render.messages]
         if sample.tokens and sample.tokens != rendered.token_ids:
             raise RenderError(
                 f"sample {ctx.sample_id}: Initial render token_ids differ from sample.tokens "
                 f"(render gave {len(rendered.token_ids)} ids, the sample holds {len(sample.tokens)})"
             )
+        features = rendered.generate_body.get("features")
+        filled = fill_null_items(features, sample_id=ctx.sample_id)  # a null item must never reach generate
+        if filled is not features:
+            rendered = RenderedPrompt(
+                token_ids=rendered.token_ids, generate_body={**rendered.generate_body, "features": filled}
+            )
         ctx.rendered = rendered
+
+    async def _render(self, payload: dict[str, Any]) -> RenderedPrompt:
+        rendered: RenderedPrompt = await self.scope.run(self.client.render(payload, headers=self.headers))
+        return rendered
 
     async def request_turn(self) -> None:
         """Send the turn's generate request (or its continuation after a suspension); the one place the
@@ -161,9 +188,15 @@ class Activities:
             self._take_turn([*ctx.partial_turn[:-1], _length_finished(ctx.partial_turn[-1])], remaining)
             return
         params = dict(ctx.deps.params)
+        call = _call_params(call_sampling(ctx.observation, ctx.sample.metadata))
+        ctx.call_max_tokens = call.pop("max_tokens", None)
+        params.update(call)
         # Unbounded: an explicit null means "up to the context limit" on every vLLM version, where an omitted key
         # meant the SamplingParams default of 16 on older ones.
         params["max_tokens"] = None if remaining is None else remaining - held
+        if ctx.call_max_tokens is not None:
+            allowed = ctx.call_max_tokens - held
+            params["max_tokens"] = allowed if remaining is None else min(allowed, remaining - held)
         token_ids = ctx.sample.tokens
         if held:
             token_ids = token_ids + [token for part in ctx.partial_turn for token in part.token_ids]
@@ -269,6 +302,17 @@ class Activities:
         self.start_clock()
         if self.ctx.env is None:  # resumed from a handed-back sample: rebuild the environment from its snapshot
             await self._restore_environment()
+
+
+_CALL_PARAMS = frozenset({"temperature", "top_p", "seed", "stop", "max_tokens"})
+
+
+def _call_params(asked: dict[str, Any]) -> dict[str, Any]:
+    """The sampling parameters an agent's call asked for its turn (:mod:`fsm_rollout.rollout.agent_end`), checked."""
+    unknown = sorted(set(asked) - _CALL_PARAMS)
+    if unknown:
+        raise ValueError(f"an agent call asks for sampling parameters {unknown}; allowed: {sorted(_CALL_PARAMS)}")
+    return {key: value for key, value in asked.items() if value is not None}
 
 
 def _length_finished(part: GeneratedTurn) -> GeneratedTurn:

@@ -26,7 +26,13 @@ from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
 LIVE: Mapping[str, bool] = {"live": True}
 """Field metadata of the context's live fields (objects of this process, not part of the resume state)."""
 
-RESUME_STATE_VERSION = 2
+RESUME_STATE_VERSION = 3
+
+_ADDED_IN_3 = frozenset(
+    {"branch_start", "call_max_tokens", "fork_prompt", "history", "observation_features", "observation_image_hashes"}
+)
+"""Fields a version-2 state (written before forks, image observations and gateway calls) lacks: they take their
+defaults, which are what such a rollout had."""
 """Version 2: the context's JSON, keys named as its fields. Version 1 (before the context) is still read."""
 
 _LEGACY_KEYS = {"reason": "suspend_reason", "status": "status_before_hand_back"}
@@ -88,6 +94,12 @@ class RolloutContext:
     env_done: bool = False
     observation_messages: list[dict[str, Any]] = field(default_factory=list)
     observation_tokens: TokenIds = field(default_factory=list)
+    observation_features: dict[str, Any] | None = None
+    """An image observation's features placed in the sequence, until appending merges them into ``rendered``."""
+    observation_image_hashes: tuple[str, ...] = ()
+    """The content hashes of the images of the observation being encoded (for the trace)."""
+    call_max_tokens: int | None = None
+    """The per-call ``max_tokens`` the environment asked for the turn in progress (a gateway agent's), if any."""
     partial_turn: list[GeneratedTurn] = field(default_factory=list)
     """The answers of the turn in progress that a suspension cut off (their tokens are the partial turn)."""
     suspensions: int = 0
@@ -102,6 +114,13 @@ class RolloutContext:
     env_snapshot_error: str | None = None
     failed_state: str | None = None
     failed_trigger: str | None = None
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """The conversation so far as messages (prompt, assistant turns, observations), kept under the ``fork`` and
+    ``per_turn`` history policies for the engine's re-render."""
+    fork_prompt: RenderedPrompt | None = None
+    """The re-render the ``fork`` edge opens the next sequence with, from the observation until the edge."""
+    branch_start: int = 0
+    """Where the current sequence's generated tokens start in ``response_token_ids`` (after its branches')."""
 
     @property
     def remaining_budget(self) -> int | None:
@@ -121,7 +140,7 @@ class RolloutContext:
     def from_json(cls, state: Any, *, sample: Sample, deps: Deps, sample_id: str) -> RolloutContext:
         """The context a resume state describes, for ``sample``; a damaged or unknown state raises
         :class:`ResumeError` naming ``sample_id``."""
-        if not isinstance(state, Mapping) or state.get("version") not in (1, RESUME_STATE_VERSION):
+        if not isinstance(state, Mapping) or state.get("version") not in (1, 2, RESUME_STATE_VERSION):
             raise ResumeError(
                 f"sample {sample_id}: metadata['resume_state'] is not a resume state of version {RESUME_STATE_VERSION}"
             )
@@ -132,7 +151,7 @@ class RolloutContext:
             for item in data_fields():
                 if item.name in values:
                     setattr(context, item.name, _DECODE.get(item.name, _plain)(values[item.name]))
-                elif not legacy:
+                elif not legacy and not (state["version"] == 2 and item.name in _ADDED_IN_3):
                     raise KeyError(item.name)
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ResumeError(
@@ -180,6 +199,8 @@ _ENCODE: dict[str, Any] = {
     "partial_turn": lambda parts: [turn_to_json(part) for part in parts],
     "turn_spans": lambda spans: [[version, start, end] for version, start, end in spans],
     "observation_messages": lambda messages: [dict(message) for message in messages],
+    "history": lambda messages: [dict(message) for message in messages],
+    "fork_prompt": _rendered_to_json,
 }
 _DECODE: dict[str, Any] = {
     "rendered": _rendered_from_json,
@@ -187,15 +208,20 @@ _DECODE: dict[str, Any] = {
     "partial_turn": lambda parts: [turn_from_json(part) for part in parts],
     "turn_spans": lambda spans: [(str(version), int(start), int(end)) for version, start, end in spans],
     "image_hashes": lambda hashes: tuple(str(item) for item in hashes),
+    "observation_image_hashes": lambda hashes: tuple(str(item) for item in hashes),
     "response_token_ids": _ints,
     "observation_tokens": _ints,
     "observation_messages": lambda messages: [dict(message) for message in messages],
+    "history": lambda messages: [dict(message) for message in messages],
+    "fork_prompt": _rendered_from_json,
+    "branch_start": int,
     "turn_index": int,
     "turn_requests": int,
     "suspensions": int,
     "start_epoch": int,
     "prompt_length": _optional_int,
     "budget": _optional_int,
+    "call_max_tokens": _optional_int,
     "eos_due": bool,
     "env_done": bool,
     "env_closed": bool,

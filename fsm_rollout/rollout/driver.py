@@ -129,8 +129,8 @@ class Rollout:
         self._wants_events = hooks is not None and hooks.wants_events
 
         sample.metadata = dict(sample.metadata or {})
-        # A template that is not prefix-stable fails here, naming it, rather than at the first observation.
-        self.encoder.probe(tools=sample.metadata.get("tools"), template_kwargs=config.apply_chat_template_kwargs)
+        # No template probe here: a rollout refuses a template only where its boundary cannot be cut, at the
+        # observation (as the seed does); the runner probes once per tool set and chooses the history policy.
         headers: dict[str, str] | None = None
         if config.router_policy == "consistent_hash":
             sample.session_id = sample.session_id or str(uuid.uuid4())

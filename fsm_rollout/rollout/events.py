@@ -32,6 +32,12 @@ def event_fields(
         fields["eos_inserted"] = ctx.state == "stepping" and ctx.eos_due
     elif trigger == "generate" and src == "observing":
         fields["observation_tokens"] = len(ctx.observation_tokens)
+        if ctx.observation_image_hashes:
+            fields["observation_image_hashes"] = list(ctx.observation_image_hashes)
+    elif trigger == "fork" and ctx.state == "rendered":
+        fields["reason"] = "history_rewritten"
+        fields["branch"] = len(ctx.sample.branches)
+        fields["prompt_tokens"] = ctx.prompt_length
     elif trigger == "suspend":
         fields["suspend_reason"] = ctx.suspend_reason
         fields["cut_request"] = ctx.suspend_cut_request

@@ -2,7 +2,8 @@
 
 Guards are pure predicates; actions change the sample and the context. Neither sends anything or awaits: the I/O
 is in :mod:`fsm_rollout.rollout.activities`. Each is testable with a context built by hand, without a client.
-The machine is built here from the table and these functions (:data:`_MACHINE`; the driver looks it up at each
+The fork edge's guard and actions come from :mod:`fsm_rollout.rollout.history`. The machine is built here from
+the table and these functions (:data:`_MACHINE`; the driver looks it up at each
 transition, so a test may swap it).
 """
 
@@ -17,8 +18,12 @@ from fsm_rollout.config import response_budget
 from fsm_rollout.multimodal import decode_train_features, validate_image_tokens
 from fsm_rollout.partial_turn import join_spans, shift_spans
 from fsm_rollout.resume_state import RESUME_STATE_KEY
+from fsm_rollout.rollout.agent_end import CLOSED, HISTORY_REWRITTEN, IDLE, agent_ended
 from fsm_rollout.rollout.context import RolloutContext
+from fsm_rollout.rollout.history import fork_exceeds_budget, fork_history, note_fork_truncation
+from fsm_rollout.rollout.observation_images import with_observation_features
 from fsm_rollout.sample import Status
+from fsm_rollout.sample.branches import share_outcome
 
 # ---------------------------------------------------------------------------------------------------------- guards
 
@@ -48,8 +53,27 @@ def no_budget_for_stop_eos(ctx: RolloutContext) -> bool:
 
 
 def finished_by_length(ctx: RolloutContext) -> bool:
-    """The turn hit its token limit (the environment is then not stepped)."""
-    return ctx.turn is not None and ctx.turn.finish == "length"
+    """The turn hit the rollout's token limit (the environment is then not stepped). A turn cut by a per-call
+    limit the environment asked for (``call_max_tokens``, a gateway agent's ``max_tokens``) is an ordinary turn."""
+    if ctx.turn is None or ctx.turn.finish != "length":
+        return False
+    return ctx.call_max_tokens is None or len(ctx.turn.token_ids) < ctx.call_max_tokens
+
+
+def session_closed(ctx: RolloutContext) -> bool:
+    """The agent closed its gateway session."""
+    return agent_ended(ctx.observation, CLOSED)
+
+
+def agent_idle(ctx: RolloutContext) -> bool:
+    """The agent was idle past its gateway session's limit."""
+    return agent_ended(ctx.observation, IDLE)
+
+
+def agent_rewrote_history(ctx: RolloutContext) -> bool:
+    """The agent's call does not extend the conversation the model saw (edited, dropped or compacted messages,
+    changed tools)."""
+    return agent_ended(ctx.observation, HISTORY_REWRITTEN)
 
 
 def env_done(ctx: RolloutContext) -> bool:
@@ -77,6 +101,7 @@ def record_outcome(ctx: RolloutContext, dest: str, reason: str | None) -> None:
     ctx.reason = reason
     ctx.sample.status = Status(dest)
     ctx.sample.metadata["rollout_reason"] = reason
+    share_outcome(ctx.sample)
 
 
 def start_response(ctx: RolloutContext) -> None:
@@ -146,6 +171,9 @@ def append_observation(ctx: RolloutContext) -> None:
     sample.append_response_tokens(ctx.observation_tokens, trainable=False)
     record_observation(sample.metadata, ctx.observation_messages, start=start, end=sample.response_length)
     ctx.observation_messages = []  # consumed: the sample's metadata holds them now
+    if ctx.observation_features is not None:  # its images join the features every later request carries
+        ctx.rendered = with_observation_features(ctx.rendered, ctx.observation_features)
+        ctx.observation_features = None
 
 
 def next_turn(ctx: RolloutContext) -> None:
@@ -201,13 +229,13 @@ def finalize(ctx: RolloutContext) -> None:
         sample_id=ctx.sample_id,
     )
     ctx.sample.multimodal_train_inputs = train_inputs
-    ctx.sample.response = deps.decode(ctx.response_token_ids)
+    ctx.sample.response = deps.decode(ctx.response_token_ids[ctx.branch_start :])
 
 
 def salvage_response(ctx: RolloutContext) -> None:
     """On failure keep what can be kept: the response text of the tokens generated so far."""
     try:
-        ctx.sample.response = ctx.deps.decode(ctx.response_token_ids)
+        ctx.sample.response = ctx.deps.decode(ctx.response_token_ids[ctx.branch_start :])
     except Exception as error:  # the sample's tokens stay; only the text is missing
         ctx.sample.metadata["response_decode_error"] = f"{type(error).__name__}: {error}"
 
@@ -248,6 +276,9 @@ def close_environment_after_error(ctx: RolloutContext) -> None:
     if inspect.isawaitable(closing):
         ctx.closing = closing
 
+
+# The fork edge's guard and actions are the history policies' (fsm_rollout.rollout.history), named here with the rest.
+_FORK_STEPS = (fork_exceeds_budget, fork_history, note_fork_truncation)
 
 _GUARDS: dict[str, Callable[[RolloutContext], bool]] = {
     name: globals()[name] for name in sorted(lifecycle.guard_names())

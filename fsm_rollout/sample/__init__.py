@@ -11,14 +11,16 @@ Importing this module needs numpy only; torch is imported lazily, and only to re
 
 The parts: :mod:`~fsm_rollout.sample.record` (``Sample``), :mod:`~fsm_rollout.sample.status` (``Status`` and the
 statistics), :mod:`~fsm_rollout.sample.append_inputs` (what an append receives, checked) and
-:mod:`~fsm_rollout.sample.serialise` (``to_dict``/``from_dict`` values). Their public names are importable from
+:mod:`~fsm_rollout.sample.serialise` (``to_dict``/``from_dict`` values), :mod:`~fsm_rollout.sample.branches` (a
+rollout's several training sequences). Their public names are importable from
 here.
 
 Its modules are internal: import from this package (or :mod:`fsm_rollout`).
 """
 
 from fsm_rollout.sample.append_inputs import FloatsLike, IntsLike
+from fsm_rollout.sample.branches import training_sequences
 from fsm_rollout.sample.record import Sample
 from fsm_rollout.sample.status import PrefixCacheInfo, SpecInfo, Status
 
-__all__ = ["FloatsLike", "IntsLike", "PrefixCacheInfo", "Sample", "SpecInfo", "Status"]
+__all__ = ["FloatsLike", "IntsLike", "PrefixCacheInfo", "Sample", "SpecInfo", "Status", "training_sequences"]

@@ -81,6 +81,9 @@ class Sample:
 
     spec_info: SpecInfo = field(default_factory=SpecInfo)
     prefix_cache_info: PrefixCacheInfo = field(default_factory=PrefixCacheInfo)
+    branches: list[Sample] = field(default_factory=list)
+    """The rollout's earlier training sequences, oldest first, when its history was rewritten (a fork): complete
+    samples of their own (:mod:`fsm_rollout.sample.branches`). Empty for a rollout of one sequence."""
 
     def append_response_tokens(
         self,
@@ -186,8 +189,11 @@ class Sample:
         The status becomes its value and the statistics plain dicts. Numpy arrays become
         ``{"__ndarray__": True, "dtype", "shape", "data"}`` and tensors
         ``{"__tensor__": True, "dtype", "shape", "data"}``, with ``data`` flattened; tuples become lists.
+        ``branches`` become a list of their own ``to_dict`` output.
         """
-        return {name: encode(value) for name, value in vars(self).items()}
+        data = {name: encode(value) for name, value in vars(self).items() if name != "branches"}
+        data["branches"] = [branch.to_dict() for branch in self.branches]
+        return data
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Sample:
@@ -200,6 +206,9 @@ class Sample:
         known: dict[str, Any] = {}
         extra: dict[str, Any] = {}
         for key, raw in data.items():
+            if key == "branches":  # samples of their own, each written by its to_dict
+                known[key] = [branch if isinstance(branch, Sample) else cls.from_dict(branch) for branch in raw or ()]
+                continue
             (known if key in field_names else extra)[key] = decode(raw)
         if "status" in known:
             known["status"] = Status(known["status"])

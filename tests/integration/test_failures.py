@@ -15,6 +15,7 @@ from fsm_rollout.errors import (
     EngineTimeoutError,
     EnvironmentContractError,
     GenerationError,
+    ImageInputError,
     MalformedTokensError,
     ObservationError,
     RenderError,
@@ -329,19 +330,24 @@ async def test_step_must_return_a_three_tuple(
 
 
 @pytest.mark.parametrize(
-    ("observation", "builtin"),
+    ("observation", "error", "builtin"),
     [
-        ({"role": "user", "content": [{"type": "image", "image": "x.png"}]}, ValueError),
-        ({"role": "user", "content": 42}, TypeError),
-        ({"content": "no role"}, ValueError),
+        # image observations are taken now; one naming a file that does not exist is refused, naming it
+        ({"role": "user", "content": [{"type": "image", "image": "x.png"}]}, ImageInputError, ValueError),
+        ({"role": "user", "content": [{"type": "video", "video": "x.mp4"}]}, ObservationError, ValueError),
+        ({"role": "user", "content": 42}, ObservationError, TypeError),
+        ({"content": "no role"}, ObservationError, ValueError),
     ],
 )
-async def test_non_text_observations_are_rejected(
-    run_rollout: Any, fake_vllm: FakeVLLMServer, observation: Any, builtin: type[Exception]
+async def test_malformed_observations_are_rejected(
+    run_rollout: Any, fake_vllm: FakeVLLMServer, observation: Any, error: type[Exception], builtin: type[Exception]
 ) -> None:
     fake_vllm.script([ScriptedTurn(text="a")])
-    caught, _ = await run_failing(run_rollout, ObservationError, envs=ScriptedEnvFactory(steps=[(observation, False)]))
+    envs = ScriptedEnvFactory(steps=[(observation, False)])
+    caught, events = await run_failing(run_rollout, error, envs=envs)
     assert isinstance(caught, builtin)
+    assert envs.last.close_count == 1
+    assert events[-1]["dst"] == "failed"
 
 
 async def test_routing_replay_requires_routed_experts(run_rollout: Any, fake_vllm: FakeVLLMServer) -> None:

@@ -1,15 +1,13 @@
 """Images end to end: a multi-turn rollout with an image prompt against the fake vLLM server over real HTTP.
 
-The fake server's render is given a Qwen2-VL-like image processor (below): it cuts each image into 8x8 patches,
-expands every ``<|image_pad|>`` to ``t*h*w / 2**2`` placeholders, and answers the image tensors in vLLM's wire
-format (:mod:`fsm_rollout.mm_codec`), as ``vllm serve --enable-scale-out`` does for Qwen2-VL. Images are drawn
-with Pillow at test time.
+The fake server's render is given the Qwen2-VL-like image processor of ``testing.fake_vllm.images``: it cuts each
+image into 8x8 patches, expands every ``<|image_pad|>`` to ``t*h*w / 2**2`` placeholders, and answers the image
+tensors in vLLM's wire format (:mod:`fsm_rollout.mm_codec`), as ``vllm serve --enable-scale-out`` does for
+Qwen2-VL. Images are drawn with Pillow at test time.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import re
 from collections.abc import AsyncIterator, Callable
@@ -29,14 +27,13 @@ from fsm_rollout.errors import (
     MultimodalError,
     ObservationError,
 )
-from fsm_rollout.mm_codec import qwen_vl_image_items, render_features
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
+from fsm_rollout.testing.fake_vllm.images import MERGE, patchify
+from fsm_rollout.testing.fake_vllm.images import QwenLikeImageRender as QwenLikeRender
 
 MODEL = "fake-model"
 SAMPLING = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0}
-PATCH = 8
-MERGE = 2
 QWEN_PROCESSOR = SimpleNamespace(image_processor=SimpleNamespace(merge_size=MERGE))
 
 
@@ -45,57 +42,6 @@ def draw_figure(width: int, height: int, color: tuple[int, int, int]) -> Image.I
     image = Image.new("RGB", (width, height), color=(255, 255, 255))
     ImageDraw.Draw(image).polygon([(1, height - 1), (width - 1, height - 1), (width // 3, 1)], fill=color)
     return image
-
-
-def patchify(image: Image.Image) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """Qwen2-VL-style pixel rows: one row of ``3 * PATCH * PATCH`` floats per patch, and the (t, h, w) grid."""
-    pixels = np.asarray(image.convert("RGB"), dtype=np.float32) / 255.0
-    height, width = pixels.shape[0] // PATCH, pixels.shape[1] // PATCH
-    patches = pixels.reshape(height, PATCH, width, PATCH, 3).transpose(0, 2, 4, 1, 3)
-    return patches.reshape(height * width, 3 * PATCH * PATCH), (1, height, width)
-
-
-class QwenLikeRender:
-    """The fake server's ``render_features`` hook: what vLLM's Qwen2-VL processor does to a conversation."""
-
-    def __init__(self, tokenizer: Any, *, null_item: int | None = None) -> None:
-        self.pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
-        self.null_item = null_item
-        self.answers: list[tuple[list[int], dict[str, Any] | None]] = []
-
-    def __call__(self, messages: list[dict[str, Any]], ids: list[int]) -> tuple[list[int], dict[str, Any] | None]:
-        urls = [
-            part["image_url"]["url"]
-            for message in messages
-            if isinstance(message.get("content"), list)
-            for part in message["content"]
-            if part.get("type") == "image_url"
-        ]
-        if not urls:
-            self.answers.append((ids, None))
-            return ids, None
-        rows, grids = zip(*(patchify(load_data_url(url)) for url in urls), strict=True)
-        counts = [t * h * w // MERGE**2 for t, h, w in grids]
-        expanded: list[int] = []
-        placeholders: list[tuple[int, int]] = []
-        for token in ids:
-            if token == self.pad_id:
-                placeholders.append((len(expanded), counts[len(placeholders)]))
-                expanded.extend([self.pad_id] * placeholders[-1][1])
-            else:
-                expanded.append(token)
-        items = qwen_vl_image_items(torch.from_numpy(np.concatenate(rows)), torch.tensor(grids))
-        features = render_features(items, placeholders)
-        if self.null_item is not None:
-            features["kwargs_data"]["image"][self.null_item] = None
-        self.answers.append((expanded, features))
-        return expanded, features
-
-
-def load_data_url(url: str) -> Image.Image:
-    header, _, payload = url.partition(",")
-    assert header == "data:image/png;base64"
-    return Image.open(io.BytesIO(base64.b64decode(payload)))
 
 
 @pytest.fixture
@@ -264,6 +210,21 @@ async def test_a_null_feature_item_fails_with_the_server_flag_to_use(
     fake_vllm.script([ScriptedTurn(text="a")])
     error = await run_failing(run_images, image_sample(), ImageFeaturesMissingError, max_turns=1)
     assert "image[1] is null" in str(error) and "--mm-processor-cache-gb 0" in str(error)
+    assert fake_vllm.requests_to(GENERATE_PATH) == []  # a null item kills vLLM's engine: never sent
+
+
+async def test_a_null_item_of_a_repeated_prompt_image_is_filled_from_its_twin(
+    run_images: Callable[..., Any], fake_vllm: FakeVLLMServer, renderer: QwenLikeRender
+) -> None:
+    renderer.null_item = 1  # the same figure twice: the engine's cache hit leaves out the second one's tensors
+    fake_vllm.script([ScriptedTurn(text="a")])
+    figure = draw_figure(*FIGURES[0])
+    sample = image_sample(images=[figure, figure])
+    await run_images(sample, max_turns=1)
+    (request,) = fake_vllm.requests_to(GENERATE_PATH)
+    items = request.body["features"]["kwargs_data"]["image"]
+    assert items[0] is not None and items[1] == items[0]
+    assert sample.multimodal_train_inputs["image_grid_thw"].shape[0] == 2
 
 
 async def test_image_tokens_without_features_fail_like_the_seed(
@@ -299,13 +260,13 @@ async def test_a_bad_image_fails_before_any_request_naming_the_image(
     assert re.search(reason, str(error))
 
 
-async def test_an_observation_with_an_image_part_fails_naming_the_part(
+async def test_an_observation_with_a_bad_image_part_fails_naming_the_part(
     run_images: Callable[..., Any], fake_vllm: FakeVLLMServer
 ) -> None:
     fake_vllm.script([ScriptedTurn(text="a"), ScriptedTurn(text="b")])
     observation = {"role": "user", "content": [{"type": "text", "text": "See:"}, {"type": "image", "image": "x.png"}]}
     envs = ScriptedEnvFactory(steps=[(observation, False)])
-    error = await run_failing(run_images, image_sample(), ObservationError, max_turns=2, envs=envs)
+    error = await run_failing(run_images, image_sample(), ImageInputError, max_turns=2, envs=envs)
     assert "content[1]" in str(error)
     assert len(fake_vllm.requests_to(GENERATE_PATH)) == 1
 
@@ -347,13 +308,14 @@ async def test_the_placeholder_token_and_merge_size_come_from_the_config(
     assert "<|video_pad|>" in str(error)
 
 
-async def test_an_image_observation_raises_the_specific_error(
+async def test_a_video_observation_raises_the_specific_error(
     run_images: Callable[..., Any], fake_vllm: FakeVLLMServer
 ) -> None:
-    from fsm_rollout.errors import ImageObservationError
+    from fsm_rollout.errors import ImageObservationError, VideoObservationError
 
     fake_vllm.script([ScriptedTurn(text="a"), ScriptedTurn(text="b")])
-    observation = {"role": "user", "content": [{"type": "image", "image": "x.png"}]}
+    observation = {"role": "user", "content": [{"type": "video", "video": "clip.mp4"}]}
     envs = ScriptedEnvFactory(steps=[(observation, False)])
-    error = await run_failing(run_images, image_sample(), ImageObservationError, max_turns=2, envs=envs)
-    assert "observation content[0] is an image part" in str(error)
+    error = await run_failing(run_images, image_sample(), VideoObservationError, max_turns=2, envs=envs)
+    assert isinstance(error, ImageObservationError) and isinstance(error, ObservationError)
+    assert "content[0] is a 'video' part" in str(error)

@@ -549,6 +549,7 @@ async def test_the_summary_ends_with_the_next_commands_and_inspect_shows_a_group
         "\n".join(
             [
                 "next:",
+                f"  fsm-rollout report {trace} --results {tmp_path / 'results.jsonl'} -o {tmp_path / 'trace.html'}",
                 f"  fsm-rollout inspect {trace}",
                 f"  fsm-rollout inspect {trace} --sample 0.0",
                 f"  fsm-rollout diagram --trace {trace} -o {tmp_path / 'trace.mmd'} --sample 0.0",
@@ -596,5 +597,28 @@ async def test_without_a_trace_the_summary_says_how_to_look_inside(fake_vllm: Fa
     assert code == 0, stderr
     assert stdout.rstrip().splitlines()[-1] == (
         "next: run with --trace trace.jsonl --record to look inside each "
-        "sample (`fsm-rollout inspect`, `replay`, `diagram --trace`)"
+        "sample (`fsm-rollout report`, `inspect`, `replay`, `diagram --trace`)"
     )
+
+
+async def test_report_writes_the_run_as_a_page_and_the_summary_points_to_it(
+    fake_vllm: FakeVLLMServer, tmp_path: Path
+) -> None:
+    fake_vllm.script([ScriptedTurn(text="one")])
+    data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q"))
+    code, stdout, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", "--record", "--report")
+    assert code == 0, stderr
+    page = tmp_path / "trace.html"
+    assert f"report: {page}" in stdout.splitlines()
+    assert stdout.splitlines()[stdout.splitlines().index("next:") + 1] == f"  open {page}"
+    html = page.read_text()
+    assert (
+        html.startswith("<!DOCTYPE html>") and '"trace":"trace.jsonl"' in html and '"tape":"trace.tape.jsonl"' in html
+    )
+
+
+def test_report_needs_a_trace(capsys: pytest.CaptureFixture[str]) -> None:
+    from fsm_rollout.cli import main
+
+    assert main(["run", "--report"]) == 2
+    assert "--report needs --trace" in capsys.readouterr().err

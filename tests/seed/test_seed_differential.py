@@ -793,8 +793,14 @@ class Run:
 
 
 async def run_side(
-    generate: Callable[..., Any], sample: Any, server: FakeVLLMServer, case: Case, *, expect_error: bool = False
+    generate: Callable[..., Any],
+    sample: Any,
+    server: FakeVLLMServer,
+    case: Case,
+    *,
+    expect_error: bool | None = False,
 ) -> Run:
+    """Run one side; ``expect_error`` True: it must raise, False: it must not, None: either."""
     server.script(copy.deepcopy(case.turns), session=case.session)
     for path, fault in case.faults:
         server.fail_next(path, **fault)
@@ -805,12 +811,12 @@ async def run_side(
     try:
         returned = await generate(make_args(server, case), sample, dict(case.sampling))
     except Exception as raised:
-        if not expect_error:
+        if expect_error is False:
             raise
         error = raised
     else:
         assert returned is sample, "generate must return the sample it was given"
-        assert not expect_error, "expected the rollout to raise"
+        assert expect_error is not True, "expected the rollout to raise"
     built = scripted_envs.BUILT[first_env:]
     assert len(built) <= 1
     return Run(
@@ -936,7 +942,11 @@ async def test_library_matches_seed(
 
     library_sample = make_sample(sample_class_for(kind, seed), case)
     library_run = await run_side(library.generate, library_sample, fake_vllm, case)
+    assert_same_run(seed_run, library_run, case, kind=kind, seed=seed)
 
+
+def assert_same_run(seed_run: Run, library_run: Run, case: Case, *, kind: str, seed: ModuleType) -> None:
+    """Everything compared after both sides completed (see the module docstring)."""
     if kind == "vime_sample":
         assert isinstance(library_run.sample.status, seed.Sample.Status), "status must stay the caller's enum"
     assert outcome(library_run.sample) == outcome(seed_run.sample)

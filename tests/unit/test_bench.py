@@ -22,6 +22,7 @@ SECTIONS = {
     "baseline",
     "weight_update",
     "slow_env",
+    "images",
     "goals",
 }
 GOALS = {
@@ -40,9 +41,12 @@ GOALS = {
     "slow_env_thread_wall_beyond_sleep_free_s",
     "slow_env_async_loop_lag_p99_ms",
     "slow_env_async_wall_beyond_sleep_free_s",
+    "image_observation_client_cpu_ms",
+    "render_calls_per_image_observation",
 }
 WEIGHT_UPDATE_GOALS = {name for name in GOALS if name.startswith("weight_update_")}
 SLOW_ENV_GOALS = {name for name in GOALS if name.startswith("slow_env_")}
+IMAGE_GOALS = {"image_observation_client_cpu_ms", "render_calls_per_image_observation"}
 
 
 def test_quick_bench_writes_every_figure_as_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -169,6 +173,21 @@ def test_slow_environment_workload_runs_every_case(tmp_path: Path, capsys: pytes
     # two steps of 50 ms each: a batch whose steps block the loop takes at least its samples' steps end to end
     assert slow["inline_wall_s"] >= slow["inline_samples"] * slow["turns"] * slow["step_ms"] / 1000
     assert "[slow_env]" in capsys.readouterr().out
+
+
+def test_image_workload_reports_cpu_render_calls_and_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--only images --quick`: every figure is there; one render per image observation (timings not asserted)."""
+    out = tmp_path / "images.json"
+    assert main(["bench", "--only", "images", "--quick", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    assert set(figures) == {"images", "goals"} and set(figures["goals"]) == IMAGE_GOALS
+    images = figures["images"]
+    assert images["image_side_px"] == 448 and images["render_calls_per_image_observation"] == 1
+    assert figures["goals"]["render_calls_per_image_observation"]["met"]
+    # four images of 1,024 float32 patch rows of 1,176 values each, as base64 text: at least their raw size
+    assert images["kib_per_sample_with_four_images"] >= 4 * 1024 * 1176 * 4 / 1024
+    assert all(images[name] > 0 for name in ("client_cpu_ms_per_image_observation", "answer_parse_ms"))
+    assert "[images]" in capsys.readouterr().out
 
 
 def canned_results(*, lag_ms: float) -> dict[str, dict[str, Any]]:

@@ -18,7 +18,13 @@ from fsm_rollout.chat import (
     validate_observation,
     validate_text_observation,
 )
-from fsm_rollout.errors import ImageObservationError, ObservationError, TemplateError, TemplateNotPrefixStable
+from fsm_rollout.errors import (
+    ImageObservationError,
+    ObservationError,
+    TemplateError,
+    TemplateNotPrefixStable,
+    VideoObservationError,
+)
 
 OBSERVATION = {"role": "user", "content": "Tool says: 42"}
 
@@ -303,6 +309,15 @@ def test_an_empty_list_is_not_an_observation(tokenizer: Any) -> None:
 # --- validating what format_observation returned ----------------------------------------------------------------
 
 
+def test_validate_observation_takes_image_parts_in_any_role() -> None:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [
+        {"role": "tool", "content": [image], "tool_call_id": "call_0"},
+        {"role": "user", "content": [{"type": "text", "text": "Now:"}, {"type": "image", "image": "b.png"}, image]},
+    ]
+    assert validate_observation(messages) == messages
+
+
 def test_validate_observation_returns_the_messages_as_a_list() -> None:
     assert validate_observation(OBSERVATION) == [OBSERVATION]
     assert validate_observation(OBSERVATION)[0] is OBSERVATION
@@ -320,9 +335,24 @@ def test_validate_observation_returns_the_messages_as_a_list() -> None:
         ([OBSERVATION, "text"], ObservationError, r"observation message \[1\]: format_observation must return"),
         ([OBSERVATION, {"role": "tool"}], ObservationError, r"message \[1\]"),
         (
-            [{"role": "user", "content": [{"type": "image", "image": "a.png"}]}],
+            [{"role": "user", "content": [{"type": "video", "video": "a.mp4"}]}],
+            VideoObservationError,
+            r"observation message \[0\]: observation message \[0\] content\[0\] is a 'video' part",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "https://x.invalid/a.png"}}]}],
             ImageObservationError,
-            r"observation message \[0\]: observation content\[0\] is an image part",
+            r"content\[0\] is a remote image \('https://x.invalid/a.png'\): pass the image itself",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "image", "image": "http://x.invalid/b.png"}]}],
+            ImageObservationError,
+            "is a remote image",
+        ),
+        (
+            [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}],
+            ImageObservationError,
+            r"content\[0\] is a 'input_audio' part",
         ),
         (
             [{"role": "tool", "content": "1", "tool_call_id": 3}],

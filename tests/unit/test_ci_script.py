@@ -1,4 +1,5 @@
-"""``.ci/run`` requires Graphviz: it installs ``dot`` with apt-get when missing, and a failed install fails CI."""
+"""``.ci/run`` requires Graphviz and Chromium: it installs each with apt-get when missing, and a failed install fails
+CI."""
 
 from __future__ import annotations
 
@@ -19,9 +20,10 @@ def _stub(directory: Path, name: str, body: str) -> None:
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
 
 
-def run_ci(tmp_path: Path, apt_get: str) -> subprocess.CompletedProcess[str]:
-    """``.ci/run`` copied into an empty checkout, with a PATH of stubs: no ``dot``, the given ``apt-get``, and a
-    ``python3`` that only records its arguments (so nothing is installed or tested for real)."""
+def run_ci(tmp_path: Path, apt_get: str, *, missing: str = "dot") -> subprocess.CompletedProcess[str]:
+    """``.ci/run`` copied into an empty checkout, with a PATH of stubs: no ``missing`` program (``dot`` or
+    ``chromium``; the other is there), the given ``apt-get``, and a ``python3`` that only records its arguments (so
+    nothing is installed or tested for real)."""
     checkout = tmp_path / "checkout"
     (checkout / ".ci").mkdir(parents=True)
     shutil.copy(REPO / ".ci" / "run", checkout / ".ci" / "run")
@@ -34,6 +36,8 @@ def run_ci(tmp_path: Path, apt_get: str) -> subprocess.CompletedProcess[str]:
     _stub(bin_dir, "sudo", 'exec "$@"')
     _stub(bin_dir, "apt-get", apt_get.replace("BIN", str(bin_dir)))
     _stub(bin_dir, "python3", f'echo "$@" >> {tmp_path}/python3.log')
+    for program in {"dot", "chromium"} - {missing}:
+        _stub(bin_dir, program, "exit 0")
     env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
     return subprocess.run(
         [str(bin_dir / "bash"), str(checkout / ".ci" / "run")], env=env, capture_output=True, text=True, timeout=60
@@ -62,3 +66,26 @@ def test_ci_installs_graphviz_and_goes_on(tmp_path: Path) -> None:
     assert (tmp_path / "bin" / "dot").exists()
     assert (tmp_path / "python3.log").read_text().startswith("-m venv .venv"), result.stderr
     assert os.access(tmp_path / "bin" / "dot", os.X_OK)
+
+
+@pytest.mark.parametrize(
+    ("apt_get", "message"),
+    [
+        ("exit 100", "Chromium is required"),
+        ('[ "$1" = update ] && exit 1; exit 0', "Chromium is required"),
+        ("exit 0", "chromium is still not on PATH"),
+    ],
+    ids=["install_fails", "update_fails", "installs_nothing"],
+)
+def test_ci_fails_when_chromium_cannot_be_installed(tmp_path: Path, apt_get: str, message: str) -> None:
+    result = run_ci(tmp_path, apt_get, missing="chromium")
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert not (tmp_path / "python3.log").exists(), "the run went on without Chromium"
+
+
+def test_ci_installs_chromium_and_goes_on(tmp_path: Path) -> None:
+    installs = 'if [ "$1" = install ]; then printf "#!/bin/sh\\n" > BIN/chromium; chmod +x BIN/chromium; fi'
+    result = run_ci(tmp_path, installs, missing="chromium")
+    assert (tmp_path / "python3.log").read_text().startswith("-m venv .venv"), result.stderr
+    assert os.access(tmp_path / "bin" / "chromium", os.X_OK)

@@ -42,7 +42,7 @@ def test_building_the_parser_imports_neither_torch_nor_transformers() -> None:
 
 
 def test_every_subcommand_lives_in_the_cli_package() -> None:
-    assert set(SUBCOMMANDS) == {"run", "replay", "inspect", "diagram", "serve", "bench"}
+    assert set(SUBCOMMANDS) == {"run", "replay", "inspect", "report", "diagram", "serve", "bench", "gateway"}
     assert all(module.startswith("fsm_rollout.cli.") for module, _help in SUBCOMMANDS.values())
 
 
@@ -50,6 +50,38 @@ def run_config(*argv: str) -> tuple[float | None, bool]:
     args = build_parser().parse_args(["run", *argv])
     config = build_config(args, "http://127.0.0.1:1", "m", None, None)
     return config.loop_slice_ms, config.tune_gc
+
+
+@pytest.mark.parametrize(("argv", "policy"), [((), "auto"), (("--history-policy", "per_turn"), "per_turn")])
+def test_run_passes_the_history_policy_on_and_defaults_to_auto(argv: tuple[str, ...], policy: str) -> None:
+    args = build_parser().parse_args(["run", *argv])
+    assert build_config(args, "http://127.0.0.1:1", "m", None, None).history_policy == policy
+
+
+def test_run_refuses_an_unknown_history_policy(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["run", "--history-policy", "branch"])
+    assert exit_info.value.code == 2
+    assert "invalid choice: 'branch'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("argv", "switches"),
+    [((), None), (("--chat-template-kwargs", '{"enable_thinking": false}'), {"enable_thinking": False})],
+)
+def test_run_passes_chat_template_switches_on(argv: tuple[str, ...], switches: Any) -> None:
+    args = build_parser().parse_args(["run", *argv])
+    assert build_config(args, "http://127.0.0.1:1", "m", None, None).apply_chat_template_kwargs == switches
+
+
+@pytest.mark.parametrize(("value", "problem"), [("{enable", "not JSON"), ("[1]", "must be a JSON object, got list")])
+def test_run_refuses_chat_template_switches_that_are_not_a_json_object(
+    value: str, problem: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(["run", "--chat-template-kwargs", value])
+    assert exit_info.value.code == 2
+    assert problem in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -97,8 +129,10 @@ def test_help_shows_defaults_but_not_empty_ones(
         ],
         "bench": ["(default: 5.0)"],
         "serve": ["(default: 8000)", "(default: 127.0.0.1, loopback only)"],
+        "gateway": ["(default: 127.0.0.1)", "(default: 8300)", "(default: auto)", "Exit codes:"],
         "replay": ["Exit codes:"],
         "inspect": ["Exit codes:"],
+        "report": ["Exit codes:"],
         "diagram": ["Exit codes:"],
     }[command]
     for text in expected:

@@ -36,6 +36,13 @@ def test_context_limit_must_be_a_non_negative_int(limit: Any) -> None:
         config(rollout_max_context_len=limit)
 
 
+@pytest.mark.parametrize("name", ["observation_image_max_bytes", "observation_image_max_pixels"])
+@pytest.mark.parametrize("limit", [0, -5, 2.5, True, None])
+def test_observation_image_limits_must_be_positive_ints(name: str, limit: Any) -> None:
+    with pytest.raises(ConfigError, match=name):
+        config(**{name: limit})
+
+
 @pytest.mark.parametrize("missing", ["num_layers", "moe_router_topk"])
 def test_routing_replay_needs_layer_and_topk_counts(missing: str) -> None:
     values = {"use_rollout_routing_replay": True, "num_layers": 2, "moe_router_topk": 2, missing: None}
@@ -210,6 +217,8 @@ def every_field_set() -> RolloutConfig:
         check_invariants=True,
         image_placeholder_token="<img>",
         image_merge_size=2,
+        observation_image_max_bytes=1000,
+        observation_image_max_pixels=500,
         loop_slice_ms=4.0,
         tune_gc=True,
         api_key="secret",
@@ -220,7 +229,21 @@ def every_field_set() -> RolloutConfig:
         rollout_timeout_s=50.0,
         servers_behind_router=("http://a:1", "http://b:2"),
         trust_remote_code=True,
+        history_policy="per_turn",
     )
+
+
+@pytest.mark.parametrize("policy", ["append", "fork", "per_turn", "auto"])
+def test_history_policy_takes_each_policy_and_defaults_to_auto(policy: str) -> None:
+    config = RolloutConfig(engine_url="http://h:1", model="m", max_turns=1, history_policy=policy)
+    assert RolloutConfig.from_dict(config.to_dict()).history_policy == policy
+    assert RolloutConfig(engine_url="http://h:1", model="m", max_turns=1).history_policy == "auto"
+
+
+@pytest.mark.parametrize("policy", ["Fork", "branch", "", None, 1])
+def test_an_unknown_history_policy_is_refused_naming_the_policies(policy: Any) -> None:
+    with pytest.raises(ConfigError, match=r"history_policy must be one of 'append', 'fork', 'per_turn', 'auto'"):
+        RolloutConfig(engine_url="http://h:1", model="m", max_turns=1, history_policy=policy)
 
 
 def test_every_field_but_the_reward_function_round_trips_through_to_dict() -> None:

@@ -41,7 +41,7 @@ def test_terminal_states_have_no_outgoing_edges() -> None:
 
 
 def test_the_seed_outcomes_are_all_reachable_in_the_normal_flow() -> None:
-    reasons = {edge.reason for edge in lifecycle.TRANSITIONS if edge.reason}
+    reasons = {edge.reason for edge in lifecycle.TRANSITIONS if edge.reason and edge.dest in lifecycle.TERMINAL}
     assert reasons == {
         "budget_exhausted",
         "insufficient_budget_for_next_turn",
@@ -53,6 +53,10 @@ def test_the_seed_outcomes_are_all_reachable_in_the_normal_flow() -> None:
         "env_timeout",  # the library's limits (not the seed's): an environment call, a rollout's wall time
         "rollout_timeout",
         "handed_back",  # a suspended sample going back to its caller (partial_rollout)
+        # an agent gateway session: the agent closed it, went idle, or rewrote the history (a new sequence follows)
+        "session_closed",
+        "agent_timeout",
+        "history_rewritten",
     }
 
 
@@ -91,3 +95,14 @@ def test_built_machine_mirrors_the_table() -> None:
 def test_building_with_a_missing_implementation_names_it() -> None:
     with pytest.raises(ValueError, match="env_done"):
         lifecycle.build_machine({}, {})
+
+
+def test_the_fork_edge_is_the_one_non_terminal_edge_with_a_reason() -> None:
+    """A rewritten history is a named edge of the table: observing --fork--> rendered, reason history_rewritten;
+    a re-render too long for another turn ends the rollout instead, before the fork."""
+    named = [edge for edge in lifecycle.TRANSITIONS if edge.reason and edge.dest not in lifecycle.TERMINAL]
+    assert [(edge.source, edge.trigger, edge.dest, edge.reason) for edge in named] == [
+        ("observing", "fork", "rendered", "history_rewritten")
+    ]
+    forks = [edge for edge in lifecycle.TRANSITIONS if edge.trigger == "fork"]
+    assert [(edge.dest, edge.guard) for edge in forks] == [("truncated", "fork_exceeds_budget"), ("rendered", None)]

@@ -13,17 +13,23 @@ import fsm_rollout
 PACKAGE = Path(fsm_rollout.__file__).parent
 
 PUBLIC_MODULES = frozenset({
-    "fsm_rollout", "fsm_rollout.cli", "fsm_rollout.compat", "fsm_rollout.config", "fsm_rollout.data",
+    "fsm_rollout", "fsm_rollout.adapters", "fsm_rollout.adapters.gym", "fsm_rollout.adapters.skyrl",
+    "fsm_rollout.adapters.trl", "fsm_rollout.adapters.trl_rollout", "fsm_rollout.adapters.verifiers",
+    "fsm_rollout.cli", "fsm_rollout.compat", "fsm_rollout.config", "fsm_rollout.data",
     "fsm_rollout.data.demo", "fsm_rollout.data.practice", "fsm_rollout.dataset", "fsm_rollout.diagrams",
     "fsm_rollout.distributed", "fsm_rollout.engine", "fsm_rollout.engine.client", "fsm_rollout.engine.local",
     "fsm_rollout.engine.local.default_model", "fsm_rollout.engine.probe", "fsm_rollout.engine.transport",
     "fsm_rollout.env", "fsm_rollout.envs", "fsm_rollout.envs.calculator", "fsm_rollout.envs.geo3k",
-    "fsm_rollout.errors", "fsm_rollout.examples", "fsm_rollout.examples.embed_local", "fsm_rollout.examples.grpo",
-    "fsm_rollout.examples.grpo_cli", "fsm_rollout.examples.grpo_tiny", "fsm_rollout.gc_policy", "fsm_rollout.hooks",
+    "fsm_rollout.envs.grid",
+    "fsm_rollout.errors", "fsm_rollout.examples", "fsm_rollout.examples.agent_gateway",
+    "fsm_rollout.examples.embed_local", "fsm_rollout.examples.grpo",
+    "fsm_rollout.examples.grpo_cli", "fsm_rollout.examples.grpo_tiny", "fsm_rollout.gateway", "fsm_rollout.gc_policy",
+    "fsm_rollout.hooks",
     "fsm_rollout.lifecycle", "fsm_rollout.metrics", "fsm_rollout.mm_codec", "fsm_rollout.multimodal",
     "fsm_rollout.parity", "fsm_rollout.recording", "fsm_rollout.replay", "fsm_rollout.resume_state",
-    "fsm_rollout.rollout", "fsm_rollout.runner", "fsm_rollout.sample", "fsm_rollout.service",
-    "fsm_rollout.suspension", "fsm_rollout.tape", "fsm_rollout.testing", "fsm_rollout.testing.envs",
+    "fsm_rollout.report", "fsm_rollout.rollout", "fsm_rollout.runner", "fsm_rollout.sample", "fsm_rollout.service",
+    "fsm_rollout.suspension", "fsm_rollout.tape", "fsm_rollout.template_probe", "fsm_rollout.testing",
+    "fsm_rollout.testing.chat_templates", "fsm_rollout.testing.envs",
     "fsm_rollout.testing.fake_vllm", "fsm_rollout.testing.templates", "fsm_rollout.testing.tokenizer",
     "fsm_rollout.tool_calls", "fsm_rollout.trace", "fsm_rollout.types",
 })  # fmt: skip

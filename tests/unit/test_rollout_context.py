@@ -50,6 +50,7 @@ NON_DEFAULT: dict[str, Any] = {
     "list[dict[str, Any]]": [{"role": "user", "content": "the tool says 42"}],
     "list[GeneratedTurn]": [a_turn("r-turn1"), a_turn("r-turn1-part1", (8,))],
     "Any": {"turns": 2, "scores": [0.5]},
+    "dict[str, Any] | None": {"mm_placeholders": {"image": [{"offset": 3, "length": 2}]}, "kwargs_data": None},
 }
 
 
@@ -104,6 +105,23 @@ def test_a_state_missing_a_field_is_damaged() -> None:
     del state["budget"]
     with pytest.raises(ResumeError, match=r"damaged.*budget"):
         RolloutContext.from_json(state, sample=Sample(prompt="p"), deps=deps(), sample_id="9")
+
+
+def test_a_version_2_state_reads_with_the_later_fields_at_their_defaults() -> None:
+    # what a handed-back sample carried before forks, image observations and gateway calls added fields
+    later = {"branch_start", "call_max_tokens", "fork_prompt", "history", "observation_features",
+             "observation_image_hashes"}  # fmt: skip
+    context = every_field_set()
+    state = {key: value for key, value in json.loads(json.dumps(context.to_json())).items() if key not in later}
+    state["version"] = 2
+    back = RolloutContext.from_json(state, sample=context.sample, deps=context.deps, sample_id="0")
+    default = fresh()
+    for item in data_fields():
+        expected = getattr(default if item.name in later else context, item.name)
+        assert getattr(back, item.name) == expected, item.name
+    del state["budget"]  # a field version 2 had is still required
+    with pytest.raises(ResumeError, match=r"damaged.*budget"):
+        RolloutContext.from_json(state, sample=context.sample, deps=context.deps, sample_id="0")
 
 
 def test_an_unknown_version_is_refused() -> None:

@@ -163,6 +163,8 @@ def test_fields_and_defaults_match_vime_sample() -> None:
         "spec_info": SpecInfo(),
         "prefix_cache_info": PrefixCacheInfo(),
     }
+    # vime's fields in vime's order, then this library's one addition: a rollout's earlier training sequences
+    expected["branches"] = []
     assert [f.name for f in dataclasses.fields(Sample)] == list(expected)
     assert {f.name: getattr(sample, f.name) for f in dataclasses.fields(Sample)} == expected
 

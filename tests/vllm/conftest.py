@@ -191,9 +191,11 @@ class VLLMServer:
                 os.killpg(process.pid, signal.SIGKILL)
 
 
-def start_server(venv: pathlib.Path, model_dir: pathlib.Path, log_path: pathlib.Path) -> VLLMServer:
+def start_server(
+    venv: pathlib.Path, model_dir: pathlib.Path, log_path: pathlib.Path, extra_flags: tuple[str, ...] = ()
+) -> VLLMServer:
     port = free_port()
-    command = [str(venv / "bin" / "vllm"), "serve", str(model_dir), *SERVE_FLAGS, "--host", "127.0.0.1",
+    command = [str(venv / "bin" / "vllm"), "serve", str(model_dir), *SERVE_FLAGS, *extra_flags, "--host", "127.0.0.1",
                "--port", str(port)]  # fmt: skip
     env = {**os.environ, **SERVE_ENV}
     for name in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME"):

@@ -5,7 +5,8 @@ The HTTP workloads measure the client, so the server must cost next to nothing: 
 a model. A fully featured server (the fake vLLM server renders templates with a tokenizer thread and records every
 request) would be the bottleneck. What it answers is still the serving frame's (:mod:`fsm_rollout.engine.serving`):
 every request is checked as vLLM checks it and errors get vLLM's bodies; render answers the canned prompt with the
-request's sampling fields; generate answers the canned answer cut by the request's ``max_tokens``, ``min_tokens``,
+request's sampling fields (a conversation of more than one message, a fork policy's re-render, goes through the
+chat template); generate answers the canned answer cut by the request's ``max_tokens``, ``min_tokens``,
 stop strings and stop tokens (:func:`~fsm_rollout.engine.stop_strings.cut_at_stop`), under the request's id. Cuts
 and answer bodies are cached, so a repeated request costs a JSON parse, the checks and a dictionary lookup.
 
@@ -112,6 +113,8 @@ class _Canned:
     logprobs: list[float]
     eos_token_id: int
     decode: Callable[[Sequence[int], bool], str]
+    render: Callable[[Any], list[int]]
+    """The chat template's rendering of a longer conversation (a fork policy's re-render), with a generation prompt."""
 
 
 def _canned() -> _Canned:
@@ -130,12 +133,18 @@ def _canned() -> _Canned:
     def decode(token_ids: Sequence[int], skip_special_tokens: bool) -> str:
         return str(tokenizer.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    def render(messages: Any) -> list[int]:
+        return as_token_ids(
+            tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
+
     return _Canned(
         prompt=as_token_ids(prompt),
         answer=answer,
         logprobs=[-0.01 * (index + 1) for index in range(len(answer))],
         eos_token_id=eos_token_id,
         decode=decode,
+        render=render,
     )
 
 
@@ -177,7 +186,9 @@ class _Answers:
 
     def render(self, raw: bytes) -> bytes:
         parsed = parse_render_request(read_json(raw), MODEL)
-        return _json_response(render_answer(parsed, self.canned.prompt, None, model=MODEL, max_model_len=MAX_MODEL_LEN))
+        # the canned prompt for a first render; a whole conversation (a fork policy's re-render) through the template
+        prompt = self.canned.prompt if len(parsed.messages) == 1 else self.canned.render(parsed.messages)
+        return _json_response(render_answer(parsed, prompt, None, model=MODEL, max_model_len=MAX_MODEL_LEN))
 
     def parse_generate(self, raw: bytes) -> GenerateRequest:
         return parse_generate_request(read_json(raw), MODEL, max_model_len=MAX_MODEL_LEN)

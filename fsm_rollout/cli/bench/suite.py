@@ -97,6 +97,26 @@ def run_scale_out(quick: bool, settings: Settings) -> dict[str, dict[str, Any]]:
     return {"scale_out": figures, "goals": {"scale_out_two_workers_vs_one_runner": goal}}
 
 
+def _image_goals(figures: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """An image observation costs the client at most 5 ms of CPU (448x448) and the engine one render."""
+    return {
+        "image_observation_client_cpu_ms": _goal(
+            figures["client_cpu_ms_per_image_observation"], 5, at_most=True, unit="ms"
+        ),
+        "render_calls_per_image_observation": _goal(
+            figures["render_calls_per_image_observation"], 1, at_most=True, unit=""
+        ),
+    }
+
+
+def run_images(quick: bool) -> dict[str, dict[str, Any]]:
+    """The image-observation workload alone (``--only images``), with its goals."""
+    from fsm_rollout.cli.bench.images import bench_image_observations
+
+    figures = bench_image_observations(quick)
+    return {"images": figures, "goals": _image_goals(figures)}
+
+
 def run_engine(quick: bool) -> dict[str, dict[str, Any]]:
     """The embedded engine's workload alone (``--only engine``): one request at a time against batching."""
     from fsm_rollout.cli.bench.engine import bench_engine
@@ -275,6 +295,8 @@ def run_all(quick: bool, settings: Settings, *, weight_update_samples: int | Non
     }
     results["weight_update"] = weight_update
     results["slow_env"] = slow_env
+    images = run_images(quick)
+    results["images"] = images["images"]
     results["goals"] = {
         "machine_share_of_client_turn_cpu": _goal(machine_per_turn / client_turn, 0.05, at_most=True, unit=""),
         "client_cpu_us_per_turn_excl_template": _goal(
@@ -287,6 +309,7 @@ def run_all(quick: bool, settings: Settings, *, weight_update_samples: int | Non
         "replay_turns_per_s": _goal(replayed["turns_per_s"], 2000, at_most=False, unit="turns/s"),
         **_weight_update_goals(weight_update),
         **_slow_env_goals(slow_env),
+        **images["goals"],
     }
     return results
 

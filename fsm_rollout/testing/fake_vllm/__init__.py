@@ -22,7 +22,8 @@ event loop stays free.
 
 The parts: :mod:`~fsm_rollout.testing.fake_vllm.scripting` (scripted turns and recorded requests),
 :mod:`~fsm_rollout.testing.fake_vllm.faults` (fault injection), :mod:`~fsm_rollout.testing.fake_vllm.generation`
-(a scripted turn cut and answered the way vLLM would) and :mod:`~fsm_rollout.testing.fake_vllm.server` (the
+(a scripted turn cut and answered the way vLLM would), :mod:`~fsm_rollout.testing.fake_vllm.images` (a
+Qwen2-VL-like image render hook) and :mod:`~fsm_rollout.testing.fake_vllm.server` (the
 server). Their names are importable from here.
 """
 
@@ -40,6 +41,7 @@ from fsm_rollout.engine.schema import (
     WEIGHT_INFO_PATH,
 )
 from fsm_rollout.testing.fake_vllm.generation import LogprobEntryStyle
+from fsm_rollout.testing.fake_vllm.images import QwenLikeImageRender
 from fsm_rollout.testing.fake_vllm.scripting import OMIT, SESSION_HEADER, RecordedRequest, ScriptedTurn
 from fsm_rollout.testing.fake_vllm.server import FakeVLLMServer, RenderFeaturesHook
 
@@ -59,6 +61,7 @@ __all__ = [
     "WEIGHT_INFO_PATH",
     "FakeVLLMServer",
     "LogprobEntryStyle",
+    "QwenLikeImageRender",
     "RecordedRequest",
     "RenderFeaturesHook",
     "ScriptedTurn",

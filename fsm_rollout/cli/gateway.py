@@ -1,0 +1,176 @@
+"""``fsm-rollout gateway``: serve OpenAI-compatible agent sessions, each a traced rollout trained token-exact.
+
+What the command does is in :data:`EPILOG` (printed by ``--help`` and in the README).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from fsm_rollout.cli.common import add_process_settings
+from fsm_rollout.cli.preflight import API_KEY_ENV_VAR, PreflightError, api_key, load_run_tokenizer, redacted
+from fsm_rollout.config import RolloutConfig
+from fsm_rollout.errors import RolloutError
+
+EXIT_OK, EXIT_BAD_INPUT = 0, 2
+HISTORY_POLICIES = ("auto", "append", "fork", "per_turn")
+
+EPILOG = """\
+With no --engine-url the embedded CPU engine is started in-process, as `fsm-rollout run` does. The gateway listens
+on 127.0.0.1 unless --host says otherwise, and prints its URL. A trainer opens a session with POST /sessions
+(optional {"metadata": {...}, "label": ...}) and gives the agent the answer's base_url as its OpenAI base URL; the
+agent's chat calls are the session's turns; POST /sessions/<id>/reward sets the reward, and POST
+/sessions/<id>/close ends the session and answers {"samples": [...]}: its training sequences, token-exact, more than
+one when the agent rewrote its history. GET /sessions/<id> shows the session's state.
+
+--api-key is sent to the engine, as `run` sends it, and the gateway's control endpoints (opening, rewarding, closing
+and reading sessions) then need it as `Authorization: Bearer KEY`; --agent-api-key makes the agent endpoints
+(chat completions, models) need a key too. A session idle past --session-idle-timeout ends truncated with reason
+agent_timeout. --trace writes every session's transitions; --record (with --trace) records the tape, so that
+`fsm-rollout replay` re-executes a session offline and `fsm-rollout inspect` shows it.
+
+Ctrl-C or SIGTERM stops the gateway: sessions still open end aborted (reason shutdown). Exit codes: 0 stopped;
+2 bad options, or no usable engine or tokenizer."""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options of ``fsm-rollout gateway``."""
+    parser.epilog = EPILOG
+    serve = parser.add_argument_group("serving")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    serve.add_argument(
+        "--port", type=int, default=8300, help="port to listen on; 0 picks a free one (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--agent-api-key", metavar="KEY", help="make the agent endpoints need `Authorization: Bearer KEY` too"
+    )
+    serve.add_argument(
+        "--session-idle-timeout",
+        type=float,
+        metavar="S",
+        help="end a session truncated (reason agent_timeout) when its agent sends nothing for S seconds",
+    )
+    serve.add_argument("--trace", metavar="FILE", help="write the sessions' transition trace (JSONL) here")
+    serve.add_argument(
+        "--record", action="store_true", help="also record the I/O tape beside the trace, for `fsm-rollout replay`"
+    )
+    serve.add_argument("--quiet", action="store_true", help="no engine start-up progress")
+    engine = parser.add_argument_group("engine")
+    engine.add_argument(
+        "--engine-url",
+        action="append",
+        default=[],
+        metavar="URL",
+        help="vLLM server or router URL; repeat for several servers, each session kept on one "
+        "(default: start the embedded CPU engine)",
+    )
+    engine.add_argument("--model", metavar="NAME", help="served model name (default: the engine's)")
+    engine.add_argument("--tokenizer", metavar="PATH", help="tokenizer directory or Hugging Face id")
+    engine.add_argument("--trust-remote-code", action="store_true", help="let the tokenizer run its own Python code")
+    engine.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"the engine's key, also required on the gateway's control endpoints (default: ${API_KEY_ENV_VAR})",
+    )
+    rollout = parser.add_argument_group("sessions")
+    rollout.add_argument(
+        "--history-policy",
+        choices=HISTORY_POLICIES,
+        default="auto",
+        help="how observations meet the chat template's history (see `run`); a rewritten history always forks "
+        "(default: %(default)s)",
+    )
+    rollout.add_argument("--max-turns", type=int, default=1000, metavar="N", help="calls per training sequence at most")
+    rollout.add_argument(
+        "--max-new-tokens", type=int, metavar="N", help="response budget of a training sequence (default: unbounded)"
+    )
+    rollout.add_argument("--max-context-len", type=int, metavar="N", help="context limit (prompt + response)")
+    rollout.add_argument("--temperature", type=float, default=1.0, metavar="T", help="default sampling temperature")
+    rollout.add_argument("--top-p", type=float, default=1.0, metavar="P", help="default top-p")
+    add_process_settings(parser.add_argument_group("process-wide settings"))
+    parser.set_defaults(image_merge_size=None)
+
+
+def build_config(args: argparse.Namespace, url: str, model: str, tokenizer_path: str | None) -> RolloutConfig:
+    """The sessions' rollout configuration from the options."""
+    values: dict[str, Any] = {
+        "engine_url": url,
+        "model": model,
+        "tokenizer_path": tokenizer_path,
+        "max_turns": args.max_turns,
+        "rollout_max_context_len": args.max_context_len,
+        "router_policy": "consistent_hash",
+        "trace": args.trace,
+        "record": args.record,
+        "loop_slice_ms": args.loop_slice_ms or None,
+        "tune_gc": not args.no_tune_gc,
+        "api_key": api_key(args),
+        "trust_remote_code": args.trust_remote_code,
+    }
+    values["history_policy"] = args.history_policy
+    return RolloutConfig(**values)
+
+
+async def serve(args: argparse.Namespace, *, ready: Callable[[str], None] | None = None) -> int:
+    """Run the gateway until SIGINT/SIGTERM; ``ready(url)`` is called once it listens."""
+    from fsm_rollout.cli.run import _engine
+    from fsm_rollout.gateway import AgentGateway
+    from fsm_rollout.runner import RolloutRunner
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    try:
+        async with _engine(args) as (urls, choice):
+            tokenizer = await asyncio.to_thread(
+                load_run_tokenizer,
+                choice.tokenizer,
+                named_by=choice.tokenizer_named_by,
+                trust_remote_code=args.trust_remote_code,
+            )
+            config = build_config(args, urls[0], choice.model, choice.tokenizer)
+            sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
+            runner = RolloutRunner(config, sampling_params=sampling, engine_urls=urls, tokenizer=tokenizer)
+            async with AgentGateway(
+                runner,
+                host=args.host,
+                port=args.port,
+                api_key=api_key(args),
+                agent_api_key=args.agent_api_key,
+                session_idle_timeout_s=args.session_idle_timeout,
+            ) as gateway:
+                print(f"gateway listening on {gateway.url} (model {choice.model})", flush=True)
+                print(f"open a session: curl -X POST {gateway.url}/sessions", flush=True)
+                if ready is not None:
+                    ready(gateway.url)
+                await stop.wait()
+                print(f"stopping: {gateway.sessions} session(s) still open end aborted", file=sys.stderr, flush=True)
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+    return EXIT_OK
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run ``fsm-rollout gateway``."""
+    for url in args.engine_url:
+        if not url.startswith(("http://", "https://")):
+            print(f"error: --engine-url {url}: must be an http(s) URL", file=sys.stderr)
+            return EXIT_BAD_INPUT
+    if args.record and not args.trace:
+        print("error: --record needs --trace (the tape is written beside the trace)", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.session_idle_timeout is not None and args.session_idle_timeout <= 0:
+        print("error: --session-idle-timeout must be positive", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    try:
+        return asyncio.run(serve(args))
+    except (RolloutError, PreflightError, OSError) as error:
+        print(f"error: {redacted(str(error), api_key(args))}", file=sys.stderr)
+        return EXIT_BAD_INPUT

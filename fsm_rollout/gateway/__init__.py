@@ -1,0 +1,16 @@
+"""The agent gateway: black-box agents over the OpenAI Chat Completions API, trained token-exact.
+
+A gateway session is a rollout whose environment is the agent: the first call's messages are the prompt, each
+later call's new messages are an observation, and closing the session is ``done``. See
+:mod:`fsm_rollout.gateway.server` (the HTTP surface and :class:`AgentGateway`),
+:mod:`fsm_rollout.gateway.session` (one session), :mod:`fsm_rollout.gateway.conversation` (the history check by
+meaning) and :mod:`fsm_rollout.gateway.openai_wire` (requests, answers, streams, errors).
+
+Its modules are internal: import from this package.
+"""
+
+from fsm_rollout.gateway.openai_wire import GatewayError
+from fsm_rollout.gateway.server import AgentGateway
+from fsm_rollout.gateway.session import GatewaySession
+
+__all__ = ["AgentGateway", "GatewayError", "GatewaySession"]

@@ -1,0 +1,284 @@
+"""The agent gateway's HTTP surface and :class:`AgentGateway`, an async context manager over a runner.
+
+Paths (the agent is given ``base_url`` = ``<gateway>/sessions/<id>/v1`` and uses it as an OpenAI base URL):
+
+* ``POST /sessions`` (control), optional ``{"metadata": {...}, "label": ...}`` → 201 ``{"session_id", "base_url"}``
+* ``POST /sessions/{id}/v1/chat/completions`` (agent): OpenAI Chat Completions, streamed or not
+* ``GET /sessions/{id}/v1/models`` (agent)
+* ``POST /sessions/{id}/reward`` (control) ``{"reward": float}``
+* ``POST /sessions/{id}/close`` (control), optional ``{"reward": ...}`` → ``{"samples": [Sample.to_dict(), ...]}``
+* ``GET /sessions/{id}`` (control): the machine's state, turns and status
+
+With ``api_key`` the control endpoints need ``Authorization: Bearer <api_key>``; with ``agent_api_key`` the agent
+endpoints need that key. Session ids are 256 random bits: a session's data is reachable only through its id.
+Every error is OpenAI's body ``{"error": {"message", "type", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import secrets
+from collections.abc import Awaitable, Callable
+from types import TracebackType
+from typing import Any, cast
+
+import orjson
+from aiohttp import web
+
+from fsm_rollout.env import EnvFactory
+from fsm_rollout.errors import ConfigError
+from fsm_rollout.gateway.openai_wire import (
+    GatewayError,
+    chat_completion,
+    error_body,
+    parse_chat_request,
+    stream_chunks,
+)
+from fsm_rollout.gateway.session import GatewaySession, SessionEnvironment
+from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.sample import Sample
+
+__all__ = ["AgentGateway"]
+
+_Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(
+        body=orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status=status, content_type="application/json"
+    )
+
+
+class AgentGateway:
+    """Serves OpenAI-compatible sessions over ``runner``'s engines (see the module docstring).
+
+    ``async with AgentGateway(runner) as gateway:`` enters the runner (its engines, tokenizer, trace and tape) and
+    starts the HTTP server on ``host:port`` (port 0: a free one; :attr:`url` says which). The gateway's sessions
+    are the runner's environment, so the runner must not have an ``env_factory`` of its own; its config is used
+    with ``router_policy="consistent_hash"`` (every request carries ``x-session-id``) and without an environment
+    step limit (an agent's pause between calls is bounded by ``session_idle_timeout_s`` instead).
+    """
+
+    def __init__(
+        self,
+        runner: RolloutRunner,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        api_key: str | None = None,
+        agent_api_key: str | None = None,
+        session_idle_timeout_s: float | None = None,
+    ) -> None:
+        if runner.env_factory is not None:
+            raise ConfigError(
+                "the gateway's sessions are the runner's environment: build the runner without env_factory"
+            )
+        if session_idle_timeout_s is not None and session_idle_timeout_s <= 0:
+            raise ConfigError(f"session_idle_timeout_s must be positive, got {session_idle_timeout_s!r}")
+        self.runner = runner
+        self.host = host
+        self.port = port
+        self.api_key = api_key
+        self.agent_api_key = agent_api_key
+        self.session_idle_timeout_s = session_idle_timeout_s
+        self._sessions: dict[str, GatewaySession] = {}
+        self._opened = 0
+        self._site_runner: web.AppRunner | None = None
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def __aenter__(self) -> AgentGateway:
+        runner = self.runner
+        runner.config = dataclasses.replace(runner.config, router_policy="consistent_hash", env_step_timeout_s=None)
+        runner.env_factory = cast(EnvFactory, self._build_env)  # its step is a coroutine: the rollout awaits it
+        await runner.__aenter__()
+        try:
+            app = web.Application(middlewares=[self._errors], client_max_size=64 * 1024 * 1024)
+            app.router.add_post("/sessions", self._open)
+            app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
+            app.router.add_get("/sessions/{sid}/v1/models", self._models)
+            app.router.add_post("/sessions/{sid}/reward", self._reward)
+            app.router.add_post("/sessions/{sid}/close", self._close)
+            app.router.add_get("/sessions/{sid}", self._status)
+            # an agent that disconnects cancels its handler, which aborts the engine request it waits on
+            site_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+            await site_runner.setup()
+            site = web.TCPSite(site_runner, self.host, self.port)
+            await site.start()
+            self._site_runner = site_runner
+            addresses = site_runner.addresses
+            if addresses:
+                self.port = int(addresses[0][1])
+        except BaseException:
+            await runner.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            for session in list(self._sessions.values()):
+                await session.abort("shutdown")
+            if self._site_runner is not None:
+                await self._site_runner.cleanup()
+                self._site_runner = None
+        finally:
+            await self.runner.__aexit__(exc_type, exc, tb)
+
+    @property
+    def url(self) -> str:
+        """The gateway's base URL."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    # ------------------------------------------------------------------ the Python API
+
+    async def open_session(self, *, metadata: dict[str, Any] | None = None, label: Any = None) -> GatewaySession:
+        """A new session; give the agent its ``base_url``. ``await session.close(reward=...)`` ends it."""
+        if metadata is not None and not isinstance(metadata, dict):
+            raise GatewayError(400, "'metadata' must be an object", code="metadata")
+        session_id = secrets.token_urlsafe(32)
+        session = GatewaySession(
+            self.runner,
+            session_id,
+            f"{self.url}/sessions/{session_id}/v1",
+            index=self._opened,
+            metadata=metadata,
+            label=label,
+            idle_timeout_s=self.session_idle_timeout_s,
+            on_closed=self._forget,
+        )
+        self._opened += 1
+        self._sessions[session_id] = session
+        self.runner._metrics.session_opened()
+        return session
+
+    def session(self, session_id: str) -> GatewaySession:
+        """The open session ``session_id`` (a 404 :class:`GatewayError` otherwise)."""
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise GatewayError(404, "no such session (unknown or closed)", code="session_not_found")
+        return session
+
+    @property
+    def sessions(self) -> int:
+        """Sessions open now."""
+        return len(self._sessions)
+
+    def _forget(self, session: GatewaySession) -> None:
+        if self._sessions.pop(session.session_id, None) is not None:
+            self.runner._metrics.session_closed()
+
+    def _build_env(self, *, sample: Sample, args: Any = None) -> SessionEnvironment:
+        session = self._sessions.get(sample.session_id or "")
+        if session is None:
+            raise ConfigError(f"no gateway session {sample.session_id!r} for this sample")
+        return SessionEnvironment(session)
+
+    # ------------------------------------------------------------------ HTTP
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: _Handler) -> web.StreamResponse:
+        try:
+            return await handler(request)
+        except GatewayError as error:
+            return _json(error.body(), error.status)
+        except web.HTTPException as error:
+            if error.status < 400:
+                raise
+            kind = "not_found" if error.status == 404 else "invalid_request"
+            return _json(
+                error_body(error.reason or "request refused", type="invalid_request_error", code=kind), error.status
+            )
+
+    def _authorize(self, request: web.Request, key: str | None) -> None:
+        if key is None:
+            return
+        header = request.headers.get("Authorization", "")
+        given = header[7:] if header.startswith("Bearer ") else ""
+        if not hmac.compare_digest(given.encode(), key.encode()):
+            raise GatewayError(401, "missing or wrong API key", code="invalid_api_key", type="authentication_error")
+
+    async def _body(self, request: web.Request, *, optional: bool) -> Any:
+        raw = await request.read()
+        if not raw:
+            if optional:
+                return {}
+            raise GatewayError(400, "the request needs a JSON body", code="invalid_json")
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as error:
+            raise GatewayError(400, f"the body is not valid JSON ({error})", code="invalid_json") from error
+        if not isinstance(body, dict):
+            raise GatewayError(400, "the body must be a JSON object", code="invalid_json")
+        return body
+
+    async def _open(self, request: web.Request) -> web.Response:
+        self._authorize(request, self.api_key)
+        body = await self._body(request, optional=True)
+        session = await self.open_session(metadata=body.get("metadata"), label=body.get("label"))
+        return _json({"session_id": session.session_id, "base_url": session.base_url}, 201)
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self._authorize(request, self.agent_api_key)
+        session = self.session(request.match_info["sid"])
+        call = parse_chat_request(await self._body(request, optional=False))
+        answer = await session.chat(call)
+        model = self.runner.config.model
+        completion_id = f"chatcmpl-{secrets.token_hex(12)}"
+        decode = self.runner.tokenizer.decode
+        if not call.stream:
+            return _json(
+                chat_completion(
+                    answer, completion_id=completion_id, model=model, want_logprobs=call.logprobs, decode=decode
+                )
+            )
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        for chunk in stream_chunks(
+            answer,
+            completion_id=completion_id,
+            model=model,
+            include_usage=call.include_usage,
+            want_logprobs=call.logprobs,
+            decode=decode,
+        ):
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _models(self, request: web.Request) -> web.Response:
+        self._authorize(request, self.agent_api_key)
+        self.session(request.match_info["sid"])
+        model = self.runner.config.model
+        return _json(
+            {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "fsm-rollout"}]}
+        )
+
+    async def _reward(self, request: web.Request) -> web.Response:
+        self._authorize(request, self.api_key)
+        session = self.session(request.match_info["sid"])
+        body = await self._body(request, optional=False)
+        reward = body.get("reward")
+        if isinstance(reward, bool) or not isinstance(reward, int | float):
+            raise GatewayError(400, "'reward' must be a number", code="reward")
+        session.set_reward(float(reward))
+        return _json({"session_id": session.session_id, "reward": session.reward})
+
+    async def _close(self, request: web.Request) -> web.Response:
+        self._authorize(request, self.api_key)
+        session = self.session(request.match_info["sid"])
+        body = await self._body(request, optional=True)
+        reward = body.get("reward")
+        if reward is not None and (isinstance(reward, bool) or not isinstance(reward, int | float)):
+            raise GatewayError(400, "'reward' must be a number", code="reward")
+        samples = await asyncio.shield(session.close(reward=reward))
+        return _json({"samples": [sample.to_dict() for sample in samples]})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        self._authorize(request, self.api_key)
+        return _json(self.session(request.match_info["sid"]).status())

@@ -1,0 +1,394 @@
+"""The agent gateway over real HTTP on loopback, driven by the ``openai`` SDK against the scripted fake engine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import openai
+import pytest
+
+from fsm_rollout import RolloutConfig, Sample
+from fsm_rollout.chat import template_token_ids
+from fsm_rollout.gateway import AgentGateway
+from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
+
+SAMPLING = {"max_new_tokens": 512, "temperature": 1.0, "top_p": 1.0}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two integers.",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}, "exact": {"type": "boolean"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
+CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3, "exact": false}}\n</tool_call><|im_end|>'
+
+
+class Http:
+    """A few raw calls on loopback (aiohttp), answering (status, JSON)."""
+
+    def __init__(self, base: str, session: aiohttp.ClientSession) -> None:
+        self.base = base
+        self.session = session
+
+    async def call(self, method: str, path: str, **kwargs: Any) -> tuple[int, Any]:
+        async with self.session.request(method, self.base + path, **kwargs) as response:
+            text = await response.text()
+            return response.status, (json.loads(text) if text else None)
+
+    async def post(self, path: str, **kwargs: Any) -> tuple[int, Any]:
+        return await self.call("POST", path, **kwargs)
+
+    async def get(self, path: str, **kwargs: Any) -> tuple[int, Any]:
+        return await self.call("GET", path, **kwargs)
+
+
+def runner_for(server: FakeVLLMServer, tokenizer: Any, **overrides: Any) -> RolloutRunner:
+    values: dict[str, Any] = {
+        "engine_url": server.url,
+        "model": "fake-model",
+        "max_turns": 50,
+        "check_invariants": True,
+    }
+    values.update(overrides)
+    return RolloutRunner(RolloutConfig(**values), sampling_params=SAMPLING, tokenizer=tokenizer)
+
+
+@pytest.fixture
+async def gateway(fake_vllm: FakeVLLMServer, tokenizer: Any) -> AsyncIterator[AgentGateway]:
+    async with AgentGateway(runner_for(fake_vllm, tokenizer)) as gateway:
+        yield gateway
+
+
+def check_token_exact(server: FakeVLLMServer, session_id: str, sample: Sample, tokenizer: Any) -> None:
+    """Every generate request of the session sent a prefix of the exported tokens, and what each generated follows
+    it there with mask 1; the exported tokens end with the last answer."""
+    requests = [r for r in server.requests_to(GENERATE_PATH) if r.headers.get("x-session-id") == session_id]
+    assert requests, "no generate request carried the session id"
+    prompt_length = len(sample.tokens) - sample.response_length
+    assert sample.loss_mask is not None
+    for request in requests:
+        sent = request.body["token_ids"]
+        assert sample.tokens[: len(sent)] == sent
+        assert len(sent) >= prompt_length
+    # every token with mask 1 was generated: it lies right after some request's prompt
+    starts = sorted(len(r.body["token_ids"]) for r in requests)
+    trained = [prompt_length + i for i, bit in enumerate(sample.loss_mask) if bit == 1]
+    assert trained and trained[0] == starts[0]
+    for request in server.requests_to(RENDER_PATH):
+        assert request.headers.get("x-session-id") in (session_id, None) or request.headers.get("x-session-id")
+
+
+async def test_sdk_tool_call_session_is_token_exact(
+    gateway: AgentGateway, fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    session = await gateway.open_session(metadata={"task": "add"})
+    fake_vllm.script(
+        [ScriptedTurn(text=CALL), ScriptedTurn(text="The sum is 5.<|im_end|>")], session=session.session_id
+    )
+    client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "What is 2 + 3?"}]
+    first = await client.chat.completions.create(model="fake-model", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content is None
+    assert choice.message.tool_calls is not None
+    call = choice.message.tool_calls[0]
+    assert call.function.name == "add"
+    assert json.loads(call.function.arguments) == {"a": 2, "b": 3, "exact": False}
+    assert call.id.startswith("call_")
+    assert first.usage is not None and first.usage.completion_tokens > 0
+    # the agent re-serialises the arguments its own way: still the same call by meaning
+    messages.append(
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": "add", "arguments": '{"exact":false,"b":3,"a":2}'},
+                }
+            ],
+        }
+    )
+    messages.append({"role": "tool", "tool_call_id": call.id, "content": "5"})
+    second = await client.chat.completions.create(
+        model="fake-model",
+        messages=messages,  # type: ignore[arg-type]
+        tools=TOOLS,  # type: ignore[arg-type]
+        temperature=0.25,
+        max_tokens=40,
+        seed=7,
+    )
+    assert second.choices[0].message.content == "The sum is 5."
+    assert second.choices[0].finish_reason == "stop"
+    samples = await session.close(reward=1.0)
+    assert len(samples) == 1
+    sample = samples[0]
+    assert sample.status.value == "completed"
+    assert sample.metadata["rollout_reason"] == "session_closed"
+    assert sample.reward == 1.0
+    check_token_exact(fake_vllm, session.session_id, sample, tokenizer)
+    generates = fake_vllm.requests_to(GENERATE_PATH)
+    assert len(generates) == 2
+    # the second call's sampling settings reached its generate request, and only its
+    params = generates[1].body["sampling_params"]
+    assert params["temperature"] == 0.25 and params["seed"] == 7 and params["max_tokens"] <= 40
+    assert generates[0].body["sampling_params"]["temperature"] == 1.0
+    # the model's tool call is in the tokens exactly as generated, never re-serialised
+    text = tokenizer.decode(sample.tokens)
+    assert '{"name": "add", "arguments": {"a": 2, "b": 3, "exact": false}}' in text
+    assert '{"exact":false' not in text
+    assert gateway.runner.metrics().sessions_total == 1
+    assert gateway.runner.metrics().sessions_open == 0
+
+
+async def test_sdk_streaming_with_usage_and_sync_client(gateway: AgentGateway, fake_vllm: FakeVLLMServer) -> None:
+    session = await gateway.open_session()
+    fake_vllm.script([ScriptedTurn(text="Hello there.<|im_end|>"), ScriptedTurn(text=CALL)], session=session.session_id)
+    client = openai.OpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+
+    def stream_first() -> tuple[str, list[Any]]:
+        chunks = list(
+            client.chat.completions.create(
+                model="fake-model",
+                messages=[{"role": "user", "content": "Hi"}],
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
+        text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        return text, chunks
+
+    text, chunks = await asyncio.to_thread(stream_first)
+    assert text == "Hello there."
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens > 0
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
+
+    def stream_tool_call() -> Any:
+        stream = client.chat.completions.create(
+            model="fake-model",
+            messages=[
+                {"role": "user", "content": "Hi"},
+                {"role": "assistant", "content": "Hello there."},
+                {"role": "user", "content": "Add 2 and 3."},
+            ],
+            stream=True,
+        )
+        calls = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
+        return calls
+
+    calls = await asyncio.to_thread(stream_tool_call)
+    assert [c.function.name for c in calls] == ["add"]
+    assert json.loads(calls[0].function.arguments) == {"a": 2, "b": 3, "exact": False}
+    samples = await session.close()
+    assert samples[-1].metadata["rollout_reason"] == "session_closed"
+
+
+async def test_http_surface_errors_and_status(gateway: AgentGateway, fake_vllm: FakeVLLMServer) -> None:
+    async with aiohttp.ClientSession() as raw:
+        http = Http(gateway.url, raw)
+        status, body = await http.post("/sessions", json={"metadata": {"k": 1}, "label": "x"})
+        assert status == 201
+        session_id = body["session_id"]
+        assert len(session_id) >= 22  # >= 128 bits, url-safe base64
+        assert body["base_url"] == f"{gateway.url}/sessions/{session_id}/v1"
+        status, body = await http.post("/sessions/nope/v1/chat/completions", json={"messages": []})
+        assert status == 404
+        assert set(body["error"]) >= {"message", "type", "code"}
+        chat = f"/sessions/{session_id}/v1/chat/completions"
+        for bad in (
+            {"messages": [{"role": "user", "content": "x"}], "n": 2},
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            {"messages": [{"role": "wizard", "content": "x"}]},
+            {"messages": [{"role": "tool", "content": "x"}]},
+        ):
+            status, body = await http.post(chat, json=bad)
+            assert status == 400, bad
+            assert body["error"]["type"] == "invalid_request_error"
+        status, body = await http.post(chat, data=b"{not json")
+        assert status == 400 and body["error"]["code"] == "invalid_json"
+        _, models = await http.get(f"/sessions/{session_id}/v1/models")
+        assert models["data"][0]["id"] == "fake-model"
+        _, state = await http.get(f"/sessions/{session_id}")
+        assert state["state"] == "waiting_for_first_call" and state["metadata"] == {"k": 1}
+        fake_vllm.script([ScriptedTurn(text="ok<|im_end|>")], session=session_id)
+        status, body = await http.post(chat, json={"model": "m", "messages": [{"role": "user", "content": "go"}]})
+        assert status == 200, body
+        _, state = await http.get(f"/sessions/{session_id}")
+        assert state["state"] == "stepping" and state["turns"] == 1
+        status, _ = await http.post(f"/sessions/{session_id}/reward", json={"reward": 0.5})
+        assert status == 200
+        status, _ = await http.post(f"/sessions/{session_id}/reward", json={"reward": "high"})
+        assert status == 400
+        status, body = await http.post(f"/sessions/{session_id}/close")
+        samples = body["samples"]
+        assert len(samples) == 1 and samples[0]["reward"] == 0.5
+        assert samples[0]["status"] == "completed" and samples[0]["metadata"]["rollout_reason"] == "session_closed"
+        status, _ = await http.post(chat, json={"messages": [{"role": "user", "content": "go"}]})
+        assert status == 404  # a closed session is gone
+
+
+async def test_a_second_concurrent_call_gets_409(gateway: AgentGateway, fake_vllm: FakeVLLMServer) -> None:
+    session = await gateway.open_session()
+    fake_vllm.script([ScriptedTurn(text="slow<|im_end|>", hang=True)], session=session.session_id)
+    client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+    first = asyncio.ensure_future(
+        client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+    )
+    await fake_vllm.wait_until_waiting(1)
+    with pytest.raises(openai.ConflictError):
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+
+
+async def test_api_keys_guard_control_and_agent_endpoints(fake_vllm: FakeVLLMServer, tokenizer: Any) -> None:
+    runner = runner_for(fake_vllm, tokenizer)
+    control = {"Authorization": "Bearer control-key"}
+    async with (
+        AgentGateway(runner, api_key="control-key", agent_api_key="agent-key") as gateway,
+        aiohttp.ClientSession() as raw,
+    ):
+        http = Http(gateway.url, raw)
+        assert (await http.post("/sessions"))[0] == 401
+        status, opened = await http.post("/sessions", headers=control)
+        assert status == 201
+        session_id = opened["session_id"]
+        fake_vllm.script([ScriptedTurn(text="ok<|im_end|>")], session=session_id)
+        wrong = openai.AsyncOpenAI(base_url=opened["base_url"], api_key="control-key", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await wrong.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        right = openai.AsyncOpenAI(base_url=opened["base_url"], api_key="agent-key", max_retries=0)
+        answer = await right.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+        assert answer.choices[0].message.content == "ok"
+        assert (await http.get(f"/sessions/{session_id}"))[0] == 401
+        assert (await http.post(f"/sessions/{session_id}/close", headers=control))[0] == 200
+
+
+async def test_a_rewritten_history_forks_and_never_trains_unseen_tokens(
+    gateway: AgentGateway, fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    session = await gateway.open_session()
+    fake_vllm.script(
+        [ScriptedTurn(text="First answer.<|im_end|>"), ScriptedTurn(text="Second answer.<|im_end|>")],
+        session=session.session_id,
+    )
+    client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+    question = {"role": "user", "content": "Question?"}
+    first = await client.chat.completions.create(model="m", messages=[question])  # type: ignore[list-item]
+    assert first.choices[0].message.content == "First answer."
+    # the agent compacts its history: the model's answer is replaced by a summary it never wrote
+    rewritten = [
+        question,
+        {"role": "assistant", "content": "(summary of an earlier answer)"},
+        {"role": "user", "content": "Go on."},
+    ]
+    second = await client.chat.completions.create(model="m", messages=rewritten)  # type: ignore[arg-type]
+    assert second.choices[0].message.content == "Second answer."
+    samples = await session.close(reward=2.0)
+    assert [s.metadata["rollout_reason"] for s in samples] == ["history_rewritten", "session_closed"]
+    assert [s.metadata["branch"] for s in samples] == [0, 1]
+    assert all(s.reward == 2.0 and s.session_id == session.session_id for s in samples)
+    # the new sequence's prompt is the template's render of the new conversation, all of it mask 0
+    renders = [r for r in fake_vllm.requests_to(RENDER_PATH) if r.headers.get("x-session-id") == session.session_id]
+    assert len(renders) == 2
+    expected = template_token_ids(
+        tokenizer.apply_chat_template(rewritten, tokenize=True, add_generation_prompt=True), what="the re-render"
+    )
+    second_sample = samples[1]
+    assert second_sample.tokens[: len(second_sample.tokens) - second_sample.response_length] == expected
+    # each generated token is trained in exactly one sequence, and the summary is in no sequence's trained tokens
+    generated = [tokenizer.encode("First answer.<|im_end|>"), tokenizer.encode("Second answer.<|im_end|>")]
+    for sample, tokens in zip(samples, generated, strict=True):
+        assert sample.loss_mask is not None
+        start = len(sample.tokens) - sample.response_length
+        trained = [t for t, bit in zip(sample.tokens[start:], sample.loss_mask, strict=True) if bit == 1]
+        assert trained == tokens
+    assert "summary" not in tokenizer.decode(samples[0].tokens)
+
+
+async def test_changed_tools_fork_and_a_retried_call_is_answered_again(
+    gateway: AgentGateway, fake_vllm: FakeVLLMServer
+) -> None:
+    session = await gateway.open_session()
+    fake_vllm.script(
+        [ScriptedTurn(text="One.<|im_end|>"), ScriptedTurn(text="Two.<|im_end|>")], session=session.session_id
+    )
+    client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "Hi"}]
+    first = await client.chat.completions.create(model="m", messages=messages)
+    # the agent's client retries the same call (a timeout on its side, say): the same answer, nothing generated
+    again = await client.chat.completions.create(model="m", messages=messages)
+    assert again.choices[0].message.content == first.choices[0].message.content == "One."
+    assert len(fake_vllm.requests_to(GENERATE_PATH)) == 1
+    messages += [{"role": "assistant", "content": "One."}, {"role": "user", "content": "More"}]
+    second = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS)  # type: ignore[arg-type]
+    assert second.choices[0].message.content == "Two."
+    samples = await session.close()
+    assert [s.metadata["rollout_reason"] for s in samples] == ["history_rewritten", "session_closed"]
+    assert samples[0].metadata["history_rewritten"] == "the tools changed"
+    assert samples[1].metadata["tools"] == TOOLS
+
+
+async def test_the_agents_max_tokens_cut_is_length_and_the_session_goes_on(
+    gateway: AgentGateway, fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    session = await gateway.open_session()
+    fake_vllm.script(
+        [ScriptedTurn(text="one two three four five six<|im_end|>"), ScriptedTurn(text="done<|im_end|>")],
+        session=session.session_id,
+    )
+    client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "Count"}]
+    cut = await client.chat.completions.create(model="m", messages=messages, max_completion_tokens=3)
+    assert cut.choices[0].finish_reason == "length"
+    assert cut.usage is not None and cut.usage.completion_tokens == 3
+    assert fake_vllm.requests_to(GENERATE_PATH)[0].body["sampling_params"]["max_tokens"] == 3
+    messages += [{"role": "assistant", "content": cut.choices[0].message.content}, {"role": "user", "content": "?"}]
+    last = await client.chat.completions.create(model="m", messages=messages, logprobs=True)
+    assert last.choices[0].message.content == "done"
+    assert last.choices[0].logprobs is not None and last.choices[0].logprobs.content
+    samples = await session.close()
+    assert len(samples) == 1 and samples[0].metadata["rollout_reason"] == "session_closed"
+    assert tokenizer.decode(samples[0].tokens).count("one two three") == 1
+
+
+async def test_a_recorded_session_replays_identically_and_inspect_shows_it(
+    fake_vllm: FakeVLLMServer, tokenizer: Any, tmp_path: Any, capsys: Any
+) -> None:
+    trace = tmp_path / "gateway.jsonl"
+    runner = runner_for(fake_vllm, tokenizer, trace=str(trace), record=True)
+    async with AgentGateway(runner) as gateway:
+        session = await gateway.open_session()
+        fake_vllm.script([ScriptedTurn(text=CALL), ScriptedTurn(text="Five.<|im_end|>")], session=session.session_id)
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+        messages: list[Any] = [{"role": "user", "content": "2+3?"}]
+        first = await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, temperature=0.5)  # type: ignore[arg-type]
+        call = first.choices[0].message.tool_calls[0]  # type: ignore[index]
+        messages += [first.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "tool", "tool_call_id": call.id, "content": "5"}]
+        await client.chat.completions.create(model="m", messages=messages, tools=TOOLS, top_p=0.5, max_tokens=30)  # type: ignore[arg-type]
+        await session.close(reward=1.0)
+    from fsm_rollout.cli import main
+
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["replay", str(trace)]) == 0, capsys.readouterr()
+    replayed = capsys.readouterr().out
+    assert "re-executed 2 turns" in replayed and "identical 1" in replayed, replayed
+    assert await asyncio.to_thread(main, ["inspect", str(trace), "--sample", "0.0"]) == 0
+    shown = capsys.readouterr().out
+    assert "session_closed" in shown

@@ -1,0 +1,58 @@
+"""``fsm-rollout gateway`` as a process: it listens, serves an SDK session, records it, and stops on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import openai
+
+from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
+from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
+
+
+async def test_the_gateway_command_serves_a_session_and_stops_on_sigterm(
+    fake_vllm: FakeVLLMServer, tmp_path: Path
+) -> None:
+    trace = tmp_path / "trace.jsonl"
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "fsm_rollout.cli", "gateway", "--engine-url", fake_vllm.url, "--model", "fake-model",
+        "--tokenizer", str(qwen_tokenizer_dir()), "--port", "0", "--trace", str(trace), "--record",
+        "--api-key", "k", "--loop-slice-ms", "0", "--no-tune-gc",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert process.stdout is not None and process.stderr is not None
+    line = (await asyncio.wait_for(process.stdout.readline(), 120)).decode()
+    assert line.startswith("gateway listening on http://127.0.0.1:"), line + (await process.stderr.read()).decode()
+    url = line.split()[3]
+    import aiohttp
+
+    async with aiohttp.ClientSession(headers={"Authorization": "Bearer k"}) as http:
+        async with http.post(f"{url}/sessions") as response:
+            assert response.status == 201
+            opened: dict[str, Any] = await response.json()
+        fake_vllm.script([ScriptedTurn(text="Hi!<|im_end|>")], session=opened["session_id"])
+        agent = openai.AsyncOpenAI(base_url=opened["base_url"], api_key="none", max_retries=0)
+        answer = await agent.chat.completions.create(model="fake-model", messages=[{"role": "user", "content": "Hey"}])
+        assert answer.choices[0].message.content == "Hi!"
+        async with http.post(f"{url}/sessions/{opened['session_id']}/close", json={"reward": 1}) as response:
+            samples = (await response.json())["samples"]
+    assert samples[0]["metadata"]["rollout_reason"] == "session_closed"
+    process.send_signal(signal.SIGTERM)
+    assert await asyncio.wait_for(process.wait(), 60) == 0
+    events = [json.loads(line) for line in trace.read_text().splitlines()]
+    assert ("stepping", "observe", "completed") in [(e["src"], e["trigger"], e["dst"]) for e in events]
+    assert (tmp_path / "trace.tape.jsonl").exists()
+
+
+def test_bad_options_exit_2(capsys: Any) -> None:
+    from fsm_rollout.cli import main
+
+    assert main(["gateway", "--engine-url", "localhost:1"]) == 2
+    assert "http(s) URL" in capsys.readouterr().err
+    assert main(["gateway", "--record"]) == 2
+    assert "--record needs --trace" in capsys.readouterr().err

@@ -1,0 +1,100 @@
+"""The agent gateway in front of the embedded engine (the tiny random model): the example runs, and an SDK
+session's exported tokens are exactly what the engine was sent and generated."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+import openai
+
+from fsm_rollout import RolloutConfig
+from fsm_rollout.engine.local import LocalEngine, tiny_model_dir
+from fsm_rollout.engine.transport import Transport
+from fsm_rollout.examples import agent_gateway
+from fsm_rollout.gateway import AgentGateway
+from fsm_rollout.runner import RolloutRunner
+
+
+class Spy:
+    """A transport that passes everything through and keeps each generate request and its answer."""
+
+    def __init__(self, inner: Transport) -> None:
+        self.inner = inner
+        self.generates: list[tuple[dict[str, Any], dict[str, Any], dict[str, str]]] = []
+
+    @property
+    def base_url(self) -> str:
+        return self.inner.base_url
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+    async def post_json(
+        self, path: str, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
+    ) -> Any:
+        answer = await self.inner.post_json(path, payload, headers=headers)
+        if path.endswith("/generate"):
+            # a deep copy: the request's token list is the sample's own, which grows afterwards
+            self.generates.append((copy.deepcopy(dict(payload)), answer, dict(headers or {})))
+        return answer
+
+
+async def test_the_example_runs_on_the_embedded_engine() -> None:
+    samples = await agent_gateway.main(tiny_model_dir())
+    assert len(samples) >= len(agent_gateway.QUESTIONS)
+    assert {s.metadata["rollout_reason"] for s in samples} <= {"session_closed", "history_rewritten", "length"}
+    for sample in samples:
+        assert sample.reward in (0.0, 1.0)
+        assert sample.loss_mask is not None and sum(sample.loss_mask) > 0
+        assert agent_gateway.describe(sample).startswith(f"session {sample.index} sequence")
+
+
+async def test_an_sdk_session_on_the_embedded_engine_is_token_exact() -> None:
+    async with LocalEngine(tiny_model_dir(), served_model_name="policy") as engine:
+        config = RolloutConfig(
+            engine_url=engine.url,
+            model="policy",
+            tokenizer_path=str(engine.model_dir),
+            max_turns=10,
+            check_invariants=True,
+        )
+        runner = RolloutRunner(config, sampling_params={"max_new_tokens": 400, "temperature": 1.0, "top_p": 1.0})
+        async with AgentGateway(runner) as gateway:
+            spy = Spy(runner._clients[engine.url].transport)
+            runner._clients[engine.url].transport = spy
+            session = await gateway.open_session()
+            client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+            messages: list[Any] = [{"role": "user", "content": "Say something."}]
+            for step in range(3):
+                reply = await client.chat.completions.create(
+                    model="policy", messages=messages, max_tokens=24, seed=step, stream=step == 1
+                ) if step != 1 else None  # fmt: skip
+                if reply is None:  # a streamed call: the text is assembled from the chunks
+                    stream = await client.chat.completions.create(
+                        model="policy", messages=messages, max_tokens=24, seed=step, stream=True
+                    )
+                    content = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
+                else:
+                    content = reply.choices[0].message.content or ""
+                messages += [{"role": "assistant", "content": content}, {"role": "user", "content": f"More {step}."}]
+            samples = await session.close(reward=0.5)
+    assert len(spy.generates) == 3
+    assert all(headers.get("x-session-id") == session.session_id for _, _, headers in spy.generates)
+    assert [payload["sampling_params"]["seed"] for payload, _, _ in spy.generates] == [0, 1, 2]
+    # the model's texts come back as the agent saw them: if any re-tokenization changed them, the session forks
+    generated = [answer["choices"][0]["token_ids"] for _, answer, _ in spy.generates]
+    sequences = list(samples)
+    trained = [
+        [t for t, bit in zip(s.tokens[len(s.tokens) - s.response_length :], s.loss_mask or [], strict=True) if bit]
+        for s in sequences
+    ]
+    assert [t for run in trained for t in run] == [t for run in generated for t in run]
+    for payload, _, _ in spy.generates:  # each request continued a sequence the session exports
+        assert any(s.tokens[: len(payload["token_ids"])] == payload["token_ids"] for s in sequences)
+    last = sequences[-1]
+    final_payload = spy.generates[-1][0]
+    assert last.tokens[: len(final_payload["token_ids"])] == final_payload["token_ids"]
+    assert last.tokens[len(final_payload["token_ids"]) :][: len(generated[-1])] == generated[-1]
+    assert last.metadata["rollout_reason"] == "session_closed" and last.reward == 0.5
