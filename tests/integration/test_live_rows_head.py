@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
+from fsm_rollout.engine.local.live_rows import live_rows_head
 from fsm_rollout.engine.local.model import (
     Generation,
     LiveRowsHead,
     LoadedModel,
-    _live_rows_head,
     load_model,
     load_weights,
 )
@@ -121,5 +121,5 @@ class _Scaled(torch.nn.Module):
 
 
 def test_logits_that_are_not_a_plain_projection_keep_the_models_head() -> None:
-    assert _live_rows_head(_Scaled()) is None
+    assert live_rows_head(_Scaled()) is None
     assert isinstance(LiveRowsHead(_Scaled()).rows, torch.Tensor)  # the rows alone would have qualified

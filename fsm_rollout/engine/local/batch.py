@@ -129,7 +129,8 @@ class DecodeBatch:
 
     # ---------------------------------------------------------------- internals
 
-    def _forward(self, tokens: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor:
+    def _forward(self, tokens: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor | list[Any]:
+        """Each row's logits: float32 rows of one tensor, or the live-rows head's (one per row, padding included)."""
         from transformers import DynamicCache
 
         loaded = self._loaded
@@ -150,7 +151,7 @@ class DecodeBatch:
         try:
             if loaded.head is not None and loaded.head.rows is not None:
                 hidden = model.base_model(input_ids=ids, position_ids=position_ids, use_cache=True, **options)
-                logits = loaded.head.batch_logits(hidden.last_hidden_state[:, -1])
+                logits: torch.Tensor | list[Any] = loaded.head.batch_live_logits(hidden.last_hidden_state[:, -1])
             else:
                 if loaded.takes_logits_to_keep:
                     options["logits_to_keep"] = 1
