@@ -9,7 +9,9 @@ products sum in another order (greedy tokens equal, logprobs within float32 nois
 
 from __future__ import annotations
 
+import argparse
 import asyncio
+import inspect
 import random
 from collections.abc import AsyncIterator
 from typing import Any
@@ -180,3 +182,15 @@ async def test_a_request_admitted_mid_run_joins_the_batch_and_gives_the_tokens_i
         scheduler.stop()
     assert [outcome.token_ids for outcome in outcomes] == [outcome.token_ids for outcome in alone]
     assert [outcome.logprobs for outcome in outcomes] == [outcome.logprobs for outcome in alone]
+
+
+def test_the_default_engine_decodes_the_demo_s_samples_together() -> None:
+    from fsm_rollout.cli import run, serve
+
+    parsers = {module: argparse.ArgumentParser() for module in (run, serve)}
+    for module, parser in parsers.items():
+        module.add_arguments(parser)
+    concurrency = parsers[run].parse_args([]).concurrency
+    assert inspect.signature(LocalEngine).parameters["max_num_seqs"].default == concurrency
+    assert inspect.signature(Scheduler).parameters["max_num_seqs"].default == concurrency
+    assert parsers[serve].parse_args([]).max_num_seqs == concurrency

@@ -167,7 +167,7 @@ class Scheduler:
         self,
         loaded: LoadedModel,
         *,
-        max_num_seqs: int = 8,
+        max_num_seqs: int = 16,
         torch_threads: int | None = None,
         batched: bool = True,
     ) -> None:

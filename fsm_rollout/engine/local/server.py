@@ -135,7 +135,7 @@ class LocalEngine:
         max_model_len: int | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_num_seqs: int = 8,
+        max_num_seqs: int = 16,
         torch_threads: int | None = 1,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         api_key: str | None = None,
