@@ -1,19 +1,20 @@
-"""Sampling from logits whose every row but a few is exactly 0, without touching the other rows.
+"""Sampling from logits whose every row but a few is exactly 0, without drawing over the other rows.
 
-The default model's LM head is zero on most of the vocabulary (:class:`~fsm_rollout.engine.local.model.LiveRowsHead`):
-a zero row's logit is ``0 * h`` summed, exactly 0 whenever the hidden state ``h`` is finite (the head hands out
-:class:`LiveLogits` only then). A full-vocabulary softmax therefore sees the live rows' logits and ``rest`` copies of
-0: :func:`sample_live` accounts for those copies as one block of mass instead of materialising them, and gives what
-the full-vocabulary path of :class:`~fsm_rollout.engine.local.model.Generation` gives:
+The default model's LM head is zero on most of the vocabulary (:class:`LiveRowsHead`): a zero row's logit is
+``0 * h`` summed, exactly 0 whenever the hidden state ``h`` is finite (the head hands out :class:`LiveLogits` only
+then). :func:`sample_live` gives what the full-vocabulary path of
+:class:`~fsm_rollout.engine.local.model.Generation` gives, bit for bit:
 
-- the normaliser is ``log(sum(exp(live)) + rest * exp(0))``, so every logprob (the sampled token's and the top
-  candidate's) is the full softmax's, up to the float32 rounding of the sum (a different summation order);
-- the draw is the same inverse-CDF draw over ids in ascending order, with the same uniform number from the request's
-  generator: the cumulative mass up to a live id adds the zero rows below it as ``count * p0``, and a draw that lands
-  between two live ids picks the zero row it lands on, so the same token comes out unless the uniform number falls
-  within float64 rounding of a boundary;
-- the greedy token, the rank and the top candidate take the zero rows into account (the lowest zero-row id stands for
-  all of them: an argmax takes the first of equal values).
+- the logprobs (the sampled token's and the top candidate's) are read from the full vocabulary's float32
+  log-softmax. That one pass stays: torch's float32 sum over ~150k terms rounds in its own way (each zero row adds a
+  term far below the running sum's last bit), a shorter or more exact sum would differ from it in the fourth decimal,
+  and a trainer recomputing logprobs with its own log-softmax gets torch's bits, which the engine's must match;
+- the draw is the same inverse-CDF draw over ids in ascending order, with the same uniform number from the
+  request's generator, but over the live ids only: the cumulative mass up to a live id adds the zero rows below it
+  as ``count * p0``, and a draw that lands between two live ids picks the zero row it lands on. The same token comes
+  out unless the uniform number falls within float64 rounding of a boundary;
+- the greedy token, the rank and the top candidate count the zero rows (the lowest zero-row id stands for them
+  all: an argmax takes the first of equal values).
 
 Only the settings whose effect on the zero rows is uniform take this path (temperature, greedy, ``min_tokens``, at
 most one top candidate); penalties and the ``min_p``/``top_k``/``top_p`` filters run over the full vocabulary.
@@ -25,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 
 __all__ = ["LiveLogits", "LiveRowsHead", "LiveSample", "live_rows_head", "sample_live"]
@@ -137,68 +139,66 @@ def sample_live(
         merged[torch.searchsorted(ids, logits.rows)] = values
         merged[torch.searchsorted(ids, masked)] = float("-inf")
         values = merged
-    inside = int(torch.searchsorted(ids, sampleable))  # ids below ``sampleable``: ids[:inside]
+    listed = ids.numpy()
+    inside = int(numpy.searchsorted(listed, sampleable))  # ids below ``sampleable``: ids[:inside]
     if inside < ids.numel():
         values[inside:] = float("-inf")
     rest = sampleable - inside  # zero rows that can be sampled
     if not greedy and temperature != 1.0:
         values = values / temperature  # a zero row stays 0
-    logprobs, zero_logprob = _log_softmax(ids, values, inside, rest, vocab_size, sampleable)
-
-    # The argmax of the logits, as the full path takes it: the first id of the largest value.
-    live_best = int(torch.argmax(values))
-    best_id, best_logprob = int(ids[live_best]), float(logprobs[live_best])
-    top_value = float(values[live_best])
-    if rest and top_value <= 0.0:
-        first_zero = _first_zero_row(ids, inside)
-        if top_value < 0.0 or first_zero < best_id:
-            best_id, best_logprob = first_zero, zero_logprob
-
-    if greedy:
-        token, logprob = best_id, best_logprob
-    else:
-        token, logprob = _draw(ids, logprobs, inside, rest, zero_logprob, sampleable, generator)
-    rank = int((logprobs > logprob).sum()) + (rest if zero_logprob > logprob else 0) + 1
-    return LiveSample(token=token, logprob=logprob, rank=rank, best=best_id, best_logprob=best_logprob)
-
-
-def _log_softmax(
-    ids: torch.Tensor, values: torch.Tensor, inside: int, rest: int, vocab_size: int, sampleable: int
-) -> tuple[torch.Tensor, float]:
-    """The full-vocabulary log-softmax's values at ``ids`` and at the zero rows, bit for bit: torch's float32 sum
-    over the vocabulary rounds differently from any shorter sum, and a trainer's log-softmax over the same logits
-    gives its bits, which the engine's logprobs must match."""
+    first_zero = _first_zero_row(listed, inside) if rest else -1
+    # The full vocabulary's float32 log-softmax, bit for bit (see the module docstring), read at the listed ids and
+    # at one zero row (they all have the same value).
     full = torch.zeros(vocab_size, dtype=torch.float32)
     full[ids] = values
     full[sampleable:] = float("-inf")
     normalised = torch.log_softmax(full, dim=0)
-    zero_logprob = float(normalised[_first_zero_row(ids, inside)]) if rest else float("-inf")
-    return normalised[ids], zero_logprob
+    picked = normalised[torch.cat([ids, torch.tensor([max(first_zero, 0)])])]
+    logprobs = picked.numpy()
+    zero_logprob = float(logprobs[-1]) if rest else float("-inf")
+    logprobs = logprobs[:-1]
+
+    # The argmax of the logits, as the full path takes it: the first id of the largest value.
+    live_best = int(numpy.argmax(values.numpy()))
+    best_id, best_logprob = int(listed[live_best]), float(logprobs[live_best])
+    top_value = float(values[live_best])
+    if rest and (top_value < 0.0 or (top_value == 0.0 and first_zero < best_id)):
+        best_id, best_logprob = first_zero, zero_logprob
+
+    if greedy:
+        token, logprob = best_id, best_logprob
+    else:
+        probs = picked.exp().to(torch.float64).numpy()  # the exp the full path's draw takes
+        uniform = float(torch.rand((), generator=generator, dtype=torch.float64))
+        token, logprob = _draw(listed, logprobs, probs, inside, rest, zero_logprob, sampleable, uniform)
+    rank = int((logprobs > logprob).sum()) + (rest if zero_logprob > logprob else 0) + 1
+    return LiveSample(token=token, logprob=logprob, rank=rank, best=best_id, best_logprob=best_logprob)
 
 
 def _draw(
-    ids: torch.Tensor,
-    logprobs: torch.Tensor,
+    ids: numpy.ndarray,
+    logprobs: numpy.ndarray,
+    probs: numpy.ndarray,
     inside: int,
     rest: int,
     zero_logprob: float,
     sampleable: int,
-    generator: torch.Generator,
+    uniform: float,
 ) -> tuple[int, float]:
-    """The inverse-CDF draw over ascending ids, zero rows counted in blocks between the live ids."""
-    probs = logprobs.exp().to(torch.float64)
-    zero_prob = float(torch.tensor(zero_logprob, dtype=torch.float32).exp())
-    count = ids.numel()
+    """The inverse-CDF draw over ascending ids, zero rows counted in blocks between the listed ids (``probs``: the
+    listed ids' probabilities, then a zero row's)."""
+    count = ids.shape[0]
+    zero_prob = float(probs[-1]) if rest else 0.0
     # Zero rows below each id: an id below ``sampleable`` has every lower id either listed or a zero row.
-    below = torch.full((count,), rest, dtype=torch.float64)
-    below[:inside] = (ids[:inside] - torch.arange(inside)).to(torch.float64)
-    cumulative = torch.cumsum(probs, dim=0)
+    below = numpy.full(count, rest, dtype=numpy.int64)
+    below[:inside] = ids[:inside] - numpy.arange(inside)
+    cumulative = numpy.cumsum(probs[:count])
     cdf = cumulative + zero_prob * below
     total = float(cumulative[-1]) + zero_prob * rest
-    threshold = float(torch.rand((), generator=generator, dtype=torch.float64)) * total
-    index = int(torch.searchsorted(cdf, torch.tensor(threshold, dtype=torch.float64), right=True))
+    threshold = uniform * total
+    index = int(numpy.searchsorted(cdf, threshold, side="right"))
     if index < count:
-        before = float(cumulative[index - 1]) if index else 0.0  # the live mass below ids[index]
+        before = float(cumulative[index - 1]) if index else 0.0  # the listed mass below ids[index]
         zeros_below = int(below[index])
         end = min(int(ids[index]), sampleable)  # the zero rows of this gap end just below ``end``
     else:
@@ -210,26 +210,24 @@ def _draw(
     if index < count and float(logprobs[index]) != float("-inf"):
         return int(ids[index]), float(logprobs[index])
     # The draw hit the very top of the CDF (float rounding): the last id that can be sampled, as the full path does.
-    finite = torch.nonzero(logprobs > float("-inf")).flatten()
-    last_live = int(ids[int(finite[-1])]) if finite.numel() else -1
+    finite = numpy.flatnonzero(logprobs > float("-inf"))
+    last_listed = int(ids[finite[-1]]) if finite.size else -1
     last_zero = _last_zero_row(ids, inside, sampleable) if rest else -1
-    if last_zero > last_live:
+    if last_zero > last_listed:
         return last_zero, zero_logprob
-    return last_live, float(logprobs[int(finite[-1])])
+    return last_listed, float(logprobs[finite[-1]])
 
 
-def _first_zero_row(ids: torch.Tensor, inside: int) -> int:
+def _first_zero_row(ids: numpy.ndarray, inside: int) -> int:
     """The lowest id below ``sampleable`` that ``ids`` does not list (there is one)."""
-    listed = ids[:inside]
-    gaps = torch.nonzero(listed != torch.arange(inside)).flatten()
-    return int(gaps[0]) if gaps.numel() else inside
+    gaps = numpy.flatnonzero(ids[:inside] != numpy.arange(inside))
+    return int(gaps[0]) if gaps.size else inside
 
 
-def _last_zero_row(ids: torch.Tensor, inside: int, sampleable: int) -> int:
+def _last_zero_row(ids: numpy.ndarray, inside: int, sampleable: int) -> int:
     """The highest id below ``sampleable`` that ``ids`` does not list (there is one)."""
-    listed = ids[:inside]
     candidate = sampleable - 1
-    for value in reversed(listed.tolist()):
+    for value in reversed(ids[:inside].tolist()):
         if value < candidate:
             break
         candidate = value - 1
