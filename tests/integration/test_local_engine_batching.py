@@ -4,7 +4,7 @@ Requests are made concurrent without timing: they are submitted while the engine
 flight), so they are all held, and the resume admits them together, first come first served up to ``max_num_seqs``;
 later ones join as earlier ones finish. The references run each request alone: on the same batched engine (bit for
 bit the same tokens and logprobs), and on the one-at-a-time engine (``batched=False``), whose single-row matrix
-products sum in another order (greedy tokens equal, logprobs within float32 noise).
+products may sum in another order (greedy tokens equal, logprobs within 1e-5).
 """
 
 from __future__ import annotations
@@ -105,13 +105,7 @@ async def test_concurrent_mixed_requests_give_the_tokens_and_logprobs_they_give_
         for choice, ref in zip(concurrent, reference, strict=True)
         for mine, theirs in zip(logprob_values(choice), logprob_values(ref), strict=True)
     ]
-    if model == "tiny-random":
-        assert max(gaps) <= BOUND
-    else:
-        # The trained model's larger logits carry the hidden states' last-bit differences further: a rare token
-        # lands just past 1e-5 (see fsm_rollout.engine.local.batch); the mean stays at float32 noise.
-        assert max(gaps) <= 3 * BOUND
-        assert sum(gaps) / len(gaps) <= BOUND / 10
+    assert max(gaps) <= BOUND
 
 
 def settings(max_tokens: int, seed: int) -> SamplingSettings:

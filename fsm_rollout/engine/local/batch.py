@@ -6,21 +6,23 @@ decode step feeds each row's last sampled token at that row's own position, and 
 own row of logits with its own generator (:meth:`~fsm_rollout.engine.local.model.Generation.accept`).
 
 A request's tokens and logprobs do not depend on what else is in the batch, bit for bit on a CPU like the one this
-was built on, for two reasons:
+was built on, for three reasons:
 
 - attention runs row by row over that row's own keys only (:func:`_rowwise_attention`), with the very call a batch of
   one makes: padding never enters a softmax or a weighted sum, whose float order would change with its length;
-- the linear layers (and the LM head) see a batch padded to a multiple of :data:`ROW_MULTIPLE` rows. The BLAS GEMM
-  computes each output row with the same summation order whatever the number of rows, except for very small row
-  counts (one to three rows take other kernels, which sum in another order), so a request alone and a request among
-  fifteen others get identical rows. Padding rows feed token 0 at position 0 and are thrown away.
+- the linear layers see a batch padded to a multiple of :data:`ROW_MULTIPLE` rows. The BLAS GEMM computes each
+  output row with the same summation order whatever the number of rows, except for very small row counts (one to
+  three rows take other kernels, which sum in another order), so a request alone and a request among fifteen others
+  get identical rows. Padding rows feed token 0 at position 0 and are thrown away;
+- a live-rows LM head (:class:`~fsm_rollout.engine.local.live_rows.LiveRowsHead`) multiplies each row on its own,
+  the very matrix-vector product a request alone makes; the sampling that follows is the row's own.
 
-What batching does change is the comparison with the one-request-at-a-time engine (``batched=False``): its decode
-steps multiply a single row (a GEMV), whose sums run in another order than the GEMM's, so hidden states differ in the
-last float32 bits, and a logprob by what the LM head makes of that: float32 noise on the tiny random model, up to a
-few dozen units in the last place of a logprob on the trained default model, whose logits are larger (the engine
-tests bound both). Greedy tokens are the same unless two logits tie to within that noise. A BLAS that splits rows
-across threads by row count could break the bit-for-bit property (the default engine runs one torch thread).
+Against the one-request-at-a-time engine (``batched=False``) the float differences are these: its decode steps
+multiply a single row through the linear layers, which may sum in another order than the GEMM, so hidden states can
+differ in their last float32 bits, and a logprob by what the LM head makes of that (more where logits are large).
+The engine tests bound the gap at 1e-5 on the tiny random and the default model and require the same greedy tokens;
+two logits that tie to within that noise could still pick different greedy tokens. A BLAS that splits rows across
+threads by row count could break the bit-for-bit property (the default engine runs one torch thread).
 """
 
 from __future__ import annotations
