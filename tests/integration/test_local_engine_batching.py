@@ -178,7 +178,7 @@ async def test_a_request_admitted_mid_run_joins_the_batch_and_gives_the_tokens_i
     assert [outcome.logprobs for outcome in outcomes] == [outcome.logprobs for outcome in alone]
 
 
-def test_the_default_engine_decodes_the_demo_s_samples_together() -> None:
+async def test_the_default_engine_decodes_the_demo_s_samples_together() -> None:
     from fsm_rollout.cli import run, serve
 
     parsers = {module: argparse.ArgumentParser() for module in (run, serve)}
