@@ -24,8 +24,9 @@ The engine tests bound the gap at 1e-5 on their mixed requests (tiny random and 
 greedy tokens; a rare token of a long conversation, with large logits, can still land past 1e-5, and two logits that
 tie to within that noise could pick different greedy tokens. A sampled draw that lands inside the default model's
 block of zero rows picks its row by the block's mass below the uniform number, so a last-bit change of a zero row's
-probability, summed over tens of thousands of rows, can move the draw to a neighbouring (equally likely) zero row. A BLAS that splits rows across
-threads by row count could break the bit-for-bit property (the default engine runs one torch thread).
+probability, summed over tens of thousands of rows, can move the draw to a neighbouring (equally likely) zero row.
+A BLAS that splits rows across threads by row count could break the bit-for-bit property (the default engine runs one
+torch thread).
 """
 
 from __future__ import annotations
