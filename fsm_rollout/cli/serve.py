@@ -39,7 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-model-len", type=int, metavar="N", default=None, help="context length (default: the model config's)"
     )
-    parser.add_argument("--max-num-seqs", type=int, metavar="N", default=8, help="generations decoded in turn at once")
+    parser.add_argument("--max-num-seqs", type=int, metavar="N", default=16, help="generations decoded at once")
     parser.add_argument(
         "--torch-threads",
         type=int,

@@ -9,11 +9,12 @@ from typing import Any
 import pytest
 import torch
 
+from fsm_rollout.engine.local.default_model import default_model_dir
+from fsm_rollout.engine.local.live_rows import live_rows_head
 from fsm_rollout.engine.local.model import (
     Generation,
     LiveRowsHead,
     LoadedModel,
-    _live_rows_head,
     load_model,
     load_weights,
 )
@@ -121,5 +122,49 @@ class _Scaled(torch.nn.Module):
 
 
 def test_logits_that_are_not_a_plain_projection_keep_the_models_head() -> None:
-    assert _live_rows_head(_Scaled()) is None
+    assert live_rows_head(_Scaled()) is None
     assert isinstance(LiveRowsHead(_Scaled()).rows, torch.Tensor)  # the rows alone would have qualified
+
+
+@pytest.fixture(scope="module")
+def default_loaded() -> LoadedModel:
+    return load_model(default_model_dir(), max_model_len=512)
+
+
+def run_to_end(loaded: LoadedModel, prompt: list[int], settings: SamplingSettings, *, live: bool) -> Generation:
+    generation = Generation(loaded, prompt, settings)
+    if not live:  # the same logits, sampled over the whole vocabulary
+        generation._samples_live = False
+    with torch.inference_mode():
+        while generation.step() is None:
+            pass
+    return generation
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{}, {"temperature": 0.0}, {"temperature": 0.6}, {"temperature": 2.5}, {"min_tokens": 12}, {"logprobs": None}],
+)
+def test_sampling_the_live_rows_gives_what_the_whole_vocabulary_gives(
+    default_loaded: LoadedModel, extra: dict[str, Any]
+) -> None:
+    loaded = default_loaded
+    assert loaded.head is not None and loaded.head.rows is not None  # the default model's head is mostly zero
+    dead = loaded.sampleable - int((loaded.head.rows < loaded.sampleable).sum())
+    prompt = loaded.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Find x in the triangle with angles 50 and 60 degrees."}],
+        add_generation_prompt=True,
+        return_dict=False,
+    )
+    zero_rows_drawn = 0
+    for seed in range(8):
+        options: dict[str, Any] = {"max_tokens": 48, "seed": seed, "logprobs": 1, "ignore_eos": seed % 2 == 0}
+        settings = SamplingSettings(**{**options, **extra})
+        live = run_to_end(loaded, prompt, settings, live=True)
+        full = run_to_end(loaded, prompt, settings, live=False)
+        assert live._samples_live and live.token_ids == full.token_ids
+        assert live.logprobs == full.logprobs  # logprob, rank and top candidate, bit for bit
+        zero_rows_drawn += sum(token not in set(loaded.head.rows.tolist()) for token in live.token_ids)
+    assert dead > 100_000
+    if extra.get("temperature") == 2.5:  # a flat distribution draws zero rows: the blocks between live ids count
+        assert zero_rows_drawn > 0

@@ -47,6 +47,9 @@ Workloads, one module each:
   answer computed beforehand by the embedded engine's image processing: the client's CPU per image observation
   (image encoding, the answer's JSON, placing and checking the features, the append), render calls per image
   observation, and the memory a sample holds with four images in its features.
+* ``engine`` (:mod:`.engine`, ``--only engine``): the embedded engine on the default model, one request at a time
+  (``batched=False``) against continuous batching, in one process: tokens per second and wall of the same demo-like
+  load on each, their ratio, the load average, and whether greedy tokens are identical.
 * ``goals`` (:mod:`.suite`, which runs everything): each goal with its figure, target and met/missed.
 
 The rollouts run with pacing and the tuned collector on, as ``fsm-rollout run`` does (``--loop-slice-ms 0`` and
@@ -69,7 +72,7 @@ from fsm_rollout.cli.common import add_process_settings
 EPILOG = """\
 Prints each workload's figures, then each goal with its figure, target and met/missed; --json FILE writes them too.
 --quick is a smoke run (fewer samples and repeats) whose goals are checked against the quick profile's own targets,
-named before the goals; --only weight-update, --only slow-env, --only scale-out or --only images runs
+named before the goals; --only weight-update, --only slow-env, --only scale-out, --only images or --only engine runs
 that workload alone (scale-out, a Ray pool of two workers against one runner, runs only so). The rollouts
 run with pacing and the tuned collector, as `fsm-rollout run` does, unless --loop-slice-ms 0 or --no-tune-gc turn
 them off.
@@ -87,8 +90,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--only",
         choices=WORKLOADS,
         metavar="WORKLOAD",
-        help="run only this workload and its goals: weight-update, slow-env, scale-out or images (scale-out "
-        "needs Ray and runs only so; the others share interleaved runs and always run together)",
+        help="run only this workload and its goals: weight-update, slow-env, scale-out, images or engine "
+        "(scale-out needs Ray and engine the default model; both run only so; the others share interleaved "
+        "runs and always run together)",
     )
     parser.add_argument(
         "--check",
@@ -122,6 +126,7 @@ def main(args: argparse.Namespace) -> int:
         missed_goals,
         print_table,
         run_all,
+        run_engine,
         run_images,
         run_scale_out,
         run_slow_env,
@@ -132,6 +137,8 @@ def main(args: argparse.Namespace) -> int:
         results = run_scale_out(bool(args.quick), settings(args))
     elif args.only == "weight-update":
         results = run_weight_update(bool(args.quick), settings(args), args.weight_update_samples)
+    elif args.only == "engine":
+        results = run_engine(bool(args.quick))
     elif args.only == "slow-env":
         results = run_slow_env(bool(args.quick), settings(args))
     elif args.only == "images":

@@ -117,6 +117,16 @@ def run_images(quick: bool) -> dict[str, dict[str, Any]]:
     return {"images": figures, "goals": _image_goals(figures)}
 
 
+def run_engine(quick: bool) -> dict[str, dict[str, Any]]:
+    """The embedded engine's workload alone (``--only engine``): one request at a time against batching."""
+    from fsm_rollout.cli.bench.engine import bench_engine
+
+    figures = bench_engine(quick)
+    ratio = _goal(figures["batched_over_one_at_a_time_tok_s"], 3, at_most=False, unit="x")
+    identical = _goal(figures["greedy_identical"], 1, at_most=False, unit="")
+    return {"engine": figures, "goals": {"engine_batched_tok_s_ratio": ratio, "engine_greedy_identical": identical}}
+
+
 def _batch_size(quick: bool, samples: int | None) -> int:
     """The weight-update workload's batch size: as asked, else 1,000 (200 with ``--quick``)."""
     return samples if samples is not None else 200 if quick else 1_000

@@ -29,12 +29,14 @@ from typing import Any
 import torch
 
 from fsm_rollout.engine.local.errors import ModelLoadError, WeightLoadError
+from fsm_rollout.engine.local.live_rows import LiveLogits, LiveRowsHead, live_rows_head, sample_live
 from fsm_rollout.engine.local.protocol import SamplingSettings
 from fsm_rollout.engine.schema import Finish
 from fsm_rollout.engine.stop_strings import completed_stop_string
 
 __all__ = [
     "Generation",
+    "LiveRowsHead",
     "LoadedModel",
     "TokenLogprob",
     "load_model",
@@ -78,70 +80,19 @@ class LoadedModel:
 
         return DynamicCache(config=self.model.config)
 
-    def next_token_logits(self, input_ids: list[int], cache: Any) -> torch.Tensor:
+    def next_token_logits(self, input_ids: list[int], cache: Any) -> torch.Tensor | LiveLogits:
         """Run ``input_ids`` through the model on top of ``cache`` (which grows by them); the last position's
-        logits as a fresh float32 tensor."""
+        logits as a fresh float32 tensor, or as the live rows' (see :class:`LiveRowsHead`)."""
         options: dict[str, Any] = {self.cache_argument: cache}
         ids = torch.tensor([input_ids], dtype=torch.long)
         if self.head is not None and self.head.rows is not None:
             hidden = self.model.base_model(input_ids=ids, use_cache=True, **options).last_hidden_state
-            return self.head.logits(hidden[0, -1])
+            return self.head.live_logits(hidden[0, -1])
         if self.takes_logits_to_keep:  # spares a prefill the (prompt length x vocabulary) logits
             options["logits_to_keep"] = 1
         output = self.model(input_ids=ids, use_cache=True, **options)
         logits: torch.Tensor = output.logits[0, -1].to(dtype=torch.float32, copy=True)
         return logits
-
-
-class LiveRowsHead:
-    """The LM head computed over the rows of its weight that are not all zero; the other logits are exactly 0.
-
-    The embedded engine's default model leaves the rows of ids its training never used at zero, most of a Qwen
-    vocabulary; a zero row's logit is 0 whatever the hidden state, so computing only the live rows gives the same
-    logits for a fraction of a decode step's cost (the full head reads the whole matrix for every token).
-    :meth:`refresh` runs after every weight load; while fewer than half the rows are zero, :attr:`rows` is None and
-    the engine runs the model's own head.
-    """
-
-    def __init__(self, model: Any) -> None:
-        self.rows: torch.Tensor | None = None
-        self._model = model
-        self._weight: torch.Tensor | None = None
-        self._vocab = 0
-        self.refresh()
-
-    def refresh(self) -> None:
-        weight = self._model.get_output_embeddings().weight.detach()
-        self._vocab = int(weight.shape[0])
-        live = torch.nonzero((weight != 0).any(dim=1)).squeeze(1)  # a NaN row counts as live
-        if live.numel() * 2 > self._vocab:
-            self.rows, self._weight = None, None
-        else:
-            self.rows, self._weight = live, weight[live].contiguous()
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The float32 logits of one position's final hidden state (over all rows while :attr:`rows` is None)."""
-        if self.rows is None or self._weight is None:
-            full: torch.Tensor = (self._model.get_output_embeddings().weight.detach() @ hidden).to(torch.float32)
-            return full
-        logits = torch.zeros(self._vocab, dtype=torch.float32)
-        logits[self.rows] = (self._weight @ hidden).to(torch.float32)
-        return logits
-
-
-def _live_rows_head(model: Any) -> LiveRowsHead | None:
-    """A :class:`LiveRowsHead` for ``model`` when its logits are a plain bias-free projection of the base model's
-    last hidden state, as checked on a probe input against the model's own forward; else None."""
-    output = model.get_output_embeddings()
-    if not isinstance(output, torch.nn.Linear) or output.bias is not None or model.base_model is model:
-        return None
-    head = LiveRowsHead(model)
-    probe = torch.tensor([[0, 1, 2]], dtype=torch.long)
-    with torch.inference_mode():
-        full = model(input_ids=probe, use_cache=False).logits[0, -1].to(torch.float32)
-        hidden = model.base_model(input_ids=probe, use_cache=False).last_hidden_state[0, -1]
-        matches = bool(torch.allclose(head.logits(hidden), full, rtol=1e-4, atol=1e-5))
-    return head if matches else None
 
 
 @dataclass(frozen=True)
@@ -215,7 +166,7 @@ def load_model(model_dir: pathlib.Path, *, max_model_len: int | None = None) -> 
         eos_token_ids=frozenset(eos),
         cache_argument="cache" if "cache" in parameters else "past_key_values",
         takes_logits_to_keep="logits_to_keep" in parameters,
-        head=_live_rows_head(model),
+        head=live_rows_head(model),
     )
 
 
@@ -360,6 +311,15 @@ class Generation:
             self._seen[torch.tensor(prompt)] = True
         if settings.presence_penalty or settings.frequency_penalty:
             self._counts = torch.zeros(loaded.vocab_size, dtype=torch.float32)
+        # Settings that treat every zero row of a live-rows head alike can sample without them (see live_rows).
+        self._samples_live = (
+            self._seen is None
+            and self._counts is None
+            and settings.min_p <= 0
+            and not 0 < settings.top_k < loaded.vocab_size
+            and settings.top_p >= 1.0
+            and (settings.logprobs or 0) <= 1
+        )
 
     @property
     def prompt_len(self) -> int:
@@ -367,9 +327,26 @@ class Generation:
         return len(self._prompt)
 
     def step(self) -> Finish | None:
-        """Run one forward pass, sample one token and return why the generation ended, or None to go on."""
-        logits = self._forward()
-        token, logprob = self._sample(logits)
+        """Run one forward pass on the request's own KV cache (the prompt the first time), sample one token and
+        return why the generation ended, or None to go on."""
+        return self.accept(self._forward())
+
+    def release_cache(self) -> Any:
+        """Hand over the KV cache (to a :class:`~fsm_rollout.engine.local.batch.DecodeBatch`): later tokens run
+        through the batch, which calls :meth:`accept` with their logits."""
+        cache, self._cache = self._cache, None
+        return cache
+
+    def accept(self, logits: torch.Tensor | LiveLogits) -> Finish | None:
+        """Sample one token from ``logits`` (the next position's, float32; modified in place) and return why the
+        generation ended, or None to go on."""
+        if isinstance(logits, LiveLogits):
+            if self._samples_live:
+                token, logprob = self._sample_live(logits)
+            else:
+                token, logprob = self._sample(logits.full(self._loaded.vocab_size))
+        else:
+            token, logprob = self._sample(logits)
         self.token_ids.append(token)
         self.logprobs.append(logprob)
         if self._seen is not None:
@@ -380,7 +357,7 @@ class Generation:
 
     # ---------------------------------------------------------------- forward
 
-    def _forward(self) -> torch.Tensor:
+    def _forward(self) -> torch.Tensor | LiveLogits:
         if self._cache is None:  # prefill: the whole prompt
             self._cache = self._loaded.new_cache()
             return self._loaded.next_token_logits(self._prompt, self._cache)
@@ -397,12 +374,31 @@ class Generation:
         rank = int((logprobs > logprob).sum()) + 1
         top: tuple[tuple[int, float, int], ...] = ()
         if settings.logprobs:
-            values, ids = torch.topk(logprobs, settings.logprobs)
+            if settings.logprobs == 1:  # what rollouts ask for; a max is one pass, a top-k a much slower selection
+                best, best_id = torch.max(logprobs, dim=0)
+                values, ids = best.reshape(1), best_id.reshape(1)
+            else:
+                values, ids = torch.topk(logprobs, settings.logprobs)
             top = tuple(
                 (int(candidate), max(float(value), _MIN_JSON_LOGPROB), position + 1)
                 for position, (value, candidate) in enumerate(zip(values.tolist(), ids.tolist(), strict=True))
             )
         return token, TokenLogprob(token_id=token, logprob=logprob, rank=rank, top=top)
+
+    def _sample_live(self, logits: LiveLogits) -> tuple[int, TokenLogprob]:
+        settings = self.settings
+        masked = self._min_tokens_mask if len(self.token_ids) < settings.min_tokens else None
+        picked = sample_live(
+            logits,
+            vocab_size=self._loaded.vocab_size,
+            sampleable=self._loaded.sampleable,
+            masked=masked,
+            temperature=settings.temperature,
+            greedy=settings.greedy,
+            generator=self._generator,
+        )
+        top = ((picked.best, max(picked.best_logprob, _MIN_JSON_LOGPROB), 1),) if settings.logprobs else ()
+        return picked.token, TokenLogprob(token_id=picked.token, logprob=picked.logprob, rank=picked.rank, top=top)
 
     def _process(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits the token is drawn from: padding rows, ``min_tokens``, penalties, then the filters."""
@@ -421,7 +417,8 @@ class Generation:
             logits = logits - settings.presence_penalty * (self._counts > 0).to(torch.float32)
         if settings.greedy:
             return logits
-        logits = logits / settings.temperature
+        if settings.temperature != 1.0:  # dividing by 1 changes nothing but costs a pass over the vocabulary
+            logits = logits / settings.temperature
         if settings.min_p > 0:
             probs = torch.softmax(logits, dim=0)
             logits = logits.masked_fill(probs < settings.min_p * probs.max(), float("-inf"))

@@ -1,10 +1,14 @@
 """The embedded engine's scheduler: one worker thread runs every model and tokenizer call, off the event loop.
 
-Generate jobs are admitted first come, first served, up to ``max_num_seqs`` at a time; the admitted ones take
-turns one decode step each (round robin), each with its own KV cache and batch size 1, so a short request is not
-stuck behind a long one and a request's tokens never depend on what else runs. Jobs beyond ``max_num_seqs`` wait
-in a FIFO queue. Tokenizer and image tasks (render, and the check of a generate request's image features) run before
-the next decode step.
+Generate jobs are admitted first come, first served, up to ``max_num_seqs`` at a time; jobs beyond it wait in a FIFO
+queue. Every decode step advances each admitted job by one token: a newly admitted job runs its prompt alone (its
+prefill, into its own KV cache), then joins the others, and one forward pass over all of them
+(:class:`~fsm_rollout.engine.local.batch.DecodeBatch`) samples each one's next token, each from its own generator.
+A request's tokens do not depend on what else runs (see :mod:`fsm_rollout.engine.local.batch` for why).
+A model whose KV cache is not a plain one (sliding-window or linear-attention layers) decodes one at a time, as
+does ``batched=False`` (kept for comparison): the admitted jobs take turns, one decode step each, each with batch
+size 1. Tokenizer and image tasks (render, and the check of a generate request's image features) run before the next
+decode step.
 
 An aborted or disconnected job is dropped between two decode steps: a waiting one before it starts, a running one
 after the step in progress, and answered with ``finish_reason="abort"`` and the tokens it had so far.
@@ -38,6 +42,7 @@ from fsm_rollout.engine.local.protocol import SamplingSettings
 from fsm_rollout.engine.schema import DEFAULT_WEIGHT_VERSION, Finish, PauseMode, WeightVersionSpan
 
 if TYPE_CHECKING:
+    from fsm_rollout.engine.local.batch import DecodeBatch
     from fsm_rollout.engine.local.model import Generation, LoadedModel, TokenLogprob
 
 __all__ = ["GenerateJob", "GenerationOutcome", "Scheduler"]
@@ -158,12 +163,21 @@ class Scheduler:
     a process-wide setting.
     """
 
-    def __init__(self, loaded: LoadedModel, *, max_num_seqs: int = 8, torch_threads: int | None = None) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_num_seqs: int = 16,
+        torch_threads: int | None = None,
+        batched: bool = True,
+    ) -> None:
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
         self._loaded = loaded
         self._max_num_seqs = max_num_seqs
         self._torch_threads = torch_threads
+        self._batched = batched
+        self._batch: DecodeBatch | None = None  # made on the worker thread (it imports torch)
         self._inbox: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._waiting: deque[GenerateJob] = deque()
         self._running: deque[GenerateJob] = deque()
@@ -263,18 +277,23 @@ class Scheduler:
     def _work(self) -> None:
         import torch
 
+        from fsm_rollout.engine.local.batch import DecodeBatch
         from fsm_rollout.engine.local.model import Generation
 
         if self._torch_threads is not None:
             torch.set_num_threads(self._torch_threads)
         try:
             with torch.inference_mode():
+                if self._batched and DecodeBatch.supports(self._loaded):
+                    self._batch = DecodeBatch(self._loaded)
                 while self._admit():
                     self._drop_cancelled()
                     if not self._frozen:
                         while self._waiting and len(self._running) < self._max_num_seqs:
                             self._running.append(self._waiting.popleft())
-                        if self._running:
+                        if self._batch is not None:
+                            self._step_all(self._batch, Generation)
+                        elif self._running:
                             self._advance(self._running.popleft(), Generation)
                     self._release_drain_waiters()
         finally:
@@ -408,8 +427,53 @@ class Scheduler:
         else:
             self._finish(job, job.outcome(finish))
 
+    def _step_all(self, batch: DecodeBatch, generation_class: type[Generation]) -> None:
+        """One decode step of every running job: the batch's jobs sample their next token from one forward pass,
+        then the newly admitted ones run their prefill and join the batch (for the next step)."""
+        members = [job for job in self._running if job.generation is not None]
+        newcomers = [job for job in self._running if job.generation is None]
+        for job in [job for job in members if job.cancelled]:
+            members.remove(job)
+            self._end(job, job.outcome("abort"))
+        if members:
+            try:
+                finishes = batch.step()
+            except Exception as error:
+                for job in members:
+                    self._end(job, error)
+                members = []
+            else:
+                by_generation = {id(job.generation): job for job in members}
+                for generation, finish in zip(list(batch.generations), finishes, strict=True):
+                    job = by_generation[id(generation)]
+                    job.record_token(self._weight_version)
+                    if finish is not None:
+                        self._end(job, job.outcome(finish))
+        for job in newcomers:
+            if job.cancelled:
+                self._end(job, job.outcome("abort"))
+                continue
+            try:
+                generation = job.generation = generation_class(self._loaded, job.prompt, job.settings)
+                finish = generation.step()
+            except Exception as error:
+                self._end(job, error)
+                continue
+            job.record_token(self._weight_version)
+            if finish is None:
+                batch.add(generation)
+            else:
+                self._end(job, job.outcome(finish))
+
+    def _end(self, job: GenerateJob, outcome: GenerationOutcome | BaseException) -> None:
+        """Answer a running job of the batched engine (it leaves the running line)."""
+        self._running.remove(job)
+        self._finish(job, outcome)
+
     def _finish(self, job: GenerateJob, outcome: GenerationOutcome | BaseException) -> None:
         with self._live_lock:
             self._live.remove(job)
         job.resolve(outcome)
+        if self._batch is not None and job.generation is not None:
+            self._batch.discard(job.generation)
         job.generation = None  # frees the KV cache

@@ -93,7 +93,8 @@ class LocalEngine:
     ``tiny-qwen2-geo3k`` or to ``model_dir`` as given, as vLLM names a model after its ``--model`` argument.
     ``log`` receives a line when the default model is being built (the CLI prints it).
     ``max_model_len`` defaults to the config's context length.
-    ``port=0`` picks a free port. See :mod:`fsm_rollout.engine.local.scheduler` for ``max_num_seqs``. ``api_key``
+    ``port=0`` picks a free port. See :mod:`fsm_rollout.engine.local.scheduler` for ``max_num_seqs`` and ``batched``
+    (False: the slower one-request-at-a-time decoding, for comparison). ``api_key``
     (None: no check) is the key every request but ``GET /health`` must send as ``Authorization: Bearer <key>``.
 
     ``torch_threads`` is applied with ``torch.set_num_threads`` on the worker thread, which changes torch's
@@ -134,11 +135,12 @@ class LocalEngine:
         max_model_len: int | None = None,
         host: str = "127.0.0.1",
         port: int = 0,
-        max_num_seqs: int = 8,
+        max_num_seqs: int = 16,
         torch_threads: int | None = 1,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         api_key: str | None = None,
         log: Callable[[str], None] | None = None,
+        batched: bool = True,
     ) -> None:
         if max_model_len is not None and max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {max_model_len}")
@@ -155,6 +157,7 @@ class LocalEngine:
         self.port = port
         self._max_num_seqs = max_num_seqs
         self._torch_threads = torch_threads
+        self._batched = batched
         self._max_request_bytes = max_request_bytes
         self._authorization = None if not api_key else f"Bearer {api_key}".encode()
         self._log = log
@@ -273,7 +276,9 @@ class LocalEngine:
         from fsm_rollout.engine.local.images import ImageSupport
 
         images = ImageSupport(loaded.tokenizer)
-        scheduler = Scheduler(loaded, max_num_seqs=self._max_num_seqs, torch_threads=self._torch_threads)
+        scheduler = Scheduler(
+            loaded, max_num_seqs=self._max_num_seqs, torch_threads=self._torch_threads, batched=self._batched
+        )
         scheduler.start()
         try:
             runner, url = await serve_backend(

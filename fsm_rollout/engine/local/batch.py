@@ -1,0 +1,210 @@
+"""The embedded engine's decode batch: one forward pass advances every running request by one token.
+
+A request's prompt runs alone (its prefill, into its own KV cache, exactly as a batch of one); its cache then joins
+the batch's cache at a step boundary. The batch's cache holds one row per request, left-padded to the longest; every
+decode step feeds each row's last sampled token at that row's own position, and each request then samples from its
+own row of logits with its own generator (:meth:`~fsm_rollout.engine.local.model.Generation.accept`).
+
+A request's tokens and logprobs do not depend on what else is in the batch, bit for bit on a CPU like the one this
+was built on, for three reasons:
+
+- attention runs row by row over that row's own keys only (:func:`_rowwise_attention`), with the very call a batch of
+  one makes: padding never enters a softmax or a weighted sum, whose float order would change with its length;
+- the linear layers see a batch padded to a multiple of :data:`ROW_MULTIPLE` rows. The BLAS GEMM computes each
+  output row with the same summation order whatever the number of rows, except for very small row counts (one to
+  three rows take other kernels, which sum in another order), so a request alone and a request among fifteen others
+  get identical rows. Padding rows feed token 0 at position 0 and are thrown away;
+- a live-rows LM head (:class:`~fsm_rollout.engine.local.live_rows.LiveRowsHead`) multiplies each row on its own,
+  the very matrix-vector product a request alone makes; the sampling that follows is the row's own.
+
+Against the one-request-at-a-time engine (``batched=False``) the float differences are these: its decode steps
+multiply a single row through the linear layers, which may sum in another order than the GEMM, so hidden states can
+differ in their last float32 bits, and a logprob by what the LM head makes of that (more where logits are large).
+The engine tests bound the gap at 1e-5 on their mixed requests (tiny random and default model) and require the same
+greedy tokens; a rare token of a long conversation, with large logits, can still land past 1e-5, and two logits that
+tie to within that noise could pick different greedy tokens. A sampled draw that lands inside the default model's
+block of zero rows picks its row by the block's mass below the uniform number, so a last-bit change of a zero row's
+probability, summed over tens of thousands of rows, can move the draw to a neighbouring (equally likely) zero row.
+A BLAS that splits rows across threads by row count could break the bit-for-bit property (the default engine runs one
+torch thread).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from fsm_rollout.engine.local.model import Generation, LoadedModel
+    from fsm_rollout.engine.schema import Finish
+
+__all__ = ["ROW_MULTIPLE", "DecodeBatch"]
+
+ROW_MULTIPLE = 4
+"""Decode steps run a multiple of this many rows (see the module docstring)."""
+
+_ROWS_KEY = "fsm_rollout_rowwise"  # the attention implementation name a decode step runs under
+_LENGTHS_KWARG = "fsm_rollout_row_lengths"
+
+
+def _rowwise_attention(
+    module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
+) -> tuple[torch.Tensor, None]:
+    """Attention of each row's one query over that row's own keys (the last ``length`` of the padded cache), by the
+    model's own attention implementation, as a batch of one would run it."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    lengths: list[int] = kwargs.pop(_LENGTHS_KWARG)
+    original: str = kwargs.pop("fsm_rollout_attention")
+    inner = eager_attention_forward if original == "eager" else ALL_ATTENTION_FUNCTIONS[original]
+    columns = key.shape[2]
+    outputs = []
+    for row, length in enumerate(lengths):
+        start = columns - length
+        output, _ = inner(
+            module, query[row : row + 1], key[row : row + 1, :, start:], value[row : row + 1, :, start:], None, **kwargs
+        )
+        outputs.append(output)
+    return torch.cat(outputs), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    if _ROWS_KEY not in AttentionInterface._global_mapping:
+        AttentionInterface.register(_ROWS_KEY, _rowwise_attention)
+
+
+class DecodeBatch:
+    """The running requests' shared KV cache and their one-token decode step (see the module docstring).
+
+    Not thread-safe: the engine's worker thread alone calls it. Membership changes (:meth:`add`, :meth:`remove`)
+    rebuild the cache; they happen between steps.
+    """
+
+    def __init__(self, loaded: LoadedModel) -> None:
+        _register()
+        self._loaded = loaded
+        self.generations: list[Generation] = []
+        self._lengths: list[int] = []  # tokens in the cache per row
+        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (keys, values) of padded rows per layer
+
+    @staticmethod
+    def supports(loaded: LoadedModel) -> bool:
+        """Whether the model's KV cache is a plain one (every layer keeps all positions) that rows can be padded
+        and stacked in; sliding-window and linear-attention layers are not."""
+        from transformers.cache_utils import DynamicLayer
+
+        layers = loaded.new_cache().layers
+        return bool(layers) and all(type(layer) is DynamicLayer for layer in layers)
+
+    def __len__(self) -> int:
+        return len(self.generations)
+
+    def add(self, generation: Generation) -> None:
+        """Take a request that has run its prefill (and sampled its first token) into the batch."""
+        rows = _layer_tensors(generation.release_cache())
+        length = rows[0][0].shape[2]
+        self._rebuild(keep=list(range(len(self.generations))), new=[(rows, length)])
+        self.generations.append(generation)
+        self._lengths.append(length)
+
+    def discard(self, generation: Generation) -> None:
+        """Drop a request (finished, aborted or failed) from the batch; nothing when it is not in it."""
+        index = next((i for i, member in enumerate(self.generations) if member is generation), None)
+        if index is None:
+            return
+        keep = [i for i in range(len(self.generations)) if i != index]
+        self._rebuild(keep=keep, new=[])
+        del self.generations[index]
+        del self._lengths[index]
+
+    def step(self) -> list[Finish | None]:
+        """One forward pass over every request's last token; each samples its next token. Returns each request's
+        finish reason (None: it goes on), in :attr:`generations` order."""
+        count = len(self.generations)
+        rows = -(-count // ROW_MULTIPLE) * ROW_MULTIPLE
+        tokens = [generation.token_ids[-1] for generation in self.generations] + [0] * (rows - count)
+        positions = [*self._lengths, *([0] * (rows - count))]
+        lengths = [length + 1 for length in positions]
+        logits = self._forward(tokens, positions, lengths)
+        self._lengths = [length + 1 for length in self._lengths]
+        return [generation.accept(logits[row]) for row, generation in enumerate(self.generations)]
+
+    # ---------------------------------------------------------------- internals
+
+    def _forward(self, tokens: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor | list[Any]:
+        """Each row's logits: float32 rows of one tensor, or the live-rows head's (one per row, padding included)."""
+        from transformers import DynamicCache
+
+        loaded = self._loaded
+        model = loaded.model
+        cache = DynamicCache(config=model.config)
+        for index, (keys, values) in enumerate(self._layers):
+            cache.update(keys, values, index)
+        config = model.config
+        original = config._attn_implementation
+        options: dict[str, Any] = {
+            loaded.cache_argument: cache,
+            _LENGTHS_KWARG: lengths,
+            "fsm_rollout_attention": original,
+        }
+        ids = torch.tensor(tokens, dtype=torch.long)[:, None]
+        position_ids = torch.tensor(positions, dtype=torch.long)[:, None]
+        config._attn_implementation = _ROWS_KEY
+        try:
+            if loaded.head is not None and loaded.head.rows is not None:
+                hidden = model.base_model(input_ids=ids, position_ids=position_ids, use_cache=True, **options)
+                logits: torch.Tensor | list[Any] = loaded.head.batch_live_logits(hidden.last_hidden_state[:, -1])
+            else:
+                if loaded.takes_logits_to_keep:
+                    options["logits_to_keep"] = 1
+                output = model(input_ids=ids, position_ids=position_ids, use_cache=True, **options)
+                logits = output.logits[:, -1].to(dtype=torch.float32, copy=True)
+        finally:
+            config._attn_implementation = original
+        self._layers = _layer_tensors(cache)
+        return logits
+
+    def _rebuild(self, *, keep: list[int], new: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], int]]) -> None:
+        """The cache of rows ``keep`` (indices of current rows) and the ``new`` rows, left-padded to the longest and
+        with no column that is padding in every row, plus zero rows up to a multiple of :data:`ROW_MULTIPLE`."""
+        lengths = [self._lengths[i] for i in keep] + [length for _, length in new]
+        if not lengths:
+            self._layers = []
+            return
+        columns = max(lengths)
+        count = len(lengths)
+        rows = -(-count // ROW_MULTIPLE) * ROW_MULTIPLE
+        layers = []
+        for layer in range(len(new[0][0]) if new else len(self._layers)):
+            parts: list[list[torch.Tensor]] = [[], []]
+            for which in (0, 1):
+                if keep:
+                    current = self._layers[layer][which]
+                    part = current.index_select(0, torch.tensor(keep, dtype=torch.long))
+                    parts[which].append(_fit_columns(part, columns))
+                for cache_rows, _ in new:
+                    parts[which].append(_fit_columns(cache_rows[layer][which], columns))
+                sample = parts[which][0]
+                if rows > count:
+                    parts[which].append(sample.new_zeros((rows - count, *sample.shape[1:])))
+            layers.append((torch.cat(parts[0]), torch.cat(parts[1])))
+        self._layers = layers
+
+
+def _layer_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    return [(layer.keys, layer.values) for layer in cache.layers]
+
+
+def _fit_columns(tensor: torch.Tensor, columns: int) -> torch.Tensor:
+    """``tensor`` (rows, heads, length, head size) with ``columns`` positions: left-padded with zeros or with its
+    leading columns (padding in every row) cut."""
+    length = tensor.shape[2]
+    if length == columns:
+        return tensor
+    if length > columns:
+        return tensor[:, :, length - columns :]
+    return torch.nn.functional.pad(tensor, (0, 0, columns - length, 0))

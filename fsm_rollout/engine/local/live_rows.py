@@ -1,0 +1,234 @@
+"""Sampling from logits whose every row but a few is exactly 0, without drawing over the other rows.
+
+The default model's LM head is zero on most of the vocabulary (:class:`LiveRowsHead`): a zero row's logit is
+``0 * h`` summed, exactly 0 whenever the hidden state ``h`` is finite (the head hands out :class:`LiveLogits` only
+then). :func:`sample_live` gives what the full-vocabulary path of
+:class:`~fsm_rollout.engine.local.model.Generation` gives, bit for bit:
+
+- the logprobs (the sampled token's and the top candidate's) are read from the full vocabulary's float32
+  log-softmax. That one pass stays: torch's float32 sum over ~150k terms rounds in its own way (each zero row adds a
+  term far below the running sum's last bit), a shorter or more exact sum would differ from it in the fourth decimal,
+  and a trainer recomputing logprobs with its own log-softmax gets torch's bits, which the engine's must match;
+- the draw is the same inverse-CDF draw over ids in ascending order, with the same uniform number from the
+  request's generator, but over the live ids only: the cumulative mass up to a live id adds the zero rows below it
+  as ``count * p0``, and a draw that lands between two live ids picks the zero row it lands on. The same token comes
+  out unless the uniform number falls within float64 rounding of a boundary;
+- the greedy token, the rank and the top candidate count the zero rows (the lowest zero-row id stands for them
+  all: an argmax takes the first of equal values).
+
+Only the settings whose effect on the zero rows is uniform take this path (temperature, greedy, ``min_tokens``, at
+most one top candidate); penalties and the ``min_p``/``top_k``/``top_p`` filters run over the full vocabulary.
+Ids from ``sampleable`` up (padding rows) are never sampled, as on the full path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy
+import torch
+
+__all__ = ["LiveLogits", "LiveRowsHead", "LiveSample", "live_rows_head", "sample_live"]
+
+
+@dataclass
+class LiveLogits:
+    """One position's logits given as the float32 ``values`` of the ascending ids ``rows``; every other id's logit
+    is exactly 0."""
+
+    values: torch.Tensor
+    rows: torch.Tensor
+
+    def full(self, vocab_size: int) -> torch.Tensor:
+        """The whole vocabulary's float32 logits."""
+        logits = torch.zeros(vocab_size, dtype=torch.float32)
+        logits[self.rows] = self.values
+        return logits
+
+
+class LiveRowsHead:
+    """The LM head computed over the rows of its weight that are not all zero; the other logits are exactly 0.
+
+    The embedded engine's default model leaves the rows of ids its training never used at zero, most of a Qwen
+    vocabulary; a zero row's logit is 0 whatever the (finite) hidden state, so computing only the live rows gives the
+    same logits for a fraction of a decode step's cost (the full head reads the whole matrix for every token), and
+    :func:`sample_live` samples from them without the zero rows. :meth:`refresh` runs after every weight load; while
+    fewer than half the rows are zero, :attr:`rows` is None and the engine runs the model's own head.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.rows: torch.Tensor | None = None
+        self._model = model
+        self._weight: torch.Tensor | None = None
+        self._vocab = 0
+        self.refresh()
+
+    def refresh(self) -> None:
+        weight = self._model.get_output_embeddings().weight.detach()
+        self._vocab = int(weight.shape[0])
+        live = torch.nonzero((weight != 0).any(dim=1)).squeeze(1)  # a NaN row counts as live
+        if live.numel() * 2 > self._vocab:
+            self.rows, self._weight = None, None
+        else:
+            self.rows, self._weight = live, weight[live].contiguous()
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The float32 logits over the whole vocabulary of one position's final hidden state."""
+        live = self.live_logits(hidden)
+        return live.full(self._vocab) if isinstance(live, LiveLogits) else live
+
+    def live_logits(self, hidden: torch.Tensor) -> LiveLogits | torch.Tensor:
+        """The logits of one position's final hidden state: the live rows' while :attr:`rows` is set and the hidden
+        state is finite (a zero row's logit is then exactly 0), else the whole vocabulary's float32 logits."""
+        if self.rows is None or self._weight is None or not bool(torch.isfinite(hidden).all()):
+            full: torch.Tensor = (self._model.get_output_embeddings().weight.detach() @ hidden).to(torch.float32)
+            return full
+        return LiveLogits((self._weight @ hidden).to(torch.float32), self.rows)
+
+    def batch_live_logits(self, hidden: torch.Tensor) -> list[LiveLogits | torch.Tensor]:
+        """:meth:`live_logits` of each row of ``hidden`` (rows, hidden size), one matrix-vector product per row: the
+        very product a request alone makes, so a row's logits do not depend on the others."""
+        return [self.live_logits(row) for row in hidden]
+
+
+def live_rows_head(model: Any) -> LiveRowsHead | None:
+    """A :class:`LiveRowsHead` for ``model`` when its logits are a plain bias-free projection of the base model's
+    last hidden state, as checked on a probe input against the model's own forward; else None."""
+    output = model.get_output_embeddings()
+    if not isinstance(output, torch.nn.Linear) or output.bias is not None or model.base_model is model:
+        return None
+    head = LiveRowsHead(model)
+    probe = torch.tensor([[0, 1, 2]], dtype=torch.long)
+    with torch.inference_mode():
+        full = model(input_ids=probe, use_cache=False).logits[0, -1].to(torch.float32)
+        hidden = model.base_model(input_ids=probe, use_cache=False).last_hidden_state[0, -1]
+        matches = bool(torch.allclose(head.logits(hidden), full, rtol=1e-4, atol=1e-5))
+    return head if matches else None
+
+
+@dataclass(frozen=True)
+class LiveSample:
+    """The token :func:`sample_live` picked, its logprob and rank, and the likeliest token with its logprob."""
+
+    token: int
+    logprob: float
+    rank: int
+    best: int
+    best_logprob: float
+
+
+def sample_live(
+    logits: LiveLogits,
+    *,
+    vocab_size: int,
+    sampleable: int,
+    masked: torch.Tensor | None,
+    temperature: float,
+    greedy: bool,
+    generator: torch.Generator,
+) -> LiveSample:
+    """Sample as the full-vocabulary path does (see the module docstring); ``masked`` ids (``min_tokens``) are -inf.
+
+    ``logits.values`` may be modified in place.
+    """
+    ids, values = logits.rows, logits.values
+    if masked is not None and masked.numel():
+        ids = torch.unique(torch.cat([logits.rows, masked]))  # sorted; a masked zero row becomes an explicit -inf
+        merged = torch.zeros(ids.numel(), dtype=torch.float32)
+        merged[torch.searchsorted(ids, logits.rows)] = values
+        merged[torch.searchsorted(ids, masked)] = float("-inf")
+        values = merged
+    listed = ids.numpy()
+    inside = int(numpy.searchsorted(listed, sampleable))  # ids below ``sampleable``: ids[:inside]
+    if inside < ids.numel():
+        values[inside:] = float("-inf")
+    rest = sampleable - inside  # zero rows that can be sampled
+    if not greedy and temperature != 1.0:
+        values = values / temperature  # a zero row stays 0
+    first_zero = _first_zero_row(listed, inside) if rest else -1
+    # The full vocabulary's float32 log-softmax, bit for bit (see the module docstring), read at the listed ids and
+    # at one zero row (they all have the same value).
+    full = torch.zeros(vocab_size, dtype=torch.float32)
+    full[ids] = values
+    full[sampleable:] = float("-inf")
+    normalised = torch.log_softmax(full, dim=0)
+    picked = normalised[torch.cat([ids, torch.tensor([max(first_zero, 0)])])]
+    logprobs = picked.numpy()
+    zero_logprob = float(logprobs[-1]) if rest else float("-inf")
+    logprobs = logprobs[:-1]
+
+    # The argmax of the logits, as the full path takes it: the first id of the largest value.
+    live_best = int(numpy.argmax(values.numpy()))
+    best_id, best_logprob = int(listed[live_best]), float(logprobs[live_best])
+    top_value = float(values[live_best])
+    if rest and (top_value < 0.0 or (top_value == 0.0 and first_zero < best_id)):
+        best_id, best_logprob = first_zero, zero_logprob
+
+    if greedy:
+        token, logprob = best_id, best_logprob
+    else:
+        probs = picked.exp().to(torch.float64).numpy()  # the exp the full path's draw takes
+        uniform = float(torch.rand((), generator=generator, dtype=torch.float64))
+        token, logprob = _draw(listed, logprobs, probs, inside, rest, zero_logprob, sampleable, uniform)
+    rank = int((logprobs > logprob).sum()) + (rest if zero_logprob > logprob else 0) + 1
+    return LiveSample(token=token, logprob=logprob, rank=rank, best=best_id, best_logprob=best_logprob)
+
+
+def _draw(
+    ids: numpy.ndarray,
+    logprobs: numpy.ndarray,
+    probs: numpy.ndarray,
+    inside: int,
+    rest: int,
+    zero_logprob: float,
+    sampleable: int,
+    uniform: float,
+) -> tuple[int, float]:
+    """The inverse-CDF draw over ascending ids, zero rows counted in blocks between the listed ids (``probs``: the
+    listed ids' probabilities, then a zero row's)."""
+    count = ids.shape[0]
+    zero_prob = float(probs[-1]) if rest else 0.0
+    # Zero rows below each id: an id below ``sampleable`` has every lower id either listed or a zero row.
+    below = numpy.full(count, rest, dtype=numpy.int64)
+    below[:inside] = ids[:inside] - numpy.arange(inside)
+    cumulative = numpy.cumsum(probs[:count])
+    cdf = cumulative + zero_prob * below
+    total = float(cumulative[-1]) + zero_prob * rest
+    threshold = uniform * total
+    index = int(numpy.searchsorted(cdf, threshold, side="right"))
+    if index < count:
+        before = float(cumulative[index - 1]) if index else 0.0  # the listed mass below ids[index]
+        zeros_below = int(below[index])
+        end = min(int(ids[index]), sampleable)  # the zero rows of this gap end just below ``end``
+    else:
+        before, zeros_below, end = float(cumulative[-1]), rest, sampleable
+    gap_start = int(below[index - 1]) if index else 0
+    if zero_prob > 0 and zeros_below > gap_start and threshold < before + zero_prob * zeros_below:
+        ordinal = min(max(int((threshold - before) / zero_prob), gap_start), zeros_below - 1)
+        return end - (zeros_below - ordinal), zero_logprob
+    if index < count and float(logprobs[index]) != float("-inf"):
+        return int(ids[index]), float(logprobs[index])
+    # The draw hit the very top of the CDF (float rounding): the last id that can be sampled, as the full path does.
+    finite = numpy.flatnonzero(logprobs > float("-inf"))
+    last_listed = int(ids[finite[-1]]) if finite.size else -1
+    last_zero = _last_zero_row(ids, inside, sampleable) if rest else -1
+    if last_zero > last_listed:
+        return last_zero, zero_logprob
+    return last_listed, float(logprobs[finite[-1]])
+
+
+def _first_zero_row(ids: numpy.ndarray, inside: int) -> int:
+    """The lowest id below ``sampleable`` that ``ids`` does not list (there is one)."""
+    gaps = numpy.flatnonzero(ids[:inside] != numpy.arange(inside))
+    return int(gaps[0]) if gaps.size else inside
+
+
+def _last_zero_row(ids: numpy.ndarray, inside: int, sampleable: int) -> int:
+    """The highest id below ``sampleable`` that ``ids`` does not list (there is one)."""
+    candidate = sampleable - 1
+    for value in reversed(ids[:inside].tolist()):
+        if value < candidate:
+            break
+        candidate = value - 1
+    return candidate
