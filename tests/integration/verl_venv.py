@@ -233,7 +233,6 @@ class CaseRun:
     skipped: int
     seconds: float
 
-
     def problems(self) -> list[str]:
         """Why the run does not count as the tier passing (empty when every case ran and passed)."""
         found = [f"pytest exited {self.returncode}"] if self.returncode != 0 else []
@@ -242,9 +241,7 @@ class CaseRun:
         return found + (["no test ran"] if self.tests == 0 else [])
 
 
-def run_cases(
-    python: str, report: pathlib.Path, *, cwd: pathlib.Path, cases_dir: pathlib.Path = CASES_DIR
-) -> CaseRun:
+def run_cases(python: str, report: pathlib.Path, *, cwd: pathlib.Path, cases_dir: pathlib.Path = CASES_DIR) -> CaseRun:
     """Run every ``verl_case_*.py`` of ``cases_dir`` with ``python`` (the layered venv's or the running one)."""
     cases = sorted(str(path) for path in cases_dir.glob("verl_case_*.py"))
     if not cases:
