@@ -144,8 +144,7 @@ class DecodeBatch:
         cache = DynamicCache(config=model.config)
         for index, (keys, values) in enumerate(self._layers):
             cache.update(keys, values, index)
-        config = model.config
-        original = config._attn_implementation
+        original = model.config._attn_implementation
         options: dict[str, Any] = {
             loaded.cache_argument: cache,
             _LENGTHS_KWARG: lengths,
@@ -153,7 +152,7 @@ class DecodeBatch:
         }
         ids = torch.tensor(tokens, dtype=torch.long)[:, None]
         position_ids = torch.tensor(positions, dtype=torch.long)[:, None]
-        config._attn_implementation = _ROWS_KEY
+        model.set_attn_implementation(_ROWS_KEY)
         try:
             if loaded.head is not None and loaded.head.rows is not None:
                 hidden = model.base_model(input_ids=ids, position_ids=position_ids, use_cache=True, **options)
@@ -164,7 +163,7 @@ class DecodeBatch:
                 output = model(input_ids=ids, position_ids=position_ids, use_cache=True, **options)
                 logits = output.logits[:, -1].to(dtype=torch.float32, copy=True)
         finally:
-            config._attn_implementation = original
+            model.set_attn_implementation(original)
         self._layers = _layer_tensors(cache)
         return logits
 
