@@ -34,7 +34,14 @@ import uuid
 from collections.abc import Mapping
 from typing import Any
 
-from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
+try:
+    from verl.experimental.agent_loop.agent_loop import AgentLoopBase, AgentLoopOutput, register
+except ImportError as error:  # verl is no extra (see above): say how to install it, in one line
+    raise ImportError(
+        "fsm_rollout.adapters.verl_agent_loop needs verl, which is not an extra of fsm-rollout: pip install "
+        "--no-deps verl==0.9.1 tensordict==0.15.3 pyvers==0.2.3 codetiming==1.4.0 cachetools==8.0.2 "
+        f"hydra-core==1.4.0rc3 omegaconf==2.4.1rc1 ({error})"
+    ) from error
 
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.engine.client import VLLMClient

@@ -71,3 +71,14 @@ def test_the_adapters_docstring_gives_the_recipe_the_tier_installs() -> None:
     command = re.search(r"pip install --no-deps (.+?)\n\n", docstring, re.S)
     assert command is not None, "the docstring lost its pip install line"
     assert tuple(command.group(1).replace("\\", " ").split()) == verl_venv.RECIPE
+
+
+def test_importing_the_adapter_without_verl_names_the_install_line() -> None:
+    """Without verl, the import fails in one line that says how to install it (the same pinned recipe)."""
+    if verl_venv.verl_in_process():
+        pytest.fail("this test needs an interpreter without verl; the project's venv has none", pytrace=False)
+    with pytest.raises(ImportError) as raised:
+        __import__("fsm_rollout.adapters.verl_agent_loop")
+    message = str(raised.value)
+    assert "needs verl, which is not an extra of fsm-rollout" in message
+    assert " ".join(verl_venv.RECIPE) in message

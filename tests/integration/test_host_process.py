@@ -34,9 +34,11 @@ def test_importing_the_library_registers_no_exit_or_fork_hook_and_leaves_the_col
         os.register_at_fork = lambda **k: registered.append(("fork", [f.__module__ for f in k.values()]))
         before = (gc.get_threshold(), gc.isenabled(), gc.get_freeze_count())
         import fsm_rollout
-        skipped = ("fsm_rollout.engine.local", "fsm_rollout.cli", "fsm_rollout.examples")
+        # those import torch (slow, and not the library's core), or verl, which is installed apart
+        skipped = ("fsm_rollout.engine.local", "fsm_rollout.cli", "fsm_rollout.examples",
+                   "fsm_rollout.adapters.verl_agent_loop")
         for module in pkgutil.walk_packages(fsm_rollout.__path__, "fsm_rollout."):
-            if not module.name.startswith(skipped):  # those import torch: slow, and not the library's core
+            if not module.name.startswith(skipped):
                 importlib.import_module(module.name)
         after = (gc.get_threshold(), gc.isenabled(), gc.get_freeze_count())
         ours = [entry for entry in registered if "fsm_rollout" in str(entry)]
