@@ -15,7 +15,7 @@ from typing import Any
 
 from fsm_rollout.engine.schema import DEFAULT_WEIGHT_VERSION
 from fsm_rollout.errors import GenerationError
-from fsm_rollout.types import GeneratedTurn, TurnMeta
+from fsm_rollout.types import GeneratedTurn, TopCandidates, TurnMeta
 
 Span = tuple[str, int, int]
 
@@ -83,10 +83,14 @@ def merge_turns(
     token_ids: list[int] = []
     logprobs: list[float] = []
     spans: list[Span] = []
+    # top candidates only when every part has them (a part restored from a resume state has none)
+    tops: TopCandidates | None = [] if all(part.top_logprobs is not None for part in parts) else None
     for part in parts:
         join_spans(spans, shift_spans(answer_spans(part, fallback_version), len(token_ids)))
         token_ids.extend(part.token_ids)
         logprobs.extend(part.logprobs)
+        if tops is not None and part.top_logprobs is not None:
+            tops.extend(part.top_logprobs)
     last = parts[-1]
     finish = last.finish
     meta = _merged_meta([part.meta for part in parts], finish)
@@ -94,9 +98,12 @@ def merge_turns(
         end = cut_at_stop(token_ids)
         if end is not None and end < len(token_ids):
             token_ids, logprobs, finish = token_ids[:end], logprobs[:end], "stop"
+            tops = None if tops is None else tops[:end]
             spans = [(v, s, min(e, end)) for v, s, e in spans if s < end]
             meta = _merged_meta([part.meta for part in parts], finish, keep_tokens=end)
-    turn = GeneratedTurn(request_id=request_id, finish=finish, token_ids=token_ids, logprobs=logprobs, meta=meta)
+    turn = GeneratedTurn(
+        request_id=request_id, finish=finish, token_ids=token_ids, logprobs=logprobs, meta=meta, top_logprobs=tops
+    )
     return turn, spans
 
 
@@ -143,7 +150,7 @@ def turn_to_json(turn: GeneratedTurn) -> dict[str, Any]:
     """A partial turn as plain JSON (for a suspended sample's resume state); routed experts are not kept (the
     continuation's answer carries them for the whole sequence)."""
     meta = turn.meta
-    return {
+    out: dict[str, Any] = {
         "request_id": turn.request_id,
         "finish": turn.finish,
         "token_ids": list(turn.token_ids),
@@ -164,6 +171,9 @@ def turn_to_json(turn: GeneratedTurn) -> dict[str, Any]:
             else [list(span) for span in meta.weight_version_spans],
         },
     }
+    if turn.top_logprobs is not None:
+        out["top_logprobs"] = [[list(pair) for pair in top] for top in turn.top_logprobs]
+    return out
 
 
 def turn_from_json(data: Any) -> GeneratedTurn:
@@ -179,7 +189,12 @@ def turn_from_json(data: Any) -> GeneratedTurn:
     logprobs = [float(value) for value in data["logprobs"]]
     if len(token_ids) != len(logprobs):
         raise ValueError(f"a partial turn has {len(token_ids)} tokens and {len(logprobs)} logprobs")
+    kept = data.get("top_logprobs")  # absent from a state written before top candidates were kept
+    tops = None if kept is None else [[(int(token), float(value)) for token, value in top] for top in kept]
+    if tops is not None and len(tops) != len(token_ids):
+        raise ValueError(f"a partial turn has {len(token_ids)} tokens and {len(tops)} top-candidate lists")
     return GeneratedTurn(
+        top_logprobs=tops,
         request_id=str(data["request_id"]),
         finish=finish,
         token_ids=token_ids,

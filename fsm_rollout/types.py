@@ -14,6 +14,9 @@ TokenIds = list[int]
 Logprobs = list[float]
 """One log-probability per generated token (0.0 for masked, non-generated tokens)."""
 
+TopCandidates = list[list[tuple[int, float]]]
+"""Each generated token's top candidates as ``(token_id, logprob)`` pairs, in the engine's order."""
+
 Finish = Literal["stop", "length", "abort"]
 """How a generation turn ended: a stop condition, the token limit, or a server-side abort/cancel."""
 
@@ -53,6 +56,9 @@ class GeneratedTurn:
     For ``finish == "abort"`` the tokens and logprobs are what the engine produced before the abort (vLLM sends
     them), or empty when the answer has none that parse. A turn continued after a suspension is the merge of its
     answers (:mod:`fsm_rollout.partial_turn`).
+
+    ``top_logprobs`` holds each token's top candidates when the request asked for them (an agent's
+    ``top_logprobs``), else None; they are only handed to whoever asked, never stored on the sample.
     """
 
     request_id: str
@@ -60,6 +66,7 @@ class GeneratedTurn:
     token_ids: TokenIds
     logprobs: Logprobs
     meta: TurnMeta
+    top_logprobs: TopCandidates | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -120,13 +120,19 @@ class VLLMClient:
         return parse_render_response(answer, str(payload.get("model", "")))
 
     async def generate(
-        self, body: Mapping[str, Any], *, request_id: str, headers: Mapping[str, str] | None = None
+        self,
+        body: Mapping[str, Any],
+        *,
+        request_id: str,
+        headers: Mapping[str, str] | None = None,
+        top_logprobs: bool = False,
     ) -> GeneratedTurn:
-        """Generate one turn from token ids (``POST /inference/v1/generate``) and parse it strictly."""
+        """Generate one turn from token ids (``POST /inference/v1/generate``) and parse it strictly; with
+        ``top_logprobs`` (the body asks for top candidates), each token's candidates too."""
         answer = await self.transport.post_json(GENERATE_PATH, body, headers=headers)
         if isinstance(answer, str):
             raise GenerationError(f"vLLM generate answer is not JSON: {answer[:200]!r}")
-        return parse_generate_response(answer, request_id)
+        return parse_generate_response(answer, request_id, top_logprobs=top_logprobs)
 
     async def abort(self, request_ids: Sequence[str], *, headers: Mapping[str, str] | None = None) -> None:
         """Ask the server to abort requests by id (``POST /inference/v1/abort_requests``).

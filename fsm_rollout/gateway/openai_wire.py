@@ -62,7 +62,8 @@ class ChatCall:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     sampling: dict[str, Any]
-    """``temperature``, ``top_p``, ``seed``, ``stop`` and ``max_tokens``, as given (absent when not)."""
+    """``temperature``, ``top_p``, ``seed``, ``stop``, ``max_tokens`` and ``top_logprobs`` (above 0), as given
+    (absent when not)."""
     model: str | None = None
     stream: bool = False
     include_usage: bool = False
@@ -108,13 +109,12 @@ def parse_chat_request(body: Any) -> ChatCall:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise _bad("'max_tokens' / 'max_completion_tokens' must be a positive integer", "max_tokens")
         sampling["max_tokens"] = limit
-    top_logprobs = body.get("top_logprobs")
+    logprobs = body.get("logprobs")
+    if logprobs is not None and not isinstance(logprobs, bool):
+        raise _bad("'logprobs' must be a boolean", "logprobs")
+    top_logprobs = _top_logprobs(body.get("top_logprobs"), bool(logprobs))
     if top_logprobs:
-        raise _bad(
-            "top_logprobs > 0 is not supported: the engine is asked for the sampled token's logprob only "
-            "(send logprobs=true for those)",
-            "top_logprobs",
-        )
+        sampling["top_logprobs"] = top_logprobs
     tool_choice = _tool_choice(body.get("tool_choice"), tools)
     stream_options = body.get("stream_options")
     include_usage = isinstance(stream_options, Mapping) and bool(stream_options.get("include_usage"))
@@ -126,10 +126,26 @@ def parse_chat_request(body: Any) -> ChatCall:
         model=model if isinstance(model, str) else None,
         stream=bool(body.get("stream")),
         include_usage=include_usage,
-        logprobs=bool(body.get("logprobs")),
+        logprobs=bool(logprobs),
         tool_choice=tool_choice,
         raw=body,
     )
+
+
+MAX_TOP_LOGPROBS = 20
+"""OpenAI's (and vLLM's default ``--max-logprobs``) limit on ``top_logprobs``."""
+
+
+def _top_logprobs(value: Any, logprobs: bool) -> int:
+    """``top_logprobs`` checked: an integer in [0, 20], and only with ``logprobs: true`` when above 0, as OpenAI
+    requires. The call's generate request then asks the engine for that many candidates per token."""
+    if value is None:
+        return 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise _bad(f"'top_logprobs' must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {value!r}", "top_logprobs")
+    if value and not logprobs:
+        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return value
 
 
 def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str:
@@ -283,6 +299,8 @@ class TurnAnswer:
     logprobs: list[float]
     text: str
     weight_version: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    """Each token's top candidates ``(token_id, logprob)`` in the engine's order, when the call asked for them."""
 
     def message(self) -> dict[str, Any]:
         """The assistant message as the session holds it (checked form)."""
@@ -315,10 +333,24 @@ def _usage(answer: TurnAnswer) -> dict[str, int]:
 
 
 def _logprobs(answer: TurnAnswer, decode: Any) -> dict[str, Any]:
+    """OpenAI's ``logprobs``: one entry per generated token, each with its top candidates when the call asked for
+    them, in the engine's order (vLLM's: the sampled token first, then the likeliest others by rank, as vLLM's
+    own chat endpoint answers)."""
+    texts: dict[int, str] = {}
+
+    def token(token_id: int, logprob: float) -> dict[str, Any]:
+        text = texts.get(token_id)
+        if text is None:
+            text = texts[token_id] = decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+
+    tops = answer.top_logprobs
     content = []
-    for token, logprob in zip(answer.token_ids, answer.logprobs, strict=False):
-        text = decode([token])
-        content.append({"token": text, "logprob": logprob, "bytes": list(text.encode()), "top_logprobs": []})
+    for index, (token_id, logprob) in enumerate(zip(answer.token_ids, answer.logprobs, strict=False)):
+        entry = token(token_id, logprob)
+        top = tops[index] if tops is not None and index < len(tops) else ()
+        entry["top_logprobs"] = [token(candidate, value) for candidate, value in top]
+        content.append(entry)
     return {"content": content}
 
 
@@ -368,11 +400,13 @@ def stream_chunks(
         return item
 
     chunks = [chunk({"role": "assistant", "content": ""})]
+    # the logprobs ride on the first chunk that carries the answer: the content, else the tool calls
+    logprobs = _logprobs(answer, decode) if want_logprobs and decode is not None else None
     if answer.content:
-        logprobs = _logprobs(answer, decode) if want_logprobs and decode is not None else None
         chunks.append(chunk({"content": answer.content}, logprobs=logprobs))
+        logprobs = None
     if answer.tool_calls:
-        chunks.append(chunk({"tool_calls": _wire_calls(answer.tool_calls, with_index=True)}))
+        chunks.append(chunk({"tool_calls": _wire_calls(answer.tool_calls, with_index=True)}, logprobs=logprobs))
     chunks.append(chunk({}, answer.finish_reason))
     if include_usage:
         chunks.append(

@@ -313,6 +313,7 @@ class GatewaySession:
                 finish = "tool_calls" if calls else "stop"
         spans = sample.metadata.get("weight_version_spans") or []
         return TurnAnswer(
+            top_logprobs=self._turn_top_logprobs(token_ids),
             content=content if content or not calls else None,
             tool_calls=calls,
             finish_reason=finish,
@@ -323,6 +324,16 @@ class GatewaySession:
             text=text,
             weight_version=spans[-1]["version"] if spans else None,
         )
+
+    def _turn_top_logprobs(self, token_ids: list[int]) -> list[list[tuple[int, float]]] | None:
+        """The top candidates of the answer's tokens, from the rollout's last turn (they are not kept on the
+        sample): None when the call asked for none, or when that turn is not these tokens."""
+        if self._rollout is None or not self.call_sampling.get("top_logprobs"):
+            return None
+        turn = self._rollout.ctx.turn
+        if turn is None or turn.top_logprobs is None or list(turn.token_ids) != token_ids:
+            return None
+        return turn.top_logprobs
 
     def _sequence_ended(self, task: asyncio.Future[Sample]) -> None:
         """A sequence's rollout ended: a call still waiting gets the turn it cut short, or the reason."""

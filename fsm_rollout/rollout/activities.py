@@ -213,6 +213,9 @@ class Activities:
         params = dict(ctx.deps.params)
         call = _call_params(call_sampling(ctx.observation, ctx.sample.metadata))
         ctx.call_max_tokens = call.pop("max_tokens", None)
+        top = call.pop("top_logprobs", 0)
+        if top:  # the agent asked for top candidates: vLLM lists the sampled token first, so its logprob is kept
+            params["logprobs"] = top
         params.update(call)
         # Unbounded: an explicit null means "up to the context limit" on every vLLM version, where an omitted key
         # meant the SamplingParams default of 16 on older ones.
@@ -237,6 +240,8 @@ class Activities:
         }
 
         def send(request_id: str) -> Any:
+            if top:
+                return self.client.generate(body, request_id=request_id, headers=self.headers, top_logprobs=True)
             return self.client.generate(body, request_id=request_id, headers=self.headers)
 
         answer = await point.generate(self.scope, send, request_id, self.client)
@@ -327,7 +332,7 @@ class Activities:
             await self._restore_environment()
 
 
-_CALL_PARAMS = frozenset({"temperature", "top_p", "seed", "stop", "max_tokens"})
+_CALL_PARAMS = frozenset({"temperature", "top_p", "seed", "stop", "max_tokens", "top_logprobs"})
 
 
 def _call_params(asked: dict[str, Any]) -> dict[str, Any]:
@@ -341,7 +346,12 @@ def _call_params(asked: dict[str, Any]) -> dict[str, Any]:
 def _length_finished(part: GeneratedTurn) -> GeneratedTurn:
     """The last answer of a partial turn that used the whole budget, as the ``length`` finish it amounts to."""
     return GeneratedTurn(
-        request_id=part.request_id, finish="length", token_ids=part.token_ids, logprobs=part.logprobs, meta=part.meta
+        request_id=part.request_id,
+        finish="length",
+        token_ids=part.token_ids,
+        logprobs=part.logprobs,
+        meta=part.meta,
+        top_logprobs=part.top_logprobs,
     )
 
 

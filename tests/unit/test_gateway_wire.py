@@ -61,7 +61,11 @@ def test_requests_are_checked_and_normalised() -> None:
     assert parsed.sampling == {"stop": ["END"], "max_tokens": 5, "temperature": 0.5}
     assert render_message(checked(call('{"x": false}'))[0])["tool_calls"][0]["function"]["arguments"] == {"x": False}
     for body, code in [
-        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),  # no logprobs=true
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": -1}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": True}, "top_logprobs"),
+        ({"messages": [{"role": "user", "content": "x"}], "logprobs": "yes"}, "logprobs"),
         ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 0}, "max_tokens"),
         ({"messages": [call("{not json")]}, "messages"),
         ({"messages": []}, "messages"),
@@ -70,6 +74,18 @@ def test_requests_are_checked_and_normalised() -> None:
         with pytest.raises(GatewayError) as error:
             parse_chat_request(body)
         assert error.value.status == 400 and error.value.code == code
+
+
+def test_top_logprobs_ask_the_engine_for_that_many_candidates() -> None:
+    user = {"role": "user", "content": "x"}
+    assert parse_chat_request({"messages": [user], "logprobs": True, "top_logprobs": 20}).sampling == {
+        "top_logprobs": 20
+    }
+    # 0 is no candidates: nothing extra is asked of the engine
+    assert parse_chat_request({"messages": [user], "logprobs": True, "top_logprobs": 0}).sampling == {}
+    assert parse_chat_request({"messages": [user], "top_logprobs": 0}).sampling == {}
+    with pytest.raises(GatewayError, match="from 0 to 20, got 21"):
+        parse_chat_request({"messages": [user], "logprobs": True, "top_logprobs": 21})
 
 
 def test_tool_choice_is_checked_and_a_named_function_refused() -> None:

@@ -148,10 +148,12 @@ def _canned() -> _Canned:
     )
 
 
-def _entries(token_ids: Sequence[int], logprobs: Sequence[float]) -> list[Any]:
+def _entries(token_ids: Sequence[int], logprobs: Sequence[float], top: int | None) -> list[Any]:
+    """The answer's ``logprobs.content``, with the fake server's candidates for a request's ``logprobs``."""
+    from fsm_rollout.testing.fake_vllm.generation import logprob_entry
+
     return [
-        {"token_id": token, "logprob": logprob, "rank": 1, "top_logprobs": []}
-        for token, logprob in zip(token_ids, logprobs, strict=True)
+        logprob_entry("token_id", token, logprob, top=top) for token, logprob in zip(token_ids, logprobs, strict=True)
     ]
 
 
@@ -233,13 +235,15 @@ class _Answers:
     ) -> bytes:
         """A generate answer of the canned answer's tokens ``start:end`` whose versions are ``spans`` (positions in
         the answer, from ``start``), for ``request``."""
-        key = (request.prompt_len, start, end, finish, spans, stop_reason)
+        key = (request.prompt_len, start, end, finish, spans, stop_reason, request.settings.logprobs)
         parts = self._bodies.get(key)
         if parts is None:
             outcome = GenerateOutcome(
                 token_ids=self.canned.answer[start:end],
                 finish=finish,  # type: ignore[arg-type]
-                logprobs=_entries(self.canned.answer[start:end], self.canned.logprobs[start:end]),
+                logprobs=_entries(
+                    self.canned.answer[start:end], self.canned.logprobs[start:end], request.settings.logprobs
+                ),
                 weight_versions=[{"version": version, "start": first, "end": last} for version, first, last in spans],
                 stop_reason=stop_reason,
             )

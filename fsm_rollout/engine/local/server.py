@@ -459,7 +459,7 @@ def _outcome(outcome: GenerationOutcome, logprobs: int | None) -> GenerateOutcom
     return GenerateOutcome(
         token_ids=outcome.token_ids,
         finish=outcome.finish_reason,
-        logprobs=None if logprobs is None else [_logprob_entry(entry) for entry in outcome.logprobs],
+        logprobs=None if logprobs is None else [_logprob_entry(entry, logprobs) for entry in outcome.logprobs],
         weight_versions=outcome.weight_versions,
         stop_reason=outcome.stop_reason,
     )
@@ -508,12 +508,17 @@ def _render_ids(tokenizer: Any, render: RenderInput) -> list[int]:
     return [int(token) for token in rendered]
 
 
-def _logprob_entry(entry: TokenLogprob) -> LogprobEntry:
-    # vLLM's order: the sampled token first, then the other top candidates in rank order.
+def _logprob_entry(entry: TokenLogprob, count: int) -> LogprobEntry:
+    # vLLM's order: the sampled token first, then the other top candidates in rank order, max(count, 1) in all.
     top: list[TopLogprob] = [{"token_id": entry.token_id, "logprob": entry.logprob, "rank": entry.rank}]
     top.extend(
         {"token_id": token, "logprob": logprob, "rank": rank}
         for token, logprob, rank in entry.top
         if token != entry.token_id
     )
-    return {"token_id": entry.token_id, "logprob": entry.logprob, "rank": entry.rank, "top_logprobs": top}
+    return {
+        "token_id": entry.token_id,
+        "logprob": entry.logprob,
+        "rank": entry.rank,
+        "top_logprobs": top[: max(count, 1)],
+    }

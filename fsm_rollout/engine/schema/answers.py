@@ -29,7 +29,7 @@ from fsm_rollout.errors import (
     ModelListError,
     RenderError,
 )
-from fsm_rollout.types import Finish, GeneratedTurn, RenderedPrompt, ServedModel, TokenIds, TurnMeta
+from fsm_rollout.types import Finish, GeneratedTurn, RenderedPrompt, ServedModel, TokenIds, TopCandidates, TurnMeta
 
 
 def coerce_flat_int_token_ids(value: Any) -> TokenIds:
@@ -154,6 +154,35 @@ def parse_logprobs(choice: Mapping[str, Any], token_ids: TokenIds) -> list[float
     return values
 
 
+def parse_top_logprobs(choice: Mapping[str, Any], token_ids: TokenIds) -> TopCandidates:
+    """Each generated token's top candidates from ``choices[0].logprobs.content[i].top_logprobs``, as
+    ``(token_id, logprob)`` pairs in the engine's order (vLLM's: the sampled token first, then the likeliest others
+    in rank order). A candidate names its token by ``token_id`` or as ``"token_id:<id>"`` in ``token``."""
+    logprobs = choice.get("logprobs")
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list) or len(content) != len(token_ids):
+        raise MalformedTokensError("choices[0].logprobs.content must hold one entry per generated token")
+    tops: TopCandidates = []
+    for index, entry in enumerate(content):
+        candidates = entry.get("top_logprobs") if isinstance(entry, dict) else None
+        if not isinstance(candidates, list):
+            raise MalformedTokensError(
+                f"choices[0].logprobs.content[{index}].top_logprobs must be a list, got {_preview(candidates)}"
+            )
+        top: list[tuple[int, float]] = []
+        for candidate in candidates:
+            token_id = _entry_token_id(candidate) if isinstance(candidate, dict) else None
+            logprob = candidate.get("logprob") if isinstance(candidate, dict) else None
+            if token_id is None or token_id < 0 or not is_number(logprob):
+                raise MalformedTokensError(
+                    f"choices[0].logprobs.content[{index}].top_logprobs holds {_preview(candidate)}: each candidate "
+                    "needs a token id (token_id, or token as 'token_id:<id>') and a numeric logprob"
+                )
+            top.append((token_id, float(logprob)))
+        tops.append(top)
+    return tops
+
+
 def decode_routed_experts(value: Any) -> Any:
     """Decode ``routed_experts`` (base64 of ``.npy`` bytes) into a numpy array, never unpickling."""
     import numpy as np
@@ -258,8 +287,9 @@ def parse_turn_meta(output: Mapping[str, Any], choice: Mapping[str, Any], finish
     )
 
 
-def parse_generate_response(output: Any, request_id: str) -> GeneratedTurn:
-    """Validate a generate answer and keep ``choices[0]``.
+def parse_generate_response(output: Any, request_id: str, *, top_logprobs: bool = False) -> GeneratedTurn:
+    """Validate a generate answer and keep ``choices[0]``; with ``top_logprobs`` (the request asked for top
+    candidates), each token's candidates too (:func:`parse_top_logprobs`).
 
     An aborted turn keeps the tokens and logprobs it produced when they parse (a suspended rollout continues from
     them); an abort answer is never an error, so anything else about it that does not parse leaves it without
@@ -271,34 +301,44 @@ def parse_generate_response(output: Any, request_id: str) -> GeneratedTurn:
     choice = choices[0]
     finish = parse_finish_reason(choice.get("finish_reason"))
     if finish == "abort":
-        return _aborted_turn(output, choice, request_id)
+        return _aborted_turn(output, choice, request_id, top_logprobs=top_logprobs)
     meta = parse_turn_meta(output, choice, finish)
     token_ids = _require_token_ids(choice.get("token_ids"))
     logprobs = parse_logprobs(choice, token_ids)
+    tops = parse_top_logprobs(choice, token_ids) if top_logprobs else None
     if meta.top_p_token_offsets is not None and len(meta.top_p_token_offsets) != len(token_ids) + 1:
         raise GenerationError(
             f"sampling_mask has {len(meta.top_p_token_offsets) - 1} entries for {len(token_ids)} generated tokens"
         )
-    return GeneratedTurn(request_id=request_id, finish=finish, token_ids=token_ids, logprobs=logprobs, meta=meta)
+    return GeneratedTurn(
+        request_id=request_id, finish=finish, token_ids=token_ids, logprobs=logprobs, meta=meta, top_logprobs=tops
+    )
 
 
-def _aborted_turn(output: Mapping[str, Any], choice: Mapping[str, Any], request_id: str) -> GeneratedTurn:
+def _aborted_turn(
+    output: Mapping[str, Any], choice: Mapping[str, Any], request_id: str, *, top_logprobs: bool
+) -> GeneratedTurn:
     try:
         meta = parse_turn_meta(output, choice, "abort")
     except GenerationError:
         meta = TurnMeta(finish_reason="abort")
+    tops: TopCandidates | None = [] if top_logprobs else None
     try:
         token_ids = _require_token_ids(choice.get("token_ids"))
         logprobs = parse_logprobs(choice, token_ids) if token_ids else []
+        if top_logprobs and token_ids:
+            tops = parse_top_logprobs(choice, token_ids)
     except GenerationError:
-        token_ids, logprobs = [], []
+        token_ids, logprobs, tops = [], [], [] if top_logprobs else None
     spans = meta.weight_version_spans
     offsets = meta.top_p_token_offsets
     if (spans is not None and sum(end - start for _, start, end in spans) != len(token_ids)) or (
         offsets is not None and len(offsets) != len(token_ids) + 1
     ):
-        token_ids, logprobs = [], []
-    return GeneratedTurn(request_id=request_id, finish="abort", token_ids=token_ids, logprobs=logprobs, meta=meta)
+        token_ids, logprobs, tops = [], [], [] if top_logprobs else None
+    return GeneratedTurn(
+        request_id=request_id, finish="abort", token_ids=token_ids, logprobs=logprobs, meta=meta, top_logprobs=tops
+    )
 
 
 def parse_model_list(data: Any) -> list[ServedModel]:

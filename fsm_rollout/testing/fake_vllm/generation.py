@@ -73,7 +73,8 @@ def generate_answer(
             500, f"fake vLLM: the scripted turn has {len(logprobs)} logprobs for {len(token_ids)} tokens"
         )
     # Sent even when the request asks for none (vLLM then says null): the fake's tests read them either way.
-    entries = [logprob_entry(logprob_entry_style, t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]
+    top = request.settings.logprobs
+    entries = [logprob_entry(logprob_entry_style, t, lp, top=top) for t, lp in zip(token_ids, logprobs, strict=True)]
     outcome = GenerateOutcome(
         token_ids=token_ids, finish=finish, logprobs=entries, weight_versions=weight_versions, stop_reason=stop_reason
     )
@@ -103,15 +104,38 @@ def version_spans(runs: Iterable[tuple[str, int]]) -> list[WeightVersionSpan]:
     return spans
 
 
-def logprob_entry(style: LogprobEntryStyle, token_id: int, logprob: float) -> LogprobEntry:
-    """One ``logprobs.content`` entry in either of vLLM's two shapes."""
+def logprob_entry(style: LogprobEntryStyle, token_id: int, logprob: float, *, top: int | None = None) -> LogprobEntry:
+    """One ``logprobs.content`` entry in either of vLLM's two shapes.
+
+    With ``top`` (the request's ``logprobs``) it lists ``max(top, 1)`` candidates as vLLM does: the sampled token
+    first, then made-up others, each less likely than the one before (so the sampled token is the argmax, as a
+    greedy draw's is) and distinct from it. Without (the request asked for no logprobs), none.
+    """
+    candidates = [] if top is None else _candidates(token_id, logprob, max(top, 1))
     if style == "token":
         return {
             "token": token_text(token_id),
             "logprob": max(logprob, _MIN_LOGPROB),
-            "top_logprobs": [],
+            "top_logprobs": [
+                {"token": token_text(candidate), "logprob": max(value, _MIN_LOGPROB)}  # type: ignore[typeddict-item]
+                for candidate, value, _ in candidates
+            ],
         }
-    return {"token_id": token_id, "logprob": logprob, "rank": 1, "top_logprobs": []}
+    return {
+        "token_id": token_id,
+        "logprob": logprob,
+        "rank": 1,
+        "top_logprobs": [
+            {"token_id": candidate, "logprob": value, "rank": rank} for candidate, value, rank in candidates
+        ],
+    }
+
+
+def _candidates(token_id: int, logprob: float, count: int) -> list[tuple[int, float, int]]:
+    """``count`` candidates ``(token_id, logprob, rank)``: the sampled token, then the ids below it (above it for the
+    first few ids), one nat less likely each."""
+    others = [token_id - step if token_id >= count else token_id + step for step in range(1, count)]
+    return [(token_id, logprob, 1)] + [(other, logprob - step, step + 1) for step, other in enumerate(others, 1)]
 
 
 def as_token_ids(encoded: Any) -> list[int]:
