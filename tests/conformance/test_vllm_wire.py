@@ -9,6 +9,7 @@ vLLM's detokenizer loop written out here step by step (independently of :mod:`fs
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import pathlib
 from collections.abc import Sequence
@@ -144,6 +145,26 @@ async def test_generate_answers_every_field_of_vllms_answer_under_vllms_id(wire:
     assert answer["usage"]["prompt_tokens"] == len(body["token_ids"])
     assert [entry["token_id"] for entry in choice["logprobs"]["content"]] == choice["token_ids"]
     assert choice["weight_versions"] == [{"version": choice["weight_versions"][0]["version"], "start": 0, "end": 4}]
+
+
+@pytest.mark.parametrize("k", [0, 1, 3, 20])
+async def test_logprobs_k_lists_max_k_1_candidates_the_sampled_token_first(wire: Harness, k: int) -> None:
+    # vLLM lists each token's logprobs dict (the sampled token first, then the top k by rank), cut to max(k, 1)
+    answer = await generate(wire, max_tokens=4, temperature=0.0, logprobs=k, ignore_eos=True)
+    reference = recorded("generate_length")["choices"][0]["logprobs"]["content"][0]
+    choice = answer["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert [entry["token_id"] for entry in content] == choice["token_ids"]
+    for entry in content:
+        assert list(entry) == list(reference)
+        top = entry["top_logprobs"]
+        assert len(top) == max(k, 1)
+        assert all(list(candidate) == list(reference["top_logprobs"][0]) for candidate in top)
+        assert top[0] == {"token_id": entry["token_id"], "logprob": entry["logprob"], "rank": entry["rank"]}
+        assert len({candidate["token_id"] for candidate in top}) == len(top)
+        # greedy: the sampled token is the likeliest, so the list is also in rank order
+        assert entry["rank"] == 1
+        assert all(a["logprob"] >= b["logprob"] and a["rank"] <= b["rank"] for a, b in itertools.pairwise(top))
 
 
 def vllm_stop(wire: Harness, token_ids: Sequence[int], stop: Sequence[str], min_tokens: int) -> tuple[int, str | None]:

@@ -43,7 +43,7 @@ from fsm_rollout.engine.schema import (
     weight_version_spans,
 )
 from fsm_rollout.engine.serving import parse_render_request, pause_query, weight_version_of
-from fsm_rollout.errors import MalformedRenderError
+from fsm_rollout.errors import MalformedRenderError, MalformedTokensError
 from fsm_rollout.types import Finish
 
 
@@ -113,6 +113,43 @@ def test_an_answer_under_the_servers_id_parses_for_the_clients_id() -> None:
     }
     turn = parse_generate_response(answer, "r-1")
     assert (turn.request_id, turn.finish, turn.meta.weight_version) == ("r-1", "abort", None)
+
+
+def _answer(content: Any, finish: str = "stop") -> dict[str, Any]:
+    token_ids = [entry.get("token_id", 0) for entry in content]
+    return {"choices": [{"finish_reason": finish, "token_ids": token_ids, "logprobs": {"content": content}}]}
+
+
+def test_top_candidates_parse_only_when_asked_in_either_entry_shape() -> None:
+    content = [
+        {"token_id": 7, "logprob": -0.5, "rank": 1, "top_logprobs": [{"token_id": 7, "logprob": -0.5, "rank": 1}]},
+        {"token_id": 9, "logprob": -1.0, "rank": 2, "top_logprobs": [{"token": "token_id:9", "logprob": -1}]},
+    ]
+    assert parse_generate_response(_answer(content), "r").top_logprobs is None
+    turn = parse_generate_response(_answer(content), "r", top_logprobs=True)
+    assert turn.top_logprobs == [[(7, -0.5)], [(9, -1.0)]]
+    # an aborted answer keeps its tokens' candidates too
+    assert parse_generate_response(_answer(content, "abort"), "r", top_logprobs=True).top_logprobs == [
+        [(7, -0.5)],
+        [(9, -1.0)],
+    ]
+
+
+@pytest.mark.parametrize(
+    ("top", "words"),
+    [
+        (None, "top_logprobs must be a list"),
+        ([{"logprob": -1.0}], "needs a token id"),
+        ([{"token_id": -3, "logprob": -1.0}], "needs a token id"),
+        ([{"token_id": 3, "logprob": "low"}], "numeric logprob"),
+        ([{"token": "three", "logprob": -1.0}], "needs a token id"),
+    ],
+)
+def test_malformed_top_candidates_are_refused_when_asked(top: Any, words: str) -> None:
+    content = [{"token_id": 3, "logprob": -1.0, "rank": 1, "top_logprobs": top}]
+    assert parse_generate_response(_answer(content), "r").token_ids == [3]  # not asked: not read
+    with pytest.raises(MalformedTokensError, match=words):
+        parse_generate_response(_answer(content), "r", top_logprobs=True)
 
 
 def test_weight_version_spans_cover_the_output() -> None:
