@@ -277,3 +277,22 @@ def test_render_drops_a_max_tokens_equal_to_vllms_default(answers: dict[str, Ans
     assert "max_tokens" not in params  # the pitfall the library works around by always sending max_tokens
     assert params["temperature"] == 0.7 and params["top_p"] == 0.9 and params["stop"] == ["</answer>"]
     assert params["logprobs"] == 0  # chat "logprobs": true without top_logprobs means the sampled token only
+
+
+def test_logprobs_k_lists_k_candidates_the_sampled_token_first(vllm_server: Any) -> None:
+    """What the gateway's ``top_logprobs`` relies on: with ``logprobs=k`` vLLM lists ``k`` candidates per token in
+    the engine's order, the sampled token first, and the library parses them when asked."""
+
+    async def ask() -> Answer:
+        async with server_session() as session:
+            prompt = await rendered_prompt(session, vllm_server.url)
+            request = generate_request(prompt, max_tokens=4, temperature=0.0, logprobs=3)
+            return await call(session, vllm_server.url, GENERATE_PATH, request)
+
+    answer = asyncio.run(ask())
+    assert answer.status == 200, answer.body
+    turn = parse_generate_response(answer.body, "req", top_logprobs=True)
+    assert turn.top_logprobs is not None and len(turn.top_logprobs) == len(turn.token_ids) == 4
+    for token, logprob, top in zip(turn.token_ids, turn.logprobs, turn.top_logprobs, strict=True):
+        assert len(top) == 3 and top[0] == (token, logprob)
+        assert len({candidate for candidate, _ in top}) == 3
