@@ -141,7 +141,8 @@ class WeightVersionSpan(TypedDict):
 
 
 class TopLogprob(TypedDict):
-    """One candidate of a token's ``top_logprobs``."""
+    """One candidate of a token's ``top_logprobs``. For ``sampling_params.logprobs = k`` vLLM lists ``max(k, 1)``
+    of them in the engine's order: the sampled token first, then the likeliest others by rank."""
 
     token_id: int
     logprob: float
