@@ -313,7 +313,6 @@ class GatewaySession:
                 finish = "tool_calls" if calls else "stop"
         spans = sample.metadata.get("weight_version_spans") or []
         return TurnAnswer(
-            top_logprobs=self._turn_top_logprobs(token_ids),
             content=content if content or not calls else None,
             tool_calls=calls,
             finish_reason=finish,
@@ -323,6 +322,7 @@ class GatewaySession:
             logprobs=logprobs,
             text=text,
             weight_version=spans[-1]["version"] if spans else None,
+            top_logprobs=self._turn_top_logprobs(token_ids),
         )
 
     def _turn_top_logprobs(self, token_ids: list[int]) -> list[list[tuple[int, float]]] | None:
