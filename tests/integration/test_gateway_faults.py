@@ -86,8 +86,9 @@ async def test_an_agent_that_disconnects_aborts_the_engine_request_and_keeps_ear
 async def test_an_idle_agent_ends_its_session_truncated_agent_timeout(
     fake_vllm: FakeVLLMServer, tokenizer: Any
 ) -> None:
-    # long enough for the first call to arrive (a session never called is reaped after it: see the next test)
-    async with gateway_for(fake_vllm, tokenizer, session_idle_timeout_s=1.0) as gateway:
+    # far longer than the first call takes to arrive, even on a loaded machine: a session never called is reaped
+    # once the limit passes (see the next test), and this test is about the limit between calls
+    async with gateway_for(fake_vllm, tokenizer, session_idle_timeout_s=10.0) as gateway:
         session = await gateway.open_session()
         fake_vllm.script([ScriptedTurn(text="Hello.<|im_end|>")], session=session.session_id)
         client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
