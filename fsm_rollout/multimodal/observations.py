@@ -148,7 +148,8 @@ def check_encoded_sizes(messages: Sequence[Mapping[str, Any]], limits: ImageLimi
             value = part.get("image_url")
             url = value.get("url") if isinstance(value, dict) else value
             if isinstance(url, str) and url.startswith("data:"):
-                payload_chars = len(url) - url.find(",") - 1 if "," in url else 0  # not copied: only counted
+                comma = url.find(",")
+                payload_chars = len(url) - comma - 1 if comma >= 0 else 0  # counted, not copied
                 _check_bytes(payload_chars * 3 // 4, limits,
                              f"{sample_prefix(sample_id)}observation image {index} (encoded)")  # fmt: skip
             index += 1
