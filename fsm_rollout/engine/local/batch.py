@@ -34,6 +34,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers.cache_utils import DynamicLayer
+
+from fsm_rollout.engine.local.live_rows import LiveLayout, LiveLogits, sample_live_rows
 
 if TYPE_CHECKING:
     from fsm_rollout.engine.local.model import Generation, LoadedModel
@@ -44,6 +47,7 @@ __all__ = ["ROW_MULTIPLE", "DecodeBatch"]
 ROW_MULTIPLE = 4
 """Decode steps run a multiple of this many rows (see the module docstring)."""
 
+_SPARE_COLUMNS = 64  # a rebuilt cache has room for this many more decode steps before it is copied to a larger one
 _ROWS_KEY = "fsm_rollout_rowwise"  # the attention implementation name a decode step runs under
 _LENGTHS_KWARG = "fsm_rollout_row_lengths"
 
@@ -80,8 +84,8 @@ def _register() -> None:
 class DecodeBatch:
     """The running requests' shared KV cache and their one-token decode step (see the module docstring).
 
-    Not thread-safe: the engine's worker thread alone calls it. Membership changes (:meth:`add`, :meth:`remove`)
-    rebuild the cache; they happen between steps.
+    Not thread-safe: the engine's worker thread alone calls it. Membership changes (:meth:`add`, :meth:`discard`)
+    rebuild the cache; they happen between steps. A decode step writes its new column into the cache in place.
     """
 
     def __init__(self, loaded: LoadedModel) -> None:
@@ -89,7 +93,8 @@ class DecodeBatch:
         self._loaded = loaded
         self.generations: list[Generation] = []
         self._lengths: list[int] = []  # tokens in the cache per row
-        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (keys, values) of padded rows per layer
+        self._cache: Any = None  # the rows' DynamicCache of _GrowingLayer, kept from step to step
+        self._layout: LiveLayout | None = None
 
     @staticmethod
     def supports(loaded: LoadedModel) -> bool:
@@ -124,26 +129,50 @@ class DecodeBatch:
     def step(self) -> list[Finish | None]:
         """One forward pass over every request's last token; each samples its next token. Returns each request's
         finish reason (None: it goes on), in :attr:`generations` order."""
-        count = len(self.generations)
+        generations = self.generations
+        count = len(generations)
         rows = -(-count // ROW_MULTIPLE) * ROW_MULTIPLE
-        tokens = [generation.token_ids[-1] for generation in self.generations] + [0] * (rows - count)
+        tokens = [generation.token_ids[-1] for generation in generations] + [0] * (rows - count)
         positions = [*self._lengths, *([0] * (rows - count))]
         lengths = [length + 1 for length in positions]
         logits = self._forward(tokens, positions, lengths)
-        self._lengths = [length + 1 for length in self._lengths]
-        return [generation.accept(logits[row]) for row, generation in enumerate(self.generations)]
+        self._lengths = lengths[:count]
+        finishes: list[Finish | None] = [None] * count
+        live = [
+            row
+            for row, generation in enumerate(generations)
+            if isinstance(logits[row], LiveLogits) and generation.samples_live_rows
+        ]
+        if live:
+            picks = sample_live_rows(
+                torch.stack([logits[row].values for row in live]),
+                self._live_layout(logits[live[0]].rows),
+                temperatures=[generations[row].settings.temperature for row in live],
+                greedy=[generations[row].settings.greedy for row in live],
+                generators=[generations[row].generator for row in live],
+            )
+            for row, picked in zip(live, picks, strict=True):
+                finishes[row] = generations[row].accept_live(picked)
+        sampled = set(live)
+        for row, generation in enumerate(generations):
+            if row not in sampled:
+                finishes[row] = generation.accept(logits[row])
+        return finishes
+
+    def _live_layout(self, rows: torch.Tensor) -> LiveLayout:
+        """The live ids' layout, made again when a weight load changed the live rows."""
+        if self._layout is None or self._layout.rows is not rows:
+            loaded = self._loaded
+            self._layout = LiveLayout.of(rows, vocab_size=loaded.vocab_size, sampleable=loaded.sampleable)
+        return self._layout
 
     # ---------------------------------------------------------------- internals
 
     def _forward(self, tokens: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor | list[Any]:
         """Each row's logits: float32 rows of one tensor, or the live-rows head's (one per row, padding included)."""
-        from transformers import DynamicCache
-
         loaded = self._loaded
         model = loaded.model
-        cache = DynamicCache(config=model.config)
-        for index, (keys, values) in enumerate(self._layers):
-            cache.update(keys, values, index)
+        cache = self._cache
         original = model.config._attn_implementation
         options: dict[str, Any] = {
             loaded.cache_argument: cache,
@@ -164,7 +193,6 @@ class DecodeBatch:
                 logits = output.logits[:, -1].to(dtype=torch.float32, copy=True)
         finally:
             model.set_attn_implementation(original)
-        self._layers = _layer_tensors(cache)
         return logits
 
     def _rebuild(self, *, keep: list[int], new: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], int]]) -> None:
@@ -172,26 +200,64 @@ class DecodeBatch:
         with no column that is padding in every row, plus zero rows up to a multiple of :data:`ROW_MULTIPLE`."""
         lengths = [self._lengths[i] for i in keep] + [length for _, length in new]
         if not lengths:
-            self._layers = []
+            self._cache = None
             return
+        current = _layer_tensors(self._cache) if self._cache is not None else []
         columns = max(lengths)
         count = len(lengths)
         rows = -(-count // ROW_MULTIPLE) * ROW_MULTIPLE
         layers = []
-        for layer in range(len(new[0][0]) if new else len(self._layers)):
+        for layer in range(len(new[0][0]) if new else len(current)):
             parts: list[list[torch.Tensor]] = [[], []]
             for which in (0, 1):
                 if keep:
-                    current = self._layers[layer][which]
-                    part = current.index_select(0, torch.tensor(keep, dtype=torch.long))
+                    part = current[layer][which].index_select(0, torch.tensor(keep, dtype=torch.long))
                     parts[which].append(_fit_columns(part, columns))
                 for cache_rows, _ in new:
                     parts[which].append(_fit_columns(cache_rows[layer][which], columns))
                 sample = parts[which][0]
                 if rows > count:
                     parts[which].append(sample.new_zeros((rows - count, *sample.shape[1:])))
-            layers.append((torch.cat(parts[0]), torch.cat(parts[1])))
-        self._layers = layers
+            layers.append(_GrowingLayer(torch.cat(parts[0]), torch.cat(parts[1])))
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self._loaded.model.config)
+        cache.layers = layers
+        self._cache = cache
+
+
+class _GrowingLayer(DynamicLayer):
+    """A KV cache layer of the batch's padded rows that a decode step grows in place: its keys and values are the
+    first columns of larger buffers, so a new column is written, not the whole cache copied (which a plain
+    ``DynamicLayer`` does on every update)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self._columns = 0
+        self._key_buffer = self._value_buffer = keys
+        self._store(keys, values)
+        self.is_initialized = True
+        self.device = keys.device
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._store(key_states, value_states)
+        return self.keys, self.values
+
+    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        start, end = self._columns, self._columns + keys.shape[2]
+        if end > self._key_buffer.shape[2] or start == 0:
+            shape = (*keys.shape[:2], end + _SPARE_COLUMNS, keys.shape[3])
+            key_buffer, value_buffer = keys.new_empty(shape), values.new_empty(shape)
+            key_buffer[:, :, :start] = self._key_buffer[:, :, :start]
+            value_buffer[:, :, :start] = self._value_buffer[:, :, :start]
+            self._key_buffer, self._value_buffer = key_buffer, value_buffer
+        self._key_buffer[:, :, start:end] = keys
+        self._value_buffer[:, :, start:end] = values
+        self._columns = end
+        self.keys = self._key_buffer[:, :, :end]
+        self.values = self._value_buffer[:, :, :end]
 
 
 def _layer_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
