@@ -55,15 +55,38 @@ _LENGTHS_KWARG = "fsm_rollout_row_lengths"
 def _rowwise_attention(
     module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, None]:
-    """Attention of each row's one query over that row's own keys (the last ``length`` of the padded cache), by the
-    model's own attention implementation, as a batch of one would run it."""
+    """Attention of each request row's one query over that row's own keys (the last ``length`` of the padded cache),
+    by the model's own attention implementation, as a batch of one would run it. Padding rows (beyond the lengths
+    given) get zeros: their outputs are thrown away, and a row of a linear layer does not depend on the others."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     lengths: list[int] = kwargs.pop(_LENGTHS_KWARG)
     original: str = kwargs.pop("fsm_rollout_attention")
-    inner = eager_attention_forward if original == "eager" else ALL_ATTENTION_FUNCTIONS[original]
     columns = key.shape[2]
+    padding = query.shape[0] - len(lengths)
+    if _plain_sdpa(original, query, key, value, kwargs):
+        # What transformers' sdpa_attention_forward runs for one query without a mask, without its per-call checks.
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        scale, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
+        gqa = getattr(module, "num_key_value_groups", 1) > 1
+        outputs = [
+            sdpa(
+                query[row : row + 1],
+                key[row : row + 1, :, columns - length :],
+                value[row : row + 1, :, columns - length :],
+                attn_mask=None,
+                dropout_p=dropout,
+                scale=scale,
+                is_causal=False,
+                **({"enable_gqa": True} if gqa else {}),
+            )
+            for row, length in enumerate(lengths)
+        ]
+        if padding:
+            outputs.append(outputs[0].new_zeros((padding, *outputs[0].shape[1:])))
+        return torch.cat(outputs).transpose(1, 2).contiguous(), None
+    inner = eager_attention_forward if original == "eager" else ALL_ATTENTION_FUNCTIONS[original]
     outputs = []
     for row, length in enumerate(lengths):
         start = columns - length
@@ -71,7 +94,23 @@ def _rowwise_attention(
             module, query[row : row + 1], key[row : row + 1, :, start:], value[row : row + 1, :, start:], None, **kwargs
         )
         outputs.append(output)
+    if padding:
+        outputs.append(outputs[0].new_zeros((padding, *outputs[0].shape[1:])))
     return torch.cat(outputs), None
+
+
+def _plain_sdpa(
+    original: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any]
+) -> bool:
+    """Whether transformers' sdpa attention would make one plain ``scaled_dot_product_attention`` call of a row."""
+    return (
+        original == "sdpa"
+        and query.shape[2] == 1
+        and key.shape[-1] == value.shape[-1] <= 256
+        and kwargs.get("softcap") is None
+        and kwargs.get("position_bias") is None
+        and not kwargs.get("output_attentions", False)
+    )
 
 
 def _register() -> None:
@@ -95,6 +134,7 @@ class DecodeBatch:
         self._lengths: list[int] = []  # tokens in the cache per row
         self._cache: Any = None  # the rows' DynamicCache of _GrowingLayer, kept from step to step
         self._layout: LiveLayout | None = None
+        self._shared_config: bool | None = None  # see _set_attention
 
     @staticmethod
     def supports(loaded: LoadedModel) -> bool:
@@ -134,9 +174,9 @@ class DecodeBatch:
         rows = -(-count // ROW_MULTIPLE) * ROW_MULTIPLE
         tokens = [generation.token_ids[-1] for generation in generations] + [0] * (rows - count)
         positions = [*self._lengths, *([0] * (rows - count))]
-        lengths = [length + 1 for length in positions]
+        lengths = [length + 1 for length in self._lengths]
         logits = self._forward(tokens, positions, lengths)
-        self._lengths = lengths[:count]
+        self._lengths = lengths
         finishes: list[Finish | None] = [None] * count
         live = [
             row
@@ -181,19 +221,35 @@ class DecodeBatch:
         }
         ids = torch.tensor(tokens, dtype=torch.long)[:, None]
         position_ids = torch.tensor(positions, dtype=torch.long)[:, None]
-        model.set_attn_implementation(_ROWS_KEY)
+        self._set_attention(_ROWS_KEY)
         try:
             if loaded.head is not None and loaded.head.rows is not None:
                 hidden = model.base_model(input_ids=ids, position_ids=position_ids, use_cache=True, **options)
-                logits: torch.Tensor | list[Any] = loaded.head.batch_live_logits(hidden.last_hidden_state[:, -1])
+                last = hidden.last_hidden_state[: len(lengths), -1]
+                logits: torch.Tensor | list[Any] = loaded.head.batch_live_logits(last)
             else:
                 if loaded.takes_logits_to_keep:
                     options["logits_to_keep"] = 1
                 output = model(input_ids=ids, position_ids=position_ids, use_cache=True, **options)
                 logits = output.logits[:, -1].to(dtype=torch.float32, copy=True)
         finally:
-            model.set_attn_implementation(original)
+            self._set_attention(original)
         return logits
+
+    def _set_attention(self, name: str) -> None:
+        """Switch the model's attention implementation: by the config alone when every part of the model shares
+        it (transformers' own switch walks every module, a sizeable part of a step), else by transformers."""
+        model = self._loaded.model
+        if self._shared_config is None:
+            configs = {
+                id(module.config) for module in model.modules() if hasattr(module, "_can_set_attn_implementation")
+            }
+            self._shared_config = not model.config.sub_configs and configs == {id(model.config)}
+            model.set_attn_implementation(name)  # the first switch checks the name with transformers
+        elif self._shared_config:
+            model.config._attn_implementation_internal = name
+        else:
+            model.set_attn_implementation(name)
 
     def _rebuild(self, *, keep: list[int], new: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], int]]) -> None:
         """The cache of rows ``keep`` (indices of current rows) and the ``new`` rows, left-padded to the longest and

@@ -23,7 +23,7 @@ Ids from ``sampleable`` up (padding rows) are never sampled, as on the full path
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy
@@ -143,6 +143,20 @@ class LiveLayout:
     """The live ids, then one zero row (id 0 when there is none): where the log-softmax is read."""
     below: numpy.ndarray
     """Zero rows below each live id (all of them for ids from ``sampleable`` up)."""
+    scratch: list[torch.Tensor] = field(default_factory=list)
+    """Full-vocabulary logits rows kept from call to call: 0 but at the live ids, -inf from ``sampleable`` up (the
+    live ids are written over at every call, so the rest need not be filled again)."""
+
+    def full_logits(self, values: torch.Tensor) -> torch.Tensor:
+        """The full-vocabulary logits of the rows of live ``values`` (rows, live ids)."""
+        count = values.shape[0]
+        if not self.scratch or self.scratch[0].shape[0] < count:
+            full = torch.zeros((count, self.vocab_size), dtype=torch.float32)
+            full[:, self.sampleable :] = float("-inf")
+            self.scratch[:] = [full]
+        full = self.scratch[0][:count]
+        full[:, self.rows] = values
+        return full
 
     @staticmethod
     def of(rows: torch.Tensor, *, vocab_size: int, sampleable: int) -> LiveLayout:
@@ -178,10 +192,7 @@ def sample_live_rows(
     for row in range(count):
         if not greedy[row] and temperatures[row] != 1.0:
             values[row] = values[row] / temperatures[row]  # a zero row stays 0
-    full = torch.zeros((count, layout.vocab_size), dtype=torch.float32)
-    full[:, layout.rows] = values
-    full[:, layout.sampleable :] = float("-inf")
-    picked = torch.log_softmax(full, dim=1)[:, layout.gather]
+    picked = torch.log_softmax(layout.full_logits(values), dim=1)[:, layout.gather]
     logprobs_all = picked.numpy()
     live_values = values.numpy()
     best_columns = numpy.argmax(live_values, axis=1)
