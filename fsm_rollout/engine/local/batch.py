@@ -135,6 +135,10 @@ class DecodeBatch:
         self._cache: Any = None  # the rows' DynamicCache of _GrowingLayer, kept from step to step
         self._layout: LiveLayout | None = None
         self._shared_config: bool | None = None  # see _set_attention
+        # Each request's row in the cache (None: joined since the last step, its own cache in _pending); the cache is
+        # rebuilt once per step at most, for all the joins and departures since the last one.
+        self._rows: list[int | None] = []
+        self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @staticmethod
     def supports(loaded: LoadedModel) -> bool:
@@ -151,24 +155,36 @@ class DecodeBatch:
     def add(self, generation: Generation) -> None:
         """Take a request that has run its prefill (and sampled its first token) into the batch."""
         rows = _layer_tensors(generation.release_cache())
-        length = rows[0][0].shape[2]
-        self._rebuild(keep=list(range(len(self.generations))), new=[(rows, length)])
         self.generations.append(generation)
-        self._lengths.append(length)
+        self._lengths.append(rows[0][0].shape[2])
+        self._rows.append(None)
+        self._pending[id(generation)] = rows
 
     def discard(self, generation: Generation) -> None:
         """Drop a request (finished, aborted or failed) from the batch; nothing when it is not in it."""
         index = next((i for i, member in enumerate(self.generations) if member is generation), None)
         if index is None:
             return
-        keep = [i for i in range(len(self.generations)) if i != index]
-        self._rebuild(keep=keep, new=[])
         del self.generations[index]
         del self._lengths[index]
+        del self._rows[index]
+        self._pending.pop(id(generation), None)
+
+    def _sync(self) -> None:
+        """Rebuild the cache once for the membership changes since the last step (see :meth:`_rebuild`)."""
+        count = len(self.generations)
+        rows = -(-count // ROW_MULTIPLE) * ROW_MULTIPLE
+        current_rows = self._cache.layers[0].keys.shape[0] if self._cache is not None else 0
+        if self._rows == list(range(count)) and rows == current_rows:
+            return
+        self._rebuild()
+        self._rows = list(range(count))
+        self._pending.clear()
 
     def step(self) -> list[Finish | None]:
         """One forward pass over every request's last token; each samples its next token. Returns each request's
         finish reason (None: it goes on), in :attr:`generations` order."""
+        self._sync()
         generations = self.generations
         count = len(generations)
         rows = -(-count // ROW_MULTIPLE) * ROW_MULTIPLE
@@ -251,30 +267,42 @@ class DecodeBatch:
         else:
             model.set_attn_implementation(name)
 
-    def _rebuild(self, *, keep: list[int], new: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], int]]) -> None:
-        """The cache of rows ``keep`` (indices of current rows) and the ``new`` rows, left-padded to the longest and
-        with no column that is padding in every row, plus zero rows up to a multiple of :data:`ROW_MULTIPLE`."""
-        lengths = [self._lengths[i] for i in keep] + [length for _, length in new]
+    def _rebuild(self) -> None:
+        """The cache of every request's row (the kept rows of the current cache, the joined requests' own caches),
+        left-padded to the longest and with no column that is padding in every row, plus padding rows up to a
+        multiple of :data:`ROW_MULTIPLE`. Padding (columns left of a row's own, padding rows) is left unset:
+        attention never reads it."""
+        lengths = self._lengths
         if not lengths:
             self._cache = None
             return
+        keep = [row for row in self._rows if row is not None]
+        new = [
+            (self._pending[id(generation)], length)
+            for generation, length, row in zip(self.generations, lengths, self._rows, strict=True)
+            if row is None
+        ]
+        kept_places = [place for place, row in enumerate(self._rows) if row is not None]
+        new_places = [place for place, row in enumerate(self._rows) if row is None]
         current = _layer_tensors(self._cache) if self._cache is not None else []
         columns = max(lengths)
-        count = len(lengths)
-        rows = -(-count // ROW_MULTIPLE) * ROW_MULTIPLE
+        rows = -(-len(lengths) // ROW_MULTIPLE) * ROW_MULTIPLE
+        kept = torch.tensor(keep, dtype=torch.long)
         layers = []
         for layer in range(len(new[0][0]) if new else len(current)):
-            parts: list[list[torch.Tensor]] = [[], []]
+            buffers = []
             for which in (0, 1):
-                if keep:
-                    part = current[layer][which].index_select(0, torch.tensor(keep, dtype=torch.long))
-                    parts[which].append(_fit_columns(part, columns))
-                for cache_rows, _ in new:
-                    parts[which].append(_fit_columns(cache_rows[layer][which], columns))
-                sample = parts[which][0]
-                if rows > count:
-                    parts[which].append(sample.new_zeros((rows - count, *sample.shape[1:])))
-            layers.append(_GrowingLayer(torch.cat(parts[0]), torch.cat(parts[1])))
+                sample = new[0][0][layer][which] if new else current[layer][which]
+                shape = (rows, sample.shape[1], columns + _SPARE_COLUMNS, sample.shape[3])
+                buffer = sample.new_empty(shape)
+                if keep:  # the kept rows' own columns are the last ones of the current cache
+                    old = current[layer][which]
+                    width = min(old.shape[2], columns)
+                    buffer[kept_places, :, columns - width : columns] = old.index_select(0, kept)[:, :, -width:]
+                for place, (cache_rows, length) in zip(new_places, new, strict=True):
+                    buffer[place, :, columns - length : columns] = cache_rows[layer][which][0]
+                buffers.append(buffer)
+            layers.append(_GrowingLayer(buffers[0], buffers[1], columns))
         from transformers import DynamicCache
 
         cache = DynamicCache(config=self._loaded.model.config)
@@ -287,45 +315,31 @@ class _GrowingLayer(DynamicLayer):
     first columns of larger buffers, so a new column is written, not the whole cache copied (which a plain
     ``DynamicLayer`` does on every update)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, columns: int) -> None:
         super().__init__()
-        self._columns = 0
-        self._key_buffer = self._value_buffer = keys
-        self._store(keys, values)
+        self._key_buffer, self._value_buffer = key_buffer, value_buffer
+        self._columns = columns
+        self.keys, self.values = key_buffer[:, :, :columns], value_buffer[:, :, :columns]
         self.is_initialized = True
-        self.device = keys.device
+        self.device = key_buffer.device
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        self._store(key_states, value_states)
-        return self.keys, self.values
-
-    def _store(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        start, end = self._columns, self._columns + keys.shape[2]
-        if end > self._key_buffer.shape[2] or start == 0:
-            shape = (*keys.shape[:2], end + _SPARE_COLUMNS, keys.shape[3])
-            key_buffer, value_buffer = keys.new_empty(shape), values.new_empty(shape)
-            key_buffer[:, :, :start] = self._key_buffer[:, :, :start]
-            value_buffer[:, :, :start] = self._value_buffer[:, :, :start]
+        start, end = self._columns, self._columns + key_states.shape[2]
+        if end > self._key_buffer.shape[2]:
+            shape = (*self._key_buffer.shape[:2], end + _SPARE_COLUMNS, self._key_buffer.shape[3])
+            key_buffer, value_buffer = self._key_buffer.new_empty(shape), self._value_buffer.new_empty(shape)
+            key_buffer[:, :, :start] = self.keys
+            value_buffer[:, :, :start] = self.values
             self._key_buffer, self._value_buffer = key_buffer, value_buffer
-        self._key_buffer[:, :, start:end] = keys
-        self._value_buffer[:, :, start:end] = values
+        self._key_buffer[:, :, start:end] = key_states
+        self._value_buffer[:, :, start:end] = value_states
         self._columns = end
         self.keys = self._key_buffer[:, :, :end]
         self.values = self._value_buffer[:, :, :end]
+        return self.keys, self.values
 
 
 def _layer_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def _fit_columns(tensor: torch.Tensor, columns: int) -> torch.Tensor:
-    """``tensor`` (rows, heads, length, head size) with ``columns`` positions: left-padded with zeros or with its
-    leading columns (padding in every row) cut."""
-    length = tensor.shape[2]
-    if length == columns:
-        return tensor
-    if length > columns:
-        return tensor[:, :, length - columns :]
-    return torch.nn.functional.pad(tensor, (0, 0, columns - length, 0))
