@@ -3,13 +3,17 @@
 A request's prompt runs alone (its prefill, into its own KV cache, exactly as a batch of one); its cache then joins
 the batch's cache at a step boundary. The batch's cache holds one row per request, left-padded to the longest; every
 decode step feeds each row's last sampled token at that row's own position, and each request then samples from its
-own row of logits with its own generator (:meth:`~fsm_rollout.engine.local.model.Generation.accept`).
+own row of logits with its own generator (:meth:`~fsm_rollout.engine.local.model.Generation.accept`; the requests
+that sample from live-rows logits do it together, :func:`~fsm_rollout.engine.local.live_rows.sample_live_rows`, bit
+for bit as one by one). The cache is kept from step to step: a step writes its new column into spare columns in
+place, and joins and departures rebuild it once, before the next step.
 
 A request's tokens and logprobs do not depend on what else is in the batch, bit for bit on a CPU like the one this
 was built on, for three reasons:
 
 - attention runs row by row over that row's own keys only (:func:`_rowwise_attention`), with the very call a batch of
-  one makes: padding never enters a softmax or a weighted sum, whose float order would change with its length;
+  one makes (for sdpa, the one ``scaled_dot_product_attention`` call transformers makes of it): padding never
+  enters a softmax or a weighted sum, whose float order would change with its length;
 - the linear layers see a batch padded to a multiple of :data:`ROW_MULTIPLE` rows. The BLAS GEMM computes each
   output row with the same summation order whatever the number of rows, except for very small row counts (one to
   three rows take other kernels, which sum in another order), so a request alone and a request among fifteen others

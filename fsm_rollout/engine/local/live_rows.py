@@ -16,6 +16,9 @@ then). :func:`sample_live` gives what the full-vocabulary path of
 - the greedy token, the rank and the top candidate count the zero rows (the lowest zero-row id stands for them
   all: an argmax takes the first of equal values).
 
+:func:`sample_live_rows` does the same for the rows of a decode batch at once (one log-softmax call over all of
+them; each row's result is the one it gets alone).
+
 Only the settings whose effect on the zero rows is uniform take this path (temperature, greedy, ``min_tokens``, at
 most one top candidate); penalties and the ``min_p``/``top_k``/``top_p`` filters run over the full vocabulary.
 Ids from ``sampleable`` up (padding rows) are never sampled, as on the full path.
