@@ -198,15 +198,17 @@ class DecodeBatch:
         logits = self._forward(tokens, positions, lengths)
         self._lengths = lengths
         finishes: list[Finish | None] = [None] * count
-        live = [
-            row
-            for row, generation in enumerate(generations)
-            if isinstance(logits[row], LiveLogits) and generation.samples_live_rows
-        ]
+        live: list[int] = []
+        live_logits: list[LiveLogits] = []
+        for row, generation in enumerate(generations):
+            row_logits = logits[row]
+            if isinstance(row_logits, LiveLogits) and generation.samples_live_rows:
+                live.append(row)
+                live_logits.append(row_logits)
         if live:
             picks = sample_live_rows(
-                torch.stack([logits[row].values for row in live]),
-                self._live_layout(logits[live[0]].rows),
+                torch.stack([row_logits.values for row_logits in live_logits]),
+                self._live_layout(live_logits[0].rows),
                 temperatures=[generations[row].settings.temperature for row in live],
                 greedy=[generations[row].settings.greedy for row in live],
                 generators=[generations[row].generator for row in live],
@@ -292,7 +294,7 @@ class DecodeBatch:
         columns = max(lengths)
         rows = -(-len(lengths) // ROW_MULTIPLE) * ROW_MULTIPLE
         kept = torch.tensor(keep, dtype=torch.long)
-        layers = []
+        layers: list[Any] = []
         for layer in range(len(new[0][0]) if new else len(current)):
             buffers = []
             for which in (0, 1):
@@ -314,13 +316,13 @@ class DecodeBatch:
         self._cache = cache
 
 
-class _GrowingLayer(DynamicLayer):
+class _GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call, unused-ignore]  # transformers is untyped
     """A KV cache layer of the batch's padded rows that a decode step grows in place: its keys and values are the
     first columns of larger buffers, so a new column is written, not the whole cache copied (which a plain
     ``DynamicLayer`` does on every update)."""
 
     def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, columns: int) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
         self._key_buffer, self._value_buffer = key_buffer, value_buffer
         self._columns = columns
         self.keys, self.values = key_buffer[:, :, :columns], value_buffer[:, :, :columns]
@@ -334,8 +336,8 @@ class _GrowingLayer(DynamicLayer):
         if end > self._key_buffer.shape[2]:
             shape = (*self._key_buffer.shape[:2], end + _SPARE_COLUMNS, self._key_buffer.shape[3])
             key_buffer, value_buffer = self._key_buffer.new_empty(shape), self._value_buffer.new_empty(shape)
-            key_buffer[:, :, :start] = self.keys
-            value_buffer[:, :, :start] = self.values
+            key_buffer[:, :, :start] = self._key_buffer[:, :, :start]
+            value_buffer[:, :, :start] = self._value_buffer[:, :, :start]
             self._key_buffer, self._value_buffer = key_buffer, value_buffer
         self._key_buffer[:, :, start:end] = key_states
         self._value_buffer[:, :, start:end] = value_states
