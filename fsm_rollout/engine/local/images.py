@@ -71,9 +71,30 @@ NO_CACHE_ADVICE: Final = (
 
 _RGB_BACKGROUND: Final = (255, 255, 255)
 _REMEMBERED: Final = 32
-"""Rendered image lists and checked feature items remembered (least recently used out): a multi-turn conversation
-renders its images, and sends their feature items, with every turn, and decoding, resizing and encoding megabytes
-per turn would be most of a render or generate call's cost."""
+_REMEMBERED_BYTES: Final = 256 * 1024 * 1024
+"""Rendered image lists and checked feature items remembered (least recently used out, at most this many and about
+this many bytes each): a multi-turn conversation renders its images, and sends their feature items, with every turn,
+and decoding, resizing and encoding megabytes per turn would be most of a render or generate call's cost."""
+
+
+class _Remembered(OrderedDict[Any, Any]):
+    """A least-recently-used map bounded in entries and in the bytes its entries are said to hold."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sizes: dict[Any, int] = {}
+
+    def remember(self, key: Any, value: Any, size: int) -> None:
+        self[key] = value
+        self.move_to_end(key)
+        self._sizes[key] = size
+        while len(self) > 1 and (len(self) > _REMEMBERED or sum(self._sizes.values()) > _REMEMBERED_BYTES):
+            oldest, _ = self.popitem(last=False)
+            del self._sizes[oldest]
+
+    def touch(self, key: Any) -> Any:
+        self.move_to_end(key)
+        return self[key]
 
 
 @dataclass
@@ -84,13 +105,6 @@ class _Processed:
     grids: torch.Tensor
     counts: list[int]
     features: tuple[tuple[bool, tuple[tuple[int, int], ...]], dict[str, Any]] | None = None
-
-
-def _remember(cache: OrderedDict[Any, Any], key: Any, value: Any) -> None:
-    cache[key] = value
-    cache.move_to_end(key)
-    if len(cache) > _REMEMBERED:
-        cache.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -110,9 +124,9 @@ class ImageSupport:
     def __init__(self, tokenizer: Any) -> None:
         self.pad_token_id = _token_id(tokenizer, IMAGE_PAD_TOKEN)
         self._processor: Any = None
-        self._rendered: OrderedDict[tuple[str, ...], _Processed] = OrderedDict()  # by the images' data URLs
+        self._rendered = _Remembered()  # tuple of data URLs -> _Processed  # by the images' data URLs
         # (kwargs_data item, mm_metadata item) -> (the grid's t, h, w, pixel_values' shape or None), least recent first
-        self._checked: OrderedDict[tuple[str, str | None], tuple[list[int], tuple[int, ...] | None]] = OrderedDict()
+        self._checked = _Remembered()
 
     # ---------------------------------------------------------------- render
 
@@ -144,7 +158,9 @@ class ImageSupport:
             images = [load_image_url(url, name) for url, name in zip(urls, names, strict=True)]
             pixel_values, grids = self.preprocess(images)
             processed = _Processed(pixel_values, grids, [tokens_per_image(grid) for grid in grids.tolist()])
-        _remember(self._rendered, urls, processed)
+        # the URLs, the pixel values, and the features built from them (their base64 text, 4/3 of the tensor)
+        size = sum(map(len, urls)) + processed.pixel_values.nbytes * 7 // 3
+        self._rendered.remember(urls, processed, size)
         counts = processed.counts
         expanded: list[int] = []
         placeholders: list[tuple[int, int]] = []
@@ -222,8 +238,7 @@ class ImageSupport:
         item = features.items[index]
         key = (item, features.metadata[index]) if item is not None else None
         if key is not None and key in self._checked:
-            _remember(self._checked, key, self._checked[key])
-            return self._checked[key]
+            return self._checked.touch(key)  # type: ignore[no-any-return]
         data = self._item_data(features, index)
         grid = data.get("image_grid_thw")
         if grid is None or tuple(grid.shape) not in ((3,), (1, 3)) or grid.dtype.is_floating_point:
@@ -236,7 +251,7 @@ class ImageSupport:
             None if pixel_values is None else tuple(pixel_values.shape),
         )
         if key is not None:
-            _remember(self._checked, key, shapes)
+            self._checked.remember(key, shapes, len(key[0]) + len(key[1] or ""))
         return shapes
 
     def _item_data(self, features: ImageFeatures, index: int) -> dict[str, Any]:
