@@ -138,7 +138,6 @@ class DecodeBatch:
         self._lengths: list[int] = []  # tokens in the cache per row
         self._cache: Any = None  # the rows' DynamicCache of _GrowingLayer, kept from step to step
         self._layout: LiveLayout | None = None
-        self._shared_config: bool | None = None  # see _set_attention
         # Each request's row in the cache (None: joined since the last step, its own cache in _pending); the cache is
         # rebuilt once per step at most, for all the joins and departures since the last one.
         self._rows: list[int | None] = []
@@ -259,19 +258,9 @@ class DecodeBatch:
         return logits
 
     def _set_attention(self, name: str) -> None:
-        """Switch the model's attention implementation: by the config alone when every part of the model shares
-        it (transformers' own switch walks every module, a sizeable part of a step), else by transformers."""
-        model = self._loaded.model
-        if self._shared_config is None:
-            configs = {
-                id(module.config) for module in model.modules() if hasattr(module, "_can_set_attn_implementation")
-            }
-            self._shared_config = not model.config.sub_configs and configs == {id(model.config)}
-            model.set_attn_implementation(name)  # the first switch checks the name with transformers
-        elif self._shared_config:
-            model.config._attn_implementation_internal = name
-        else:
-            model.set_attn_implementation(name)
+        """Switch the model's attention implementation through transformers' public switch (cheap on the small
+        models this engine serves; writing the config directly would touch its private state)."""
+        self._loaded.model.set_attn_implementation(name)
 
     def _rebuild(self) -> None:
         """The cache of every request's row (the kept rows of the current cache, the joined requests' own caches),
