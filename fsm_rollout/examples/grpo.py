@@ -38,7 +38,10 @@ from fsm_rollout.examples.grpo_cli import GRPOOptions, GRPORun, StepReport, pars
 from fsm_rollout.examples.grpo_cli import summary as summarize
 from fsm_rollout.examples.grpo_tiny import LiveVocabulary, build_env, screen
 
-__all__ = ["GRPOOptions", "GRPORun", "TrainableTokens", "Trainer", "main", "parse_args", "train"]
+__all__ = [
+    "GRPOOptions", "GRPORun", "TrainableTokens", "Trainer", "clipped_loss", "main", "parse_args", "token_logprobs",
+    "train",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -75,14 +78,28 @@ class TrainableTokens:
                    version)  # fmt: skip
 
 
-def token_logprobs(policy: Any, vocabulary: LiveVocabulary, tokens: TrainableTokens, which: torch.Tensor
-                   ) -> torch.Tensor:  # fmt: skip
-    """log p(token) under ``policy`` (temperature 1) of the trainable tokens at indices ``which``: one forward pass
-    over the samples that hold them, the LM head over the vocabulary's live rows (``vocabulary``)."""
+def token_logprobs(policy: Any, vocabulary: LiveVocabulary, tokens: TrainableTokens,
+                   which: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """log p(token) under ``policy`` (temperature 1) of the trainable tokens (those at indices ``which``; all by
+    default): one forward pass over the samples that hold them, the LM head over the vocabulary's live rows."""
+    which = torch.arange(len(tokens.target)) if which is None else which
+    if not len(which):
+        return torch.zeros(0)
     rows, row = torch.unique(tokens.row[which], return_inverse=True)
     inputs = tokens.inputs[rows]
     hidden = policy.model(inputs_embeds=vocabulary.embed(inputs)).last_hidden_state
     return vocabulary.logprobs(hidden[row, tokens.before[which]], tokens.target[which])
+
+
+def clipped_loss(current: torch.Tensor, tokens: TrainableTokens, clip: float) -> torch.Tensor:
+    """The clipped policy-gradient loss of ``current`` (the trainable tokens' logprobs under the policy), with
+    importance ratios against the rollout's logprobs, summed over the tokens of non-zero advantage and divided by
+    the number of trainable tokens."""
+    keep = tokens.advantage.ne(0)
+    ratio = torch.exp(current[keep] - tokens.rollout[keep])
+    advantage = tokens.advantage[keep]
+    clipped = ratio.clamp(1 - clip, 1 + clip) * advantage
+    return -torch.minimum(ratio * advantage, clipped).sum() / max(len(current), 1)
 
 
 def group_advantages(rewards: Sequence[float]) -> list[float]:
@@ -124,11 +141,10 @@ class Trainer:
     def step(self, samples: Sequence[Sample], advantages: Sequence[float]) -> tuple[list[float], int]:
         """One optimizer step; returns every trainable token's |rollout logprob - recomputed| and the stale tokens."""
         tokens = TrainableTokens.of(samples, advantages)
-        everything = torch.arange(len(tokens.version))
-        learns = bool(tokens.advantage.ne(0).any())
+        learns = bool(tokens.advantage.ne(0).any())  # else no gradient, and the optimizer moves nothing
         self.optimizer.zero_grad(set_to_none=True)
         with torch.set_grad_enabled(learns):
-            current = token_logprobs(self.policy, self.vocabulary, tokens, everything)
+            current = token_logprobs(self.policy, self.vocabulary, tokens)
         # the gap is taken with the weights that sampled each token: older versions from their frozen copies
         recomputed = current.detach().clone()
         behind = [index for index, version in enumerate(tokens.version) if version != self.version]
@@ -136,13 +152,8 @@ class Trainer:
             which = torch.tensor([index for index in behind if tokens.version[index] == version])
             with torch.no_grad():
                 recomputed[which] = token_logprobs(*self._frozen(version), tokens, which)
-        gaps = (recomputed - tokens.rollout).abs().tolist()
         if learns:  # the loss uses the current policy, with ratios against the rollout's logprobs
-            keep = tokens.advantage.ne(0)
-            ratio = torch.exp(current[keep] - tokens.rollout[keep])
-            clipped = ratio.clamp(1 - self.options.clip, 1 + self.options.clip)
-            advantage = tokens.advantage[keep]
-            (-torch.minimum(ratio * advantage, clipped * advantage).sum() / max(len(gaps), 1)).backward()  # type: ignore[no-untyped-call, unused-ignore]
+            clipped_loss(current, tokens, self.options.clip).backward()  # type: ignore[no-untyped-call, unused-ignore]
         torch.nn.utils.clip_grad_norm_(self.trainable, 1.0)
         if self.options.asynchronous:  # samples still in flight carry tokens of this version
             frozen = copy.deepcopy((self.policy, self.vocabulary))
@@ -151,7 +162,7 @@ class Trainer:
         self.vocabulary.write_back()
         self.version = str(int(self.version) + 1)
         self.history.append(self.version)
-        return gaps, len(behind)
+        return (recomputed - tokens.rollout).abs().tolist(), len(behind)
 
     def _frozen(self, version: str) -> tuple[Any, LiveVocabulary]:
         if version not in self._old:
