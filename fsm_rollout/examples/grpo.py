@@ -4,15 +4,16 @@ Run it with ``python -m fsm_rollout.examples.grpo [--steps N] [--async]`` (``--h
 It is the loop a user of the library would write: groups of rollouts (``runner.run_group``), group-normalised
 advantages, a clipped policy-gradient loss over the trainable tokens (``loss_mask == 1``) with importance ratios
 against the engine's ``rollout_log_probs``, an optimizer step, and the new weights pushed inside
-``runner.weight_update``. Before each step every trainable token's logprob is recomputed with the weights that
-sampled it (read from the sample's weight-version spans): the gap to the engine's number is the train/inference
-mismatch a shifted token, a wrong mask or a re-tokenised turn would show; it should be float32 noise. ``--async``
+``runner.weight_update``. The trainer takes a step's samples in one right-padded forward and backward pass. Before
+each step every trainable token's logprob is recomputed with the weights that sampled it (read from the sample's
+weight-version spans): the gap to the engine's number is the train/inference mismatch a shifted token, a wrong mask
+or a re-tokenised turn would show; it should be float32 noise. ``--async``
 starts the next step's rollouts before this one trains, so the update lands while they are in flight (the runner
 suspends and resumes them) and their older tokens are recomputed with a kept copy of the older weights.
 
-What only the tiny model needs (the question screen, the vocabulary rows that may learn, the environment) is in
-:mod:`fsm_rollout.examples.grpo_tiny`. Each step prints one line; the last line is a JSON object with ``steps``,
-``reward_first``, ``reward_last``, ``logprob_gap_mean``, ``logprob_gap_max`` and ``minutes``.
+What only the tiny model needs (the question screen, the vocabulary rows that may learn and the LM head over them,
+the environment) is in :mod:`fsm_rollout.examples.grpo_tiny`. Each step prints one line; the last line is a JSON
+object with ``steps``, ``reward_first``, ``reward_last``, ``logprob_gap_mean``, ``logprob_gap_max`` and ``minutes``.
 """
 
 from __future__ import annotations
@@ -109,7 +110,11 @@ def group_advantages(rewards: Sequence[float]) -> list[float]:
 
 
 class Trainer:
-    """The policy (a transformers copy of the served model), its optimizer, and frozen copies of recent versions."""
+    """The policy (a transformers copy of the served model) with its vocabulary's live rows, its optimizer, and
+    frozen copies of recent versions.
+
+    A step is one batch, which suits the tiny model; a larger one would split it into micro-batches and add up their
+    gradients (the loss is a sum over tokens)."""
 
     def __init__(self, model_dir: Path, options: GRPOOptions) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer

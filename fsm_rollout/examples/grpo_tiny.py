@@ -204,7 +204,8 @@ class LiveVocabulary:
     (:meth:`write_back`), which the engine's copy and a frozen copy of the model read.
 
     With ``enabled`` False, and for a model whose matrix has no zero rows or is not tied, :attr:`weight` does not
-    learn and the matrix stays frozen. Make it before the optimizer.
+    learn and the matrix stays frozen. The LM head is taken to be the bias-free projection on the matrix (Qwen2's);
+    for another head the logprob gap would show it. Make it before the optimizer.
     """
 
     def __init__(self, policy: Any, vocab: int, *, enabled: bool = True) -> None:
