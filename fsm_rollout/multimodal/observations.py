@@ -50,6 +50,10 @@ DEFAULT_MAX_IMAGE_PIXELS: Final = 4096 * 4096
 MEDIA_PART_TYPES: Final = ("video", "video_url", "input_video", "audio", "audio_url", "input_audio")
 """Content part types (or keys) of media other than images: refused in observations."""
 
+_HEADER_PROBE_CHARS: Final = 4 * 16 * 1024
+"""How much of a ``data:`` URL's base64 payload (a multiple of 4: 48 KiB decoded) the limits check decodes to read
+the image's header; a header further in is read from the whole payload."""
+
 FEATURE_LISTS: Final = ("mm_hashes", "kwargs_data", "mm_metadata")
 """The per-modality lists of render features besides the placeholders."""
 
@@ -144,7 +148,9 @@ def check_encoded_sizes(messages: Sequence[Mapping[str, Any]], limits: ImageLimi
             value = part.get("image_url")
             url = value.get("url") if isinstance(value, dict) else value
             if isinstance(url, str) and url.startswith("data:"):
-                _check_bytes(len(url.partition(",")[2]) * 3 // 4, limits,
+                comma = url.find(",")
+                payload_chars = len(url) - comma - 1 if comma >= 0 else 0  # counted, not copied
+                _check_bytes(payload_chars * 3 // 4, limits,
                              f"{sample_prefix(sample_id)}observation image {index} (encoded)")  # fmt: skip
             index += 1
 
@@ -166,10 +172,22 @@ def _check_one(value: Any, limits: ImageLimits, where: str) -> None:
         _check_header(path, limits, where)
         return
     if isinstance(value, str) and value.startswith("data:"):
-        payload = value.partition(",")[2]
-        _check_bytes(len(payload) * 3 // 4, limits, where)
+        comma = value.find(",")
+        start = comma + 1 if comma >= 0 else len(value)
+        _check_bytes((len(value) - start) * 3 // 4, limits, where)
+        # The header is read from the payload's first bytes, not all of it: the render preparation decodes the
+        # whole payload (once) for the bytes it sends and hashes.
+        if len(value) - start > _HEADER_PROBE_CHARS:
+            try:
+                head = base64.b64decode(value[start : start + _HEADER_PROBE_CHARS], validate=True)
+                _check_header(io.BytesIO(head), limits, where)
+                return
+            except ImageTooLargeError:
+                raise
+            except (binascii.Error, ValueError, ImageInputError):
+                pass  # a header past the probe (a JPEG's long EXIF): read from the whole payload below
         try:
-            data = base64.b64decode(payload, validate=True)
+            data = base64.b64decode(value[start:], validate=True)
         except (binascii.Error, ValueError):
             return  # prepare_render_messages names the bad base64
         _check_header(io.BytesIO(data), limits, where)

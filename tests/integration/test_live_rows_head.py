@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fsm_rollout.engine.local.default_model import default_model_dir
-from fsm_rollout.engine.local.live_rows import live_rows_head
+from fsm_rollout.engine.local.live_rows import LiveLayout, LiveLogits, live_rows_head, sample_live, sample_live_rows
 from fsm_rollout.engine.local.model import (
     Generation,
     LiveRowsHead,
@@ -168,3 +168,40 @@ def test_sampling_the_live_rows_gives_what_the_whole_vocabulary_gives(
     assert dead > 100_000
     if extra.get("temperature") == 2.5:  # a flat distribution draws zero rows: the blocks between live ids count
         assert zero_rows_drawn > 0
+
+
+def test_rows_sampled_together_get_what_each_gets_alone() -> None:
+    """sample_live_rows over many rows (greedy, temperature 1 and 0.7, logits from large to small) against
+    sample_live one row at a time: the same tokens, logprobs, ranks and best candidates, bit for bit; and each
+    logprob is the one the full vocabulary's float32 log-softmax gives."""
+    vocab, sampleable = 151_936, 151_665
+    rows = torch.unique(torch.randint(0, vocab, (300,), generator=torch.Generator().manual_seed(5)))
+    layout = LiveLayout.of(rows, vocab_size=vocab, sampleable=sampleable)
+    source = torch.Generator().manual_seed(6)
+    count = 24
+    values = torch.randn((count, rows.numel()), generator=source) * torch.linspace(0.5, 12.0, count)[:, None]
+    temperatures = [1.0 if row % 3 else 0.7 for row in range(count)]
+    greedy = [row % 4 == 0 for row in range(count)]
+    together = sample_live_rows(
+        values.clone(),
+        layout,
+        temperatures=temperatures,
+        greedy=greedy,
+        generators=[torch.Generator().manual_seed(100 + row) for row in range(count)],
+    )
+    for row in range(count):
+        alone = sample_live(
+            LiveLogits(values[row].clone(), rows),
+            vocab_size=vocab,
+            sampleable=sampleable,
+            masked=None,
+            temperature=0.0 if greedy[row] else temperatures[row],
+            greedy=greedy[row],
+            generator=torch.Generator().manual_seed(100 + row),
+        )
+        assert together[row] == alone
+        full = LiveLogits(values[row].clone(), rows).full(vocab)
+        full[sampleable:] = float("-inf")
+        if not greedy[row] and temperatures[row] != 1.0:
+            full = full / temperatures[row]
+        assert alone.logprob == float(torch.log_softmax(full, dim=0)[alone.token])

@@ -121,6 +121,30 @@ def test_images_over_the_limits_are_refused_naming_the_image(part: Any, limits: 
     assert observation_image_count(messages) == 1
 
 
+@pytest.mark.parametrize("kind", ["stored png", "jpeg with its header past the probe"])
+def test_a_long_data_url_is_checked_from_its_header(kind: str) -> None:
+    """A payload longer than the probe the limits check decodes: a PNG's header is in it, a JPEG's after 100 KB
+    of ICC profile is not (read from the whole payload)."""
+    side = 200
+    noise = Image.frombytes(
+        "RGB", (side, side), bytes(range(256)) * (side * side * 3 // 256) + bytes(side * side * 3 % 256)
+    )
+    buffer = io.BytesIO()
+    if kind == "stored png":
+        noise.save(buffer, format="PNG", compress_level=0)
+    else:
+        noise.save(buffer, format="JPEG", icc_profile=bytes(100_000))
+        assert buffer.getvalue().find(b"\xff\xc0") > 100_000  # the frame header (SOF0) is past the probe
+    url = (
+        f"data:image/{'png' if kind == 'stored png' else 'jpeg'};base64," + base64.b64encode(buffer.getvalue()).decode()
+    )
+    assert len(url) > 100_000
+    messages = [{"role": "user", "content": [{"type": "image", "image": url}]}]
+    with pytest.raises(ImageTooLargeError, match=rf"{side}x{side} = {side * side} pixels"):
+        check_image_limits(messages, ImageLimits(max_pixels=side * side - 1))
+    check_image_limits(messages, ImageLimits(max_pixels=side * side))
+
+
 def test_an_encoded_image_over_the_byte_limit_is_refused() -> None:
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_url(30, 30)}}]}]
     with pytest.raises(ImageTooLargeError, match=r"observation image 0 \(encoded\)"):

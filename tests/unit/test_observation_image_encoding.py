@@ -7,6 +7,8 @@ import base64
 import hashlib
 import io
 import random
+import struct
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +50,30 @@ def test_fast_png_decodes_to_the_same_pixels(make: Any) -> None:
     with Image.open(io.BytesIO(data)) as decoded:
         assert decoded.format == "PNG" and decoded.mode == "RGB"
         assert decoded.tobytes() == image.tobytes()
+
+
+@pytest.mark.parametrize(("make", "level"), [(_board, 1), (_noise, 0)], ids=["board", "noise"])
+def test_fast_png_bytes_are_zlib_of_unfiltered_rows(make: Any, level: int) -> None:
+    """The exact bytes are what tapes hold and what image hashes are of: unfiltered rows, one IDAT, zlib's
+    ``compress`` at level 1 (0 when stored)."""
+    image = make()
+    width, height = image.size
+    raw = image.tobytes()
+    rows = b"".join(b"\x00" + raw[row * width * 3 : (row + 1) * width * 3] for row in range(height))
+    data = fast_png(image)
+    chunks = []
+    position = 8
+    while position < len(data):
+        (length,) = struct.unpack(">I", data[position : position + 4])
+        kind, body = data[position + 4 : position + 8], data[position + 8 : position + 8 + length]
+        (crc,) = struct.unpack(">I", data[position + 8 + length : position + 12 + length])
+        assert crc == zlib.crc32(kind + body)
+        chunks.append((kind, body))
+        position += 12 + length
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [kind for kind, _ in chunks] == [b"IHDR", b"IDAT", b"IEND"]
+    assert chunks[0][1] == struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    assert chunks[1][1] == zlib.compress(rows, level)
 
 
 def test_fast_png_compresses_a_board_and_stores_noise() -> None:

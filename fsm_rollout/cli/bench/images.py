@@ -7,9 +7,10 @@ client's whole part of each observation is timed in this process: the image chec
 as a PNG data URL, the render request serialised, the answer's JSON parsed, the boundary cut out, the features
 placed, the image-token check, and the append that merges them into the sample's features. Figures:
 
-* ``client_cpu_ms_per_image_observation``: the median over observations of that CPU time (``time.process_time``),
-  with the median of each part beside it (``encode_ms``: limits, PNG and data URL; ``answer_parse_ms``: the answer's
-  JSON; the rest of the observation as ``place_and_check_ms``);
+* ``client_cpu_ms_per_image_observation``: the median over observations of that CPU time (``time.process_time``)
+  in a run after a warm-up run, with the median of each part beside it (``encode_ms``: limits, PNG and data URL;
+  ``answer_parse_ms``: the answer's JSON; the rest of the observation as ``place_and_check_ms``). No timed run is
+  under ``tracemalloc``, which traces every allocation: the memory figure has a run of its own;
 * ``before_*`` and ``speedup_x``: the same observations with the parts done the previous way, timed in the same
   run on the same inputs (PIL's default PNG encoder; the whole answer through ``orjson.loads``, which walks the
   features' base64), and the median ratio of the totals;
@@ -164,12 +165,10 @@ def bench_image_observations(quick: bool) -> dict[str, float]:
     encoder = ObservationEncoder(tokenizer)
     images = [_image(seed) for seed in range(OBSERVATIONS)]
     answers = _engine_answers(tokenizer, encoder, images)
-    timings: dict[str, list[float]] = {
-        name: [] for name in ("total", "encode", "parse", "rest", "total_before", "encode_before", "parse_before")
-    }
+    names = ("total", "encode", "parse", "rest", "total_before", "encode_before", "parse_before")
     samples = 2 if quick else 6
 
-    async def run() -> list[Any]:
+    async def run(timings: dict[str, list[float]]) -> list[Any]:
         kept = []
         for _ in range(samples):
             ctx = _context(tokenizer, encoder)
@@ -178,11 +177,14 @@ def bench_image_observations(quick: bool) -> dict[str, float]:
             kept.append(ctx)
         return kept
 
-    asyncio.run(run())  # warm-up and CPU timings
+    asyncio.run(run({name: [] for name in names}))  # warm-up
+    timings: dict[str, list[float]] = {name: [] for name in names}
+    asyncio.run(run(timings))
+    # Memory in a run of its own: tracemalloc traces every allocation, which would double the CPU timed above.
     tracemalloc.start()
     try:
         before = tracemalloc.get_traced_memory()[0]
-        kept = asyncio.run(run())
+        kept = asyncio.run(run({name: [] for name in names}))
         held = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()

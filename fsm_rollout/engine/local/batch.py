@@ -3,13 +3,17 @@
 A request's prompt runs alone (its prefill, into its own KV cache, exactly as a batch of one); its cache then joins
 the batch's cache at a step boundary. The batch's cache holds one row per request, left-padded to the longest; every
 decode step feeds each row's last sampled token at that row's own position, and each request then samples from its
-own row of logits with its own generator (:meth:`~fsm_rollout.engine.local.model.Generation.accept`).
+own row of logits with its own generator (:meth:`~fsm_rollout.engine.local.model.Generation.accept`; the requests
+that sample from live-rows logits do it together, :func:`~fsm_rollout.engine.local.live_rows.sample_live_rows`, bit
+for bit as one by one). The cache is kept from step to step: a step writes its new column into spare columns in
+place, and joins and departures rebuild it once, before the next step.
 
 A request's tokens and logprobs do not depend on what else is in the batch, bit for bit on a CPU like the one this
 was built on, for three reasons:
 
 - attention runs row by row over that row's own keys only (:func:`_rowwise_attention`), with the very call a batch of
-  one makes: padding never enters a softmax or a weighted sum, whose float order would change with its length;
+  one makes (for sdpa, the one ``scaled_dot_product_attention`` call transformers makes of it): padding never
+  enters a softmax or a weighted sum, whose float order would change with its length;
 - the linear layers see a batch padded to a multiple of :data:`ROW_MULTIPLE` rows. The BLAS GEMM computes each
   output row with the same summation order whatever the number of rows, except for very small row counts (one to
   three rows take other kernels, which sum in another order), so a request alone and a request among fifteen others
@@ -34,6 +38,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 import torch
+from transformers.cache_utils import DynamicLayer
+
+from fsm_rollout.engine.local.live_rows import LiveLayout, LiveLogits, sample_live_rows
 
 if TYPE_CHECKING:
     from fsm_rollout.engine.local.model import Generation, LoadedModel
@@ -44,6 +51,7 @@ __all__ = ["ROW_MULTIPLE", "DecodeBatch"]
 ROW_MULTIPLE = 4
 """Decode steps run a multiple of this many rows (see the module docstring)."""
 
+_SPARE_COLUMNS = 64  # a rebuilt cache has room for this many more decode steps before it is copied to a larger one
 _ROWS_KEY = "fsm_rollout_rowwise"  # the attention implementation name a decode step runs under
 _LENGTHS_KWARG = "fsm_rollout_row_lengths"
 
@@ -51,15 +59,38 @@ _LENGTHS_KWARG = "fsm_rollout_row_lengths"
 def _rowwise_attention(
     module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, None]:
-    """Attention of each row's one query over that row's own keys (the last ``length`` of the padded cache), by the
-    model's own attention implementation, as a batch of one would run it."""
+    """Attention of each request row's one query over that row's own keys (the last ``length`` of the padded cache),
+    by the model's own attention implementation, as a batch of one would run it. Padding rows (beyond the lengths
+    given) get zeros: their outputs are thrown away, and a row of a linear layer does not depend on the others."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     lengths: list[int] = kwargs.pop(_LENGTHS_KWARG)
     original: str = kwargs.pop("fsm_rollout_attention")
-    inner = eager_attention_forward if original == "eager" else ALL_ATTENTION_FUNCTIONS[original]
     columns = key.shape[2]
+    padding = query.shape[0] - len(lengths)
+    if _plain_sdpa(original, query, key, value, kwargs):
+        # What transformers' sdpa_attention_forward runs for one query without a mask, without its per-call checks.
+        sdpa = torch.nn.functional.scaled_dot_product_attention
+        scale, dropout = kwargs.get("scaling"), kwargs.get("dropout", 0.0)
+        gqa = getattr(module, "num_key_value_groups", 1) > 1
+        outputs = [
+            sdpa(
+                query[row : row + 1],
+                key[row : row + 1, :, columns - length :],
+                value[row : row + 1, :, columns - length :],
+                attn_mask=None,
+                dropout_p=dropout,
+                scale=scale,
+                is_causal=False,
+                **({"enable_gqa": True} if gqa else {}),
+            )
+            for row, length in enumerate(lengths)
+        ]
+        if padding:
+            outputs.append(outputs[0].new_zeros((padding, *outputs[0].shape[1:])))
+        return torch.cat(outputs).transpose(1, 2).contiguous(), None
+    inner = eager_attention_forward if original == "eager" else ALL_ATTENTION_FUNCTIONS[original]
     outputs = []
     for row, length in enumerate(lengths):
         start = columns - length
@@ -67,7 +98,23 @@ def _rowwise_attention(
             module, query[row : row + 1], key[row : row + 1, :, start:], value[row : row + 1, :, start:], None, **kwargs
         )
         outputs.append(output)
+    if padding:
+        outputs.append(outputs[0].new_zeros((padding, *outputs[0].shape[1:])))
     return torch.cat(outputs), None
+
+
+def _plain_sdpa(
+    original: str, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kwargs: dict[str, Any]
+) -> bool:
+    """Whether transformers' sdpa attention would make one plain ``scaled_dot_product_attention`` call of a row."""
+    return (
+        original == "sdpa"
+        and query.shape[2] == 1
+        and key.shape[-1] == value.shape[-1] <= 256
+        and kwargs.get("softcap") is None
+        and kwargs.get("position_bias") is None
+        and not kwargs.get("output_attentions", False)
+    )
 
 
 def _register() -> None:
@@ -80,8 +127,8 @@ def _register() -> None:
 class DecodeBatch:
     """The running requests' shared KV cache and their one-token decode step (see the module docstring).
 
-    Not thread-safe: the engine's worker thread alone calls it. Membership changes (:meth:`add`, :meth:`remove`)
-    rebuild the cache; they happen between steps.
+    Not thread-safe: the engine's worker thread alone calls it. Membership changes (:meth:`add`, :meth:`discard`)
+    rebuild the cache; they happen between steps. A decode step writes its new column into the cache in place.
     """
 
     def __init__(self, loaded: LoadedModel) -> None:
@@ -89,7 +136,13 @@ class DecodeBatch:
         self._loaded = loaded
         self.generations: list[Generation] = []
         self._lengths: list[int] = []  # tokens in the cache per row
-        self._layers: list[tuple[torch.Tensor, torch.Tensor]] = []  # (keys, values) of padded rows per layer
+        self._cache: Any = None  # the rows' DynamicCache of _GrowingLayer, kept from step to step
+        self._layout: LiveLayout | None = None
+        self._shared_config: bool | None = None  # see _set_attention
+        # Each request's row in the cache (None: joined since the last step, its own cache in _pending); the cache is
+        # rebuilt once per step at most, for all the joins and departures since the last one.
+        self._rows: list[int | None] = []
+        self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     @staticmethod
     def supports(loaded: LoadedModel) -> bool:
@@ -106,44 +159,82 @@ class DecodeBatch:
     def add(self, generation: Generation) -> None:
         """Take a request that has run its prefill (and sampled its first token) into the batch."""
         rows = _layer_tensors(generation.release_cache())
-        length = rows[0][0].shape[2]
-        self._rebuild(keep=list(range(len(self.generations))), new=[(rows, length)])
         self.generations.append(generation)
-        self._lengths.append(length)
+        self._lengths.append(rows[0][0].shape[2])
+        self._rows.append(None)
+        self._pending[id(generation)] = rows
 
     def discard(self, generation: Generation) -> None:
         """Drop a request (finished, aborted or failed) from the batch; nothing when it is not in it."""
         index = next((i for i, member in enumerate(self.generations) if member is generation), None)
         if index is None:
             return
-        keep = [i for i in range(len(self.generations)) if i != index]
-        self._rebuild(keep=keep, new=[])
         del self.generations[index]
         del self._lengths[index]
+        del self._rows[index]
+        self._pending.pop(id(generation), None)
+
+    def _sync(self) -> None:
+        """Rebuild the cache once for the membership changes since the last step (see :meth:`_rebuild`)."""
+        count = len(self.generations)
+        rows = -(-count // ROW_MULTIPLE) * ROW_MULTIPLE
+        current_rows = self._cache.layers[0].keys.shape[0] if self._cache is not None else 0
+        if self._rows == list(range(count)) and rows == current_rows:
+            return
+        self._rebuild()
+        self._rows = list(range(count))
+        self._pending.clear()
 
     def step(self) -> list[Finish | None]:
         """One forward pass over every request's last token; each samples its next token. Returns each request's
         finish reason (None: it goes on), in :attr:`generations` order."""
-        count = len(self.generations)
+        self._sync()
+        generations = self.generations
+        count = len(generations)
         rows = -(-count // ROW_MULTIPLE) * ROW_MULTIPLE
-        tokens = [generation.token_ids[-1] for generation in self.generations] + [0] * (rows - count)
+        tokens = [generation.token_ids[-1] for generation in generations] + [0] * (rows - count)
         positions = [*self._lengths, *([0] * (rows - count))]
-        lengths = [length + 1 for length in positions]
+        lengths = [length + 1 for length in self._lengths]
         logits = self._forward(tokens, positions, lengths)
-        self._lengths = [length + 1 for length in self._lengths]
-        return [generation.accept(logits[row]) for row, generation in enumerate(self.generations)]
+        self._lengths = lengths
+        finishes: list[Finish | None] = [None] * count
+        live: list[int] = []
+        live_logits: list[LiveLogits] = []
+        for row, generation in enumerate(generations):
+            row_logits = logits[row]
+            if isinstance(row_logits, LiveLogits) and generation.samples_live_rows:
+                live.append(row)
+                live_logits.append(row_logits)
+        if live:
+            picks = sample_live_rows(
+                torch.stack([row_logits.values for row_logits in live_logits]),
+                self._live_layout(live_logits[0].rows),
+                temperatures=[generations[row].settings.temperature for row in live],
+                greedy=[generations[row].settings.greedy for row in live],
+                generators=[generations[row].generator for row in live],
+            )
+            for row, picked in zip(live, picks, strict=True):
+                finishes[row] = generations[row].accept_live(picked)
+        sampled = set(live)
+        for row, generation in enumerate(generations):
+            if row not in sampled:
+                finishes[row] = generation.accept(logits[row])
+        return finishes
+
+    def _live_layout(self, rows: torch.Tensor) -> LiveLayout:
+        """The live ids' layout, made again when a weight load changed the live rows."""
+        if self._layout is None or self._layout.rows is not rows:
+            loaded = self._loaded
+            self._layout = LiveLayout.of(rows, vocab_size=loaded.vocab_size, sampleable=loaded.sampleable)
+        return self._layout
 
     # ---------------------------------------------------------------- internals
 
     def _forward(self, tokens: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor | list[Any]:
         """Each row's logits: float32 rows of one tensor, or the live-rows head's (one per row, padding included)."""
-        from transformers import DynamicCache
-
         loaded = self._loaded
         model = loaded.model
-        cache = DynamicCache(config=model.config)
-        for index, (keys, values) in enumerate(self._layers):
-            cache.update(keys, values, index)
+        cache = self._cache
         original = model.config._attn_implementation
         options: dict[str, Any] = {
             loaded.cache_argument: cache,
@@ -152,58 +243,109 @@ class DecodeBatch:
         }
         ids = torch.tensor(tokens, dtype=torch.long)[:, None]
         position_ids = torch.tensor(positions, dtype=torch.long)[:, None]
-        model.set_attn_implementation(_ROWS_KEY)
+        self._set_attention(_ROWS_KEY)
         try:
             if loaded.head is not None and loaded.head.rows is not None:
                 hidden = model.base_model(input_ids=ids, position_ids=position_ids, use_cache=True, **options)
-                logits: torch.Tensor | list[Any] = loaded.head.batch_live_logits(hidden.last_hidden_state[:, -1])
+                last = hidden.last_hidden_state[: len(lengths), -1]
+                logits: torch.Tensor | list[Any] = loaded.head.batch_live_logits(last)
             else:
                 if loaded.takes_logits_to_keep:
                     options["logits_to_keep"] = 1
                 output = model(input_ids=ids, position_ids=position_ids, use_cache=True, **options)
                 logits = output.logits[:, -1].to(dtype=torch.float32, copy=True)
         finally:
-            model.set_attn_implementation(original)
-        self._layers = _layer_tensors(cache)
+            self._set_attention(original)
         return logits
 
-    def _rebuild(self, *, keep: list[int], new: list[tuple[list[tuple[torch.Tensor, torch.Tensor]], int]]) -> None:
-        """The cache of rows ``keep`` (indices of current rows) and the ``new`` rows, left-padded to the longest and
-        with no column that is padding in every row, plus zero rows up to a multiple of :data:`ROW_MULTIPLE`."""
-        lengths = [self._lengths[i] for i in keep] + [length for _, length in new]
+    def _set_attention(self, name: str) -> None:
+        """Switch the model's attention implementation: by the config alone when every part of the model shares
+        it (transformers' own switch walks every module, a sizeable part of a step), else by transformers."""
+        model = self._loaded.model
+        if self._shared_config is None:
+            configs = {
+                id(module.config) for module in model.modules() if hasattr(module, "_can_set_attn_implementation")
+            }
+            self._shared_config = not model.config.sub_configs and configs == {id(model.config)}
+            model.set_attn_implementation(name)  # the first switch checks the name with transformers
+        elif self._shared_config:
+            model.config._attn_implementation_internal = name
+        else:
+            model.set_attn_implementation(name)
+
+    def _rebuild(self) -> None:
+        """The cache of every request's row (the kept rows of the current cache, the joined requests' own caches),
+        left-padded to the longest and with no column that is padding in every row, plus padding rows up to a
+        multiple of :data:`ROW_MULTIPLE`. Padding (columns left of a row's own, padding rows) is left unset:
+        attention never reads it."""
+        lengths = self._lengths
         if not lengths:
-            self._layers = []
+            self._cache = None
             return
+        keep = [row for row in self._rows if row is not None]
+        new = [
+            (self._pending[id(generation)], length)
+            for generation, length, row in zip(self.generations, lengths, self._rows, strict=True)
+            if row is None
+        ]
+        kept_places = [place for place, row in enumerate(self._rows) if row is not None]
+        new_places = [place for place, row in enumerate(self._rows) if row is None]
+        current = _layer_tensors(self._cache) if self._cache is not None else []
         columns = max(lengths)
-        count = len(lengths)
-        rows = -(-count // ROW_MULTIPLE) * ROW_MULTIPLE
-        layers = []
-        for layer in range(len(new[0][0]) if new else len(self._layers)):
-            parts: list[list[torch.Tensor]] = [[], []]
+        rows = -(-len(lengths) // ROW_MULTIPLE) * ROW_MULTIPLE
+        kept = torch.tensor(keep, dtype=torch.long)
+        layers: list[Any] = []
+        for layer in range(len(new[0][0]) if new else len(current)):
+            buffers = []
             for which in (0, 1):
-                if keep:
-                    current = self._layers[layer][which]
-                    part = current.index_select(0, torch.tensor(keep, dtype=torch.long))
-                    parts[which].append(_fit_columns(part, columns))
-                for cache_rows, _ in new:
-                    parts[which].append(_fit_columns(cache_rows[layer][which], columns))
-                sample = parts[which][0]
-                if rows > count:
-                    parts[which].append(sample.new_zeros((rows - count, *sample.shape[1:])))
-            layers.append((torch.cat(parts[0]), torch.cat(parts[1])))
-        self._layers = layers
+                sample = new[0][0][layer][which] if new else current[layer][which]
+                shape = (rows, sample.shape[1], columns + _SPARE_COLUMNS, sample.shape[3])
+                buffer = sample.new_empty(shape)
+                if keep:  # the kept rows' own columns are the last ones of the current cache
+                    old = current[layer][which]
+                    width = min(old.shape[2], columns)
+                    buffer[kept_places, :, columns - width : columns] = old.index_select(0, kept)[:, :, -width:]
+                for place, (cache_rows, length) in zip(new_places, new, strict=True):
+                    buffer[place, :, columns - length : columns] = cache_rows[layer][which][0]
+                buffers.append(buffer)
+            layers.append(_GrowingLayer(buffers[0], buffers[1], columns))
+        from transformers import DynamicCache
+
+        cache = DynamicCache(config=self._loaded.model.config)
+        cache.layers = layers
+        self._cache = cache
+
+
+class _GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call, unused-ignore]  # transformers is untyped
+    """A KV cache layer of the batch's padded rows that a decode step grows in place: its keys and values are the
+    first columns of larger buffers, so a new column is written, not the whole cache copied (which a plain
+    ``DynamicLayer`` does on every update)."""
+
+    def __init__(self, key_buffer: torch.Tensor, value_buffer: torch.Tensor, columns: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call, unused-ignore]
+        self._key_buffer, self._value_buffer = key_buffer, value_buffer
+        self._columns = columns
+        self.keys, self.values = key_buffer[:, :, :columns], value_buffer[:, :, :columns]
+        self.is_initialized = True
+        self.device = key_buffer.device
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = self._columns, self._columns + key_states.shape[2]
+        if end > self._key_buffer.shape[2]:
+            shape = (*self._key_buffer.shape[:2], end + _SPARE_COLUMNS, self._key_buffer.shape[3])
+            key_buffer, value_buffer = self._key_buffer.new_empty(shape), self._value_buffer.new_empty(shape)
+            key_buffer[:, :, :start] = self._key_buffer[:, :, :start]
+            value_buffer[:, :, :start] = self._value_buffer[:, :, :start]
+            self._key_buffer, self._value_buffer = key_buffer, value_buffer
+        self._key_buffer[:, :, start:end] = key_states
+        self._value_buffer[:, :, start:end] = value_states
+        self._columns = end
+        self.keys = self._key_buffer[:, :, :end]
+        self.values = self._value_buffer[:, :, :end]
+        return self.keys, self.values
 
 
 def _layer_tensors(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(layer.keys, layer.values) for layer in cache.layers]
-
-
-def _fit_columns(tensor: torch.Tensor, columns: int) -> torch.Tensor:
-    """``tensor`` (rows, heads, length, head size) with ``columns`` positions: left-padded with zeros or with its
-    leading columns (padding in every row) cut."""
-    length = tensor.shape[2]
-    if length == columns:
-        return tensor
-    if length > columns:
-        return tensor[:, :, length - columns :]
-    return torch.nn.functional.pad(tensor, (0, 0, columns - length, 0))

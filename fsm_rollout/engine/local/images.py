@@ -30,6 +30,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -69,6 +70,27 @@ NO_CACHE_ADVICE: Final = (
 )
 
 _RGB_BACKGROUND: Final = (255, 255, 255)
+_REMEMBERED: Final = 32
+"""Rendered image lists and checked feature items remembered (least recently used out): a multi-turn conversation
+renders its images, and sends their feature items, with every turn, and decoding, resizing and encoding megabytes
+per turn would be most of a render or generate call's cost."""
+
+
+@dataclass
+class _Processed:
+    """One render's images, preprocessed, and the features last built from them (with their key)."""
+
+    pixel_values: torch.Tensor
+    grids: torch.Tensor
+    counts: list[int]
+    features: tuple[tuple[bool, tuple[tuple[int, int], ...]], dict[str, Any]] | None = None
+
+
+def _remember(cache: OrderedDict[Any, Any], key: Any, value: Any) -> None:
+    cache[key] = value
+    cache.move_to_end(key)
+    if len(cache) > _REMEMBERED:
+        cache.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -88,6 +110,9 @@ class ImageSupport:
     def __init__(self, tokenizer: Any) -> None:
         self.pad_token_id = _token_id(tokenizer, IMAGE_PAD_TOKEN)
         self._processor: Any = None
+        self._rendered: OrderedDict[tuple[str, ...], _Processed] = OrderedDict()  # by the images' data URLs
+        # (kwargs_data item, mm_metadata item) -> (the grid's t, h, w, pixel_values' shape or None), least recent first
+        self._checked: OrderedDict[tuple[str, str | None], tuple[list[int], tuple[int, ...] | None]] = OrderedDict()
 
     # ---------------------------------------------------------------- render
 
@@ -112,10 +137,15 @@ class ImageSupport:
                 "part?).",
                 "messages",
             )
-        names = list(places) if places is not None else [f"image {index}" for index in range(len(image_urls))]
-        images = [load_image_url(url, name) for url, name in zip(image_urls, names, strict=True)]
-        pixel_values, grids = self.preprocess(images)
-        counts = [tokens_per_image(grid) for grid in grids.tolist()]
+        urls = tuple(image_urls)
+        processed = self._rendered.get(urls)
+        if processed is None:
+            names = list(places) if places is not None else [f"image {index}" for index in range(len(urls))]
+            images = [load_image_url(url, name) for url, name in zip(urls, names, strict=True)]
+            pixel_values, grids = self.preprocess(images)
+            processed = _Processed(pixel_values, grids, [tokens_per_image(grid) for grid in grids.tolist()])
+        _remember(self._rendered, urls, processed)
+        counts = processed.counts
         expanded: list[int] = []
         placeholders: list[tuple[int, int]] = []
         for token in token_ids:
@@ -125,7 +155,11 @@ class ImageSupport:
                 expanded.extend([pad] * count)
             else:
                 expanded.append(token)
-        return RenderedImages(expanded, _features(pixel_values, grids, placeholders, with_tensors=with_tensors))
+        key = (with_tensors, tuple(placeholders))
+        if processed.features is None or processed.features[0] != key:
+            built = _features(processed.pixel_values, processed.grids, placeholders, with_tensors=with_tensors)
+            processed.features = (key, built)
+        return RenderedImages(expanded, dict(processed.features[1]))
 
     def preprocess(self, images: Sequence[Image]) -> tuple[torch.Tensor, torch.Tensor]:
         """``pixel_values`` (float32, one row per patch) and ``image_grid_thw`` (int64, one row per image) of the
@@ -165,19 +199,12 @@ class ImageSupport:
                     f"{IMAGE_PAD_TOKEN} ({pad}): the features do not belong to these token_ids",
                     "features",
                 )
-            data = self._item_data(features, index)
-            grid = data.get("image_grid_thw")
-            if grid is None or tuple(grid.shape) not in ((3,), (1, 3)) or grid.dtype.is_floating_point:
-                raise RequestError(
-                    400, f"features.kwargs_data.image[{index}] has no integer (t, h, w) image_grid_thw", "features"
-                )
-            thw = [int(size) for size in grid.reshape(-1).tolist()]
+            thw, shape = self._item_shapes(features, index)
             patches = thw[0] * thw[1] * thw[2]
-            pixel_values = data.get("pixel_values")
-            if pixel_values is not None and (pixel_values.dim() != 2 or pixel_values.shape[0] != patches):
+            if shape is not None and (len(shape) != 2 or shape[0] != patches):
                 raise RequestError(
                     400,
-                    f"features.kwargs_data.image[{index}]: pixel_values of shape {list(pixel_values.shape)} do not "
+                    f"features.kwargs_data.image[{index}]: pixel_values of shape {list(shape)} do not "
                     f"hold the {patches} patch rows of image_grid_thw {thw}",
                     "features",
                 )
@@ -188,6 +215,29 @@ class ImageSupport:
                     f"(t*h*w / {IMAGE_MERGE_SIZE}**2), not {length}",
                     "features",
                 )
+
+    def _item_shapes(self, features: ImageFeatures, index: int) -> tuple[list[int], tuple[int, ...] | None]:
+        """The item's integer (t, h, w) grid and its ``pixel_values``' shape (None when it has none), decoded once
+        per distinct item (see :data:`_REMEMBERED`); a 400 when it has no such grid."""
+        item = features.items[index]
+        key = (item, features.metadata[index]) if item is not None else None
+        if key is not None and key in self._checked:
+            _remember(self._checked, key, self._checked[key])
+            return self._checked[key]
+        data = self._item_data(features, index)
+        grid = data.get("image_grid_thw")
+        if grid is None or tuple(grid.shape) not in ((3,), (1, 3)) or grid.dtype.is_floating_point:
+            raise RequestError(
+                400, f"features.kwargs_data.image[{index}] has no integer (t, h, w) image_grid_thw", "features"
+            )
+        pixel_values = data.get("pixel_values")
+        shapes = (
+            [int(size) for size in grid.reshape(-1).tolist()],
+            None if pixel_values is None else tuple(pixel_values.shape),
+        )
+        if key is not None:
+            _remember(self._checked, key, shapes)
+        return shapes
 
     def _item_data(self, features: ImageFeatures, index: int) -> dict[str, Any]:
         """The item's fields, its ``mm_metadata`` fields over its ``kwargs_data`` ones (vLLM's merge)."""

@@ -16,6 +16,9 @@ then). :func:`sample_live` gives what the full-vocabulary path of
 - the greedy token, the rank and the top candidate count the zero rows (the lowest zero-row id stands for them
   all: an argmax takes the first of equal values).
 
+:func:`sample_live_rows` does the same for the rows of a decode batch at once (one log-softmax call over all of
+them; each row's result is the one it gets alone).
+
 Only the settings whose effect on the zero rows is uniform take this path (temperature, greedy, ``min_tokens``, at
 most one top candidate); penalties and the ``min_p``/``top_k``/``top_p`` filters run over the full vocabulary.
 Ids from ``sampleable`` up (padding rows) are never sampled, as on the full path.
@@ -23,13 +26,21 @@ Ids from ``sampleable`` up (padding rows) are never sampled, as on the full path
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy
 import torch
 
-__all__ = ["LiveLogits", "LiveRowsHead", "LiveSample", "live_rows_head", "sample_live"]
+__all__ = [
+    "LiveLayout",
+    "LiveLogits",
+    "LiveRowsHead",
+    "LiveSample",
+    "live_rows_head",
+    "sample_live",
+    "sample_live_rows",
+]
 
 
 @dataclass
@@ -118,6 +129,96 @@ class LiveSample:
     best_logprob: float
 
 
+@dataclass(frozen=True)
+class LiveLayout:
+    """What :func:`sample_live_rows` needs of the live ids, the same for every row: made once per head refresh."""
+
+    rows: torch.Tensor
+    listed: numpy.ndarray
+    vocab_size: int
+    sampleable: int
+    inside: int
+    """Live ids below ``sampleable``: ``rows[:inside]``."""
+    rest: int
+    """Zero rows that can be sampled."""
+    first_zero: int
+    gather: torch.Tensor
+    """The live ids, then one zero row (id 0 when there is none): where the log-softmax is read."""
+    below: numpy.ndarray
+    """Zero rows below each live id (all of them for ids from ``sampleable`` up)."""
+    scratch: list[torch.Tensor] = field(default_factory=list)
+    """Full-vocabulary logits rows kept from call to call: 0 but at the live ids, -inf from ``sampleable`` up (the
+    live ids are written over at every call, so the rest need not be filled again)."""
+
+    def full_logits(self, values: torch.Tensor) -> torch.Tensor:
+        """The full-vocabulary logits of the rows of live ``values`` (rows, live ids)."""
+        count = values.shape[0]
+        if not self.scratch or self.scratch[0].shape[0] < count:
+            full = torch.zeros((count, self.vocab_size), dtype=torch.float32)
+            full[:, self.sampleable :] = float("-inf")
+            self.scratch[:] = [full]
+        full = self.scratch[0][:count]
+        full[:, self.rows] = values
+        return full
+
+    @staticmethod
+    def of(rows: torch.Tensor, *, vocab_size: int, sampleable: int) -> LiveLayout:
+        listed = rows.numpy()
+        inside = int(numpy.searchsorted(listed, sampleable))
+        rest = sampleable - inside
+        first_zero = _first_zero_row(listed, inside) if rest else -1
+        below = numpy.full(listed.shape[0], rest, dtype=numpy.int64)
+        below[:inside] = listed[:inside] - numpy.arange(inside)
+        gather = torch.cat([rows, torch.tensor([max(first_zero, 0)])])
+        return LiveLayout(rows, listed, vocab_size, sampleable, inside, rest, first_zero, gather, below)
+
+
+def sample_live_rows(
+    values: torch.Tensor,
+    layout: LiveLayout,
+    *,
+    temperatures: list[float],
+    greedy: list[bool],
+    generators: list[torch.Generator],
+) -> list[LiveSample]:
+    """:func:`sample_live` without ``masked`` for several rows at once: ``values`` (rows, live ids) holds each row's
+    live logits (modified in place), the other lists one entry per row.
+
+    Each row gets what :func:`sample_live` gives it alone, bit for bit: the one full-vocabulary log-softmax runs
+    over all rows in one call (a row's result does not depend on the others), everything else is elementwise or
+    per row.
+    """
+    count = values.shape[0]
+    inside, rest, first_zero = layout.inside, layout.rest, layout.first_zero
+    if inside < values.shape[1]:
+        values[:, inside:] = float("-inf")
+    for row in range(count):
+        if not greedy[row] and temperatures[row] != 1.0:
+            values[row] = values[row] / temperatures[row]  # a zero row stays 0
+    picked = torch.log_softmax(layout.full_logits(values), dim=1)[:, layout.gather]
+    logprobs_all = picked.numpy()
+    live_values = values.numpy()
+    best_columns = numpy.argmax(live_values, axis=1)
+    samples = []
+    for row in range(count):
+        logprobs = logprobs_all[row, :-1]
+        zero_logprob = float(logprobs_all[row, -1]) if rest else float("-inf")
+        live_best = int(best_columns[row])
+        best_id, best_logprob = int(layout.listed[live_best]), float(logprobs[live_best])
+        top_value = float(live_values[row, live_best])
+        if rest and (top_value < 0.0 or (top_value == 0.0 and first_zero < best_id)):
+            best_id, best_logprob = first_zero, zero_logprob
+        if greedy[row]:
+            token, logprob = best_id, best_logprob
+        else:
+            probs = picked[row].exp().to(torch.float64).numpy()  # the exp the full path's draw takes
+            uniform = float(torch.rand((), generator=generators[row], dtype=torch.float64))
+            token, logprob = _draw(layout, logprobs, probs, zero_logprob, uniform)
+        rank = int((logprobs > logprob).sum()) + (rest if zero_logprob > logprob else 0) + 1
+        samples.append(LiveSample(token=token, logprob=logprob, rank=rank, best=best_id, best_logprob=best_logprob))
+    return samples
+
+
 def sample_live(
     logits: LiveLogits,
     *,
@@ -132,66 +233,29 @@ def sample_live(
 
     ``logits.values`` may be modified in place.
     """
-    ids, values = logits.rows, logits.values
-    if masked is not None and masked.numel():
-        ids = torch.unique(torch.cat([logits.rows, masked]))  # sorted; a masked zero row becomes an explicit -inf
-        merged = torch.zeros(ids.numel(), dtype=torch.float32)
-        merged[torch.searchsorted(ids, logits.rows)] = values
-        merged[torch.searchsorted(ids, masked)] = float("-inf")
-        values = merged
-    listed = ids.numpy()
-    inside = int(numpy.searchsorted(listed, sampleable))  # ids below ``sampleable``: ids[:inside]
-    if inside < ids.numel():
-        values[inside:] = float("-inf")
-    rest = sampleable - inside  # zero rows that can be sampled
-    if not greedy and temperature != 1.0:
-        values = values / temperature  # a zero row stays 0
-    first_zero = _first_zero_row(listed, inside) if rest else -1
-    # The full vocabulary's float32 log-softmax, bit for bit (see the module docstring), read at the listed ids and
-    # at one zero row (they all have the same value).
-    full = torch.zeros(vocab_size, dtype=torch.float32)
-    full[ids] = values
-    full[sampleable:] = float("-inf")
-    normalised = torch.log_softmax(full, dim=0)
-    picked = normalised[torch.cat([ids, torch.tensor([max(first_zero, 0)])])]
-    logprobs = picked.numpy()
-    zero_logprob = float(logprobs[-1]) if rest else float("-inf")
-    logprobs = logprobs[:-1]
-
-    # The argmax of the logits, as the full path takes it: the first id of the largest value.
-    live_best = int(numpy.argmax(values.numpy()))
-    best_id, best_logprob = int(listed[live_best]), float(logprobs[live_best])
-    top_value = float(values[live_best])
-    if rest and (top_value < 0.0 or (top_value == 0.0 and first_zero < best_id)):
-        best_id, best_logprob = first_zero, zero_logprob
-
-    if greedy:
-        token, logprob = best_id, best_logprob
-    else:
-        probs = picked.exp().to(torch.float64).numpy()  # the exp the full path's draw takes
-        uniform = float(torch.rand((), generator=generator, dtype=torch.float64))
-        token, logprob = _draw(listed, logprobs, probs, inside, rest, zero_logprob, sampleable, uniform)
-    rank = int((logprobs > logprob).sum()) + (rest if zero_logprob > logprob else 0) + 1
-    return LiveSample(token=token, logprob=logprob, rank=rank, best=best_id, best_logprob=best_logprob)
+    if masked is None or not masked.numel():
+        layout = LiveLayout.of(logits.rows, vocab_size=vocab_size, sampleable=sampleable)
+        return sample_live_rows(
+            logits.values[None], layout, temperatures=[temperature], greedy=[greedy], generators=[generator]
+        )[0]
+    ids = torch.unique(torch.cat([logits.rows, masked]))  # sorted; a masked zero row becomes an explicit -inf
+    merged = torch.zeros(ids.numel(), dtype=torch.float32)
+    merged[torch.searchsorted(ids, logits.rows)] = logits.values
+    merged[torch.searchsorted(ids, masked)] = float("-inf")
+    masked_layout = LiveLayout.of(ids, vocab_size=vocab_size, sampleable=sampleable)
+    return sample_live_rows(
+        merged[None], masked_layout, temperatures=[temperature], greedy=[greedy], generators=[generator]
+    )[0]
 
 
 def _draw(
-    ids: numpy.ndarray,
-    logprobs: numpy.ndarray,
-    probs: numpy.ndarray,
-    inside: int,
-    rest: int,
-    zero_logprob: float,
-    sampleable: int,
-    uniform: float,
+    layout: LiveLayout, logprobs: numpy.ndarray, probs: numpy.ndarray, zero_logprob: float, uniform: float
 ) -> tuple[int, float]:
     """The inverse-CDF draw over ascending ids, zero rows counted in blocks between the listed ids (``probs``: the
     listed ids' probabilities, then a zero row's)."""
+    ids, inside, rest, sampleable, below = layout.listed, layout.inside, layout.rest, layout.sampleable, layout.below
     count = ids.shape[0]
     zero_prob = float(probs[-1]) if rest else 0.0
-    # Zero rows below each id: an id below ``sampleable`` has every lower id either listed or a zero row.
-    below = numpy.full(count, rest, dtype=numpy.int64)
-    below[:inside] = ids[:inside] - numpy.arange(inside)
     cumulative = numpy.cumsum(probs[:count])
     cdf = cumulative + zero_prob * below
     total = float(cumulative[-1]) + zero_prob * rest

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from fsm_rollout.engine.local.errors import ModelLoadError, WeightLoadError
-from fsm_rollout.engine.local.live_rows import LiveLogits, LiveRowsHead, live_rows_head, sample_live
+from fsm_rollout.engine.local.live_rows import LiveLogits, LiveRowsHead, LiveSample, live_rows_head, sample_live
 from fsm_rollout.engine.local.protocol import SamplingSettings
 from fsm_rollout.engine.schema import Finish
 from fsm_rollout.engine.stop_strings import completed_stop_string
@@ -347,6 +347,28 @@ class Generation:
                 token, logprob = self._sample(logits.full(self._loaded.vocab_size))
         else:
             token, logprob = self._sample(logits)
+        return self.record(token, logprob)
+
+    @property
+    def samples_live_rows(self) -> bool:
+        """Whether the next token is sampled from live-rows logits by :func:`sample_live` without a mask, so that
+        :func:`~fsm_rollout.engine.local.live_rows.sample_live_rows` may sample it among other rows."""
+        return self._samples_live and not (
+            len(self.token_ids) < self.settings.min_tokens and self._min_tokens_mask.numel()
+        )
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The request's own random generator."""
+        return self._generator
+
+    def accept_live(self, picked: LiveSample) -> Finish | None:
+        """Take a token sampled elsewhere from this request's live-rows logits (see :attr:`samples_live_rows`) and
+        return why the generation ended, or None to go on."""
+        return self.record(picked.token, self._live_logprob(picked))
+
+    def record(self, token: int, logprob: TokenLogprob) -> Finish | None:
+        """Append a sampled token and return why the generation ended, or None to go on."""
         self.token_ids.append(token)
         self.logprobs.append(logprob)
         if self._seen is not None:
@@ -397,8 +419,11 @@ class Generation:
             greedy=settings.greedy,
             generator=self._generator,
         )
-        top = ((picked.best, max(picked.best_logprob, _MIN_JSON_LOGPROB), 1),) if settings.logprobs else ()
-        return picked.token, TokenLogprob(token_id=picked.token, logprob=picked.logprob, rank=picked.rank, top=top)
+        return picked.token, self._live_logprob(picked)
+
+    def _live_logprob(self, picked: LiveSample) -> TokenLogprob:
+        top = ((picked.best, max(picked.best_logprob, _MIN_JSON_LOGPROB), 1),) if self.settings.logprobs else ()
+        return TokenLogprob(token_id=picked.token, logprob=picked.logprob, rank=picked.rank, top=top)
 
     def _process(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits the token is drawn from: padding rows, ``min_tokens``, penalties, then the filters."""

@@ -36,6 +36,8 @@ def coerce_flat_int_token_ids(value: Any) -> TokenIds:
     """Flatten nested lists, tuples, arrays or tensors of token ids into ``list[int]``; None gives ``[]``."""
     if value is None:
         return []
+    if is_int_list(value):  # a render answer's flat list: checked in C, the loop below is for the rest
+        return list(value)
     if isinstance(value, str | bytes):
         raise MalformedRenderError(f"token_ids must be a sequence of integers, got {type(value).__name__}")
     if hasattr(value, "tolist"):
