@@ -4,15 +4,16 @@ Run it with ``python -m fsm_rollout.examples.grpo [--steps N] [--async]`` (``--h
 It is the loop a user of the library would write: groups of rollouts (``runner.run_group``), group-normalised
 advantages, a clipped policy-gradient loss over the trainable tokens (``loss_mask == 1``) with importance ratios
 against the engine's ``rollout_log_probs``, an optimizer step, and the new weights pushed inside
-``runner.weight_update``. Before each step every trainable token's logprob is recomputed with the weights that
-sampled it (read from the sample's weight-version spans): the gap to the engine's number is the train/inference
-mismatch a shifted token, a wrong mask or a re-tokenised turn would show; it should be float32 noise. ``--async``
+``runner.weight_update``. The trainer takes a step's samples in one right-padded forward and backward pass. Before
+each step every trainable token's logprob is recomputed with the weights that sampled it (read from the sample's
+weight-version spans): the gap to the engine's number is the train/inference mismatch a shifted token, a wrong mask
+or a re-tokenised turn would show; it should be float32 noise. ``--async``
 starts the next step's rollouts before this one trains, so the update lands while they are in flight (the runner
 suspends and resumes them) and their older tokens are recomputed with a kept copy of the older weights.
 
-What only the tiny model needs (the question screen, the vocabulary rows that may learn, the environment) is in
-:mod:`fsm_rollout.examples.grpo_tiny`. Each step prints one line; the last line is a JSON object with ``steps``,
-``reward_first``, ``reward_last``, ``logprob_gap_mean``, ``logprob_gap_max`` and ``minutes``.
+What only the tiny model needs (the question screen, the vocabulary rows that may learn and the LM head over them,
+the environment) is in :mod:`fsm_rollout.examples.grpo_tiny`. Each step prints one line; the last line is a JSON
+object with ``steps``, ``reward_first``, ``reward_last``, ``logprob_gap_mean``, ``logprob_gap_max`` and ``minutes``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +37,70 @@ from fsm_rollout.engine.local import LocalEngine
 from fsm_rollout.engine.local.default_model import default_model_dir
 from fsm_rollout.examples.grpo_cli import GRPOOptions, GRPORun, StepReport, parse_args
 from fsm_rollout.examples.grpo_cli import summary as summarize
-from fsm_rollout.examples.grpo_tiny import build_env, learn_live_vocabulary_rows, screen
+from fsm_rollout.examples.grpo_tiny import LiveVocabulary, build_env, screen
 
-__all__ = ["GRPOOptions", "GRPORun", "Trainer", "main", "parse_args", "train"]
+__all__ = [
+    "GRPOOptions", "GRPORun", "TrainableTokens", "Trainer", "clipped_loss", "main", "parse_args", "token_logprobs",
+    "train",
+]  # fmt: skip
 
 
-def token_logprobs(model: Any, sample: Sample, positions: Sequence[int], vocab: int) -> torch.Tensor:
-    """log p(token) of the response tokens at ``positions`` under ``model`` (temperature 1), over the tokenizer's
-    ``vocab`` ids only, as the embedded engine never samples the embedding's padding rows."""
-    tokens = torch.tensor([sample.tokens], dtype=torch.long)
-    before = torch.tensor([len(sample.tokens) - sample.response_length + p - 1 for p in positions], dtype=torch.long)
-    logits = model.lm_head(model.model(input_ids=tokens).last_hidden_state[0][before]).float()[:, :vocab]
-    return torch.log_softmax(logits, dim=-1).gather(1, tokens[0, before + 1].unsqueeze(1)).squeeze(1)
+@dataclass(frozen=True)
+class TrainableTokens:
+    """A step's trainable tokens (``loss_mask == 1``), one entry each, and their samples as one batch of token ids,
+    right-padded (a causal model's outputs at the real positions do not see the padding after them)."""
+
+    inputs: torch.Tensor  # (samples, longest sample) token ids
+    row: torch.Tensor  # the token's sample (its row of ``inputs``)
+    before: torch.Tensor  # the position whose logits give the token
+    target: torch.Tensor  # the token's id
+    rollout: torch.Tensor  # the engine's logprob of it
+    advantage: torch.Tensor  # its sample's advantage
+    version: list[str]  # the weight version that sampled it
+
+    @classmethod
+    def of(cls, samples: Sequence[Sample], advantages: Sequence[float]) -> TrainableTokens:
+        inputs = torch.zeros((len(samples), max((len(s.tokens) for s in samples), default=1)), dtype=torch.long)
+        row, before, rollout, advantage, version = [], [], [], [], []
+        for index, (sample, sample_advantage) in enumerate(zip(samples, advantages, strict=True)):
+            inputs[index, : len(sample.tokens)] = torch.tensor(sample.tokens)
+            prompt = len(sample.tokens) - sample.response_length
+            sampled_by = {p: str(span["version"]) for span in sample.metadata.get("weight_version_spans") or []
+                          for p in range(span["start"], span["end"])}  # fmt: skip
+            for position, bit in enumerate(sample.loss_mask or []):
+                if bit == 1:
+                    row.append(index)
+                    before.append(prompt + position - 1)
+                    rollout.append((sample.rollout_log_probs or [])[position])
+                    advantage.append(sample_advantage)
+                    version.append(sampled_by.get(position, ""))
+        rows, befores = torch.tensor(row, dtype=torch.long), torch.tensor(before, dtype=torch.long)
+        return cls(inputs, rows, befores, inputs[rows, befores + 1], torch.tensor(rollout), torch.tensor(advantage),
+                   version)  # fmt: skip
+
+
+def token_logprobs(policy: Any, vocabulary: LiveVocabulary, tokens: TrainableTokens,
+                   which: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """log p(token) under ``policy`` (temperature 1) of the trainable tokens (those at indices ``which``; all by
+    default): one forward pass over the samples that hold them, the LM head over the vocabulary's live rows."""
+    which = torch.arange(len(tokens.target)) if which is None else which
+    if not len(which):
+        return torch.zeros(0)
+    rows, row = torch.unique(tokens.row[which], return_inverse=True)
+    inputs = tokens.inputs[rows]
+    hidden = policy.model(inputs_embeds=vocabulary.embed(inputs)).last_hidden_state
+    return vocabulary.logprobs(hidden[row, tokens.before[which]], tokens.target[which])
+
+
+def clipped_loss(current: torch.Tensor, tokens: TrainableTokens, clip: float) -> torch.Tensor:
+    """The clipped policy-gradient loss of ``current`` (the trainable tokens' logprobs under the policy), with
+    importance ratios against the rollout's logprobs, summed over the tokens of non-zero advantage and divided by
+    the number of trainable tokens."""
+    keep = tokens.advantage.ne(0)
+    ratio = torch.exp(current[keep] - tokens.rollout[keep])
+    advantage = tokens.advantage[keep]
+    clipped = ratio.clamp(1 - clip, 1 + clip) * advantage
+    return -torch.minimum(ratio * advantage, clipped).sum() / max(len(current), 1)
 
 
 def group_advantages(rewards: Sequence[float]) -> list[float]:
@@ -56,66 +110,66 @@ def group_advantages(rewards: Sequence[float]) -> list[float]:
 
 
 class Trainer:
-    """The policy (a transformers copy of the served model), its optimizer, and frozen copies of recent versions."""
+    """The policy (a transformers copy of the served model) with its vocabulary's live rows, its optimizer, and
+    frozen copies of recent versions.
+
+    A step is one batch, which suits the tiny model; a larger one would split it into micro-batches and add up their
+    gradients (the loss is a sum over tokens)."""
 
     def __init__(self, model_dir: Path, options: GRPOOptions) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.options = options
-        self.vocab = len(AutoTokenizer.from_pretrained(str(model_dir)))
+        vocab = len(AutoTokenizer.from_pretrained(str(model_dir)))
         self.policy: Any = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
         self.policy.train()  # Qwen2 has no dropout: train mode computes what eval mode does
-        learn_live_vocabulary_rows(self.policy, enabled=options.train_live_rows)
-        trainable = [parameter for parameter in self.policy.parameters() if parameter.requires_grad]
+        # only the vocabulary matrix's live rows learn, as a parameter of their own
+        self.vocabulary = LiveVocabulary(self.policy, vocab, enabled=options.train_live_rows)
+        self.trainable = [p for p in (*self.policy.parameters(), self.vocabulary.weight) if p.requires_grad]
         self.optimizer: torch.optim.Optimizer = (
-            torch.optim.SGD(trainable, lr=options.learning_rate, momentum=0.9) if options.optimizer == "sgd"
-            else torch.optim.AdamW(trainable, lr=options.learning_rate, weight_decay=0.0)
+            torch.optim.SGD(self.trainable, lr=options.learning_rate, momentum=0.9) if options.optimizer == "sgd"
+            else torch.optim.AdamW(self.trainable, lr=options.learning_rate, weight_decay=0.0)
         )  # fmt: skip
         self.version, self.history = "0", ["0"]
-        self._old: dict[str, Any] = {}  # version -> a frozen copy of the model with that version's weights
+        self._old: dict[str, tuple[Any, LiveVocabulary]] = {}  # version -> frozen copies with that version's weights
 
     def weights(self) -> dict[str, torch.Tensor]:
+        """A copy of every parameter and buffer."""
         return {name: value.detach().clone() for name, value in self.policy.state_dict().items()}
+
+    def updated_weights(self) -> dict[str, torch.Tensor]:
+        """The parameters an optimizer step changes, not copied: the engine copies them before its ``load_weights``
+        returns."""
+        return {name: value.detach() for name, value in self.policy.named_parameters()
+                if value.requires_grad or (self.vocabulary.learns and value is self.vocabulary.matrix)}  # fmt: skip
 
     def step(self, samples: Sequence[Sample], advantages: Sequence[float]) -> tuple[list[float], int]:
         """One optimizer step; returns every trainable token's |rollout logprob - recomputed| and the stale tokens."""
-        total = sum(sum(sample.loss_mask or []) for sample in samples) or 1
-        gaps: list[float] = []
-        stale = 0
+        tokens = TrainableTokens.of(samples, advantages)
+        learns = bool(tokens.advantage.ne(0).any())  # else no gradient, and the optimizer moves nothing
         self.optimizer.zero_grad(set_to_none=True)
-        for sample, advantage in zip(samples, advantages, strict=True):
-            positions = [position for position, bit in enumerate(sample.loss_mask or []) if bit == 1]
-            if not positions:
-                continue
-            rollout = torch.tensor([(sample.rollout_log_probs or [])[position] for position in positions])
-            current = token_logprobs(self.policy, sample, positions, self.vocab)
-            # the gap is taken with the weights that sampled each token: older versions from their frozen copies
-            sampled_by = {p: str(span["version"]) for span in sample.metadata.get("weight_version_spans") or []
-                          for p in range(span["start"], span["end"])}  # fmt: skip
-            behind = [index for index, position in enumerate(positions) if sampled_by.get(position) != self.version]
-            recomputed = current.detach().clone()
-            for version in sorted({sampled_by[positions[index]] for index in behind}):
-                indices = [index for index in behind if sampled_by[positions[index]] == version]
-                with torch.no_grad():
-                    recomputed[indices] = token_logprobs(
-                        self._frozen(version), sample, [positions[index] for index in indices], self.vocab
-                    )
-            stale += len(behind)
-            gaps.extend((recomputed - rollout).abs().tolist())
-            if advantage != 0.0:  # the loss uses the current policy, with ratios against the rollout's logprobs
-                ratio = torch.exp(current - rollout)
-                clipped = ratio.clamp(1 - self.options.clip, 1 + self.options.clip)
-                (-torch.minimum(ratio * advantage, clipped * advantage).sum() / total).backward()  # type: ignore[no-untyped-call, unused-ignore]
-        torch.nn.utils.clip_grad_norm_([p for p in self.policy.parameters() if p.requires_grad], 1.0)
+        with torch.set_grad_enabled(learns):
+            current = token_logprobs(self.policy, self.vocabulary, tokens)
+        # the gap is taken with the weights that sampled each token: older versions from their frozen copies
+        recomputed = current.detach().clone()
+        behind = [index for index, version in enumerate(tokens.version) if version != self.version]
+        for version in sorted({tokens.version[index] for index in behind}):
+            which = torch.tensor([index for index in behind if tokens.version[index] == version])
+            with torch.no_grad():
+                recomputed[which] = token_logprobs(*self._frozen(version), tokens, which)
+        if learns:  # the loss uses the current policy, with ratios against the rollout's logprobs
+            clipped_loss(current, tokens, self.options.clip).backward()  # type: ignore[no-untyped-call, unused-ignore]
+        torch.nn.utils.clip_grad_norm_(self.trainable, 1.0)
         if self.options.asynchronous:  # samples still in flight carry tokens of this version
-            frozen = copy.deepcopy(self.policy).eval().requires_grad_(False)
+            frozen = copy.deepcopy((self.policy, self.vocabulary))
             self._old = {self.version: frozen, **{v: m for v, m in self._old.items() if v in self.history[-2:]}}
         self.optimizer.step()
+        self.vocabulary.write_back()
         self.version = str(int(self.version) + 1)
         self.history.append(self.version)
-        return gaps, stale
+        return (recomputed - tokens.rollout).abs().tolist(), len(behind)
 
-    def _frozen(self, version: str) -> Any:
+    def _frozen(self, version: str) -> tuple[Any, LiveVocabulary]:
         if version not in self._old:
             raise RuntimeError(f"no weights kept for version {version}: the sample is staler than the trainer keeps")
         return self._old[version]
@@ -195,7 +249,7 @@ async def train(options: GRPOOptions, *, out: Any = sys.stdout) -> GRPORun:
                 # the new weights reach the engine; samples in flight are suspended meanwhile
                 suspensions_before = runner.metrics().suspensions
                 async with runner.weight_update(version=trainer.version):
-                    await engine.load_weights(trainer.weights(), version=trainer.version)
+                    await engine.load_weights(trainer.updated_weights(), version=trainer.version)
                 report.suspended = runner.metrics().suspensions - suspensions_before
                 reports.append(report)
                 print(report.line(), file=out, flush=True)

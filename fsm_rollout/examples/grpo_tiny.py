@@ -5,7 +5,7 @@ A trainer of a real model would not copy these:
 * :class:`NearMissEnv`: the Geo3K task as the example's environment (exact credit by default);
 * :func:`screen`: the practice questions the starting model solves now and then, since the tiny model solves most
   questions never, and a group of equal rewards has no advantage and gives no gradient;
-* :func:`learn_live_vocabulary_rows`: only the vocabulary rows the default model uses may learn.
+* :class:`LiveVocabulary`: only the vocabulary rows the default model uses may learn, held as a small parameter.
 """
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ from fsm_rollout.envs.geo3k import CORRECT_FEEDBACK, INCORRECT_FEEDBACK, answers
 from fsm_rollout.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
+    import torch
+
     from fsm_rollout.runner import RolloutRunner
 
 __all__ = [
     "DEFAULT_KINDS",
+    "LiveVocabulary",
     "NearMissEnv",
     "ScreenSettings",
     "build_env",
-    "learn_live_vocabulary_rows",
     "screen",
 ]
 
@@ -189,25 +191,82 @@ def _kind_and_answer(sample: Sample) -> set[tuple[str, str]]:
 # The vocabulary matrix
 
 
-def learn_live_vocabulary_rows(policy: Any, *, enabled: bool = True) -> None:
-    """Let only the vocabulary matrix's non-zero rows learn (with ``enabled``), or freeze the matrix.
+class LiveVocabulary:
+    """The vocabulary matrix's non-zero rows as a parameter of their own (:attr:`weight`): the only rows that learn,
+    and the LM head's logprobs computed from them as the embedded engine computes them.
 
     The vocabulary matrix (tied input/output) is 98% of the default model's parameters and most of its rows are ids
     the task never produces (all zero). Adam would move every one of them by about the learning rate each step (it
     rescales even their vanishing gradients), which ruins the output distribution within a few steps; so only the
-    live rows learn: the others' gradient is zeroed, and Adam leaves a parameter whose gradient has always been 0
-    where it is. A model without zero rows keeps its vocabulary matrix frozen. Call it before the optimizer is made.
-    """
-    import torch
+    live rows learn. Held apart (about 220 rows of about 152k), they are all the backward pass, the gradient clip and
+    the optimizer touch of the matrix, with the same AdamW arithmetic per row; a zero row is no parameter, so it
+    stays zero. The model's own matrix is frozen and gets the live rows back after every optimizer step
+    (:meth:`write_back`), which the engine's copy and a frozen copy of the model read.
 
-    seen: set[int] = set()
-    for module in (policy.get_input_embeddings(), policy.get_output_embeddings()):
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, torch.Tensor) or id(weight) in seen:  # tied input/output: one matrix
-            continue
-        seen.add(id(weight))
-        live = weight.detach().ne(0).any(dim=1, keepdim=True).to(weight.dtype)
-        if bool(live.all()) or not enabled:
-            weight.requires_grad_(False)
-        else:
-            weight.register_hook(lambda grad, live=live: grad * live)  # type: ignore[no-untyped-call, unused-ignore]
+    With ``enabled`` False, and for a model whose matrix has no zero rows or is not tied, :attr:`weight` does not
+    learn and the matrix stays frozen. The LM head is taken to be the bias-free projection on the matrix (Qwen2's);
+    for another head the logprob gap would show it. Make it before the optimizer.
+    """
+
+    def __init__(self, policy: Any, vocab: int, *, enabled: bool = True) -> None:
+        import torch
+
+        matrix = policy.get_output_embeddings().weight
+        tied = matrix is policy.get_input_embeddings().weight
+        policy.get_input_embeddings().weight.requires_grad_(False)
+        matrix.requires_grad_(False)
+        self.matrix: torch.Tensor = matrix
+        self.vocab = vocab  # the tokenizer's ids; the rows above (padding) are never sampled
+        self.rows = torch.nonzero(matrix.detach()[:vocab].ne(0).any(dim=1)).squeeze(1)
+        self.zero_rows = vocab - len(self.rows)
+        self.learns = enabled and tied and self.zero_rows > 0
+        self.weight = torch.nn.Parameter(matrix.detach()[self.rows].clone(), requires_grad=self.learns)
+        # id -> its row of ``weight``; a zero row -> one past the last (where ``embed`` and ``logprobs`` put a 0)
+        self.column = torch.full((len(matrix),), len(self.rows), dtype=torch.long)
+        self.column[self.rows] = torch.arange(len(self.rows))
+        self._input = policy.get_input_embeddings()
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The input embeddings of ``ids``: the rows of :attr:`weight` (and 0 for a zero row) while it learns, so
+        that the gradient reaches it, else the model's own embedding."""
+        import torch
+
+        if not self.learns:
+            return self._input(ids)  # type: ignore[no-any-return]
+        table = torch.cat([self.weight, self.weight.new_zeros(1, self.weight.shape[1])])
+        return torch.nn.functional.embedding(self.column[ids], table)
+
+    def logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """log p(target) at temperature 1 over the tokenizer's ids, for final hidden states ``hidden`` (tokens,
+        hidden size) and ``targets`` (tokens).
+
+        The values are the engine's: torch's float32 log-softmax of the whole vocabulary's logits (every zero row's
+        logit is exactly 0), bit for bit for the same logits. Each zero row adds a term below the running sum's last
+        float32 bit, so a shorter or more exact sum over the live rows would differ from it in the fourth decimal;
+        that pass needs no gradient, though. The gradient is the live rows' own: their log-sum-exp with the zero
+        rows' mass as one term (``zero_rows * e^0``), the same softmax without a (tokens x vocabulary) graph.
+        """
+        import math
+
+        import torch
+
+        live = hidden @ self.weight.T
+        padded = torch.cat([live, live.new_zeros(len(live), 1)], dim=1)  # a zero-row target's logit is 0
+        zero_mass = torch.full((len(live), 1), math.log(self.zero_rows) if self.zero_rows else -math.inf)
+        column = self.column[targets].unsqueeze(1)
+        exact = padded.gather(1, column).squeeze(1) - torch.logsumexp(torch.cat([live, zero_mass], dim=1), dim=1)
+        with torch.no_grad():
+            logits = torch.zeros(self.vocab)  # one row at a time: a row (the whole vocabulary) stays in the cache
+            engines = torch.empty(len(live))
+            for index, (row, target) in enumerate(zip(live, targets.tolist(), strict=True)):
+                logits[self.rows] = row
+                engines[index] = torch.log_softmax(logits, dim=0)[target]
+        return exact + (engines - exact).detach()
+
+    def write_back(self) -> None:
+        """Copy :attr:`weight` into the model's matrix (after an optimizer step)."""
+        import torch
+
+        if self.learns:
+            with torch.no_grad():
+                self.matrix[self.rows] = self.weight

@@ -91,11 +91,84 @@ def test_the_help_shows_every_default(capsys: pytest.CaptureFixture[str]) -> Non
     assert text.count("(default: ") == text.count("[--")  # every flag of the usage line but -h
 
 
+def made_up_samples(trainer: Any) -> list[Sample]:
+    """Three samples of the vocabulary's live ids, of different lengths (the batch pads two of them), with a
+    response that holds an observation (loss mask 0) and one token of a zero row (the engine may sample one)."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    live = trainer.vocabulary.rows
+    zero_row = int(torch.nonzero(trainer.vocabulary.column[: trainer.vocabulary.vocab] == len(live))[0])
+    samples = []
+    for prompt_length, response_length in ((9, 7), (5, 4), (12, 10)):
+        ids = live[torch.randint(len(live), (prompt_length + response_length,), generator=generator)].tolist()
+        ids[prompt_length + 1] = zero_row
+        mask = [1] * response_length
+        mask[2:4] = [0, 0]
+        spans = [{"version": "0", "start": 0, "end": response_length}]
+        samples.append(Sample(prompt="q", tokens=ids, response_length=response_length, loss_mask=mask,
+                              metadata={"weight_version_spans": spans}))  # fmt: skip
+    return samples
+
+
+def full_vocabulary_logprobs(policy: Any, sample: Sample, vocab: int) -> Any:
+    """The trainable tokens' logprobs as the example computed them before it batched: one sample at a time, the
+    whole LM head, a log-softmax over every id the tokenizer knows."""
+    import torch
+
+    positions = [position for position, bit in enumerate(sample.loss_mask or []) if bit == 1]
+    tokens = torch.tensor([sample.tokens])
+    before = torch.tensor([len(sample.tokens) - sample.response_length + p - 1 for p in positions])
+    logits = policy.lm_head(policy.model(input_ids=tokens).last_hidden_state[0][before])[:, :vocab]
+    return torch.log_softmax(logits, dim=-1).gather(1, tokens[0, before + 1].unsqueeze(1)).squeeze(1)
+
+
+def test_the_batched_live_rows_logprobs_and_gradient_are_the_full_vocabularys() -> None:
+    """The trainer's logprobs (one padded batch, the LM head over the live rows) are the per-sample full-vocabulary
+    ones up to float32 noise, and its gradient is the full-vocabulary loss's, computed in float64."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fsm_rollout.examples.grpo import TrainableTokens, Trainer, clipped_loss, token_logprobs
+
+    trainer = Trainer(default_model_dir(), GRPOOptions())
+    samples = made_up_samples(trainer)
+    full = [full_vocabulary_logprobs(trainer.policy, sample, trainer.vocabulary.vocab).detach() for sample in samples]
+    for sample, logprobs in zip(samples, full, strict=True):  # the engine's, off by up to 0.3: some ratios clip
+        trainable = [position for position, bit in enumerate(sample.loss_mask or []) if bit]
+        sample.rollout_log_probs = [0.0] * sample.response_length
+        for index, position in enumerate(trainable):
+            sample.rollout_log_probs[position] = float(logprobs[index]) + 0.15 * (index % 5 - 2)
+    advantages = [1.0, -0.5, 0.0]
+    tokens = TrainableTokens.of(samples, advantages)
+
+    current = token_logprobs(trainer.policy, trainer.vocabulary, tokens)
+    assert float((current.detach() - torch.cat(full)).abs().max()) < 1e-5
+    assert bool(trainer.vocabulary.column[tokens.target].eq(len(trainer.vocabulary.rows)).any()), "no zero-row token"
+    clipped_loss(current, tokens, 0.2).backward()  # type: ignore[no-untyped-call, unused-ignore]
+
+    exact = AutoModelForCausalLM.from_pretrained(str(default_model_dir()), dtype=torch.float64)
+    total = len(tokens.target)
+    for sample, advantage in zip(samples, advantages, strict=True):
+        positions = [position for position, bit in enumerate(sample.loss_mask or []) if bit]
+        logprobs = full_vocabulary_logprobs(exact, sample, trainer.vocabulary.vocab)
+        rollout = torch.tensor([(sample.rollout_log_probs or [])[p] for p in positions], dtype=torch.float64)
+        ratio = torch.exp(logprobs - rollout)
+        clipped = ratio.clamp(0.8, 1.2) * advantage
+        (-torch.minimum(ratio * advantage, clipped).sum() / total).backward()  # type: ignore[no-untyped-call, unused-ignore]
+    matrix = exact.get_input_embeddings().weight.grad
+    pairs = [(trainer.vocabulary.weight.grad, matrix[trainer.vocabulary.rows])]
+    pairs += [(mine.grad, theirs.grad) for mine, theirs in zip(trainer.policy.parameters(), exact.parameters(),
+                                                              strict=True) if mine.requires_grad]  # fmt: skip
+    assert len(pairs) == 26
+    for mine, theirs in pairs:
+        assert float((mine.double() - theirs).norm() / theirs.norm()) < 2e-3, mine.shape
+
+
 @pytest.mark.parametrize("train_live_rows", [True, False], ids=["live-rows", "frozen"])
 def test_only_the_vocabulary_rows_in_use_learn(train_live_rows: bool) -> None:
     import torch
 
-    from fsm_rollout.engine.local.default_model import default_model_dir
     from fsm_rollout.examples.grpo import Trainer
 
     trainer = Trainer(default_model_dir(), GRPOOptions(train_live_rows=train_live_rows))
@@ -103,35 +176,38 @@ def test_only_the_vocabulary_rows_in_use_learn(train_live_rows: bool) -> None:
     before = matrix.detach().clone()
     live = before.ne(0).any(dim=1)
     assert 0 < int(live.sum()) < len(live) // 2  # the default model: most rows are zero
-    used = torch.nonzero(live).squeeze(1)[:12]
-    # a loss that pulls on every row, the zero ones included (through the full-vocabulary softmax)
-    logits = trainer.policy(input_ids=used.unsqueeze(0)).logits[0]
-    loss = torch.log_softmax(logits, dim=-1)[:, int(used[0])].mean()
-    trainer.optimizer.zero_grad()
-    loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
-    trainer.optimizer.step()
+    samples = made_up_samples(trainer)
+    for sample in samples:  # the engine's logprobs, about: ratios of about 1
+        logprobs = full_vocabulary_logprobs(trainer.policy, sample, trainer.vocabulary.vocab).tolist()
+        sample.rollout_log_probs = [logprobs.pop(0) if bit else 0.0 for bit in sample.loss_mask or []]
+    trainer.step(samples, [1.0, -1.0, 0.5])
 
     after = matrix.detach()
     assert torch.equal(after[~live], before[~live]), "a zero row moved: the engine would sample unused ids"
     assert torch.count_nonzero(after[~live]) == 0
     moved = (after[live] - before[live]).abs().max().item()
     assert (moved > 1e-4) if train_live_rows else (moved == 0.0)
+    assert torch.equal(after[trainer.vocabulary.rows], trainer.vocabulary.weight.detach())
+    pushed = trainer.updated_weights()
+    assert ("model.embed_tokens.weight" in pushed) == train_live_rows
+    assert all(torch.equal(value, trainer.policy.state_dict()[name]) for name, value in pushed.items())
 
 
 class RecordingGroups:
-    """The runner, keeping the tokens of every group the screen runs."""
+    """The runner, keeping the tokens of every group the screen runs by the group's seed (groups run concurrently
+    and finish in any order)."""
 
     def __init__(self, runner: Any) -> None:
         self.runner = runner
-        self.tokens: list[list[list[int]]] = []
+        self.tokens: dict[int, list[list[int]]] = {}
 
     async def run_group(self, sample: Sample, n: int, *, seed: int) -> list[Sample]:
         group: list[Sample] = await self.runner.run_group(sample, n, seed=seed)
-        self.tokens.append([list(member.tokens) for member in group])
+        self.tokens[seed] = [list(member.tokens) for member in group]
         return group
 
 
-async def screened(options: GRPOOptions, *, torch_threads: int) -> tuple[str, list[str], list[list[list[int]]]]:
+async def screened(options: GRPOOptions, *, torch_threads: int) -> tuple[str, list[str], dict[int, list[list[int]]]]:
     """The screen's line, the labels it kept and every token it sampled, on an engine with ``torch_threads``."""
     model_dir = default_model_dir()
     candidates = practice_samples(options.candidates, seed=options.question_seed, kinds=options.kinds)
@@ -152,4 +228,5 @@ async def test_the_screen_keeps_what_the_seed_says_at_any_engine_thread_count() 
     assert await screened(options, torch_threads=1) == first
     assert await screened(options, torch_threads=2) == first
     other = await screened(replace(options, seed=1), torch_threads=1)
-    assert other[2] != first[2], "the run's seed did not reach the sampler"
+    in_seed_order = [[tokens for _, tokens in sorted(run[2].items())] for run in (first, other)]
+    assert in_seed_order[0] != in_seed_order[1], "the run's seed did not reach the sampler"
