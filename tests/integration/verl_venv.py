@@ -10,9 +10,9 @@ that variable to the running test venv's site-packages and runs the cases with t
 cases see verl, the project and every dev dependency of the venv that runs the tests. The venv itself names no
 test venv, so one build serves every checkout.
 
-The build happens in a temporary directory next to its final place, is checked by importing verl's agent loop
-through the layering, gets a marker file written last and is published with one ``os.rename``; a file lock
-serialises concurrent builders. A venv built by another recipe is replaced.
+The build is checked by importing verl's agent loop through the layering and is published by
+:func:`venv_support.publish` (staging directory next to the final place, marker written last, atomic rename, file
+lock); a venv built by another recipe is replaced.
 
 Usage (from the repository root)::
 
@@ -21,23 +21,23 @@ Usage (from the repository root)::
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import json
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import sysconfig
-import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
+
+import venv_support
+from venv_support import BuildError, output, pip_env, run
 
 from fsm_rollout.engine.local.cache import cache_dir
 
@@ -69,11 +69,7 @@ LAYER_PTH: Final = (
     f"list(map(site.addsitedir, filter(None, os.environ.get('{BASE_SITE_VAR}', '').split(os.pathsep))))\n"
 )
 CASES_DIR: Final = pathlib.Path(__file__).parent / "verl_cases"
-LOG_TAIL_LINES: Final = 60
-
-
-class BuildError(RuntimeError):
-    """The venv could not be built (the message names the command and holds its output's tail)."""
+WHO: Final = "verl_venv"
 
 
 def venv_dir(cache: pathlib.Path | None = None) -> pathlib.Path:
@@ -81,11 +77,12 @@ def venv_dir(cache: pathlib.Path | None = None) -> pathlib.Path:
 
 
 def is_complete(directory: pathlib.Path) -> bool:
-    try:
-        marker = json.loads((directory / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return marker.get("recipe") == [RECIPE_VERSION, *RECIPE] and (directory / "bin" / "python").exists()
+    marker = venv_support.read_marker(directory, MARKER)
+    return (
+        marker is not None
+        and marker.get("recipe") == [RECIPE_VERSION, *RECIPE]
+        and (directory / "bin" / "python").exists()
+    )
 
 
 def base_site_packages() -> str:
@@ -101,77 +98,19 @@ def layered_env(base: str | None = None) -> dict[str, str]:
     return env
 
 
-def _log(message: str) -> None:
-    print(f"[verl_venv] {message}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def _locked(lock_path: pathlib.Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with lock_path.open("a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _log(f"waiting for another build holding {lock_path}")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _tail(text: str, lines: int = LOG_TAIL_LINES) -> str:
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _run(command: Sequence[str], log: pathlib.Path, *, env: dict[str, str] | None = None) -> str:
-    """Run ``command``, append its output to ``log``, return it; raise :class:`BuildError` with its tail."""
-    result = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
-    output = result.stdout + result.stderr
-    with log.open("a", encoding="utf-8") as handle:
-        handle.write(f"\n$ {' '.join(command)}\n{output}[exit {result.returncode}]\n")
-    if result.returncode != 0:
-        raise BuildError(
-            f"command failed (exit {result.returncode}): {' '.join(command)}\n"
-            f"--- last {LOG_TAIL_LINES} lines of its output (full log: {log}) ---\n{_tail(output)}"
-        )
-    return result.stdout
-
-
-def _base_python() -> str:
-    """The interpreter the venv is created from: the base of the running one (never a venv's own python)."""
-    return getattr(sys, "_base_executable", None) or sys.executable
-
-
-def _relocate(staging: pathlib.Path, final: pathlib.Path) -> None:
-    """Point the scripts in ``bin/`` and ``pyvenv.cfg`` at the final location."""
-    old, new = str(staging).encode(), str(final).encode()
-    for path in [staging / "pyvenv.cfg", *(path for path in (staging / "bin").iterdir() if path.is_file())]:
-        if path.is_symlink():
-            continue
-        data = path.read_bytes()
-        if old in data and b"\0" not in data[:4096]:
-            path.write_bytes(data.replace(old, new))
-
-
 def _build(staging: pathlib.Path, final: pathlib.Path, log: pathlib.Path) -> dict[str, object]:
     started = time.perf_counter()
-    python = str(staging / "bin" / "python")
-    _run([_base_python(), "-m", "venv", "--prompt", VENV_KEY, str(staging)], log)
-    pip_env = {**layered_env(base=""), "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
-    _run([python, "-m", "pip", "install", "--no-deps", "--no-compile", "--progress-bar", "off", *RECIPE], log,
-         env=pip_env)  # fmt: skip
+    python = venv_support.create_venv(staging, VENV_KEY, log)
+    run([python, "-m", "pip", "install", "--no-deps", "--no-compile", "--progress-bar", "off", *RECIPE], log,
+        env=pip_env(layered_env(base="")))  # fmt: skip
     installed = time.perf_counter() - started
-    site_packages = pathlib.Path(
-        _run([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], log).strip()
-    )
-    (site_packages / LAYER_PTH_NAME).write_text(LAYER_PTH, encoding="utf-8")
+    (venv_support.purelib(python, log) / LAYER_PTH_NAME).write_text(LAYER_PTH, encoding="utf-8")
     check = (
         "import importlib.metadata as m, json, verl.experimental.agent_loop, fsm_rollout\n"
         "print(json.dumps({name: m.version(name) for name in ('verl', 'transformers', 'omegaconf', 'torch')}))\n"
     )
-    versions = json.loads(_run([python, "-c", check], log, env=layered_env()).splitlines()[-1])
-    _relocate(staging, final)
+    versions = json.loads(output([python, "-c", check], log, env=layered_env()).splitlines()[-1])
+    venv_support.relocate(staging, final)
     return {
         "key": VENV_KEY,
         "recipe": [RECIPE_VERSION, *RECIPE],
@@ -185,29 +124,11 @@ def _build(staging: pathlib.Path, final: pathlib.Path, log: pathlib.Path) -> dic
 def ensure_venv(cache: pathlib.Path | None = None) -> pathlib.Path:
     """Return the layered verl venv, building it first if needed; :class:`BuildError` when it cannot be built."""
     final = venv_dir(cache)
-    if is_complete(final):
-        return final
-    root = final.parent
-    with _locked(root / ".build.lock"):
-        if is_complete(final):  # another process finished it while we waited
-            return final
-        if final.exists():  # damaged or left by hand: move it out of the way, rebuild
-            stale = pathlib.Path(tempfile.mkdtemp(prefix=".venv.stale-", dir=root))
-            os.rename(final, stale / "venv")
-            shutil.rmtree(stale, ignore_errors=True)
-        log = root / "build.log"
-        log.write_text(f"building {final}\n", encoding="utf-8")
-        _log(f"building the verl venv {final} (log: {log})")
-        staging = pathlib.Path(tempfile.mkdtemp(prefix=".venv.tmp-", dir=root))
-        try:
-            info = _build(staging, final, log)
-            (staging / MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            staging.chmod(0o755)
-            os.rename(staging, final)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        _log(f"verl venv ready in {info['build_seconds']} s: {info}")
-    return final
+    log = final.parent / "build.log"
+    return venv_support.publish(
+        final, "the verl venv", lambda staging: _build(staging, final, log), build_log=log,
+        is_complete=is_complete, marker=MARKER, lock_name=".build.lock", who=WHO,
+    )  # fmt: skip
 
 
 def venv_info(cache: pathlib.Path | None = None) -> dict[str, object]:

