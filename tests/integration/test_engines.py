@@ -156,7 +156,8 @@ async def test_abort_in_flight_ends_the_sample_and_nothing_follows(engine: Engin
         sent = len(client.generate_bodies)
     assert rollout.sample.status == Status.ABORTED
     assert rollout.sample.metadata["rollout_reason"] == "weight_update"
-    assert sent == 1
+    # a second request means the first turn ended before the abort: say how, for the trace of a rare failure
+    assert sent == 1, [(turn.finish, len(turn.token_ids)) for turn in client.turns]
     if engine.fake is not None:
         mine = [r for r in engine.fake.requests_to(GENERATE_PATH) if r.headers.get("x-session-id") == "abort-me"]
         assert len(mine) == 1
