@@ -141,8 +141,9 @@ async def test_abort_in_flight_ends_the_sample_and_nothing_follows(engine: Engin
             engine,
             client,
             Sample(prompt="Think at length.", index=2, session_id="abort-me"),
-            # ignore_eos: the turn cannot end on its own before the abort lands, whatever the model draws
-            sampling={**SAMPLING, "max_new_tokens": 4000, "ignore_eos": True},
+            # min_new_tokens masks EOS for the whole budget: the turn cannot end on its own before the abort lands,
+            # whatever the model draws (the rollout does not pass ignore_eos on to the engine)
+            sampling={**SAMPLING, "max_new_tokens": 4000, "min_new_tokens": 4000},
             rollout_max_context_len=None,
         )
         task = asyncio.ensure_future(rollout.run())
