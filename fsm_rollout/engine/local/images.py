@@ -116,7 +116,7 @@ class RenderedImages:
 
 
 class ImageSupport:
-    """Image preprocessing and feature checks for one engine; used on the engine's worker thread only.
+    """Image preprocessing and feature checks for one engine; used on the engine's front-end thread only.
 
     ``tokenizer`` is the served model's: without an ``<|image_pad|>`` token, requests with images are refused.
     """

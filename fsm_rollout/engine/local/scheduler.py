@@ -7,8 +7,8 @@ prefill, into its own KV cache), then joins the others, and one forward pass ove
 A request's tokens do not depend on what else runs (see :mod:`fsm_rollout.engine.local.batch` for why).
 A model whose KV cache is not a plain one (sliding-window or linear-attention layers) decodes one at a time, as
 does ``batched=False`` (kept for comparison): the admitted jobs take turns, one decode step each, each with batch
-size 1. Tokenizer and image tasks (render, and the check of a generate request's image features) run before the next
-decode step.
+size 1. Rendering and the check of a generate request's image features do not run here but on the engine's front-end
+thread (:mod:`fsm_rollout.engine.local.frontend`), at the same time as the decode steps.
 
 An aborted or disconnected job is dropped between two decode steps: a waiting one before it starts, a running one
 after the step in progress, and answered with ``finish_reason="abort"`` and the tokens it had so far.
@@ -157,7 +157,7 @@ _WAKE = object()  # only wakes a worker blocked on its inbox, to look at cancell
 
 
 class Scheduler:
-    """Runs generate jobs and tokenizer tasks on one worker thread; see the module docstring for the policy.
+    """Runs generate jobs, and the tasks that must land between two decode steps, on one worker thread; see the module docstring for the policy.
 
     ``torch_threads`` (when set) is applied with ``torch.set_num_threads`` as the worker starts; note that it is
     a process-wide setting.

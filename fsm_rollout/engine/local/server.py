@@ -24,8 +24,9 @@ Every generate answer labels its output tokens with the weight version current w
 
 Invalid requests get vLLM's error body ``{"error": {"message", "type", "param", "code"}}`` (400, or 404 for another
 model name). With an API key, every request but ``GET /health`` needs ``Authorization: Bearer <key>`` and is
-otherwise answered 401 ``{"error": "Unauthorized"}``, as vLLM's ``--api-key`` check answers. All model and
-tokenizer work runs on the scheduler's worker thread, never on the event loop.
+otherwise answered 401 ``{"error": "Unauthorized"}``, as vLLM's ``--api-key`` check answers. Model work runs on the
+scheduler's worker thread, rendering and feature checks on the front-end thread
+(:mod:`fsm_rollout.engine.local.frontend`); neither runs on the event loop.
 
 Why this module is long: :class:`LocalEngine` is one class with two faces over the same state, the HTTP endpoints
 and their in-process equivalents (pause, resume, weight loading); its long docstring is the engine's reference.
@@ -45,6 +46,7 @@ from aiohttp import web
 
 from fsm_rollout.engine.endpoints import json_response, serve_backend
 from fsm_rollout.engine.local.errors import LocalEngineError, WeightLoadError
+from fsm_rollout.engine.local.frontend import Frontend
 from fsm_rollout.engine.local.images import IMAGE_MERGE_SIZE, IMAGE_PAD_TOKEN
 from fsm_rollout.engine.local.protocol import RenderInput, check_generate, parse_update_weights, render_input
 from fsm_rollout.engine.local.scheduler import GenerateJob, GenerationOutcome, Scheduler
@@ -164,6 +166,7 @@ class LocalEngine:
         self._loaded: LoadedModel | None = None
         self._images: ImageSupport | None = None
         self._scheduler: Scheduler | None = None
+        self._frontend: Frontend | None = None
         self._runner: web.AppRunner | None = None
         self._url: str | None = None
         self._model_name: str | None = None
@@ -280,6 +283,7 @@ class LocalEngine:
             loaded, max_num_seqs=self._max_num_seqs, torch_threads=self._torch_threads, batched=self._batched
         )
         scheduler.start()
+        frontend = Frontend()
         try:
             runner, url = await serve_backend(
                 _EngineBackend(self),
@@ -292,10 +296,12 @@ class LocalEngine:
             )
         except BaseException:
             await asyncio.to_thread(scheduler.stop)
+            await asyncio.to_thread(frontend.stop)
             raise
         self._loaded = loaded
         self._images = images
         self._scheduler = scheduler
+        self._frontend = frontend
         self._runner = runner
         self._model_name = served_name
         self._url = url
@@ -305,6 +311,9 @@ class LocalEngine:
         scheduler, self._scheduler = self._scheduler, None
         if scheduler is not None:
             await asyncio.to_thread(scheduler.stop)
+        frontend, self._frontend = self._frontend, None
+        if frontend is not None:
+            await asyncio.to_thread(frontend.stop)
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -341,6 +350,11 @@ class LocalEngine:
             raise RequestError(503, "The embedded engine is shutting down")
         return self._scheduler
 
+    def _require_frontend(self) -> Frontend:
+        if self._frontend is None:
+            raise RequestError(503, "The embedded engine is shutting down")
+        return self._frontend
+
     def _running_scheduler(self) -> Scheduler:
         if self._scheduler is None:
             raise LocalEngineError("the embedded engine is not started")
@@ -361,7 +375,7 @@ class LocalEngine:
 
 
 class _EngineBackend:
-    """The embedded engine as the serving frame's backend: render with the chat template on the worker, generate
+    """The embedded engine as the serving frame's backend: render with the chat template on the front end, generate
     with the scheduler (see :mod:`fsm_rollout.engine.endpoints`)."""
 
     def __init__(self, engine: LocalEngine) -> None:
@@ -396,15 +410,15 @@ class _EngineBackend:
         render = render_input(request)
         loaded = engine._require_loaded()
         images = engine._require_images()
-        return await engine._require_scheduler().run_task(lambda: _render_prompt(loaded.tokenizer, images, render))
+        return await engine._require_frontend().run(lambda: _render_prompt(loaded.tokenizer, images, render))
 
     async def generate(self, request: GenerateRequest, http: web.Request) -> GenerateOutcome:
         engine = self._engine
         features = check_generate(request)
         scheduler = engine._require_scheduler()
-        if features is not None:  # decoded on the worker: kwargs items can be megabytes of base64
+        if features is not None:  # off the event loop: kwargs items can be megabytes of base64
             images = engine._require_images()
-            await scheduler.run_task(lambda: images.check_features(features, request.token_ids))
+            await engine._require_frontend().run(lambda: images.check_features(features, request.token_ids))
         job = GenerateJob(request.request_id, request.token_ids, request.settings, asyncio.get_running_loop())
         jobs = engine._jobs
         jobs.setdefault(job.request_id, set()).add(job)
@@ -478,7 +492,7 @@ def _read_weights(path: str) -> dict[str, torch.Tensor]:
 
 
 def _render_prompt(tokenizer: Any, images: ImageSupport, render: RenderInput) -> tuple[list[int], Any]:
-    """The prompt's token ids and render ``features`` (None without images); runs on the worker thread."""
+    """The prompt's token ids and render ``features`` (None without images); runs on the front-end thread."""
     token_ids = _render_ids(tokenizer, render)
     if not render.image_urls:
         return token_ids, None
