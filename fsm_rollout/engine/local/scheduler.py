@@ -157,7 +157,8 @@ _WAKE = object()  # only wakes a worker blocked on its inbox, to look at cancell
 
 
 class Scheduler:
-    """Runs generate jobs, and the tasks that must land between two decode steps, on one worker thread; see the module docstring for the policy.
+    """Runs generate jobs, and the tasks that must land between two decode steps, on one worker thread; see the
+    module docstring for the policy.
 
     ``torch_threads`` (when set) is applied with ``torch.set_num_threads`` as the worker starts; note that it is
     a process-wide setting.
