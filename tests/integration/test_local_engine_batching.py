@@ -188,3 +188,77 @@ async def test_the_default_engine_decodes_the_demo_s_samples_together() -> None:
     assert inspect.signature(LocalEngine).parameters["max_num_seqs"].default == concurrency
     assert inspect.signature(Scheduler).parameters["max_num_seqs"].default == concurrency
     assert parsers[serve].parse_args([]).max_num_seqs == concurrency
+
+
+def run_alone(loaded: Any, prompt: list[int], sampling: SamplingSettings) -> Generation:
+    """``prompt`` decoded alone: its prefill, then a batch of its own until it finishes."""
+    generation = Generation(loaded, prompt, sampling)
+    if generation.step() is None:
+        batch = DecodeBatch(loaded)
+        batch.add(generation)
+        while batch.step() != ["length"]:
+            pass
+    return generation
+
+
+@pytest.mark.parametrize("model", ["tiny-random", "default"])
+async def test_requests_joining_and_leaving_a_long_running_batch_decode_as_they_do_alone(
+    model: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows freed by finished requests are taken by joining ones whose caches fit, the others make the batch rebuild,
+    and so does running out of spare columns; none of it changes a request's tokens or logprobs."""
+    from fsm_rollout.engine.local import batch as batch_module
+
+    loaded = load_model(
+        tiny_model_dir() if model == "tiny-random" else default_model_dir(), max_model_len=MAX_MODEL_LEN
+    )
+    calls = {"place": 0, "rebuild": 0}
+
+    def counted(name: str, original: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return original(*args, **kwargs)
+
+        return wrapper
+
+    monkeypatch.setattr(batch_module._GrowingLayer, "place", counted("place", batch_module._GrowingLayer.place))
+    monkeypatch.setattr(DecodeBatch, "_rebuild", counted("rebuild", DecodeBatch._rebuild))
+    rng = random.Random(7)
+    # (step it joins at, prompt, settings): short prompts fit freed rows, long ones do not; a long-lived request
+    # keeps the batch going past its spare columns
+    plan = [
+        (0, [rng.randrange(0, 20_000) for _ in range(40)], SamplingSettings(max_tokens=200, seed=1, ignore_eos=True))
+    ]
+    for index in range(1, 24):
+        length = rng.choice([3, 8, 20, 120])
+        sampling: dict[str, Any] = {"max_tokens": rng.randint(4, 40), "seed": 100 + index, "ignore_eos": True}
+        if index % 3 == 0:
+            sampling["temperature"] = 0.0
+        plan.append(
+            (rng.randrange(0, 150), [rng.randrange(0, 20_000) for _ in range(length)], SamplingSettings(**sampling))
+        )
+    plan.sort(key=lambda entry: entry[0])
+    with torch.inference_mode():
+        batch = DecodeBatch(loaded)
+        together: list[Generation] = []
+        waiting = list(plan)
+        step = 0
+        while waiting or len(batch):
+            while waiting and waiting[0][0] <= step:
+                _, prompt, sampling = waiting.pop(0)
+                generation = Generation(loaded, prompt, sampling)
+                together.append(generation)
+                if generation.step() is None:
+                    batch.add(generation)
+            if len(batch):
+                for generation, finish in zip(list(batch.generations), batch.step(), strict=True):
+                    if finish is not None:
+                        batch.discard(generation)
+            step += 1
+        rebuilds_together, places_together = calls["rebuild"], calls["place"]
+        references = [run_alone(loaded, prompt, sampling) for _, prompt, sampling in plan]
+    assert places_together > 0 and rebuilds_together > 0
+    assert step > 64 + 40  # past a rebuilt cache's spare columns
+    assert [g.token_ids for g in together] == [g.token_ids for g in references]
+    assert [g.logprobs for g in together] == [g.logprobs for g in references]
+    assert [len(g.token_ids) for g in together] == [sampling.max_tokens for _, _, sampling in plan]

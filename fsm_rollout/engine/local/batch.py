@@ -6,7 +6,9 @@ decode step feeds each row's last sampled token at that row's own position, and 
 own row of logits with its own generator (:meth:`~fsm_rollout.engine.local.model.Generation.accept`; the requests
 that sample from live-rows logits do it together, :func:`~fsm_rollout.engine.local.live_rows.sample_live_rows`, bit
 for bit as one by one). The cache is kept from step to step: a step writes its new column into spare columns in
-place, and joins and departures rebuild it once, before the next step.
+place; a request that leaves frees its row, one that joins takes a free row when its cache fits, and the cache is
+rebuilt (compact, trimmed, with new spare columns) only when it does not, when the spare columns run out, or when
+most rows are padding.
 
 A request's tokens and logprobs do not depend on what else is in the batch, bit for bit on a CPU like the one this
 was built on, for three reasons:
@@ -17,7 +19,8 @@ was built on, for three reasons:
 - the linear layers see a batch padded to a multiple of :data:`ROW_MULTIPLE` rows. The BLAS GEMM computes each
   output row with the same summation order whatever the number of rows, except for very small row counts (one to
   three rows take other kernels, which sum in another order), so a request alone and a request among fifteen others
-  get identical rows. Padding rows feed token 0 at position 0 and are thrown away;
+  get identical rows. Padding rows (and the rows of requests that left) feed token 0 at position 0 and are thrown
+  away;
 - a live-rows LM head (:class:`~fsm_rollout.engine.local.live_rows.LiveRowsHead`) multiplies each row on its own,
   the very matrix-vector product a request alone makes; the sampling that follows is the row's own.
 
@@ -60,15 +63,15 @@ def _rowwise_attention(
     module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: Any, **kwargs: Any
 ) -> tuple[torch.Tensor, None]:
     """Attention of each request row's one query over that row's own keys (the last ``length`` of the padded cache),
-    by the model's own attention implementation, as a batch of one would run it. Padding rows (beyond the lengths
-    given) get zeros: their outputs are thrown away, and a row of a linear layer does not depend on the others."""
+    by the model's own attention implementation, as a batch of one would run it. Padding rows (length 0) get zeros:
+    their outputs are thrown away, and a row of a linear layer does not depend on the others."""
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
     lengths: list[int] = kwargs.pop(_LENGTHS_KWARG)
     original: str = kwargs.pop("fsm_rollout_attention")
     columns = key.shape[2]
-    padding = query.shape[0] - len(lengths)
+    outputs: list[torch.Tensor | None] = []
     if _plain_sdpa(original, query, key, value, kwargs):
         # What transformers' sdpa_attention_forward runs for one query without a mask, without its per-call checks.
         sdpa = torch.nn.functional.scaled_dot_product_attention
@@ -85,22 +88,29 @@ def _rowwise_attention(
                 is_causal=False,
                 **({"enable_gqa": True} if gqa else {}),
             )
+            if length
+            else None
             for row, length in enumerate(lengths)
         ]
-        if padding:
-            outputs.append(outputs[0].new_zeros((padding, *outputs[0].shape[1:])))
-        return torch.cat(outputs).transpose(1, 2).contiguous(), None
+        return _with_padding(outputs).transpose(1, 2).contiguous(), None
     inner = eager_attention_forward if original == "eager" else ALL_ATTENTION_FUNCTIONS[original]
-    outputs = []
     for row, length in enumerate(lengths):
+        if not length:
+            outputs.append(None)
+            continue
         start = columns - length
         output, _ = inner(
             module, query[row : row + 1], key[row : row + 1, :, start:], value[row : row + 1, :, start:], None, **kwargs
         )
         outputs.append(output)
-    if padding:
-        outputs.append(outputs[0].new_zeros((padding, *outputs[0].shape[1:])))
-    return torch.cat(outputs), None
+    return _with_padding(outputs), None
+
+
+def _with_padding(outputs: list[torch.Tensor | None]) -> torch.Tensor:
+    """The rows' outputs in one tensor, zeros for the padding rows (None); at least one row is not padding."""
+    template = next(output for output in outputs if output is not None)
+    zeros = template.new_zeros(template.shape)
+    return torch.cat([zeros if output is None else output for output in outputs])
 
 
 def _plain_sdpa(
@@ -128,20 +138,24 @@ class DecodeBatch:
     """The running requests' shared KV cache and their one-token decode step (see the module docstring).
 
     Not thread-safe: the engine's worker thread alone calls it. Membership changes (:meth:`add`, :meth:`discard`)
-    rebuild the cache; they happen between steps. A decode step writes its new column into the cache in place.
+    happen between steps and are applied before the next one: a request that leaves frees its row (a padding row from
+    then on), a request that joins takes a free row when its cache fits left of the rows' shared last column, and the
+    cache is rebuilt (every request in a row of its own, left-padded to the longest, no spare row beyond a multiple
+    of :data:`ROW_MULTIPLE`) only when it does not, when the buffers have no room for the next column, or when most
+    rows are padding. A decode step writes its new column into the cache in place.
     """
 
     def __init__(self, loaded: LoadedModel) -> None:
         _register()
         self._loaded = loaded
         self.generations: list[Generation] = []
-        self._lengths: list[int] = []  # tokens in the cache per row
+        """The requests in the batch: after a step, in the order of its finish reasons."""
         self._cache: Any = None  # the rows' DynamicCache of _GrowingLayer, kept from step to step
         self._layout: LiveLayout | None = None
-        # Each request's row in the cache (None: joined since the last step, its own cache in _pending); the cache is
-        # rebuilt once per step at most, for all the joins and departures since the last one.
-        self._rows: list[int | None] = []
-        self._pending: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._slots: list[Generation | None] = []  # the request of each row of the cache (None: a padding row)
+        self._lengths: list[int] = []  # tokens in the cache per row (0 for padding rows)
+        # Requests that joined since the last step, with their own caches' (keys, values) per layer.
+        self._pending: list[tuple[Generation, list[tuple[torch.Tensor, torch.Tensor]]]] = []
 
     @staticmethod
     def supports(loaded: LoadedModel) -> bool:
@@ -157,11 +171,8 @@ class DecodeBatch:
 
     def add(self, generation: Generation) -> None:
         """Take a request that has run its prefill (and sampled its first token) into the batch."""
-        rows = _layer_tensors(generation.release_cache())
         self.generations.append(generation)
-        self._lengths.append(rows[0][0].shape[2])
-        self._rows.append(None)
-        self._pending[id(generation)] = rows
+        self._pending.append((generation, _layer_tensors(generation.release_cache())))
 
     def discard(self, generation: Generation) -> None:
         """Drop a request (finished, aborted or failed) from the batch; nothing when it is not in it."""
@@ -169,55 +180,47 @@ class DecodeBatch:
         if index is None:
             return
         del self.generations[index]
-        del self._lengths[index]
-        del self._rows[index]
-        self._pending.pop(id(generation), None)
-
-    def _sync(self) -> None:
-        """Rebuild the cache once for the membership changes since the last step (see :meth:`_rebuild`)."""
-        count = len(self.generations)
-        rows = -(-count // ROW_MULTIPLE) * ROW_MULTIPLE
-        current_rows = self._cache.layers[0].keys.shape[0] if self._cache is not None else 0
-        if self._rows == list(range(count)) and rows == current_rows:
-            return
-        self._rebuild()
-        self._rows = list(range(count))
-        self._pending.clear()
+        self._pending = [entry for entry in self._pending if entry[0] is not generation]
+        for row, member in enumerate(self._slots):
+            if member is generation:
+                self._slots[row] = None
+                self._lengths[row] = 0
 
     def step(self) -> list[Finish | None]:
         """One forward pass over every request's last token; each samples its next token. Returns each request's
         finish reason (None: it goes on), in :attr:`generations` order."""
         self._sync()
-        generations = self.generations
-        count = len(generations)
-        rows = -(-count // ROW_MULTIPLE) * ROW_MULTIPLE
-        tokens = [generation.token_ids[-1] for generation in generations] + [0] * (rows - count)
-        positions = [*self._lengths, *([0] * (rows - count))]
-        lengths = [length + 1 for length in self._lengths]
-        logits = self._forward(tokens, positions, lengths)
+        slots = self._slots
+        tokens = [0 if member is None else member.token_ids[-1] for member in slots]
+        positions = list(self._lengths)  # a padding row feeds token 0 at position 0
+        lengths = [0 if member is None else length + 1 for member, length in zip(slots, self._lengths, strict=True)]
+        active = [row for row, member in enumerate(slots) if member is not None]
+        row_logits = self._forward(tokens, positions, lengths, active)
         self._lengths = lengths
-        finishes: list[Finish | None] = [None] * count
+        generations = [member for member in slots if member is not None]
+        self.generations = generations
+        finishes: list[Finish | None] = [None] * len(generations)
         live: list[int] = []
         live_logits: list[LiveLogits] = []
-        for row, generation in enumerate(generations):
-            row_logits = logits[row]
-            if isinstance(row_logits, LiveLogits) and generation.samples_live_rows:
-                live.append(row)
-                live_logits.append(row_logits)
+        for index, generation in enumerate(generations):
+            logits = row_logits[index]
+            if isinstance(logits, LiveLogits) and generation.samples_live_rows:
+                live.append(index)
+                live_logits.append(logits)
         if live:
             picks = sample_live_rows(
-                torch.stack([row_logits.values for row_logits in live_logits]),
+                torch.stack([logits.values for logits in live_logits]),
                 self._live_layout(live_logits[0].rows),
-                temperatures=[generations[row].settings.temperature for row in live],
-                greedy=[generations[row].settings.greedy for row in live],
-                generators=[generations[row].generator for row in live],
+                temperatures=[generations[index].settings.temperature for index in live],
+                greedy=[generations[index].settings.greedy for index in live],
+                generators=[generations[index].generator for index in live],
             )
-            for row, picked in zip(live, picks, strict=True):
-                finishes[row] = generations[row].accept_live(picked)
+            for index, picked in zip(live, picks, strict=True):
+                finishes[index] = generations[index].accept_live(picked)
         sampled = set(live)
-        for row, generation in enumerate(generations):
-            if row not in sampled:
-                finishes[row] = generation.accept(logits[row])
+        for index, generation in enumerate(generations):
+            if index not in sampled:
+                finishes[index] = generation.accept(row_logits[index])
         return finishes
 
     def _live_layout(self, rows: torch.Tensor) -> LiveLayout:
@@ -229,8 +232,11 @@ class DecodeBatch:
 
     # ---------------------------------------------------------------- internals
 
-    def _forward(self, tokens: list[int], positions: list[int], lengths: list[int]) -> torch.Tensor | list[Any]:
-        """Each row's logits: float32 rows of one tensor, or the live-rows head's (one per row, padding included)."""
+    def _forward(
+        self, tokens: list[int], positions: list[int], lengths: list[int], active: list[int]
+    ) -> torch.Tensor | list[Any]:
+        """The logits of the ``active`` rows (the others are padding), in their order: float32 rows of one tensor,
+        or the live-rows head's, one per row."""
         loaded = self._loaded
         model = loaded.model
         cache = self._cache
@@ -246,13 +252,13 @@ class DecodeBatch:
         try:
             if loaded.head is not None and loaded.head.rows is not None:
                 hidden = model.base_model(input_ids=ids, position_ids=position_ids, use_cache=True, **options)
-                last = hidden.last_hidden_state[: len(lengths), -1]
+                last = hidden.last_hidden_state[active, -1]
                 logits: torch.Tensor | list[Any] = loaded.head.batch_live_logits(last)
             else:
                 if loaded.takes_logits_to_keep:
                     options["logits_to_keep"] = 1
                 output = model(input_ids=ids, position_ids=position_ids, use_cache=True, **options)
-                logits = output.logits[:, -1].to(dtype=torch.float32, copy=True)
+                logits = output.logits[active, -1].to(dtype=torch.float32, copy=True)
         finally:
             self._set_attention(original)
         return logits
@@ -262,40 +268,62 @@ class DecodeBatch:
         models this engine serves; writing the config directly would touch its private state)."""
         self._loaded.model.set_attn_implementation(name)
 
-    def _rebuild(self) -> None:
-        """The cache of every request's row (the kept rows of the current cache, the joined requests' own caches),
-        left-padded to the longest and with no column that is padding in every row, plus padding rows up to a
-        multiple of :data:`ROW_MULTIPLE`. Padding (columns left of a row's own, padding rows) is left unset:
-        attention never reads it."""
-        lengths = self._lengths
-        if not lengths:
-            self._cache = None
+    def _sync(self) -> None:
+        """Apply the membership changes since the last step: place the joined requests in free rows, or rebuild."""
+        count = len(self.generations)
+        if not count:
+            self._cache, self._slots, self._lengths, self._pending = None, [], [], []
             return
-        keep = [row for row in self._rows if row is not None]
-        new = [
-            (self._pending[id(generation)], length)
-            for generation, length, row in zip(self.generations, lengths, self._rows, strict=True)
-            if row is None
-        ]
-        kept_places = [place for place, row in enumerate(self._rows) if row is not None]
-        new_places = [place for place, row in enumerate(self._rows) if row is None]
+        free = [row for row, member in enumerate(self._slots) if member is None]
+        if self._cache is None:
+            self._rebuild()
+            return
+        layer = self._cache.layers[0]
+        columns, room = layer.columns, layer.room
+        if (
+            len(self._pending) > len(free)
+            or any(rows[0][0].shape[2] > columns for _, rows in self._pending)
+            or not room  # the next step's column would need larger buffers: a rebuild trims instead
+            or len(free) - len(self._pending) >= max(ROW_MULTIPLE, count)  # mostly padding rows
+        ):
+            self._rebuild()
+            return
+        for row, (generation, rows) in zip(free, self._pending, strict=False):
+            length = rows[0][0].shape[2]
+            for cache_layer, (keys, values) in zip(self._cache.layers, rows, strict=True):
+                cache_layer.place(row, keys[0], values[0])
+            self._slots[row] = generation
+            self._lengths[row] = length
+        self._pending = []
+
+    def _rebuild(self) -> None:
+        """The cache of every request's row (the rows kept from the current cache first, in their order, then the
+        joined requests' own caches), left-padded to the longest and with no column that is padding in every row,
+        plus padding rows up to a multiple of :data:`ROW_MULTIPLE`. Padding (columns left of a row's own, padding
+        rows) is left unset: attention never reads it."""
+        kept = [row for row, member in enumerate(self._slots) if member is not None]
+        members: list[Generation] = [member for member in self._slots if member is not None]
+        lengths = [self._lengths[row] for row in kept]
+        members += [generation for generation, _ in self._pending]
+        lengths += [rows[0][0].shape[2] for _, rows in self._pending]
         current = _layer_tensors(self._cache) if self._cache is not None else []
         columns = max(lengths)
-        rows = -(-len(lengths) // ROW_MULTIPLE) * ROW_MULTIPLE
-        kept = torch.tensor(keep, dtype=torch.long)
+        count = -(-len(members) // ROW_MULTIPLE) * ROW_MULTIPLE
+        kept_rows = torch.tensor(kept, dtype=torch.long)
         layers: list[Any] = []
-        for layer in range(len(new[0][0]) if new else len(current)):
+        for layer in range(len(self._pending[0][1]) if self._pending else len(current)):
             buffers = []
             for which in (0, 1):
-                sample = new[0][0][layer][which] if new else current[layer][which]
-                shape = (rows, sample.shape[1], columns + _SPARE_COLUMNS, sample.shape[3])
+                sample = self._pending[0][1][layer][which] if self._pending else current[layer][which]
+                shape = (count, sample.shape[1], columns + _SPARE_COLUMNS, sample.shape[3])
                 buffer = sample.new_empty(shape)
-                if keep:  # the kept rows' own columns are the last ones of the current cache
+                if kept:  # the kept rows' own columns are the last ones of the current cache
                     old = current[layer][which]
                     width = min(old.shape[2], columns)
-                    buffer[kept_places, :, columns - width : columns] = old.index_select(0, kept)[:, :, -width:]
-                for place, (cache_rows, length) in zip(new_places, new, strict=True):
-                    buffer[place, :, columns - length : columns] = cache_rows[layer][which][0]
+                    buffer[: len(kept), :, columns - width : columns] = old.index_select(0, kept_rows)[:, :, -width:]
+                for place, (_, rows) in enumerate(self._pending, start=len(kept)):
+                    own = rows[layer][which]
+                    buffer[place, :, columns - own.shape[2] : columns] = own[0]
                 buffers.append(buffer)
             layers.append(_GrowingLayer(buffers[0], buffers[1], columns))
         from transformers import DynamicCache
@@ -303,6 +331,9 @@ class DecodeBatch:
         cache = DynamicCache(config=self._loaded.model.config)
         cache.layers = layers
         self._cache = cache
+        self._slots = [*members, *([None] * (count - len(members)))]
+        self._lengths = [*lengths, *([0] * (count - len(members)))]
+        self._pending = []
 
 
 class _GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call, unused-ignore]  # transformers is untyped
@@ -317,6 +348,23 @@ class _GrowingLayer(DynamicLayer):  # type: ignore[no-untyped-call, unused-ignor
         self.keys, self.values = key_buffer[:, :, :columns], value_buffer[:, :, :columns]
         self.is_initialized = True
         self.device = key_buffer.device
+
+    @property
+    def columns(self) -> int:
+        """Columns in use: every row's own columns end at the last of them."""
+        return self._columns
+
+    @property
+    def room(self) -> int:
+        """Columns the buffers have left for later decode steps."""
+        return int(self._key_buffer.shape[2]) - self._columns
+
+    def place(self, row: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Write one request's own keys and values (heads, length, head size) into ``row``, ending at the last
+        column in use (``length`` is at most :attr:`columns`)."""
+        length = keys.shape[1]
+        self._key_buffer[row, :, self._columns - length : self._columns] = keys
+        self._value_buffer[row, :, self._columns - length : self._columns] = values
 
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
