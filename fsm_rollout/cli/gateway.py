@@ -14,7 +14,7 @@ from typing import Any
 
 from fsm_rollout.cli.common import add_process_settings
 from fsm_rollout.cli.engine_options import add_engine_options, add_history_options
-from fsm_rollout.cli.preflight import PreflightError, api_key, load_run_tokenizer, redacted
+from fsm_rollout.cli.preflight import PreflightError, api_key, redacted
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError
 
@@ -113,13 +113,7 @@ async def serve(args: argparse.Namespace, *, ready: Callable[[str], None] | None
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
-        async with _engine(args) as (urls, choice):
-            tokenizer = await asyncio.to_thread(
-                load_run_tokenizer,
-                choice.tokenizer,
-                named_by=choice.tokenizer_named_by,
-                trust_remote_code=args.trust_remote_code,
-            )
+        async with _engine(args, in_process=True) as (urls, choice, tokenizer):
             config = build_config(args, urls[0], choice.model, choice.tokenizer)
             sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
             runner = RolloutRunner(config, sampling_params=sampling, engine_urls=urls, tokenizer=tokenizer)

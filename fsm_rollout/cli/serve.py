@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch intra-op threads of the worker; 0 keeps torch's default (default: 1, fastest on 2 cores)",
     )
     parser.add_argument(
+        "--stop-on-stdin-eof",
+        action="store_true",
+        help="also stop when stdin closes (for a parent process that starts the engine: it stops with the parent)",
+    )
+    parser.add_argument(
         "--api-key",
         metavar="KEY",
         default=None,
@@ -106,7 +111,20 @@ async def _serve(args: argparse.Namespace) -> int:
             flush=True,
         )
         print(engine.url, flush=True)
+        watcher = asyncio.ensure_future(_stop_on_stdin_eof(stop)) if args.stop_on_stdin_eof else None
         await stop.wait()
+        if watcher is not None:
+            watcher.cancel()
     finally:
         await engine.stop()
     return 0
+
+
+async def _stop_on_stdin_eof(stop: asyncio.Event) -> None:
+    """Set ``stop`` once stdin reaches its end (the parent holding its other end has closed it, or died)."""
+    reader = asyncio.StreamReader()
+    loop = asyncio.get_running_loop()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while await reader.read(1 << 16):
+        pass
+    stop.set()

@@ -1,0 +1,98 @@
+"""The embedded engine in a child process, for ``fsm-rollout run``: ``fsm-rollout serve`` on a free loopback port.
+
+In the run's own process the engine's worker thread and the rollouts (HTTP on both ends, environments, results)
+share one interpreter lock, and the engine's decode steps, mostly Python, wait whenever the rollouts hold it. In a
+process of its own each side has an interpreter and a core to itself, as vLLM runs its engine core apart from its
+API server. The child serves the model directory the parent resolved (the parent builds the default model first,
+showing the build's progress), with the engine's defaults, and no API key. It stops when the run ends, and on its
+own when the run's process dies (its stdin closes).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+from collections import deque
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from fsm_rollout.cli.preflight import PreflightError
+
+__all__ = ["EngineProcessError", "engine_process"]
+
+_STOP_TIMEOUT_S = 10.0
+_KEPT_STDERR_LINES = 40
+
+
+class EngineProcessError(PreflightError):
+    """The engine's child process did not start (its last lines of stderr say why)."""
+
+
+@contextlib.asynccontextmanager
+async def engine_process(model_dir: Path, served_model_name: str) -> AsyncIterator[str]:
+    """Start ``fsm-rollout serve`` for ``model_dir`` in a child process and yield its base URL once it answers; stop
+    it (SIGTERM, then SIGKILL after a grace period) on exit."""
+    command = [
+        sys.executable,
+        "-m",
+        "fsm_rollout.cli",
+        "serve",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        "--stop-on-stdin-eof",
+    ]
+    env = {key: value for key, value in os.environ.items() if key != "VLLM_API_KEY"}  # no key: loopback, one user
+    process = await asyncio.create_subprocess_exec(
+        *command,
+        stdin=asyncio.subprocess.PIPE,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=env,
+        start_new_session=True,  # a Ctrl-C reaches the run, which aborts its samples, then stops the engine
+    )
+    assert process.stdout is not None and process.stderr is not None
+    lines: deque[str] = deque(maxlen=_KEPT_STDERR_LINES)
+    drain = asyncio.create_task(_keep_lines(process.stderr, lines))
+    try:
+        url = (await process.stdout.readline()).decode(errors="replace").strip()
+        if not url.startswith("http"):
+            await process.wait()
+            await drain
+            detail = "\n".join(lines) or "(nothing on stderr)"
+            raise EngineProcessError(
+                f"the embedded engine's process ended (exit code {process.returncode}) before serving:\n{detail}"
+            )
+        yield url
+    finally:
+        await _stop(process)
+        if not drain.done():
+            drain.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await drain
+
+
+async def _keep_lines(stream: asyncio.StreamReader, lines: deque[str]) -> None:
+    """Read the child's stderr to its end (a full pipe would block it), keeping its last lines for an error."""
+    while line := await stream.readline():
+        lines.append(line.decode(errors="replace").rstrip())
+
+
+async def _stop(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        process.terminate()
+    try:
+        await asyncio.wait_for(process.wait(), _STOP_TIMEOUT_S)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            process.kill()
+        await process.wait()
