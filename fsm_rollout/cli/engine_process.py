@@ -31,9 +31,9 @@ class EngineProcessError(PreflightError):
 
 
 @contextlib.asynccontextmanager
-async def engine_process(model_dir: Path, served_model_name: str) -> AsyncIterator[str]:
-    """Start ``fsm-rollout serve`` for ``model_dir`` in a child process and yield its base URL once it answers; stop
-    it (SIGTERM, then SIGKILL after a grace period) on exit."""
+async def engine_process(model_dir: Path, served_model_name: str, *options: str) -> AsyncIterator[str]:
+    """Start ``fsm-rollout serve`` for ``model_dir`` (with more ``options``) in a child process and yield its base
+    URL once it answers; stop it (SIGTERM, then SIGKILL after a grace period) on exit."""
     command = [
         sys.executable,
         "-m",
@@ -48,6 +48,7 @@ async def engine_process(model_dir: Path, served_model_name: str) -> AsyncIterat
         "--port",
         "0",
         "--stop-on-stdin-eof",
+        *options,
     ]
     env = {key: value for key, value in os.environ.items() if key != "VLLM_API_KEY"}  # no key: loopback, one user
     process = await asyncio.create_subprocess_exec(

@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="torch intra-op threads of the worker; 0 keeps torch's default (default: 1, fastest on 2 cores)",
     )
     parser.add_argument(
+        "--no-batching",
+        action="store_true",
+        help="decode one request at a time, each step a batch of one (slower; for comparison, as the engine decoded "
+        "before batching)",
+    )
+    parser.add_argument(
         "--stop-on-stdin-eof",
         action="store_true",
         help="also stop when stdin closes (for a parent process that starts the engine: it stops with the parent)",
@@ -97,6 +103,7 @@ async def _serve(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs,
             torch_threads=args.torch_threads or None,
             api_key=args.api_key or os.environ.get(API_KEY_ENV_VAR) or None,
+            batched=not args.no_batching,
         )
         await engine.start()
     except (LocalEngineError, ValueError, OSError) as error:

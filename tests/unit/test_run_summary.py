@@ -43,3 +43,15 @@ def test_an_interrupted_run_counts_finished_aborted_mid_way_and_never_started() 
     whole = summary(snapshot(samples_done=3, statuses={"completed": 3}, reasons={"env_done": 3}), total=3,
                     skipped=0, out=Path("r.jsonl"), trace=None)  # fmt: skip
     assert whole.startswith("3/3 samples finished") and "never started" not in whole
+
+
+def test_the_engine_bench_reads_the_summary_line_it_times() -> None:
+    from fsm_rollout.cli.bench.demo import _SUMMARY
+
+    done = snapshot(samples_done=88, turns=252, tokens_generated=9387, elapsed_s=6.05, samples_per_s=14.5,
+                    tokens_per_s=1551.6, statuses={"truncated": 88})  # fmt: skip
+    found = _SUMMARY.search(summary(done, total=88, skipped=0, out=Path("r.jsonl"), trace=None))
+    assert found is not None
+    assert (found["done"], found["total"], found["wall"], found["tokens"], found["rate"]) == (
+        "88", "88", "6.0", "9387", "1552"
+    )  # fmt: skip

@@ -47,9 +47,11 @@ Workloads, one module each:
   answer computed beforehand by the embedded engine's image processing: the client's CPU per image observation
   (image encoding, the answer's JSON, placing and checking the features, the append), render calls per image
   observation, and the memory a sample holds with four images in its features.
-* ``engine`` (:mod:`.engine`, ``--only engine``): the embedded engine on the default model, one request at a time
-  (``batched=False``) against continuous batching, in one process: tokens per second and wall of the same demo-like
-  load on each, their ratio, the load average, and whether greedy tokens are identical.
+* ``engine`` (:mod:`.engine` and :mod:`.demo`, ``--only engine``): the embedded engine on the default model, one
+  request at a time (``batched=False``) against continuous batching. First the decoding alone, both engines in this
+  process under the same demo-like generate requests; then the demo as ``fsm-rollout run`` runs it, each engine in a
+  child process. For each: tokens per second and wall on each side, their ratio, and whether greedy tokens are
+  identical; the goal is the demo's ratio.
 * ``goals`` (:mod:`.suite`, which runs everything): each goal with its figure, target and met/missed.
 
 The rollouts run with pacing and the tuned collector on, as ``fsm-rollout run`` does (``--loop-slice-ms 0`` and

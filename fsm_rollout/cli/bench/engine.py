@@ -1,5 +1,5 @@
-"""The ``engine`` workload (``--only engine``): the embedded engine decoding one request at a time against
-continuous batching, side by side in one process.
+"""The decoding part of the ``engine`` workload (``--only engine``): the embedded engine decoding one request at a
+time against continuous batching, side by side in one process (:mod:`.demo` is the other part).
 
 Both engines serve the default model (the demo's) with the engine's defaults, one after the other, alternating
 (``repeats`` times each, the batched one first in odd rounds); each run sends the same ``requests`` generate

@@ -118,13 +118,15 @@ def run_images(quick: bool) -> dict[str, dict[str, Any]]:
 
 
 def run_engine(quick: bool) -> dict[str, dict[str, Any]]:
-    """The embedded engine's workload alone (``--only engine``): one request at a time against batching."""
+    """The embedded engine's workload alone (``--only engine``): one request at a time against batching, the
+    decoding alone and then the demo; the goal is the demo's ratio, greedy tokens identical in both."""
+    from fsm_rollout.cli.bench.demo import bench_demo
     from fsm_rollout.cli.bench.engine import bench_engine
 
-    figures = bench_engine(quick)
-    ratio = _goal(figures["batched_over_one_at_a_time_tok_s"], 3, at_most=False, unit="x")
-    identical = _goal(figures["greedy_identical"], 1, at_most=False, unit="")
-    return {"engine": figures, "goals": {"engine_batched_tok_s_ratio": ratio, "engine_greedy_identical": identical}}
+    figures = {**bench_engine(quick), **bench_demo(quick)}
+    ratio = _goal(figures["demo_batched_over_one_at_a_time_tok_s"], 3, at_most=False, unit="x")
+    identical = _goal(min(figures["greedy_identical"], figures["demo_greedy_identical"]), 1, at_most=False, unit="")
+    return {"engine": figures, "goals": {"engine_demo_tok_s_ratio": ratio, "engine_greedy_identical": identical}}
 
 
 def _batch_size(quick: bool, samples: int | None) -> int:
@@ -318,7 +320,8 @@ QUICK_TARGETS = (
     "targets of the --quick profile, whose batches are smaller than a full run's (in brackets): scale 200 and 1,000 "
     "samples in flight (1,000 and 10,000), so time_ratio_big_vs_small is held to <= 5.25 (the README's <= 10.5) "
     "and kib_per_inflight_sample and loop_lag_p99_ms are taken at 1,000 samples; replay 100 (1,000), weight update "
-    "200 (1,000), slow environment 200 (1,000), scale-out 400 (2,000). The other targets are the README's."
+    "200 (1,000), slow environment 200 (1,000), scale-out 400 (2,000), the engine's demo 16 samples (88), too few to "
+    "keep its batch full, so its ratio is a smoke figure. The other targets are the README's."
 )
 """What ``--quick`` changes in the goals: printed above them, so that its figures are not read as a full run's."""
 
