@@ -27,7 +27,10 @@ from fsm_rollout.testing.envs import ScriptedEnvFactory
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
-SAMPLING = {"max_new_tokens": 48, "temperature": 0.0, "top_p": 1.0, "ignore_eos": True}
+SAMPLING = {"max_new_tokens": 48, "temperature": 0.0, "top_p": 1.0}
+# min_new_tokens holds every turn open to a long budget, so that the requests are still running when the keep test
+# freezes them, however loaded the machine (the rollout passes min_tokens on; it has no ignore_eos)
+HELD = {"max_new_tokens": 400, "min_new_tokens": 400, "temperature": 0.0, "top_p": 1.0}
 WAIT_S = 120.0
 
 
@@ -104,7 +107,7 @@ async def test_abort_strategy_suspensions_match_the_uninterrupted_rollouts(engin
 async def test_keep_strategy_freezes_the_requests_and_the_spans_show_both_versions(engine: LocalEngine) -> None:
     envs = ScriptedEnvFactory()
     cfg = config(engine, weight_update_strategy="keep", max_turns=1)
-    async with RolloutRunner(cfg, sampling_params=SAMPLING, env_factory=envs) as runner:
+    async with RolloutRunner(cfg, sampling_params=HELD, env_factory=envs) as runner:
         batch = asyncio.ensure_future(runner.run_batch(samples()[:2]))
         await tokens_sampled(engine, requests=2, at_least=3)
         async with runner.weight_update(version="7"):
