@@ -212,8 +212,9 @@ async def _suspend_three_ways(proxy: Any, url: str, config: Any, tokenizer: Any,
     """Suspend a greedy batch twice mid-turn and once with sample 0 between turns; the batch's results.
 
     Raises:
-        _MissedMoment: When vLLM's token counter lagged so far that a suspension came too late for its moment
-            (the runner's samples are aborted first); the caller starts over with fresh samples.
+        _MissedMoment: When vLLM's token counter lagged so far that a suspension came too late for its moment, or
+            the other samples finished their last turns while sample 0's answer was held for the third (the
+            runner's samples are aborted first); the caller starts over with fresh samples.
     """
     await quiet_server(url)
     async with new_runner(config, tokenizer, watch) as runner:
@@ -261,6 +262,9 @@ async def _suspend_three_ways(proxy: Any, url: str, config: Any, tokenizer: Any,
         hold.release()
         await suspending
         assert runner.suspender.requests_in_flight == 0
+        suspended = runner.metrics().suspended
+        if suspended != len(PROMPTS):  # the others ran their last turn to its end while sample 0's was held back
+            await _give_up(runner, run, f"{len(PROMPTS) - suspended} sample(s) had finished by the third suspension")
         between = [(event["src"], event["partial_tokens"]) for event in watch.of("suspend", "0")
                    if event["turn"] == turn + 1]  # fmt: skip
         assert between == [("generating", 0)], watch.of("suspend", "0")
