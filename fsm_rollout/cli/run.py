@@ -124,6 +124,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with no --engine-url, run the embedded engine in this process (default: in a child process of its own, "
         "which is faster: the engine and the rollouts do not share one interpreter lock)",
     )
+    engine.add_argument(
+        "--no-batching",
+        action="store_true",
+        help="with no --engine-url, the embedded engine decodes one request at a time, each step a batch of one "
+        "(slower; to compare with decoding before batching)",
+    )
     engine.add_argument("--router-policy", choices=["consistent_hash"], help="send x-session-id on every request")
     engine.add_argument(
         "--image-merge-size",
@@ -208,12 +214,14 @@ def _groups(samples: Sequence[Sample], args: argparse.Namespace) -> tuple[list[S
 
 
 @contextlib.asynccontextmanager
-async def _engine(args: argparse.Namespace, *, in_process: bool) -> AsyncIterator[tuple[list[str], EngineChoice, Any]]:
+async def _engine(
+    args: argparse.Namespace, *, in_process: bool, batched: bool = True
+) -> AsyncIterator[tuple[list[str], EngineChoice, Any]]:
     """Yield the engine URLs, what the run uses from them (flags first, then what the engine says), and the tokenizer.
 
     Probes the given URLs (see :func:`~fsm_rollout.cli.preflight.discover_engine`), or starts the embedded engine,
     which needs no API key, when no URL is given: ``in_process`` or in a child process, which starts while this
-    process loads the tokenizer.
+    process loads the tokenizer; ``batched`` False decodes one request at a time.
     """
     if args.engine_url:
         urls = list(args.engine_url)
@@ -250,13 +258,14 @@ async def _engine(args: argparse.Namespace, *, in_process: bool) -> AsyncIterato
         )
         loading = asyncio.ensure_future(_load_tokenizer(args, tokenizer, named_by))
         try:
-            async with engine_process(model_dir, DEFAULT_MODEL_NAME) as url:
+            options = [] if batched else ["--no-batching"]
+            async with engine_process(model_dir, DEFAULT_MODEL_NAME, *options) as url:
                 merge_size = args.image_merge_size or IMAGE_MERGE_SIZE
                 yield [url], EngineChoice(DEFAULT_MODEL_NAME, tokenizer, named_by, merge_size), await loading
         finally:
             loading.cancel()
         return
-    async with LocalEngine(model_dir, served_model_name=DEFAULT_MODEL_NAME, log=say) as engine:
+    async with LocalEngine(model_dir, served_model_name=DEFAULT_MODEL_NAME, log=say, batched=batched) as engine:
         if args.model and args.model != engine.served_model_name:
             raise PreflightError(f"--model {args.model!r}: the embedded engine serves {engine.served_model_name!r}")
         tokenizer, named_by = (
@@ -355,7 +364,11 @@ async def _run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, interrupted.set)
-    async with _engine(args, in_process=args.engine_in_process) as (urls, choice, tokenizer):
+    async with _engine(args, in_process=args.engine_in_process, batched=not args.no_batching) as (
+        urls,
+        choice,
+        tokenizer,
+    ):
         config = build_config(args, urls[0], choice.model, choice.tokenizer, choice.image_merge_size, api_key=key)
         if args.seed is not None:
             sampling["seed"] = args.seed

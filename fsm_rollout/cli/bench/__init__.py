@@ -49,9 +49,10 @@ Workloads, one module each:
   observation, and the memory a sample holds with four images in its features.
 * ``engine`` (:mod:`.engine` and :mod:`.demo`, ``--only engine``): the embedded engine on the default model, one
   request at a time (``batched=False``) against continuous batching. First the decoding alone, both engines in this
-  process under the same demo-like generate requests; then the demo as ``fsm-rollout run`` runs it, each engine in a
-  child process. For each: tokens per second and wall on each side, their ratio, and whether greedy tokens are
-  identical; the goal is the demo's ratio.
+  process under the same demo-like generate requests; then ``fsm-rollout run``'s demo as it ran before batching
+  (engine in the run's process, one request at a time) and as it runs now (batching, in a child process). For each:
+  tokens per second and wall on each side, their ratio, and whether greedy tokens are identical; the goal is the
+  demo's ratio.
 * ``goals`` (:mod:`.suite`, which runs everything): each goal with its figure, target and met/missed.
 
 The rollouts run with pacing and the tuned collector on, as ``fsm-rollout run`` does (``--loop-slice-ms 0`` and
