@@ -62,26 +62,38 @@ async def engine_process(model_dir: Path, served_model_name: str, *options: str)
     assert process.stdout is not None and process.stderr is not None
     lines: deque[str] = deque(maxlen=_KEPT_STDERR_LINES)
     drain = asyncio.create_task(_keep_lines(process.stderr, lines))
+    rest: asyncio.Task[None] | None = None
     try:
-        url = (await process.stdout.readline()).decode(errors="replace").strip()
-        if not url.startswith("http"):
+        url = await _url(process.stdout)
+        if url is None:  # stdout ended: the child did
             await process.wait()
             await drain
             detail = "\n".join(lines) or "(nothing on stderr)"
             raise EngineProcessError(
                 f"the embedded engine's process ended (exit code {process.returncode}) before serving:\n{detail}"
             )
+        rest = asyncio.create_task(_keep_lines(process.stdout, deque(maxlen=1)))  # a full pipe would block it
         yield url
     finally:
         await _stop(process)
-        if not drain.done():
-            drain.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await drain
+        for task in (drain, rest) if rest is not None else (drain,):
+            task.cancel()  # the child's pipes have ended by now; this only tidies up
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+async def _url(stream: asyncio.StreamReader) -> str | None:
+    """The first line of the child's stdout that is a URL (serve prints it once the engine answers), or None at
+    the end of its stdout."""
+    while line := await stream.readline():
+        text = line.decode(errors="replace").strip()
+        if text.startswith(("http://", "https://")):
+            return text
+    return None
 
 
 async def _keep_lines(stream: asyncio.StreamReader, lines: deque[str]) -> None:
-    """Read the child's stderr to its end (a full pipe would block it), keeping its last lines for an error."""
+    """Read one of the child's pipes to its end (a full pipe would block the child), keeping its last lines."""
     while line := await stream.readline():
         lines.append(line.decode(errors="replace").rstrip())
 

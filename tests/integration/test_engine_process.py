@@ -97,3 +97,16 @@ async def test_engine_in_process_runs_the_demo_in_one_process(tmp_path: Path) ->
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all(row["response_length"] > 0 for row in rows)
     assert "2/2 samples" in stdout.decode()
+
+
+async def test_the_url_is_the_first_url_line_of_the_child_s_stdout() -> None:
+    from fsm_rollout.cli.engine_process import _url
+
+    stream = asyncio.StreamReader()
+    stream.feed_data(b"a library's notice on stdout\nhttp://127.0.0.1:4321\nlater\n")
+    stream.feed_eof()
+    assert await _url(stream) == "http://127.0.0.1:4321"
+    ended = asyncio.StreamReader()
+    ended.feed_data(b"no url\n")
+    ended.feed_eof()
+    assert await _url(ended) is None
