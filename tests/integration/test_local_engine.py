@@ -1051,3 +1051,27 @@ async def test_a_tokenizer_without_the_image_placeholder_refuses_images() -> Non
     assert caught.value.status == 400
     with pytest.raises(RequestError, match="has no <\\|image_pad\\|> token"):
         support.check_features(ImageFeatures(placeholders=((0, 1),), items=(None,), metadata=(None,)), [1])
+
+
+async def test_render_answers_while_the_worker_is_busy_between_decode_steps(
+    engine: LocalEngine, http: aiohttp.ClientSession
+) -> None:
+    """Rendering runs on the engine's front-end thread: a worker held inside a task (as inside a long decode step)
+    does not hold a render up."""
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold_the_worker() -> None:
+        held.set()
+        release.wait(300)
+
+    holding = asyncio.ensure_future(engine._require_scheduler().run_task(hold_the_worker))
+    try:
+        await asyncio.wait_for(asyncio.to_thread(held.wait, 300), 300)
+        status, body = await asyncio.wait_for(post(http, engine, RENDER, {"messages": MESSAGES}), 120)
+        assert status == 200 and body["token_ids"]
+        assert not holding.done()  # the worker was held throughout
+    finally:
+        release.set()
+        await holding
