@@ -58,7 +58,7 @@ def load_image_processor(path: str, *, trust_remote_code: bool = False) -> Any:
     try:
         from transformers import AutoImageProcessor
 
-        return AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)  # type: ignore[no-untyped-call]
+        return AutoImageProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)  # type: ignore[no-untyped-call,unused-ignore]
     except Exception:  # any failure (missing files, backends, remote code): the config file is read next
         pass
     merge_size = checkpoint_merge_size(path)
