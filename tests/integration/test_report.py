@@ -22,10 +22,10 @@ from fsm_rollout.replay import replay
 from fsm_rollout.report import build_report, write_report
 from fsm_rollout.report.chromium import Chromium, find_chromium
 from fsm_rollout.report.page import json_for_script, render_page
-from fsm_rollout.report.synthetic import write_synthetic_run
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
 from fsm_rollout.trace import Tracer
+from tools.report_synthetic import write_synthetic_run
 
 EOS = "<|im_end|>"
 SAMPLING = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0, "stop": ["</tool_call>"], "no_stop_trim": True}

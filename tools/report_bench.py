@@ -1,6 +1,6 @@
 """The report's figures: size and build time of a report, and how soon headless Chromium shows it.
 
-``python -m fsm_rollout.cli.report_bench [--trace TRACE --results R] [--samples 10000]`` reports a recorded run (the
+``python -m tools.report_bench [--trace TRACE --results R] [--samples 10000]`` reports a recorded run (the
 demo's, when given) and a synthetic run of ``--samples`` sample runs (trace and results, no tape). For each: the
 tokenizer's load time (apart: it is the same for any run), the time to read and summarise the run (wall clock, and
 CPU time, which a loaded machine inflates less), to write the page, the page's size, and in headless Chromium (the
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             figures["tokenizer_s"] = loaded
             figures.update(asyncio.run(paint_times(directory / "run.html", args.repeat)))
             rows.append((f"{args.trace.name}", figures))
-        from fsm_rollout.report.synthetic import write_synthetic_run
+        from tools.report_synthetic import write_synthetic_run
 
         trace, results = write_synthetic_run(directory / "synthetic", args.samples)
         figures = measure(trace, results, directory / "synthetic.html")
