@@ -57,7 +57,7 @@ async def paint_times(page: Path, repeat: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsm_rollout.cli.report_bench", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m tools.report_bench", description=__doc__)
     parser.add_argument("--trace", type=Path, help="a recorded run's trace (its tape beside it), e.g. the demo's")
     parser.add_argument("--results", type=Path, help="that run's results file")
     parser.add_argument("--samples", type=int, default=10_000, help="sample runs of the synthetic run")
