@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from fsm_rollout._version import __version__ as __version__
 from fsm_rollout.config import RetryPolicy, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.engine.transport import AiohttpTransport, Transport
@@ -64,7 +65,6 @@ __all__ = [
     "training_sequences",
     "weight_staleness",
 ]
-__version__ = "0.2.0"
 
 _LAZY = {"LocalEngine": "fsm_rollout.engine.local", "RayRolloutPool": "fsm_rollout.distributed"}
 """Public names imported on first use: the embedded engine's server and the Ray pool are heavier than the rest."""

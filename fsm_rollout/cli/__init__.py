@@ -15,7 +15,7 @@ import argparse
 import importlib
 from collections.abc import Sequence
 
-from fsm_rollout import __version__
+from fsm_rollout._version import __version__
 from fsm_rollout.cli.common import HelpFormatter
 
 SUBCOMMANDS: dict[str, tuple[str, str]] = {

@@ -49,7 +49,7 @@ class TapeWriter:
         """Blobs that could not be written (hash and why); the samples using them replay as lacking them."""
         self._thread = threading.Thread(target=self._drain, name=f"fsm-rollout-tape-{self.run_id}", daemon=True)
         self._thread.start()
-        from fsm_rollout import __version__
+        from fsm_rollout._version import __version__
 
         header = {
             "kind": "header",
