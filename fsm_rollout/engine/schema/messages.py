@@ -3,19 +3,21 @@
 vLLM 0.32 reads ``messages`` as a list of ``ChatCompletionMessageParam``, a union of OpenAI's typed messages
 (``developer``, ``system``, ``user``, ``assistant``, ``tool``, ``function``) and vLLM's
 ``CustomChatCompletionMessageParam`` (any string role; optional ``content``, ``name``, ``tool_call_id``,
-``tool_calls``, ``reasoning``). pydantic accepts a message when one member of the union does, so in effect:
+``tool_calls``, ``reasoning``). pydantic accepts a message when one member of the union accepts it, and each member
+ignores the keys it does not declare. So, in effect:
 
-* a message is an object with a string ``role``;
-* ``content`` is a string or a list of parts (objects or strings); it may be left out, and may be null only in an
-  ``assistant`` or ``function`` message;
-* ``name`` is a string; ``tool_call_id`` and ``reasoning`` are strings or null, and a ``tool`` message's
-  ``tool_call_id`` may be left out (the custom member takes it);
-* ``tool_calls`` is a list (null outside ``assistant``) of ``{"id": str, "type": "function", "function":
-  {"name": str, "arguments": str}}``: **arguments are a JSON string**. An object there is the 400 real clients
-  meet when they hand the template form to an engine (:mod:`fsm_rollout.chat_messages`).
+* a message is an object with a string ``role``; ``content`` is a string or a list of parts, and may be left out;
+* the custom member takes any role, ``content`` not null, ``name`` a string, ``tool_call_id`` and ``reasoning``
+  strings or null, ``tool_calls`` null or a list of function tool calls;
+* OpenAI's member for the message's role takes what it declares: null ``content`` in an ``assistant`` or
+  ``function`` message, a ``tool`` message's ``tool_call_id`` as a string, an ``assistant``'s ``tool_calls`` as a
+  list of function (or custom) tool calls, and ignores ``reasoning`` and the rest;
+* a function tool call is ``{"id": str, "type": "function", "function": {"name": str, "arguments": str}}``: the
+  **arguments are a JSON string**. An object there is the 400 real clients meet when they send an engine the form a
+  chat template takes (:mod:`fsm_rollout.chat_messages`). A tool call of another type passes the schema and is
+  refused right after, when vLLM prepares the messages for the template.
 
-Keys the schema does not name are ignored, as pydantic ignores them in a typed dict. A message that fails is a 400
-naming the first bad field, in pydantic's words (``Input should be a valid string``).
+A message no member accepts is a 400 in pydantic's words, naming the field the member for its role refused.
 """
 
 from __future__ import annotations
@@ -27,71 +29,129 @@ from fsm_rollout.engine.schema.requests import RequestError
 
 __all__ = ["check_chat_message"]
 
-_NULL_CONTENT_ROLES = frozenset({"assistant", "function"})
-_TOOL_CALL = "ChatCompletionMessageFunctionToolCallParam"
+_Failure = tuple[str, str] | None
+"""Where a member refused the message (a dotted path after ``messages.<index>``) and pydantic's words, or None."""
 
-
-def _fail(where: str, what: str) -> RequestError:
-    return RequestError(400, f"1 validation error for ChatCompletionRequest\n{where}\n  {what}", "messages")
+_STRING = "Input should be a valid string"
+_MEMBERS = {
+    "developer": "ChatCompletionDeveloperMessageParam",
+    "system": "ChatCompletionSystemMessageParam",
+    "user": "ChatCompletionUserMessageParam",
+    "assistant": "ChatCompletionAssistantMessageParam",
+    "tool": "ChatCompletionToolMessageParam",
+    "function": "ChatCompletionFunctionMessageParam",
+}
+_CUSTOM = "CustomChatCompletionMessageParam"
+_FUNCTION_CALL = "ChatCompletionMessageFunctionToolCallParam"
 
 
 def check_chat_message(message: Any, index: int) -> None:
     """Check ``messages[index]`` as vLLM's request model does (:class:`RequestError` 400 otherwise)."""
     where = f"messages.{index}"
     if not isinstance(message, Mapping):
-        raise _fail(where, "Input should be a valid dictionary or instance of ChatCompletionMessageParam")
+        raise _error(f"{where}.{_CUSTOM}", f"Input should be a valid dictionary [input_type={type(message).__name__}]")
     role = message.get("role")
     if "role" not in message:
-        raise _fail(f"{where}.role", "Field required")
+        raise _error(f"{where}.{_CUSTOM}.role", "Field required")
     if not isinstance(role, str):
-        raise _fail(f"{where}.role", "Input should be a valid string")
-    if "content" in message:
-        _check_content(message["content"], role, f"{where}.content")
+        raise _error(f"{where}.{_CUSTOM}.role", f"{_STRING} [input_type={type(role).__name__}]")
+    custom = _custom(message)
+    member = _MEMBERS.get(role)
+    if custom is not None:
+        if member is None:
+            raise _error(f"{where}.{_CUSTOM}.{custom[0]}", custom[1])
+        typed = _typed(role, message)
+        if typed is not None:
+            raise _error(f"{where}.{member}.{typed[0]}", typed[1])
+    # the schema passed; vLLM then prepares the messages for the template and refuses other call types
+    calls = message.get("tool_calls")
+    if role == "assistant" and isinstance(calls, list) and any(_not_function(call) for call in calls):
+        raise RequestError(400, "chat completions only support assistant tool_calls of type 'function'.", "tool_calls")
+
+
+def _not_function(call: Any) -> bool:
+    return isinstance(call, Mapping) and call.get("type", "function") != "function"
+
+
+def _error(location: str, what: str) -> RequestError:
+    return RequestError(400, f"1 validation error for ChatCompletionRequest\n{location}\n  {what}", "messages")
+
+
+def _kind(value: Any) -> str:
+    return f"[input_type={type(value).__name__}]"
+
+
+def _custom(message: Mapping[str, Any]) -> _Failure:
+    """vLLM's custom member: any role, every field optional, the declared ones typed."""
+    if "content" in message and not isinstance(message["content"], str | list):
+        return "content", f"Input should be a valid string or a valid list {_kind(message['content'])}"
     if "name" in message and not isinstance(message["name"], str):
-        raise _fail(f"{where}.name", "Input should be a valid string")
+        return "name", f"{_STRING} {_kind(message['name'])}"
     for key in ("tool_call_id", "reasoning"):
         if message.get(key) is not None and not isinstance(message[key], str):
-            raise _fail(f"{where}.{key}", "Input should be a valid string")
-    if "tool_calls" in message:
-        _check_tool_calls(message["tool_calls"], f"{where}.tool_calls")
+            return key, f"{_STRING} {_kind(message[key])}"
+    calls = message.get("tool_calls")
+    if calls is not None:
+        return _tool_calls(calls, custom_calls=False)
+    return None
 
 
-def _check_content(content: Any, role: str, where: str) -> None:
-    if isinstance(content, str):
-        return
-    if content is None:
-        if role in _NULL_CONTENT_ROLES:
-            return
-        raise _fail(where, "Input should be a valid string or a list of content parts (null is not)")
-    if not isinstance(content, list):
-        raise _fail(where, "Input should be a valid string or a valid list of content parts")
-    for number, part in enumerate(content):
-        if not isinstance(part, str | Mapping):
-            raise _fail(f"{where}.{number}", "Input should be a valid dictionary or a valid string")
+def _typed(role: str, message: Mapping[str, Any]) -> _Failure:
+    """OpenAI's member for ``role`` (one of :data:`_MEMBERS`); keys it does not declare are ignored."""
+    nullable = role in ("assistant", "function")
+    if "content" not in message and role != "assistant":
+        return "content", "Field required"
+    content = message.get("content")
+    if not (isinstance(content, str | list) or (content is None and nullable)):
+        return "content", f"Input should be a valid string or a valid list {_kind(content)}"
+    if role == "function" and not isinstance(message.get("name"), str):
+        return "name", "Field required" if "name" not in message else f"{_STRING} {_kind(message['name'])}"
+    if "name" in message and not isinstance(message["name"], str):
+        return "name", f"{_STRING} {_kind(message['name'])}"
+    if role == "tool" and not isinstance(message.get("tool_call_id"), str):
+        missing = "tool_call_id" not in message
+        return "tool_call_id", "Field required" if missing else f"{_STRING} {_kind(message['tool_call_id'])}"
+    if role == "assistant" and "tool_calls" in message:
+        return _tool_calls(message["tool_calls"], custom_calls=True)
+    return None
 
 
-def _check_tool_calls(calls: Any, where: str) -> None:
-    if calls is None:
-        return
+def _tool_calls(calls: Any, *, custom_calls: bool) -> _Failure:
     if not isinstance(calls, list):
-        raise _fail(where, "Input should be a valid list")
+        return "tool_calls", f"Input should be a valid list {_kind(calls)}"
     for number, call in enumerate(calls):
-        at = f"{where}.{number}.{_TOOL_CALL}"
+        at = f"tool_calls.{number}.{_FUNCTION_CALL}"
         if not isinstance(call, Mapping):
-            raise _fail(at, "Input should be a valid dictionary")
-        if not isinstance(call.get("id"), str):
-            raise _fail(f"{at}.id", "Field required" if "id" not in call else "Input should be a valid string")
-        if call.get("type") != "function":
-            raise _fail(f"{at}.type", "Field required" if "type" not in call else "Input should be 'function'")
-        function = call.get("function")
-        if not isinstance(function, Mapping):
-            what = "Field required" if function is None else "Input should be a valid dictionary"
-            raise _fail(f"{at}.function", what)
-        for key in ("name", "arguments"):
-            if key not in function:
-                raise _fail(f"{at}.function.{key}", "Field required")
-            if not isinstance(function[key], str):
-                raise _fail(
-                    f"{at}.function.{key}",
-                    f"Input should be a valid string [type=string_type, input_type={type(function[key]).__name__}]",
-                )
+            return at, f"Input should be a valid dictionary {_kind(call)}"
+        if custom_calls and call.get("type") == "custom" and _custom_call_ok(call):
+            continue
+        failure = _function_call(call)
+        if failure is not None:
+            return f"{at}.{failure[0]}", failure[1]
+    return None
+
+
+def _function_call(call: Mapping[str, Any]) -> _Failure:
+    if not isinstance(call.get("id"), str):
+        return "id", "Field required" if "id" not in call else f"{_STRING} {_kind(call['id'])}"
+    if call.get("type") != "function":
+        return "type", "Field required" if "type" not in call else "Input should be 'function'"
+    function = call.get("function")
+    if not isinstance(function, Mapping):
+        return "function", "Field required" if "function" not in call else "Input should be a valid dictionary"
+    for key in ("name", "arguments"):
+        if key not in function:
+            return f"function.{key}", "Field required"
+        if not isinstance(function[key], str):
+            return f"function.{key}", f"{_STRING} [type=string_type, {_kind(function[key])[1:]}"
+    return None
+
+
+def _custom_call_ok(call: Mapping[str, Any]) -> bool:
+    custom = call.get("custom")
+    return (
+        isinstance(call.get("id"), str)
+        and isinstance(custom, Mapping)
+        and isinstance(custom.get("name"), str)
+        and isinstance(custom.get("input"), str)
+    )
