@@ -23,7 +23,7 @@ from fsm_rollout.testing.fake_vllm import RENDER_PATH, FakeVLLMServer, ScriptedT
 MODEL = "fake-model"
 SAMPLING = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}
 PROPERTIES = {"expression": {"type": "string"}}
-LANGCHAIN = [
+LANGCHAIN: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
@@ -33,7 +33,7 @@ LANGCHAIN = [
         },
     }
 ]
-LITELLM = [
+LITELLM: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
@@ -69,7 +69,7 @@ async def test_two_key_orders_through_one_runner_each_render_their_own_tokens(to
 
         def factory(*, sample: Sample, args: Any) -> ScriptedEnv:
             # each sample's own tool result: equal ones would share a cached boundary and hide a shared prefix
-            return ScriptedEnv(steps=[({**RESULT, "content": str(40 + sample.index)}, False)])
+            return ScriptedEnv(steps=[({**RESULT, "content": str(40 + (sample.index or 0))}, False)])
 
         async with RolloutRunner(
             config_for(server), sampling_params=SAMPLING, tokenizer=tokenizer, env_factory=factory

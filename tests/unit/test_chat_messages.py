@@ -17,15 +17,17 @@ from fsm_rollout.engine.serving import parse_render_request
 from fsm_rollout.template_probe import HistoryPolicyChooser
 
 CASES = json.loads((pathlib.Path(__file__).parents[1] / "fixtures" / "vllm_chat_messages.json").read_text())["cases"]
-OBJECT_ARGUMENTS = {
+OBJECT_ARGUMENTS: dict[str, Any] = {
     "role": "assistant",
     "content": "",
     "tool_calls": [{"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": {"x": 1}}}],
 }
 # The same schema in langchain's key order and in litellm's / openai-agents'.
 PARAMETERS = {"properties": {"expression": {"type": "string"}}, "required": ["expression"], "type": "object"}
-LANGCHAIN_TOOLS = [{"type": "function", "function": {"name": "calc", "description": "Calc.", "parameters": PARAMETERS}}]
-LITELLM_TOOLS = [
+LANGCHAIN_TOOLS: list[dict[str, Any]] = [
+    {"type": "function", "function": {"name": "calc", "description": "Calc.", "parameters": PARAMETERS}}
+]
+LITELLM_TOOLS: list[dict[str, Any]] = [
     {
         "type": "function",
         "function": {
@@ -72,7 +74,7 @@ def test_render_hands_the_template_decoded_arguments_and_the_wire_form_round_tri
 
 @pytest.mark.parametrize(("arguments", "decoded"), [("", {}), (None, {}), ("{oops", {}), ("[1]", {}), ("{}", {})])
 def test_arguments_vllm_cannot_decode_become_an_empty_object(arguments: Any, decoded: Any) -> None:
-    message = {"role": "assistant", "content": "", "tool_calls": [wire_tool_call("c", "f", "{}")]}
+    message: dict[str, Any] = {"role": "assistant", "content": "", "tool_calls": [wire_tool_call("c", "f", "{}")]}
     message["tool_calls"][0]["function"]["arguments"] = arguments
     assert template_messages([message])[0]["tool_calls"][0]["function"]["arguments"] == decoded
 

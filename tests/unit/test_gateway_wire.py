@@ -97,7 +97,9 @@ def test_top_logprobs_ask_the_engine_for_that_many_candidates() -> None:
 def test_tool_choice_is_checked_and_a_named_function_refused() -> None:
     user = {"role": "user", "content": "Hi"}
     tools = [{"type": "function", "function": {"name": "f"}}]
-    assert parse_chat_request({"messages": [user]}).tool_choice == "auto"
+    # missing: OpenAI's default, "auto" with tools and "none" without (no tools, no tool calls)
+    assert parse_chat_request({"messages": [user]}).tool_choice == "none"
+    assert parse_chat_request({"messages": [user], "tools": tools}).tool_choice == "auto"
     assert parse_chat_request({"messages": [user], "tool_choice": "none"}).tool_choice == "none"
     assert parse_chat_request({"messages": [user], "tools": tools, "tool_choice": "required"}).tool_choice == (
         "required"

@@ -289,7 +289,7 @@ def test_render_messages_errors_name_the_message() -> None:
     # pydantic's words, as vLLM answers: the message's place, then what is wrong there
     error = _refused(parse_render_request, {"messages": [*messages, {"content": "no role"}]}, "m")
     assert (error.status, error.param) == (400, "messages")
-    assert "messages.1.role" in error.message and "Field required" in error.message
+    assert "messages.1." in error.message and ".role\n" in error.message and "Field required" in error.message
 
 
 def test_a_model_list_parses_with_the_embedded_engines_extra_fields_and_without() -> None:

@@ -63,9 +63,17 @@ class ToolCallingClient(VLLMClient):
         if prompt[-len(self.call_tokens) :] == self.call_tokens or self._answered(prompt):
             return turn
         self.first_turns += 1
-        return dataclasses.replace(
-            turn, finish="stop", token_ids=list(self.call_tokens), logprobs=[0.0] * len(self.call_tokens)
+        tokens = list(self.call_tokens)
+        meta = dataclasses.replace(  # what vLLM would say of these tokens: no spans or masks of the tokens replaced
+            turn.meta,
+            finish_reason="stop",
+            completion_tokens=len(tokens),
+            weight_version_spans=None,
+            top_p_token_ids=None,
+            top_p_token_offsets=None,
+            routed_experts=None,
         )
+        return dataclasses.replace(turn, finish="stop", token_ids=tokens, logprobs=[0.0] * len(tokens), meta=meta)
 
     def _answered(self, prompt: list[int]) -> bool:
         """The prompt holds the call already: this is a later turn."""
