@@ -28,6 +28,7 @@ from typing import Any, Final
 
 import orjson
 
+from fsm_rollout.chat_messages import template_messages
 from fsm_rollout.errors import ImageObservationError, ObservationError, TemplateError, TemplateNotPrefixStable
 from fsm_rollout.multimodal import check_observation_parts, is_image_part
 from fsm_rollout.parity import (
@@ -56,6 +57,7 @@ __all__ = [
     "observation_shape",
     "probe_conversation",
     "record_observation",
+    "render_key",
     "stop_string_eos_due",
     "template_identity",
     "template_token_ids",
@@ -80,11 +82,13 @@ TOOL_DUMMY_MESSAGES: tuple[dict[str, Any], ...] = (
         "role": "assistant",
         "content": "",
         "tool_calls": [
-            {"id": "call_0", "type": "function", "function": {"name": "dummy_tool", "arguments": {}}},
+            {"id": "call_0", "type": "function", "function": {"name": "dummy_tool", "arguments": "{}"}},
         ],
     },
 )
-"""The dummy prefix before an observation that starts with a ``tool`` message: it ends with a tool call."""
+"""The dummy prefix before an observation that starts with a ``tool`` message: it ends with a tool call. Its
+arguments are a JSON string, OpenAI's wire form, because the image path sends this prefix to the engine; local
+renders decode them as vLLM does (:func:`fsm_rollout.chat_messages.template_messages`)."""
 
 USER_SHAPE: Final = "user"
 TOOL_SHAPE: Final = "tool"
@@ -181,6 +185,13 @@ def validate_observation(observation: Any) -> list[dict[str, Any]]:
     return messages
 
 
+def render_key(tools: Any, template_kwargs: Mapping[str, Any] | None) -> bytes:
+    """A cache key for renders with these tools and template kwargs: exactly what the template is given, in the
+    order given. Templates write JSON keys in the order they were sent (``tool | tojson``), so two tool schemas that
+    differ only in key order render different tokens and must not share a cached render."""
+    return orjson.dumps([tools, dict(template_kwargs or {})])
+
+
 Observation = Mapping[str, Any] | Sequence[Mapping[str, Any]]
 """One observation message, or a list of them encoded as one suffix."""
 
@@ -210,7 +221,7 @@ class ObservationEncoder:
             raise TemplateError("tokenizer.eos_token_id must be an integer (the chat turn terminator)")
         prefix = template_token_ids(
             self.tokenizer.apply_chat_template(
-                list(DUMMY_PREFIXES[shape]),
+                template_messages(DUMMY_PREFIXES[shape]),
                 tools=tools,
                 tokenize=True,
                 add_generation_prompt=False,
@@ -240,8 +251,7 @@ class ObservationEncoder:
         boundary starts there, as for text)."""
         kwargs = template_kwargs or {}
         shape = observation_shape(messages)
-        prefix_key = orjson.dumps([tools, dict(kwargs)], option=orjson.OPT_SORT_KEYS)
-        prefix, eos_index = self._prefix(shape, prefix_key, tools, kwargs)
+        prefix, eos_index = self._prefix(shape, render_key(tools, kwargs), tools, kwargs)
         return [dict(message) for message in DUMMY_PREFIXES[shape]], prefix, eos_index
 
     def encode(
@@ -262,8 +272,8 @@ class ObservationEncoder:
         if not messages:
             raise ObservationError("an observation needs at least one message")
         kwargs = template_kwargs or {}
-        prefix_key = orjson.dumps([tools, dict(kwargs)], option=orjson.OPT_SORT_KEYS)
-        key = prefix_key + b"\x00" + orjson.dumps(messages, option=orjson.OPT_SORT_KEYS)
+        prefix_key = render_key(tools, kwargs)
+        key = prefix_key + b"\x00" + orjson.dumps(messages)
         cached = self._boundaries.get(key)
         if cached is None:
             cached = self._boundary(prefix_key, messages, tools, kwargs)
@@ -286,7 +296,7 @@ class ObservationEncoder:
         prefix, eos_index = self._prefix(shape, prefix_key, tools, kwargs)
         rendered = template_token_ids(
             self.tokenizer.apply_chat_template(
-                [*DUMMY_PREFIXES[shape], *(dict(message) for message in messages)],
+                template_messages([*DUMMY_PREFIXES[shape], *messages]),
                 tools=tools,
                 tokenize=True,
                 add_generation_prompt=True,
@@ -329,7 +339,7 @@ class ObservationEncoder:
         unknown = [shape for shape in chosen if shape not in DUMMY_PREFIXES]
         if unknown:
             raise ValueError(f"unknown observation shape(s) {unknown}; the shapes are {sorted(DUMMY_PREFIXES)}")
-        key = hashlib.sha256(orjson.dumps([tools, kwargs, sorted(chosen)], option=orjson.OPT_SORT_KEYS)).digest()
+        key = hashlib.sha256(render_key(tools, kwargs) + b"\x00" + orjson.dumps(sorted(chosen))).digest()
         if key in self._probed:
             self._probed.move_to_end(key)
             return

@@ -37,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
+from fsm_rollout.chat_messages import template_messages
 from fsm_rollout.errors import ParityInputError, TemplateError
 from fsm_rollout.multimodal import IMAGE_PAD_TOKEN, build_initial_messages, image_pad_token_id, prepare_render_messages
 from fsm_rollout.sample import Sample
@@ -169,7 +170,7 @@ def check_template_parity(
     conversation = rebuild_conversation(sample, tokenizer)
     rendered = template_token_ids(
         tokenizer.apply_chat_template(
-            conversation.messages,
+            template_messages(conversation.messages),  # tool-call arguments decoded, as vLLM hands them over
             tools=tools,
             tokenize=True,
             add_generation_prompt=conversation.add_generation_prompt,

@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, Literal
 
-import orjson
 import structlog
 
 from fsm_rollout.chat import (
@@ -36,6 +35,7 @@ from fsm_rollout.chat import (
     PROBE_QUESTION,
     ObservationEncoder,
     observation_shape,
+    render_key,
     template_identity,
 )
 from fsm_rollout.errors import ConfigError, TemplateError, TemplateNotPrefixStable
@@ -468,7 +468,8 @@ class HistoryPolicyChooser:
 
     def resolve(self, tokenizer: Any, tools: Sequence[Mapping[str, Any]] | None = None) -> str:
         """The policy for rollouts with ``tools`` (probing the template the first time this tool set is seen)."""
-        key = orjson.dumps([template_identity(tokenizer), tools or None], option=orjson.OPT_SORT_KEYS)
+        # the tools as given: templates write their keys in that order, so another order may render otherwise
+        key = template_identity(tokenizer).encode() + b"\x00" + render_key(tools or None, None)
         known = self._resolved.get(key)
         if known is not None:
             return known

@@ -37,6 +37,7 @@ from typing import Any, Final, Literal
 
 import orjson
 
+from fsm_rollout.chat_messages import template_messages
 from fsm_rollout.engine.schema import (
     PAUSE_MODES,
     GenerateAnswer,
@@ -48,7 +49,7 @@ from fsm_rollout.engine.schema import (
     RequestError,
     WeightVersionSpan,
     boolean_field,
-    check_message,
+    check_chat_message,
     check_model,
     check_prompt_room,
     check_single_prompt_extra,
@@ -163,12 +164,14 @@ class RenderRequest:
 
 
 def parse_render_request(body: Mapping[str, Any], served_model_name: str) -> RenderRequest:
-    """Check a render body (an OpenAI ``ChatCompletionRequest``): the model, the messages (each an object with a
-    string ``role``), ``tools``, ``chat_template_kwargs``, the generation-prompt flags and ``mm_payload``."""
+    """Check a render body (an OpenAI ``ChatCompletionRequest``): the model, the messages (OpenAI's message schema
+    as vLLM validates it: tool-call arguments are JSON strings), ``tools``, ``chat_template_kwargs``, the
+    generation-prompt flags and ``mm_payload``. The messages come back in the template form vLLM hands its chat
+    template (tool-call arguments decoded: :func:`~fsm_rollout.chat_messages.template_messages`)."""
     check_model(body, served_model_name)
     messages = message_list(body)
     for index, message in enumerate(messages):
-        check_message(message, index)
+        check_chat_message(message, index)
     tools = render_tools(body)
     template_kwargs = render_template_kwargs(body)
     add_generation_prompt = boolean_field(body, "add_generation_prompt", True)
@@ -181,7 +184,7 @@ def parse_render_request(body: Mapping[str, Any], served_model_name: str) -> Ren
     if mm_payload is not None and mm_payload not in ("tensors", "none"):
         raise RequestError(400, f"mm_payload: Input should be 'tensors' or 'none', got {mm_payload!r}", "mm_payload")
     return RenderRequest(
-        messages=messages,
+        messages=template_messages(messages),
         tools=tools,
         template_kwargs=template_kwargs,
         add_generation_prompt=add_generation_prompt,

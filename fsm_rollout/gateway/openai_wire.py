@@ -4,18 +4,21 @@ Requests are checked strictly, because every message becomes tokens the model is
 a malformed message, ``n > 1`` or an image part the gateway cannot carry is a 400 in OpenAI's error shape
 ``{"error": {"message", "type", "code"}}``, never a silent guess.
 
-Messages are kept in two forms. The *wire* form is what the agent sent (tool-call ``arguments`` as JSON strings).
-The *render* form is what a chat template is given, as vLLM gives it: text parts joined into one string and
-tool-call arguments decoded into objects.
+Messages are kept in two forms. The *checked* form is what the session compares: text parts joined into one
+string and tool-call arguments decoded into objects. The *render* form is what the rollout sends the engine:
+OpenAI's wire form again (arguments as JSON strings), which vLLM validates (:func:`render_message`).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from fsm_rollout.chat_messages import wire_tool_call
 
 __all__ = [
     "ChatCall",
@@ -24,8 +27,10 @@ __all__ = [
     "chat_completion",
     "error_body",
     "parse_chat_request",
+    "public_error",
     "render_message",
     "stream_chunks",
+    "without_stop_string",
 ]
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
@@ -51,6 +56,30 @@ def error_body(message: str, *, type: str, code: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "code": code, "param": None}}
 
 
+_URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>)]+", re.IGNORECASE)
+_CONTEXT = re.compile(r"maximum context length is (\d+) tokens[^.]*\.(?:\s*However,[^.]*\.)?", re.IGNORECASE)
+
+
+def public_error(error: GatewayError) -> GatewayError:
+    """The error as the agent may see it: no internal URL, no traceback (the caller traces the original).
+
+    A rollout that failed because the prompt is over the engine's context length is the agent's request error:
+    400 ``context_length_exceeded``, as OpenAI answers it (SDKs retry a 500, never a 400). Other server errors keep
+    their status and code with the URLs cut out of the message and only its first line kept.
+    """
+    if error.status < 500:
+        return error
+    found = _CONTEXT.search(error.message)
+    if error.code == "rollout_failed" and found is not None:
+        message = f"the conversation is over the model's context length: {found.group(0)}"
+        return GatewayError(400, message, code="context_length_exceeded")
+    first_line = error.message.strip().splitlines()[0] if error.message.strip() else "internal error"
+    message = _URL.sub("<engine>", first_line)
+    if message == error.message:
+        return error
+    return GatewayError(error.status, message, code=error.code, type=error.type)
+
+
 def _bad(message: str, code: str = "invalid_request") -> GatewayError:
     return GatewayError(400, message, code=code)
 
@@ -69,8 +98,8 @@ class ChatCall:
     include_usage: bool = False
     logprobs: bool = False
     tool_choice: str = "auto"
-    """``"auto"`` (tool calls are parsed from the answer), ``"none"`` (they are not: the answer is all content)
-    or ``"required"`` (asked for, not forced: see :func:`parse_chat_request`)."""
+    """``"auto"`` (tool calls are parsed from the answer), ``"none"`` (they are not: the answer is all content;
+    the default of a call without tools) or ``"required"`` (asked for, not forced: see :func:`parse_chat_request`)."""
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -149,13 +178,14 @@ def _top_logprobs(value: Any, logprobs: bool) -> int:
 
 
 def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str:
-    """``tool_choice`` checked. ``"none"`` is enforced on the answer: its tool-call markup is left in the content
-    and no call is returned (as vLLM answers without a tool parser), so the tokens stay the model's. ``"required"``
-    is passed through as ``"auto"`` is: the model sees the tools, and frameworks that always send it (smolagents)
-    run; no call can be forced without constrained decoding, so an answer without one comes back as generated. A
-    named function would have to be forced the same way: it is refused."""
+    """``tool_choice`` checked. Missing, it is OpenAI's default: ``"auto"`` with tools, ``"none"`` without (a call
+    that offered no tools never gets a tool call back). ``"none"`` is enforced on the answer: its tool-call markup
+    is left in the content and no call is returned (as vLLM answers without a tool parser), so the tokens stay the
+    model's. ``"required"`` is passed through as ``"auto"`` is: the model sees the tools, and frameworks that
+    always send it (smolagents) run; no call can be forced without constrained decoding, so an answer without one
+    comes back as generated. A named function would have to be forced the same way: it is refused."""
     if choice is None:
-        return "auto"
+        return "auto" if tools else "none"
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
             raise _bad(f"'tool_choice' {choice!r} is not one of 'auto', 'none', 'required'", "tool_choice")
@@ -272,16 +302,15 @@ def _tool_call(where: str, call: Any) -> dict[str, Any]:
 
 
 def render_message(message: Mapping[str, Any]) -> dict[str, Any]:
-    """A checked message as a chat template is given it (tool-call arguments as objects, as vLLM passes them)."""
+    """A checked message as the rollout sends it to the engine's render: OpenAI's wire form, tool-call arguments as
+    JSON strings (vLLM refuses objects; it decodes them for the template itself, as local renders do with
+    :func:`fsm_rollout.chat_messages.template_messages`)."""
     out = {key: value for key, value in message.items() if key != "tool_calls"}
     if out.get("content") is None:
         out["content"] = ""
     calls = message.get("tool_calls")
     if calls:
-        out["tool_calls"] = [
-            {"id": call["id"], "type": "function", "function": {"name": call["name"], "arguments": call["arguments"]}}
-            for call in calls
-        ]
+        out["tool_calls"] = [wire_tool_call(call["id"], call["name"], call["arguments"]) for call in calls]
     return out
 
 
@@ -308,6 +337,22 @@ class TurnAnswer:
         if self.tool_calls:
             out["tool_calls"] = [dict(call) for call in self.tool_calls]
         return out
+
+
+def without_stop_string(answer: TurnAnswer, stop: Sequence[str] | None) -> TurnAnswer:
+    """The answer as OpenAI and vLLM return it: content without the stop string the generation stopped on. Only
+    what the agent reads changes; the tokens (trained on) keep it."""
+    content = answer.content
+    if not stop or not content or answer.finish_reason not in ("stop", "tool_calls"):
+        return answer
+    for string in stop:
+        if string and answer.text.endswith(string):
+            kept = string.strip()  # the content was stripped of surrounding whitespace already
+            if kept and content.endswith(kept):
+                cut = content[: len(content) - len(kept)].rstrip()
+                return replace(answer, content=cut if cut or not answer.tool_calls else None)
+            return answer
+    return answer
 
 
 def _wire_calls(calls: Sequence[Mapping[str, Any]], *, with_index: bool = False) -> list[dict[str, Any]]:

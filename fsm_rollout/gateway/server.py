@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Any, cast
 
 import orjson
+import structlog
 from aiohttp import web
 
 from fsm_rollout.env import EnvFactory
@@ -34,7 +36,9 @@ from fsm_rollout.gateway.openai_wire import (
     chat_completion,
     error_body,
     parse_chat_request,
+    public_error,
     stream_chunks,
+    without_stop_string,
 )
 from fsm_rollout.gateway.session import GatewaySession, SessionEnvironment, TokenText
 from fsm_rollout.pacing import LoopPacer, pacer_for
@@ -44,6 +48,8 @@ from fsm_rollout.sample import Sample
 __all__ = ["AgentGateway"]
 
 _Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+# structlog's processors (the host's, if configured) on this module's stdlib logger: nothing printed unless asked
+_log = structlog.wrap_logger(logging.getLogger(__name__))
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
@@ -202,7 +208,12 @@ class AgentGateway:
                     await waiter
             return await handler(request)
         except GatewayError as error:
-            return _json(error.body(), error.status)
+            public = public_error(error)
+            if public is not error:  # what the agent is not shown goes to the trace
+                _log.warning(
+                    "gateway_error", path=request.path, status=error.status, code=error.code, detail=error.message
+                )
+            return _json(public.body(), public.status)
         except web.HTTPException as error:
             if error.status < 400:
                 raise
@@ -244,6 +255,9 @@ class AgentGateway:
         session = self.session(request.match_info["sid"])
         call = parse_chat_request(await self._body(request, optional=False))
         answer = await session.chat(call)
+        runner_stop = self.runner.sampling_params.get("stop") or ()
+        stops = [*(call.sampling.get("stop") or ()), *([runner_stop] if isinstance(runner_stop, str) else runner_stop)]
+        answer = without_stop_string(answer, stops)
         model = self.runner.config.model
         completion_id = f"chatcmpl-{secrets.token_hex(12)}"
         decode = self.runner.tokenizer.decode

@@ -40,6 +40,7 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from fsm_rollout.chat_messages import wire_messages, wire_tool_call
 from fsm_rollout.config import response_budget
 from fsm_rollout.errors import TemplateError
 from fsm_rollout.multimodal import decode_train_features
@@ -116,7 +117,8 @@ def same_meaning(left: str, right: str) -> bool:
 
 
 def assistant_message(text: str, *, tools: Any) -> dict[str, Any]:
-    """The assistant message of a turn whose text (without its closing EOS) is ``text``."""
+    """The assistant message of a turn whose text (without its closing EOS) is ``text``, in the wire form an engine
+    validates (tool-call arguments as JSON strings: :mod:`fsm_rollout.chat_messages`)."""
     if tools:
         parsed = parse_tool_calls(text)
         calls = [block for block in parsed.blocks if isinstance(block, ToolCall)]
@@ -125,12 +127,7 @@ def assistant_message(text: str, *, tools: Any) -> dict[str, Any]:
                 "role": "assistant",
                 "content": text[: calls[0].start].rstrip(),
                 "tool_calls": [
-                    {
-                        "id": f"call_{number}",
-                        "type": "function",
-                        "function": {"name": call.name, "arguments": call.arguments},
-                    }
-                    for number, call in enumerate(calls)
+                    wire_tool_call(f"call_{number}", call.name, call.arguments) for number, call in enumerate(calls)
                 ],
             }
     return {"role": "assistant", "content": text}
@@ -149,7 +146,8 @@ def turn_text(ctx: RolloutContext) -> str:
 def render_payload(ctx: RolloutContext, messages: list[dict[str, Any]]) -> dict[str, Any]:
     """The render request for ``messages``, as the first render of the sample was sent."""
     config = ctx.deps.config
-    payload: dict[str, Any] = {"model": config.model, "messages": messages}
+    # the wire form: a prompt or an agent's messages may hold tool-call arguments as objects, which vLLM refuses
+    payload: dict[str, Any] = {"model": config.model, "messages": wire_messages(messages)}
     tools = ctx.sample.metadata.get("tools")
     if tools is not None:
         payload["tools"] = tools

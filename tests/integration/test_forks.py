@@ -241,12 +241,54 @@ async def test_tool_calls_written_in_another_key_order_and_spacing_are_no_break(
             sample=Sample(prompt=PROMPT, metadata={"tools": tools}),
             envs=ScriptedEnvFactory(steps=[(observation, False)]),
         )
-        # the engine re-serialised the call (its own key order and spacing), yet the sequence goes on
+        # the engine re-serialised the call (its own key order and spacing), yet the sequence goes on; the call
+        # went to the engine in OpenAI's wire form (arguments a JSON string), which the fake validates as vLLM does
         rerender = fake.requests_to(RENDER_PATH)[1].body["messages"][1]
-        expected = {"name": "calc", "arguments": {"exact": False, "expression": "6*7"}}
+        expected = {"name": "calc", "arguments": '{"exact": false, "expression": "6*7"}'}
         assert rerender["tool_calls"][0]["function"] == expected
+    assert "rollout_error" not in rollout.sample.metadata  # both turns ran (max_turns ends it)
     assert rollout.sample.branches == []
     assert not [event for event in events if event["trigger"] == "fork"]
+
+
+async def test_a_tool_call_turn_re_rendered_under_per_turn_reaches_the_engine_in_the_wire_form() -> None:
+    tokenizer = qwen_tokenizer_with_template(GROUPED_TOOLS_CHAT_TEMPLATE)
+    tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]
+    call = '<tool_call>\n{"name": "calc", "arguments": {"expression": "6*7"}}\n</tool_call>'
+    observation = {"role": "tool", "content": "42", "tool_call_id": "call_0", "name": "calc"}
+    async with FakeVLLMServer(tokenizer, model=MODEL) as fake, VLLMClient(fake.url) as client:
+        rollout, _ = await run(
+            fake,
+            client,
+            tokenizer,
+            "per_turn",
+            [f"{call}{EOS}", f"It is 42.{EOS}"],
+            sample=Sample(prompt=PROMPT, metadata={"tools": tools}),
+            envs=ScriptedEnvFactory(steps=[(observation, False)]),
+        )
+        assert len(fake.requests_to(RENDER_PATH)) == 2
+        sent = fake.requests_to(RENDER_PATH)[1].body["messages"][1]
+    assert sent["tool_calls"][0]["function"]["arguments"] == '{"expression": "6*7"}'
+    assert "rollout_error" not in rollout.sample.metadata
+    sequences = training_sequences([rollout.sample])
+    assert len(sequences) == 2
+    # the second sequence's prompt is the template's render of the call with its arguments as an object
+    conversation = [
+        {"role": "user", "content": PROMPT},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"id": "call_0", "type": "function", "function": {"name": "calc", "arguments": {"expression": "6*7"}}}
+            ],
+        },
+        observation,
+    ]
+    expected = template_token_ids(
+        tokenizer.apply_chat_template(conversation, tools=tools, tokenize=True, add_generation_prompt=True),
+        what="expected",
+    )
+    assert prompt_of(sequences[1]) == expected
 
 
 async def test_the_whole_rollout_shares_max_new_tokens_across_its_sequences(

@@ -165,6 +165,7 @@ async def test_sdk_streaming_with_usage_and_sync_client(gateway: AgentGateway, f
             client.chat.completions.create(
                 model="fake-model",
                 messages=[{"role": "user", "content": "Hi"}],
+                tools=TOOLS,  # type: ignore[arg-type]
                 stream=True,
                 stream_options={"include_usage": True},
             )
@@ -185,6 +186,7 @@ async def test_sdk_streaming_with_usage_and_sync_client(gateway: AgentGateway, f
                 {"role": "assistant", "content": "Hello there."},
                 {"role": "user", "content": "Add 2 and 3."},
             ],
+            tools=TOOLS,  # type: ignore[arg-type]  (a call without tools gets no tool call)
             stream=True,
         )
         calls = [tc for c in stream if c.choices for tc in (c.choices[0].delta.tool_calls or [])]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from fsm_rollout.chat_messages import template_messages
+from fsm_rollout.engine.schema import check_chat_message
 from fsm_rollout.gateway.conversation import compare_history, same_message
 from fsm_rollout.gateway.openai_wire import GatewayError, parse_chat_request, render_message
 
@@ -59,7 +61,11 @@ def test_requests_are_checked_and_normalised() -> None:
     )
     assert parsed.messages[0]["content"] == "ab"
     assert parsed.sampling == {"stop": ["END"], "max_tokens": 5, "temperature": 0.5}
-    assert render_message(checked(call('{"x": false}'))[0])["tool_calls"][0]["function"]["arguments"] == {"x": False}
+    # the render form is OpenAI's wire form (vLLM refuses object arguments), re-encoded from the decoded call
+    rendered = render_message(checked(call('{"x":  false}'))[0])
+    assert rendered["tool_calls"][0]["function"]["arguments"] == '{"x": false}'
+    check_chat_message(rendered, 0)
+    assert template_messages([rendered])[0]["tool_calls"][0]["function"]["arguments"] == {"x": False}
     for body, code in [
         ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 3}, "top_logprobs"),  # no logprobs=true
         ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
@@ -91,7 +97,9 @@ def test_top_logprobs_ask_the_engine_for_that_many_candidates() -> None:
 def test_tool_choice_is_checked_and_a_named_function_refused() -> None:
     user = {"role": "user", "content": "Hi"}
     tools = [{"type": "function", "function": {"name": "f"}}]
-    assert parse_chat_request({"messages": [user]}).tool_choice == "auto"
+    # missing: OpenAI's default, "auto" with tools and "none" without (no tools, no tool calls)
+    assert parse_chat_request({"messages": [user]}).tool_choice == "none"
+    assert parse_chat_request({"messages": [user], "tools": tools}).tool_choice == "auto"
     assert parse_chat_request({"messages": [user], "tool_choice": "none"}).tool_choice == "none"
     assert parse_chat_request({"messages": [user], "tools": tools, "tool_choice": "required"}).tool_choice == (
         "required"

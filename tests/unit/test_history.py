@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from fsm_rollout import RolloutConfig, Sample, Status, training_sequences
+from fsm_rollout.engine.schema import check_chat_message
 from fsm_rollout.rollout.history import assistant_message, canonical_text, rollout_policy, same_meaning
 from fsm_rollout.sample.branches import split_branch
 
@@ -53,13 +54,15 @@ def test_an_assistant_turn_with_tool_calls_is_structured_only_when_the_sample_ha
     assert assistant_message(text, tools=None) == {"role": "assistant", "content": text}
     message = assistant_message(text, tools=tools)
     assert message["content"] == "Checking."
+    # OpenAI's wire form, which vLLM's render validates: the arguments are a JSON string, not an object
     assert message["tool_calls"] == [
         {
             "id": "call_0",
             "type": "function",
-            "function": {"name": "calc", "arguments": {"expression": "6*7", "exact": False}},
+            "function": {"name": "calc", "arguments": '{"expression": "6*7", "exact": false}'},
         }
     ]
+    check_chat_message(message, 1)  # the engine's check takes it
     broken = "<tool_call>{oops</tool_call>"
     assert assistant_message(broken, tools=tools) == {"role": "assistant", "content": broken}
 

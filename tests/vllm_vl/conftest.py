@@ -50,6 +50,8 @@ SERVE_FLAGS = (
     "--limit-mm-per-prompt", '{"image": 8, "video": 0}',
     # Render always sends every image's tensors, so no item of a render answer is a cache hit's null.
     "--mm-processor-cache-gb", "0",
+    # Render refuses a request with tools but no tool_choice without these (the tool-call test sends tools).
+    "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
 )  # fmt: skip
 SERVE_ENV = {
     "VLLM_CPU_KVCACHE_SPACE": "1",

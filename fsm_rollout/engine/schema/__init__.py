@@ -6,7 +6,8 @@ It is a package because the three parts together are too long for one module:
   checks, error bodies and render's sampling parameters (shared by both directions);
 * :mod:`~fsm_rollout.engine.schema.answers`: the client's side, strict parsing of answers into
   :mod:`fsm_rollout.types` records;
-* :mod:`~fsm_rollout.engine.schema.requests`: the servers' side, validating request bodies field by field.
+* :mod:`~fsm_rollout.engine.schema.requests`: the servers' side, validating request bodies field by field;
+* :mod:`~fsm_rollout.engine.schema.messages`: a render request's chat messages, validated as vLLM validates them.
 
 Nothing here imports aiohttp: what a server parses and answers is composed in :mod:`fsm_rollout.engine.serving`
 and bound to aiohttp in :mod:`fsm_rollout.engine.endpoints`.
@@ -27,11 +28,11 @@ from fsm_rollout.engine.schema.answers import (
     parse_weight_version_spans,
     sampling_mask_to_top_p,
 )
+from fsm_rollout.engine.schema.messages import check_chat_message
 from fsm_rollout.engine.schema.requests import (
     RequestError,
     abort_request_ids,
     boolean_field,
-    check_message,
     check_model,
     check_prompt_room,
     check_single_prompt_extra,
@@ -138,7 +139,7 @@ __all__ = [
     "WeightVersionSpan",
     "abort_request_ids",
     "boolean_field",
-    "check_message",
+    "check_chat_message",
     "check_model",
     "check_prompt_room",
     "check_single_prompt_extra",

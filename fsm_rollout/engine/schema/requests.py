@@ -190,17 +190,12 @@ def abort_request_ids(body: Mapping[str, Any]) -> list[str]:
 
 
 def message_list(body: Mapping[str, Any]) -> list[Any]:
-    """A chat request's ``messages``: a non-empty list (each one checked by :func:`check_message`)."""
+    """A chat request's ``messages``: a non-empty list (each one checked by
+    :func:`~fsm_rollout.engine.schema.messages.check_chat_message`)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages: Field required (a non-empty list of messages)", "messages")
     return messages
-
-
-def check_message(message: Any, index: int) -> None:
-    """``messages[index]`` must be an object with a string ``role``."""
-    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-        raise RequestError(400, f"messages[{index}]: every message must be an object with a string 'role'", "messages")
 
 
 def render_tools(body: Mapping[str, Any]) -> list[Any] | None:
