@@ -34,6 +34,7 @@ from fsm_rollout.service import RolloutService
 from fsm_rollout.suspension import Suspender, weight_staleness
 from fsm_rollout.template_probe import TemplateReport, choose_history_policy, probe_template
 from fsm_rollout.trace import capture_transitions, get_tracer
+from fsm_rollout.training.mismatch import MismatchInputError, MismatchReport, mismatch
 
 if TYPE_CHECKING:
     from fsm_rollout.distributed import RayRolloutPool
@@ -44,6 +45,8 @@ __all__ = [
     "Environment",
     "LocalEngine",
     "MetricsSnapshot",
+    "MismatchInputError",
+    "MismatchReport",
     "RayRolloutPool",
     "RetryPolicy",
     "Rollout",
@@ -61,6 +64,7 @@ __all__ = [
     "capture_transitions",
     "choose_history_policy",
     "get_tracer",
+    "mismatch",
     "probe_template",
     "training_sequences",
     "weight_staleness",

@@ -33,6 +33,10 @@ class TurnMeta:
 
     ``routed_experts`` is the decoded ``.npy`` array (any integer dtype) or None; ``top_p_token_ids`` and
     ``top_p_token_offsets`` are the CSR form of ``choices[0].sampling_mask`` (offsets start at 0).
+
+    ``routed_expert_spans`` says, for a turn merged from several requests, which request and weight version each
+    run of ``routed_experts`` rows came from, as ``(request_id, version, start_row, end_row)``
+    (:func:`fsm_rollout.partial_turn.merge_turns`); None for a turn of one request.
     """
 
     finish_reason: Finish
@@ -47,6 +51,7 @@ class TurnMeta:
     top_p_token_ids: TokenIds | None = None
     top_p_token_offsets: list[int] | None = None
     weight_version_spans: tuple[tuple[str, int, int], ...] | None = None
+    routed_expert_spans: tuple[tuple[str, str, int, int], ...] | None = None
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -7,7 +7,9 @@ against the engine's ``rollout_log_probs``, an optimizer step, and the new weigh
 ``runner.weight_update``. The trainer takes a step's samples in one right-padded forward and backward pass. Before
 each step every trainable token's logprob is recomputed with the weights that sampled it (read from the sample's
 weight-version spans): the gap to the engine's number is the train/inference mismatch a shifted token, a wrong mask
-or a re-tokenised turn would show; it should be float32 noise. ``--async``
+or a re-tokenised turn would show; it should be float32 noise. It is measured as a :class:`~fsm_rollout.MismatchReport`
+(:func:`fsm_rollout.mismatch`): each step prints its K3 and its worst event group, and ``--correction tis|icepop``
+weighs each token's loss with the report's TIS or IcePop weight (``none``: no correction). ``--async``
 starts the next step's rollouts before this one trains, so the update lands while they are in flight (the runner
 suspends and resumes them) and their older tokens are recomputed with a kept copy of the older weights.
 
@@ -31,7 +33,15 @@ from typing import Any
 
 import torch
 
-from fsm_rollout import RolloutConfig, RolloutRunner, Sample, training_sequences, weight_staleness
+from fsm_rollout import (
+    MismatchReport,
+    RolloutConfig,
+    RolloutRunner,
+    Sample,
+    mismatch,
+    training_sequences,
+    weight_staleness,
+)  # fmt: skip
 from fsm_rollout.data.practice import practice_samples
 from fsm_rollout.engine.local import LocalEngine
 from fsm_rollout.engine.local.default_model import default_model_dir
@@ -92,15 +102,39 @@ def token_logprobs(policy: Any, vocabulary: LiveVocabulary, tokens: TrainableTok
     return vocabulary.logprobs(hidden[row, tokens.before[which]], tokens.target[which])
 
 
-def clipped_loss(current: torch.Tensor, tokens: TrainableTokens, clip: float) -> torch.Tensor:
+def clipped_loss(current: torch.Tensor, tokens: TrainableTokens, clip: float,
+                 weights: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The clipped policy-gradient loss of ``current`` (the trainable tokens' logprobs under the policy), with
-    importance ratios against the rollout's logprobs, summed over the tokens of non-zero advantage and divided by
-    the number of trainable tokens."""
+    importance ratios against the rollout's logprobs, each token's term times its mismatch correction ``weights``
+    (none: 1), summed over the tokens of non-zero advantage and divided by the number of trainable tokens."""
     keep = tokens.advantage.ne(0)
     ratio = torch.exp(current[keep] - tokens.rollout[keep])
     advantage = tokens.advantage[keep]
     clipped = ratio.clamp(1 - clip, 1 + clip) * advantage
-    return -torch.minimum(ratio * advantage, clipped).sum() / max(len(current), 1)
+    terms = torch.minimum(ratio * advantage, clipped)
+    if weights is not None:
+        terms = terms * weights[keep]
+    return -terms.sum() / max(len(current), 1)
+
+
+def trained_values(samples: Sequence[Sample], values: torch.Tensor) -> list[list[float]]:
+    """Per-token ``values`` (one per trainable token, :class:`TrainableTokens` order) laid out per sequence over its
+    response tokens, 0.0 where the loss mask is 0: what :func:`fsm_rollout.mismatch` reads."""
+    flat, out, at = values.tolist(), [], 0
+    for sample in samples:
+        row = [0.0] * sample.response_length
+        for position, bit in enumerate(sample.loss_mask or []):
+            if bit == 1:
+                row[position], at = flat[at], at + 1
+        out.append(row)
+    return out
+
+
+def token_weights(samples: Sequence[Sample], report: MismatchReport, kind: str) -> torch.Tensor:
+    """The report's ``kind`` weights of the trainable tokens, in :class:`TrainableTokens` order."""
+    weights = report.weights(kind)  # type: ignore[arg-type]
+    return torch.tensor([float(weights[index][position]) for index, sample in enumerate(samples)
+                         for position, bit in enumerate(sample.loss_mask or []) if bit == 1])  # fmt: skip
 
 
 def group_advantages(rewards: Sequence[float]) -> list[float]:
@@ -143,8 +177,11 @@ class Trainer:
         return {name: value.detach() for name, value in self.policy.named_parameters()
                 if value.requires_grad or (self.vocabulary.learns and value is self.vocabulary.matrix)}  # fmt: skip
 
-    def step(self, samples: Sequence[Sample], advantages: Sequence[float]) -> tuple[list[float], int]:
-        """One optimizer step; returns every trainable token's |rollout logprob - recomputed| and the stale tokens."""
+    def step(self, samples: Sequence[Sample], advantages: Sequence[float],
+             rollouts: Sequence[Sample] | None = None) -> tuple[MismatchReport, int]:  # fmt: skip
+        """One optimizer step on ``samples``, the training sequences of ``rollouts`` (default: the samples, when
+        none forked); returns the mismatch between the engine's logprobs and the recomputed ones, and the stale
+        tokens."""
         tokens = TrainableTokens.of(samples, advantages)
         learns = bool(tokens.advantage.ne(0).any())  # else no gradient, and the optimizer moves nothing
         self.optimizer.zero_grad(set_to_none=True)
@@ -157,8 +194,13 @@ class Trainer:
             which = torch.tensor([index for index in behind if tokens.version[index] == version])
             with torch.no_grad():
                 recomputed[which] = token_logprobs(*self._frozen(version), tokens, which)
+        report = mismatch(rollouts if rollouts is not None else samples, trained_values(samples, recomputed),
+                          trainer_version=self.version, engine="embedded")  # fmt: skip
+        correction = self.options.correction
+        weights = None if correction == "none" else token_weights(samples, report, correction)
         if learns:  # the loss uses the current policy, with ratios against the rollout's logprobs
-            clipped_loss(current, tokens, self.options.clip).backward()  # type: ignore[no-untyped-call, unused-ignore]
+            loss = clipped_loss(current, tokens, self.options.clip, weights)
+            loss.backward()  # type: ignore[no-untyped-call, unused-ignore]
         torch.nn.utils.clip_grad_norm_(self.trainable, 1.0)
         if self.options.asynchronous:  # samples still in flight carry tokens of this version
             frozen = copy.deepcopy((self.policy, self.vocabulary))
@@ -167,7 +209,7 @@ class Trainer:
         self.vocabulary.write_back()
         self.version = str(int(self.version) + 1)
         self.history.append(self.version)
-        return (recomputed - tokens.rollout).abs().tolist(), len(behind)
+        return report, len(behind)
 
     def _frozen(self, version: str) -> tuple[Any, LiveVocabulary]:
         if version not in self._old:
@@ -203,12 +245,13 @@ async def rollout_step(runner: RolloutRunner, questions: Sequence[Sample], step:
 
 
 def training_batch(groups: Sequence[Sequence[Sample]], trainer: Trainer, options: GRPOOptions
-                   ) -> tuple[list[Sample], list[float], int]:  # fmt: skip
-    """The training sequences to learn from with their advantages, and how many rollouts were dropped as too stale.
+                   ) -> tuple[list[Sample], list[float], int, list[Sample]]:  # fmt: skip
+    """The training sequences to learn from with their advantages, how many rollouts were dropped as too stale, and
+    the rollouts kept (whose ``training_sequences`` the sequences are).
 
     The advantage is the rollout's: a rollout that forked gives each of its sequences (``training_sequences``) the
     same one, so a rollout counts once in its group however many sequences it has."""
-    samples, advantages, dropped = [], [], 0
+    samples, advantages, dropped, kept = [], [], 0, []
     for group in groups:
         for sample, advantage in zip(group, group_advantages([s.reward or 0.0 for s in group]), strict=True):
             sequences = training_sequences([sample])
@@ -218,7 +261,8 @@ def training_batch(groups: Sequence[Sequence[Sample]], trainer: Trainer, options
             else:
                 samples.extend(sequences)
                 advantages.extend([advantage] * len(sequences))
-    return samples, advantages, dropped
+                kept.append(sample)
+    return samples, advantages, dropped, kept
 
 
 async def train(options: GRPOOptions, *, out: Any = sys.stdout) -> GRPORun:
@@ -241,9 +285,9 @@ async def train(options: GRPOOptions, *, out: Any = sys.stdout) -> GRPORun:
                 if options.asynchronous and step + 1 < options.steps:  # in flight while this step trains
                     pending = asyncio.ensure_future(rollout_step(runner, questions, step + 1, options))
                 trained_at = time.perf_counter()
-                samples, advantages, dropped = training_batch(groups, trainer, options)
+                samples, advantages, dropped, kept = training_batch(groups, trainer, options)
                 # off the event loop, which keeps serving the rollouts in flight
-                gaps, stale = await asyncio.to_thread(trainer.step, samples, advantages)
+                gaps, stale = await asyncio.to_thread(trainer.step, samples, advantages, kept)
                 report = StepReport.of(step, groups, gaps, stale=stale, dropped=dropped, rollout_s=rollout_s,
                                        started=trained_at)  # fmt: skip
                 # the new weights reach the engine; samples in flight are suspended meanwhile

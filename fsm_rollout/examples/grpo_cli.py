@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsm_rollout import Sample
+from fsm_rollout import MismatchReport, Sample
 from fsm_rollout.examples.grpo_tiny import DEFAULT_KINDS
 
 __all__ = ["GRPOOptions", "GRPORun", "StepReport", "parse_args", "summary"]
@@ -32,6 +32,7 @@ class GRPOOptions:
     optimizer: str = "adamw"
     clip: float = 0.2
     max_staleness: int = 1
+    correction: str = "none"  # the mismatch correction in the loss: "tis", "icepop" or "none"
     seed: int = 0
     question_seed: int = 2_024
     candidates: int = 16
@@ -57,6 +58,7 @@ FLAGS: dict[str, tuple[str, str]] = {  # option -> (flag, help)
     "screen_finalists": ("--screen-finalists", "best screened questions that get 2 x --screen-samples more (0: none)"),
     "seed": ("--seed", "seed of torch and of every group's sampling"),
 }
+CORRECTIONS = ("none", "tis", "icepop")
 AT_LEAST_ONE = ("steps", "groups", "group_size", "max_turns", "max_new_tokens", "screen_samples")
 
 
@@ -70,6 +72,8 @@ def parse_args(argv: Sequence[str] | None = None) -> GRPOOptions:
     parser.add_argument("--async", dest="asynchronous", action="store_true",
                         help="roll out the next step while this one trains; the update lands mid-rollout")  # fmt: skip
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default=defaults.optimizer, help="optimizer")
+    parser.add_argument("--correction", choices=list(CORRECTIONS), default=defaults.correction,
+                        help="weigh each token's loss by its train/inference mismatch weight")  # fmt: skip
     parser.add_argument("--kinds", default=",".join(defaults.kinds), help="practice question kinds screened")
     parser.add_argument("--model", type=Path, default=None, metavar="DIR",
                         help="policy and served model (None: the embedded engine's default model)")  # fmt: skip
@@ -98,11 +102,17 @@ class StepReport:
     stale_tokens: int = 0
     dropped: int = 0
     suspended: int = 0
+    k3: float = 0.0
+    worst: str = ""
+    """The event group of the largest K3: ``dimension=label``."""
 
     @classmethod
-    def of(cls, step: int, groups: Sequence[Sequence[Sample]], gaps: Sequence[float], *, stale: int, dropped: int,
-           rollout_s: float, started: float) -> StepReport:  # fmt: skip
-        """The report of a step that trained on ``groups`` (``started``: when its training began, perf_counter)."""
+    def of(cls, step: int, groups: Sequence[Sequence[Sample]], mismatch: MismatchReport, *, stale: int,
+           dropped: int, rollout_s: float, started: float) -> StepReport:  # fmt: skip
+        """The report of a step that trained on ``groups`` (``started``: when its training began, perf_counter);
+        the logprob gap is ``mismatch``'s |delta| over the trained tokens."""
+        gaps = [abs(float(gap)) for gap in mismatch.log_ratio[mismatch.trained]]
+        worst = mismatch.worst_event()
         samples = [sample for group in groups for sample in group]
         spans = [span for sample in samples for span in sample.metadata.get("weight_version_spans") or []]
         versions = {str(span["version"]) for span in spans}
@@ -118,12 +128,15 @@ class StepReport:
             versions=sorted(versions, key=int),
             stale_tokens=stale,
             dropped=dropped,
+            k3=mismatch.k3,
+            worst="" if worst is None else f"{worst.dimension}={worst.label} (K3 {worst.k3:.2e})",
         )
 
     def line(self) -> str:
         text = (
             f"step {self.step:3d}  reward {self.reward:.3f}  logprob gap mean {self.gap_mean:.2e} max "
-            f"{self.gap_max:.2e}  tokens {self.tokens}  {self.samples_per_s:.2f} samples/s  {self.seconds:.1f} s"
+            f"{self.gap_max:.2e}  K3 {self.k3:.2e}  worst {self.worst or '-'}  tokens {self.tokens}  "
+            f"{self.samples_per_s:.2f} samples/s  {self.seconds:.1f} s"
         )
         if self.suspended or self.stale_tokens or self.dropped:
             text += f"  suspended {self.suspended}  stale tokens {self.stale_tokens}  dropped {self.dropped}"

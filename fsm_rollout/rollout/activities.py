@@ -270,7 +270,11 @@ class Activities:
         answer = parts[-1]
         if len(parts) > 1 and answer.finish != "abort":
             turn, spans = merge_turns(
-                parts, request_id=answer.request_id, fallback_version=fallback, cut_at_stop=self.stop_string_end
+                parts,
+                request_id=answer.request_id,
+                fallback_version=fallback,
+                cut_at_stop=self.stop_string_end,
+                prompt_length=len(ctx.sample.tokens),
             )
         else:
             turn = answer

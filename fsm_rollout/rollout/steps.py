@@ -16,7 +16,7 @@ from fsm_rollout import lifecycle
 from fsm_rollout.chat import record_observation
 from fsm_rollout.config import response_budget
 from fsm_rollout.multimodal import decode_train_features, validate_image_tokens
-from fsm_rollout.partial_turn import join_spans, shift_spans
+from fsm_rollout.partial_turn import join_spans, route_spans, shift_spans
 from fsm_rollout.resume_state import RESUME_STATE_KEY
 from fsm_rollout.rollout.agent_end import CLOSED, IDLE, agent_ended
 from fsm_rollout.rollout.context import RolloutContext
@@ -126,6 +126,7 @@ def append_turn(ctx: RolloutContext) -> None:
     assert turn is not None
     config = ctx.deps.config
     offset = ctx.sample.response_length
+    routes = route_spans(turn, len(ctx.sample.tokens), ctx.deps.gate.weight_version)
     ctx.sample.append_response_tokens(
         turn.token_ids,
         turn.logprobs,
@@ -135,6 +136,11 @@ def append_turn(ctx: RolloutContext) -> None:
         track_spec_stats=config.track_speculative_stats,
     )
     ctx.response_token_ids.extend(turn.token_ids)
+    if routes and ctx.sample.rollout_routed_experts is not None:  # the rows the sample now holds, by request
+        ctx.sample.metadata["routed_expert_spans"] = [
+            {"request_id": request_id, "weight_version": version, "start": start, "end": end}
+            for request_id, version, start, end in routes
+        ]
     if ctx.turn_spans:
         spans = ctx.sample.metadata.setdefault("weight_version_spans", [])
         joined = join_spans(

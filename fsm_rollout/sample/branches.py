@@ -16,7 +16,7 @@ from typing import Any
 
 from fsm_rollout.sample.record import Sample
 
-SEQUENCE_METADATA_KEYS: tuple[str, ...] = ("weight_version_spans", "observations")
+SEQUENCE_METADATA_KEYS: tuple[str, ...] = ("weight_version_spans", "observations", "routed_expert_spans")
 """``sample.metadata`` keys that describe one sequence's tokens: a closed branch takes them with it."""
 
 _SHARED = ("index", "group_index", "session_id", "reward", "status", "rollout_id")

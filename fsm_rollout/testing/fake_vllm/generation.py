@@ -56,9 +56,10 @@ def generate_answer(
     weight_versions: list[WeightVersionSpan] | None,
     stop_reason: str | int | None = None,
     offset: int = 0,
+    routed_experts: str | None = None,
 ) -> dict[str, Any]:
     """vLLM's generate answer for ``token_ids``, with the turn's logprobs (or the default ones), the turn's extras,
-    and ``weight_versions`` unless it is None.
+    and ``weight_versions`` unless it is None; ``routed_experts`` (base64 ``.npy``) when given.
 
     ``token_ids`` are the turn's output from position ``offset`` on (an interrupted turn's continuation), so
     the logprobs are taken from there too.
@@ -79,8 +80,11 @@ def generate_answer(
         token_ids=token_ids, finish=finish, logprobs=entries, weight_versions=weight_versions, stop_reason=stop_reason
     )
     answer: Mapping[str, Any] = frame_answer(request.request_id, request.prompt_len, outcome, model=model)
+    choice: dict[str, Any] = dict(answer["choices"][0])
+    if routed_experts is not None:
+        choice["routed_experts"] = routed_experts
     # the extras are free-form (for schema-violation tests): merged outside the record types
-    return _merged({**answer, "choices": [_merged(answer["choices"][0], turn.choice_extra)]}, turn.top_extra)
+    return _merged({**answer, "choices": [_merged(choice, turn.choice_extra)]}, turn.top_extra)
 
 
 def _merged(record: Mapping[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from fsm_rollout.testing.fake_vllm.generation import (
     generate_answer,
     version_spans,
 )
+from fsm_rollout.testing.fake_vllm.routes import ExpertDims, answer_routes, check_expert_dims
 from fsm_rollout.testing.fake_vllm.scripting import (
     SESSION_HEADER,
     RecordedRequest,
@@ -126,6 +127,11 @@ class FakeVLLMServer:
     ``held_request_ids`` the held ones; ``await wait_until_waiting(n)`` returns once ``n`` wait, so tests act on
     a request known to be waiting instead of sleeping, and :meth:`release` ends a hold without a clock.
 
+    ``routed_experts=(num_layers, topk)`` makes every answer carry ``choices[0].routed_experts`` as vLLM does with
+    ``--enable-return-routed-experts``: one row per prompt and output token, less the last, each row the fake
+    routing of the version it was computed under (:mod:`fsm_rollout.testing.fake_vllm.routes`). An aborted answer
+    carries none, as vLLM's abort path sends none, unless ``routes_on_abort``. A turn's ``choice_extra`` still wins.
+
     ``render_features``, when given, is called (in the tokenizer thread) with each render request's messages and
     the ids the chat template rendered; it returns the prompt ids to answer with (e.g. with image placeholders
     expanded) and the ``features`` to send (see :func:`fsm_rollout.mm_codec.render_features`). An exception
@@ -143,6 +149,8 @@ class FakeVLLMServer:
         port: int = 0,
         render_features: RenderFeaturesHook | None = None,
         weight_version_spans: bool = True,
+        routed_experts: ExpertDims | None = None,
+        routes_on_abort: bool = False,
     ) -> None:
         if logprob_entry_style not in ("token_id", "token"):
             raise ValueError(f"logprob_entry_style must be 'token_id' or 'token', got {logprob_entry_style!r}")
@@ -159,6 +167,8 @@ class FakeVLLMServer:
         self.port = port
         self.render_features = render_features
         self.weight_version_spans = weight_version_spans
+        self.routed_experts = check_expert_dims(routed_experts)
+        self.routes_on_abort = routes_on_abort
         self.requests: list[RecordedRequest] = []
         self.aborted_request_ids: list[str] = []
         self.disconnected_request_ids: list[str] = []
@@ -463,7 +473,9 @@ class FakeVLLMServer:
             runs = [(version, held), (waiter.resumed_version, len(token_ids) - held)]
         finish = turn.finish or cut.finish
         reason = cut.stop_reason if finish == "stop" else None
-        answer = self._generate_answer(params, job, token_ids, finish, version_spans(runs), stop_reason=reason)
+        answer = self._generate_answer(
+            params, job, token_ids, finish, version_spans(runs), stop_reason=reason, routes=(version, runs)
+        )
         return json_response(answer)
 
     async def _aborted_answer(
@@ -478,7 +490,9 @@ class FakeVLLMServer:
                 _Interrupted(job.turn, offset=job.offset + len(token_ids), continued=job.continued)
             )
         self.interrupted_request_ids.append(params.request_id)
-        return self._generate_answer(params, job, token_ids, "abort", version_spans([(version, len(token_ids))]))
+        runs = [(version, len(token_ids))]
+        routes = (version, runs) if self.routes_on_abort else None
+        return self._generate_answer(params, job, token_ids, "abort", version_spans(runs), routes=routes)
 
     async def _output(self, job: _Job, params: GenerateRequest) -> StopCut:
         """The job's new tokens and why they end: the whole turn is cut (so a stop string across an interruption
@@ -547,7 +561,11 @@ class FakeVLLMServer:
         finish: Finish,
         weight_versions: list[WeightVersionSpan],
         stop_reason: str | int | None = None,
+        routes: tuple[str, list[tuple[str, int]]] | None = None,
     ) -> dict[str, Any]:
+        routed = None
+        if routes is not None and self.routed_experts is not None:
+            routed = answer_routes(params.prompt_len, routes[1], routes[0], self.routed_experts)
         return generate_answer(
             params,
             job.turn,
@@ -558,6 +576,7 @@ class FakeVLLMServer:
             weight_versions=weight_versions if self.weight_version_spans else None,
             stop_reason=stop_reason,
             offset=job.offset,
+            routed_experts=routed,
         )
 
     # ---------------------------------------------------------------- tokenizer work (worker thread)

@@ -1,0 +1,1 @@
+"""What a trainer does with the rollouts' samples."""

@@ -1,0 +1,332 @@
+"""The train/inference mismatch of a batch: per token, per sample and per rollout event.
+
+``trainer_logprobs`` holds one list per training sequence (:func:`fsm_rollout.training_sequences` order), one
+value per response token, as ``sample.rollout_log_probs`` does; values at loss-mask-0 positions are not read. With
+``Δ = log p_train - log p_rollout`` per trained token:
+
+- the TIS weight is ``min(exp(Δ), tis_cap)``; the MIS weight is ``exp(Δ)``, or 0 where ``exp(Δ) > tis_cap``; the
+  IcePop weight is ``exp(Δ)`` inside ``icepop = (low, high)``, else 0;
+- K1 is ``mean(Δ)`` and K3 ``mean(r - 1 - log r)`` with ``r = p_rollout / p_train = exp(-Δ)``;
+- the event groups (:mod:`fsm_rollout.training.mismatch_events`) give each the token count, K3 and max ``|Δ|``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from fsm_rollout.sample import Sample, training_sequences
+from fsm_rollout.training.mismatch_events import DIMENSIONS, label_sequences, staleness_of
+
+Floats = npt.NDArray[np.float64]
+WeightKind = Literal["tis", "mis", "icepop"]
+
+
+class MismatchInputError(ValueError):
+    """Trainer logprobs that do not fit the samples: a wrong length, a value that is not finite, an unknown
+    sample or sequence. The message names the sequence and position."""
+
+
+@dataclass(frozen=True)
+class SampleMismatch:
+    """One training sequence's statistics over its trained tokens."""
+
+    sequence: int
+    index: int | None
+    branch: int
+    tokens: int
+    k1: float
+    k3: float
+    max_abs_delta: float
+    tis_clipped_fraction: float
+    icepop_masked_fraction: float
+
+
+@dataclass(frozen=True)
+class EventGroup:
+    """The trained tokens that went through one rollout event."""
+
+    dimension: str
+    label: str
+    tokens: int
+    k3: float
+    max_abs_delta: float
+    staleness: int | None = None
+
+
+@dataclass
+class MismatchReport:
+    """What :func:`mismatch` found. ``log_ratio`` and ``trained`` are flat over the batch's response tokens,
+    ``offsets`` delimit each sequence's (``offsets[i]:offsets[i + 1]``)."""
+
+    tis_cap: float
+    icepop: tuple[float, float]
+    offsets: npt.NDArray[np.int64]
+    log_ratio: Floats
+    trained: npt.NDArray[np.bool_]
+    samples: list[SampleMismatch]
+    events: list[EventGroup]
+    tokens: int
+    k1: float
+    k3: float
+    max_abs_delta: float
+    tis_clipped_fraction: float
+    icepop_masked_fraction: float
+    _ratio: Floats = field(repr=False, default_factory=lambda: np.zeros(0))
+
+    def weights(self, kind: WeightKind = "tis") -> list[Floats]:
+        """Per-token weights in ``training_sequences`` order, one array per sequence over its response tokens
+        (0 at untrained positions)."""
+        ratio = self._ratio
+        if kind == "tis":
+            flat = np.minimum(ratio, self.tis_cap)
+        elif kind == "mis":
+            flat = np.where(ratio > self.tis_cap, 0.0, ratio)
+        elif kind == "icepop":
+            low, high = self.icepop
+            flat = np.where((ratio >= low) & (ratio <= high), ratio, 0.0)
+        else:
+            raise ValueError(f"weights kind must be 'tis', 'mis' or 'icepop', got {kind!r}")
+        flat = np.where(self.trained, flat, 0.0)
+        return np.split(flat, self.offsets[1:-1])
+
+    def mask(self, kind: Literal["mis", "icepop"]) -> list[npt.NDArray[np.bool_]]:
+        """Per-token masks (True: the token keeps its gradient) in ``training_sequences`` order."""
+        return [weights > 0 for weights in self.weights(kind)]
+
+    def worst_event(self) -> EventGroup | None:
+        """The event group with the largest K3 among those with tokens (ties: the larger max ``|Δ|``)."""
+        groups = [group for group in self.events if group.tokens]
+        return max(groups, key=lambda group: (group.k3, group.max_abs_delta), default=None)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready data (no per-token arrays)."""
+        return {
+            "tokens": self.tokens,
+            "k1": self.k1,
+            "k3": self.k3,
+            "max_abs_delta": self.max_abs_delta,
+            "tis_clipped_fraction": self.tis_clipped_fraction,
+            "icepop_masked_fraction": self.icepop_masked_fraction,
+            "tis_cap": self.tis_cap,
+            "icepop": list(self.icepop),
+            "samples": [vars(sample) for sample in self.samples],
+            "events": [vars(group) for group in self.events],
+        }
+
+
+def _as_floats(values: Any, number: int) -> Floats:
+    try:
+        array = np.asarray(values, dtype=np.float64)
+    except (TypeError, ValueError) as error:
+        raise MismatchInputError(f"sequence {number}: trainer logprobs are not numbers: {error}") from error
+    if array.ndim != 1:
+        raise MismatchInputError(f"sequence {number}: trainer logprobs must be a flat list, got shape {array.shape}")
+    return array
+
+
+def _sequence_values(trainer_logprobs: Any, count: int) -> list[Any]:
+    if isinstance(trainer_logprobs, Mapping):
+        unknown = sorted(set(trainer_logprobs) - set(range(count)), key=str)
+        if unknown:
+            raise MismatchInputError(f"sequence {unknown[0]!r}: no such training sequence (there are {count})")
+        missing = [number for number in range(count) if number not in trainer_logprobs]
+        if missing:
+            raise MismatchInputError(f"sequence {missing[0]}: no trainer logprobs given")
+        return [trainer_logprobs[number] for number in range(count)]
+    values = list(trainer_logprobs)
+    if len(values) != count:
+        raise MismatchInputError(
+            f"sequence {min(len(values), count)}: got trainer logprobs for {len(values)} sequences, "
+            f"training_sequences has {count}"
+        )
+    return values
+
+
+def _check_finite(flat: Floats, offsets: npt.NDArray[np.int64], what: str) -> None:
+    bad = np.flatnonzero(~np.isfinite(flat))
+    if bad.size:
+        position = int(bad[0])
+        number = int(np.searchsorted(offsets, position, side="right")) - 1
+        raise MismatchInputError(
+            f"sequence {number}, position {position - int(offsets[number])}: {what} is {flat[position]} (not finite)"
+        )
+
+
+def mismatch(
+    samples: Iterable[Sample],
+    trainer_logprobs: Sequence[Sequence[float]] | Mapping[int, Sequence[float]],
+    *,
+    tis_cap: float = 2.0,
+    icepop: tuple[float, float] = (0.5, 2.0),
+    trainer_version: Any = None,
+    image_window: int = 32,
+    history_policy: str | None = None,
+    engine: str | None = None,
+) -> MismatchReport:
+    """The train/inference mismatch of ``samples`` (the module's docstring).
+
+    ``trainer_version`` is the weight version the trainer computed its logprobs at (staleness ``w - v`` when both
+    read as integers). ``history_policy`` and ``engine`` label samples whose metadata does not say. Raises
+    :class:`MismatchInputError` for input that does not fit.
+    """
+    if not tis_cap > 0 or not 0 <= icepop[0] <= icepop[1]:
+        raise ValueError(f"need tis_cap > 0 and 0 <= icepop low <= high, got {tis_cap} and {icepop}")
+    try:
+        sequences = training_sequences(samples)
+    except TypeError as error:
+        raise MismatchInputError(str(error)) from error
+    given = _sequence_values(trainer_logprobs, len(sequences))
+    lengths = np.fromiter((sample.response_length for sample in sequences), dtype=np.int64, count=len(sequences))
+    offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    trainer_parts, rollout_parts, mask_parts = [], [], []
+    for number, (sample, values) in enumerate(zip(sequences, given, strict=True)):
+        length = int(lengths[number])
+        train = _as_floats(values, number)
+        if train.shape[0] != length:
+            raise MismatchInputError(
+                f"sequence {number}, position {min(train.shape[0], length)}: got {train.shape[0]} trainer "
+                f"logprobs for {length} response tokens"
+            )
+        rollout = sample.rollout_log_probs or [0.0] * length
+        mask = sample.loss_mask if sample.loss_mask is not None else [1] * length
+        if len(rollout) != length or len(mask) != length:
+            raise MismatchInputError(f"sequence {number}: the sample's logprobs or loss mask do not cover its response")
+        trainer_parts.append(train)
+        rollout_parts.append(np.asarray(rollout, dtype=np.float64))
+        mask_parts.append(np.asarray(mask, dtype=np.int8))
+    empty = np.zeros(0)
+    train_flat = np.concatenate(trainer_parts) if trainer_parts else empty
+    rollout_flat = np.concatenate(rollout_parts) if rollout_parts else empty
+    trained = (np.concatenate(mask_parts) if mask_parts else empty.astype(np.int8)) == 1
+    _check_finite(np.where(trained, train_flat, 0.0), offsets, "the trainer logprob")
+    _check_finite(np.where(trained, rollout_flat, 0.0), offsets, "the rollout logprob")
+    # untrained positions count as Δ = 0, so every figure below is 0 there
+    delta = np.where(trained, train_flat - rollout_flat, 0.0)
+    ratio = np.exp(delta)
+    k3 = np.expm1(-delta) + delta  # r - 1 - log r with r = exp(-delta), exact for tiny delta
+    absolute = np.abs(delta)
+    low, high = icepop
+    clipped = trained & (ratio > tis_cap)
+    masked = trained & ((ratio < low) | (ratio > high))
+    report = MismatchReport(
+        tis_cap=tis_cap,
+        icepop=(low, high),
+        offsets=offsets,
+        log_ratio=delta,
+        trained=trained,
+        samples=_per_sample(sequences, offsets, trained, delta, k3, absolute, clipped, masked),
+        events=[],
+        _ratio=ratio,
+        **_totals(trained, delta, k3, absolute, clipped, masked),
+    )
+    labels = label_sequences(
+        sequences,
+        offsets,
+        trainer_version=trainer_version,
+        image_window=image_window,
+        history_policy=history_policy,
+        engine=engine,
+    )
+    for dimension in DIMENSIONS:
+        report.events.extend(
+            _groups(dimension, labels[dimension].names, labels[dimension].codes, trained, k3, absolute)
+        )
+    return report
+
+
+def _mean(total: float, count: int) -> float:
+    return total / count if count else 0.0
+
+
+def _totals(trained: Any, delta: Floats, k3: Floats, absolute: Floats, clipped: Any, masked: Any) -> dict[str, Any]:
+    count = int(trained.sum())
+    return {
+        "tokens": count,
+        "k1": _mean(float(delta.sum()), count),
+        "k3": _mean(float(k3.sum()), count),
+        "max_abs_delta": float(absolute.max()) if absolute.size else 0.0,
+        "tis_clipped_fraction": _mean(float(clipped.sum()), count),
+        "icepop_masked_fraction": _mean(float(masked.sum()), count),
+    }
+
+
+def _per_sample(
+    sequences: Sequence[Sample],
+    offsets: npt.NDArray[np.int64],
+    trained: Any,
+    delta: Floats,
+    k3: Floats,
+    absolute: Floats,
+    clipped: Any,
+    masked: Any,
+) -> list[SampleMismatch]:
+    starts = offsets[:-1]
+    nonempty = offsets[1:] > starts
+
+    def sums(values: Any) -> Floats:
+        out = np.zeros(len(sequences))
+        if values.size:
+            out[nonempty] = np.add.reduceat(values.astype(np.float64), starts[nonempty])
+        return out
+
+    counts, k1s, k3s, clips, masks = (sums(v) for v in (trained, delta, k3, clipped, masked))
+    maxima = np.zeros(len(sequences))
+    if absolute.size:
+        maxima[nonempty] = np.maximum.reduceat(absolute, starts[nonempty])
+    out = []
+    for number, sample in enumerate(sequences):
+        count = int(counts[number])
+        out.append(
+            SampleMismatch(
+                sequence=number,
+                index=sample.index,
+                branch=int(sample.metadata.get("branch", 0)) if isinstance(sample.metadata, dict) else 0,
+                tokens=count,
+                k1=_mean(float(k1s[number]), count),
+                k3=_mean(float(k3s[number]), count),
+                max_abs_delta=float(maxima[number]),
+                tis_clipped_fraction=_mean(float(clips[number]), count),
+                icepop_masked_fraction=_mean(float(masks[number]), count),
+            )
+        )
+    return out
+
+
+def _groups(
+    dimension: str, names: list[str], codes: Any, trained: Any, k3: Floats, absolute: Floats
+) -> list[EventGroup]:
+    """Each label's figures. Labels come in runs (spans, windows, turns), so the sums and maxima are taken per run,
+    then per label: a few passes over the batch whatever the number of labels. ``k3`` and ``absolute`` are 0 at
+    untrained positions."""
+    if not codes.size:
+        return []
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(codes)) + 1))
+    run_codes = codes[starts]
+    counts = np.bincount(run_codes, weights=np.add.reduceat(trained.astype(np.float64), starts), minlength=len(names))
+    k3_sums = np.bincount(run_codes, weights=np.add.reduceat(k3, starts), minlength=len(names))
+    maxima = np.zeros(len(names))
+    np.maximum.at(maxima, run_codes, np.maximum.reduceat(absolute, starts))
+    groups = []
+    for code, name in enumerate(names):
+        count = int(counts[code])
+        if count:
+            groups.append(
+                EventGroup(
+                    dimension=dimension,
+                    label=name,
+                    tokens=count,
+                    k3=_mean(float(k3_sums[code]), count),
+                    max_abs_delta=float(maxima[code]),
+                    staleness=staleness_of(name) if dimension == "version" else None,
+                )
+            )
+    return groups
+
+
+__all__ = ["EventGroup", "MismatchInputError", "MismatchReport", "SampleMismatch", "mismatch"]
