@@ -33,6 +33,7 @@ from fsm_rollout.service import RolloutService
 from fsm_rollout.suspension import Suspender, weight_staleness
 from fsm_rollout.template_probe import TemplateReport, choose_history_policy, probe_template
 from fsm_rollout.trace import capture_transitions, get_tracer
+from fsm_rollout.training import TokenTree, training_tree
 
 if TYPE_CHECKING:
     from fsm_rollout.distributed import RayRolloutPool
@@ -55,6 +56,7 @@ __all__ = [
     "Status",
     "Suspender",
     "TemplateReport",
+    "TokenTree",
     "Transport",
     "VLLMClient",
     "capture_transitions",
@@ -62,6 +64,7 @@ __all__ = [
     "get_tracer",
     "probe_template",
     "training_sequences",
+    "training_tree",
     "weight_staleness",
 ]
 __version__ = "0.2.0"
