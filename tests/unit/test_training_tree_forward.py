@@ -127,3 +127,22 @@ def test_the_flex_attention_block_mask_attends_as_the_boolean_mask() -> None:
     )
     got = flex.flex_attention(q, k, v, block_mask=batch.block_mask(block_size=128))
     assert float((got - expected).abs().max()) <= 1e-5
+
+
+def test_the_docs_examples_run() -> None:
+    """``docs/token-tree.md``'s code blocks, run on a batch of rollouts and the tiny model."""
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "token-tree.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", text, re.DOTALL)
+    assert len(blocks) == 3
+    samples = batch_of_rollouts()
+    for block in blocks:
+        namespace = {
+            "samples": samples,
+            "model": tiny_qwen2(),
+            "sequence_advantages": [float(n % 3) - 1.0 for n in range(len(training_sequences(samples)))],
+        }
+        exec(compile(block, "docs/token-tree.md", "exec"), namespace)
+    assert namespace["labels"].shape == namespace["batch"].token_ids.shape
