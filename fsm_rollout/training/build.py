@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from fsm_rollout.training.provenance import Tokens
+from fsm_rollout.training.provenance import FIELDS, Tokens
 
 SPLIT_CAUSES: tuple[str, ...] = ("generated", "loss_mask", "log_probs", "routed_experts", "images", "multimodal")
 """The provenance causes ``tree.stats["provenance_splits"]`` counts, in the order they are checked."""
@@ -48,23 +48,30 @@ def first_difference(node: Tokens, rest: Tokens, length: int) -> tuple[int, str 
     limit = int(differ[0]) if differ.size else length
     if limit == 0:
         return 0, None
-    a, b = node.cut(0, limit), rest.cut(0, limit)
-    routed = (a.routed != b.routed) & (a.routed >= 0) & (b.routed >= 0)  # compared where both recorded it
-    multimodal = a.mm != b.mm
-    checks = (
-        ("generated", (a.mask == 1) & (b.mask == 1)),
-        ("loss_mask", a.mask != b.mask),
-        ("log_probs", a.logprob.view(np.int64) != b.logprob.view(np.int64)),
-        ("routed_experts", routed),
-        ("images", multimodal & ((a.img >= 0) | (b.img >= 0))),
-        ("multimodal", multimodal),
-    )
-    best, cause = limit, None
-    for name, bad in checks:
-        where = np.flatnonzero(bad)
-        if where.size and int(where[0]) < best:
-            best, cause = int(where[0]), name
-    return best, cause
+    am, bm = node.mask[:limit], rest.mask[:limit]
+    ar, br = node.routed[:limit], rest.routed[:limit]
+    bad = (am == 1) | (am != bm)  # a generated token agrees with nothing
+    bad |= node.data[2, :limit] != rest.data[2, :limit]  # the logprobs' bits
+    bad |= (ar != br) & (ar >= 0) & (br >= 0)  # routing is compared where both recorded it
+    bad |= node.mm[:limit] != rest.mm[:limit]
+    where = np.flatnonzero(bad)
+    if not where.size:
+        return limit, None
+    at = int(where[0])
+    return at, _cause(node, rest, at)
+
+
+def _cause(node: Tokens, rest: Tokens, at: int) -> str:
+    """The first provenance field (in :data:`SPLIT_CAUSES` order) that differs at ``at``."""
+    if node.mask[at] == rest.mask[at] == 1:
+        return "generated"
+    if node.mask[at] != rest.mask[at]:
+        return "loss_mask"
+    if node.data[2, at] != rest.data[2, at]:
+        return "log_probs"
+    if node.routed[at] != rest.routed[at] and node.routed[at] >= 0 and rest.routed[at] >= 0:
+        return "routed_experts"
+    return "images" if node.img[at] >= 0 or rest.img[at] >= 0 else "multimodal"
 
 
 class Trie:
@@ -117,8 +124,8 @@ def _fill_routing(node: Tokens, rest: Tokens, matched: int) -> None:
     """Where only the incoming sequence recorded routing for a shared token, the node keeps its reference."""
     fill = np.flatnonzero((node.routed[:matched] < 0) & (rest.routed[:matched] >= 0))
     if fill.size:
-        for name in ("routed", "routed_seq", "routed_row"):
-            getattr(node, name)[fill] = getattr(rest, name)[fill]
+        rows = np.asarray([FIELDS.index(name) for name in ("routed", "routed_seq", "routed_row")])
+        node.data[np.ix_(rows, fill)] = rest.data[np.ix_(rows, fill)]
 
 
 def _split(node: TrieNode, at: int) -> None:

@@ -69,31 +69,75 @@ class Interner:
         return found
 
 
-@dataclass
 class Tokens:
-    """A run of tokens' arrays (a whole sequence, or a node's span): one numpy array per name in :data:`FIELDS`."""
+    """A run of tokens' arrays (a whole sequence, or a node's span): one int64 row per name in :data:`FIELDS` of a
+    single 2-D array, so a node's span is cut or copied in one step; ``logprob`` is its row's bits as float64."""
 
-    ids: IntArray
-    mask: IntArray
-    logprob: npt.NDArray[np.float64]
-    version: IntArray
-    routed: IntArray
-    routed_seq: IntArray
-    routed_row: IntArray
-    mm: IntArray
-    img: IntArray
-    img_k: IntArray
-    img_seq: IntArray
-    img_index: IntArray
+    __slots__ = ("data",)
+
+    def __init__(self, data: IntArray) -> None:
+        self.data = data
 
     def __len__(self) -> int:
-        return len(self.ids)
+        return int(self.data.shape[1])
+
+    def _row(self, number: int) -> IntArray:
+        row: IntArray = self.data[number]
+        return row
 
     def cut(self, start: int, end: int | None = None) -> Tokens:
-        return Tokens(*(getattr(self, name)[start:end] for name in FIELDS))
+        return Tokens(self.data[:, start:end])
 
     def copy(self) -> Tokens:
-        return Tokens(*(getattr(self, name).copy() for name in FIELDS))
+        return Tokens(self.data.copy())
+
+    @property
+    def logprob(self) -> npt.NDArray[np.float64]:
+        return self._row(2).view(np.float64)
+
+    @property
+    def ids(self) -> IntArray:
+        return self._row(0)
+
+    @property
+    def mask(self) -> IntArray:
+        return self._row(1)
+
+    @property
+    def version(self) -> IntArray:
+        return self._row(3)
+
+    @property
+    def routed(self) -> IntArray:
+        return self._row(4)
+
+    @property
+    def routed_seq(self) -> IntArray:
+        return self._row(5)
+
+    @property
+    def routed_row(self) -> IntArray:
+        return self._row(6)
+
+    @property
+    def mm(self) -> IntArray:
+        return self._row(7)
+
+    @property
+    def img(self) -> IntArray:
+        return self._row(8)
+
+    @property
+    def img_k(self) -> IntArray:
+        return self._row(9)
+
+    @property
+    def img_seq(self) -> IntArray:
+        return self._row(10)
+
+    @property
+    def img_index(self) -> IntArray:
+        return self._row(11)
 
 
 @dataclass(frozen=True)
@@ -121,8 +165,8 @@ def sequence_tokens(sample: Sample, number: int, image_token_id: int | None, int
     logprob = np.zeros(size, dtype=np.float64)
     if sample.rollout_log_probs is not None:
         logprob[prompt:] = _response(sample.rollout_log_probs, response, "rollout_log_probs", sample, number)
-    none = np.full(size, -1, dtype=np.int64)
-    out = Tokens(tokens, mask, logprob, *(none.copy() for _ in FIELDS[3:]))
+    out = Tokens(np.full((len(FIELDS), size), -1, dtype=np.int64))
+    out.data[0], out.data[1], out.data[2] = tokens, mask, logprob.view(np.int64)
     _place_versions(out, sample, prompt, intern.versions)
     _place_routing(out, sample, number, intern.routing)
     _place_multimodal(out, sample, number, image_token_id, intern)

@@ -191,25 +191,23 @@ def _tree_node(number: int, parent: int, depth: int, node: TrieNode, intern: Int
 
 
 def _images(img: Any, k: Any, seq: Any, index: Any, hashes: Interner) -> list[ImageRef]:
-    refs: list[ImageRef] = []
-    start = 0
-    for position in range(1, len(img) + 1):
-        ends = position == len(img) or img[position] != img[start] or k[position] != k[position - 1] + 1
-        if not ends:
-            continue
-        if img[start] >= 0:
-            refs.append(
-                ImageRef(
-                    hash=str(hashes.keys[int(img[start])]),
-                    offset=start,
-                    length=position - start,
-                    first=int(k[start]),
-                    sequence=int(seq[start]),
-                    image=int(index[start]),
-                )
-            )
-        start = position
-    return refs
+    """One reference per run of one image's consecutive placeholders in a node."""
+    if not (img >= 0).any():
+        return []
+    breaks = np.flatnonzero((img[1:] != img[:-1]) | (k[1:] != k[:-1] + 1)) + 1
+    starts, ends = np.concatenate(([0], breaks)), np.concatenate((breaks, [len(img)]))
+    return [
+        ImageRef(
+            hash=str(hashes.keys[int(img[start])]),
+            offset=int(start),
+            length=int(end - start),
+            first=int(k[start]),
+            sequence=int(seq[start]),
+            image=int(index[start]),
+        )
+        for start, end in zip(starts, ends, strict=True)
+        if img[start] >= 0
+    ]
 
 
 def _leaf(number: int, owner: int, sample: Sample, rollout: Sample, path: list[int], length: int) -> TreeLeaf:

@@ -46,11 +46,26 @@ def token_logprobs_from_logits(logits: Any, parent: Any, token_ids: Any) -> Any:
     return out
 
 
-def tree_token_logprobs(model: Any, batch: PackedBatch, *, device: Any = None) -> Any:
+def tree_token_logprobs(model: Any, batch: PackedBatch, *, device: Any = None, trained_only: bool = False) -> Any:
     """The per-token logprobs of one packed batch, in one forward pass of ``model`` (a Hugging Face causal LM
-    loaded with ``attn_implementation="sdpa"``): ``(tokens,)`` float32, differentiable."""
-    logits = model(**tree_inputs(batch, device=device)).logits[0]
-    return token_logprobs_from_logits(logits, batch.parent, batch.token_ids)
+    loaded with ``attn_implementation="sdpa"``): ``(tokens,)`` float32, differentiable.
+
+    With ``trained_only`` only the tokens with loss mask 1 (and a parent) get theirs (the others 0.0), and the LM head runs only
+    on their parents' hidden states: with a real vocabulary the logits of every token would dwarf the model.
+    """
+    import torch
+
+    inputs = tree_inputs(batch, device=device)
+    if not trained_only:
+        return token_logprobs_from_logits(model(**inputs).logits[0], batch.parent, batch.token_ids)
+    hidden = model.get_decoder()(**inputs).last_hidden_state[0]
+    trained = torch.as_tensor((batch.loss_mask == 1) & (batch.parent >= 0), device=hidden.device)
+    parent = torch.as_tensor(batch.parent, device=hidden.device)
+    rows = parent[trained]
+    targets = torch.as_tensor(batch.token_ids, device=hidden.device)[trained]
+    picked = torch.log_softmax(model.get_output_embeddings()(hidden[rows]).float(), dim=-1)
+    out = torch.zeros(len(batch), dtype=torch.float32, device=hidden.device)
+    return out.masked_scatter(trained, picked.gather(-1, targets[:, None])[:, 0])
 
 
 def flat_token_logprobs(model: Any, token_ids: Sequence[int], *, device: Any = None) -> Any:

@@ -113,6 +113,10 @@ def test_a_batch_computed_once_gives_each_generated_token_its_own_sequence() -> 
             for number, row in enumerate(rows)
         )  # fmt: skip
     assert abs(float(tree_loss) - float(flat_loss)) <= 1e-4 * abs(float(flat_loss))
+    with torch.no_grad():  # the LM head on the trained tokens' parents only gives the same values
+        only = tree_token_logprobs(model, batch, trained_only=True)
+    assert float((only[trained] - values[trained]).abs().max()) <= 1e-6
+    assert float(only[~trained].abs().max()) == 0.0
 
 
 def test_the_flex_attention_block_mask_attends_as_the_boolean_mask() -> None:
