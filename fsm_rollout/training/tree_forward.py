@@ -50,8 +50,9 @@ def tree_token_logprobs(model: Any, batch: PackedBatch, *, device: Any = None, t
     """The per-token logprobs of one packed batch, in one forward pass of ``model`` (a Hugging Face causal LM
     loaded with ``attn_implementation="sdpa"``): ``(tokens,)`` float32, differentiable.
 
-    With ``trained_only`` only the tokens with loss mask 1 (and a parent) get theirs (the others 0.0), and the LM head runs only
-    on their parents' hidden states: with a real vocabulary the logits of every token would dwarf the model.
+    With ``trained_only`` only the tokens with loss mask 1 (and a parent) get theirs (the others 0.0), and the LM
+    head runs only on their parents' hidden states: with a real vocabulary every token's logits would dwarf the
+    model.
     """
     import torch
 
