@@ -20,6 +20,7 @@ from fsm_rollout.training.nodes import ImageRef, TreeData, TreeLeaf, TreeNode
 from fsm_rollout.training.provenance import Intern, Interner, TreeBuildError, sequence_tokens
 from fsm_rollout.training.tree_format import tree_from_dict, tree_to_dict
 from fsm_rollout.training.tree_pack import PackedBatch, pack_tree
+from fsm_rollout.training.tree_text import render_tree
 
 Share = Literal["group", "all", "none"]
 
@@ -82,6 +83,11 @@ class TokenTree(TreeData):
         """The tree :meth:`to_dict` wrote (possibly after a JSON round trip)."""
         parts = tree_from_dict(data)
         return cls(parts.nodes, parts.leaves, parts.share, parts.stats)
+
+    def render(self, *, limit: int = 200) -> str:
+        """The tree as text: token counts, provenance splits by cause, then one indented line per node (its
+        positions, tokens, generated tokens, which sequences share it, its images), at most ``limit`` nodes."""
+        return render_tree(self, limit=limit)
 
     def __repr__(self) -> str:
         stats = self.stats

@@ -215,6 +215,18 @@ def test_a_grpo_group_shares_its_prompt_once() -> None:
     assert training_tree(samples, share="none").stats["tree_tokens"] == 36
 
 
+def test_the_tree_renders_its_spans_sharing_and_splits() -> None:
+    text = training_tree(grpo_group(list(range(10)), [[11, 12], [11, 13, 14], [15]])).render()
+    assert text.splitlines() == [
+        "token tree (share=group): 3 sequences, 4 nodes, 16 tokens for 36 flat (0.444), 6 generated",
+        "provenance splits: generated 1",
+        "node 0: positions 0-9 (10 tokens, 0 generated), shared by 3",
+        "  node 1: positions 10-11 (2 tokens, 2 generated), sequence 0",
+        "  node 2: positions 10-12 (3 tokens, 3 generated), sequence 1",
+        "  node 3: positions 10-10 (1 tokens, 1 generated), sequence 2",
+    ]
+
+
 def test_groups_share_only_with_share_all() -> None:
     samples = grpo_group([1, 2, 3], [[4]], group=0) + grpo_group([1, 2, 3], [[5]], group=1)
     assert training_tree(samples).stats["tree_tokens"] == 8
