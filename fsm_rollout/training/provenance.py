@@ -19,6 +19,7 @@ Per token the arrays hold:
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -265,7 +266,10 @@ def _array(value: Any) -> npt.NDArray[Any]:
     if hasattr(value, "detach"):  # a tensor: read without importing torch
         value = value.detach().cpu()
         value = value.float().numpy() if str(value.dtype) == "torch.bfloat16" else value.numpy()
-    return np.asarray(value)
+    array = np.asarray(value) if not isinstance(value, Mapping | str) else np.asarray(None, dtype=object)
+    if array.dtype == object:  # a summary a results file wrote (dtype and shape), not the values: hash its text
+        return np.frombuffer(json.dumps(value, sort_keys=True, default=str).encode(), dtype=np.uint8)
+    return array
 
 
 def _digest(arrays: Mapping[str, npt.NDArray[Any]]) -> str:

@@ -324,3 +324,32 @@ def test_the_tree_round_trips_through_json_and_builds_from_sample_rows(samples: 
     assert training_tree(rows, share=share).to_dict() == data  # type: ignore[arg-type]
     with pytest.raises(TreeBuildError, match="version 0"):
         TokenTree.from_dict({**data, "version": 0})
+
+
+def test_inspect_tree_prints_the_tree_of_a_results_file(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    from fsm_rollout.cli import main
+
+    results = tmp_path / "results.jsonl"
+    rows = grpo_group(list(range(10)), [[11, 12], [11, 13, 14], [15]])
+    results.write_text("".join(json.dumps(sample.to_dict()) + "\n" for sample in rows))
+    assert main(["inspect", "--tree", str(results)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("token tree (share=group): 3 sequences, 4 nodes, 16 tokens for 36 flat")
+    assert "node 0: positions 0-9 (10 tokens, 0 generated), shared by 3" in out
+    assert main(["inspect", "--tree", str(results), "--share", "none"]) == 0
+    assert "36 tokens for 36 flat" in capsys.readouterr().out
+    (tmp_path / "bad.jsonl").write_text("{nope\n")
+    assert main(["inspect", "--tree", str(tmp_path / "bad.jsonl")]) == 2
+    assert "line 1 is not JSON" in capsys.readouterr().err
+    assert main(["inspect"]) == 2
+    assert "give a TRACE" in capsys.readouterr().err
+
+
+def test_feature_summaries_from_a_results_file_compare_by_their_text() -> None:
+    """``fsm-rollout run`` writes features as dtype and shape unless asked for the values: those still compare."""
+    rows = grpo_group([1, 2], [[3], [4], [5]])
+    for sample, shape in zip(rows, ([4, 3], [4, 3], [8, 3]), strict=True):
+        sample.multimodal_train_inputs = {"pixel_values": {"dtype": "float32", "shape": shape}}
+    tree = training_tree([json.loads(json.dumps(sample.to_dict())) for sample in rows])
+    assert [node.sequences for node in tree.nodes] == [[0, 1], [0], [1], [2]]
+    assert tree.stats["provenance_splits"]["multimodal"] == 1
