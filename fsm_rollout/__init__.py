@@ -34,7 +34,7 @@ from fsm_rollout.service import RolloutService
 from fsm_rollout.suspension import Suspender, weight_staleness
 from fsm_rollout.template_probe import TemplateReport, choose_history_policy, probe_template
 from fsm_rollout.trace import capture_transitions, get_tracer
-from fsm_rollout.training.mismatch import MismatchInputError, MismatchReport, mismatch
+from fsm_rollout.training import MismatchInputError, MismatchReport, TokenTree, mismatch, training_tree
 
 if TYPE_CHECKING:
     from fsm_rollout.distributed import RayRolloutPool
@@ -59,6 +59,7 @@ __all__ = [
     "Status",
     "Suspender",
     "TemplateReport",
+    "TokenTree",
     "Transport",
     "VLLMClient",
     "capture_transitions",
@@ -67,6 +68,7 @@ __all__ = [
     "mismatch",
     "probe_template",
     "training_sequences",
+    "training_tree",
     "weight_staleness",
 ]
 

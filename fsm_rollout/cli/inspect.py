@@ -35,6 +35,8 @@ ended with (an environment's answer to one turn is not the reward: Geo3K's rewar
 A group id (7) shows each of its members (7.0, 7.1, ...); an unknown id lists the ids there are. Trainable tokens
 (loss mask 1) are shown apart from masked ones: green and dim in a terminal, masked text in ⟦…⟧ when the output
 is piped. A rollout that forked shows its earlier training sequences (branches) first, then its last one.
+--tree RESULTS (no TRACE) prints the token tree of a results file instead: its tokens against flat rows, the
+provenance splits by cause and each node's positions and sharing (--share group, all or none).
 
 Exit codes: 0 shown; 2 unusable input (missing file, not a trace, another schema version, unknown sample)."""
 MASK_OPEN, MASK_CLOSE = "⟦", "⟧"
@@ -45,7 +47,17 @@ _BAR_WIDTH = 40
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Options of ``fsm-rollout inspect``."""
     parser.epilog = EPILOG
-    parser.add_argument("trace", type=Path, metavar="TRACE", help="the transition trace (JSONL), or a tape")
+    parser.add_argument("trace", type=Path, nargs="?", metavar="TRACE", help="the transition trace (JSONL), or a tape")
+    parser.add_argument(
+        "--tree",
+        type=Path,
+        metavar="RESULTS",
+        help="instead, print the token tree of a results file (Sample.to_dict() per line): node spans, sharing "
+        "and provenance splits",
+    )
+    parser.add_argument(
+        "--share", choices=["group", "all", "none"], default="group", help="with --tree: what may share a prefix"
+    )
     parser.add_argument(
         "--tape", type=Path, metavar="FILE", help="the I/O tape (default: beside the trace), for decoded text"
     )
@@ -454,6 +466,13 @@ def main(args: argparse.Namespace) -> int:
     from fsm_rollout.errors import RolloutError
     from fsm_rollout.replay import load_recording, paths_from_tape
 
+    if args.tree is not None:
+        from fsm_rollout.cli.inspect_tree import show_tree
+
+        return show_tree(args.tree, args.share, limit=200)
+    if args.trace is None:
+        print("error: give a TRACE (or --tree RESULTS)", file=sys.stderr)
+        return EXIT_UNUSABLE
     try:
         path, trace, tape = load_recording(args.trace, args.tape, tape_wanted=args.sample is not None)
     except RolloutError as error:

@@ -30,7 +30,7 @@ PUBLIC_MODULES = frozenset({
     "fsm_rollout.suspension", "fsm_rollout.tape", "fsm_rollout.template_probe", "fsm_rollout.testing",
     "fsm_rollout.testing.chat_templates", "fsm_rollout.testing.envs",
     "fsm_rollout.testing.fake_vllm", "fsm_rollout.testing.templates", "fsm_rollout.testing.tokenizer",
-    "fsm_rollout.tool_calls", "fsm_rollout.trace", "fsm_rollout.types",
+    "fsm_rollout.tool_calls", "fsm_rollout.trace", "fsm_rollout.training", "fsm_rollout.types",
 })  # fmt: skip
 """Modules a user imports by name (the README and the docs point at them). Any other module is internal."""
 

@@ -129,6 +129,20 @@ def run_engine(quick: bool) -> dict[str, dict[str, Any]]:
     return {"engine": figures, "goals": {"engine_demo_tok_s_ratio": ratio, "engine_greedy_identical": identical}}
 
 
+def run_tree(quick: bool) -> dict[str, dict[str, Any]]:
+    """The token tree's workload alone (``--only tree``): flat rows against the tree, with its goals."""
+    from fsm_rollout.cli.bench.tree import bench_token_tree
+
+    figures = bench_token_tree(quick)
+    return {
+        "tree": figures,
+        "goals": {
+            "tree_over_flat_tokens_agent_batch": _goal(figures["agent_tree_over_flat"], 1 / 3, at_most=True, unit=""),
+            "tree_build_pack_s": _goal(figures["build_pack_s"], 2, at_most=True, unit="s"),
+        },
+    }
+
+
 def _batch_size(quick: bool, samples: int | None) -> int:
     """The weight-update workload's batch size: as asked, else 1,000 (200 with ``--quick``)."""
     return samples if samples is not None else 200 if quick else 1_000

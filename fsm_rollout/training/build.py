@@ -1,0 +1,143 @@
+"""Internal: the trie that merges training sequences' identical prefixes, and its provenance rule.
+
+Sequences go in one at a time; each walks down from its scope's root while its tokens agree with a node's, splits
+that node where they stop agreeing, and hangs the rest of itself as a new node. Tokens *agree* only when all of
+these are equal: the token id, the position (implied: both are at the same depth of the same path), the loss mask,
+the rollout logprob (bit for bit), the routed experts where both record them, and the multimodal key (the image's
+content hash and the place in it, or the digest of the features). And a generated token (mask 1) agrees with
+nothing: two sequences that both generated the same token at the same place are two generations, each trained once
+with its own sequence's advantage. So every node holding a generated token lies on exactly one sequence's path.
+
+When token ids agree but another field does not, the paths part there and the cause is counted (the first field to
+differ, in the order ``generated``, ``loss_mask``, ``log_probs``, ``routed_experts``, ``images``/``multimodal``).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from fsm_rollout.training.provenance import FIELDS, Tokens
+
+SPLIT_CAUSES: tuple[str, ...] = ("generated", "loss_mask", "log_probs", "routed_experts", "images", "multimodal")
+"""The provenance causes ``tree.stats["provenance_splits"]`` counts, in the order they are checked."""
+
+
+@dataclass(eq=False)
+class TrieNode:
+    """A span of tokens under ``parent``; ``children`` by their first token id (several when provenance split
+    them); ``ending`` the sequences whose path ends here."""
+
+    tokens: Tokens
+    parent: TrieNode | None
+    children: dict[int, list[TrieNode]] = field(default_factory=dict)
+    ending: list[int] = field(default_factory=list)
+
+    def adopt(self, child: TrieNode) -> None:
+        child.parent = self
+        self.children.setdefault(int(child.tokens.ids[0]), []).append(child)
+
+
+def first_difference(node: Tokens, rest: Tokens, length: int) -> tuple[int, str | None]:
+    """Where, within the first ``length`` tokens, ``rest`` stops agreeing with ``node``, and the provenance cause
+    (None when the token ids differ there, or when they agree throughout and the index is ``length``)."""
+    differ = np.flatnonzero(node.ids[:length] != rest.ids[:length])
+    limit = int(differ[0]) if differ.size else length
+    if limit == 0:
+        return 0, None
+    am, bm = node.mask[:limit], rest.mask[:limit]
+    ar, br = node.routed[:limit], rest.routed[:limit]
+    bad = (am == 1) | (am != bm)  # a generated token agrees with nothing
+    bad |= node.data[2, :limit] != rest.data[2, :limit]  # the logprobs' bits
+    bad |= (ar != br) & (ar >= 0) & (br >= 0)  # routing is compared where both recorded it
+    bad |= node.mm[:limit] != rest.mm[:limit]
+    where = np.flatnonzero(bad)
+    if not where.size:
+        return limit, None
+    at = int(where[0])
+    return at, _cause(node, rest, at)
+
+
+def _cause(node: Tokens, rest: Tokens, at: int) -> str:
+    """The first provenance field (in :data:`SPLIT_CAUSES` order) that differs at ``at``."""
+    if node.mask[at] == rest.mask[at] == 1:
+        return "generated"
+    if node.mask[at] != rest.mask[at]:
+        return "loss_mask"
+    if node.data[2, at] != rest.data[2, at]:
+        return "log_probs"
+    if node.routed[at] != rest.routed[at] and node.routed[at] >= 0 and rest.routed[at] >= 0:
+        return "routed_experts"
+    return "images" if node.img[at] >= 0 or rest.img[at] >= 0 else "multimodal"
+
+
+class Trie:
+    """The scopes' roots and the provenance splits counted while inserting."""
+
+    def __init__(self) -> None:
+        self.roots: dict[Any, TrieNode] = {}
+        self.splits: Counter[str] = Counter()
+
+    def insert(self, scope: Any, sequence: Tokens, number: int) -> None:
+        node = self.roots.get(scope)
+        if node is None:
+            node = self.roots[scope] = TrieNode(sequence.cut(0, 0), None)
+        position, size = 0, len(sequence)
+        while position < size:
+            rest = sequence.cut(position)
+            chosen, matched, cause = None, 0, None
+            for child in node.children.get(int(rest.ids[0]), ()):
+                reach, why = first_difference(child.tokens, rest, min(len(child.tokens), len(rest)))
+                if reach > 0:  # at most one child agrees on its first token: the others were split from it
+                    chosen, matched = child, reach
+                    break
+                cause = cause or why
+            if chosen is None:
+                if cause is not None:
+                    self.splits[cause] += 1
+                fresh = TrieNode(rest.copy(), None)
+                node.adopt(fresh)
+                node = fresh
+                break
+            _fill_routing(chosen.tokens, rest, matched)
+            if matched < len(chosen.tokens):
+                _split(chosen, matched)
+            node, position = chosen, position + matched
+        node.ending.append(number)
+
+    def walk(self) -> list[TrieNode]:
+        """Every real node, depth first, parents before children, scopes and children in insertion order."""
+        out: list[TrieNode] = []
+        for root in self.roots.values():
+            stack = [child for group in reversed(root.children.values()) for child in reversed(group)]
+            while stack:
+                node = stack.pop()
+                out.append(node)
+                stack.extend(child for group in reversed(node.children.values()) for child in reversed(group))
+        return out
+
+
+def _fill_routing(node: Tokens, rest: Tokens, matched: int) -> None:
+    """Where only the incoming sequence recorded routing for a shared token, the node keeps its reference."""
+    fill = np.flatnonzero((node.routed[:matched] < 0) & (rest.routed[:matched] >= 0))
+    if fill.size:
+        rows = np.asarray([FIELDS.index(name) for name in ("routed", "routed_seq", "routed_row")])
+        node.data[np.ix_(rows, fill)] = rest.data[np.ix_(rows, fill)]
+
+
+def _split(node: TrieNode, at: int) -> None:
+    """Cut ``node`` after ``at`` tokens: it keeps the head, a new child takes the tail, its children and endings."""
+    tail = TrieNode(node.tokens.cut(at), node)
+    tail.children, tail.ending = node.children, node.ending
+    for group in tail.children.values():
+        for child in group:
+            child.parent = tail
+    node.tokens = node.tokens.cut(0, at)
+    node.children, node.ending = {}, []
+    node.adopt(tail)
+
+
+__all__ = ["SPLIT_CAUSES", "Trie", "TrieNode", "first_difference"]

@@ -1,0 +1,288 @@
+"""Internal: one training sequence's tokens with their provenance, as the arrays the tree compares and keeps.
+
+A sequence is a :class:`~fsm_rollout.sample.Sample` (a rollout's last sequence or one of its ``branches``). Its
+``tokens`` are the whole context; ``loss_mask`` and ``rollout_log_probs`` cover only the response side, so the
+prompt's tokens get mask 0 and logprob 0.0 here, as a flat trainer row would give them.
+
+Per token the arrays hold:
+
+* ``ids``, ``mask`` and ``logprob`` (float64, compared bit for bit);
+* ``version``: an interned weight version (from ``metadata["weight_version_spans"]``), -1 for none;
+* ``routed``: an interned routing row (``rollout_routed_experts[i]`` routes token ``i``; the last token has no
+  row), -1 where not recorded, with ``routed_seq``/``routed_row`` saying where the row lives;
+* ``mm``: an interned multimodal key, -1 for none. With ``image_token_id`` each image placeholder token gets
+  ``(image content hash, its place in the image)`` and ``img``/``img_k``/``img_seq``/``img_index`` say which image
+  it belongs to; features besides the images' (and every token, when placeholders cannot be found) get the digest
+  of the sequence's features, so such sequences merge only with sequences whose features are identical.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fsm_rollout.errors import RolloutError
+from fsm_rollout.sample import Sample
+
+IntArray = npt.NDArray[np.int64]
+FIELDS: tuple[str, ...] = (
+    "ids",
+    "mask",
+    "logprob",
+    "version",
+    "routed",
+    "routed_seq",
+    "routed_row",
+    "mm",
+    "img",
+    "img_k",
+    "img_seq",
+    "img_index",
+)
+"""Every per-token array, in the order :class:`Tokens` keeps them."""
+
+IMAGE_FEATURES = ("pixel_values", "image_grid_thw")
+"""The multimodal train inputs that describe images (split per image by the grid)."""
+
+
+class TreeBuildError(RolloutError, ValueError):
+    """A sequence cannot go into a token tree (its arrays disagree, or its images cannot be placed)."""
+
+
+class Interner:
+    """Small integer ids for hashable keys (weight versions, routing rows, image keys), shared by a whole build."""
+
+    def __init__(self) -> None:
+        self.ids: dict[Any, int] = {}
+        self.keys: list[Any] = []
+
+    def __call__(self, key: Any) -> int:
+        found = self.ids.get(key)
+        if found is None:
+            found = self.ids[key] = len(self.keys)
+            self.keys.append(key)
+        return found
+
+
+class Tokens:
+    """A run of tokens' arrays (a whole sequence, or a node's span): one int64 row per name in :data:`FIELDS` of a
+    single 2-D array, so a node's span is cut or copied in one step; ``logprob`` is its row's bits as float64."""
+
+    __slots__ = ("data",)
+
+    def __init__(self, data: IntArray) -> None:
+        self.data = data
+
+    def __len__(self) -> int:
+        return int(self.data.shape[1])
+
+    def _row(self, number: int) -> IntArray:
+        row: IntArray = self.data[number]
+        return row
+
+    def cut(self, start: int, end: int | None = None) -> Tokens:
+        return Tokens(self.data[:, start:end])
+
+    def copy(self) -> Tokens:
+        return Tokens(self.data.copy())
+
+    @property
+    def logprob(self) -> npt.NDArray[np.float64]:
+        return self._row(2).view(np.float64)
+
+    @property
+    def ids(self) -> IntArray:
+        return self._row(0)
+
+    @property
+    def mask(self) -> IntArray:
+        return self._row(1)
+
+    @property
+    def version(self) -> IntArray:
+        return self._row(3)
+
+    @property
+    def routed(self) -> IntArray:
+        return self._row(4)
+
+    @property
+    def routed_seq(self) -> IntArray:
+        return self._row(5)
+
+    @property
+    def routed_row(self) -> IntArray:
+        return self._row(6)
+
+    @property
+    def mm(self) -> IntArray:
+        return self._row(7)
+
+    @property
+    def img(self) -> IntArray:
+        return self._row(8)
+
+    @property
+    def img_k(self) -> IntArray:
+        return self._row(9)
+
+    @property
+    def img_seq(self) -> IntArray:
+        return self._row(10)
+
+    @property
+    def img_index(self) -> IntArray:
+        return self._row(11)
+
+
+@dataclass(frozen=True)
+class Intern:
+    """The interners one build shares."""
+
+    versions: Interner
+    routing: Interner
+    mm: Interner
+    images: Interner
+
+
+def sequence_tokens(sample: Sample, number: int, image_token_id: int | None, intern: Intern) -> Tokens:
+    """The arrays of training sequence ``number`` (its place in :func:`training_sequences` order)."""
+    tokens = np.asarray(sample.tokens, dtype=np.int64).reshape(-1)
+    size = len(tokens)
+    response = int(sample.response_length)
+    prompt = size - response
+    if prompt < 0:
+        raise TreeBuildError(f"{_name(sample, number)}: response_length {response} exceeds its {size} tokens")
+    mask = np.zeros(size, dtype=np.int64)
+    mask[prompt:] = (
+        1 if sample.loss_mask is None else _response(sample.loss_mask, response, "loss_mask", sample, number)
+    )
+    logprob = np.zeros(size, dtype=np.float64)
+    if sample.rollout_log_probs is not None:
+        logprob[prompt:] = _response(sample.rollout_log_probs, response, "rollout_log_probs", sample, number)
+    out = Tokens(np.full((len(FIELDS), size), -1, dtype=np.int64))
+    out.data[0], out.data[1], out.data[2] = tokens, mask, logprob.view(np.int64)
+    _place_versions(out, sample, prompt, intern.versions)
+    _place_routing(out, sample, number, intern.routing)
+    _place_multimodal(out, sample, number, image_token_id, intern)
+    return out
+
+
+def _response(values: Any, response: int, name: str, sample: Sample, number: int) -> Any:
+    if len(values) != response:
+        raise TreeBuildError(
+            f"{_name(sample, number)}: {name} has {len(values)} entries for response_length {response}"
+        )
+    return values
+
+
+def _place_versions(out: Tokens, sample: Sample, prompt: int, versions: Interner) -> None:
+    spans = sample.metadata.get("weight_version_spans") if isinstance(sample.metadata, Mapping) else None
+    if spans:
+        for span in spans:
+            out.version[prompt + int(span["start"]) : prompt + int(span["end"])] = versions(str(span["version"]))
+    elif len(set(sample.weight_versions)) == 1:  # one version for the whole sequence: its generated tokens
+        out.version[out.mask == 1] = versions(str(sample.weight_versions[0]))
+
+
+def _place_routing(out: Tokens, sample: Sample, number: int, routing: Interner) -> None:
+    experts = sample.rollout_routed_experts
+    if experts is None:
+        return
+    rows = np.asarray(experts)
+    if rows.ndim == 0 or rows.shape[0] > len(out):
+        raise TreeBuildError(
+            f"{_name(sample, number)}: rollout_routed_experts has {rows.shape[:1]} rows for {len(out)} tokens"
+        )
+    if rows.shape[0] == 0:
+        return
+    flat = np.ascontiguousarray(rows.reshape(rows.shape[0], -1), dtype=np.int32)
+    for row in range(flat.shape[0]):
+        out.routed[row] = routing(flat[row].tobytes())
+    out.routed_seq[: flat.shape[0]] = number
+    out.routed_row[: flat.shape[0]] = np.arange(flat.shape[0])
+
+
+def _place_multimodal(out: Tokens, sample: Sample, number: int, image_token_id: int | None, intern: Intern) -> None:
+    features = sample.multimodal_train_inputs
+    if not features:
+        return
+    arrays = {key: _array(value) for key, value in features.items() if value is not None}
+    images = _image_hashes(arrays, sample, number)
+    other = {key: value for key, value in arrays.items() if key not in IMAGE_FEATURES}
+    if image_token_id is None or images is None:
+        out.mm[:] = intern.mm(("features", _digest(arrays)))  # nothing finer is known: the features as a whole
+        return
+    if other:  # features not tied to an image placeholder: they bind every token of the sequence
+        out.mm[:] = intern.mm(("features", _digest(other)))
+    starts, lengths = _runs(out.ids == image_token_id)
+    if len(starts) != len(images):
+        raise TreeBuildError(
+            f"{_name(sample, number)}: {len(images)} images in multimodal_train_inputs but {len(starts)} runs of "
+            f"the image placeholder token {image_token_id} in its tokens"
+        )
+    for index, (start, length, content) in enumerate(zip(starts, lengths, images, strict=True)):
+        image = intern.images(content)
+        for k in range(length):
+            out.mm[start + k] = intern.mm(("image", content, k))
+        out.img[start : start + length] = image
+        out.img_k[start : start + length] = np.arange(length)
+        out.img_seq[start : start + length] = number
+        out.img_index[start : start + length] = index
+
+
+def _image_hashes(arrays: Mapping[str, npt.NDArray[Any]], sample: Sample, number: int) -> list[str] | None:
+    """One content hash per image (its pixel rows and grid), or None when the features hold no images."""
+    pixels, grid = arrays.get("pixel_values"), arrays.get("image_grid_thw")
+    if pixels is None or grid is None:
+        return None
+    grid = grid.reshape(-1, 3)
+    rows = [int(np.prod(each)) for each in grid]
+    if sum(rows) != pixels.shape[0]:
+        raise TreeBuildError(
+            f"{_name(sample, number)}: image_grid_thw covers {sum(rows)} pixel rows but pixel_values has "
+            f"{pixels.shape[0]}"
+        )
+    bounds = np.cumsum([0, *rows])
+    return [
+        "sha256:" + _digest({"pixel_values": pixels[bounds[i] : bounds[i + 1]], "image_grid_thw": grid[i]})
+        for i in range(len(rows))
+    ]
+
+
+def _runs(flags: npt.NDArray[np.bool_]) -> tuple[list[int], list[int]]:
+    edges = np.diff(np.concatenate(([0], flags.astype(np.int8), [0])))
+    starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+    return starts.tolist(), (ends - starts).tolist()
+
+
+def _array(value: Any) -> npt.NDArray[Any]:
+    if hasattr(value, "detach"):  # a tensor: read without importing torch
+        value = value.detach().cpu()
+        value = value.float().numpy() if str(value.dtype) == "torch.bfloat16" else value.numpy()
+    array = np.asarray(value) if not isinstance(value, Mapping | str) else np.asarray(None, dtype=object)
+    if array.dtype == object:  # a summary a results file wrote (dtype and shape), not the values: hash its text
+        return np.frombuffer(json.dumps(value, sort_keys=True, default=str).encode(), dtype=np.uint8)
+    return array
+
+
+def _digest(arrays: Mapping[str, npt.NDArray[Any]]) -> str:
+    digest = hashlib.sha256()
+    for key in sorted(arrays):
+        array = np.ascontiguousarray(arrays[key])
+        digest.update(f"{key}|{array.dtype}|{array.shape}|".encode())
+        digest.update(array.tobytes())
+    return digest.hexdigest()[:32]
+
+
+def _name(sample: Sample, number: int) -> str:
+    return f"training sequence {number} (sample index={sample.index}, branch={sample.metadata.get('branch')})"
+
+
+__all__ = ["FIELDS", "Intern", "Interner", "Tokens", "TreeBuildError", "sequence_tokens"]

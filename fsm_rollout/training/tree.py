@@ -1,0 +1,250 @@
+"""A batch of rollouts as a token tree: every generated token once, shared prefixes once (:func:`training_tree`).
+
+The tree's nodes are spans of tokens with a parent; its leaves are the training sequences
+(:func:`~fsm_rollout.sample.training_sequences` order), each the path from a root to its last node. Which prefixes
+may merge, and the provenance rule that keeps apart tokens that only look alike, are described in
+:mod:`fsm_rollout.training.build`; ``docs/token-tree.md`` describes the format for trainers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+from fsm_rollout.sample import Sample, training_sequences
+from fsm_rollout.training.build import SPLIT_CAUSES, Trie, TrieNode
+from fsm_rollout.training.nodes import ImageRef, TreeData, TreeLeaf, TreeNode
+from fsm_rollout.training.provenance import Intern, Interner, TreeBuildError, sequence_tokens
+from fsm_rollout.training.tree_format import tree_from_dict, tree_to_dict
+from fsm_rollout.training.tree_pack import PackedBatch, pack_tree
+from fsm_rollout.training.tree_text import render_tree
+
+Share = Literal["group", "all", "none"]
+
+
+class TokenTree(TreeData):
+    """The tree :func:`training_tree` builds: ``nodes`` (parents before children), ``leaves`` (one per training
+    sequence, in order) and ``stats`` (token counts and the provenance splits by cause)."""
+
+    def __init__(self, nodes: list[TreeNode], leaves: list[TreeLeaf], share: str, stats: dict[str, Any]) -> None:
+        super().__init__(nodes, leaves, share, stats)
+        self.batches: list[PackedBatch] | None = None
+        """The batches of the last :meth:`pack`, which :meth:`unpack` reads by default."""
+
+    def pack(self, max_tokens: int) -> list[PackedBatch]:
+        """Batches of at most ``max_tokens`` tokens, each holding whole nodes and, for each of its sequences, the
+        whole path (so a shared prefix is repeated in each batch that needs it, with loss mask 0 after its first
+        copy). Raises :class:`TreeBuildError` naming a node or sequence that cannot fit."""
+        self.batches = pack_tree(self, max_tokens)
+        return self.batches
+
+    def unpack(
+        self, values: Sequence[Any], batches: Sequence[PackedBatch] | None = None, *, response_only: bool = False
+    ) -> list[Any]:
+        """Per-token ``values`` on the packed batches (one array or tensor per batch, tokens first) as one value
+        per training sequence, in its flat token order (only its response side with ``response_only``)."""
+        batches = self.batches if batches is None else batches
+        if batches is None:
+            raise TreeBuildError("TokenTree.unpack needs the batches: call pack() first or pass them")
+        if len(values) != len(batches):
+            raise TreeBuildError(f"unpack got {len(values)} values for {len(batches)} packed batches")
+        home = {sequence: number for number, batch in enumerate(batches) for sequence in batch.leaf_token_index}
+        out: list[Any] = []
+        for leaf in self.leaves:
+            number = home.get(leaf.sequence)
+            if number is None:
+                raise TreeBuildError(f"training sequence {leaf.sequence} is in none of the {len(batches)} batches")
+            index = batches[number].leaf_token_index[leaf.sequence]
+            if response_only:
+                index = index[leaf.prompt_length :]
+            out.append(_take(values[number], index))
+        return out
+
+    def sequence(self, number: int) -> dict[str, Any]:
+        """Training sequence ``number``'s flat arrays as its path gives them: ``token_ids``, ``loss_mask``,
+        ``rollout_log_probs``, ``weight_versions``."""
+        path = [self.nodes[node] for node in self.leaves[number].nodes]
+        return {
+            "token_ids": [int(t) for node in path for t in node.token_ids],
+            "loss_mask": [int(m) for node in path for m in node.loss_mask],
+            "rollout_log_probs": [float(v) for node in path for v in node.rollout_log_probs],
+            "weight_versions": [v for node in path for v in node.weight_versions],
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        """The tree as JSON-compatible data (``docs/token-tree.md`` describes the fields)."""
+        return tree_to_dict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> TokenTree:
+        """The tree :meth:`to_dict` wrote (possibly after a JSON round trip)."""
+        parts = tree_from_dict(data)
+        return cls(parts.nodes, parts.leaves, parts.share, parts.stats)
+
+    def render(self, *, limit: int = 200) -> str:
+        """The tree as text: token counts, provenance splits by cause, then one indented line per node (its
+        positions, tokens, generated tokens, which sequences share it, its images), at most ``limit`` nodes."""
+        return render_tree(self, limit=limit)
+
+    def __repr__(self) -> str:
+        stats = self.stats
+        return (
+            f"TokenTree(share={self.share!r}, sequences={len(self.leaves)}, nodes={len(self.nodes)}, "
+            f"tree_tokens={stats.get('tree_tokens')}, flat_tokens={stats.get('flat_tokens')})"
+        )
+
+
+def training_tree(
+    samples: Iterable[Sample | Mapping[str, Any]], *, share: Share = "group", image_token_id: int | None = None
+) -> TokenTree:
+    """The token tree of a batch of finished rollouts (``Sample`` objects or their ``to_dict()`` rows).
+
+    ``share`` says what may merge: ``"group"`` (sequences of the same ``group_index``; a rollout without one
+    shares only among its own branches), ``"all"`` (any identical prefix in the batch) or ``"none"`` (one path
+    per sequence: the flat rows). ``image_token_id`` (the image placeholder token) lets sequences share a prefix
+    up to and across an image they both hold; without it a sequence with multimodal features merges only with
+    sequences whose features are all identical.
+    """
+    if share not in ("group", "all", "none"):
+        raise TreeBuildError(f"share must be 'group', 'all' or 'none'; got {share!r}")
+    rollouts = [item if isinstance(item, Sample) else _from_row(item, number) for number, item in enumerate(samples)]
+    owners = [number for number, rollout in enumerate(rollouts) for _ in range(len(rollout.branches) + 1)]
+    sequences = training_sequences(rollouts)
+    intern = Intern(Interner(), Interner(), Interner(), Interner())
+    trie = Trie()
+    for number, sequence in enumerate(sequences):
+        tokens = sequence_tokens(sequence, number, image_token_id, intern)
+        trie.insert(_scope(share, sequence, owners[number], number), tokens, number)
+    return _finish(trie, sequences, [rollouts[owner] for owner in owners], owners, share, intern)
+
+
+def _from_row(row: Any, number: int) -> Sample:
+    if not isinstance(row, Mapping):
+        raise TreeBuildError(f"training_tree takes Samples or Sample.to_dict() rows; item {number} is {type(row)}")
+    return Sample.from_dict(row)
+
+
+def _scope(share: str, sequence: Sample, owner: int, number: int) -> Any:
+    if share == "all":
+        return None
+    if share == "none":
+        return ("sequence", number)
+    if sequence.group_index is None:
+        return ("rollout", owner)
+    return ("group", sequence.group_index)
+
+
+def _finish(
+    trie: Trie, sequences: list[Sample], rollouts: list[Sample], owners: list[int], share: str, intern: Intern
+) -> TokenTree:
+    order = trie.walk()
+    ids = {id(node): number for number, node in enumerate(order)}
+    depth: dict[int, int] = {}
+    end: dict[int, TrieNode | None] = {number: None for number in range(len(sequences))}  # None: no tokens
+    nodes: list[TreeNode] = []
+    for number, node in enumerate(order):
+        parent = ids.get(id(node.parent), -1)
+        depth[number] = 0 if parent < 0 else depth[parent] + len(nodes[parent])
+        for sequence in node.ending:
+            end[sequence] = node
+        nodes.append(_tree_node(number, parent, depth[number], node, intern))
+    leaves: list[TreeLeaf] = []
+    for number, sample in enumerate(sequences):
+        path: list[int] = []
+        last = end[number]
+        while last is not None and id(last) in ids:
+            path.append(ids[id(last)])
+            last = last.parent
+        path.reverse()
+        for step in path:
+            nodes[step].sequences.append(number)
+        length = sum(len(nodes[step]) for step in path)
+        leaves.append(_leaf(number, owners[number], sample, rollouts[number], path, length))
+    return TokenTree(nodes, leaves, share, tree_stats(nodes, leaves, dict(trie.splits)))
+
+
+def tree_stats(nodes: Sequence[TreeNode], leaves: Sequence[TreeLeaf], splits: Mapping[str, int]) -> dict[str, Any]:
+    """Token counts (flat rows against the tree) and the provenance splits by cause."""
+    return {
+        "sequences": len(leaves),
+        "nodes": len(nodes),
+        "flat_tokens": sum(leaf.length for leaf in leaves),
+        "tree_tokens": sum(len(node) for node in nodes),
+        "generated_tokens": int(sum(int(node.loss_mask.sum()) for node in nodes)),
+        "provenance_splits": {cause: int(splits.get(cause, 0)) for cause in SPLIT_CAUSES},
+    }
+
+
+def _tree_node(number: int, parent: int, depth: int, node: TrieNode, intern: Intern) -> TreeNode:
+    tokens = node.tokens
+    versions = [None if v < 0 else str(intern.versions.keys[v]) for v in tokens.version.tolist()]
+    return TreeNode(
+        id=number,
+        parent=parent,
+        depth=depth,
+        token_ids=tokens.ids.copy(),
+        loss_mask=tokens.mask.copy(),
+        rollout_log_probs=tokens.logprob.copy(),
+        weight_versions=versions,
+        images=_images(tokens.img, tokens.img_k, tokens.img_seq, tokens.img_index, intern.images),
+        routed_sequence=tokens.routed_seq.copy(),
+        routed_row=tokens.routed_row.copy(),
+        sequences=[],
+    )
+
+
+def _images(img: Any, k: Any, seq: Any, index: Any, hashes: Interner) -> list[ImageRef]:
+    """One reference per run of one image's consecutive placeholders in a node."""
+    if not (img >= 0).any():
+        return []
+    breaks = np.flatnonzero((img[1:] != img[:-1]) | (k[1:] != k[:-1] + 1)) + 1
+    starts, ends = np.concatenate(([0], breaks)), np.concatenate((breaks, [len(img)]))
+    return [
+        ImageRef(
+            hash=str(hashes.keys[int(img[start])]),
+            offset=int(start),
+            length=int(end - start),
+            first=int(k[start]),
+            sequence=int(seq[start]),
+            image=int(index[start]),
+        )
+        for start, end in zip(starts, ends, strict=True)
+        if img[start] >= 0
+    ]
+
+
+def _leaf(number: int, owner: int, sample: Sample, rollout: Sample, path: list[int], length: int) -> TreeLeaf:
+    """The leaf of training sequence ``number``; the rollout's last sample says why it ended and its lineage."""
+    metadata = sample.metadata if isinstance(sample.metadata, Mapping) else {}
+    ended = rollout.metadata if isinstance(rollout.metadata, Mapping) else {}
+    status = sample.status
+    return TreeLeaf(
+        sequence=number,
+        sample=owner,
+        index=sample.index,
+        branch=metadata.get("branch"),
+        lineage=metadata.get(
+            "lineage", ended.get("lineage")
+        ),  # None until the gateway's lineages are recorded on samples
+        group_index=sample.group_index,
+        reward=sample.reward,
+        status=str(getattr(status, "value", status)),
+        reason=ended.get("rollout_reason"),
+        nodes=path,
+        length=length,
+        prompt_length=len(sample.tokens) - int(sample.response_length),
+    )
+
+
+def _take(values: Any, index: npt.NDArray[np.int64]) -> Any:
+    if hasattr(values, "detach"):  # a tensor: index it with one of its own kind
+        import torch
+
+        return values[torch.as_tensor(index, device=values.device)]
+    return np.asarray(values)[index]
+
+
+__all__ = ["Share", "TokenTree", "training_tree"]

@@ -1,0 +1,189 @@
+"""Internal: a token tree packed into the trainer's batches (:meth:`TokenTree.pack`), with their attention structure.
+
+A batch holds whole nodes, parents before children, and for each sequence in it the whole path from its root, so
+every token can attend to all of its ancestors. Sequences are taken in the tree's depth-first order, so siblings
+that share a prefix land in the same batch; a prefix whose sequences do not all fit in one batch is repeated in the
+next with loss mask 0 (by the tree's provenance rule a shared node never holds a generated token, so no loss is
+counted twice either way).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from fsm_rollout.training.nodes import ImageRef, TreeData
+from fsm_rollout.training.provenance import TreeBuildError
+
+IntArray = npt.NDArray[np.int64]
+
+
+@dataclass
+class PackedBatch:
+    """One forward pass's tokens, flat, in the tree's order.
+
+    Per token: ``token_ids``, ``position_ids`` (its depth in its sequences), ``parent`` (the batch index of the
+    token before it in its sequences, -1 for a first token: the token whose logits predict this one),
+    ``node_of_token`` (its tree node), ``loss_mask`` (0 on a repeated copy), ``rollout_log_probs``,
+    ``weight_versions`` and ``sequence_of_token`` (the one training sequence whose path holds it, -1 when several
+    do; a generated token always has one). ``leaf_token_index[sequence]`` lists the batch indices of a sequence's
+    tokens in its flat order; ``images`` places each image reference at its batch offset.
+    """
+
+    token_ids: IntArray
+    position_ids: IntArray
+    parent: IntArray
+    node_of_token: IntArray
+    loss_mask: IntArray
+    rollout_log_probs: npt.NDArray[np.float64]
+    weight_versions: list[str | None]
+    sequence_of_token: IntArray
+    leaf_token_index: dict[int, IntArray]
+    nodes: list[int]
+    images: list[tuple[int, ImageRef]] = field(default_factory=list)
+    ancestors: npt.NDArray[np.bool_] = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))
+    """``ancestors[i, j]``: the batch's node ``j`` is node ``i`` or one of its ancestors (batch-local numbering)."""
+    local_node: IntArray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    def attention_mask(self) -> npt.NDArray[np.bool_]:
+        """``(tokens, tokens)`` booleans, True where the query token (row) may attend to the key token (column):
+        itself and its ancestors only. ``torch.nn.functional.scaled_dot_product_attention`` takes it as it is (add
+        the batch and head dimensions: ``mask[None, None]``)."""
+        local = self.local_node
+        order = np.arange(len(local))
+        same = local[:, None] == local[None, :]
+        mask: npt.NDArray[np.bool_] = self.ancestors[local[:, None], local[None, :]] & (
+            ~same | (order[None, :] <= order[:, None])
+        )
+        return mask
+
+    def block_mask(self, *, block_size: int = 128, device: str = "cpu") -> Any:
+        """The same attention as a FlexAttention ``BlockMask`` (torch imported here; raises ``RuntimeError`` when
+        this torch has no ``torch.nn.attention.flex_attention``)."""
+        try:
+            import torch
+            from torch.nn.attention.flex_attention import create_block_mask
+        except ImportError as error:
+            raise RuntimeError(f"this torch has no FlexAttention: {error}") from error
+        local = torch.as_tensor(self.local_node, device=device)
+        ancestors = torch.as_tensor(self.ancestors, device=device)
+
+        def mask_mod(batch: Any, head: Any, query: Any, key: Any) -> Any:
+            return ancestors[local[query], local[key]] & ((local[query] != local[key]) | (key <= query))
+
+        size = len(self)
+        return create_block_mask(mask_mod, None, None, size, size, device=device, BLOCK_SIZE=block_size)
+
+
+def pack_tree(tree: TreeData, max_tokens: int) -> list[PackedBatch]:
+    """The batches :meth:`TokenTree.pack` returns."""
+    if max_tokens <= 0:
+        raise TreeBuildError(f"max_tokens must be positive; got {max_tokens}")
+    for node in tree.nodes:
+        if len(node) > max_tokens:
+            raise TreeBuildError(
+                f"tree node {node.id} (depth {node.depth}, sequences {node.sequences[:8]}) holds {len(node)} tokens, "
+                f"more than max_tokens={max_tokens}; packing never splits a node"
+            )
+    ends = sorted(range(len(tree.leaves)), key=lambda n: (tree.leaves[n].nodes[-1:] or [-1], n))
+    groups: list[tuple[list[int], set[int]]] = []
+    current: list[int] = []
+    held: set[int] = set()
+    size = 0
+    for number in ends:
+        leaf = tree.leaves[number]
+        if leaf.length > max_tokens:
+            raise TreeBuildError(
+                f"training sequence {number} (sample {leaf.sample}, branch {leaf.branch}) holds {leaf.length} tokens, "
+                f"more than max_tokens={max_tokens}; each sequence's whole path goes in one batch"
+            )
+        extra = sum(len(tree.nodes[node]) for node in leaf.nodes if node not in held)
+        if current and size + extra > max_tokens:
+            groups.append((current, held))
+            current, held, size = [], set(), 0
+            extra = leaf.length
+        current.append(number)
+        held.update(leaf.nodes)
+        size += extra
+    if current:
+        groups.append((current, held))
+    seen: set[int] = set()
+    batches = []
+    for sequences, nodes in groups:
+        batches.append(_batch(tree, sequences, sorted(nodes), seen))
+        seen.update(nodes)
+    return batches
+
+
+def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int]) -> PackedBatch:
+    """One batch of ``nodes`` (sorted: the tree numbers parents before children); ``seen`` were in earlier ones."""
+    start: dict[int, int] = {}
+    offset = 0
+    for node_id in nodes:
+        start[node_id] = offset
+        offset += len(tree.nodes[node_id])
+    local = {node: number for number, node in enumerate(nodes)}
+    ancestors = np.zeros((len(nodes), len(nodes)), dtype=bool)
+    parts: dict[str, list[Any]] = {name: [] for name in ("ids", "parent", "node", "mask", "logprob", "owner", "local")}
+    positions: list[IntArray] = []
+    versions: list[str | None] = []
+    images: list[tuple[int, ImageRef]] = []
+    for node_id in nodes:
+        node = tree.nodes[node_id]
+        here, count = local[node_id], len(node)
+        if node.parent >= 0:
+            ancestors[here] = ancestors[local[node.parent]]
+        ancestors[here, here] = True
+        begin = start[node_id]
+        parents = np.arange(begin - 1, begin + count - 1, dtype=np.int64)
+        if node.parent < 0:
+            parents[0] = -1
+        else:
+            parent = tree.nodes[node.parent]
+            parents[0] = start[parent.id] + len(parent) - 1
+        parts["ids"].append(node.token_ids)
+        parts["parent"].append(parents)
+        parts["node"].append(np.full(count, node_id, dtype=np.int64))
+        parts["mask"].append(node.loss_mask if node_id not in seen else np.zeros(count, dtype=np.int64))
+        parts["logprob"].append(node.rollout_log_probs)
+        owner = node.sequences[0] if len(node.sequences) == 1 else -1
+        parts["owner"].append(np.full(count, owner, dtype=np.int64))
+        parts["local"].append(np.full(count, here, dtype=np.int64))
+        positions.append(np.arange(node.depth, node.depth + count, dtype=np.int64))
+        versions.extend(node.weight_versions)
+        images.extend((begin + ref.offset, ref) for ref in node.images)
+    index = {
+        number: np.concatenate(
+            [np.arange(start[n], start[n] + len(tree.nodes[n]), dtype=np.int64) for n in tree.leaves[number].nodes]
+            or [np.zeros(0, dtype=np.int64)]
+        )
+        for number in sorted(sequences)
+    }
+
+    def flat(name: str, dtype: Any) -> Any:
+        return np.concatenate(parts[name]).astype(dtype) if parts[name] else np.zeros(0, dtype=dtype)
+
+    return PackedBatch(
+        token_ids=flat("ids", np.int64),
+        position_ids=np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64),
+        parent=flat("parent", np.int64),
+        node_of_token=flat("node", np.int64),
+        loss_mask=flat("mask", np.int64),
+        rollout_log_probs=flat("logprob", np.float64),
+        weight_versions=versions,
+        sequence_of_token=flat("owner", np.int64),
+        leaf_token_index=index,
+        nodes=list(nodes),
+        images=images,
+        ancestors=ancestors,
+        local_node=flat("local", np.int64),
+    )
+
+
+__all__ = ["PackedBatch", "pack_tree"]
