@@ -257,6 +257,7 @@ async def _engine(
         model_dir = await asyncio.shield(building)
     except asyncio.CancelledError:  # Ctrl-C: the build kills its child and removes what it staged
         stop.set()
+        building.add_done_callback(lambda done: done.cancelled() or done.exception())  # BuildInterrupted: expected
         await asyncio.wait({building}, timeout=_BUILD_STOP_WAIT_S)
         raise
     if not in_process:

@@ -183,6 +183,9 @@ class BuildProgress:
     loss: float | None
     elapsed_s: float
     remaining_s: float | None
+    phase: str | None = None
+    """What the build does before its first step (importing torch, loading the model, encoding the data), reported
+    every second until training starts; None from step 0 on."""
 
 
 class BuildInterrupted(ModelLoadError):
@@ -221,6 +224,7 @@ def train_model_dir(
     log: Callable[[str], None] | None = None,
     progress: Callable[[BuildProgress], None] | None = None,
     stop: threading.Event | None = None,
+    threads: int | None = None,
 ) -> pathlib.Path:
     """Build (once) ``<cache>/<name>-<key>``: the tiny random model trained on ``data`` with ``recipe`` (the keys of
     :data:`RECIPE`), and return it.
@@ -229,7 +233,8 @@ def train_model_dir(
     when several processes race, one rename wins and the others use the winner's build. A finished build returns at
     once, calling neither ``log`` nor ``progress``. Setting ``stop`` (from another thread) ends the training
     child within a fraction of a second and removes what it staged; the call then raises
-    :class:`BuildInterrupted`.
+    :class:`BuildInterrupted`. ``threads`` sets the training's torch threads (default: :func:`train_threads`);
+    the weights are the same whatever it is.
 
     Raises:
         ModelLoadError: If the target path exists but is not a complete build, or training fails.
@@ -247,7 +252,7 @@ def train_model_dir(
     inputs = root / f".{target.name}.input-{os.getpid()}-{staging.name[-8:]}.json"
     try:
         inputs.write_bytes(_canonical({"recipe": dict(recipe), "recipe_key": key, "data": data.to_json()}))
-        _train_in_subprocess(staging, base, inputs, progress, stop)
+        _train_in_subprocess(staging, base, inputs, progress, stop, threads or train_threads())
         staging.chmod(0o755)
         try:
             os.rename(staging, target)
@@ -264,8 +269,8 @@ def train_model_dir(
 
 def _train_in_subprocess(directory: pathlib.Path, base: pathlib.Path, inputs: pathlib.Path,
                          progress: Callable[[BuildProgress], None] | None,
-                         stop: threading.Event | None = None) -> None:  # fmt: skip
-    """Train in a child process on :func:`train_threads` torch threads: the caller's process keeps its torch
+                         stop: threading.Event | None, threads: int) -> None:  # fmt: skip
+    """Train in a child process on ``threads`` torch threads: the caller's process keeps its torch
     settings, RNG state and memory.
 
     The child reports each step as one JSON line on its stdout; this process turns them into :class:`BuildProgress`
@@ -274,7 +279,7 @@ def _train_in_subprocess(directory: pathlib.Path, base: pathlib.Path, inputs: pa
     """
     if stop is not None and stop.is_set():
         raise BuildInterrupted("the default model's build was interrupted before training started")
-    command = [sys.executable, "-m", __name__, str(directory), str(base), str(inputs), str(train_threads())]
+    command = [sys.executable, "-m", __name__, str(directory), str(base), str(inputs), str(threads)]
     started = time.monotonic()
     estimate = _Estimate()
     with tempfile.TemporaryFile("w+", encoding="utf-8") as errors:
@@ -290,8 +295,12 @@ def _train_in_subprocess(directory: pathlib.Path, base: pathlib.Path, inputs: pa
                     if report is None:
                         other.append(line.rstrip("\n"))
                         continue
-                    step, steps, loss = report
                     now = time.monotonic() - started
+                    if isinstance(report, str):
+                        if progress is not None:
+                            progress(BuildProgress(0, 0, None, now, None, phase=report))
+                        continue
+                    step, steps, loss = report
                     if progress is not None:
                         progress(BuildProgress(step, steps, loss, now, estimate.remaining(step, steps, now)))
             except BaseException:  # KeyboardInterrupt in a caller's main thread: the child must not train on
@@ -326,10 +335,13 @@ def train_threads() -> int:
     return TRAIN_THREADS if busy + TRAIN_THREADS <= cores + 0.5 else 1
 
 
-def _progress_report(line: str) -> tuple[int, int, float | None] | None:
-    """``(step, steps, loss)`` from one of the child's progress lines, None for any other line."""
+def _progress_report(line: str) -> tuple[int, int, float | None] | str | None:
+    """``(step, steps, loss)`` from one of the child's progress lines, the phase from one of its set-up beats, None
+    for any other line."""
     try:
         report = json.loads(line)
+        if isinstance(report, dict) and isinstance(report.get("phase"), str):
+            return str(report["phase"])
         return int(report["step"]), int(report["steps"]), None if report["loss"] is None else float(report["loss"])
     except (ValueError, TypeError, KeyError):
         return None
@@ -411,8 +423,24 @@ def _image_tokens(size: tuple[int, int], tokenizer: Any) -> int:
 # Training (in the child process)
 
 
+_PHASE: list[str | None] = ["starting"]
+"""The child's set-up phase, beaten once a second until the first step (None from then on)."""
+_PRINTING = threading.Lock()
+
+
 def _report(step: int, steps: int, loss: float | None) -> None:
-    print(json.dumps({"step": step, "steps": steps, "loss": loss}), flush=True)
+    _PHASE[0] = None
+    with _PRINTING:
+        print(json.dumps({"step": step, "steps": steps, "loss": loss}), flush=True)
+
+
+def _beat_phases() -> None:
+    """Say the set-up phase once a second until training starts: loading torch and the model takes long enough
+    that a still line looks hung."""
+    while (phase := _PHASE[0]) is not None:
+        with _PRINTING:
+            print(json.dumps({"phase": phase}), flush=True)
+        time.sleep(1.0)
 
 
 def _train_into(directory: pathlib.Path, base: pathlib.Path, inputs: pathlib.Path) -> None:
@@ -425,10 +453,13 @@ def _train_into(directory: pathlib.Path, base: pathlib.Path, inputs: pathlib.Pat
     started = time.perf_counter()
     given = json.loads(inputs.read_bytes())
     recipe: dict[str, Any] = given["recipe"]
+    _PHASE[0] = "loading the random model"
     with quiet_progress_bars():
         tokenizer: Any = AutoTokenizer.from_pretrained(str(base), local_files_only=True)
         model: Any = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, local_files_only=True)
-    examples = encode_conversations(TrainingData.from_json(given["data"]), tokenizer)
+    data = TrainingData.from_json(given["data"])
+    _PHASE[0] = f"encoding {len(data.conversations)} conversations"
+    examples = encode_conversations(data, tokenizer)
     steps = int(recipe["steps"])
     _report(0, steps, None)
     with torch.random.fork_rng(devices=[]):
@@ -538,6 +569,8 @@ if __name__ == "__main__":
     # the parent ends this process when its user interrupts (and cleans up after it): a terminal's Ctrl-C, which
     # reaches the whole process group, must not kill it half-way on its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _PHASE[0] = "importing torch"
+    threading.Thread(target=_beat_phases, daemon=True).start()
     import torch
 
     torch.set_num_threads(int(sys.argv[4]) if len(sys.argv) > 4 else TRAIN_THREADS)
