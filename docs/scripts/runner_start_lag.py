@@ -45,7 +45,9 @@ async def enter_once() -> list[float]:
     async with FakeVLLMServer(None, model="served-name") as server:
         server.model_root = str(qwen_tokenizer_dir())
         config = RolloutConfig(engine_url=server.url, model="served-name", max_turns=1)
-        runner = RolloutRunner(config, sampling_params={"max_new_tokens": 8}, env_factory=ScriptedEnvFactory())
+        runner = RolloutRunner(
+            config, sampling_params={"max_new_tokens": 8, "temperature": 1.0}, env_factory=ScriptedEnvFactory()
+        )
         beating = asyncio.ensure_future(ticker())
         await asyncio.sleep(0.05)
         lateness.clear()
