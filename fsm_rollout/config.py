@@ -54,6 +54,10 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and value == value  # NaN is not
+
+
 @dataclass(frozen=True, kw_only=True)
 class RolloutConfig:
     """Options of a multi-turn rollout and of its engine client.
@@ -352,14 +356,16 @@ RENAMED_FIELDS: Mapping[str, str] = {"defer_full_gc": "tune_gc"}
 """Former field names and today's, so configs written before a rename (tapes) still read."""
 
 
-SAMPLING_REQUIRED_KEYS = ("max_new_tokens", "temperature", "top_p")
+SAMPLING_REQUIRED_KEYS = ("max_new_tokens", "temperature")
+"""The sampling parameters every rollout must set; ``top_p`` may be left out (1.0, vLLM's default: no filter)."""
 
 
 def build_inference_sampling_params(sampling_params: Mapping[str, Any]) -> dict[str, Any]:
     """Map slime/vime sampling parameters to vLLM's ``sampling_params``.
 
-    ``max_new_tokens`` (may be None: unlimited) becomes ``max_tokens``; ``logprobs`` is always 1; optional keys
-    are copied only when set, with ``top_k`` kept only when positive or -1.
+    ``max_new_tokens`` (may be None: unlimited) becomes ``max_tokens``; ``top_p`` defaults to 1.0; ``logprobs`` is
+    always 1; optional keys are copied only when set, with ``top_k`` kept only when positive or -1. A runner calls
+    this when it is built, so bad values fail there rather than at the first rollout.
     """
     missing = [key for key in SAMPLING_REQUIRED_KEYS if key not in sampling_params]
     if missing:
@@ -367,10 +373,16 @@ def build_inference_sampling_params(sampling_params: Mapping[str, Any]) -> dict[
     budget = sampling_params["max_new_tokens"]
     if budget is not None and (not _is_int(budget) or budget < 0):
         raise ConfigError(f"max_new_tokens must be a non-negative integer or None, got {budget!r}")
+    temperature = sampling_params["temperature"]
+    if not _is_number(temperature) or temperature < 0:
+        raise ConfigError(f"temperature must be a number >= 0, got {temperature!r}")
+    top_p = sampling_params.get("top_p", 1.0)
+    if not _is_number(top_p) or not 0 < top_p <= 1:
+        raise ConfigError(f"top_p must be a number in (0, 1], got {top_p!r}")
     params: dict[str, Any] = {
         "max_tokens": budget,
-        "temperature": sampling_params["temperature"],
-        "top_p": sampling_params["top_p"],
+        "temperature": temperature,
+        "top_p": top_p,
         "logprobs": 1,
     }
     top_k = sampling_params.get("top_k")

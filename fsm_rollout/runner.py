@@ -25,10 +25,10 @@ from typing import Any, TypeVar
 
 from fsm_rollout import gc_policy
 from fsm_rollout.chat import ObservationEncoder
-from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig
+from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig, build_inference_sampling_params
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.env import EnvFactory, load_env_factory
-from fsm_rollout.errors import ConfigError, RolloutError
+from fsm_rollout.errors import ConfigError, ModelListError, RolloutError
 from fsm_rollout.hashring import ConsistentHashRing
 from fsm_rollout.hooks import RolloutHooks, combine_hooks
 from fsm_rollout.metrics import MetricsSnapshot, RunnerMetrics
@@ -38,8 +38,9 @@ from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import Sample, Status
 from fsm_rollout.suspension import Suspender, SuspendStats
 from fsm_rollout.template_probe import HistoryPolicyChooser
-from fsm_rollout.tokenizers import TokenizerSource, load_tokenizer, tokenizer_source
+from fsm_rollout.tokenizers import TokenizerSource, listed_tokenizer_source, load_tokenizer
 from fsm_rollout.trace import Tracer, get_tracer
+from fsm_rollout.types import ServedModel
 
 NOT_STARTED = "not_started"
 """The reason of a sample that an abort (or a cancelled batch) ended while it waited for a concurrency slot: it
@@ -91,6 +92,7 @@ class RolloutRunner:
     ) -> None:
         self.config = config
         self.sampling_params = dict(sampling_params)
+        build_inference_sampling_params(self.sampling_params)  # bad values fail here, not at the first rollout
         self.tokenizer = tokenizer
         self.processor = processor
         self.env_factory = env_factory
@@ -125,7 +127,10 @@ class RolloutRunner:
         for url in self.config.servers_behind_router:
             self._server_clients[url] = VLLMClient.from_config(self.config, base_url=url)
         try:
-            source = None if self.tokenizer is not None else await tokenizer_source(self.config, self.engine_urls[0])
+            # an engine that does not answer fails the start, as the CLI's does, not every sample afterwards
+            served = await _check_engines(self.engine_urls, self.config)
+            source = None if self.tokenizer is not None else listed_tokenizer_source(self.config, self.engine_urls[0],
+                                                                                     served)  # fmt: skip
             # loading a tokenizer and rendering the probe's conversations take long enough to stall every other
             # task of the loop (a trainer's heartbeat): they run in a thread of their own
             self.tokenizer, self._encoder = await _in_own_thread(lambda: self._tokenizer_and_encoder(source))
@@ -437,6 +442,25 @@ def group_seeds(seed: int | None, n: int) -> list[int | None]:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ConfigError(f"seed must be an integer or None, got {seed!r}")
     return [] if seed is None else [seed + member for member in range(n)]
+
+
+async def _check_engines(urls: Sequence[str], config: RolloutConfig) -> list[ServedModel] | ModelListError | None:
+    """The first engine's model list (None without a models endpoint; the error for a list of an odd shape, no
+    reason to refuse an engine); raises the error, naming the URL, of the first of ``urls`` that does not answer
+    ``GET /health`` and ``GET /v1/models`` within ``config.connect_timeout_s`` (down, timed out, an error status
+    such as a refused API key)."""
+    from fsm_rollout.engine.probe import probe_engine
+
+    answers = await asyncio.gather(
+        *(probe_engine(url, api_key=config.api_key, timeout_s=config.connect_timeout_s) for url in urls),
+        return_exceptions=True,
+    )
+    for answer in answers:
+        if isinstance(answer, BaseException) and not isinstance(answer, ModelListError):
+            raise answer
+    first = answers[0]
+    assert not isinstance(first, BaseException) or isinstance(first, ModelListError)
+    return first
 
 
 async def _in_own_thread(work: Callable[[], _T]) -> _T:

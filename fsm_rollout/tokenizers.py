@@ -19,6 +19,7 @@ from typing import Any
 
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError, TokenizerNotFoundError
+from fsm_rollout.types import ServedModel
 
 
 def load_tokenizer(path: str, *, trust_remote_code: bool = False, local_files_only: bool = False) -> Any:
@@ -66,7 +67,19 @@ async def tokenizer_source(config: RolloutConfig, engine_url: str) -> TokenizerS
     try:
         served = await probe_engine(engine_url, api_key=config.api_key, timeout_s=config.connect_timeout_s)
     except RolloutError as error:  # down, refusing, or an odd list: the model name may still be a local path
-        why = f" (the engine at {engine_url} did not list its models: {_first_line(str(error))})"
+        return listed_tokenizer_source(config, engine_url, error)
+    return listed_tokenizer_source(config, engine_url, served)
+
+
+def listed_tokenizer_source(
+    config: RolloutConfig, engine_url: str, served: Sequence[ServedModel] | RolloutError | None
+) -> TokenizerSource:
+    """:func:`tokenizer_source` from what ``engine_url`` answered already: its model list, None when it has no
+    models endpoint, or the error its probe raised."""
+    if config.tokenizer_path:
+        return TokenizerSource((config.tokenizer_path,), local_only=False)
+    if isinstance(served, RolloutError):
+        why = f" (the engine at {engine_url} did not list its models: {_first_line(str(served))})"
         return TokenizerSource((config.model,), local_only=True, note=why)
     card = next((item for item in served or () if item.name == config.model), None)
     if card is None:
@@ -89,4 +102,4 @@ def _first_line(text: str, limit: int = 160) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-__all__ = ["TokenizerSource", "load_tokenizer", "tokenizer_source"]
+__all__ = ["TokenizerSource", "listed_tokenizer_source", "load_tokenizer", "tokenizer_source"]

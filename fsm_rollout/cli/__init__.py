@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import sys
 from collections.abc import Sequence
 
 from fsm_rollout._version import __version__
@@ -54,8 +56,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+EXIT_INTERRUPTED, EXIT_BROKEN_PIPE = 130, 141
+"""Ctrl-C, and a reader that went away (``inspect | head``): the codes a shell shows for SIGINT and SIGPIPE."""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Parse ``argv`` and run the chosen subcommand; returns the process exit code."""
+    """Parse ``argv`` and run the chosen subcommand; returns the process exit code.
+
+    A Ctrl-C that a subcommand does not handle itself ends it with one line and exit 130, and a closed stdout
+    (the reader of a pipe stopped reading) quietly with 141, neither with a traceback.
+    """
     args = build_parser().parse_args(argv)
-    code: int = args._module.main(args)
+    try:
+        code: int = args._module.main(args)
+        sys.stdout.flush()  # inside the try: a broken pipe surfaces here, not at the interpreter's exit
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:
+        # what is still buffered goes nowhere, rather than raising again when the interpreter flushes stdout
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
     return code

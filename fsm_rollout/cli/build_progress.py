@@ -3,7 +3,8 @@
 The builder (:func:`fsm_rollout.engine.local.default_model.default_model_dir`) prints nothing; it hands each
 :class:`~fsm_rollout.engine.local.default_model.BuildProgress` to a callback, and the commands that build the model
 pass a :class:`BuildProgressLine`. On a terminal the line is redrawn in place (carriage return); otherwise, so that a
-log stays readable, a plain line is printed at the start, at every tenth of the steps and at the end.
+log stays readable, a plain line is printed at the start, at every tenth of the steps and at the end. Before the
+first step the line says what the build does (each phase once in a log; redrawn every second on a terminal).
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ def _clock(seconds: float) -> str:
 
 
 def render_build_progress(progress: BuildProgress) -> str:
-    """One line: the step of the total and its share, the step's loss, time elapsed and the estimate left."""
+    """One line: the step of the total and its share, the step's loss, time elapsed and the estimate left (before
+    the first step: what the build is doing and the time elapsed)."""
+    if progress.phase is not None:
+        return f"training the default model: {progress.phase} ..., {_clock(progress.elapsed_s)} elapsed"
     head = f"training the default model: step {progress.step}/{progress.steps}"
     if progress.steps > 0:
         head += f" ({100 * progress.step // progress.steps}%)"
@@ -53,9 +57,18 @@ class BuildProgressLine:
         self._stream = stream
         self._interactive = stream.isatty() if interactive is None else interactive
         self._logged_tenth = -1
+        self._phase: str | None = None
 
     def __call__(self, progress: BuildProgress) -> None:
         line = render_build_progress(progress)
+        if progress.phase is not None:  # a terminal redraws each beat; a log gets each phase once
+            if self._interactive:
+                self._stream.write("\r\033[K" + line)
+            elif progress.phase != self._phase:
+                self._stream.write(line + "\n")
+            self._phase = progress.phase
+            self._stream.flush()
+            return
         done = progress.step >= progress.steps
         if self._interactive:
             self._stream.write("\r\033[K" + line + ("\n" if done else ""))

@@ -22,7 +22,8 @@ from fsm_rollout.cli.preflight import PreflightError
 
 __all__ = ["EngineProcessError", "engine_process"]
 
-_STOP_TIMEOUT_S = 10.0
+_STOP_TIMEOUT_S = 1.0
+"""A serving engine's grace after SIGTERM (it has nothing to save: a Ctrl-C must end the run within 2 s)."""
 _KEPT_STDERR_LINES = 40
 
 
@@ -63,6 +64,7 @@ async def engine_process(model_dir: Path, served_model_name: str, *options: str)
     lines: deque[str] = deque(maxlen=_KEPT_STDERR_LINES)
     drain = asyncio.create_task(_keep_lines(process.stderr, lines))
     rest: asyncio.Task[None] | None = None
+    serving = False
     try:
         url = await _url(process.stdout)
         if url is None:  # stdout ended: the child did
@@ -73,9 +75,10 @@ async def engine_process(model_dir: Path, served_model_name: str, *options: str)
                 f"the embedded engine's process ended (exit code {process.returncode}) before serving:\n{detail}"
             )
         rest = asyncio.create_task(_keep_lines(process.stdout, deque(maxlen=1)))  # a full pipe would block it
+        serving = True
         yield url
     finally:
-        await _stop(process)
+        await _stop(process, graceful=serving)
         for task in (drain, rest) if rest is not None else (drain,):
             task.cancel()  # the child's pipes have ended by now; this only tidies up
             with contextlib.suppress(asyncio.CancelledError):
@@ -98,10 +101,16 @@ async def _keep_lines(stream: asyncio.StreamReader, lines: deque[str]) -> None:
         lines.append(line.decode(errors="replace").rstrip())
 
 
-async def _stop(process: asyncio.subprocess.Process) -> None:
+async def _stop(process: asyncio.subprocess.Process, *, graceful: bool) -> None:
+    """End the child: SIGTERM and a short grace once it serves; at once while it starts (it handles SIGTERM only
+    once serving, and has nothing to save)."""
     if process.returncode is not None:
         return
     with contextlib.suppress(ProcessLookupError):
+        if not graceful:
+            process.kill()
+            await process.wait()
+            return
         process.terminate()
     try:
         await asyncio.wait_for(process.wait(), _STOP_TIMEOUT_S)

@@ -106,6 +106,10 @@ class BatchSummary:
     queued_ms: list[float] = field(default_factory=list)
     """How long samples waited for a concurrency slot before their rollout started (``queued_ms`` of their first
     transition): apart from the ``pending`` dwell, which is the rollout's own work."""
+    forks: int = 0
+    """``fork`` edges taken: training sequences closed because the history was rewritten."""
+    forked_runs: int = 0
+    """Sample runs that forked at least once."""
 
 
 def summarize(paths: Sequence[TracedPath]) -> BatchSummary:
@@ -120,6 +124,9 @@ def summarize(paths: Sequence[TracedPath]) -> BatchSummary:
             summary.reasons[path.status][path.reason or "-"] += 1
         summary.turns[path.turns] += 1
         generated = 0
+        forks = sum(1 for event in path.events if event.get("trigger") == "fork" and event.get("dst") == "rendered")
+        summary.forks += forks
+        summary.forked_runs += forks > 0
         for event in path.events:
             if event.get("trigger") == "render" and isinstance(event.get("prompt_tokens"), int):
                 summary.prompt_tokens.append(event["prompt_tokens"])
@@ -142,7 +149,8 @@ def render_summary(name: str, summary: BatchSummary, problems: Sequence[LineProb
     lines = [
         f"{name}: {summary.runs} sample run(s) ({summary.runs - summary.unfinished} finished, "
         f"{summary.unfinished} unfinished), {summary.transitions} transitions, "
-        f"{sum(turns * count for turns, count in summary.turns.items())} turns",
+        f"{sum(turns * count for turns, count in summary.turns.items())} turns, {summary.forks} fork(s) in "
+        f"{summary.forked_runs} sample run(s) ({summary.runs + summary.forks} training sequences)",
         "",
         f"{'status':<12}{'count':>6}   reasons",
     ]

@@ -10,10 +10,11 @@ import asyncio
 import contextlib
 import signal
 import sys
+import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 from fsm_rollout.cli.common import add_process_settings
 from fsm_rollout.cli.engine_options import add_engine_options, add_history_options
@@ -46,6 +47,9 @@ GEO3K_STOP = ("</tool_call>",)
 # the demo's model is right a few percent of the time: groups let a first run show the right-answer path too
 DEMO_SAMPLES_PER_PROMPT = 4
 EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
+_BUILD_STOP_WAIT_S = 1.5
+"""How long a Ctrl-C waits for the model build to kill its child and remove what it staged."""
+_T = TypeVar("_T")
 
 EPILOG = """\
 With no --engine-url the embedded CPU engine is started in a child process (`fsm-rollout serve` on a free loopback
@@ -68,8 +72,11 @@ a bad line is an error naming its line number (or is skipped and counted with --
 `Sample.to_dict()` per line in input order, with decoded image features as dtype and shape unless
 --include-features (pixel values are megabytes per image); the trace is JSONL too, one line per transition.
 
-Ctrl-C aborts the samples in flight, writes what finished plus the aborted partials (samples that had not started
-yet are rows with reason not_started), counts finished, aborted mid-way and never started, and exits 130.
+Ctrl-C before the samples start (the default model's first build, the engine's start) stops at once, leaves nothing
+half-built in the cache, writes nothing and exits 130. Once they run, it aborts the samples in flight, writes what
+finished plus the aborted partials (samples that had not started yet are rows with reason not_started), counts
+finished, aborted mid-way and never started, and exits 130. The run says which history policy its samples use (and
+why, when --history-policy auto chose it).
 
 Exit codes: 0 every sample ended (completed, truncated, or aborted by the server); 1 some sample failed, or not one
 token was generated (every sample ended budget_exhausted: the prompts fill the context); 2 nothing was run: bad
@@ -244,7 +251,15 @@ async def _engine(
     print("starting the embedded CPU engine ...", file=sys.stderr)
     # built here, not inside the engine, so that a first run's training shows its progress line
     progress = None if args.quiet else BuildProgressLine(sys.stderr)
-    model_dir = await asyncio.to_thread(default_model_dir, log=say, progress=progress)
+    stop = threading.Event()
+    building = _in_daemon_thread(lambda: default_model_dir(log=say, progress=progress, stop=stop))
+    try:
+        model_dir = await asyncio.shield(building)
+    except asyncio.CancelledError:  # Ctrl-C: the build kills its child and removes what it staged
+        stop.set()
+        building.add_done_callback(lambda done: done.cancelled() or done.exception())  # BuildInterrupted: expected
+        await asyncio.wait({building}, timeout=_BUILD_STOP_WAIT_S)
+        raise
     if not in_process:
         if args.model and args.model != DEFAULT_MODEL_NAME:
             raise PreflightError(f"--model {args.model!r}: the embedded engine serves {DEFAULT_MODEL_NAME!r}")
@@ -279,9 +294,31 @@ async def _engine(
 
 
 async def _load_tokenizer(args: argparse.Namespace, location: str, named_by: str) -> Any:
-    return await asyncio.to_thread(
-        load_run_tokenizer, location, named_by=named_by, trust_remote_code=args.trust_remote_code
+    return await _in_daemon_thread(
+        lambda: load_run_tokenizer(location, named_by=named_by, trust_remote_code=args.trust_remote_code)
     )
+
+
+def _in_daemon_thread(work: Callable[[], _T]) -> asyncio.Future[_T]:
+    """``work()`` in a daemon thread: a Ctrl-C exits without waiting for it (``asyncio.to_thread``'s threads are
+    joined before the process may exit, a tokenizer load or a build step would hold the exit for seconds)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def target() -> None:
+        try:
+            result, error = work(), None
+        except BaseException as raised:
+            result, error = None, raised
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for the answer any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, name="fsm-rollout-run-start", daemon=True).start()
+    return future
 
 
 def _progress_line(snapshot: MetricsSnapshot, total: int) -> str:
@@ -361,9 +398,20 @@ async def _run(args: argparse.Namespace) -> int:
     elif (args.env or DEMO_ENV) == DEMO_ENV:  # the tool call ends the turn; the masked EOS closes it
         sampling["stop"] = list(GEO3K_STOP)
     interrupted = asyncio.Event()
+    rolling = False
+    starting = asyncio.current_task()
+
+    def on_signal() -> None:
+        interrupted.set()
+        if not rolling and starting is not None:  # the model build or the engine start: stop them, run nothing
+            starting.cancel()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, interrupted.set)
+        loop.add_signal_handler(signum, on_signal)
+    if not samples:  # --limit 0, or an environment whose own dataset is empty: no engine for nothing
+        print("error: no prompt to run (--limit 0 or an empty dataset): nothing was started", file=sys.stderr)
+        return EXIT_BAD_INPUT
     async with _engine(args, in_process=args.engine_in_process, batched=not args.no_batching) as (
         urls,
         choice,
@@ -375,6 +423,9 @@ async def _run(args: argparse.Namespace) -> int:
         async with RolloutRunner(
             config, sampling_params=sampling, engine_urls=urls, tokenizer=tokenizer, env_factory=env_factory
         ) as runner:
+            print(_policy_line(args.history_policy, runner.history_policy, tokenizer, args.chat_template_kwargs),
+                  file=sys.stderr)  # fmt: skip
+            rolling = True  # from here a Ctrl-C aborts the samples and writes what they have
             progress = None if args.quiet else asyncio.ensure_future(_show_progress(runner, len(samples), sys.stderr))
             batch = asyncio.ensure_future(
                 runner.run_batch(samples, concurrency=args.concurrency, sample_ids=sample_ids, seeds=seeds)
@@ -403,6 +454,8 @@ async def _run(args: argparse.Namespace) -> int:
             errors=errors,
         )
     )
+    print(f"history: {snapshot.forks} fork(s), {snapshot.sequences} training sequence(s) from "
+          f"{snapshot.samples_done} sample(s)")  # fmt: skip
     if args.record:
         print(f"tape: {tape_path_for(args.trace)}")
     page = await _write_report(args, tokenizer) if args.report is not None else None
@@ -433,6 +486,19 @@ async def _write_report(args: argparse.Namespace, tokenizer: Any) -> Path | None
     return page
 
 
+def _policy_line(requested: str, chosen: str | None, tokenizer: Any, template_kwargs: Any) -> str:
+    """The history policy the samples without tools run under, and, when ``auto`` chose it, why."""
+    if requested != "auto":
+        return f"history policy: {chosen}"
+    if chosen == "append":
+        why = "the chat template writes history as the rollout holds it and cuts each observation's boundary"
+    else:
+        from fsm_rollout.template_probe import probe_template
+
+        why = probe_template(tokenizer, None, template_kwargs, roles=("user",)).describe(("user",))
+    return f"history policy: auto chose {chosen} ({why}; samples with tools are probed with their tools)"
+
+
 def main(args: argparse.Namespace) -> int:
     """Run ``fsm-rollout run``."""
     from fsm_rollout.dataset import DatasetError
@@ -459,6 +525,10 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     try:
         return asyncio.run(_run(args))
+    except (asyncio.CancelledError, KeyboardInterrupt):  # a Ctrl-C before any sample ran (see _run)
+        end = "\n" if sys.stderr.isatty() else ""  # a progress line may be half drawn
+        print(f"{end}interrupted: stopped before any sample ran; nothing was written", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (DatasetError, RolloutError, PreflightError) as error:
         print(f"error: {redacted(str(error), api_key(args))}", file=sys.stderr)
         return EXIT_BAD_INPUT

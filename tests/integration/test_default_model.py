@@ -76,9 +76,13 @@ def test_a_build_reports_each_step_with_its_loss_and_the_time_left(tmp_path: pat
     shutil.copytree(default_model_module.tiny_model_dir(), tmp_path / TINY_MODEL_NAME)  # only the training runs
     shipped = read_training_data()
     data = TrainingData(shipped.conversations[:8], shipped.figure_size)
-    reports: list[BuildProgress] = []
-    built = train_model_dir(tmp_path, "small", data, {**RECIPE, "steps": 5, "warmup_steps": 1}, progress=reports.append)
+    given: list[BuildProgress] = []
+    built = train_model_dir(tmp_path, "small", data, {**RECIPE, "steps": 5, "warmup_steps": 1}, progress=given.append)
 
+    phases = [report.phase for report in given if report.phase is not None]
+    reports = [report for report in given if report.phase is None]
+    assert given[: len(phases)] == [report for report in given if report.phase is not None]  # set-up comes first
+    assert phases[0] == "importing torch" and "encoding 8 conversations" in phases  # said while it loads
     assert [report.step for report in reports] == [0, 1, 2, 3, 4, 5]  # training starts, then every step
     assert {report.steps for report in reports} == {5}
     assert reports[0].loss is None and all(report.loss is not None and report.loss > 0 for report in reports[1:])
@@ -90,6 +94,19 @@ def test_a_build_reports_each_step_with_its_loss_and_the_time_left(tmp_path: pat
     assert reports[0].remaining_s is None and reports[-1].remaining_s == 0
     assert all(report.remaining_s is not None and report.remaining_s >= 0 for report in reports[1:])
     assert [entry.name for entry in tmp_path.iterdir() if entry.name.startswith(".")] == []  # no inputs left behind
+
+
+def test_one_torch_thread_and_two_train_the_same_weights(tmp_path: pathlib.Path) -> None:
+    """So a loaded machine may train on one thread (two spin at each step's barriers while one waits for a core)."""
+    shipped = read_training_data()
+    data = TrainingData(shipped.conversations[:8], shipped.figure_size)
+    recipe = {**RECIPE, "steps": 6, "warmup_steps": 1}
+    weights = []
+    for threads in (1, 2):
+        cache = tmp_path / f"threads-{threads}"
+        shutil.copytree(default_model_module.tiny_model_dir(), cache / TINY_MODEL_NAME)
+        weights.append(marker(train_model_dir(cache, "small", data, recipe, threads=threads))["weights_sha256"])
+    assert weights[0] is not None and weights[0] == weights[1]
 
 
 def test_conversations_are_graded_by_the_environment_and_end_as_a_rollout_would() -> None:

@@ -52,3 +52,26 @@ async def test_auto_runs_on_the_same_template(fake_vllm: FakeVLLMServer, tmp_pat
     code, _, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), engine=engine)
     assert code == 0, stderr
     assert len(fake_vllm.requests_to(GENERATE_PATH)) == 1
+
+
+async def test_run_says_which_policy_auto_chose_and_why_and_the_summary_and_inspect_count_the_forks(
+    tmp_path: Path, qwen3_6_dir: Path
+) -> None:
+    from test_run_cli import run_command
+
+    two_turns = {"prompt": "q", "label": "1", "metadata": {"scripted_env": {"steps": [["again", False], ["ok", True]]}}}
+    data = dataset(tmp_path / "d.jsonl", two_turns)
+    # the engine's template drops the first turn's thinking once a user turn follows: the history is rewritten
+    thinking = ["<think>\nSix sevens.\n</think>\n\nIt is 42.<|im_end|>", "<think>\nAgain.\n</think>\n\n42.<|im_end|>"]
+    async with FakeVLLMServer(tokenizer_with_chat_template("qwen3_6")) as server:
+        server.script([ScriptedTurn(text=text) for text in thinking])
+        engine = ("--engine-url", server.url, "--model", "fake-model", "--tokenizer", str(qwen3_6_dir))
+        code, stdout, stderr = await run_cli(server, tmp_path, "--data", str(data), "--max-turns", "2", "--quiet",
+                                             engine=engine)  # fmt: skip
+    assert code == 0, stderr
+    [policy] = [line for line in stderr.splitlines() if line.startswith("history policy:")]
+    assert policy.startswith("history policy: auto chose fork (chat template") and "rewritten" in policy, policy
+    assert "history: 1 fork(s), 2 training sequence(s) from 1 sample(s)" in stdout, stdout
+    code, shown, _ = await run_command("inspect", str(tmp_path / "trace.jsonl"))
+    assert code == 0
+    assert "1 fork(s) in 1 sample run(s) (2 training sequences)" in shown.splitlines()[0], shown

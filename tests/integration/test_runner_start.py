@@ -11,10 +11,10 @@ import pytest
 
 from fsm_rollout import RolloutConfig, Sample, Status
 from fsm_rollout import tokenizers as tokenizer_module
-from fsm_rollout.errors import TokenizerNotFoundError
+from fsm_rollout.errors import ConfigError, EngineConnectionError, SamplingParamsError, TokenizerNotFoundError
 from fsm_rollout.runner import RolloutRunner
 from fsm_rollout.testing.envs import ScriptedEnvFactory
-from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
+from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
 
 SAMPLING = {"max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0}
@@ -78,11 +78,54 @@ async def test_without_a_local_tokenizer_the_runner_fails_at_once_naming_tokeniz
     assert runner._clients == {}  # the clients it opened are closed again
 
 
-async def test_a_runner_whose_engine_does_not_answer_says_so_and_names_tokenizer_path() -> None:
+@pytest.mark.parametrize("with_tokenizer", [False, True])
+async def test_a_runner_whose_engine_does_not_answer_fails_to_start_naming_the_url(
+    tokenizer: Any, with_tokenizer: bool
+) -> None:
     config = config_for("http://127.0.0.1:9", model="nowhere-model", connect_timeout_s=2.0)
-    with pytest.raises(TokenizerNotFoundError, match=r"did not list its models.*tokenizer_path"):
-        async with RolloutRunner(config, sampling_params=SAMPLING, env_factory=ScriptedEnvFactory()):
-            pass
+    runner = RolloutRunner(config, sampling_params=SAMPLING, env_factory=ScriptedEnvFactory(),
+                           tokenizer=tokenizer if with_tokenizer else None)  # fmt: skip
+    with pytest.raises(EngineConnectionError, match=r"http://127\.0\.0\.1:9/health"):
+        await runner.__aenter__()
+    assert runner._clients == {}  # the clients it opened are closed again
+
+
+async def test_a_runner_fails_to_start_when_one_of_its_engines_does_not_answer(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    config = config_for(fake_vllm.url, model="fake-model", connect_timeout_s=2.0)
+    runner = RolloutRunner(config, sampling_params=SAMPLING, env_factory=ScriptedEnvFactory(), tokenizer=tokenizer,
+                           engine_urls=[fake_vllm.url, "http://127.0.0.1:9"])  # fmt: skip
+    with pytest.raises(EngineConnectionError, match=r"127\.0\.0\.1:9"):
+        await runner.__aenter__()
+
+
+@pytest.mark.parametrize(
+    ("sampling", "error", "match"),
+    [
+        ({"temperature": 1.0}, SamplingParamsError, "max_new_tokens"),
+        ({"max_new_tokens": -1, "temperature": 1.0}, ConfigError, "max_new_tokens"),
+        ({"max_new_tokens": 4, "temperature": 1.0, "top_p": 0.0}, ConfigError, "top_p"),
+        ({"max_new_tokens": 4, "temperature": 1.0, "top_p": "1"}, ConfigError, "top_p"),
+        ({"max_new_tokens": 4, "temperature": -0.5}, ConfigError, "temperature"),
+    ],
+)
+def test_bad_sampling_params_fail_when_the_runner_is_built(
+    sampling: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        RolloutRunner(config_for("http://127.0.0.1:9"), sampling_params=sampling)
+
+
+async def test_top_p_may_be_left_out_and_is_sent_as_1(fake_vllm: FakeVLLMServer, tokenizer: Any) -> None:
+    fake_vllm.script([ScriptedTurn(text="42")])
+    config = config_for(fake_vllm.url, model="fake-model")
+    async with RolloutRunner(config, sampling_params={"max_new_tokens": 8, "temperature": 1.0}, tokenizer=tokenizer,
+                             env_factory=ScriptedEnvFactory(steps=[("ok", True)])) as runner:  # fmt: skip
+        done = await runner.run(Sample(prompt="q", index=0))
+    assert done.status == Status.COMPLETED
+    [generate] = fake_vllm.requests_to(GENERATE_PATH)
+    assert generate.body["sampling_params"]["top_p"] == 1.0
 
 
 @pytest.mark.parametrize("trusted", [False, True])

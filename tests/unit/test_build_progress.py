@@ -108,3 +108,24 @@ def test_fsm_rollout_serve_draws_the_build_progress_on_stderr(
         "training the default model: step 2/2 (100%), loss 1.500, 0:07 elapsed, done",
         "fsm-rollout serve: stopped after the build's reports",
     ]
+
+
+def test_before_the_first_step_the_line_says_what_the_build_does_each_phase_once_in_a_log() -> None:
+    import io
+
+    from fsm_rollout.cli.build_progress import BuildProgressLine
+    from fsm_rollout.engine.local.default_model import BuildProgress
+
+    log, terminal = io.StringIO(), io.StringIO()
+    for sink, interactive in ((log, False), (terminal, True)):
+        line = BuildProgressLine(sink, interactive=interactive)
+        for second, phase in enumerate(["importing torch", "importing torch", "loading the random model"]):
+            line(BuildProgress(0, 0, None, float(second), None, phase=phase))
+        line(BuildProgress(0, 750, None, 3.0, None))
+    assert log.getvalue().splitlines() == [
+        "training the default model: importing torch ..., 0:00 elapsed",
+        "training the default model: loading the random model ..., 0:02 elapsed",
+        "training the default model: step 0/750 (0%), 0:03 elapsed, starting",
+    ]
+    assert terminal.getvalue().count("\r\033[K") == 4  # every beat redrawn: the elapsed time moves
+    assert "importing torch ..., 0:01 elapsed" in terminal.getvalue()

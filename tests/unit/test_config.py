@@ -158,13 +158,33 @@ def test_sampling_params_drop_top_k_zero_and_unset_optionals() -> None:
     assert params == {"max_tokens": None, "temperature": 1, "top_p": 1, "logprobs": 1}
 
 
-@pytest.mark.parametrize("missing", ["max_new_tokens", "temperature", "top_p"])
-def test_sampling_params_require_the_three_keys(missing: str) -> None:
+@pytest.mark.parametrize("missing", ["max_new_tokens", "temperature"])
+def test_sampling_params_require_the_two_keys(missing: str) -> None:
     values = {"max_new_tokens": 1, "temperature": 1, "top_p": 1}
     del values[missing]
     with pytest.raises(SamplingParamsError, match=missing) as caught:
         build_inference_sampling_params(values)
     assert isinstance(caught.value, KeyError)
+
+
+def test_top_p_defaults_to_vllms_1() -> None:
+    assert build_inference_sampling_params({"max_new_tokens": 1, "temperature": 0})["top_p"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_p", float("nan")),
+        ("top_p", True),
+        ("temperature", -1),
+        ("temperature", None),
+    ],
+)
+def test_out_of_range_sampling_values_are_refused(key: str, value: Any) -> None:
+    with pytest.raises(ConfigError, match=key):
+        build_inference_sampling_params({"max_new_tokens": 1, "temperature": 1, "top_p": 1, key: value})
 
 
 @pytest.mark.parametrize(

