@@ -1,4 +1,4 @@
-"""Internal: chat messages in the two forms they travel in: as an engine takes them, and as a chat template is given them.
+"""Internal: chat messages in the two forms they travel in: as an engine takes them, and as a template gets them.
 
 * The *wire* form is OpenAI's: an assistant message's ``tool_calls[].function.arguments`` is a JSON **string**.
   vLLM validates every message it renders against OpenAI's schema, so a message built for an engine (a render
