@@ -80,8 +80,10 @@ def gym_maker(env_id: str) -> Callable[..., Any]:
                 f"gym adapter: importing {module!r} registered no Gymnasium environment {name!r}", name=env_id
             )
         return functools.partial(gymnasium.make, env_id)
-    gem = _gem()
-    if env_id in gem.envs.registration.ENV_REGISTRY:
+    # every GEM id has a prefix (game:, math:, ...): an id without one is not looked for there, sparing GEM's import
+    # (seconds) before the error
+    gem = _gem() if colon else None
+    if gem is not None and env_id in gem.envs.registration.ENV_REGISTRY:
         return functools.partial(gem.make, env_id)
     hint = f" (no module {module!r} to import for the form module:EnvId)" if colon and module else ""
     raise EnvironmentNotFoundError(
