@@ -67,9 +67,8 @@ async def test_a_gymnasium_id_in_module_form_imports_the_package_that_registers_
     tokenizer: Any, tmp_path: Path, third_party: Path
 ) -> None:
     factory = gym_env(GAME, obs_to_text=lambda observation, info: info["text"])
-    [done] = await run_recorded(
-        tokenizer, tmp_path, factory, [Sample(index=0, metadata={"seed": 7})], [ScriptedTurn(text="\\boxed{2}.<|im_end|>")]
-    )
+    turn = ScriptedTurn(text="\\boxed{2}.<|im_end|>")
+    [done] = await run_recorded(tokenizer, tmp_path, factory, [Sample(index=0, metadata={"seed": 7})], [turn])
     assert done.status.value == "completed", done.metadata
     assert done.prompt[-1]["content"] == "info: say a number (game 7)"  # obs_to_text got (observation, info)
     assert done.response.endswith("<|im_end|>")  # the engine's turn text ends with the end token...
