@@ -15,8 +15,9 @@ from fsm_rollout.errors import ConfigError, IncompatibleOptionsError, SamplingPa
 HISTORY_POLICIES: tuple[str, ...] = ("append", "fork", "per_turn", "auto")
 """How a rollout carries the conversation's history from one turn to the next (``RolloutConfig.history_policy``)."""
 
-DEFAULT_ENV_MODULE = "examples.geo3k_vlm_multi_turn.env_geo3k"
-"""The seed's default environment module (used when neither ``env_path`` nor a factory is given)."""
+DEFAULT_ENV_MODULE = "fsm_rollout.envs.geo3k"
+"""The environment module used when neither ``env_path`` nor a factory is given: the shipped Geo3K environment (the
+seed's default, ``examples.geo3k_vlm_multi_turn.env_geo3k``, is not part of this package)."""
 
 
 @dataclass(frozen=True, kw_only=True)

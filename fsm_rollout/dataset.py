@@ -4,6 +4,10 @@ A line is ``{"prompt": str | [messages], "images": [...], "label": ..., "metadat
 only ``prompt`` is required. Images are data URLs, ``http(s)`` URLs or file paths (relative paths resolve against
 the dataset file's folder); a string prompt marks where each image goes with ``<image>``. ``tools`` ends up in
 ``sample.metadata["tools"]``, where the rollout sends it to the chat template.
+
+With ``columns_to_row=True`` (``--env trl:...``: a TRL dataset's own columns, ``{"prompt": ..., "start": 3}``), any
+other key is a column of the row and lands in ``sample.metadata["row"]``, which a TRL environment's
+``reset(**row)`` gets; otherwise an unknown key is an error.
 """
 
 from __future__ import annotations
@@ -45,12 +49,15 @@ def _check_messages(prompt: list[Any]) -> str | None:
     return None
 
 
-def sample_from_record(record: Any, *, index: int, base_dir: Path | None = None) -> Sample:
-    """Build a pending sample from one decoded dataset record (raises ValueError with what is wrong)."""
+def sample_from_record(
+    record: Any, *, index: int, base_dir: Path | None = None, columns_to_row: bool = False
+) -> Sample:
+    """Build a pending sample from one decoded dataset record (raises ValueError with what is wrong); with
+    ``columns_to_row``, keys other than the known ones go to ``metadata["row"]`` (see the module docstring)."""
     if not isinstance(record, dict):
         raise ValueError(f"a line must be a JSON object, got {type(record).__name__}")
     unknown = sorted(set(record) - KNOWN_KEYS)
-    if unknown:
+    if unknown and not columns_to_row:
         raise ValueError(f"unknown keys {unknown} (known: {sorted(KNOWN_KEYS)})")
     prompt = record.get("prompt")
     if isinstance(prompt, list):
@@ -71,6 +78,11 @@ def sample_from_record(record: Any, *, index: int, base_dir: Path | None = None)
         if not isinstance(tools, list) or not all(isinstance(tool, dict) for tool in tools):
             raise ValueError("'tools' must be a list of tool objects")
         metadata = {**metadata, "tools": tools}
+    if unknown:
+        row = metadata.get("row") or {}
+        if not isinstance(row, dict):
+            raise ValueError("'metadata.row' must be an object")
+        metadata = {**metadata, "row": {**row, **{key: record[key] for key in unknown}}}
     return Sample(
         prompt=prompt,
         index=index,
@@ -95,8 +107,9 @@ def iter_lines(path: Path) -> Iterator[tuple[int, bytes]]:
                 yield number, line
 
 
-def load_jsonl(path: str | Path, *, skip_bad: bool = False) -> Dataset:
-    """Read a JSONL dataset; a bad line raises :class:`DatasetError` (or is skipped and kept in ``skipped``)."""
+def load_jsonl(path: str | Path, *, skip_bad: bool = False, columns_to_row: bool = False) -> Dataset:
+    """Read a JSONL dataset; a bad line raises :class:`DatasetError` (or is skipped and kept in ``skipped``).
+    ``columns_to_row``: unknown keys are the row's columns (see the module docstring)."""
     file = Path(path)
     if not file.is_file():
         raise DatasetError("no such file", path=str(file), line=0)
@@ -104,7 +117,9 @@ def load_jsonl(path: str | Path, *, skip_bad: bool = False) -> Dataset:
     for number, line in iter_lines(file):
         try:
             record = orjson.loads(line)
-            sample = sample_from_record(record, index=len(dataset.samples), base_dir=file.parent)
+            sample = sample_from_record(
+                record, index=len(dataset.samples), base_dir=file.parent, columns_to_row=columns_to_row
+            )
         except (orjson.JSONDecodeError, ValueError) as error:
             bad = DatasetError(str(error), path=str(file), line=number)
             if not skip_bad:

@@ -54,12 +54,15 @@ _T = TypeVar("_T")
 EPILOG = """\
 With no --engine-url the embedded CPU engine is started in a child process (`fsm-rollout serve` on a free loopback
 port, stopped when the run ends; --engine-in-process keeps it in the run's process); with no --data the bundled
-demo dataset runs with the built-in Geo3K environment (or, with --env, that environment's own demo_samples() when it
-has them, as fsm_rollout.envs.grid does), each question as a group of samples (--n-samples-per-prompt); a dataset
-of your own (--data) needs the environment that grades it (--env). --limit N takes the first N prompts. A live progress
-line shows samples done, per-state occupancy and tokens/s; the run ends with a summary (status and reason counts,
-the rewards the environment wrote, turns, tokens, throughput), the most frequent errors of the failed samples, and
-the commands that look inside the run (inspect, diagram, replay) with a sample id it has.
+demo dataset runs with the built-in Geo3K environment (or, with --env, that environment's own samples: its
+demo_samples(), as fsm_rollout.envs.grid has, a verifiers environment's dataset or a gym game's seeded episodes; an
+environment without any needs --data), each question as a group of samples (--n-samples-per-prompt); a dataset
+of your own (--data) needs the environment that grades it (--env). With --env trl:..., dataset keys other than
+prompt, images, label, metadata and tools are the row's columns, which the environment's reset(**row) gets.
+--limit N takes the first N prompts. A live progress line shows samples done, per-state occupancy and tokens/s;
+the run ends with a summary (status and reason counts, the rewards the environment wrote, turns, tokens,
+throughput), the most frequent errors of the failed samples, and the commands that look inside the run (inspect,
+diagram, replay) with a sample id it has.
 
 Before a sample runs, the options are checked, then each --engine-url must answer GET /health, and GET /v1/models
 fills in what the flags leave out: the served model name when the engine serves one model, and, from
@@ -149,7 +152,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--env",
         metavar="MODULE|FILE",
         help=f"environment module or .py file, or one through an adapter (verifiers:NAME, skyrl:NAME, gym:ID, "
-        f"trl:MODULE:CLASS); required with --data (default with the demo: {DEMO_ENV})",
+        f"trl:MODULE:CLASS); required with --data, and needs --data unless it brings samples of its own (default with "
+        f"the demo: {DEMO_ENV})",
+    )
+    rollout.add_argument(
+        "--env-args",
+        type=_env_args,
+        metavar="JSON",
+        help="a JSON object for the environment: a skyrl:NAME environment's env_config, a verifiers:NAME "
+        "environment's load_environment arguments (vf-eval's -a), a gym:ID environment's make arguments",
     )
     rollout.add_argument("--max-turns", type=int, default=3, metavar="N", help="turns per sample at most")
     rollout.add_argument(
@@ -177,6 +188,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_process_settings(parser.add_argument_group("process-wide settings"))
 
 
+def _env_args(text: str) -> dict[str, Any]:
+    """``--env-args``: a JSON object."""
+    import json
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise argparse.ArgumentTypeError(f"not JSON ({error})") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"a JSON object is needed, got {type(value).__name__}")
+    return value
+
+
+def _env_factory(args: argparse.Namespace) -> Any:
+    """The environment ``--env`` (and ``--env-args``) name, resolved before anything starts: a wrong one is an error
+    in a second, not one per sample once the engine runs."""
+    from fsm_rollout.env import load_env_factory, load_env_module
+    from fsm_rollout.env_adapters.spec import ENV_ARGS_FORMS, factory_from_spec, is_adapter_spec
+
+    target = args.env or DEMO_ENV
+    if args.env_args is None:
+        return load_env_factory(target)
+    if not is_adapter_spec(target):
+        raise PreflightError(f"--env-args is for {ENV_ARGS_FORMS}; --env {target} takes none")
+    return factory_from_spec(target, load_module=load_env_module, env_args=args.env_args)
+
+
 def _load_samples(args: argparse.Namespace, env_factory: Any = None) -> tuple[list[Sample], int]:
     from fsm_rollout.dataset import load_jsonl
     from fsm_rollout.env_adapters.spec import is_adapter_spec, samples_from_spec
@@ -187,11 +225,19 @@ def _load_samples(args: argparse.Namespace, env_factory: Any = None) -> tuple[li
         from fsm_rollout.data.demo import demo_samples
         from fsm_rollout.env import load_env_module
 
-        # an environment that brings its own demo prompts (fsm_rollout.envs.grid) runs them; else the Geo3K demo
+        # an environment that brings its own demo prompts (fsm_rollout.envs.grid) runs them; the demo's runs the
+        # Geo3K questions; any other needs --data (the Geo3K questions would be graded by the wrong environment)
         own = getattr(load_env_module(args.env), "demo_samples", None) if args.env else None
+        if args.env not in (None, DEMO_ENV) and not callable(own):
+            raise PreflightError(
+                f"--env {args.env} brings no dataset (no demo_samples()): give one with --data FILE (JSONL: prompt, "
+                f"label, metadata); the demo questions run with --env {DEMO_ENV}"
+            )
         samples, skipped = (own() if callable(own) else demo_samples()), 0
     else:
-        dataset = load_jsonl(args.data, skip_bad=args.skip_bad)
+        # a TRL dataset's own columns ({"prompt": ..., "start": 3}) are the row its environment's reset(**row) gets
+        trl = args.env is not None and args.env.startswith("trl:")
+        dataset = load_jsonl(args.data, skip_bad=args.skip_bad, columns_to_row=trl)
         samples, skipped = dataset.samples, len(dataset.skipped)
         for bad in dataset.skipped:
             print(f"skipped: {bad}", file=sys.stderr)
@@ -381,9 +427,7 @@ def build_config(
 
 
 async def _run(args: argparse.Namespace) -> int:
-    from fsm_rollout.env import load_env_factory
-
-    env_factory = load_env_factory(args.env or DEMO_ENV)  # a bad --env fails before any engine starts
+    env_factory = _env_factory(args)  # a bad --env fails before any engine starts
     prompts, skipped = _load_samples(args, env_factory)
     samples, sample_ids, seeds = _groups(prompts, args)
     key = api_key(args)

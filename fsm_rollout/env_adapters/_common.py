@@ -10,6 +10,7 @@ import functools
 import importlib
 import json
 import logging
+import re
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
@@ -113,3 +114,15 @@ def max_turns_of(args: Any) -> int | None:
     """The rollout's turn limit from the build arguments (the config), when it has one."""
     value = getattr(args, "max_turns", None)
     return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+# One end-of-turn token a chat template's model writes last and the engine keeps in the text (no_stop_trim):
+# ChatML's <|im_end|>, Llama 3's <|eot_id|>, <|endoftext|>, DeepSeek's (with fullwidth bars), Gemma's
+# <end_of_turn>, </s>, <eos>.
+_END_TOKEN = re.compile("(?:<\\|[^|<>\\s]+\\|>|<\uff5c[^\uff5c<>\\s]+\uff5c>|<end_of_turn>|</s>|<eos>)\\s*\\Z")
+
+
+def action_text(text: str) -> str:
+    """A turn's text as a foreign environment takes it: without the end-of-turn token the model wrote last (a move
+    parser would read ``'\\boxed{2}.<|im_end|>'`` otherwise)."""
+    return _END_TOKEN.sub("", text, count=1)

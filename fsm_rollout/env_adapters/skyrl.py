@@ -1,10 +1,13 @@
 """skyrl-gym environments as rollout environments: :func:`skyrl_env`.
 
-A skyrl-gym environment is made per sample with ``env_config`` and the sample's ``extras``:
-``sample.metadata["extras"]`` (a skyrl dataset row's ``reward_spec``, ``extra_info``, ...), where a missing
-``reward_spec`` is filled from ``sample.label`` as ``{"method": "rule", "ground_truth": label}``. ``init(prompt)``
-runs when the sample's environment is built and its prompt becomes the sample's. Each turn's text goes to
-``step``, whose ``{observations, reward, done, metadata}`` give the next observation messages, the end of the
+A skyrl-gym environment is made per sample with ``env_config`` and the sample's ``extras``. ``env_config`` is read
+by attribute (``env_config.search_url``), so a dict is wrapped as skyrl wraps it, in an OmegaConf ``DictConfig``
+(omegaconf is a skyrl-gym dependency). ``extras`` is ``sample.metadata["extras"]`` (a skyrl dataset row's
+``reward_spec``, ``extra_info``, ...), where a missing ``reward_spec`` is filled from ``sample.label`` as
+``{"method": "rule", "ground_truth": label}``, and a missing ``reward_model`` (which ``aime`` reads instead) as
+``{"style": "rule", "ground_truth": label}``. ``init(prompt)`` runs when the sample's environment is built and its
+prompt becomes the sample's. Each turn's text, without the end-of-turn token the model wrote last (``<|im_end|>``),
+goes to ``step``, whose ``{observations, reward, done, metadata}`` give the next observation messages, the end of the
 episode (``sample.metadata["env_stop"] = "done"``) and the turn's reward; the rewards are summed (``reward="sum"``,
 skyrl's per-turn rewards) or the last one taken into ``sample.reward``, every turn. The turns' rewards and metadata
 and, at the end, ``get_metrics()`` are in ``sample.metadata["skyrl"]``.
@@ -20,6 +23,7 @@ from typing import Any, Literal
 
 from fsm_rollout.env_adapters._common import (
     ENV_STOP_KEY,
+    action_text,
     describe,
     import_extra,
     jsonable_items,
@@ -44,6 +48,8 @@ def sample_extras(sample: Any) -> dict[str, Any]:
     label = getattr(sample, "label", None)
     if "reward_spec" not in extras and label is not None:
         extras["reward_spec"] = {"method": "rule", "ground_truth": label}
+    if "reward_model" not in extras and label is not None:  # aime reads the label from there
+        extras["reward_model"] = {"style": "rule", "ground_truth": label}
     extras.setdefault("extra_info", {})
     return extras
 
@@ -73,7 +79,7 @@ class SkyRLEpisode:
         """Nothing: ``init`` ran when the episode was built (it gives the prompt)."""
 
     async def step(self, response_text: str) -> tuple[list[dict[str, Any]], bool, dict[str, Any]]:
-        output = await run_sync(self.args, self.env.step, response_text)
+        output = await run_sync(self.args, self.env.step, action_text(response_text))
         if not isinstance(output, Mapping) or not {"observations", "reward", "done"} <= set(output):
             raise AdapterProtocolError(
                 ADAPTER, "env.step", f"returned {describe(output)}, not a dict of observations, reward, done, metadata"
@@ -104,6 +110,17 @@ class SkyRLEpisode:
         await run_sync(self.args, self.env.close)
 
 
+def attribute_config(env_config: Any) -> Any:
+    """``env_config`` as skyrl-gym environments read it (by attribute): a mapping becomes an OmegaConf
+    ``DictConfig``, as skyrl builds it; anything else (None, a DictConfig, a dataclass) is passed as it is."""
+    if not isinstance(env_config, Mapping):
+        return env_config
+    omegaconf = import_extra("omegaconf", adapter=ADAPTER, package="skyrl-gym", extra="skyrl")
+    if isinstance(env_config, omegaconf.DictConfig):
+        return env_config
+    return omegaconf.OmegaConf.create(dict(env_config))
+
+
 class SkyRLEnvFactory:
     """The ``build_env`` :func:`skyrl_env` returns (see the module docstring)."""
 
@@ -127,7 +144,7 @@ class SkyRLEnvFactory:
         elif not callable(name_or_env):
             raise TypeError(f"skyrl_env takes an environment name or class, got {type(name_or_env).__name__}")
         self.name_or_env = name_or_env
-        self.env_config = env_config
+        self.env_config = attribute_config(env_config)
         self.reward: RewardMode = reward
 
     def _make(self, extras: dict[str, Any]) -> Any:
@@ -149,5 +166,6 @@ def skyrl_env(
     name_or_env: str | Callable[..., Any], env_config: Any = None, *, reward: RewardMode = "sum"
 ) -> SkyRLEnvFactory:
     """An environment factory (``build_env``) for a skyrl-gym environment: a registered name (``gsm8k``,
-    ``gsm8k_multi_turn``, ...) or a class called as ``cls(env_config=..., extras=...)``."""
+    ``gsm8k_multi_turn``, ...) or a class called as ``cls(env_config=..., extras=...)``; a dict ``env_config``
+    becomes an OmegaConf ``DictConfig``, which skyrl-gym environments read by attribute."""
     return SkyRLEnvFactory(name_or_env, env_config, reward=reward)

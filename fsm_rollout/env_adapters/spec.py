@@ -7,7 +7,7 @@ and replay all accept them wherever they accept an environment module.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from types import ModuleType
 from typing import Any
 
@@ -34,22 +34,31 @@ def _split(target: str) -> tuple[str, str]:
     return prefix, rest
 
 
-def factory_from_spec(target: str, *, load_module: Callable[[str], ModuleType]) -> Callable[..., Any]:
+ENV_ARGS_FORMS = "--env skyrl:NAME (its env_config), verifiers:NAME (load_environment's arguments) or gym:ID (make's)"
+
+
+def factory_from_spec(
+    target: str, *, load_module: Callable[[str], ModuleType], env_args: Mapping[str, Any] | None = None
+) -> Callable[..., Any]:
     """The environment factory ``target`` names; ``load_module`` imports ``trl:``'s module (a dotted name or a
-    ``.py`` path)."""
+    ``.py`` path). ``env_args`` (``--env-args``) are a skyrl environment's ``env_config``, the keyword arguments of a
+    verifiers environment's ``load_environment`` or of Gymnasium's ``make``."""
     prefix, rest = _split(target)
     if prefix == "verifiers":
         from fsm_rollout.env_adapters.verifiers import verifiers_env
 
-        return verifiers_env(rest)
+        return verifiers_env(rest, env_args=env_args)
     if prefix == "skyrl":
         from fsm_rollout.env_adapters.skyrl import skyrl_env
 
-        return skyrl_env(rest)
+        return skyrl_env(rest, env_config=env_args)
     if prefix == "gym":
         from fsm_rollout.env_adapters.gym import gym_env
 
-        return gym_env(rest)
+        return gym_env(rest, make_kwargs=env_args)
+    if env_args is not None:
+        raise EnvironmentContractError(f"--env {target}: a TRL environment class takes no --env-args (the forms: "
+                                       f"{ENV_ARGS_FORMS})")  # fmt: skip
     from fsm_rollout.env_adapters.trl import trl_env
 
     module_name, colon, class_name = rest.rpartition(":")

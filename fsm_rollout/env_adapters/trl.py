@@ -8,7 +8,9 @@ What TRL's ``GRPOTrainer(environment_factory=...)`` does with such a class, done
 * the public methods (not ``reset``, ``get_reward`` or ``_private``) are the tools, their schemas built from the
   signatures and Google-style docstrings by ``transformers.utils.get_json_schema``, as TRL's chat template call
   builds them; they go in ``sample.metadata["tools"]``;
-* each turn's ``<tool_call>`` blocks (read by :func:`fsm_rollout.tool_calls.parse_tool_calls`) call the methods;
+* each turn's text (without the end-of-turn token the model wrote last, ``<|im_end|>``) is the completion TRL's
+  reward functions see, and its ``<tool_call>`` blocks (read by :func:`fsm_rollout.tool_calls.parse_tool_calls`)
+  call the methods;
   each result comes back as a ``{"role": "tool", "name", "content"}`` message, ``str(result)``, or
   ``str({"error": ...})`` when the call raised, the tool is unknown or the block is unreadable, as TRL words it;
 * a turn without tool calls ends the episode (``sample.metadata["env_stop"] = "no_tool_calls"``); the reward is
@@ -31,6 +33,7 @@ from typing import Any
 
 from fsm_rollout.env_adapters._common import (
     ENV_STOP_KEY,
+    action_text,
     import_extra,
     max_turns_of,
     prompt_messages,
@@ -99,8 +102,9 @@ class TRLEpisode:
 
     async def step(self, response_text: str) -> tuple[list[dict[str, Any]], bool, dict[str, Any]]:
         self.turns += 1
-        self.completion.append({"role": "assistant", "content": response_text})
-        parsed = parse_tool_calls(response_text)
+        text = action_text(response_text)
+        self.completion.append({"role": "assistant", "content": text})
+        parsed = parse_tool_calls(text)
         if not parsed.calls and not parsed.problems:
             self.sample.metadata[ENV_STOP_KEY] = "no_tool_calls"
             return [], True, {"reward": await self.reward()}

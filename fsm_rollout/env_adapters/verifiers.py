@@ -29,8 +29,20 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from fsm_rollout.env_adapters._common import ENV_STOP_KEY, import_extra, jsonable_items, max_turns_of, reward_value
-from fsm_rollout.errors import AdapterProtocolError, EnvironmentContractError
+from fsm_rollout.env_adapters._common import (
+    ENV_STOP_KEY,
+    import_extra,
+    jsonable_items,
+    max_turns_of,
+    reward_value,
+    root_logging_kept,
+)
+from fsm_rollout.errors import (
+    AdapterProtocolError,
+    EnvironmentContractError,
+    EnvironmentLoadError,
+    EnvironmentNotFoundError,
+)
 from fsm_rollout.tool_calls import ToolCall, parse_tool_calls
 
 ADAPTER = "verifiers"
@@ -267,10 +279,12 @@ def rollout_input(sample: Any) -> dict[str, Any]:
 class VerifiersEnvFactory:
     """The ``build_env`` :func:`verifiers_env` returns (see the module docstring)."""
 
-    def __init__(self, env: Any) -> None:
+    def __init__(self, env: Any, env_args: Mapping[str, Any] | None = None) -> None:
         vf = _vf()
         if isinstance(env, str):
-            env = vf.load_environment(env)
+            env = load_named(vf, env, dict(env_args or {}))
+        elif env_args is not None:
+            raise TypeError("verifiers_env: env_args are for an environment given by name (load_environment's)")
         if not isinstance(env, vf.MultiTurnEnv):
             raise EnvironmentContractError(
                 f"verifiers_env takes a verifiers MultiTurnEnv (ToolEnv, SingleTurnEnv, ...), got {type(env).__name__}"
@@ -287,10 +301,39 @@ class VerifiersEnvFactory:
         return episode
 
 
-def verifiers_env(env: Any) -> VerifiersEnvFactory:
+def load_named(vf: Any, name: str, env_args: dict[str, Any]) -> Any:
+    """``vf.load_environment(name, **env_args)``. An environment that is not installed is an
+    :class:`~fsm_rollout.errors.EnvironmentNotFoundError` found before verifiers is asked (which would log a line and
+    raise a bare ValueError); one that fails to import or to load is an
+    :class:`~fsm_rollout.errors.EnvironmentLoadError` with verifiers' reason."""
+    import importlib.util
+
+    module = name.replace("-", "_").split("/")[-1]  # the module verifiers imports for an environment id
+    try:
+        found = importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        found = False
+    if not found:
+        raise EnvironmentNotFoundError(
+            f"verifiers adapter: no verifiers environment {name!r} is installed (verifiers imports the module "
+            f"{module!r}; install its Environments Hub package)",
+            name=name,
+        )
+    try:
+        with root_logging_kept():
+            return vf.load_environment(name, **env_args)
+    except (ValueError, RuntimeError) as error:
+        cause = error.__cause__ if error.__cause__ is not None else error
+        raise EnvironmentLoadError(
+            f"verifiers adapter: loading {name!r} failed: {type(cause).__name__}: {cause}"
+        ) from error
+
+
+def verifiers_env(env: Any, *, env_args: Mapping[str, Any] | None = None) -> VerifiersEnvFactory:
     """An environment factory (``build_env``) for a verifiers environment, or the name its
-    ``verifiers.load_environment`` loads (an installed Environments Hub package)."""
-    return VerifiersEnvFactory(env)
+    ``verifiers.load_environment`` loads (an installed Environments Hub package) with ``env_args`` as its keyword
+    arguments (``vf-eval``'s ``-a``)."""
+    return VerifiersEnvFactory(env, env_args)
 
 
 def verifiers_samples(env: Any, *, n: int = -1, eval_split: bool = False) -> list[Any]:

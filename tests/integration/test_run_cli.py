@@ -344,10 +344,13 @@ async def test_the_model_name_comes_from_the_engine(fake_vllm: FakeVLLMServer, t
 async def test_a_model_the_engine_does_not_serve_exits_2_naming_what_it_serves(
     fake_vllm: FakeVLLMServer, tmp_path: Path
 ) -> None:
+    data = dataset(tmp_path / "d.jsonl", done_after_one_turn("q"))
     code, _, stderr = await run_cli(
         fake_vllm,
         tmp_path,
         "--quiet",
+        "--data",
+        str(data),
         engine=("--engine-url", fake_vllm.url, "--model", "other", "--tokenizer", str(qwen_tokenizer_dir())),
     )
     assert code == 2
@@ -360,7 +363,10 @@ async def test_a_tokenizer_that_is_not_local_fails_at_once_naming_the_flag(
     fake_vllm: FakeVLLMServer, tmp_path: Path
 ) -> None:
     # The fake server's model card names "fake-model" as its model path: no directory, not cached, hub offline.
-    code, stdout, stderr = await run_cli(fake_vllm, tmp_path, "--quiet", engine=("--engine-url", fake_vllm.url))
+    data = str(dataset(tmp_path / "d.jsonl", done_after_one_turn("q")))
+    code, stdout, stderr = await run_cli(
+        fake_vllm, tmp_path, "--quiet", "--data", data, engine=("--engine-url", fake_vllm.url)
+    )
     assert code == 2
     assert one_error_line(stderr) == (
         f"error: the model path that {fake_vllm.url} names 'fake-model' is neither a local directory nor in the "
@@ -371,6 +377,8 @@ async def test_a_tokenizer_that_is_not_local_fails_at_once_naming_the_flag(
         fake_vllm,
         tmp_path,
         "--quiet",
+        "--data",
+        data,
         engine=("--engine-url", fake_vllm.url, "--tokenizer", str(tmp_path / "no-such-dir")),
     )
     assert code == 2

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 
-def load_tool_environment(**kwargs: Any) -> Any:
+def load_tool_environment(max_turns: int = 4) -> Any:
     import verifiers as vf
     from datasets import Dataset
 
@@ -37,7 +37,7 @@ def load_tool_environment(**kwargs: Any) -> Any:
         tools=[multiply],
         rubric=rubric,
         parser=parser,
-        max_turns=4,
+        max_turns=max_turns,
         system_prompt="Use the multiply tool, then answer with the number only.",
     )
 

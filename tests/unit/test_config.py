@@ -101,10 +101,13 @@ def test_from_args_reads_the_seeds_attributes() -> None:
     assert built.append_eos_token_after_stop_str_in_multi_turn is True
 
 
-def test_from_args_defaults_the_environment_module_like_the_seed() -> None:
-    assert RolloutConfig.from_args(slime_args(rollout_interaction_env_path=None)).env_path == (
-        "examples.geo3k_vlm_multi_turn.env_geo3k"
-    )
+def test_from_args_defaults_the_environment_module_to_the_shipped_geo3k() -> None:
+    # the seed's default module (examples.geo3k_vlm_multi_turn.env_geo3k) is not shipped: the port of it is
+    env_path = RolloutConfig.from_args(slime_args(rollout_interaction_env_path=None)).env_path
+    assert env_path == "fsm_rollout.envs.geo3k"
+    from fsm_rollout.env import load_env_factory
+
+    assert callable(load_env_factory(env_path))
 
 
 def test_from_args_names_missing_attributes() -> None:
