@@ -839,6 +839,24 @@ async def test_a_schema_1_recording_made_before_the_transport_seam_still_replays
     assert gc.get_threshold() == before
 
 
+@pytest.mark.parametrize(
+    ("fixture_name", "samples"), [("schema2-env", 1), ("schema2-gateway", 1), ("schema2-gateway-idle", 1)]
+)
+async def test_a_schema_2_recording_made_before_the_typed_step_still_replays_identically(
+    tokenizer: Any, tmp_path: Path, fixture_name: str, samples: int
+) -> None:
+    """tests/fixtures/tapes/schema2-*: recorded before ``env.step`` returned a typed ``StepResult``: an
+    environment whose info carried ``reward`` and ``truncated``, and gateway sessions whose observations were
+    dicts with the agent's call, its rewrite and its end under magic keys (a tool call, a ``max_tokens`` cut, a
+    rewritten history that forked, a close with a reward; an agent idle past its limit)."""
+    fixture = Path(__file__).parents[1] / "fixtures" / "tapes" / fixture_name
+    for name in ("run.jsonl", "run.tape.jsonl"):
+        (tmp_path / name).write_bytes((fixture / name).read_bytes())
+    assert b'"schema":2' in (tmp_path / "run.tape.jsonl").read_bytes().splitlines()[0]
+    report = await asyncio.to_thread(replay, tmp_path / "run.jsonl", tokenizer=tokenizer)
+    assert report.counts() == {"identical": samples}, report.render(verbose=True)
+
+
 async def test_a_sample_index_reused_across_steps_keeps_each_runs_own_timeline_tokens_and_counts(
     fake_vllm: FakeVLLMServer,
     tokenizer: Any,
