@@ -50,12 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         subparser = subparsers.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         module.add_arguments(subparser)
-        subparser.set_defaults(_module=module)
+        subparser.set_defaults(command_module=module)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen subcommand; returns the process exit code."""
     args = build_parser().parse_args(argv)
-    code: int = args._module.main(args)
+    code: int = args.command_module.main(args)
     return code

@@ -214,7 +214,7 @@ def _groups(samples: Sequence[Sample], args: argparse.Namespace) -> tuple[list[S
 
 
 @contextlib.asynccontextmanager
-async def _engine(
+async def engine_for(
     args: argparse.Namespace, *, in_process: bool, batched: bool = True
 ) -> AsyncIterator[tuple[list[str], EngineChoice, Any]]:
     """Yield the engine URLs, what the run uses from them (flags first, then what the engine says), and the tokenizer.
@@ -364,7 +364,7 @@ async def _run(args: argparse.Namespace) -> int:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, interrupted.set)
-    async with _engine(args, in_process=args.engine_in_process, batched=not args.no_batching) as (
+    async with engine_for(args, in_process=args.engine_in_process, batched=not args.no_batching) as (
         urls,
         choice,
         tokenizer,

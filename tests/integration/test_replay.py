@@ -335,7 +335,7 @@ async def test_the_tape_sits_beside_the_trace_and_names_its_schema(recording: Re
     assert tape.problems == []
     first = orjson.loads(recording.tape.read_bytes().splitlines()[0])
     assert first["kind"] == "header"
-    assert first["schema"] == 2
+    assert first["schema"] == 3  # schema 3: a step is recorded as its typed StepResult
 
 
 # --------------------------------------------------------------------------- divergences
@@ -363,8 +363,8 @@ async def test_a_changed_eos_rule_is_reported_at_the_sample_and_turn_where_it_ma
 async def test_a_changed_guard_is_reported_at_the_last_turn(
     recording: Recording, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    guards = {**rollout_module._GUARDS, "turn_limit_reached": lambda rollout: False}
-    monkeypatch.setattr(rollout_module, "_MACHINE", lifecycle.build_machine(guards, rollout_module._ACTIONS))
+    guards = {**rollout_module.GUARDS, "turn_limit_reached": lambda rollout: False}
+    monkeypatch.setattr(rollout_module, "MACHINE", lifecycle.build_machine(guards, rollout_module.ACTIONS))
     report = await run_replay_in_thread(recording, sample_ids=["3"])
     sample = report.sample("3")
     assert sample.verdict == "diverged"
@@ -486,8 +486,8 @@ async def test_another_error_of_a_failed_sample_is_a_divergence(recording: Recor
 async def test_a_request_the_tape_does_not_have_is_a_divergence_not_a_crash(
     recording: Recording, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    guards = {**rollout_module._GUARDS, "turn_limit_reached": lambda rollout: False}
-    monkeypatch.setattr(rollout_module, "_MACHINE", lifecycle.build_machine(guards, rollout_module._ACTIONS))
+    guards = {**rollout_module.GUARDS, "turn_limit_reached": lambda rollout: False}
+    monkeypatch.setattr(rollout_module, "MACHINE", lifecycle.build_machine(guards, rollout_module.ACTIONS))
     report = await run_replay_in_thread(recording, sample_ids=["9"])
     sample = report.sample("9")
     assert sample.verdict == "diverged"
@@ -568,7 +568,7 @@ async def test_a_trace_of_another_schema_version_is_a_clear_error(recording: Rec
 
 async def test_a_tape_of_another_schema_version_is_a_clear_error(recording: Recording) -> None:
     lines = recording.tape.read_bytes().splitlines()
-    lines[0] = lines[0].replace(b'"schema":2', b'"schema":7')
+    lines[0] = lines[0].replace(b'"schema":3', b'"schema":7')
     recording.tape.write_bytes(b"\n".join(lines) + b"\n")
     with pytest.raises(SchemaVersionError, match="tape schema 7"):
         await run_replay_in_thread(recording)
