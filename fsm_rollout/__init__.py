@@ -7,9 +7,10 @@ step the environment.
 
 The names here are the library's public face: running rollouts (:class:`RolloutRunner`, :class:`RolloutConfig`,
 :class:`Sample`, and :class:`RolloutService`, the surface the runner and the Ray pool share), the extension points
-(an :class:`Environment` to step, :class:`RolloutHooks` to observe, a :class:`Transport` to carry the engine
-client's requests), weight updates (:class:`Suspender`), and the engines and pools to run against
-(:class:`LocalEngine`, :class:`RayRolloutPool`). ``LocalEngine`` and ``RayRolloutPool`` are imported on first use,
+(an :class:`Environment` to step, which returns a :class:`StepResult` and may take a :class:`Turn`,
+:class:`RolloutHooks` to observe, a :class:`Transport` to carry the engine client's requests), weight updates
+(:class:`Suspender`), and the engines and pools to run against (:class:`LocalEngine`, :class:`RayRolloutPool`).
+``LocalEngine`` and ``RayRolloutPool`` are imported on first use,
 so ``import fsm_rollout`` loads neither the engine's server nor Ray, and never torch. Modules whose docstring starts
 with "Internal:" (or that sit in a package whose docstring says its modules are internal) are the implementation:
 their names may change without notice.
@@ -24,10 +25,12 @@ from fsm_rollout.config import RetryPolicy, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.engine.transport import AiohttpTransport, Transport
 from fsm_rollout.env import Environment
+from fsm_rollout.envs.step import StepResult, Turn
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.hooks import RolloutHooks
 from fsm_rollout.metrics import MetricsSnapshot
 from fsm_rollout.rollout import Rollout
+from fsm_rollout.rollout.handle import RolloutHandle
 from fsm_rollout.runner import RolloutRunner
 from fsm_rollout.sample import Sample, Status, training_sequences
 from fsm_rollout.service import RolloutService
@@ -52,15 +55,18 @@ __all__ = [
     "Rollout",
     "RolloutConfig",
     "RolloutError",
+    "RolloutHandle",
     "RolloutHooks",
     "RolloutRunner",
     "RolloutService",
     "Sample",
     "Status",
+    "StepResult",
     "Suspender",
     "TemplateReport",
     "TokenTree",
     "Transport",
+    "Turn",
     "VLLMClient",
     "capture_transitions",
     "choose_history_policy",

@@ -6,12 +6,13 @@ import importlib
 import importlib.util
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
 from fsm_rollout.env_pool import env_thread_pool as env_thread_pool  # re-exported: its home before the adapters
+from fsm_rollout.envs.step import as_step_result
 from fsm_rollout.errors import EnvironmentContractError, EnvironmentLoadError, EnvironmentNotFoundError
 
 
@@ -19,10 +20,12 @@ from fsm_rollout.errors import EnvironmentContractError, EnvironmentLoadError, E
 class Environment(Protocol):
     """One sample's interaction environment.
 
-    ``step`` receives the decoded text of a generated turn and returns exactly ``(observation, done, info)``;
-    ``info["reward"]``, when there, becomes ``sample.reward``; ``info["truncated"] = True`` with ``done`` ends the
-    sample ``truncated`` (reason ``env_truncated``: the episode was cut short, as by a time limit) instead of
-    ``completed``. ``format_observation`` turns an observation into a
+    ``step`` receives the decoded text of a generated turn (a :class:`~fsm_rollout.envs.step.Turn` instead when the
+    class sets ``accepts_turn = True``) and returns a :class:`~fsm_rollout.envs.step.StepResult`, or the older
+    3-tuple ``(observation, done, info)`` (``info["reward"]`` and a bool ``info["truncated"]`` become the step's
+    ``reward`` and ``truncated``). A step's ``reward``, when not None, becomes ``sample.reward``; ``truncated`` with
+    ``done`` ends the sample ``truncated`` (reason ``env_truncated``: the episode was cut short, as by a time
+    limit) instead of ``completed``. ``format_observation`` turns an observation into a
     text-only chat message ``{"role", "content"}``, or a non-empty list of them (one ``{"role": "tool", "content",
     "tool_call_id"}`` result per tool call, say), which is appended as one observation rendered as the template
     renders those messages together. Any method (and ``build_env``) may be a coroutine function or return an
@@ -32,7 +35,7 @@ class Environment(Protocol):
 
     def reset(self) -> Any: ...
 
-    def step(self, response_text: str) -> tuple[Any, bool, Any]: ...
+    def step(self, response_text: Any) -> Any: ...
 
     def format_observation(self, observation: Any) -> dict[str, Any] | list[dict[str, Any]]: ...
 
@@ -128,29 +131,6 @@ def check_environment(env: Any) -> Environment:
 
 
 def unpack_step_result(result: Any) -> tuple[Any, bool]:
-    """Split ``env.step``'s result into ``(observation, done)``; it must be exactly a 3-tuple."""
-    observation, done, _info = unpack_step_info(result)
-    return observation, done
-
-
-def unpack_step_info(result: Any) -> tuple[Any, bool, Any]:
-    """Split ``env.step``'s result into ``(observation, done, info)``; it must be exactly a 3-tuple."""
-    if not isinstance(result, tuple) or len(result) != 3:
-        raise EnvironmentContractError(
-            f"env.step must return a 3-tuple (observation, done, info), got {type(result).__name__}"
-            + (f" of length {len(result)}" if isinstance(result, tuple) else "")
-        )
-    observation, done, info = result
-    return observation, bool(done), info
-
-
-def step_truncated(info: Any) -> bool:
-    """Whether a step's ``info`` says the environment cut the episode short (``info["truncated"]``, a bool)."""
-    if not isinstance(info, Mapping) or "truncated" not in info:
-        return False
-    truncated = info["truncated"]
-    if not isinstance(truncated, bool):
-        raise EnvironmentContractError(
-            f"env.step's info['truncated'] must be a bool, got {type(truncated).__name__} {truncated!r}"
-        )
-    return truncated
+    """Split ``env.step``'s result into ``(observation, done)`` (:func:`fsm_rollout.envs.step.as_step_result`)."""
+    step = as_step_result(result)
+    return step.observation, step.done

@@ -256,7 +256,7 @@ TRANSITIONS: tuple[Edge, ...] = (
         "truncated",
         guard="env_truncated",
         reason="env_truncated",
-        work='the environment cut the episode short (`info["truncated"]`: a Gymnasium/GEM time limit)',
+        work="the environment cut the episode short (a step `truncated`: a Gymnasium/GEM time limit)",
     ),
     Edge("observe", "stepping", "completed", guard="env_done", reason="env_done"),
     Edge(

@@ -35,6 +35,7 @@ from fsm_rollout.metrics import MetricsSnapshot, RunnerMetrics
 from fsm_rollout.queueing import QueueNotingTracer, Waiting
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_writer_for
 from fsm_rollout.rollout import Rollout
+from fsm_rollout.rollout.handle import RolloutHandle
 from fsm_rollout.sample import Sample, Status
 from fsm_rollout.suspension import Suspender, SuspendStats
 from fsm_rollout.template_probe import HistoryPolicyChooser
@@ -232,6 +233,22 @@ class RolloutRunner:
     async def run(self, sample: Sample) -> Sample:
         """Run one sample to a terminal state and return it."""
         return await self._drive(self._rollout(sample))
+
+    def start(self, sample: Sample, *, sample_id: str | None = None) -> RolloutHandle:
+        """Start one sample's rollout as a task, now, and return its :class:`RolloutHandle` (``await handle`` gives
+        the finished sample; ``handle.abort(reason)`` ends it). Runs outside :meth:`run_batch`'s concurrency slots."""
+        rollout = self._rollout(sample, sample_id=sample_id)
+        return RolloutHandle(rollout, asyncio.ensure_future(self._drive(rollout)))
+
+    @property
+    def encoder(self) -> ObservationEncoder | None:
+        """The observation encoder the runner's rollouts share (None before ``async with``)."""
+        return self._encoder
+
+    @property
+    def counters(self) -> RunnerMetrics:
+        """The runner's live counters, which :meth:`metrics` snapshots (a gateway counts its sessions there)."""
+        return self._metrics
 
     def _prepare(
         self, samples: Iterable[Sample], sample_ids: Sequence[str | None] = (), seeds: Sequence[int | None] = ()

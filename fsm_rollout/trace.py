@@ -2,7 +2,8 @@
 
 Schema (``schema`` = :data:`TRACE_SCHEMA_VERSION`), one object per line:
 
-``event``            always ``"transition"``
+``event``            ``"transition"`` (a gateway session's own transitions are ``"session_transition"`` lines
+                     with ``session_id``, ``trigger``, ``src``, ``dst``, ``reason``; readers skip them)
 ``schema``           schema version (int)
 ``ts``               wall-clock time of the transition, seconds since the epoch (float)
 ``sample_id``        the sample's id (its ``index`` when set, else a generated id)
@@ -65,9 +66,9 @@ class _TransitionLogger(structlog.BoundLoggerBase):
     builds fresh for each transition, instead of copying it twice through keyword arguments.
     """
 
-    def transition(self, fields: dict[str, Any]) -> None:
+    def transition(self, fields: dict[str, Any], event: str = TRANSITION_EVENT) -> None:
         event_dict: Any = {**self._context, **fields} if self._context else fields
-        event_dict["event"] = TRANSITION_EVENT
+        event_dict["event"] = event
         logger = self._logger
         try:
             for processor in self._processors:
@@ -121,6 +122,12 @@ class Tracer:
                 captured.append(dict(event))
         if self._log is not None:
             self._log.transition(fields)
+
+    def other_event(self, event: str, fields: dict[str, Any]) -> None:
+        """Write an event that is not a rollout's transition (``event`` names it, e.g. a gateway session's
+        ``session_transition``) to the sink; readers of transitions skip it, and captures do not see it."""
+        if self._log is not None:
+            self._log.transition(fields, event)
 
     def flush(self) -> None:
         """Push buffered lines to the sink (called when a sample reaches a terminal state)."""

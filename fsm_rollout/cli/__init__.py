@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         module = importlib.import_module(module_name)
         subparser = subparsers.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
         module.add_arguments(subparser)
-        subparser.set_defaults(_module=module)
+        subparser.set_defaults(command_module=module)
     return parser
 
 
@@ -68,7 +68,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     args = build_parser().parse_args(argv)
     try:
-        code: int = args._module.main(args)
+        code: int = args.command_module.main(args)
         sys.stdout.flush()  # inside the try: a broken pipe surfaces here, not at the interpreter's exit
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

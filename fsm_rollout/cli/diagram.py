@@ -4,7 +4,7 @@ The command writes three files from :mod:`fsm_rollout.lifecycle` with :mod:`fsm_
 
 ``lifecycle.mmd``  the Mermaid ``stateDiagram-v2`` (the README embeds the same text);
 ``lifecycle.dot``  the Graphviz source;
-``lifecycle.svg``  ``dot -Tsvg`` of that source.
+``lifecycle.svg``  ``dot -Tsvg`` of that source (and ``gateway_session.mmd``/``.dot`` of the gateway's table);
 
 and rewrites the generated sections of the checkout's documents (:data:`SECTIONS`, each naming the file it lives in:
 the README's lifecycle diagram, lifecycle table and layout map, and ``docs/cli.md``'s command-line reference), each
@@ -45,6 +45,7 @@ from fsm_rollout.diagrams import (
     read_trace,
     render_svg,
 )
+from fsm_rollout.gateway.session_table import diagram_files as session_diagram_files
 
 COMMAND = "fsm-rollout diagram"
 """The command that regenerates the checked-in diagrams (named in staleness messages)."""
@@ -233,7 +234,7 @@ def _plan(readme: Path | None, documents: Mapping[str, Path] | None) -> _Plan:
     for file, path in _documents(readme, documents).items():
         what = "README" if file == README else file
         regenerated[path] = (file, regenerate_document(_read_text(path, what), file, name=str(path)))
-    return _Plan({MERMAID_FILE: mermaid(), DOT_FILE: dot_text}, dot_text, regenerated)
+    return _Plan({MERMAID_FILE: mermaid(), DOT_FILE: dot_text, **session_diagram_files()}, dot_text, regenerated)
 
 
 def _read_text(path: Path, what: str) -> str:

@@ -104,7 +104,7 @@ def build_config(args: argparse.Namespace, url: str, model: str, tokenizer_path:
 
 async def serve(args: argparse.Namespace, *, ready: Callable[[str], None] | None = None) -> int:
     """Run the gateway until SIGINT/SIGTERM; ``ready(url)`` is called once it listens."""
-    from fsm_rollout.cli.run import _engine
+    from fsm_rollout.cli.run import engine_for
     from fsm_rollout.gateway import AgentGateway
     from fsm_rollout.runner import RolloutRunner
 
@@ -113,7 +113,7 @@ async def serve(args: argparse.Namespace, *, ready: Callable[[str], None] | None
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     try:
-        async with _engine(args, in_process=True) as (urls, choice, tokenizer):
+        async with engine_for(args, in_process=True) as (urls, choice, tokenizer):
             config = build_config(args, urls[0], choice.model, choice.tokenizer)
             sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
             runner = RolloutRunner(config, sampling_params=sampling, engine_urls=urls, tokenizer=tokenizer)

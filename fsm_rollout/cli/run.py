@@ -267,7 +267,7 @@ def _groups(samples: Sequence[Sample], args: argparse.Namespace) -> tuple[list[S
 
 
 @contextlib.asynccontextmanager
-async def _engine(
+async def engine_for(
     args: argparse.Namespace, *, in_process: bool, batched: bool = True
 ) -> AsyncIterator[tuple[list[str], EngineChoice, Any]]:
     """Yield the engine URLs, what the run uses from them (flags first, then what the engine says), and the tokenizer.
@@ -456,7 +456,7 @@ async def _run(args: argparse.Namespace) -> int:
     if not samples:  # --limit 0, or an environment whose own dataset is empty: no engine for nothing
         print("error: no prompt to run (--limit 0 or an empty dataset): nothing was started", file=sys.stderr)
         return EXIT_BAD_INPUT
-    async with _engine(args, in_process=args.engine_in_process, batched=not args.no_batching) as (
+    async with engine_for(args, in_process=args.engine_in_process, batched=not args.no_batching) as (
         urls,
         choice,
         tokenizer,

@@ -167,7 +167,7 @@ class AgentGateway:
         )
         self._opened += 1
         self._sessions[session_id] = session
-        self.runner._metrics.session_opened()
+        self.runner.counters.session_opened()
         return session
 
     def _token_text(self) -> TokenText:
@@ -189,7 +189,7 @@ class AgentGateway:
 
     def _forget(self, session: GatewaySession) -> None:
         if self._sessions.pop(session.session_id, None) is not None:
-            self.runner._metrics.session_closed()
+            self.runner.counters.session_closed()
 
     def _build_env(self, *, sample: Sample, args: Any = None) -> SessionEnvironment:
         session = self._sessions.get(sample.session_id or "")

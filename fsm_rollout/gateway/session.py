@@ -1,15 +1,15 @@
 """One gateway session: an agent's conversation, run as a rollout whose environment is the agent.
 
 The first chat call's messages (and tools) are the prompt of a rollout. When the model has answered, the rollout
-steps its environment, :class:`SessionEnvironment`, whose ``step(text)`` hands the answer to the waiting HTTP
-call and waits for the agent's next call; that call's new messages are the observation, encoded like any other
-(boundary tokens, mask 0), and the next generate request continues the same token sequence. Nothing the model
-generated is ever re-tokenized: the answer is read from the sample's own tokens, and later calls are only checked
-against it by meaning (:mod:`fsm_rollout.gateway.conversation`).
+steps its environment, :class:`SessionEnvironment`, which accepts turns: its ``step(turn)`` hands the
+:class:`~fsm_rollout.envs.step.Turn` to the waiting HTTP call and waits for the agent's next call; that call's new
+messages are the observation, encoded like any other (boundary tokens, mask 0), and the next generate request
+continues the same token sequence. Nothing the model generated is ever re-tokenized: the answer is read from the
+turn's own tokens, and later calls are only checked against it by meaning (:mod:`fsm_rollout.gateway.conversation`).
 
-How a session ends is an edge of the lifecycle table, chosen by what the environment's step returns
-(:mod:`fsm_rollout.rollout.agent_end`): the agent closed the session (``completed``, ``session_closed``) or went
-idle past the limit (``truncated``, ``agent_timeout``). An agent that rewrote the history (edited, dropped or
+How a session ends is an edge of the lifecycle table, chosen by the step's typed ``end``
+(:class:`~fsm_rollout.envs.step.EndReason`): the agent closed the session (``completed``, ``session_closed``) or
+went idle past the limit (``truncated``, ``agent_timeout``). An agent that rewrote the history (edited, dropped or
 compacted messages, changed tools) sends the whole conversation as the observation, and the rollout takes the
 history policies' ``fork`` edge (reason ``history_rewritten``, :func:`fsm_rollout.rollout.history.rewrite_history`):
 the sequence so far closes into ``sample.branches`` and the engine's render of the conversation as sent is the
@@ -17,27 +17,29 @@ next sequence's prompt, so each generated token is trained in exactly one sequen
 the model did not see. ``close`` returns the session's training sequences, oldest first
 (:func:`fsm_rollout.sample.branches.training_sequences`).
 
-The agent's per-call sampling settings reach that call's generate request in the observation (the first call's in
-the sample's metadata, :mod:`fsm_rollout.rollout.agent_end`), so a tape holds them and a replay sends them; its
-``max_tokens`` bounds the turn without ending the sequence.
+The agent's per-call sampling settings reach that call's generate request as the step's ``next_call`` (the first
+call's as the environment's ``reset`` result), so a tape holds them and a replay sends them; its ``max_tokens``
+bounds the turn without ending the sequence.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from fsm_rollout.gateway.conversation import compare_history
+from fsm_rollout.envs.step import EndReason, NextCall, Rewrite, StepResult, Turn
+from fsm_rollout.gateway import session_table
+from fsm_rollout.gateway.conversation import Extension, compare_history
 from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer, render_message
-from fsm_rollout.rollout.agent_end import AGENT_CALL_KEY, CLOSED, IDLE, agent_call, agent_end, agent_rewrite
 from fsm_rollout.sample import Sample
 from fsm_rollout.sample.branches import training_sequences
 from fsm_rollout.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
-    from fsm_rollout.rollout import Rollout
+    from fsm_rollout.rollout.handle import RolloutHandle
     from fsm_rollout.runner import RolloutRunner
 
 __all__ = ["GatewaySession", "SessionEnvironment", "TokenText"]
@@ -69,17 +71,20 @@ class TokenText:
 class SessionEnvironment:
     """The environment a session's rollout steps: the agent on the other side of the HTTP calls."""
 
+    accepts_turn = True
+
     def __init__(self, session: GatewaySession) -> None:
         self._session = session
 
-    def reset(self) -> None:
-        return None
+    def reset(self) -> StepResult:
+        """The first call's sampling settings, for the first generate request (no call has come since)."""
+        return StepResult(None, next_call=NextCall(sampling=dict(self._session.call_sampling)))
 
-    async def step(self, response_text: str) -> tuple[Any, bool, dict[str, Any]]:
-        return await self._session.hand_over(response_text)
+    async def step(self, turn: Turn) -> StepResult:
+        return await self._session.hand_over(turn)
 
     def format_observation(self, observation: Any) -> list[dict[str, Any]]:
-        messages: list[dict[str, Any]] = list(observation[AGENT_CALL_KEY]["messages"])
+        messages: list[dict[str, Any]] = list(observation)
         return messages
 
     def close(self) -> None:
@@ -88,7 +93,9 @@ class SessionEnvironment:
 
 class GatewaySession:
     """One agent session (see the module docstring). ``session_id`` and ``base_url`` are what the agent is given;
-    :meth:`close` ends it and returns its training sequences."""
+    :meth:`close` ends it and returns its training sequences. Its lifecycle is the table in
+    :mod:`fsm_rollout.gateway.session_table`: the methods below fire its triggers, and its actions are the
+    ``_act_*`` methods, by name."""
 
     def __init__(
         self,
@@ -117,100 +124,110 @@ class GatewaySession:
         self._text = token_text or TokenText(runner.tokenizer, runner.sampling_params)
         self._on_closed = on_closed
         self._ended = asyncio.Event()
-        self._expired = False
-        self._reaper: asyncio.TimerHandle | None = None
-        if idle_timeout_s is not None:  # a session never called has no rollout to time it out: a timer does
-            self._reaper = asyncio.get_running_loop().call_later(idle_timeout_s, self._expire_if_never_called)
-        self._closed = False
         self._closed_samples: list[Sample] | None = None
-        self._busy = False
         self._sample: Sample | None = None
-        self._rollout: Rollout | None = None
-        self._task: asyncio.Future[Sample] | None = None
+        self._rollout: RolloutHandle | None = None
         self._held: list[dict[str, Any]] = []
         self._tools: list[dict[str, Any]] | None = None
         self._answer: asyncio.Future[TurnAnswer] | None = None
         self._agent: asyncio.Future[tuple[str, Any]] | None = None
         self._last_answer: TurnAnswer | None = None
-        self._mark = 0
-        self._mark_branch = 0
+        self._handed: Turn | None = None
+        # what the trigger being fired carries, for its guards and actions
+        self._call: ChatCall | None = None
+        self._found: Extension | None = None
+        self._delivering: TurnAnswer | None = None
+        self._close_reward: Any = None
+        self._abort_reason = "cancelled"
+        tracer = runner.tracer
+        self._machine = session_table.SessionMachine(
+            {"is_retry": lambda: self._found_kind("retry"), "history_rewritten": lambda: self._found_kind("rewritten")},
+            {name: getattr(self, f"_act_{name}") for name in session_table.action_names()},
+            fields={"session_id": session_id},
+            emit=(lambda fields: tracer.other_event(session_table.SESSION_EVENT, fields)) if tracer.enabled else None,
+        )
+        self._reaper: asyncio.TimerHandle | None = None
+        if idle_timeout_s is not None:  # a session never called has no rollout to time it out: a timer does
+            self._reaper = asyncio.get_running_loop().call_later(idle_timeout_s, self._expire_if_never_called)
 
-    # ------------------------------------------------------------------ what the agent's calls do
+    @property
+    def state(self) -> str:
+        """The session's state in :mod:`fsm_rollout.gateway.session_table`."""
+        return self._machine.state
+
+    @property
+    def rollout(self) -> RolloutHandle | None:
+        """The handle of the session's rollout (None before the first call)."""
+        return self._rollout
 
     @property
     def closed(self) -> bool:
-        return self._closed
+        """Closed, or expired before any call (an agent idle after calls leaves the session to be closed)."""
+        return self._machine.state == "closed" or (self._machine.state == "expired" and self._sample is None)
+
+    def _found_kind(self, kind: str) -> bool:
+        return self._found is not None and self._found.kind == kind
+
+    # ------------------------------------------------------------------ what the agent's calls do
 
     async def chat(self, call: ChatCall) -> TurnAnswer:
         """Answer one chat call (409 when another is in flight or the session has ended)."""
-        if self._closed:
+        state = self._machine.state
+        if self.closed:
             raise GatewayError(409, "the session is closed", code="session_closed")
-        if self._busy:
+        if state == "answering":
             raise GatewayError(409, "another call of this session is in flight", code="concurrent_call")
-        self._busy = True
-        try:
-            self.calls += 1
-            self._tool_choice = call.tool_choice
-            if self._sample is None:
-                self._start_sequence(call)
-            else:
-                kind, found = self._continue(call)
-                if isinstance(found, TurnAnswer):
-                    return found
-                if kind == "rewritten":
-                    self._fork(call, found)
-            answer = await self._wait_for_answer()
-            self._held.append(answer.message())
-            self._last_answer = answer
-            return answer
-        finally:
-            self._busy = False
-
-    def _continue(self, call: ChatCall) -> tuple[str, Any]:
-        """Hand a later call to the waiting rollout. Returns ``("retry", answer)`` for a retry of the previous call
-        (answered again, nothing generated), ``("extends", None)`` once the new messages are handed over, or
-        ``("rewritten", detail)``."""
-        found = compare_history(
-            self._held, self._tools, call.messages, call.tools, last_answered=self._last_answer is not None
-        )
-        if found.kind == "retry":
-            return "retry", self._last_answer
-        waiting = self._agent
-        if waiting is None or waiting.done():
+        self.calls += 1
+        self._tool_choice = call.tool_choice
+        self._call, self._found = call, None
+        if state != session_table.INITIAL:
+            self._found = compare_history(
+                self._held, self._tools, call.messages, call.tools, last_answered=self._last_answer is not None
+            )
+            if state == "waiting_for_agent" and self._found.kind == "extends" and not self._found.new:
+                raise GatewayError(
+                    400, "the call adds no message after the assistant's last answer", code="no_new_messages"
+                )
+        if not self._machine.fire("call"):
             reason = self._sample.metadata.get("rollout_reason") if self._sample is not None else None
             raise GatewayError(
                 409, f"the session's rollout has ended ({reason or 'not waiting'})", code="session_ended"
             )
-        if found.kind == "rewritten":
-            return "rewritten", found.detail
-        if not found.new:
-            raise GatewayError(
-                400, "the call adds no message after the assistant's last answer", code="no_new_messages"
-            )
+        if self._found_kind("retry"):
+            assert self._last_answer is not None
+            return self._last_answer
+        return await self._wait_for_answer()
+
+    def _act_answer_again(self) -> None:
+        """A retry of the previous call: answered again (by :meth:`chat`), nothing generated."""
+
+    def _act_hand_messages(self) -> None:
+        """Hand the call's new messages to the waiting rollout (its observation)."""
+        call, found, waiting = self._call, self._found, self._agent
+        assert call is not None and found is not None and waiting is not None
         self.call_sampling = dict(call.sampling)
         self._answer = asyncio.get_running_loop().create_future()
         self._held.extend(found.new)
         waiting.set_result(("messages", [render_message(message) for message in found.new]))
-        return "extends", None
 
-    def _fork(self, call: ChatCall, detail: str) -> None:
+    def _act_hand_rewrite(self) -> None:
         """The agent rewrote the history: the whole conversation as sent is the observation, and the rollout forks
         (the sequence so far closes into ``sample.branches``; the engine's render of the call is the next prompt)."""
-        waiting = self._agent
-        assert waiting is not None
+        call, found, waiting = self._call, self._found, self._agent
+        assert call is not None and found is not None and waiting is not None
         self._held = [dict(message) for message in call.messages]
         self._tools = [dict(tool) for tool in call.tools] if call.tools else None
         self._last_answer = None
         self.call_sampling = dict(call.sampling)
         self._answer = asyncio.get_running_loop().create_future()
         messages = [render_message(message) for message in call.messages]
-        waiting.set_result(("rewritten", agent_rewrite(messages, self._tools, call.sampling, detail)))
+        rewrite = Rewrite(tuple(messages), None if self._tools is None else tuple(self._tools), found.detail or "")
+        waiting.set_result(("rewritten", (messages, rewrite)))
 
-    def _start_sequence(self, call: ChatCall) -> None:
-        metadata: dict[str, Any] = {
-            "gateway_session": dict(self.metadata),
-            AGENT_CALL_KEY: {"sampling": dict(call.sampling)},
-        }
+    def _act_start_sequence(self) -> None:
+        call = self._call
+        assert call is not None
+        metadata: dict[str, Any] = {"gateway_session": dict(self.metadata)}
         if call.tools:
             metadata["tools"] = [dict(tool) for tool in call.tools]
         sample = Sample(
@@ -226,16 +243,15 @@ class GatewaySession:
         self.call_sampling = dict(call.sampling)
         self._answer = asyncio.get_running_loop().create_future()
         self._agent = None
-        self._mark = 0
-        self._mark_branch = 0
+        self._handed = None
         self._sample = sample
-        # the runner's own rollout path (metrics, tape, trace, weight-update gate) with the rollout object kept,
-        # so an agent that goes away can abort it with a reason of its own
-        rollout = self._runner._rollout(sample, sample_id=f"{self.index}.0")
-        self._rollout = rollout
-        task = asyncio.ensure_future(self._runner._drive(rollout))
-        task.add_done_callback(self._sequence_ended)
-        self._task = task
+        if self._reaper is not None:  # from now on the rollout's step bounds the agent's silence
+            self._reaper.cancel()
+            self._reaper = None
+        # the runner's own rollout path (metrics, tape, trace, weight-update gate) with the handle kept, so an agent
+        # that goes away can abort it with a reason of its own
+        self._rollout = self._runner.start(sample, sample_id=f"{self.index}.0")
+        self._rollout.add_done_callback(self._sequence_ended)
 
     async def _wait_for_answer(self) -> TurnAnswer:
         answer = self._answer
@@ -245,50 +261,46 @@ class GatewaySession:
         except asyncio.CancelledError:
             # the agent went away mid-call: the engine request is aborted; what was generated before stays
             if self._rollout is not None and not self._rollout.terminal:
-                self._rollout.request_abort(DISCONNECTED)
+                self._rollout.abort(DISCONNECTED)
             raise
 
     # ------------------------------------------------------------------ what the rollout's environment does
 
-    async def hand_over(self, text: str) -> tuple[Any, bool, dict[str, Any]]:
-        """``step(text)``: answer the waiting call, then wait for the agent's next call, close or silence."""
-        answer = self._read_answer()
-        loop = asyncio.get_running_loop()
-        self._agent = waiting = loop.create_future()
-        pending, self._answer = self._answer, None
-        if pending is not None and not pending.done():
-            pending.set_result(answer)
+    async def hand_over(self, turn: Turn) -> StepResult:
+        """``step(turn)``: answer the waiting call, then wait for the agent's next call, close or silence."""
+        self._delivering = self._read_answer(turn)
+        self._handed = turn
+        self._agent = waiting = asyncio.get_running_loop().create_future()
+        self._machine.fire("answered")
         try:
             kind, payload = await asyncio.wait_for(waiting, self.idle_timeout_s)
         except TimeoutError:
-            return agent_end(IDLE), True, {}
+            self._machine.fire("idle")
+            return StepResult(None, done=True, end=EndReason.AGENT_TIMEOUT)
         if kind == "messages":
-            return agent_call(payload, self.call_sampling), False, {}
+            return StepResult(payload, next_call=NextCall(sampling=dict(self.call_sampling)))
         if kind == "rewritten":
-            return payload, False, {}
-        info = {} if payload is None else {"reward": payload}
-        return agent_end(CLOSED), True, info
+            messages, rewrite = payload
+            return StepResult(messages, next_call=NextCall(sampling=dict(self.call_sampling), rewrite=rewrite))
+        return StepResult(None, done=True, reward=payload, end=EndReason.SESSION_CLOSED)
 
-    def _turn_positions(self) -> tuple[list[int], int]:
-        """The positions of the tokens generated since the last answer, and where the request's prompt ended."""
-        sample = self._sample
-        assert sample is not None
-        mask = sample.loss_mask or []
-        offset = len(sample.tokens) - len(mask)
-        # after a fork the sequence is new: its turn starts after its prompt
-        start = max(self._mark, offset) if len(sample.branches) == self._mark_branch else offset
-        positions = [i for i in range(start, len(sample.tokens)) if mask[i - offset] == 1]
-        return positions, (positions[0] if positions else len(sample.tokens))
+    def _act_deliver_answer(self) -> None:
+        answer, self._delivering = self._delivering, None
+        assert answer is not None
+        self._settle(answer)
 
-    def _read_answer(self, *, finish: str | None = None) -> TurnAnswer:
-        sample = self._sample
-        assert sample is not None
-        positions, prompt_tokens = self._turn_positions()
-        self._mark = len(sample.tokens)
-        self._mark_branch = len(sample.branches)
-        offset = len(sample.tokens) - len(sample.loss_mask or [])
-        token_ids = [sample.tokens[i] for i in positions]
-        logprobs = [float((sample.rollout_log_probs or [])[i - offset]) for i in positions]
+    def _settle(self, answer: TurnAnswer) -> None:
+        """The waiting call gets ``answer``; the conversation held for the next call's comparison holds it."""
+        pending, self._answer = self._answer, None
+        self._held.append(answer.message())
+        self._last_answer = answer
+        if pending is not None and not pending.done():
+            pending.set_result(answer)
+
+    def _read_answer(self, turn: Turn, *, finish: str | None = None) -> TurnAnswer:
+        """The answer to the waiting call: the turn's own tokens, its text without the end tokens, its tool calls."""
+        token_ids = list(turn.token_ids)
+        logprobs = [float(logprob) for logprob in turn.logprobs]
         ends = self._text.end_token_ids
         cut = len(token_ids)
         while cut and token_ids[cut - 1] in ends:
@@ -311,42 +323,42 @@ class GatewaySession:
                 finish = "length"
             else:
                 finish = "tool_calls" if calls else "stop"
-        spans = sample.metadata.get("weight_version_spans") or []
+        spans = (self._sample.metadata.get("weight_version_spans") if self._sample is not None else None) or []
+        top = turn.top_logprobs if self.call_sampling.get("top_logprobs") else None
         return TurnAnswer(
             content=content if content or not calls else None,
             tool_calls=calls,
             finish_reason=finish,
-            prompt_tokens=prompt_tokens,
+            prompt_tokens=turn.prompt_tokens,
             completion_tokens=len(token_ids),
             token_ids=token_ids,
             logprobs=logprobs,
             text=text,
             weight_version=spans[-1]["version"] if spans else None,
-            top_logprobs=self._turn_top_logprobs(token_ids),
+            top_logprobs=None if top is None else [list(candidates) for candidates in top],
         )
 
-    def _turn_top_logprobs(self, token_ids: list[int]) -> list[list[tuple[int, float]]] | None:
-        """The top candidates of the answer's tokens, from the rollout's last turn (they are not kept on the
-        sample): None when the call asked for none, or when that turn is not these tokens."""
-        if self._rollout is None or not self.call_sampling.get("top_logprobs"):
-            return None
-        turn = self._rollout.ctx.turn
-        if turn is None or turn.top_logprobs is None or list(turn.token_ids) != token_ids:
-            return None
-        return turn.top_logprobs
+    def _sequence_ended(self, handle: RolloutHandle) -> None:
+        """A sequence's rollout ended (``rollout_end``; after a close, abort or expiry the call is settled all the
+        same)."""
+        if not self._machine.fire("rollout_end"):
+            self._act_settle_call()
 
-    def _sequence_ended(self, task: asyncio.Future[Sample]) -> None:
-        """A sequence's rollout ended: a call still waiting gets the turn it cut short, or the reason."""
-        pending, self._answer = self._answer, None
+    def _act_settle_call(self) -> None:
+        """A call still waiting gets the turn the rollout's end cut short, or the reason it ended."""
         if self._agent is not None and not self._agent.done():
             self._agent.cancel()
+        pending = self._answer
         if pending is None or pending.done():
+            self._answer = None
             return
         sample = self._sample
-        positions, _ = self._turn_positions()
-        if sample is not None and positions and sample.status.value == "truncated":
-            pending.set_result(self._read_answer(finish="length"))
+        turn = self._rollout.last_turn if self._rollout is not None else None
+        unanswered = turn is not None and turn is not self._handed and bool(turn.token_ids)
+        if sample is not None and turn is not None and unanswered and sample.status.value == "truncated":
+            self._settle(self._read_answer(turn, finish="length"))  # appended, never stepped: the budget's cut
             return
+        self._answer = None
         reason = sample.metadata.get("rollout_reason") if sample is not None else None
         error = sample.metadata.get("rollout_error") if sample is not None else None
         if error:
@@ -358,21 +370,21 @@ class GatewaySession:
             )
         pending.exception()  # retrieved here too: the caller may have gone away
 
-    # ------------------------------------------------------------------ the fork, reward, close, status
+    # ------------------------------------------------------------------ reward, expiry, close, abort, status
 
     def set_reward(self, reward: Any) -> None:
-        if self._closed:
+        if self.closed:
             raise GatewayError(409, "the session is closed", code="session_closed")
         self.reward = reward
 
     def _expire_if_never_called(self) -> None:
-        """The idle limit passed and the agent never called: the session ends ``truncated`` (``agent_timeout``)
-        with no training sequence, and the gateway forgets it."""
+        """The idle limit passed and the agent never called: ``idle`` (the session expires with no training
+        sequence, and the gateway forgets it)."""
         self._reaper = None
-        if self.calls or self._closed:
-            return
-        self._expired = True
-        self._closed = True
+        if self._machine.state == session_table.INITIAL:
+            self._machine.fire("idle")
+
+    def _act_forget(self) -> None:
         self._closed_samples = []
         self._ended.set()
         if self._on_closed is not None:
@@ -387,19 +399,14 @@ class GatewaySession:
         unless it ended otherwise before). ``reward`` (else the one set before) is every sequence's reward."""
         if self._closed_samples is not None:
             return self._closed_samples
-        if self._busy:
+        if self._machine.state == "answering":
             raise GatewayError(409, "a call of this session is in flight; close it after the answer", code="busy")
-        self._closed = True
-        if self._reaper is not None:
-            self._reaper.cancel()
-            self._reaper = None
-        if reward is None:
-            reward = self.reward
-        waiting = self._agent
-        if waiting is not None and not waiting.done():
-            waiting.set_result(("close", reward))
-        if self._task is not None:
-            await asyncio.shield(self._task)
+        self._cancel_reaper()
+        self._close_reward = reward = reward if reward is not None else self.reward
+        if not self._machine.terminal:
+            self._machine.fire("close")
+        if self._rollout is not None:
+            await asyncio.shield(self._ended_rollout(self._rollout))
         sample = self._sample
         if sample is not None and reward is not None:
             sample.reward = reward
@@ -410,32 +417,56 @@ class GatewaySession:
             self._on_closed(self)
         return samples
 
+    def _act_hand_close(self) -> None:
+        """The rollout's waiting step gets the close (its reward, if any): the sample ends ``completed``."""
+        if self._agent is not None and not self._agent.done():
+            self._agent.set_result(("close", self._close_reward))
+
     async def abort(self, reason: str) -> None:
         """End the session's rollout ``aborted`` with ``reason`` (the gateway shutting down)."""
-        self._closed = True
+        self._cancel_reaper()
+        self._abort_reason = reason
+        if not self._machine.terminal:
+            self._machine.fire("abort")
+        if self._rollout is not None:
+            if not self._rollout.terminal:  # expired: its rollout may still be ending
+                self._rollout.abort(reason)
+            await self._ended_rollout(self._rollout)
+
+    def _act_abort_rollout(self) -> None:
+        if self._rollout is not None and not self._rollout.terminal:
+            self._rollout.abort(self._abort_reason)
+
+    def _cancel_reaper(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper = None
-        if self._rollout is not None and not self._rollout.terminal:
-            await self._rollout.abort(reason)
+
+    @staticmethod
+    async def _ended_rollout(handle: RolloutHandle) -> None:
+        """Wait for the rollout to end; its error, if any, is the sample's (``metadata["rollout_error"]``)."""
+        with contextlib.suppress(Exception):
+            await handle
 
     def status(self) -> dict[str, Any]:
-        """What ``GET /sessions/{id}`` answers: the machine's state, turns and status."""
+        """What ``GET /sessions/{id}`` answers: the session's and the rollout's states, turns and status."""
         sample = self._sample
         rollout = self._rollout
+        never_called = self._machine.state == "expired" and sample is None
         return {
             "session_id": self.session_id,
-            "closed": self._closed,
+            "closed": self.closed,
             "calls": self.calls,
             "sequences": len(sample.branches) + 1 if sample is not None else 0,
+            "session_state": self._machine.state,
             "state": rollout.state if rollout is not None else "waiting_for_first_call",
             "turns": (rollout.turn_index + (rollout.state not in ("pending", "rendered", "generating")))
             if rollout is not None
             else 0,
-            "status": sample.status.value if sample is not None else ("truncated" if self._expired else "pending"),
+            "status": sample.status.value if sample is not None else ("truncated" if never_called else "pending"),
             "reason": sample.metadata.get("rollout_reason")
             if sample is not None
-            else (IDLE if self._expired else None),
+            else (EndReason.AGENT_TIMEOUT.value if never_called else None),
             "reward": self.reward,
             "metadata": self.metadata,
             "label": self.label,

@@ -35,7 +35,6 @@ from fsm_rollout.multimodal.features import (
 )
 
 # Tests clear this decoder cache through the package, as they did when it was one module.
-from fsm_rollout.multimodal.features import _vllm_item_decoder as _vllm_item_decoder
 from fsm_rollout.multimodal.image_tokens import (
     IMAGE_GRID_DIMENSIONS,
     IMAGE_PAD_TOKEN,

@@ -2,7 +2,7 @@
 
 Format: JSON lines, schema :data:`TAPE_SCHEMA_VERSION`. Three kinds of line:
 
-``{"kind": "header", "schema": 2, "run": ID, "created": TS, "fsm_rollout": VERSION}``
+``{"kind": "header", "schema": 3, "run": ID, "created": TS, "fsm_rollout": VERSION}``
     written each time a process opens the tape (tapes are appended to, like traces).
 ``{"kind": "blob", "hash": "sha256:<64 hex>", "data": TEXT}``
     one long string (an image data URL, a base64 feature tensor, routed experts ...), stored once per run and
@@ -15,7 +15,7 @@ Format: JSON lines, schema :data:`TAPE_SCHEMA_VERSION`. Three kinds of line:
     :data:`PACK_MIN_CHARS` characters that are canonical base64 and shrink to under :data:`PACK_MAX_RATIO` of
     their size are packed; the packing runs on the writer's thread. (Schema 1 tapes, written before packing, have
     no ``encoding`` and are read as they are.)
-``{"kind": "sample", "schema": 2, "run": ID, ...}``
+``{"kind": "sample", "schema": 3, "run": ID, ...}``
     one finished rollout:
 
     ``sample_id``, ``session_id``, ``rollout_uid``,     identity (``rollout_uid`` is unique per rollout, from
@@ -42,11 +42,16 @@ Format: JSON lines, schema :data:`TAPE_SCHEMA_VERSION`. Three kinds of line:
                                             ``cancelled: true``
     ``env_build``                           ``type`` (the environment's class name), ``missing`` (protocol
                                             methods it lacks) or ``error``
-    ``reset`` / ``close``                   ``error`` when the call raised
-    ``step``                                ``text`` (the model's decoded turn) and ``result``: ``{"observation",
-                                            "done"}`` (and ``"truncated"`` when the info had it), or
-                                            ``{"tuple_len": N}`` / ``{"type": NAME}`` for a result that is not a
-                                            3-tuple; or ``error``
+    ``reset`` / ``close``                   ``error`` when the call raised; a ``reset`` that returned a step has
+                                            ``result``: ``{"step": STEP}``
+    ``step``                                ``text`` (the model's decoded turn) and ``result``: ``{"step": STEP}``
+                                            (:meth:`StepResult.to_json <fsm_rollout.envs.step.StepResult.to_json>`:
+                                            ``observation``, ``done``, ``reward``, ``truncated``, ``end``,
+                                            ``next_call``, ``info``), or ``{"tuple_len": N}`` / ``{"type": NAME}``
+                                            for a result that is neither a step nor a 3-tuple, ``{"contract_error":
+                                            MESSAGE}`` for one the rollout refuses; or ``error`` (schema 2 and
+                                            before: ``{"observation", "done"}`` and ``"truncated"`` when the info
+                                            had it)
     ``format_observation``                  ``message`` (what the environment returned) or ``error``
     ``abort_requested``                     ``reason``, ``state``, ``running``, ``in_flight``: a caller's abort,
                                             where it landed
@@ -78,9 +83,11 @@ from fsm_rollout.multimodal import encode_pil_image
 if TYPE_CHECKING:
     from fsm_rollout.config import RolloutConfig
 
-TAPE_SCHEMA_VERSION = 2
-READABLE_TAPE_SCHEMAS = frozenset({1, 2})
-"""Tape schemas this version reads: 2 adds packed blobs to 1 and changes nothing else."""
+TAPE_SCHEMA_VERSION = 3
+READABLE_TAPE_SCHEMAS = frozenset({1, 2, 3})
+"""Tape schemas this version reads: 2 adds packed blobs to 1 and changes nothing else; 3 records an environment
+step as its typed :class:`~fsm_rollout.envs.step.StepResult` (older steps are read by
+:mod:`fsm_rollout.replay.legacy_steps`)."""
 PACK_MIN_CHARS = 64 * 1024
 """Blob strings at least this long are considered for packing."""
 PACK_MAX_RATIO = 0.75

@@ -18,7 +18,8 @@ from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.engine.transport import Transport
 from fsm_rollout.env import EnvFactory, load_env_factory
-from fsm_rollout.errors import RolloutError
+from fsm_rollout.envs.step import StepResult, Turn, as_step_result
+from fsm_rollout.errors import EnvironmentContractError, RolloutError
 from fsm_rollout.hooks import RolloutHooks, RolloutView, combine_hooks
 from fsm_rollout.multimodal import processor_merge_size
 from fsm_rollout.recording.format import (
@@ -310,14 +311,11 @@ class RecordingEnv:
         return result
 
     def reset(self) -> Any:
-        return self._call(self._recorder.env_call("reset"), self._env.reset)
+        return self._call(self._recorder.env_call("reset"), self._env.reset, _keep_reset_result)
 
-    def step(self, response_text: str) -> Any:
-        return self._call(
-            self._recorder.env_call("step", text=response_text),
-            lambda: self._env.step(response_text),
-            _keep_step_result,
-        )
+    def step(self, given: Any) -> Any:
+        text = given.text if isinstance(given, Turn) else given  # an environment that accepts turns gets the Turn
+        return self._call(self._recorder.env_call("step", text=text), lambda: self._env.step(given), _keep_step_result)
 
     def format_observation(self, observation: Any) -> Any:
         return self._call(
@@ -335,16 +333,24 @@ def _sample_tools(sample: Any) -> Any:
     return metadata.get("tools") if isinstance(metadata, dict) else None
 
 
+def _keep_reset_result(entry: dict[str, Any], result: Any) -> None:
+    if isinstance(result, StepResult):  # an environment driven from outside: what the first request carries
+        entry["result"] = {"step": result.to_json(jsonable)}
+
+
 def _keep_step_result(entry: dict[str, Any], result: Any) -> None:
-    if isinstance(result, tuple) and len(result) == 3:
-        entry["result"] = {"observation": jsonable(result[0]), "done": bool(result[1])}
-        info = result[2]
-        if isinstance(info, Mapping) and "truncated" in info:  # the only part of info that picks an edge
-            entry["result"]["truncated"] = jsonable(info["truncated"])
-    elif isinstance(result, tuple):
-        entry["result"] = {"tuple_len": len(result)}
-    else:
-        entry["result"] = {"type": type(result).__name__}
+    """The step as the rollout reads it (:func:`~fsm_rollout.envs.step.as_step_result`), or what was wrong with it."""
+    try:
+        step = as_step_result(result)
+    except EnvironmentContractError as error:  # the replay raises it again
+        if isinstance(result, tuple) and len(result) != 3:
+            entry["result"] = {"tuple_len": len(result)}
+        elif not isinstance(result, tuple):
+            entry["result"] = {"type": type(result).__name__}
+        else:
+            entry["result"] = {"contract_error": str(error)}
+        return
+    entry["result"] = {"step": step.to_json(jsonable)}
 
 
 def _keep_message(entry: dict[str, Any], message: Any) -> None:

@@ -36,6 +36,8 @@ from typing import Any
 from fsm_rollout.chat import ObservationEncoder
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
+from fsm_rollout.envs.step import StepResult
+from fsm_rollout.errors import EnvironmentContractError
 from fsm_rollout.hooks import RolloutHooks, RolloutView
 from fsm_rollout.recording.format import ENGINE_OPS, jsonable
 from fsm_rollout.recording.reader import TapeFile, TapeSample
@@ -52,6 +54,7 @@ from fsm_rollout.replay.compare import (
     first_index,
     token_context,
 )
+from fsm_rollout.replay.legacy_steps import legacy_reset, legacy_step
 from fsm_rollout.replay.tape import TapeCursor, describe_entry, rebuild_error, revive
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import Sample
@@ -272,8 +275,9 @@ class _TapeTransport:
 class _TapeEnv:
     """The environment, answered from the tape (its class is renamed after the recorded one)."""
 
-    def __init__(self, replay: _Replay) -> None:
+    def __init__(self, replay: _Replay, metadata: Any = None) -> None:
         self._replay = replay
+        self._metadata = metadata
 
     def _call(self, op: str, *, text: str | None = None) -> dict[str, Any] | None:
         replay = self._replay
@@ -294,20 +298,28 @@ class _TapeEnv:
             raise rebuild_error(error)
         return entry
 
-    def reset(self) -> None:
-        self._call("reset")
+    def reset(self) -> StepResult | None:
+        entry = self._call("reset")
+        result = self._replay.value(entry, "result") if entry is not None and "result" in entry else None
+        if isinstance(result, dict) and isinstance(result.get("step"), dict):
+            return StepResult.from_json(result["step"], revive)
+        return legacy_reset(self._metadata) if entry is not None else None
 
     def step(self, response_text: str) -> Any:
         entry = self._call("step", text=response_text)
         result = self._replay.value(entry, "result") if entry is not None else None
         if not isinstance(result, dict):
             return (None, False, {})
+        if isinstance(result.get("step"), dict):
+            return StepResult.from_json(result["step"], revive)
         if isinstance(result.get("tuple_len"), int):
             return tuple([None] * result["tuple_len"])
         if isinstance(result.get("type"), str):
             return revive({"$object": {"type": result["type"], "repr": ""}})
-        info = {"truncated": revive(result["truncated"])} if "truncated" in result else {}
-        return (revive(result.get("observation")), bool(result.get("done")), info)
+        if isinstance(result.get("contract_error"), str):
+            raise EnvironmentContractError(result["contract_error"])
+        truncated = {"truncated": revive(result["truncated"])} if "truncated" in result else {}
+        return legacy_step(revive(result.get("observation")), bool(result.get("done")), truncated)
 
     def format_observation(self, observation: Any) -> Any:
         entry = self._call("format_observation")
@@ -342,7 +354,7 @@ def _env_factory(replay: _Replay) -> Any:
             metadata["tools"] = revive(entry["sample_tools"])  # the recorded environment set them
         if "sample_prompt" in entry and kwargs.get("sample") is not None:
             kwargs["sample"].prompt = revive(entry["sample_prompt"])  # the recorded environment set it
-        env = _env_class(str(entry.get("type") or "Environment"))(replay)
+        env = _env_class(str(entry.get("type") or "Environment"))(replay, metadata)
         missing = entry.get("missing")
         if isinstance(missing, list) and missing:  # the rollout rejects it, as it did the recorded one
             replay.env_passthrough = True

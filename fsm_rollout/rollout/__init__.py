@@ -10,6 +10,7 @@
 - :mod:`~fsm_rollout.rollout.view`: the read-only view hooks get.
 - :mod:`~fsm_rollout.rollout.setup`: start checks, default names, restoring from a resume state.
 - :mod:`~fsm_rollout.rollout.driver`: :class:`Rollout`, the driver.
+- :mod:`~fsm_rollout.rollout.handle`: :class:`~fsm_rollout.rollout.handle.RolloutHandle`, a started rollout's handle.
 
 The table itself is :mod:`fsm_rollout.lifecycle`.
 
@@ -23,9 +24,6 @@ from fsm_rollout.rollout.setup import (
     default_sample_id,
     observation_encoder_for,
 )
-from fsm_rollout.rollout.steps import _ACTIONS as _ACTIONS  # the machine and its parts, for tests
-from fsm_rollout.rollout.steps import _GUARDS as _GUARDS
-from fsm_rollout.rollout.steps import _MACHINE as _MACHINE
 
 __all__ = [
     "Rollout",

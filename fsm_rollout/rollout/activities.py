@@ -13,21 +13,15 @@ from __future__ import annotations
 import asyncio
 import inspect
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 from fsm_rollout import lifecycle
 from fsm_rollout.chat import stop_string_eos_due, validate_observation
 from fsm_rollout.config import DEFAULT_ENV_MODULE
 from fsm_rollout.engine.client import VLLMClient
-from fsm_rollout.env import (
-    EnvFactory,
-    check_environment,
-    env_thread_pool,
-    load_env_factory,
-    step_truncated,
-    unpack_step_info,
-)
+from fsm_rollout.env import EnvFactory, check_environment, env_thread_pool, load_env_factory
+from fsm_rollout.envs.step import StepResult, Turn, accepts_turn, as_step_result
 from fsm_rollout.errors import BudgetExceededError, RenderError, ResumeError, RoutingReplayError
 from fsm_rollout.multimodal import (
     build_initial_messages,
@@ -36,7 +30,6 @@ from fsm_rollout.multimodal import (
     prepare_render_messages,
 )
 from fsm_rollout.partial_turn import answer_spans, merge_turns
-from fsm_rollout.rollout.agent_end import call_sampling, rewrite_of
 from fsm_rollout.rollout.cancel import CancelScope, TimedOut
 from fsm_rollout.rollout.context import RolloutContext
 from fsm_rollout.rollout.history import keeps_history, reconcile, rewrite_history
@@ -48,6 +41,7 @@ from fsm_rollout.rollout.observation_images import (
 )
 from fsm_rollout.rollout.stops import stop_string_end
 from fsm_rollout.suspension import HandBack
+from fsm_rollout.tool_calls import parse_tool_calls
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
 
 
@@ -109,7 +103,9 @@ class Activities:
 
     async def open_environment(self) -> None:
         env = await self._build_env()
-        await self.env_call("env.reset", env.reset)
+        reset = await self.env_call("env.reset", env.reset)
+        if isinstance(reset, StepResult):  # an environment driven from outside: its first call's settings
+            self.ctx.step = reset
 
     async def _restore_environment(self) -> None:
         env = await self._build_env()
@@ -123,18 +119,19 @@ class Activities:
 
     async def step_environment(self) -> None:
         ctx = self.ctx
-        result = await self.env_call("env.step", ctx.env.step, ctx.turn_text)
-        ctx.observation, ctx.env_done, info = unpack_step_info(result)
-        ctx.env_truncated = step_truncated(info)
-        if isinstance(info, Mapping) and "reward" in info:
-            ctx.sample.reward = info["reward"]
+        given = ctx.last_turn if accepts_turn(ctx.env) and ctx.last_turn is not None else ctx.turn_text
+        step = ctx.step = as_step_result(await self.env_call("env.step", ctx.env.step, given))
+        if step.reward is not None:
+            ctx.sample.reward = step.reward
 
     async def encode_observation(self) -> None:
         ctx = self.ctx
-        formatted = await self.env_call("env.format_observation", ctx.env.format_observation, ctx.observation)
+        step = ctx.step
+        assert step is not None
+        formatted = await self.env_call("env.format_observation", ctx.env.format_observation, step.observation)
         ctx.observation_messages = validate_observation(formatted)
         ctx.observation_features, ctx.observation_image_hashes = None, ()
-        rewrite = rewrite_of(ctx.observation)
+        rewrite = step.next_call.rewrite if step.next_call is not None else None
         if rewrite is not None:  # a gateway agent rewrote the history: render it as sent, fork unless it extends
             self.next_trigger = await rewrite_history(ctx, self._render, rewrite)
             return
@@ -211,7 +208,8 @@ class Activities:
             self._take_turn([*ctx.partial_turn[:-1], _length_finished(ctx.partial_turn[-1])], remaining)
             return
         params = dict(ctx.deps.params)
-        call = _call_params(call_sampling(ctx.observation, ctx.sample.metadata))
+        next_call = ctx.step.next_call if ctx.step is not None else None
+        call = _call_params(dict(next_call.sampling) if next_call is not None else {})
         ctx.call_max_tokens = call.pop("max_tokens", None)
         top = call.pop("top_logprobs", 0)
         if top:  # the agent asked for top candidates: vLLM lists the sampled token first, so its logprob is kept
@@ -295,6 +293,15 @@ class Activities:
                 eos_token_id=deps.encoder.eos_token_id,
             )
         ctx.turn = turn
+        ctx.last_turn = Turn(
+            text=ctx.turn_text,
+            token_ids=turn.token_ids,
+            logprobs=turn.logprobs,
+            top_logprobs=turn.top_logprobs,
+            finish_reason=turn.finish,
+            tool_calls=parse_tool_calls(ctx.turn_text).calls if "<tool_call>" in ctx.turn_text else (),
+            prompt_tokens=len(ctx.sample.tokens),
+        )
 
     def stop_string_end(self, token_ids: TokenIds) -> int | None:
         """Where a continued turn ends: :func:`fsm_rollout.rollout.stops.stop_string_end` with this rollout's
@@ -340,7 +347,7 @@ _CALL_PARAMS = frozenset({"temperature", "top_p", "seed", "stop", "max_tokens", 
 
 
 def _call_params(asked: dict[str, Any]) -> dict[str, Any]:
-    """The sampling parameters an agent's call asked for its turn (:mod:`fsm_rollout.rollout.agent_end`), checked."""
+    """The sampling parameters an agent's call asked for its turn (the step's ``next_call``), checked."""
     unknown = sorted(set(asked) - _CALL_PARAMS)
     if unknown:
         raise ValueError(f"an agent call asks for sampling parameters {unknown}; allowed: {sorted(_CALL_PARAMS)}")

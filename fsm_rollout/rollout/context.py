@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsm_rollout.config import RolloutConfig
+from fsm_rollout.envs.step import StepResult, Turn
 from fsm_rollout.errors import ResumeError
 from fsm_rollout.partial_turn import Span, turn_from_json, turn_to_json
 from fsm_rollout.rollout.gating import GatePoint
@@ -34,9 +35,10 @@ _ADDED_IN_3 = frozenset(
 """Fields a version-2 state (written before forks, image observations and gateway calls) lacks: they take their
 defaults, which are what such a rollout had."""
 """Version 2: the context's JSON, keys named as its fields. Version 1 (before the context) is still read."""
-_OPTIONAL_IN_3 = frozenset({"env_truncated"})
+_OPTIONAL_IN_3: frozenset[str] = frozenset()
 """Fields added after version 3 was first written: a state without them takes their defaults, which are what the
-rollout that wrote it had."""
+rollout that wrote it had. (A state's ``env_done``/``env_truncated``, written before the step was typed, are
+ignored: a rollout is resumed in ``suspended``, where the last step is no longer read.)"""
 
 _LEGACY_KEYS = {"reason": "suspend_reason", "status": "status_before_hand_back"}
 """Version-1 keys whose field has another name now."""
@@ -67,8 +69,12 @@ class RolloutContext:
     sample: Sample = field(metadata=LIVE)
     deps: Deps = field(metadata=LIVE)
     env: Any = field(default=None, metadata=LIVE)
-    observation: Any = field(default=None, metadata=LIVE)
-    """What the environment's last step returned, until ``format_observation`` turned it into messages."""
+    step: StepResult | None = field(default=None, metadata=LIVE)
+    """What the environment's last step returned (or its ``reset``, when that was a step): the guards read its
+    typed fields and the generate request its ``next_call``."""
+    last_turn: Turn | None = field(default=None, metadata=LIVE)
+    """The last turn as an environment that accepts turns receives it (``turn``'s text, tool calls and where it
+    starts); rebuilt for the next turn, not part of the resume state."""
     error: BaseException | None = field(default=None, metadata=LIVE)
     closing: Any = field(default=None, metadata=LIVE)
     """An environment's async ``close()``, awaited by the driver once the rollout has ended."""
@@ -94,9 +100,6 @@ class RolloutContext:
     """The weight-version spans of the turn just generated, over its own tokens."""
     turn_text: str = ""
     eos_due: bool = False
-    env_done: bool = False
-    env_truncated: bool = False
-    """The environment's last step said it cut the episode short (``info["truncated"]``)."""
     observation_messages: list[dict[str, Any]] = field(default_factory=list)
     observation_tokens: TokenIds = field(default_factory=list)
     observation_features: dict[str, Any] | None = None
@@ -232,8 +235,6 @@ _DECODE: dict[str, Any] = {
     "budget": _optional_int,
     "call_max_tokens": _optional_int,
     "eos_due": bool,
-    "env_done": bool,
-    "env_truncated": bool,
     "env_closed": bool,
     "suspend_cut_request": bool,
     "state": str,

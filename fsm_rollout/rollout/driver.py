@@ -209,7 +209,7 @@ class Rollout:
         src = ctx.state
         if trigger == "abort":
             ctx.stop_reason = self._scope.abort_reason or self._scope.timeout or "cancelled"
-        steps._MACHINE.events[trigger].trigger(ctx, ctx)
+        steps.MACHINE.events[trigger].trigger(ctx, ctx)
         now = time.perf_counter()
         if ctx.state == "suspended" and src != "suspended":
             self._clock.stop()
@@ -289,7 +289,7 @@ class Rollout:
         """Whether ``trigger`` now takes an edge into ``completed`` or ``truncated`` (guards are pure: evaluating
         them ahead of the machine changes nothing)."""
         for edge in _EDGES.get((self.ctx.state, trigger), ()):
-            if edge.guard is None or steps._GUARDS[edge.guard](self.ctx):
+            if edge.guard is None or steps.GUARDS[edge.guard](self.ctx):
                 return edge.dest in ("completed", "truncated")
         return False
 

@@ -22,7 +22,7 @@ not reason. A non-empty think block the template dropped is a break. When the fo
 are appended, so the model keeps its own tokens.
 
 **A rewritten history.** An agent behind the gateway may send a conversation that does not extend what the model
-saw (:func:`fsm_rollout.rollout.agent_end.agent_rewrite`), under any policy. :func:`rewrite_history` renders the
+saw (a step's :class:`~fsm_rollout.envs.step.Rewrite`), under any policy. :func:`rewrite_history` renders the
 conversation as sent (one request); a render that extends the tokens so far is appended, anything else takes the
 ``fork`` edge, and the fork gives the next sequence the call's tools.
 
@@ -44,13 +44,13 @@ from fsm_rollout.chat_messages import wire_messages, wire_tool_call
 from fsm_rollout.config import response_budget
 from fsm_rollout.errors import TemplateError
 from fsm_rollout.multimodal import decode_train_features
-from fsm_rollout.rollout.agent_end import rewrite_of
 from fsm_rollout.sample.branches import split_branch
 from fsm_rollout.tool_calls import ToolCall, parse_tool_calls
 from fsm_rollout.types import RenderedPrompt, TokenIds
 
 if TYPE_CHECKING:
     from fsm_rollout.config import RolloutConfig
+    from fsm_rollout.envs.step import Rewrite
     from fsm_rollout.rollout.context import RolloutContext
 
 RESOLVED_POLICIES: tuple[str, ...] = ("append", "fork", "per_turn")
@@ -188,26 +188,31 @@ async def reconcile(ctx: RolloutContext, render: Render) -> str | None:
     return _fork(ctx, rendered)
 
 
-async def rewrite_history(ctx: RolloutContext, render: Render, rewrite: Mapping[str, Any]) -> str | None:
-    """The agent rewrote the history (``rewrite`` is :func:`~fsm_rollout.rollout.agent_end.rewrite_of`'s): render
+async def rewrite_history(ctx: RolloutContext, render: Render, rewrite: Rewrite) -> str | None:
+    """The agent rewrote the history (the step's :class:`~fsm_rollout.envs.step.Rewrite`): render
     the conversation as sent with the call's tools. Returns ``"fork"`` unless the render extends the tokens so far
     (then its new tokens are appended, as under ``fork``). Sends exactly one render request."""
-    messages = [dict(message) for message in rewrite["messages"]]
+    messages = [dict(message) for message in rewrite.messages]
+    tools = _tool_list(rewrite.tools)
     payload = render_payload(ctx, messages)
     payload.pop("tools", None)
-    if rewrite["tools"]:
-        payload["tools"] = rewrite["tools"]
+    if tools:
+        payload["tools"] = tools
     rendered = await render(payload)
     if keeps_history(ctx.deps.config):
         ctx.history = messages
     tokens = ctx.sample.tokens
     new = rendered.token_ids
     if rollout_policy(ctx.deps.config) != "per_turn" and len(new) > len(tokens) and new[: len(tokens)] == tokens:
-        _set_tools(ctx, rewrite["tools"])
+        _set_tools(ctx, tools)
         ctx.observation_tokens = list(new[len(tokens) :])
         ctx.rendered = rendered
         return None
     return _fork(ctx, rendered)
+
+
+def _tool_list(tools: Any) -> list[dict[str, Any]] | None:
+    return None if tools is None else [dict(tool) for tool in tools]
 
 
 def _set_tools(ctx: RolloutContext, tools: Any) -> None:
@@ -277,10 +282,10 @@ def fork_history(ctx: RolloutContext) -> None:
         response=ctx.deps.decode(ctx.response_token_ids[ctx.branch_start :]),
         train_inputs=decode_train_features(features, sample_id=ctx.sample_id),
     )
-    rewrite = rewrite_of(ctx.observation)
-    if rewrite is not None:  # the agent's rewrite: the closed branch says why, the next one has the call's tools
-        branch.metadata["history_rewritten"] = rewrite["detail"]
-        _set_tools(ctx, rewrite["tools"])
+    call = ctx.step.next_call if ctx.step is not None else None
+    if call is not None and call.rewrite is not None:  # the agent's: the closed branch says why, the next has its tools
+        branch.metadata["history_rewritten"] = call.rewrite.detail
+        _set_tools(ctx, _tool_list(call.rewrite.tools))
     sample.tokens = list(prompt.token_ids)
     ctx.branch_start = len(ctx.response_token_ids)
     ctx.rendered = prompt

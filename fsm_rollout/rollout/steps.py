@@ -3,7 +3,7 @@
 Guards are pure predicates; actions change the sample and the context. Neither sends anything or awaits: the I/O
 is in :mod:`fsm_rollout.rollout.activities`. Each is testable with a context built by hand, without a client.
 The fork edge's guard and actions come from :mod:`fsm_rollout.rollout.history`. The machine is built here from
-the table and these functions (:data:`_MACHINE`; the driver looks it up at each
+the table and these functions (:data:`MACHINE`; the driver looks it up at each
 transition, so a test may swap it).
 """
 
@@ -15,10 +15,10 @@ from collections.abc import Callable
 from fsm_rollout import lifecycle
 from fsm_rollout.chat import record_observation
 from fsm_rollout.config import response_budget
+from fsm_rollout.envs.step import EndReason
 from fsm_rollout.multimodal import decode_train_features, validate_image_tokens
 from fsm_rollout.partial_turn import join_spans, route_spans, shift_spans
 from fsm_rollout.resume_state import RESUME_STATE_KEY
-from fsm_rollout.rollout.agent_end import CLOSED, IDLE, agent_ended
 from fsm_rollout.rollout.context import RolloutContext
 from fsm_rollout.rollout.history import fork_exceeds_budget, fork_history, note_fork_truncation
 from fsm_rollout.rollout.observation_images import with_observation_features
@@ -61,23 +61,23 @@ def finished_by_length(ctx: RolloutContext) -> bool:
 
 
 def session_closed(ctx: RolloutContext) -> bool:
-    """The agent closed its gateway session."""
-    return agent_ended(ctx.observation, CLOSED)
+    """The agent closed its gateway session (the step's ``end``)."""
+    return ctx.step is not None and ctx.step.end is EndReason.SESSION_CLOSED
 
 
 def agent_idle(ctx: RolloutContext) -> bool:
-    """The agent was idle past its gateway session's limit."""
-    return agent_ended(ctx.observation, IDLE)
+    """The agent was idle past its gateway session's limit (the step's ``end``)."""
+    return ctx.step is not None and ctx.step.end is EndReason.AGENT_TIMEOUT
 
 
 def env_truncated(ctx: RolloutContext) -> bool:
-    """The environment ended the episode by cutting it short (``done`` with ``info["truncated"]``)."""
-    return ctx.env_done and ctx.env_truncated
+    """The environment ended the episode by cutting it short (a step ``done`` and ``truncated``)."""
+    return ctx.step is not None and ctx.step.done and ctx.step.truncated
 
 
 def env_done(ctx: RolloutContext) -> bool:
     """The environment said the episode is done."""
-    return ctx.env_done
+    return ctx.step is not None and ctx.step.done
 
 
 def turn_limit_reached(ctx: RolloutContext) -> bool:
@@ -285,13 +285,13 @@ def close_environment_after_error(ctx: RolloutContext) -> None:
 # The fork edge's guard and actions are the history policies' (fsm_rollout.rollout.history), named here with the rest.
 _FORK_STEPS = (fork_exceeds_budget, fork_history, note_fork_truncation)
 
-_GUARDS: dict[str, Callable[[RolloutContext], bool]] = {
+GUARDS: dict[str, Callable[[RolloutContext], bool]] = {
     name: globals()[name] for name in sorted(lifecycle.guard_names())
 }
-_ACTIONS: dict[str, Callable[..., None]] = {
+ACTIONS: dict[str, Callable[..., None]] = {
     name: globals()[name] for name in sorted(lifecycle.action_names() | {"record_outcome"})
 }
-_MACHINE = lifecycle.build_machine(_GUARDS, _ACTIONS)
+MACHINE = lifecycle.build_machine(GUARDS, ACTIONS)
 
 
-__all__ = [*_GUARDS, *_ACTIONS]
+__all__ = ["ACTIONS", "GUARDS", "MACHINE", *GUARDS, *ACTIONS]

@@ -89,7 +89,7 @@ async def test_the_tape_holds_the_truncation_so_replay_takes_the_same_edge(token
     records = [json.loads(line) for line in tape.read_text().splitlines()]
     steps = [entry for record in records if record.get("kind") == "sample" for entry in record["io"]
              if entry["op"] == "step"]  # fmt: skip
-    assert [step["result"]["truncated"] for step in steps] == [True]
+    assert [step["result"]["step"]["truncated"] for step in steps] == [True]  # tape schema 3: the typed step
     assert await replay_counts(tokenizer, tmp_path) == {"identical": 1}
     # without the flag the tape describes an episode that ended on its own: the replay takes env_done and differs
     tape.write_text(tape.read_text().replace('"truncated":true', '"truncated":false'))

@@ -405,6 +405,17 @@ async def test_a_recorded_session_replays_identically_and_inspect_shows_it(
     assert await asyncio.to_thread(main, ["inspect", str(trace), "--sample", "0.0"]) == 0
     shown = capsys.readouterr().out
     assert "session_closed" in shown
+    # the session's own machine is traced beside the rollout's transitions (and readers of those skip it)
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    path = [(row["src"], row["trigger"], row["dst"]) for row in rows if row["event"] == "session_transition"]
+    assert path == [
+        ("waiting_for_first_call", "call", "answering"),
+        ("answering", "answered", "waiting_for_agent"),
+        ("waiting_for_agent", "call", "answering"),
+        ("answering", "answered", "waiting_for_agent"),
+        ("waiting_for_agent", "close", "closed"),
+    ]
+    assert {row["session_id"] for row in rows if row["event"] == "session_transition"} == {session.session_id}
 
 
 async def test_a_rewrite_the_engine_renders_as_the_model_saw_it_continues_the_sequence(

@@ -69,8 +69,8 @@ async def test_an_agent_that_disconnects_aborts_the_engine_request_and_keeps_ear
             pending = asyncio.ensure_future(call())
             await fake_vllm.wait_until_waiting(1)
             pending.cancel()  # the agent goes away: its connection closes mid-call
-            assert session._task is not None
-            await asyncio.wait_for(asyncio.shield(session._task), 30)  # the sequence's rollout ends
+            assert session.rollout is not None
+            await asyncio.wait_for(asyncio.shield(session.rollout), 30)  # the sequence's rollout ends
             assert fake_vllm.requests_to(ABORT_PATH)  # after naming the request to the engine
         status = session.status()
         samples = await session.close()
@@ -94,7 +94,7 @@ async def test_an_idle_agent_ends_its_session_truncated_agent_timeout(
         client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
         messages: list[Any] = [{"role": "user", "content": "Hi"}]
         await client.chat.completions.create(model="m", messages=messages)
-        ended = session._task
+        ended = session.rollout
         assert ended is not None
         await asyncio.wait_for(asyncio.shield(ended), 30)  # the session's own idle limit ends it
         messages += [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Late"}]

@@ -335,7 +335,7 @@ async def test_the_tape_sits_beside_the_trace_and_names_its_schema(recording: Re
     assert tape.problems == []
     first = orjson.loads(recording.tape.read_bytes().splitlines()[0])
     assert first["kind"] == "header"
-    assert first["schema"] == 2
+    assert first["schema"] == 3  # schema 3: a step is recorded as its typed StepResult
 
 
 # --------------------------------------------------------------------------- divergences
@@ -363,8 +363,8 @@ async def test_a_changed_eos_rule_is_reported_at_the_sample_and_turn_where_it_ma
 async def test_a_changed_guard_is_reported_at_the_last_turn(
     recording: Recording, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    guards = {**rollout_module._GUARDS, "turn_limit_reached": lambda rollout: False}
-    monkeypatch.setattr(rollout_module, "_MACHINE", lifecycle.build_machine(guards, rollout_module._ACTIONS))
+    guards = {**rollout_module.GUARDS, "turn_limit_reached": lambda rollout: False}
+    monkeypatch.setattr(rollout_module, "MACHINE", lifecycle.build_machine(guards, rollout_module.ACTIONS))
     report = await run_replay_in_thread(recording, sample_ids=["3"])
     sample = report.sample("3")
     assert sample.verdict == "diverged"
@@ -486,8 +486,8 @@ async def test_another_error_of_a_failed_sample_is_a_divergence(recording: Recor
 async def test_a_request_the_tape_does_not_have_is_a_divergence_not_a_crash(
     recording: Recording, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    guards = {**rollout_module._GUARDS, "turn_limit_reached": lambda rollout: False}
-    monkeypatch.setattr(rollout_module, "_MACHINE", lifecycle.build_machine(guards, rollout_module._ACTIONS))
+    guards = {**rollout_module.GUARDS, "turn_limit_reached": lambda rollout: False}
+    monkeypatch.setattr(rollout_module, "MACHINE", lifecycle.build_machine(guards, rollout_module.ACTIONS))
     report = await run_replay_in_thread(recording, sample_ids=["9"])
     sample = report.sample("9")
     assert sample.verdict == "diverged"
@@ -568,7 +568,7 @@ async def test_a_trace_of_another_schema_version_is_a_clear_error(recording: Rec
 
 async def test_a_tape_of_another_schema_version_is_a_clear_error(recording: Recording) -> None:
     lines = recording.tape.read_bytes().splitlines()
-    lines[0] = lines[0].replace(b'"schema":2', b'"schema":7')
+    lines[0] = lines[0].replace(b'"schema":3', b'"schema":7')
     recording.tape.write_bytes(b"\n".join(lines) + b"\n")
     with pytest.raises(SchemaVersionError, match="tape schema 7"):
         await run_replay_in_thread(recording)
@@ -837,6 +837,24 @@ async def test_a_schema_1_recording_made_before_the_transport_seam_still_replays
     report = await asyncio.to_thread(replay, tmp_path / "run.jsonl", tokenizer=tokenizer)
     assert report.counts() == {"identical": samples}, report.render(verbose=True)
     assert gc.get_threshold() == before
+
+
+@pytest.mark.parametrize(
+    ("fixture_name", "samples"), [("schema2-env", 1), ("schema2-gateway", 1), ("schema2-gateway-idle", 1)]
+)
+async def test_a_schema_2_recording_made_before_the_typed_step_still_replays_identically(
+    tokenizer: Any, tmp_path: Path, fixture_name: str, samples: int
+) -> None:
+    """tests/fixtures/tapes/schema2-*: recorded before ``env.step`` returned a typed ``StepResult``: an
+    environment whose info carried ``reward`` and ``truncated``, and gateway sessions whose observations were
+    dicts with the agent's call, its rewrite and its end under magic keys (a tool call, a ``max_tokens`` cut, a
+    rewritten history that forked, a close with a reward; an agent idle past its limit)."""
+    fixture = Path(__file__).parents[1] / "fixtures" / "tapes" / fixture_name
+    for name in ("run.jsonl", "run.tape.jsonl"):
+        (tmp_path / name).write_bytes((fixture / name).read_bytes())
+    assert b'"schema":2' in (tmp_path / "run.tape.jsonl").read_bytes().splitlines()[0]
+    report = await asyncio.to_thread(replay, tmp_path / "run.jsonl", tokenizer=tokenizer)
+    assert report.counts() == {"identical": samples}, report.render(verbose=True)
 
 
 async def test_a_sample_index_reused_across_steps_keeps_each_runs_own_timeline_tokens_and_counts(

@@ -1,6 +1,6 @@
 """The package's layout rules, checked on its source: no import cycle (counting every import), seams instead of
-subclasses, no module writing another object's private attributes, no long module without a stated reason, and a
-README layout map generated from the tree."""
+subclasses, no module writing another object's private attributes or reading another module's private names, no
+long module without a stated reason, and a README layout map generated from the tree."""
 
 from __future__ import annotations
 
@@ -206,6 +206,82 @@ def test_no_module_writes_a_private_attribute_of_another_object() -> None:
                     ):
                         writes.append(f"{path.relative_to(PACKAGE.parent)}:{item.lineno} {ast.unparse(item)}")
     assert writes == []
+
+
+FOREIGN_PRIVATE_READS = {
+    # argparse has no public API for its actions, groups and help formatting, which the CLI reference is built from
+    "cli/docs.py": {"_actions", "_action_groups", "_get_formatter", "_SubParsersAction", "_mutually_exclusive_groups",
+                    "_group_actions", "_HelpAction", "_positionals", "_optionals", "_expand_help"},
+    "cli/common.py": {"_ActionsContainer", "_get_help_string"},
+    "cli/engine_options.py": {"_ActionsContainer"},
+    # the lean machine overrides transitions' own hot path, verified against the installed version
+    "lean_machine.py": {"_eval_conditions", "_change_state", "_trigger", "_process", "_create_transition"},
+    # transformers' attention registry and the attention choice of a loaded model
+    "engine/local/batch.py": {"_global_mapping", "_attn_implementation"},
+    # aiohttp's site keeps its listening server private; the bound port is read from it
+    "engine/endpoints.py": {"_server"},
+}  # fmt: skip
+"""Private names of other libraries the package reads, each for a stated reason (the rule is about its own)."""
+
+
+def private_reads(path: Path) -> list[str]:
+    """A module's reads of another module's private names: ``from m import _x`` of a package module, and
+    ``obj._x`` where ``obj`` is not ``self``/``cls`` and ``_x`` is not a name the module itself defines."""
+    tree = ast.parse(path.read_text())
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    own: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+            own.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            own.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            own.add(node.attr)
+        elif isinstance(node, ast.keyword) and node.arg is not None:
+            own.add(node.arg)  # a dataclass's or slot's field set by keyword
+    relative = str(path.relative_to(PACKAGE))
+    allowed = FOREIGN_PRIVATE_READS.get(relative, set())
+    reads = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("fsm_rollout"):
+            reads += [f"{relative}:{node.lineno} import {alias.name}" for alias in node.names if private(alias.name)]
+        elif (
+            isinstance(node, ast.Attribute)
+            and private(node.attr)
+            and node.attr not in own | allowed
+            and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))
+        ):
+            reads.append(f"{relative}:{node.lineno} {ast.unparse(node)}")
+    return reads
+
+
+def test_no_module_reads_another_modules_private_names() -> None:
+    reads = [read for path in modules().values() for read in private_reads(path)]
+    assert reads == [], f"{len(reads)} reads of another module's private names"
+
+
+def test_the_private_read_check_sees_imports_and_attributes_of_other_modules(tmp_path: Path) -> None:
+    source = tmp_path / "fsm_rollout" / "m.py"
+    source.parent.mkdir()
+    source.write_text(
+        "from fsm_rollout.other import _hidden\n"
+        "class A:\n    def __init__(self):\n        self._mine = 1\n"
+        "def f(a, runner):\n    return a._mine, runner._rollout(), self._ok\n"
+    )
+    found = [read.split(" ", 1)[1] for read in private_reads_under(source, tmp_path / "fsm_rollout")]
+    assert found == ["import _hidden", "runner._rollout"]
+
+
+def private_reads_under(path: Path, package: Path) -> list[str]:
+    global PACKAGE
+    saved, PACKAGE = PACKAGE, package
+    try:
+        return private_reads(path)
+    finally:
+        PACKAGE = saved
 
 
 def test_a_client_given_a_transport_refuses_http_options_it_would_ignore() -> None:

@@ -69,6 +69,8 @@ def fake_checkout(tmp_path: Path) -> Path:
         "diagrams/lifecycle.mmd",
         "diagrams/lifecycle.dot",
         "diagrams/lifecycle.svg",
+        "diagrams/gateway_session.mmd",
+        "diagrams/gateway_session.dot",
     ):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(REPO / name, tmp_path / name)
@@ -259,7 +261,14 @@ def test_write_then_check_is_clean_and_rewriting_changes_nothing(tmp_path: Path)
     readme = readme_with_markers(tmp_path)
     out = tmp_path / "diagrams"
     written = diagram_cli.write_diagrams(out, readme)
-    assert sorted(path.name for path in written) == ["README.md", "lifecycle.dot", "lifecycle.mmd", "lifecycle.svg"]
+    assert sorted(path.name for path in written) == [
+        "README.md",
+        "gateway_session.dot",  # the gateway session's table, drawn beside the lifecycle's
+        "gateway_session.mmd",
+        "lifecycle.dot",
+        "lifecycle.mmd",
+        "lifecycle.svg",
+    ]
     assert diagram_cli.stale_diagrams(out, readme) == []
     assert diagram_cli.write_diagrams(out, readme) == []
     assert (out / "lifecycle.mmd").read_text() in readme.read_text()
@@ -613,9 +622,27 @@ def test_writing_outside_a_checkout_leaves_any_readme_alone(
     (tmp_path / "README.md").write_text("# another project, no markers\n")
     assert cli_main(["diagram"]) == 0
     assert sorted(path.name for path in (tmp_path / "diagrams").iterdir()) == [
+        "gateway_session.dot",
+        "gateway_session.mmd",
         "lifecycle.dot",
         "lifecycle.mmd",
         "lifecycle.svg",
     ]
     assert (tmp_path / "README.md").read_text() == "# another project, no markers\n"
     assert "no README was rewritten" in capsys.readouterr().err
+
+
+def test_the_gateway_session_diagram_is_generated_and_checked(tmp_path: Path) -> None:
+    from fsm_rollout.gateway import session_table
+
+    root = fake_checkout(tmp_path)
+    out = root / "diagrams"
+    assert (REPO / "diagrams" / "gateway_session.mmd").read_text() == session_table.mermaid()
+    for edge in session_table.TRANSITIONS:
+        assert f"{edge.source} --> {edge.dest} : {edge.trigger}" in session_table.mermaid()
+    (out / "gateway_session.mmd").unlink()
+    (out / "gateway_session.dot").write_text("digraph stale {}\n")
+    assert sorted(diagram_cli.stale_diagrams(out, None)) == [
+        f"{out / 'gateway_session.dot'} differs from the transition table",
+        f"{out / 'gateway_session.mmd'} is missing",
+    ]

@@ -107,3 +107,34 @@ def test_step_results_unpack_to_observation_and_done() -> None:
 def test_step_results_must_be_three_tuples(result: object) -> None:
     with pytest.raises(EnvironmentContractError, match="3-tuple"):
         unpack_step_result(result)
+
+
+def test_the_one_adapter_reads_a_step_result_or_the_old_3_tuple() -> None:
+    from fsm_rollout.envs.step import EndReason, StepResult, as_step_result
+
+    typed = StepResult("obs", done=True, end=EndReason.SESSION_CLOSED)
+    assert as_step_result(typed) is typed
+    old = as_step_result(("obs", 1, {"reward": 2.0, "truncated": True, "other": "kept"}))
+    assert (old.observation, old.done, old.reward, old.truncated, old.end) == ("obs", True, 2.0, True, None)
+    assert old.info == {"reward": 2.0, "truncated": True, "other": "kept"}
+    assert as_step_result(("obs", False, None)) == StepResult("obs")
+    with pytest.raises(EnvironmentContractError, match=r"info\['truncated'\] must be a bool"):
+        as_step_result(("obs", True, {"truncated": "yes"}))
+    with pytest.raises(EnvironmentContractError, match="must be done"):
+        StepResult(None, end=EndReason.AGENT_TIMEOUT)
+    with pytest.raises(EnvironmentContractError, match="3-tuple"):
+        as_step_result(("obs", True))
+
+
+def test_a_step_result_round_trips_through_its_json() -> None:
+    from fsm_rollout.envs.step import EndReason, NextCall, Rewrite, StepResult
+
+    step = StepResult(
+        [{"role": "user", "content": "hi"}],
+        done=True,
+        reward=1.0,
+        end=EndReason.SESSION_CLOSED,
+        next_call=NextCall({"temperature": 0.5}, Rewrite(({"role": "user", "content": "x"},), None, "messages[0]")),
+        info={"k": [1, 2]},
+    )
+    assert StepResult.from_json(step.to_json()) == step

@@ -123,11 +123,11 @@ def test_every_callback_kind_runs_in_the_same_order(seed: int, on_exception: boo
 
 
 def test_the_lifecycle_is_built_on_the_lean_classes() -> None:
-    from fsm_rollout.rollout import _MACHINE
+    from fsm_rollout.rollout.steps import MACHINE
 
-    assert isinstance(_MACHINE, lifecycle.LifecycleMachine)
-    assert all(isinstance(state, lifecycle.LeanState) for state in _MACHINE.states.values())
-    assert all(isinstance(event, lifecycle.LeanEvent) for event in _MACHINE.events.values())
+    assert isinstance(MACHINE, lifecycle.LifecycleMachine)
+    assert all(isinstance(state, lifecycle.LeanState) for state in MACHINE.states.values())
+    assert all(isinstance(event, lifecycle.LeanEvent) for event in MACHINE.events.values())
 
 
 def test_the_replaced_upstream_methods_are_the_verified_ones() -> None:

@@ -7,7 +7,7 @@ from collections import defaultdict
 import pytest
 
 from fsm_rollout import lifecycle
-from fsm_rollout.rollout import _MACHINE
+from fsm_rollout.rollout.steps import MACHINE
 
 
 def successors() -> dict[str, set[str]]:
@@ -88,7 +88,7 @@ def test_every_terminal_edge_carries_a_reason_except_abort_and_fail() -> None:
 def test_built_machine_mirrors_the_table() -> None:
     built = {
         (source, name, transition.dest)
-        for name, event in _MACHINE.events.items()
+        for name, event in MACHINE.events.items()
         for source, transitions in event.transitions.items()
         for transition in transitions
     }

@@ -19,6 +19,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+import fsm_rollout.multimodal.features as multimodal_features
 from fsm_rollout import multimodal
 from fsm_rollout.errors import (
     FeatureCodecError,
@@ -418,9 +419,9 @@ def test_items_that_cannot_be_concatenated_are_a_multimodal_error() -> None:
 
 @pytest.fixture
 def vllm_codec_cache() -> Iterator[None]:
-    multimodal._vllm_item_decoder.cache_clear()
+    multimodal_features._vllm_item_decoder.cache_clear()
     yield
-    multimodal._vllm_item_decoder.cache_clear()
+    multimodal_features._vllm_item_decoder.cache_clear()
 
 
 def test_vllms_decoder_is_used_when_vllm_is_importable(monkeypatch: pytest.MonkeyPatch, vllm_codec_cache: None) -> None:

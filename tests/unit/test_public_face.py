@@ -19,7 +19,7 @@ PUBLIC_MODULES = frozenset({
     "fsm_rollout.distributed", "fsm_rollout.engine", "fsm_rollout.engine.client", "fsm_rollout.engine.local",
     "fsm_rollout.engine.local.default_model", "fsm_rollout.engine.probe", "fsm_rollout.engine.transport",
     "fsm_rollout.env", "fsm_rollout.envs", "fsm_rollout.envs.calculator", "fsm_rollout.envs.geo3k",
-    "fsm_rollout.envs.grid",
+    "fsm_rollout.envs.grid", "fsm_rollout.envs.step",
     "fsm_rollout.errors", "fsm_rollout.examples", "fsm_rollout.examples.agent_gateway",
     "fsm_rollout.examples.embed_local", "fsm_rollout.examples.grpo",
     "fsm_rollout.examples.grpo_cli", "fsm_rollout.examples.grpo_tiny", "fsm_rollout.gateway", "fsm_rollout.gc_policy",

@@ -161,11 +161,11 @@ def test_a_missing_file_is_a_recording_format_error(tmp_path: Path) -> None:
 
 def test_a_tape_of_another_schema_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "t.tape.jsonl"
-    path.write_bytes(orjson.dumps({"kind": "header", "schema": 3, "run": "r"}) + b"\n")
+    path.write_bytes(orjson.dumps({"kind": "header", "schema": 4, "run": "r"}) + b"\n")
     with pytest.raises(
         SchemaVersionError,
-        match=r"tape schema 3, but this fsm-rollout reads tape schema 2 \(and the "
-        r"older 1\)",
+        match=r"tape schema 4, but this fsm-rollout reads tape schema 3 \(and the "
+        r"older 1, 2\)",
     ):
         read_tape(path)
 

@@ -97,7 +97,7 @@ def test_the_json_keys_are_the_data_fields() -> None:
 
 def test_only_process_objects_are_left_out_of_the_json() -> None:
     live = {item.name for item in dataclasses.fields(RolloutContext)} - {item.name for item in data_fields()}
-    assert live == {"sample", "deps", "env", "observation", "error", "closing"}
+    assert live == {"sample", "deps", "env", "step", "last_turn", "error", "closing"}
 
 
 def test_a_state_missing_a_field_is_damaged() -> None:
@@ -124,14 +124,15 @@ def test_a_version_2_state_reads_with_the_later_fields_at_their_defaults() -> No
         RolloutContext.from_json(state, sample=context.sample, deps=context.deps, sample_id="0")
 
 
-def test_a_version_3_state_from_before_the_truncation_flag_reads_it_as_false() -> None:
+def test_a_version_3_state_from_before_the_typed_step_still_reads() -> None:
     context = every_field_set()
     state = json.loads(json.dumps(context.to_json()))
-    del state["env_truncated"]  # what a handed-back sample carried before environments could end it truncated
+    assert "env_done" not in state and "env_truncated" not in state  # the last step is live now, not resumed
+    state.update(env_done=True, env_truncated=False)  # what a handed-back sample carried before the typed step
     back = RolloutContext.from_json(state, sample=context.sample, deps=context.deps, sample_id="0")
-    assert back.env_truncated is False and back.env_done == context.env_done
-    del state["env_done"]  # a field it had is still required
-    with pytest.raises(ResumeError, match=r"damaged.*env_done"):
+    assert back.step is None and back.state == context.state
+    del state["budget"]  # a field it had is still required
+    with pytest.raises(ResumeError, match=r"damaged.*budget"):
         RolloutContext.from_json(state, sample=context.sample, deps=context.deps, sample_id="0")
 
 
@@ -205,8 +206,8 @@ def test_record_outcome_takes_the_abort_reason_only_for_abort() -> None:
 
 
 def test_the_machine_is_built_from_these_functions() -> None:
-    assert set(steps._GUARDS) == lifecycle.guard_names()
-    assert set(steps._ACTIONS) == lifecycle.action_names() | {"record_outcome"}
+    assert set(steps.GUARDS) == lifecycle.guard_names()
+    assert set(steps.ACTIONS) == lifecycle.action_names() | {"record_outcome"}
 
 
 # ------------------------------------------------------------------ the cancel scope

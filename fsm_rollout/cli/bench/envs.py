@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from fsm_rollout.cli.bench.params import PROMPT, SAMPLING, Settings
-from fsm_rollout.cli.bench.rollouts import _LoopMonitor
+from fsm_rollout.cli.bench.rollouts import LoopMonitor
 
 STEP_S = 0.05
 TURNS = 2
@@ -73,7 +73,7 @@ def _run(url: str, tokenizer: Any, settings: Settings, samples: int, mode: str) 
 
     async def main() -> dict[str, float]:
         client = VLLMClient.from_config(config)
-        monitor = _LoopMonitor()
+        monitor = LoopMonitor()
         rollouts = [
             Rollout(
                 Sample(prompt=PROMPT, index=i),

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm_rollout.cli.bench.params import LATENCY_S, PROMPT
-from fsm_rollout.cli.bench.rollouts import _LoopMonitor
+from fsm_rollout.cli.bench.rollouts import LoopMonitor
 from fsm_rollout.parity import template_token_ids
 
 CALLS = 3
@@ -81,7 +81,7 @@ async def _session(gateway: Any, http: Any, calls: int = CALLS) -> float:
 
 def _timed_encoder(gateway: Any) -> Callable[[], float]:
     """Time spent in the observation encoder (the chat template), read as a running total."""
-    encoder = gateway.runner._encoder
+    encoder = gateway.runner.encoder
     spent = [0.0]
     encode = encoder.encode
 
@@ -149,7 +149,7 @@ async def bench_per_call(url: str, tokenizer: Any, sessions: int) -> dict[str, f
 async def bench_concurrent(url: str, tokenizer: Any, sessions: int, *, paced: bool = True) -> dict[str, float]:
     """``sessions`` agents at once, in a child process (:mod:`.gateway_agents`), against a gateway in this one."""
     async with _gateway(url, tokenizer, paced=paced) as gateway:
-        monitor = _LoopMonitor()
+        monitor = LoopMonitor()
         monitor.start()
         wall, cpu = time.perf_counter(), time.process_time()
         agents = await asyncio.create_subprocess_exec(

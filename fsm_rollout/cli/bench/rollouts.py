@@ -26,7 +26,7 @@ def _rss_bytes() -> int:
         return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-class _LoopMonitor:
+class LoopMonitor:
     """Samples event-loop lag (how late a short sleep wakes up) and the process RSS while a workload runs."""
 
     def __init__(self, interval: float = 0.005) -> None:
@@ -113,7 +113,7 @@ def run_rollouts(
 
     async def main() -> dict[str, float]:
         client = VLLMClient.from_config(config)
-        monitor = _LoopMonitor()
+        monitor = LoopMonitor()
         gc.collect()
         rss_before = _rss_bytes()
         factory = ScriptedEnvFactory()
