@@ -2,8 +2,8 @@
 
 Each sample's lifecycle (``pending → rendered → generating → stepping → observing → …``, ending ``completed``,
 ``truncated``, ``aborted`` or ``failed``; ``suspended`` while a weight update runs) is a ``transitions`` machine
-built from the table in :mod:`fsm_rollout.lifecycle`; its callbacks talk to vLLM's token-in/token-out endpoints and
-step the environment.
+built from the table in :mod:`fsm_rollout.machine.lifecycle`; its callbacks talk to vLLM's token-in/token-out endpoints
+and step the environment.
 
 The names here are the library's public face: running rollouts (:class:`RolloutRunner`, :class:`RolloutConfig`,
 :class:`Sample`, and :class:`RolloutService`, the surface the runner and the Ray pool share), the extension points
@@ -24,20 +24,20 @@ from fsm_rollout._version import __version__ as __version__
 from fsm_rollout.config import RetryPolicy, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.engine.transport import AiohttpTransport, Transport
-from fsm_rollout.env import Environment
+from fsm_rollout.envs.protocol import Environment
 from fsm_rollout.envs.step import StepResult, Turn
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.hooks import RolloutHooks
-from fsm_rollout.metrics import MetricsSnapshot
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.rollout.handle import RolloutHandle
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.runtime.metrics import MetricsSnapshot
+from fsm_rollout.runtime.runner import RolloutRunner
+from fsm_rollout.runtime.service import RolloutService
 from fsm_rollout.sample import Sample, Status, training_sequences
-from fsm_rollout.service import RolloutService
-from fsm_rollout.suspension import Suspender, weight_staleness
-from fsm_rollout.template_probe import TemplateReport, choose_history_policy, probe_template
+from fsm_rollout.tokens.template_probe import TemplateReport, choose_history_policy, probe_template
 from fsm_rollout.trace import capture_transitions, get_tracer
 from fsm_rollout.training import MismatchInputError, MismatchReport, TokenTree, mismatch, training_tree
+from fsm_rollout.weights.suspension import Suspender, weight_staleness
 
 if TYPE_CHECKING:
     from fsm_rollout.distributed import RayRolloutPool

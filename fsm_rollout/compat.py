@@ -32,12 +32,12 @@ from typing import Any
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.errors import ResumeError as ResumeError  # re-exported: what resuming a handed-back sample raises
-from fsm_rollout.loop_shutdown import at_loop_shutdown
 from fsm_rollout.multimodal import load_image_processor
-from fsm_rollout.resume_state import discard_suspended as discard_suspended  # re-exported for trainers
 from fsm_rollout.rollout import Rollout
+from fsm_rollout.runtime.loop_shutdown import at_loop_shutdown
 from fsm_rollout.sample import PrefixCacheInfo, Sample, SpecInfo, Status
-from fsm_rollout.suspension import HandBack, Suspender
+from fsm_rollout.weights.resume_state import discard_suspended as discard_suspended  # re-exported for trainers
+from fsm_rollout.weights.suspension import HandBack, Suspender
 
 _LOCK = threading.Lock()
 _TOKENIZERS: dict[str, tuple[Any, Any]] = {}
@@ -130,8 +130,8 @@ async def close_clients() -> None:
     """Close the HTTP clients ``generate`` opened in the running event loop.
 
     Optional: they are also closed when the loop shuts down (``asyncio.run`` and ``asyncio.Runner`` do that) or at
-    interpreter exit if it is still open (see :mod:`fsm_rollout.loop_shutdown`). Call it before closing a loop by
-    hand without ``loop.shutdown_asyncgens()``.
+    interpreter exit if it is still open (see :mod:`fsm_rollout.runtime.loop_shutdown`). Call it before closing a loop
+    by hand without ``loop.shutdown_asyncgens()``.
     """
     # The loop keeps its (now empty) entry: its shutdown hook is registered once, however often this is called.
     clients = _CLIENTS.get(asyncio.get_running_loop(), {})

@@ -65,7 +65,7 @@ class RolloutConfig:
 
     ``engine_url`` is the vLLM server or router base URL (``http://host:port``). ``model`` is the served model name
     sent with every render request (the seed's ``hf_checkpoint``). ``tokenizer_path`` is where the local tokenizer
-    is loaded from; without it :class:`~fsm_rollout.runner.RolloutRunner` asks the engine (``GET /v1/models``:
+    is loaded from; without it :class:`~fsm_rollout.runtime.runner.RolloutRunner` asks the engine (``GET /v1/models``:
     the tokenizer it names, else its model path, else ``model``) and loads that from local files only, never from
     the hub. ``trust_remote_code`` lets a tokenizer or processor that ships its own Python code run it (off: a
     path someone typed should not run code from that repository). ``rollout_max_context_len`` and the sampling
@@ -74,9 +74,9 @@ class RolloutConfig:
     ``api_key`` is sent as ``Authorization: Bearer …`` on every engine request and is never written to a trace,
     tape, result or message.
 
-    Weight updates (:meth:`RolloutRunner.weight_update <fsm_rollout.runner.RolloutRunner.weight_update>`) suspend the
-    rollouts and resume them without losing a token. ``weight_update_strategy`` says how: ``"abort"`` aborts the
-    requests in flight at the engine and continues each turn from the tokens it had (any vLLM with the scale-out
+    Weight updates (:meth:`RolloutRunner.weight_update <fsm_rollout.runtime.runner.RolloutRunner.weight_update>`)
+    suspend the rollouts and resume them without losing a token. ``weight_update_strategy`` says how: ``"abort"`` aborts
+    the requests in flight at the engine and continues each turn from the tokens it had (any vLLM with the scale-out
     endpoints), ``"keep"`` has the engine freeze them (``/pause?mode=keep``, vLLM with ``VLLM_SERVER_DEV_MODE=1``).
     Environments: their methods (and ``build_env``) may be coroutine functions; synchronous ones run inline unless
     ``env_executor="thread"`` runs them in a pool of ``env_max_workers`` threads (created on first use), so a slow
@@ -105,9 +105,9 @@ class RolloutConfig:
 
     Two options change the whole process, so they are off unless asked for (``fsm-rollout run`` and ``bench`` turn
     them on): ``loop_slice_ms`` is the event-loop time per iteration that rollouts' CPU work aims to stay within when
-    many share a loop (:mod:`fsm_rollout.pacing`; ``None``, the default, turns pacing off), and ``tune_gc`` tunes
-    Python's garbage collector while rollouts run: small, cache-warm young collections, and full ones deferred
-    (:mod:`fsm_rollout.gc_policy`).
+    many share a loop (:mod:`fsm_rollout.runtime.pacing`; ``None``, the default, turns pacing off), and ``tune_gc``
+    tunes Python's garbage collector while rollouts run: small, cache-warm young collections, and full ones deferred
+    (:mod:`fsm_rollout.runtime.gc_policy`).
     """
 
     engine_url: str

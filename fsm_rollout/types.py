@@ -36,7 +36,7 @@ class TurnMeta:
 
     ``routed_expert_spans`` says, for a turn merged from several requests, which request and weight version each
     run of ``routed_experts`` rows came from, as ``(request_id, version, start_row, end_row)``
-    (:func:`fsm_rollout.partial_turn.merge_turns`); None for a turn of one request.
+    (:func:`fsm_rollout.weights.partial_turn.merge_turns`); None for a turn of one request.
     """
 
     finish_reason: Finish
@@ -60,7 +60,7 @@ class GeneratedTurn:
 
     For ``finish == "abort"`` the tokens and logprobs are what the engine produced before the abort (vLLM sends
     them), or empty when the answer has none that parse. A turn continued after a suspension is the merge of its
-    answers (:mod:`fsm_rollout.partial_turn`).
+    answers (:mod:`fsm_rollout.weights.partial_turn`).
 
     ``top_logprobs`` holds each token's top candidates when the request asked for them (an agent's
     ``top_logprobs``), else None; they are only handed to whoever asked, never stored on the sample.

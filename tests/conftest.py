@@ -148,7 +148,7 @@ def run_rollout(make_rollout: Callable[..., tuple[Rollout, ScriptedEnvFactory]])
 
 def illegal_steps(events: list[dict[str, Any]]) -> list[str]:
     """Problems with the traced paths: every transition an edge of the table, consecutive, ending terminal."""
-    from fsm_rollout import lifecycle
+    from fsm_rollout.machine import lifecycle
 
     edges = {(edge.source, edge.trigger, edge.dest) for edge in lifecycle.TRANSITIONS}
     state_of: dict[str, str] = {}

@@ -18,10 +18,10 @@ from typing import Any
 import orjson
 
 from fsm_rollout import Sample, Status
-from fsm_rollout.metrics import MetricsSnapshot
-from fsm_rollout.service import RolloutService
-from fsm_rollout.suspension import SuspendStats
+from fsm_rollout.runtime.metrics import MetricsSnapshot
+from fsm_rollout.runtime.service import RolloutService
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
+from fsm_rollout.weights.suspension import SuspendStats
 
 ONE_TURN = {"scripted_env": {"steps": [["ok", True]]}}
 """Sample metadata whose scripted environment ends the episode after the first turn (env ``fsm_rollout.testing.

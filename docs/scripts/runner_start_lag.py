@@ -26,7 +26,7 @@ PERIOD_S = 0.005
 async def enter_once() -> list[float]:
     """The lateness (seconds) of every tick of a 5 ms ticker while a runner enters (and nothing else runs)."""
     from fsm_rollout import RolloutConfig
-    from fsm_rollout.runner import RolloutRunner
+    from fsm_rollout.runtime.runner import RolloutRunner
     from fsm_rollout.testing.envs import ScriptedEnvFactory
     from fsm_rollout.testing.fake_vllm import FakeVLLMServer
     from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir

@@ -14,10 +14,10 @@ environment's reward).
 from __future__ import annotations
 
 from fsm_rollout.adapters.trl_rollout import env_reward, trl_rollout_func
-from fsm_rollout.env_adapters.gym import gym_env, gym_samples
-from fsm_rollout.env_adapters.skyrl import skyrl_env
-from fsm_rollout.env_adapters.trl import trl_env
-from fsm_rollout.env_adapters.verifiers import verifiers_env, verifiers_samples
+from fsm_rollout.envs.adapters.gym import gym_env, gym_samples
+from fsm_rollout.envs.adapters.skyrl import skyrl_env
+from fsm_rollout.envs.adapters.trl import trl_env
+from fsm_rollout.envs.adapters.verifiers import verifiers_env, verifiers_samples
 
 __all__ = [
     "env_reward",

@@ -136,7 +136,7 @@ def trl_rollout_func(
     ``sampling_params``, ``tokenizer``, ``env_factory`` and ``engine_urls`` (a list, or one URL as a string), after
     pushing the trainer's weights when its step changed (``weight_sync``: ``"update_weights"``, a callable
     ``(trainer, version)`` or None; see :mod:`fsm_rollout.adapters.trl_weights`), as the module docstring says."""
-    from fsm_rollout.runner import RolloutRunner
+    from fsm_rollout.runtime.runner import RolloutRunner
     from fsm_rollout.sample import Sample
 
     urls = engine_url_list(engine_urls)

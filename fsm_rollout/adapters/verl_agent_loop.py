@@ -53,7 +53,7 @@ from fsm_rollout.engine.serving import (
     parse_render_request,
     render_answer,
 )
-from fsm_rollout.env import load_env_factory
+from fsm_rollout.envs.protocol import load_env_factory
 from fsm_rollout.errors import EngineHTTPError, RolloutError
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import Sample

@@ -1,6 +1,6 @@
 """``fsm-rollout diagram``: the checked-in lifecycle diagrams and the documents' generated sections, kept in step.
 
-The command writes three files from :mod:`fsm_rollout.lifecycle` with :mod:`fsm_rollout.diagrams`:
+The command writes three files from :mod:`fsm_rollout.machine.lifecycle` with :mod:`fsm_rollout.machine.diagrams`:
 
 ``lifecycle.mmd``  the Mermaid ``stateDiagram-v2`` (the README embeds the same text);
 ``lifecycle.dot``  the Graphviz source;
@@ -15,8 +15,8 @@ only: ``docs/cli.md`` is always the checkout's, so pointing the README elsewhere
 
 Staleness: the Mermaid text, the DOT text and the README sections are compared byte for byte, but an SVG's bytes
 depend on the graphviz version and the installed fonts. So an SVG counts as up to date when the DOT hash it records
-(:data:`fsm_rollout.diagrams.PROVENANCE`) is the hash of the DOT text the table gives now and it draws that text's
-nodes and edges. Neither writing nor checking re-renders an up-to-date SVG, so neither needs ``dot`` then; delete
+(:data:`fsm_rollout.machine.diagrams.PROVENANCE`) is the hash of the DOT text the table gives now and it draws that
+text's nodes and edges. Neither writing nor checking re-renders an up-to-date SVG, so neither needs ``dot`` then; delete
 the SVG to force a re-render (after a graphviz upgrade, say).
 """
 
@@ -34,7 +34,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fsm_rollout.cli import docs
-from fsm_rollout.diagrams import (
+from fsm_rollout.gateway.session_table import diagram_files as session_diagram_files
+from fsm_rollout.machine.diagrams import (
     PROVENANCE,
     DiagramError,
     Overlay,
@@ -45,7 +46,6 @@ from fsm_rollout.diagrams import (
     read_trace,
     render_svg,
 )
-from fsm_rollout.gateway.session_table import diagram_files as session_diagram_files
 
 COMMAND = "fsm-rollout diagram"
 """The command that regenerates the checked-in diagrams (named in staleness messages)."""
@@ -61,7 +61,7 @@ OVERLAY_FORMATS = (".mmd", ".dot", ".gv", ".svg")
 
 EPILOG = """\
 Without --trace it writes lifecycle.mmd, lifecycle.dot and lifecycle.svg from the table in
-fsm_rollout/lifecycle.py (the SVG needs Graphviz's `dot`, and only when it is out of date), and the generated
+fsm_rollout/machine/lifecycle.py (the SVG needs Graphviz's `dot`, and only when it is out of date), and the generated
 sections of the checkout's README.md (the lifecycle diagram, the lifecycle table and the layout map) and
 docs/cli.md (this command-line reference). --readme PATH and --no-readme choose the README only; docs/cli.md is
 always the checkout's. Outside a checkout neither is touched. --check writes nothing and exits 1 when anything is
@@ -186,7 +186,7 @@ def _svg_graph(svg_text: str) -> tuple[frozenset[str], Counter[str]]:
 
 
 def _dot_graph(dot_text: str) -> tuple[frozenset[str], Counter[str]]:
-    """The node names and edges (``a->b``, counted) of DOT text :func:`fsm_rollout.diagrams.dot` wrote."""
+    """The node names and edges (``a->b``, counted) of DOT text :func:`fsm_rollout.machine.diagrams.dot` wrote."""
     nodes = {name for name in _DOT_NODE.findall(dot_text) if name not in ("graph", "node", "edge")}
     edges = Counter(f"{source}->{dest}" for source, dest in _DOT_EDGE.findall(dot_text))
     return frozenset(nodes), edges
@@ -335,7 +335,7 @@ def checkout_root(start: Path | None = None) -> Path | None:
     here = (start or Path.cwd()).resolve()
     for directory in (here, *here.parents):
         pyproject = directory / "pyproject.toml"
-        if not (pyproject.is_file() and (directory / "fsm_rollout" / "lifecycle.py").is_file()):
+        if not (pyproject.is_file() and (directory / "fsm_rollout" / "machine" / "lifecycle.py").is_file()):
             continue
         try:
             project = tomllib.loads(pyproject.read_text()).get("project", {})

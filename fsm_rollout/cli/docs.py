@@ -1,6 +1,6 @@
 """The generated reference texts: the README's lifecycle table and layout map, and docs/cli.md's command line.
 
-All are made from what the code runs (the transition table in :mod:`fsm_rollout.lifecycle`, the parsers of
+All are made from what the code runs (the transition table in :mod:`fsm_rollout.machine.lifecycle`, the parsers of
 :mod:`fsm_rollout.cli`, the package's modules and their docstrings), and ``fsm-rollout diagram`` writes them between
 their markers, so the documents cannot describe a table, an option or a module that is not there. The output
 depends on nothing but the code (not on the terminal width or the Python version's help layout), so a check on
@@ -15,8 +15,8 @@ import re
 import textwrap
 from pathlib import Path
 
-from fsm_rollout import lifecycle
-from fsm_rollout.diagrams import catch_all_groups
+from fsm_rollout.machine import lifecycle
+from fsm_rollout.machine.diagrams import catch_all_groups
 
 SYNOPSIS_WIDTH = 100
 """Where the synopsis lines wrap."""

@@ -106,7 +106,7 @@ async def serve(args: argparse.Namespace, *, ready: Callable[[str], None] | None
     """Run the gateway until SIGINT/SIGTERM; ``ready(url)`` is called once it listens."""
     from fsm_rollout.cli.run import engine_for
     from fsm_rollout.gateway import AgentGateway
-    from fsm_rollout.runner import RolloutRunner
+    from fsm_rollout.runtime.runner import RolloutRunner
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

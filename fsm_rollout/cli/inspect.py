@@ -177,7 +177,7 @@ def render_summary(name: str, summary: BatchSummary, problems: Sequence[LineProb
                 f"{percentile(values, 0.95):>9.0f}{max(values):>9.0f}"
             )
     lines += ["", f"{'dwell per state (ms)':<20}{'n':>7}{'p50':>10}{'p95':>10}"]
-    from fsm_rollout.lifecycle import STATE_BY_NAME
+    from fsm_rollout.machine.lifecycle import STATE_BY_NAME
 
     order = list(STATE_BY_NAME)
     for state in sorted(summary.dwell_ms, key=lambda name: (order.index(name) if name in order else len(order), name)):

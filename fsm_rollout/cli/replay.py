@@ -10,8 +10,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsm_rollout import lifecycle
 from fsm_rollout.cli.common import use_color
+from fsm_rollout.machine import lifecycle
 
 EXIT_UNUSABLE = 2
 

@@ -39,7 +39,7 @@ from fsm_rollout.cli.run_report import (
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.recording import tape_path_for
-from fsm_rollout.runner import MetricsSnapshot, RolloutRunner, group_members
+from fsm_rollout.runtime.runner import MetricsSnapshot, RolloutRunner, group_members
 from fsm_rollout.sample import Sample
 
 DEMO_ENV = "fsm_rollout.envs.geo3k"
@@ -204,8 +204,8 @@ def _env_args(text: str) -> dict[str, Any]:
 def _env_factory(args: argparse.Namespace) -> Any:
     """The environment ``--env`` (and ``--env-args``) name, resolved before anything starts: a wrong one is an error
     in a second, not one per sample once the engine runs."""
-    from fsm_rollout.env import load_env_factory, load_env_module
-    from fsm_rollout.env_adapters.spec import ENV_ARGS_FORMS, factory_from_spec, is_adapter_spec
+    from fsm_rollout.envs.adapters.spec import ENV_ARGS_FORMS, factory_from_spec, is_adapter_spec
+    from fsm_rollout.envs.protocol import load_env_factory, load_env_module
 
     target = args.env or DEMO_ENV
     if args.env_args is None:
@@ -216,14 +216,14 @@ def _env_factory(args: argparse.Namespace) -> Any:
 
 
 def _load_samples(args: argparse.Namespace, env_factory: Any = None) -> tuple[list[Sample], int]:
-    from fsm_rollout.dataset import load_jsonl
-    from fsm_rollout.env_adapters.spec import is_adapter_spec, samples_from_spec
+    from fsm_rollout.envs.adapters.spec import is_adapter_spec, samples_from_spec
+    from fsm_rollout.runtime.dataset import load_jsonl
 
     if args.data is None and args.env is not None and is_adapter_spec(args.env):  # the environment's own dataset
         return samples_from_spec(args.env, env_factory, limit=args.limit), 0
     if args.data is None:
         from fsm_rollout.data.demo import demo_samples
-        from fsm_rollout.env import load_env_module
+        from fsm_rollout.envs.protocol import load_env_module
 
         # an environment that brings its own demo prompts (fsm_rollout.envs.grid) runs them; the demo's runs the
         # Geo3K questions; any other needs --data (the Geo3K questions would be graded by the wrong environment)
@@ -250,7 +250,7 @@ def _groups(samples: Sequence[Sample], args: argparse.Namespace) -> tuple[list[S
                                                                           list[int | None]]:  # fmt: skip
     """Each prompt's group members in order, their trace names and, with ``--seed S``, member ``m``'s seed
     ``S + m`` (a group is reproducible and its members still differ); one sample a prompt stays as it was."""
-    from fsm_rollout.env_adapters.spec import is_adapter_spec
+    from fsm_rollout.envs.adapters.spec import is_adapter_spec
 
     demo = args.data is None and not (args.env is not None and is_adapter_spec(args.env))
     n = args.n_samples_per_prompt or (DEMO_SAMPLES_PER_PROMPT if demo else 1)
@@ -537,7 +537,7 @@ def _policy_line(requested: str, chosen: str | None, tokenizer: Any, template_kw
     if chosen == "append":
         why = "the chat template writes history as the rollout holds it and cuts each observation's boundary"
     else:
-        from fsm_rollout.template_probe import probe_template
+        from fsm_rollout.tokens.template_probe import probe_template
 
         why = probe_template(tokenizer, None, template_kwargs, roles=("user",)).describe(("user",))
     return f"history policy: auto chose {chosen} ({why}; samples with tools are probed with their tools)"
@@ -545,7 +545,7 @@ def _policy_line(requested: str, chosen: str | None, tokenizer: Any, template_kw
 
 def main(args: argparse.Namespace) -> int:
     """Run ``fsm-rollout run``."""
-    from fsm_rollout.dataset import DatasetError
+    from fsm_rollout.runtime.dataset import DatasetError
 
     problem = option_problem(args)
     if problem is None and args.record and args.trace is None:

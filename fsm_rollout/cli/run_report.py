@@ -12,8 +12,8 @@ import orjson
 
 from fsm_rollout.cli.preflight import one_line
 from fsm_rollout.cli.report import default_output as report_path_for
-from fsm_rollout.metrics import MetricsSnapshot
-from fsm_rollout.runner import NOT_STARTED
+from fsm_rollout.runtime.metrics import MetricsSnapshot
+from fsm_rollout.runtime.runner import NOT_STARTED
 from fsm_rollout.sample import Sample, Status
 
 

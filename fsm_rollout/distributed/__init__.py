@@ -1,4 +1,4 @@
-"""Rollout workers beyond one process: :class:`RayRolloutPool` runs :class:`~fsm_rollout.runner.RolloutRunner`
+"""Rollout workers beyond one process: :class:`RayRolloutPool` runs :class:`~fsm_rollout.runtime.runner.RolloutRunner`
 instances as Ray actors (the optional extra ``fsm-rollout[ray]``).
 
 Importing this package imports no Ray; the pool imports it when it starts.

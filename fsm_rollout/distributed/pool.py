@@ -16,10 +16,10 @@ from typing import Any
 from fsm_rollout.config import RolloutConfig, build_inference_sampling_params
 from fsm_rollout.distributed.worker import RolloutWorker, config_to_data, worker_trace_path
 from fsm_rollout.errors import ConfigError, PoolError, RolloutError
-from fsm_rollout.metrics import MetricsSnapshot, PoolMetricsSnapshot, combine_metrics, combine_suspensions
-from fsm_rollout.runner import group_members, group_seeds
+from fsm_rollout.runtime.metrics import MetricsSnapshot, PoolMetricsSnapshot, combine_metrics, combine_suspensions
+from fsm_rollout.runtime.runner import group_members, group_seeds
 from fsm_rollout.sample import Sample, Status
-from fsm_rollout.suspension import SuspendStats
+from fsm_rollout.weights.suspension import SuspendStats
 
 _LOG = logging.getLogger(__name__)
 
@@ -68,13 +68,14 @@ class _Batch:
 
 
 class RayRolloutPool:
-    """Rollout workers on Ray: ``num_workers`` actors, each hosting one :class:`~fsm_rollout.runner.RolloutRunner`
-    with its own HTTP pool, tokenizer and environment module; use it as an async context manager::
+    """Rollout workers on Ray: ``num_workers`` actors, each hosting one
+    :class:`~fsm_rollout.runtime.runner.RolloutRunner` with its own HTTP pool, tokenizer and environment module; use it
+    as an async context manager::
 
         async with RayRolloutPool(config, sampling_params=sampling, num_workers=4) as pool:
             samples = await pool.run_batch(samples, concurrency=64)
 
-    It has the runner's surface (:class:`~fsm_rollout.service.RolloutService`): :meth:`run`, :meth:`run_batch`
+    It has the runner's surface (:class:`~fsm_rollout.runtime.service.RolloutService`): :meth:`run`, :meth:`run_batch`
     (input order), :meth:`stream` (as they finish), :meth:`run_group`, with the runner's ``sample_ids``, ``seeds``
     and ``seed``; :meth:`abort`, :meth:`suspend`/:meth:`resume`/:meth:`weight_update` (on every worker; each
     returns once every worker has), :attr:`last_suspension`, :attr:`in_flight` and :meth:`metrics`, summed over
@@ -243,7 +244,7 @@ class RayRolloutPool:
     ) -> list[Sample]:
         """Run samples over the workers (at most ``concurrency`` in flight on each); returns them in input order.
         ``sample_ids`` and ``seeds`` name and seed them by position, as :meth:`RolloutRunner.run_batch
-        <fsm_rollout.runner.RolloutRunner.run_batch>` does."""
+        <fsm_rollout.runtime.runner.RolloutRunner.run_batch>` does."""
         batch = self._dispatch(list(samples), sample_ids, seeds, concurrency)
         return await _in_order(batch)
 
@@ -264,7 +265,7 @@ class RayRolloutPool:
         self, sample: Sample, n: int, *, concurrency: int | None = None, seed: int | None = None
     ) -> list[Sample]:
         """Run ``n`` copies of a sample (a GRPO group) over the workers, as :meth:`RolloutRunner.run_group
-        <fsm_rollout.runner.RolloutRunner.run_group>` makes and seeds them; returns them in member order."""
+        <fsm_rollout.runtime.runner.RolloutRunner.run_group>` makes and seeds them; returns them in member order."""
         copies, ids = group_members(sample, n)
         seeds = group_seeds(seed, len(copies))
         return await _in_order(self._dispatch(copies, ids, seeds, concurrency or n))
@@ -365,7 +366,7 @@ class RayRolloutPool:
 
     async def suspend(self, reason: str = "weight_update") -> None:
         """Suspend every worker's rollouts (see :meth:`RolloutRunner.suspend
-        <fsm_rollout.runner.RolloutRunner.suspend>`); returns once every worker has."""
+        <fsm_rollout.runtime.runner.RolloutRunner.suspend>`); returns once every worker has."""
         self._note_suspension(await self._on_every_worker("suspend", reason))
 
     async def resume(self) -> None:

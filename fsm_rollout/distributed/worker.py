@@ -1,4 +1,4 @@
-"""The body of one Ray rollout worker: a :class:`~fsm_rollout.runner.RolloutRunner` in an async actor.
+"""The body of one Ray rollout worker: a :class:`~fsm_rollout.runtime.runner.RolloutRunner` in an async actor.
 
 Everything crossing the actor boundary is data: the configuration as :func:`config_to_data` writes it, samples as
 ``Sample.to_dict()``, metrics as plain dicts. The worker loads its own tokenizer, environment module and HTTP pool
@@ -16,7 +16,7 @@ from typing import Any
 
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import ConfigError
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.sample import Sample
 
 Finished = tuple[int, dict[str, Any]]

@@ -37,7 +37,6 @@ from typing import Any, Final, Literal
 
 import orjson
 
-from fsm_rollout.chat_messages import template_messages
 from fsm_rollout.engine.schema import (
     PAUSE_MODES,
     GenerateAnswer,
@@ -70,6 +69,7 @@ from fsm_rollout.engine.schema import (
     stop_strings,
     stop_token_ids,
 )
+from fsm_rollout.tokens.chat_messages import template_messages
 from fsm_rollout.types import Finish
 
 __all__ = [
@@ -167,7 +167,7 @@ def parse_render_request(body: Mapping[str, Any], served_model_name: str) -> Ren
     """Check a render body (an OpenAI ``ChatCompletionRequest``): the model, the messages (OpenAI's message schema
     as vLLM validates it: tool-call arguments are JSON strings), ``tools``, ``chat_template_kwargs``, the
     generation-prompt flags and ``mm_payload``. The messages come back in the template form vLLM hands its chat
-    template (tool-call arguments decoded: :func:`~fsm_rollout.chat_messages.template_messages`)."""
+    template (tool-call arguments decoded: :func:`~fsm_rollout.tokens.chat_messages.template_messages`)."""
     check_model(body, served_model_name)
     messages = message_list(body)
     for index, message in enumerate(messages):

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsm_rollout.envs.geo3k import extract_boxed
-from fsm_rollout.tool_calls import parse_tool_calls
+from fsm_rollout.tokens.tool_calls import parse_tool_calls
 
 TOOL_NAME = "calculator"
 TOOLS: list[dict[str, Any]] = [

@@ -1,7 +1,7 @@
 """The built-in Geo3K environment: the model submits a geometry answer through a ``calc_score`` tool call.
 
 Load it with ``--env fsm_rollout.envs.geo3k`` (or ``env_path="fsm_rollout.envs.geo3k"``); the module exposes
-``build_env(*, sample, args)`` as the environment protocol (:mod:`fsm_rollout.env`) asks.
+``build_env(*, sample, args)`` as the environment protocol (:mod:`fsm_rollout.envs.protocol`) asks.
 
 **Building.** ``build_env`` takes the ground truth from ``sample.label`` and the turn limit from
 ``args.max_turns`` (a ``RolloutConfig`` or a slime/vime argument namespace). A missing or empty label, or a
@@ -13,7 +13,8 @@ sample.
     <tool_call>{"name": "calc_score", "arguments": {"answer": "12\\pi"}}</tool_call>
 
 ``calc_geo3k_reward`` is accepted as the same tool. ``arguments`` may also be a JSON string holding that object;
-``answer`` may be a string or a number. Blocks are read by :func:`fsm_rollout.tool_calls.parse_tool_calls`. Only the
+``answer`` may be a string or a number. Blocks are read by :func:`fsm_rollout.tokens.tool_calls.parse_tool_calls`. Only
+the
 **last** ``<tool_call>`` in a turn counts; an unclosed last ``<tool_call>`` (generation stopped on
 ``</tool_call>``) is read to the end of the text, and an unclosed one followed by another ``<tool_call>`` ends
 where that one starts. LaTeX written with single backslashes inside the JSON (``"\\frac{1}{2}"`` as the model
@@ -64,7 +65,7 @@ import re
 from typing import Any
 
 from fsm_rollout.errors import ConfigError
-from fsm_rollout.tool_calls import ToolCall, ToolCallProblem, parse_tool_calls
+from fsm_rollout.tokens.tool_calls import ToolCall, ToolCallProblem, parse_tool_calls
 
 __all__ = [
     "TOOL_CALL_EXAMPLE",

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsm_rollout.errors import EnvironmentContractError
-from fsm_rollout.tool_calls import ToolCall
+from fsm_rollout.tokens.tool_calls import ToolCall
 
 __all__ = ["EndReason", "NextCall", "Rewrite", "StepResult", "Turn", "accepts_turn", "as_step_result"]
 

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from fsm_rollout import Sample
 from fsm_rollout.envs.geo3k import CORRECT_FEEDBACK, INCORRECT_FEEDBACK, answers_match, parse_number
-from fsm_rollout.tool_calls import parse_tool_calls
+from fsm_rollout.tokens.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
     import torch
 
-    from fsm_rollout.runner import RolloutRunner
+    from fsm_rollout.runtime.runner import RolloutRunner
 
 __all__ = [
     "DEFAULT_KINDS",

@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fsm_rollout.chat_messages import wire_tool_call
+from fsm_rollout.tokens.chat_messages import wire_tool_call
 
 __all__ = [
     "ChatCall",
@@ -304,7 +304,7 @@ def _tool_call(where: str, call: Any) -> dict[str, Any]:
 def render_message(message: Mapping[str, Any]) -> dict[str, Any]:
     """A checked message as the rollout sends it to the engine's render: OpenAI's wire form, tool-call arguments as
     JSON strings (vLLM refuses objects; it decodes them for the template itself, as local renders do with
-    :func:`fsm_rollout.chat_messages.template_messages`)."""
+    :func:`fsm_rollout.tokens.chat_messages.template_messages`)."""
     out = {key: value for key, value in message.items() if key != "tool_calls"}
     if out.get("content") is None:
         out["content"] = ""

@@ -29,7 +29,7 @@ import orjson
 import structlog
 from aiohttp import web
 
-from fsm_rollout.env import EnvFactory
+from fsm_rollout.envs.protocol import EnvFactory
 from fsm_rollout.errors import ConfigError
 from fsm_rollout.gateway.openai_wire import (
     GatewayError,
@@ -41,8 +41,8 @@ from fsm_rollout.gateway.openai_wire import (
     without_stop_string,
 )
 from fsm_rollout.gateway.session import GatewaySession, SessionEnvironment, TokenText
-from fsm_rollout.pacing import LoopPacer, pacer_for
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.runtime.pacing import LoopPacer, pacer_for
+from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.sample import Sample
 
 __all__ = ["AgentGateway"]
@@ -66,8 +66,8 @@ class AgentGateway:
     are the runner's environment, so the runner must not have an ``env_factory`` of its own; its config is used
     with ``router_policy="consistent_hash"`` (every request carries ``x-session-id``) and without an environment
     step limit (an agent's pause between calls is bounded by ``session_idle_timeout_s`` instead). Under the
-    config's ``loop_slice_ms`` the HTTP handlers share the rollouts' pacer (:mod:`fsm_rollout.pacing`): a burst of
-    agents' calls starts a few per loop iteration, so the loop stays responsive.
+    config's ``loop_slice_ms`` the HTTP handlers share the rollouts' pacer (:mod:`fsm_rollout.runtime.pacing`): a burst
+    of agents' calls starts a few per loop iteration, so the loop stays responsive.
     """
 
     def __init__(

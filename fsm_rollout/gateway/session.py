@@ -36,11 +36,11 @@ from fsm_rollout.gateway.conversation import Extension, compare_history
 from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer, render_message
 from fsm_rollout.sample import Sample
 from fsm_rollout.sample.branches import training_sequences
-from fsm_rollout.tool_calls import parse_tool_calls
+from fsm_rollout.tokens.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
     from fsm_rollout.rollout.handle import RolloutHandle
-    from fsm_rollout.runner import RolloutRunner
+    from fsm_rollout.runtime.runner import RolloutRunner
 
 __all__ = ["GatewaySession", "SessionEnvironment", "TokenText"]
 

@@ -1,6 +1,6 @@
 """A gateway session's lifecycle as data: its states, triggers, guards and actions by name, and the machine.
 
-Read it like the rollout's table (:mod:`fsm_rollout.lifecycle`): each trigger's edges from a state are tried in
+Read it like the rollout's table (:mod:`fsm_rollout.machine.lifecycle`): each trigger's edges from a state are tried in
 order, the first whose guard holds is taken, and its actions run as part of the transition. The session
 (:class:`~fsm_rollout.gateway.session.GatewaySession`) fires ``call`` for each chat call of the agent,
 ``answered`` when the rollout hands a turn to its environment, ``idle`` when the agent stays silent past the
@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from fsm_rollout.lifecycle import Edge, StateSpec
+from fsm_rollout.machine.lifecycle import Edge, StateSpec
 
 __all__ = [
     "INITIAL",

@@ -10,7 +10,7 @@ The rules, with the seed's fragile spots made strict:
   an :class:`~fsm_rollout.errors.ImageInputError` naming the sample and the image index
   (:mod:`~fsm_rollout.multimodal.images`).
 * The render answer's ``features.kwargs_data["image"]`` items are decoded into training tensors with vLLM's codec
-  when it is importable, else with :mod:`fsm_rollout.mm_codec` (same wire format, bit-identical tensors)
+  when it is importable, else with :mod:`fsm_rollout.multimodal.codec` (same wire format, bit-identical tensors)
   (:mod:`~fsm_rollout.multimodal.features`).
 * The image placeholder tokens must number ``sum(t*h*w) / merge_size**2``. The placeholder token is configurable;
   a text-only sample never fails because the tokenizer lacks it (:mod:`~fsm_rollout.multimodal.image_tokens`).

@@ -1,6 +1,6 @@
 """Training features from render answers: ``features.kwargs_data["image"]`` items decoded into tensors.
 
-Items are decoded with vLLM's codec when it is importable, else with :mod:`fsm_rollout.mm_codec` (same wire
+Items are decoded with vLLM's codec when it is importable, else with :mod:`fsm_rollout.multimodal.codec` (same wire
 format, bit-identical tensors).
 """
 
@@ -48,11 +48,11 @@ def _vllm_item_decoder() -> Callable[[str], Any] | None:
 
 def feature_item_decoder() -> Callable[[str], Any]:
     """The ``kwargs_data`` item decoder in use: vLLM's ``decode_mm_kwargs_item`` when importable, else the
-    built-in :func:`fsm_rollout.mm_codec.decode_item`. Both return an object with ``get_data()``."""
+    built-in :func:`fsm_rollout.multimodal.codec.decode_item`. Both return an object with ``get_data()``."""
     decoder = _vllm_item_decoder()
     if decoder is not None:
         return decoder
-    from fsm_rollout.mm_codec import decode_item
+    from fsm_rollout.multimodal.codec import decode_item
 
     return decode_item
 

@@ -410,7 +410,7 @@ def item_grids(features: dict[str, Any], *, what: str, sample_id: Any = None) ->
     when the engine sent it, else from the full items."""
     import torch
 
-    from fsm_rollout.mm_codec import decode_item
+    from fsm_rollout.multimodal.codec import decode_item
 
     prefix = sample_prefix(sample_id)
     metadata = (features.get("mm_metadata") or {}).get("image") or []

@@ -1,6 +1,6 @@
 """The I/O tape: every engine and environment exchange of a recorded rollout, kept for offline replay.
 
-With recording on (``RolloutConfig(record=True)`` through :class:`~fsm_rollout.runner.RolloutRunner`, or
+With recording on (``RolloutConfig(record=True)`` through :class:`~fsm_rollout.runtime.runner.RolloutRunner`, or
 :func:`recorded_rollout`, or ``fsm-rollout run --record``) each rollout's engine transport and environment are
 wrapped by a :class:`SampleRecorder`, which is also the rollout's hooks; when the sample reaches a terminal state
 its record is handed to a :class:`TapeWriter`, which writes it beside the transition trace (``run.jsonl`` →

@@ -13,14 +13,14 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from fsm_rollout import lifecycle
 from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.engine.transport import Transport
-from fsm_rollout.env import EnvFactory, load_env_factory
+from fsm_rollout.envs.protocol import EnvFactory, load_env_factory
 from fsm_rollout.envs.step import StepResult, Turn, as_step_result
 from fsm_rollout.errors import EnvironmentContractError, RolloutError
 from fsm_rollout.hooks import RolloutHooks, RolloutView, combine_hooks
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.multimodal import processor_merge_size
 from fsm_rollout.recording.format import (
     ENGINE_OPS,

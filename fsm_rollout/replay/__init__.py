@@ -1,7 +1,7 @@
 """Replaying recorded rollouts: check logged paths against today's table, and re-execute them offline from the tape.
 
 *Check* rebuilds each sample's path from the transition events of a trace, or from the copy its tape record keeps,
-and verifies that every transition is an edge of today's table (:mod:`fsm_rollout.lifecycle`), with a reason the
+and verifies that every transition is an edge of today's table (:mod:`fsm_rollout.machine.lifecycle`), with a reason the
 edge can give, and that the path ends in a terminal state.
 
 *Re-execute* runs each sample recorded on the I/O tape (:mod:`fsm_rollout.recording`) through today's

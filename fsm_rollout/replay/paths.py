@@ -2,8 +2,8 @@
 
 A path is one sample run's transitions in order, rebuilt from a transition trace (:func:`read_trace`) or from the
 copy a tape keeps of them (:func:`paths_from_tape`). :func:`check_path` verifies that every transition is an edge
-of today's table (:mod:`fsm_rollout.lifecycle`), carrying a reason that edge can give, that each leaves the state
-the previous one entered, and that the path ends in a terminal state. Nothing here re-executes anything.
+of today's table (:mod:`fsm_rollout.machine.lifecycle`), carrying a reason that edge can give, that each leaves the
+state the previous one entered, and that the path ends in a terminal state. Nothing here re-executes anything.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from fsm_rollout import lifecycle
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.recording.format import RecordingFormatError, SchemaVersionError
 from fsm_rollout.recording.reader import LineProblem, TapeFile, read_json_lines
 from fsm_rollout.trace import TRACE_SCHEMA_VERSION, TRANSITION_EVENT

@@ -33,7 +33,6 @@ from collections.abc import Mapping
 from types import SimpleNamespace
 from typing import Any
 
-from fsm_rollout.chat import ObservationEncoder
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.envs.step import StepResult
@@ -58,8 +57,9 @@ from fsm_rollout.replay.legacy_steps import legacy_reset, legacy_step
 from fsm_rollout.replay.tape import TapeCursor, describe_entry, rebuild_error, revive
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import Sample
-from fsm_rollout.suspension import HandBack
+from fsm_rollout.tokens.chat import ObservationEncoder
 from fsm_rollout.trace import NULL_TRACER
+from fsm_rollout.weights.suspension import HandBack
 
 
 class ReplayDiverged(Exception):

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from fsm_rollout import lifecycle
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.recording.format import RecordingFormatError, tape_path_for, tokenizer_fingerprint
 from fsm_rollout.recording.reader import LineProblem, TapeFile, TapeSample, read_tape
 from fsm_rollout.replay.compare import Divergence
@@ -71,7 +71,7 @@ def load_recorded_tokenizer(records: Sequence[TapeSample], explicit: str | Path 
 
     Raises :class:`~fsm_rollout.recording.RecordingFormatError` naming every candidate that failed.
     """
-    from fsm_rollout.tokenizers import load_tokenizer  # remote code stays off: a tape is data from elsewhere
+    from fsm_rollout.tokens.tokenizers import load_tokenizer  # remote code stays off: a tape is data from elsewhere
 
     candidates = [str(explicit)] if explicit is not None else _tokenizer_candidates(records)
     failures = []

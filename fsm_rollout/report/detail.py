@@ -17,7 +17,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsm_rollout import lifecycle
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.recording.format import RecordingFormatError, answer_token_ids, expand_run_lengths, expand_tokens
 
 EVENT_DETAIL_KEYS = (

@@ -20,8 +20,8 @@ from typing import Any
 
 import orjson
 
-from fsm_rollout import lifecycle
 from fsm_rollout.errors import RolloutError
+from fsm_rollout.machine import lifecycle
 
 ROW_COLUMNS = (
     "label",
@@ -331,7 +331,7 @@ def lifecycle_usage(paths: Sequence[Any]) -> dict[str, Any]:
     SVG data URL when Graphviz is installed."""
     import base64
 
-    from fsm_rollout import diagrams
+    from fsm_rollout.machine import diagrams
 
     overlay = diagrams.build_overlay(event for path in paths for event in path.events)
     labels = diagrams.guard_labels(lifecycle.TRANSITIONS)

@@ -12,7 +12,7 @@
 - :mod:`~fsm_rollout.rollout.driver`: :class:`Rollout`, the driver.
 - :mod:`~fsm_rollout.rollout.handle`: :class:`~fsm_rollout.rollout.handle.RolloutHandle`, a started rollout's handle.
 
-The table itself is :mod:`fsm_rollout.lifecycle`.
+The table itself is :mod:`fsm_rollout.machine.lifecycle`.
 
 Its modules are internal: import from this package (or :mod:`fsm_rollout`).
 """

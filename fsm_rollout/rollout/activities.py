@@ -16,20 +16,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fsm_rollout import lifecycle
-from fsm_rollout.chat import stop_string_eos_due, validate_observation
 from fsm_rollout.config import DEFAULT_ENV_MODULE
 from fsm_rollout.engine.client import VLLMClient
-from fsm_rollout.env import EnvFactory, check_environment, env_thread_pool, load_env_factory
+from fsm_rollout.envs.protocol import EnvFactory, check_environment, env_thread_pool, load_env_factory
 from fsm_rollout.envs.step import StepResult, Turn, accepts_turn, as_step_result
 from fsm_rollout.errors import BudgetExceededError, RenderError, ResumeError, RoutingReplayError
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.multimodal import (
     build_initial_messages,
     fill_null_items,
     observation_image_count,
     prepare_render_messages,
 )
-from fsm_rollout.partial_turn import answer_spans, merge_turns
 from fsm_rollout.rollout.cancel import CancelScope, TimedOut
 from fsm_rollout.rollout.context import RolloutContext
 from fsm_rollout.rollout.history import keeps_history, reconcile, rewrite_history
@@ -40,9 +38,11 @@ from fsm_rollout.rollout.observation_images import (
     render_ready_observation,
 )
 from fsm_rollout.rollout.stops import stop_string_end
-from fsm_rollout.suspension import HandBack
-from fsm_rollout.tool_calls import parse_tool_calls
+from fsm_rollout.tokens.chat import stop_string_eos_due, validate_observation
+from fsm_rollout.tokens.tool_calls import parse_tool_calls
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
+from fsm_rollout.weights.partial_turn import answer_spans, merge_turns
+from fsm_rollout.weights.suspension import HandBack
 
 
 class Activities:

@@ -17,7 +17,7 @@ import inspect
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
-from fsm_rollout.pacing import LoopPacer
+from fsm_rollout.runtime.pacing import LoopPacer
 
 T = TypeVar("T")
 
@@ -80,7 +80,7 @@ class CancelScope:
             self.inflight.cancel()
 
     async def paced(self) -> None:
-        """Wait for this loop iteration's share of CPU work, when pacing is on (:mod:`fsm_rollout.pacing`)."""
+        """Wait for this loop iteration's share of CPU work, when pacing is on (:mod:`fsm_rollout.runtime.pacing`)."""
         if self.pacer is not None:
             waiter = self.pacer.admit()
             if waiter is not None:

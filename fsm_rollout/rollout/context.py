@@ -19,10 +19,10 @@ from typing import Any
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.envs.step import StepResult, Turn
 from fsm_rollout.errors import ResumeError
-from fsm_rollout.partial_turn import Span, turn_from_json, turn_to_json
 from fsm_rollout.rollout.gating import GatePoint
 from fsm_rollout.sample import Sample
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
+from fsm_rollout.weights.partial_turn import Span, turn_from_json, turn_to_json
 
 LIVE: Mapping[str, bool] = {"live": True}
 """Field metadata of the context's live fields (objects of this process, not part of the resume state)."""

@@ -1,6 +1,6 @@
 """The driver of one sample's rollout: run the state's activity, fire its trigger, trace the transition.
 
-The lifecycle table (:mod:`fsm_rollout.lifecycle`) decides every branch; guards and actions are functions of the
+The lifecycle table (:mod:`fsm_rollout.machine.lifecycle`) decides every branch; guards and actions are functions of the
 context (:mod:`~fsm_rollout.rollout.steps`), the I/O is in :mod:`~fsm_rollout.rollout.activities`, every await
 goes through one :mod:`~fsm_rollout.rollout.cancel` scope, and the weight-update gate is met around the generate
 request (:mod:`~fsm_rollout.rollout.gating`). What is left here: starting and ending, stops (abort, timeouts,
@@ -18,15 +18,12 @@ from typing import Any
 
 from structlog.contextvars import bind_contextvars, reset_contextvars
 
-from fsm_rollout import gc_policy, lifecycle
-from fsm_rollout.chat import ObservationEncoder
 from fsm_rollout.config import RolloutConfig, build_inference_sampling_params
 from fsm_rollout.engine.client import VLLMClient
-from fsm_rollout.env import EnvFactory
+from fsm_rollout.envs.protocol import EnvFactory
 from fsm_rollout.errors import ConfigError, RolloutError
 from fsm_rollout.hooks import RolloutHooks
-from fsm_rollout.pacing import pacer_for
-from fsm_rollout.resume_state import RESUME_STATE_KEY
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.rollout import steps
 from fsm_rollout.rollout.activities import ACTIVITIES, Activities
 from fsm_rollout.rollout.cancel import CancelScope, Stopped, TimedOut
@@ -42,10 +39,14 @@ from fsm_rollout.rollout.setup import (
     restore,
 )
 from fsm_rollout.rollout.view import View
+from fsm_rollout.runtime import gc_policy
+from fsm_rollout.runtime.pacing import pacer_for
 from fsm_rollout.sample import Sample
-from fsm_rollout.suspension import SuspensionGate
+from fsm_rollout.tokens.chat import ObservationEncoder
 from fsm_rollout.trace import NULL_TRACER, Tracer, get_tracer
 from fsm_rollout.types import TokenIds
+from fsm_rollout.weights.resume_state import RESUME_STATE_KEY
+from fsm_rollout.weights.suspension import SuspensionGate
 
 _STOPPING_TRIGGERS = frozenset({"abort", "env_timeout", "rollout_timeout"})
 _EDGES: dict[tuple[str, str], list[lifecycle.Edge]] = {}
@@ -73,7 +74,7 @@ class Rollout:
     The rollout knows nothing of recording or replay: those plug in as the client's transport, the environment
     factory and ``hooks`` (:mod:`fsm_rollout.recording`, :mod:`fsm_rollout.replay`).
 
-    ``suspender`` is the gate a weight update closes (:mod:`fsm_rollout.suspension`): the rollout then suspends
+    ``suspender`` is the gate a weight update closes (:mod:`fsm_rollout.weights.suspension`): the rollout then suspends
     when it is generating or next about to (the request in flight aborted, its tokens kept as the partial turn) and
     continues the same turn when the gate opens, or is handed back (the ``hand_back`` edge). A sample handed back
     (``metadata["resume_state"]``) resumes where it stopped.

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsm_rollout import lifecycle
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.rollout.context import RolloutContext
 
 

@@ -1,4 +1,4 @@
-"""Where a rollout meets the weight-update gate (:mod:`fsm_rollout.suspension`): around its generate request.
+"""Where a rollout meets the weight-update gate (:mod:`fsm_rollout.weights.suspension`): around its generate request.
 
 :meth:`GatePoint.generate` is the one place a running rollout consults the gate: it suspends before sending when
 the gate is closed, registers the request while it is in flight, and tells a suspension's abort answer from the
@@ -13,8 +13,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from fsm_rollout.rollout.cancel import CancelScope
-from fsm_rollout.suspension import SuspensionGate
 from fsm_rollout.types import GeneratedTurn
+from fsm_rollout.weights.suspension import SuspensionGate
 
 
 class GatePoint:
@@ -71,7 +71,7 @@ class GatePoint:
             await self.gate.wait_to_start()
 
     async def wait_resumed(self) -> None:
-        """Return when the rollout may go on; :class:`~fsm_rollout.suspension.HandBack` when it goes back."""
+        """Return when the rollout may go on; :class:`~fsm_rollout.weights.suspension.HandBack` when it goes back."""
         if self.gate is not None:
             await self.gate.wait_resumed()
 

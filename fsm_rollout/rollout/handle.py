@@ -12,8 +12,8 @@ import asyncio
 from collections.abc import Callable, Generator
 from typing import Any
 
-from fsm_rollout import lifecycle
 from fsm_rollout.envs.step import Turn
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.rollout.driver import Rollout
 from fsm_rollout.sample import Sample
 

@@ -40,12 +40,12 @@ import re
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from fsm_rollout.chat_messages import wire_messages, wire_tool_call
 from fsm_rollout.config import response_budget
 from fsm_rollout.errors import TemplateError
 from fsm_rollout.multimodal import decode_train_features
 from fsm_rollout.sample.branches import split_branch
-from fsm_rollout.tool_calls import ToolCall, parse_tool_calls
+from fsm_rollout.tokens.chat_messages import wire_messages, wire_tool_call
+from fsm_rollout.tokens.tool_calls import ToolCall, parse_tool_calls
 from fsm_rollout.types import RenderedPrompt, TokenIds
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ def same_meaning(left: str, right: str) -> bool:
 
 def assistant_message(text: str, *, tools: Any) -> dict[str, Any]:
     """The assistant message of a turn whose text (without its closing EOS) is ``text``, in the wire form an engine
-    validates (tool-call arguments as JSON strings: :mod:`fsm_rollout.chat_messages`)."""
+    validates (tool-call arguments as JSON strings: :mod:`fsm_rollout.tokens.chat_messages`)."""
     if tools:
         parsed = parse_tool_calls(text)
         calls = [block for block in parsed.blocks if isinstance(block, ToolCall)]

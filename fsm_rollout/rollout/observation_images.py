@@ -1,6 +1,6 @@
 """The ``observing`` activity's work for an observation with images: one render by the engine, the boundary cut out.
 
-A text observation's boundary comes from the local chat template (:class:`~fsm_rollout.chat.ObservationEncoder`).
+A text observation's boundary comes from the local chat template (:class:`~fsm_rollout.tokens.chat.ObservationEncoder`).
 An image observation's cannot: only the engine knows how many placeholder tokens each image becomes, and only its
 processor makes the features the model and the trainer need. So the observation is rendered by the engine after
 the same dummy prefix the text path uses (one render request per observation); the engine's ids of that prefix

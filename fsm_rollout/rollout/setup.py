@@ -5,11 +5,11 @@ from __future__ import annotations
 import uuid
 from typing import Any
 
-from fsm_rollout.chat import ObservationEncoder
 from fsm_rollout.errors import ResumeError, SampleStateError
-from fsm_rollout.resume_state import RESUME_STATE_KEY
 from fsm_rollout.rollout.context import Deps, RolloutContext
 from fsm_rollout.sample import Sample, Status
+from fsm_rollout.tokens.chat import ObservationEncoder
+from fsm_rollout.weights.resume_state import RESUME_STATE_KEY
 
 _ENCODERS: dict[int, ObservationEncoder] = {}
 

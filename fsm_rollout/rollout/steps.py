@@ -12,18 +12,18 @@ from __future__ import annotations
 import inspect
 from collections.abc import Callable
 
-from fsm_rollout import lifecycle
-from fsm_rollout.chat import record_observation
 from fsm_rollout.config import response_budget
 from fsm_rollout.envs.step import EndReason
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.multimodal import decode_train_features, validate_image_tokens
-from fsm_rollout.partial_turn import join_spans, route_spans, shift_spans
-from fsm_rollout.resume_state import RESUME_STATE_KEY
 from fsm_rollout.rollout.context import RolloutContext
 from fsm_rollout.rollout.history import fork_exceeds_budget, fork_history, note_fork_truncation
 from fsm_rollout.rollout.observation_images import with_observation_features
 from fsm_rollout.sample import Status
 from fsm_rollout.sample.branches import share_outcome
+from fsm_rollout.tokens.chat import record_observation
+from fsm_rollout.weights.partial_turn import join_spans, route_spans, shift_spans
+from fsm_rollout.weights.resume_state import RESUME_STATE_KEY
 
 # ---------------------------------------------------------------------------------------------------------- guards
 

@@ -17,7 +17,7 @@ import pytest
 
 from fsm_rollout import RolloutConfig
 from fsm_rollout.gateway import AgentGateway
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.sample import Sample
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
 

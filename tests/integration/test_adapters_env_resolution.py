@@ -17,8 +17,8 @@ from test_run_cli import dataset, one_error_line, results
 
 from fsm_rollout import Sample
 from fsm_rollout.adapters import gym_env, skyrl_env, verifiers_env
-from fsm_rollout.dataset import load_jsonl
 from fsm_rollout.errors import EnvironmentNotFoundError
+from fsm_rollout.runtime.dataset import load_jsonl
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
 
 PACKAGE = "fsm_third_party_gym"

@@ -241,7 +241,7 @@ def test_using_gem_leaves_the_host_processs_root_logging_as_it_was() -> None:
     untouched = root_logging_after("")
     assert root_logging_after("import gem") != untouched  # GEM configures logging when imported...
     played = (
-        "from fsm_rollout.env_adapters.gym import make_gym_env\n"
+        "from fsm_rollout.envs.adapters.gym import make_gym_env\n"
         f"env = make_gym_env({GAME!r}); env.reset(seed=0); env.step('\\\\boxed{{1}}')"
     )
     assert root_logging_after(played) == untouched  # ...the adapter puts it back

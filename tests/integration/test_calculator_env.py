@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 
 from fsm_rollout import RolloutConfig, RolloutRunner, Sample
-from fsm_rollout.env import load_env_factory
 from fsm_rollout.envs.calculator import TOOLS, CalculatorError, build_env, evaluate
-from fsm_rollout.parity import check_template_parity
+from fsm_rollout.envs.protocol import load_env_factory
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
+from fsm_rollout.tokens.parity import check_template_parity
 
 SAMPLING = {"max_new_tokens": 400, "temperature": 1.0, "top_p": 1.0}
 

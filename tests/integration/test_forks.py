@@ -29,13 +29,11 @@ from fsm_rollout import (
     training_sequences,
 )
 from fsm_rollout.cli import main as cli_main
-from fsm_rollout.diagrams import build_overlay
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.engine.local.tiny import tiny_model_dir
-from fsm_rollout.parity import template_token_ids
+from fsm_rollout.machine.diagrams import build_overlay
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_path_for
 from fsm_rollout.replay import replay
-from fsm_rollout.suspension import HandBack, Suspender
 from fsm_rollout.testing.envs import ScriptedEnv, ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.templates import (
@@ -44,7 +42,9 @@ from fsm_rollout.testing.templates import (
     qwen_tokenizer_with_template,
 )
 from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
+from fsm_rollout.tokens.parity import template_token_ids
 from fsm_rollout.trace import Tracer, capture_transitions
+from fsm_rollout.weights.suspension import HandBack, Suspender
 
 MODEL = "fake-model"
 EOS = "<|im_end|>"
@@ -702,7 +702,7 @@ async def test_on_the_embedded_engine_every_prompt_is_its_render_and_every_token
     renders, each render is the served template's rendering of the conversation sent, and the trainable tokens are
     the engine's answers."""
     from fsm_rollout.engine.local import LocalEngine
-    from fsm_rollout.tokenizers import load_tokenizer
+    from fsm_rollout.tokens.tokenizers import load_tokenizer
 
     model_dir = tiny_model_with_template(tmp_path, THINK_STRIPPING_CHAT_TEMPLATE)
     tokenizer = load_tokenizer(str(model_dir))

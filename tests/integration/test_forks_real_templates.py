@@ -17,11 +17,11 @@ import pytest
 
 from fsm_rollout import Rollout, RolloutConfig, Sample, Status, training_sequences
 from fsm_rollout.engine.client import VLLMClient
-from fsm_rollout.parity import template_token_ids
 from fsm_rollout.testing.chat_templates import chat_template
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.qwen3_6_tokenizer import load_qwen3_6_tokenizer
+from fsm_rollout.tokens.parity import template_token_ids
 from fsm_rollout.trace import capture_transitions
 
 MODEL = "fake-model"

@@ -12,10 +12,10 @@ import openai
 import pytest
 
 from fsm_rollout import RolloutConfig, Sample
-from fsm_rollout.chat import template_token_ids
 from fsm_rollout.gateway import AgentGateway
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
+from fsm_rollout.tokens.chat import template_token_ids
 
 SAMPLING = {"max_new_tokens": 512, "temperature": 1.0, "top_p": 1.0}
 TOOLS = [
@@ -451,7 +451,7 @@ async def test_a_rewrite_the_engine_renders_as_the_model_saw_it_continues_the_se
 async def test_http_calls_share_the_rollouts_pacer_under_a_loop_slice(
     fake_vllm: FakeVLLMServer, tokenizer: Any
 ) -> None:
-    from fsm_rollout.pacing import pacer_for
+    from fsm_rollout.runtime.pacing import pacer_for
 
     async with AgentGateway(runner_for(fake_vllm, tokenizer, loop_slice_ms=5.0)) as gateway:
         pacer = pacer_for(asyncio.get_running_loop(), 5.0)

@@ -17,7 +17,7 @@ from smolagents import OpenAIServerModel, ToolCallingAgent, tool
 
 from fsm_rollout import RolloutConfig
 from fsm_rollout.gateway import AgentGateway
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
 
 

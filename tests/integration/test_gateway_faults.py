@@ -11,7 +11,7 @@ import openai
 
 from fsm_rollout import RolloutConfig
 from fsm_rollout.gateway import AgentGateway
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.testing.fake_vllm import ABORT_PATH, GENERATE_PATH, FakeVLLMServer, ScriptedTurn
 
 SAMPLING = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}

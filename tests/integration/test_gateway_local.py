@@ -14,7 +14,7 @@ from fsm_rollout.engine.local import LocalEngine, tiny_model_dir
 from fsm_rollout.engine.transport import Transport
 from fsm_rollout.examples import agent_gateway
 from fsm_rollout.gateway import AgentGateway
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.runtime.runner import RolloutRunner
 
 
 class Spy:

@@ -15,7 +15,7 @@ import pytest
 from fsm_rollout import RolloutConfig, Sample
 from fsm_rollout.engine.local import LocalEngine, tiny_model_dir
 from fsm_rollout.gateway import AgentGateway
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
 
 SAMPLING = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}

@@ -21,9 +21,9 @@ from fsm_rollout.recording import recorded_rollout
 from fsm_rollout.replay import replay_async
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.sample import Status
-from fsm_rollout.suspension import HandBack, Suspender
 from fsm_rollout.testing.envs import ScriptedEnv, ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
+from fsm_rollout.weights.suspension import HandBack, Suspender
 
 SAMPLING = {"max_new_tokens": 60, "temperature": 0.0, "top_p": 1.0}
 TEXT = "The angle is seventy degrees, so the answer is 70."

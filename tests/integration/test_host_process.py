@@ -17,8 +17,8 @@ import pytest
 
 from fsm_rollout import RolloutConfig, RolloutRunner, Sample, Status, get_tracer
 from fsm_rollout.hooks import RolloutHooks
-from fsm_rollout.pacing import _PACERS
 from fsm_rollout.replay import replay_async
+from fsm_rollout.runtime.pacing import _PACERS
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
 

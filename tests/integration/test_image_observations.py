@@ -403,8 +403,8 @@ async def test_a_handed_back_image_sample_keeps_its_features_through_json_and_re
     import json
     from dataclasses import dataclass, field
 
-    from fsm_rollout.suspension import HandBack, Suspender
     from fsm_rollout.testing.envs import ScriptedEnv
+    from fsm_rollout.weights.suspension import HandBack, Suspender
 
     class HandingBack(Suspender):
         async def wait_resumed(self) -> None:

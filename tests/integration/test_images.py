@@ -2,7 +2,7 @@
 
 The fake server's render is given the Qwen2-VL-like image processor of ``testing.fake_vllm.images``: it cuts each
 image into 8x8 patches, expands every ``<|image_pad|>`` to ``t*h*w / 2**2`` placeholders, and answers the image
-tensors in vLLM's wire format (:mod:`fsm_rollout.mm_codec`), as ``vllm serve --enable-scale-out`` does for
+tensors in vLLM's wire format (:mod:`fsm_rollout.multimodal.codec`), as ``vllm serve --enable-scale-out`` does for
 Qwen2-VL. Images are drawn with Pillow at test time.
 """
 

@@ -31,8 +31,8 @@ from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, Status, VLL
 from fsm_rollout.engine.local import LocalEngine
 from fsm_rollout.engine.local.server import DEFAULT_MAX_REQUEST_BYTES
 from fsm_rollout.engine.local.tiny import TINY_MODEL_NAME, tiny_model_dir
-from fsm_rollout.mm_codec import decode_item
 from fsm_rollout.multimodal import decode_train_features
+from fsm_rollout.multimodal.codec import decode_item
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.types import GeneratedTurn
 

@@ -10,12 +10,13 @@ from typing import Any
 
 import pytest
 
-from fsm_rollout import Rollout, RolloutConfig, Sample, Status, VLLMClient, gc_policy
+from fsm_rollout import Rollout, RolloutConfig, Sample, Status, VLLMClient
 from fsm_rollout.errors import ConfigError
 from fsm_rollout.hooks import RolloutHooks
-from fsm_rollout.pacing import pacer_for
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_path_for
 from fsm_rollout.replay import replay
+from fsm_rollout.runtime import gc_policy
+from fsm_rollout.runtime.pacing import pacer_for
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.trace import Tracer

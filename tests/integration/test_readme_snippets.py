@@ -6,9 +6,9 @@ import ast
 import re
 from pathlib import Path
 
-from fsm_rollout import lifecycle
 from fsm_rollout.engine.local import tiny_model_dir
 from fsm_rollout.examples import embed_local
+from fsm_rollout.machine import lifecycle
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "fsm_rollout" / "examples" / "embed_local.py"

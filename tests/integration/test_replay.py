@@ -14,8 +14,9 @@ from typing import Any
 import orjson
 import pytest
 
-from fsm_rollout import Rollout, Sample, gc_policy, lifecycle
+from fsm_rollout import Rollout, Sample
 from fsm_rollout.cli import main as cli_main
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.recording import (
     RecordingFormatError,
     SchemaVersionError,
@@ -27,6 +28,7 @@ from fsm_rollout.recording import (
 from fsm_rollout.replay import ReplayReport, replay
 from fsm_rollout.rollout import activities as activities_module
 from fsm_rollout.rollout import steps as rollout_module
+from fsm_rollout.runtime import gc_policy
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
@@ -867,7 +869,7 @@ async def test_a_sample_index_reused_across_steps_keeps_each_runs_own_timeline_t
     """A trainer loop that builds ``Sample(index=i)`` again each step: inspect names the runs ``0#1``, ``0#2``,
     shows each with its own tokens, and the overlay counts two runs."""
     from fsm_rollout import RolloutRunner, get_tracer
-    from fsm_rollout.diagrams import build_overlay, read_trace
+    from fsm_rollout.machine.diagrams import build_overlay, read_trace
 
     trace = tmp_path / "run.jsonl"
     config = make_config(max_turns=2, trace=str(trace), record=True)

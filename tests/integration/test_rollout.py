@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from fsm_rollout import Sample, Status, lifecycle
+from fsm_rollout import Sample, Status
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import ABORT_PATH, GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 
@@ -495,9 +496,9 @@ async def test_an_observation_that_is_not_appended_is_not_recorded(
 @pytest.mark.parametrize("stop", [None, "masked_eos", "no_masked_eos"])
 async def test_a_tool_calling_rollout_renders_as_its_tokens(tokenizer: Any, template: str, stop: str | None) -> None:
     from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, VLLMClient
-    from fsm_rollout.parity import check_template_parity
     from fsm_rollout.testing.templates import GROUPED_TOOLS_CHAT_TEMPLATE, qwen_tokenizer_with_template
-    from fsm_rollout.tool_calls import parse_tool_calls
+    from fsm_rollout.tokens.parity import check_template_parity
+    from fsm_rollout.tokens.tool_calls import parse_tool_calls
 
     chosen = tokenizer if template == "bundled" else qwen_tokenizer_with_template(GROUPED_TOOLS_CHAT_TEMPLATE)
     tools = [{"type": "function", "function": {"name": "calc", "parameters": {"type": "object"}}}]

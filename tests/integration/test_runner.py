@@ -10,10 +10,11 @@ from typing import Any
 
 import pytest
 
-from fsm_rollout import RetryPolicy, RolloutConfig, Sample, Status, gc_policy
+from fsm_rollout import RetryPolicy, RolloutConfig, Sample, Status
 from fsm_rollout.errors import ConfigError
-from fsm_rollout.hashring import ConsistentHashRing
-from fsm_rollout.runner import RolloutRunner, group_members
+from fsm_rollout.runtime import gc_policy
+from fsm_rollout.runtime.hashring import ConsistentHashRing
+from fsm_rollout.runtime.runner import RolloutRunner, group_members
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import ABORT_PATH, GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 

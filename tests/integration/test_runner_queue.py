@@ -10,9 +10,9 @@ import pytest
 
 from fsm_rollout import RolloutConfig, Sample, Status
 from fsm_rollout.cli.inspect import render_summary, summarize
-from fsm_rollout.diagrams import build_overlay, mermaid
+from fsm_rollout.machine.diagrams import build_overlay, mermaid
 from fsm_rollout.replay.paths import TracedPath
-from fsm_rollout.runner import NOT_STARTED, RolloutRunner
+from fsm_rollout.runtime.runner import NOT_STARTED, RolloutRunner
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.trace import capture_transitions

@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 
 from fsm_rollout import RolloutConfig, Sample, Status
-from fsm_rollout import tokenizers as tokenizer_module
 from fsm_rollout.errors import ConfigError, EngineConnectionError, SamplingParamsError, TokenizerNotFoundError
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
+from fsm_rollout.tokens import tokenizers as tokenizer_module
 
 SAMPLING = {"max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0}
 

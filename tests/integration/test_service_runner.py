@@ -11,7 +11,7 @@ from service_contract import *  # noqa: F403  (the contract's tests, collected h
 from service_contract import Contract
 
 from fsm_rollout import RetryPolicy, RolloutConfig
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer
 
 SAMPLING = {"max_new_tokens": 32, "temperature": 1.0, "top_p": 1.0}

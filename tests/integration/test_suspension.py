@@ -18,11 +18,11 @@ import pytest
 from fsm_rollout import RolloutConfig, Sample
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.engine.schema import ABORT_PATH, GENERATE_PATH, RENDER_PATH, server_request_id
-from fsm_rollout.partial_turn import merge_turns
 from fsm_rollout.rollout import Rollout
-from fsm_rollout.suspension import Suspender, weight_staleness
 from fsm_rollout.trace import capture_transitions
 from fsm_rollout.types import GeneratedTurn, TurnMeta
+from fsm_rollout.weights.partial_turn import merge_turns
+from fsm_rollout.weights.suspension import Suspender, weight_staleness
 
 MODEL = "greedy-model"
 WORDS = list(range(1000, 1400))  # ordinary word-piece ids of the Qwen vocabulary

@@ -12,11 +12,11 @@ import pytest
 from structlog.testing import capture_logs
 
 from fsm_rollout import RolloutConfig, Sample, Status
-from fsm_rollout.runner import RolloutRunner
-from fsm_rollout.template_probe import PROBE_TOOLS, AppendRefused
+from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.testing.chat_templates import tokenizer_with_chat_template
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import RENDER_PATH, FakeVLLMServer, ScriptedTurn
+from fsm_rollout.tokens.template_probe import PROBE_TOOLS, AppendRefused
 
 SAMPLING = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0}
 MODEL = "fake-model"

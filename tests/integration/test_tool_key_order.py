@@ -15,10 +15,10 @@ import pytest
 
 from fsm_rollout import RolloutConfig, Sample, Status
 from fsm_rollout.gateway import AgentGateway
-from fsm_rollout.parity import check_template_parity
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.testing.envs import ScriptedEnv
 from fsm_rollout.testing.fake_vllm import RENDER_PATH, FakeVLLMServer, ScriptedTurn
+from fsm_rollout.tokens.parity import check_template_parity
 
 MODEL = "fake-model"
 SAMPLING = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}

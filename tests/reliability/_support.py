@@ -7,7 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, VLLMClient, capture_transitions, lifecycle
+from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, VLLMClient, capture_transitions
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.testing.envs import ScriptedEnv, ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer
 

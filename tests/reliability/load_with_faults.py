@@ -26,8 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _support import HookedEnvFactory
 
-from fsm_rollout import RetryPolicy, RolloutConfig, Sample, lifecycle
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout import RetryPolicy, RolloutConfig, Sample
+from fsm_rollout.machine import lifecycle
+from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.testing.envs import ScriptedEnv
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 

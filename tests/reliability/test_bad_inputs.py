@@ -22,8 +22,7 @@ import pytest_asyncio
 from _support import SAMPLING, HookedEnvFactory, make_config
 
 from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, Status, VLLMClient
-from fsm_rollout.dataset import DatasetError, load_jsonl
-from fsm_rollout.env import load_env_factory
+from fsm_rollout.envs.protocol import load_env_factory
 from fsm_rollout.errors import (
     ConfigError,
     EnvironmentContractError,
@@ -34,6 +33,7 @@ from fsm_rollout.errors import (
 )
 from fsm_rollout.recording import RecordingFormatError
 from fsm_rollout.replay import replay
+from fsm_rollout.runtime.dataset import DatasetError, load_jsonl
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer
 
 # ------------------------------------------------------------ samples

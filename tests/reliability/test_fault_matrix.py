@@ -38,7 +38,7 @@ from fsm_rollout.errors import (
     MalformedTokensError,
     RenderError,
 )
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.testing.envs import ScriptedEnv
 from fsm_rollout.testing.fake_vllm import ABORT_PATH, GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 

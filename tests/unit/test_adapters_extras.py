@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 
 from fsm_rollout.adapters import gym_env, skyrl_env, verifiers_env
-from fsm_rollout.env import load_env_factory, load_env_module
-from fsm_rollout.env_adapters.spec import factory_from_spec, is_adapter_spec
+from fsm_rollout.envs.adapters.spec import factory_from_spec, is_adapter_spec
+from fsm_rollout.envs.protocol import load_env_factory, load_env_module
 from fsm_rollout.errors import EnvironmentNotFoundError, MissingExtraError
 
 CASES: list[tuple[str, Callable[[], Any], str]] = [

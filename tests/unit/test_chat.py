@@ -6,7 +6,14 @@ from typing import Any
 
 import pytest
 
-from fsm_rollout.chat import (
+from fsm_rollout.errors import (
+    ImageObservationError,
+    ObservationError,
+    TemplateError,
+    TemplateNotPrefixStable,
+    VideoObservationError,
+)
+from fsm_rollout.tokens.chat import (
     DUMMY_MESSAGES,
     TOOL_DUMMY_MESSAGES,
     ObservationEncoder,
@@ -17,13 +24,6 @@ from fsm_rollout.chat import (
     template_token_ids,
     validate_observation,
     validate_text_observation,
-)
-from fsm_rollout.errors import (
-    ImageObservationError,
-    ObservationError,
-    TemplateError,
-    TemplateNotPrefixStable,
-    VideoObservationError,
 )
 
 OBSERVATION = {"role": "user", "content": "Tool says: 42"}
@@ -88,7 +88,7 @@ def test_cached_boundaries_are_not_shared_with_callers(tokenizer: Any) -> None:
 
 
 def test_the_boundary_cache_is_bounded(tokenizer: Any, monkeypatch: Any) -> None:
-    import fsm_rollout.chat as chat
+    import fsm_rollout.tokens.chat as chat
 
     monkeypatch.setattr(chat, "BOUNDARY_CACHE_SIZE", 2)
     encoder = ObservationEncoder(tokenizer)

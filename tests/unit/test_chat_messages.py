@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from fsm_rollout import template_probe
-from fsm_rollout.chat import DUMMY_PREFIXES, ObservationEncoder, template_token_ids
-from fsm_rollout.chat_messages import template_messages, wire_messages, wire_tool_call
 from fsm_rollout.engine.schema import RequestError, check_chat_message
 from fsm_rollout.engine.serving import parse_render_request
-from fsm_rollout.template_probe import HistoryPolicyChooser
+from fsm_rollout.tokens import template_probe
+from fsm_rollout.tokens.chat import DUMMY_PREFIXES, ObservationEncoder, template_token_ids
+from fsm_rollout.tokens.chat_messages import template_messages, wire_messages, wire_tool_call
+from fsm_rollout.tokens.template_probe import HistoryPolicyChooser
 
 CASES = json.loads((pathlib.Path(__file__).parents[1] / "fixtures" / "vllm_chat_messages.json").read_text())["cases"]
 OBJECT_ARGUMENTS: dict[str, Any] = {

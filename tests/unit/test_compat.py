@@ -84,7 +84,8 @@ import asyncio, sys, threading
 from types import SimpleNamespace
 from urllib.parse import urlsplit
 
-from fsm_rollout import Sample, compat, loop_shutdown
+from fsm_rollout import Sample, compat
+from fsm_rollout.runtime import loop_shutdown
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
 
@@ -131,7 +132,7 @@ def test_clients_never_closed_by_the_caller_leave_no_unclosed_session_warning(tm
 
 
 def test_closing_clients_every_step_registers_one_shutdown_hook_per_loop() -> None:
-    from fsm_rollout import loop_shutdown
+    from fsm_rollout.runtime import loop_shutdown
 
     async def steps() -> int:
         loop = asyncio.get_running_loop()

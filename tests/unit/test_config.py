@@ -105,7 +105,7 @@ def test_from_args_defaults_the_environment_module_to_the_shipped_geo3k() -> Non
     # the seed's default module (examples.geo3k_vlm_multi_turn.env_geo3k) is not shipped: the port of it is
     env_path = RolloutConfig.from_args(slime_args(rollout_interaction_env_path=None)).env_path
     assert env_path == "fsm_rollout.envs.geo3k"
-    from fsm_rollout.env import load_env_factory
+    from fsm_rollout.envs.protocol import load_env_factory
 
     assert callable(load_env_factory(env_path))
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from fsm_rollout.dataset import DatasetError, load_jsonl
+from fsm_rollout.runtime.dataset import DatasetError, load_jsonl
 
 
 def write_lines(path: Path, *lines: object) -> Path:

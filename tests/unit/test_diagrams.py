@@ -14,10 +14,10 @@ from typing import Any
 
 import pytest
 
-from fsm_rollout import diagrams, lifecycle
 from fsm_rollout.cli import build_parser, docs
 from fsm_rollout.cli import diagram as diagram_cli
 from fsm_rollout.cli import main as cli_main
+from fsm_rollout.machine import diagrams, lifecycle
 
 REPO = Path(__file__).resolve().parents[2]
 MERMAID_EDGE = re.compile(r"^    (\w+) --> (\w+) : (.*)$", re.MULTILINE)
@@ -61,8 +61,8 @@ CHECKED_IN_DOCUMENTS = {diagram_cli.CLI_DOC: REPO / diagram_cli.CLI_DOC}
 def fake_checkout(tmp_path: Path) -> Path:
     """A copy of the checkout's generated files (and what marks a checkout) in ``tmp_path``."""
     (tmp_path / "pyproject.toml").write_text('[project]\nname = "fsm-rollout"\n')
-    (tmp_path / "fsm_rollout").mkdir()
-    (tmp_path / "fsm_rollout" / "lifecycle.py").write_text("")
+    (tmp_path / "fsm_rollout" / "machine").mkdir(parents=True)
+    (tmp_path / "fsm_rollout" / "machine" / "lifecycle.py").write_text("")
     for name in (
         "README.md",
         diagram_cli.CLI_DOC,

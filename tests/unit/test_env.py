@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fsm_rollout.env import check_environment, load_env_factory, load_env_module, unpack_step_result
+from fsm_rollout.envs.protocol import check_environment, load_env_factory, load_env_module, unpack_step_result
 from fsm_rollout.errors import EnvironmentContractError, EnvironmentLoadError, EnvironmentNotFoundError
 from fsm_rollout.testing.envs import ScriptedEnv, build_env
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from fsm_rollout.chat_messages import template_messages
 from fsm_rollout.engine.schema import check_chat_message
 from fsm_rollout.gateway.conversation import compare_history, same_message
 from fsm_rollout.gateway.openai_wire import GatewayError, parse_chat_request, render_message
+from fsm_rollout.tokens.chat_messages import template_messages
 
 
 def call(arguments: str, content: str | None = None) -> dict:

@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fsm_rollout import gc_policy
+from fsm_rollout.runtime import gc_policy
 
 
 @pytest.fixture(autouse=True)

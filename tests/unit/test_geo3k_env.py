@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from fsm_rollout import RolloutConfig, Sample
-from fsm_rollout.env import check_environment, load_env_factory, unpack_step_result
 from fsm_rollout.envs.geo3k import Geo3KEnv, Geo3KSetupError, answers_match, build_env, extract_boxed
+from fsm_rollout.envs.protocol import check_environment, load_env_factory, unpack_step_result
 
 
 def make_env(label: Any = "70", max_turns: int = 3) -> tuple[Geo3KEnv, Sample]:

@@ -157,7 +157,7 @@ def test_the_grpo_example_gives_every_sequence_of_a_rollout_the_rollouts_advanta
 
 
 def test_pool_metrics_add_up_the_workers_forks_and_sequences() -> None:
-    from fsm_rollout.metrics import MetricsSnapshot, combine_metrics
+    from fsm_rollout.runtime.metrics import MetricsSnapshot, combine_metrics
 
     def worker(done: int, forks: int) -> MetricsSnapshot:
         return MetricsSnapshot(

@@ -13,7 +13,7 @@ import transitions
 from transitions import Machine, MachineError
 from transitions.core import Event
 
-from fsm_rollout import lean_machine, lifecycle
+from fsm_rollout.machine import lean_machine, lifecycle
 
 
 class Model:

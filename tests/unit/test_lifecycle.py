@@ -6,7 +6,7 @@ from collections import defaultdict
 
 import pytest
 
-from fsm_rollout import lifecycle
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.rollout.steps import MACHINE
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from fsm_rollout import loop_shutdown
+from fsm_rollout.runtime import loop_shutdown
 
 
 def test_the_callback_runs_in_its_loop_when_asyncio_run_ends() -> None:

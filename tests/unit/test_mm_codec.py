@@ -1,4 +1,4 @@
-"""Specification of ``fsm_rollout.mm_codec``: vLLM's multimodal item wire format, read and written without vLLM.
+"""Specification of ``fsm_rollout.multimodal.codec``: vLLM's multimodal item wire format, read and written without vLLM.
 
 The fixtures in ``tests/fixtures/mm_items`` were encoded by real vLLM (``make_mm_fixtures.py``); the built-in
 decoder must return bit-identical tensors, and re-encoding must give vLLM's bytes back.
@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from fsm_rollout.errors import FeatureCodecError, MultimodalError
-from fsm_rollout.mm_codec import (
+from fsm_rollout.multimodal.codec import (
     FieldElem,
     FieldSpec,
     KwargsItem,

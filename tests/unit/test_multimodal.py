@@ -30,7 +30,6 @@ from fsm_rollout.errors import (
     MalformedFeaturesError,
     MultimodalError,
 )
-from fsm_rollout.mm_codec import FieldElem, FieldSpec, KwargsItem, encode_item, qwen_vl_image_items, render_features
 from fsm_rollout.multimodal import (
     IMAGE_PAD_TOKEN,
     CheckpointImageConfig,
@@ -47,6 +46,14 @@ from fsm_rollout.multimodal import (
     prepare_render_messages,
     processor_merge_size,
     validate_image_tokens,
+)
+from fsm_rollout.multimodal.codec import (
+    FieldElem,
+    FieldSpec,
+    KwargsItem,
+    encode_item,
+    qwen_vl_image_items,
+    render_features,
 )
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "mm_items"
@@ -429,7 +436,7 @@ def test_vllms_decoder_is_used_when_vllm_is_importable(monkeypatch: pytest.Monke
 
     def decode_mm_kwargs_item(text: str) -> Any:
         calls.append(text)
-        from fsm_rollout.mm_codec import decode_item
+        from fsm_rollout.multimodal.codec import decode_item
 
         return decode_item(text)
 
@@ -446,7 +453,7 @@ def test_the_builtin_decoder_is_used_when_vllm_is_not_importable(
 ) -> None:
     for name in multimodal.VLLM_MM_SERDE_MODULES:
         monkeypatch.setitem(sys.modules, name, None)  # makes the import fail
-    from fsm_rollout.mm_codec import decode_item
+    from fsm_rollout.multimodal.codec import decode_item
 
     assert feature_item_decoder() is decode_item
 

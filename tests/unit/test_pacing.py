@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from fsm_rollout.pacing import MIN_LIMIT, LoopPacer, pacer_for
+from fsm_rollout.runtime.pacing import MIN_LIMIT, LoopPacer, pacer_for
 
 
 async def _iteration_counter(stop: asyncio.Event, counter: list[int]) -> None:

@@ -13,9 +13,7 @@ from typing import Any, Literal
 import pytest
 
 from fsm_rollout import Sample
-from fsm_rollout.chat import ObservationEncoder, record_observation
 from fsm_rollout.errors import ParityInputError, TemplateError, TemplateNotPrefixStable
-from fsm_rollout.parity import check_template_parity, rebuild_conversation
 from fsm_rollout.testing.templates import (
     GROUPED_TOOLS_CHAT_TEMPLATE,
     MINIMAL_CHATML_TEMPLATE,
@@ -23,6 +21,8 @@ from fsm_rollout.testing.templates import (
     TOOL_CALL_REQUIRED_CHAT_TEMPLATE,
     qwen_tokenizer_with_template,
 )
+from fsm_rollout.tokens.chat import ObservationEncoder, record_observation
+from fsm_rollout.tokens.parity import check_template_parity, rebuild_conversation
 
 Ending = Literal["eos", "stop_eos", "open", "none"]
 """How a turn ends: the model's EOS, the masked EOS after a stop string, a stop string without the EOS (the
@@ -242,7 +242,7 @@ def test_a_rendering_that_goes_on_after_a_final_observation_is_a_difference_at_t
 
 
 def test_first_difference_handles_prefixes_and_placeholder_runs() -> None:
-    from fsm_rollout.parity import _first_difference
+    from fsm_rollout.tokens.parity import _first_difference
 
     assert _first_difference([1, 2, 3], [1, 2, 3], None) is None
     assert _first_difference([1, 2], [1, 2, 3], None) == (2, 2)

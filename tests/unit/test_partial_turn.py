@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from fsm_rollout.partial_turn import merge_turns, turn_from_json, turn_to_json
 from fsm_rollout.types import GeneratedTurn, TurnMeta
+from fsm_rollout.weights.partial_turn import merge_turns, turn_from_json, turn_to_json
 
 
 def part(finish: Any, token_ids: list[int], *, tops: bool = True) -> GeneratedTurn:

@@ -14,23 +14,23 @@ PACKAGE = Path(fsm_rollout.__file__).parent
 
 PUBLIC_MODULES = frozenset({
     "fsm_rollout", "fsm_rollout.adapters", "fsm_rollout.adapters.trl_rollout", "fsm_rollout.adapters.verl_agent_loop",
-    "fsm_rollout.cli", "fsm_rollout.compat", "fsm_rollout.config", "fsm_rollout.data",
-    "fsm_rollout.data.demo", "fsm_rollout.data.practice", "fsm_rollout.dataset", "fsm_rollout.diagrams",
-    "fsm_rollout.distributed", "fsm_rollout.engine", "fsm_rollout.engine.client", "fsm_rollout.engine.local",
-    "fsm_rollout.engine.local.default_model", "fsm_rollout.engine.probe", "fsm_rollout.engine.transport",
-    "fsm_rollout.env", "fsm_rollout.envs", "fsm_rollout.envs.calculator", "fsm_rollout.envs.geo3k",
-    "fsm_rollout.envs.grid", "fsm_rollout.envs.step",
-    "fsm_rollout.errors", "fsm_rollout.examples", "fsm_rollout.examples.agent_gateway",
-    "fsm_rollout.examples.embed_local", "fsm_rollout.examples.grpo",
-    "fsm_rollout.examples.grpo_cli", "fsm_rollout.examples.grpo_tiny", "fsm_rollout.gateway", "fsm_rollout.gc_policy",
-    "fsm_rollout.hooks",
-    "fsm_rollout.lifecycle", "fsm_rollout.metrics", "fsm_rollout.mm_codec", "fsm_rollout.multimodal",
-    "fsm_rollout.parity", "fsm_rollout.recording", "fsm_rollout.replay", "fsm_rollout.resume_state",
-    "fsm_rollout.report", "fsm_rollout.rollout", "fsm_rollout.runner", "fsm_rollout.sample", "fsm_rollout.service",
-    "fsm_rollout.suspension", "fsm_rollout.tape", "fsm_rollout.template_probe", "fsm_rollout.testing",
-    "fsm_rollout.testing.chat_templates", "fsm_rollout.testing.envs",
+    "fsm_rollout.cli", "fsm_rollout.compat", "fsm_rollout.config", "fsm_rollout.data", "fsm_rollout.data.demo",
+    "fsm_rollout.data.practice", "fsm_rollout.distributed", "fsm_rollout.engine", "fsm_rollout.engine.client",
+    "fsm_rollout.engine.local", "fsm_rollout.engine.local.default_model", "fsm_rollout.engine.probe",
+    "fsm_rollout.engine.transport", "fsm_rollout.envs", "fsm_rollout.envs.calculator", "fsm_rollout.envs.geo3k",
+    "fsm_rollout.envs.grid", "fsm_rollout.envs.protocol", "fsm_rollout.envs.step", "fsm_rollout.errors",
+    "fsm_rollout.examples", "fsm_rollout.examples.agent_gateway", "fsm_rollout.examples.embed_local",
+    "fsm_rollout.examples.grpo", "fsm_rollout.examples.grpo_cli", "fsm_rollout.examples.grpo_tiny",
+    "fsm_rollout.gateway", "fsm_rollout.hooks", "fsm_rollout.machine", "fsm_rollout.machine.diagrams",
+    "fsm_rollout.machine.lifecycle", "fsm_rollout.multimodal", "fsm_rollout.multimodal.codec",
+    "fsm_rollout.recording", "fsm_rollout.replay", "fsm_rollout.report", "fsm_rollout.rollout", "fsm_rollout.runner",
+    "fsm_rollout.runtime", "fsm_rollout.runtime.dataset", "fsm_rollout.runtime.gc_policy",
+    "fsm_rollout.runtime.metrics", "fsm_rollout.runtime.runner", "fsm_rollout.runtime.service", "fsm_rollout.sample",
+    "fsm_rollout.testing", "fsm_rollout.testing.chat_templates", "fsm_rollout.testing.envs",
     "fsm_rollout.testing.fake_vllm", "fsm_rollout.testing.templates", "fsm_rollout.testing.tokenizer",
-    "fsm_rollout.tool_calls", "fsm_rollout.trace", "fsm_rollout.training", "fsm_rollout.types",
+    "fsm_rollout.tokens", "fsm_rollout.tokens.parity", "fsm_rollout.tokens.template_probe",
+    "fsm_rollout.tokens.tool_calls", "fsm_rollout.tool_calls", "fsm_rollout.trace", "fsm_rollout.training",
+    "fsm_rollout.types", "fsm_rollout.weights", "fsm_rollout.weights.resume_state", "fsm_rollout.weights.suspension",
 })  # fmt: skip
 """Modules a user imports by name (the README and the docs point at them). Any other module is internal."""
 
@@ -83,7 +83,7 @@ def test_the_public_names_are_the_extension_points_and_all_resolve() -> None:
     from fsm_rollout.distributed import RayRolloutPool
     from fsm_rollout.engine.local import LocalEngine
     from fsm_rollout.engine.transport import Transport
-    from fsm_rollout.env import Environment
+    from fsm_rollout.envs.protocol import Environment
     from fsm_rollout.hooks import RolloutHooks
 
     assert (fsm_rollout.LocalEngine, fsm_rollout.RayRolloutPool) == (LocalEngine, RayRolloutPool)

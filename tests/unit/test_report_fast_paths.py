@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from fsm_rollout import diagrams, lifecycle
+from fsm_rollout.machine import diagrams, lifecycle
 from fsm_rollout.report import detail
 from fsm_rollout.report.page import json_for_script
 

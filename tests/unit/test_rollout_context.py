@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from fsm_rollout import lifecycle
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import ResumeError
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.rollout import steps
 from fsm_rollout.rollout.cancel import CancelScope, Stopped
 from fsm_rollout.rollout.context import RESUME_STATE_VERSION, Deps, RolloutContext, data_fields

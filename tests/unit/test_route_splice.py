@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from fsm_rollout.errors import GenerationError
-from fsm_rollout.partial_turn import merge_turns, turn_from_json, turn_to_json
 from fsm_rollout.types import GeneratedTurn, TurnMeta
+from fsm_rollout.weights.partial_turn import merge_turns, turn_from_json, turn_to_json
 
 PROMPT = 3
 

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 from fsm_rollout.cli.run import _progress_line, summary
-from fsm_rollout.metrics import MetricsSnapshot
+from fsm_rollout.runtime.metrics import MetricsSnapshot
 
 
 def snapshot(**values: Any) -> MetricsSnapshot:

@@ -16,20 +16,20 @@ from structlog.testing import capture_logs
 
 import fsm_rollout
 from fsm_rollout.errors import ConfigError, TemplateError
-from fsm_rollout.template_probe import (
-    PROBE_TOOLS,
-    AppendRefused,
-    HistoryPolicyChooser,
-    TemplateReport,
-    choose_history_policy,
-    probe_template,
-)
 from fsm_rollout.testing.chat_templates import CHAT_TEMPLATE_NAMES, chat_template, tokenizer_with_chat_template
 from fsm_rollout.testing.qwen3_6_tokenizer import load_qwen3_6_tokenizer
 from fsm_rollout.testing.templates import (
     MINIMAL_CHATML_TEMPLATE,
     THINK_STRIPPING_CHAT_TEMPLATE,
     qwen_tokenizer_with_template,
+)
+from fsm_rollout.tokens.template_probe import (
+    PROBE_TOOLS,
+    AppendRefused,
+    HistoryPolicyChooser,
+    TemplateReport,
+    choose_history_policy,
+    probe_template,
 )
 
 OFF: Mapping[str, Any] = {"enable_thinking": False}
@@ -270,23 +270,23 @@ def test_an_unknown_policy_or_role_is_refused() -> None:
 def test_the_chooser_probes_once_per_tool_set_traces_each_and_warns_once(caplog: pytest.LogCaptureFixture) -> None:
     stripping = qwen_tokenizer_with_template(THINK_STRIPPING_CHAT_TEMPLATE)
     chooser = HistoryPolicyChooser("append", template_kwargs=OFF)
-    with capture_logs() as events, caplog.at_level(logging.WARNING, logger="fsm_rollout.template_probe"):
+    with capture_logs() as events, caplog.at_level(logging.WARNING, logger="fsm_rollout.tokens.template_probe"):
         assert chooser.resolve(stripping) == "append"
         assert chooser.resolve(stripping) == "append"  # the same tool set: no second probe
         assert chooser.resolve(stripping, tools=list(PROBE_TOOLS)) == "append"
     probes = [event for event in events if event["event"] == "template_probe"]
     assert [list(event["roles"]) for event in probes] == [["user"], ["user", "tool"]]
     assert all(event["policy"] == "append" and event["template_kwargs"] == OFF for event in probes)
-    warnings = [record for record in caplog.records if record.name == "fsm_rollout.template_probe"]
+    warnings = [record for record in caplog.records if record.name == "fsm_rollout.tokens.template_probe"]
     assert len(warnings) == 1
     assert "rewrites history" in warnings[0].getMessage() and "user observations" in warnings[0].getMessage()
 
 
 def test_the_chooser_does_not_warn_when_auto_forks_or_history_is_kept(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger="fsm_rollout.template_probe"):
+    with caplog.at_level(logging.WARNING, logger="fsm_rollout.tokens.template_probe"):
         assert HistoryPolicyChooser("auto").resolve(shipped("qwen3_6")) == "fork"
         assert HistoryPolicyChooser("append").resolve(qwen_tokenizer_with_template(MINIMAL_CHATML_TEMPLATE)) == "append"
-    assert not [record for record in caplog.records if record.name == "fsm_rollout.template_probe"]
+    assert not [record for record in caplog.records if record.name == "fsm_rollout.tokens.template_probe"]
 
 
 def test_the_chooser_refuses_append_once_and_traces_the_refusal() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from fsm_rollout.tool_calls import ToolCall, ToolCallProblem, parse_tool_calls
+from fsm_rollout.tokens.tool_calls import ToolCall, ToolCallProblem, parse_tool_calls
 
 
 def block(payload: Any, *, newlines: bool = False) -> str:

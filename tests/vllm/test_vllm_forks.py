@@ -20,9 +20,9 @@ from conftest import RecordingProxy, VLLMServer, start_server
 from vllm_helpers import GENERATE_PATH, RENDER_PATH, SERVED_MODEL
 
 from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, VLLMClient, training_sequences
-from fsm_rollout.parity import template_token_ids
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.templates import THINK_STRIPPING_CHAT_TEMPLATE
+from fsm_rollout.tokens.parity import template_token_ids
 
 pytestmark = pytest.mark.vllm
 

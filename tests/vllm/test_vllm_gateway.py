@@ -16,7 +16,7 @@ from vllm_helpers import GENERATE_PATH, RENDER_PATH, SERVED_MODEL
 
 from fsm_rollout import RolloutConfig
 from fsm_rollout.gateway import AgentGateway
-from fsm_rollout.runner import RolloutRunner
+from fsm_rollout.runtime.runner import RolloutRunner
 
 pytestmark = pytest.mark.vllm
 

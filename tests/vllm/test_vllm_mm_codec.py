@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fsm_rollout.mm_codec import FieldElem, FieldSpec, KwargsItem, encode_item
+from fsm_rollout.multimodal.codec import FieldElem, FieldSpec, KwargsItem, encode_item
 
 pytestmark = pytest.mark.vllm
 

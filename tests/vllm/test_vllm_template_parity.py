@@ -19,8 +19,8 @@ from vllm_helpers import ASCII_STOPS, GENERATE_PATH, RENDER_PATH, SERVED_MODEL, 
 
 from fsm_rollout import Sample, Status, capture_transitions
 from fsm_rollout.envs.calculator import TOOL_NAME, TOOLS
-from fsm_rollout.parity import Conversation, check_template_parity, rebuild_conversation
 from fsm_rollout.testing.envs import ScriptedEnvFactory
+from fsm_rollout.tokens.parity import Conversation, check_template_parity, rebuild_conversation
 
 pytestmark = pytest.mark.vllm
 

@@ -24,8 +24,8 @@ from vllm_helpers import RENDER_PATH, SERVED_MODEL
 
 from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, VLLMClient, training_sequences
 from fsm_rollout.engine.schema import RequestError, check_chat_message
-from fsm_rollout.parity import template_token_ids
 from fsm_rollout.testing.envs import ScriptedEnvFactory
+from fsm_rollout.tokens.parity import template_token_ids
 from fsm_rollout.types import GeneratedTurn
 
 pytestmark = pytest.mark.vllm

@@ -34,7 +34,7 @@ from typing import Any
 
 from fsm_rollout.cli.bench.params import LATENCY_S, PROMPT
 from fsm_rollout.cli.bench.rollouts import LoopMonitor
-from fsm_rollout.parity import template_token_ids
+from fsm_rollout.tokens.parity import template_token_ids
 
 CALLS = 3
 GOALS = {"gateway_cpu_ms_per_call": 1.0, "loop_lag_p99_ms": 50.0, "retokenization_breaks": 0}

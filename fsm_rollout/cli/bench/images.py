@@ -31,7 +31,7 @@ from typing import Any
 
 import orjson
 
-from fsm_rollout.parity import template_token_ids
+from fsm_rollout.tokens.parity import template_token_ids
 
 IMAGE_SIDE = 448
 OBSERVATIONS = 4
@@ -158,8 +158,8 @@ async def _observe(ctx: Any, image: Any, answer: bytes, timings: dict[str, list[
 
 def bench_image_observations(quick: bool) -> dict[str, float]:
     """The ``images`` figures (see the module docstring)."""
-    from fsm_rollout.chat import ObservationEncoder
     from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
+    from fsm_rollout.tokens.chat import ObservationEncoder
 
     tokenizer = load_qwen_tokenizer()
     encoder = ObservationEncoder(tokenizer)

@@ -8,8 +8,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from fsm_rollout import lifecycle
 from fsm_rollout.cli.bench.params import SCALE_TURNS
+from fsm_rollout.machine import lifecycle
 
 
 def _best_of(repeats: int, run: Callable[[], float]) -> float:

@@ -17,8 +17,8 @@ from typing import Any
 from orjson import dumps as orjson_dumps
 from orjson import loads as orjson_loads
 
-from fsm_rollout import gc_policy
 from fsm_rollout.cli.bench.params import PROMPT, SAMPLING, SCALE_TURNS, Settings
+from fsm_rollout.runtime import gc_policy
 
 
 def _rss_bytes() -> int:
@@ -165,10 +165,10 @@ def run_rollouts(
 def baseline_rollouts(url: str, tokenizer: Any, samples: int) -> dict[str, float]:
     """The seed's way, as a plain imperative loop: same HTTP session and tokenizer, stdlib json, and two
     chat-template renders per observation (the dummy conversation with and without the observation)."""
-    from fsm_rollout.chat import DUMMY_MESSAGES
     from fsm_rollout.engine.schema import GENERATE_PATH, RENDER_PATH
     from fsm_rollout.engine.transport import AiohttpTransport
     from fsm_rollout.testing.envs import ScriptedEnv
+    from fsm_rollout.tokens.chat import DUMMY_MESSAGES
 
     headers = {"Content-Type": "application/json"}
     dummy = list(DUMMY_MESSAGES)

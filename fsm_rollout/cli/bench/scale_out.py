@@ -44,7 +44,7 @@ def _timed(done: list[Any], wall: float, cpu: float) -> dict[str, float]:
 
 
 async def _runner_runs(url: str, settings: Settings, samples: int, repeats: int) -> list[dict[str, float]]:
-    from fsm_rollout.runner import RolloutRunner
+    from fsm_rollout.runtime.runner import RolloutRunner
 
     runs = []
     async with RolloutRunner(_config(url, settings), sampling_params=SAMPLING) as runner:

@@ -87,7 +87,7 @@ def bench_turn(settings: Settings, samples: int = 300, turns: int = 3) -> dict[s
         get_tracer(trace_path).close()
 
     encoder_message = {"role": "user", "content": "Continue the reasoning."}
-    from fsm_rollout.chat import ObservationEncoder
+    from fsm_rollout.tokens.chat import ObservationEncoder
 
     encoder = ObservationEncoder(tokenizer)
     encoder.encode(encoder_message, ends_with_eos=True)

@@ -1,7 +1,7 @@
 """The ``weight-update`` workload: a weight update with every sample's generate request in flight, done today's
 way (``runner.abort``) and with suspend/resume, side by side against the canned server's hold mode.
 
-Each run is one batch through a :class:`~fsm_rollout.runner.RolloutRunner`: the server holds every first-turn
+Each run is one batch through a :class:`~fsm_rollout.runtime.runner.RolloutRunner`: the server holds every first-turn
 request, having produced the first ``partial`` tokens of the canned answer, and the bench acts once it holds them
 all. With suspend/resume the server holds the continuation requests too until all have arrived (the engine is still
 producing the rest when the bench measures), then finishes them. Tokens thrown away are the tokens the server
@@ -128,7 +128,7 @@ def bench_weight_update(
     ``runner.abort`` (today) once, then ``suspend()``/``resume()`` ``repeats`` times, one batch each, against the
     canned server at ``url``."""
     from fsm_rollout.config import RolloutConfig
-    from fsm_rollout.runner import RolloutRunner
+    from fsm_rollout.runtime.runner import RolloutRunner
     from fsm_rollout.sample import Sample, Status
     from fsm_rollout.testing.envs import CONTINUE, ScriptedEnvFactory
 

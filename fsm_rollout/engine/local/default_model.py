@@ -379,8 +379,8 @@ class TrainingExample:
 def encode_conversations(data: TrainingData, tokenizer: Any) -> list[TrainingExample]:
     """Token ids as a rollout produces them (the prompt as the engine renders it, each observation as the library's
     observation encoder encodes it), and which of them are the model's (the loss positions)."""
-    from fsm_rollout.chat import ObservationEncoder, template_token_ids
     from fsm_rollout.multimodal.messages import build_initial_messages
+    from fsm_rollout.tokens.chat import ObservationEncoder, template_token_ids
 
     pad_id = tokenizer.convert_tokens_to_ids("<|image_pad|>")
     pads = _image_tokens(data.figure_size, tokenizer)

@@ -13,7 +13,7 @@ What render does with the image parts of a chat request, step by step as ``vllm 
    ``<|image_pad|>`` tokens, in image order;
 4. the answer's ``features`` holds ``mm_hashes``, ``mm_placeholders`` (offset and length of each image's pad run),
    ``kwargs_data`` (one base64 ``MultiModalKwargsItem`` per image: ``pixel_values`` as a ``flat`` field sliced by
-   ``t*h*w``, ``image_grid_thw`` as a ``batched`` field kept on the CPU, see :func:`fsm_rollout.mm_codec.
+   ``t*h*w``, ``image_grid_thw`` as a ``batched`` field kept on the CPU, see :func:`fsm_rollout.multimodal.codec.
    qwen_vl_image_items`) and ``mm_metadata`` (the ``keep_on_cpu`` fields of each item, as vLLM 0.32 sends).
 
 Generate checks the ``features`` of a request the way vLLM's ``MultiModalFeatures`` model does (same modalities,
@@ -257,7 +257,7 @@ class ImageSupport:
     def _item_data(self, features: ImageFeatures, index: int) -> dict[str, Any]:
         """The item's fields, its ``mm_metadata`` fields over its ``kwargs_data`` ones (vLLM's merge)."""
         from fsm_rollout.errors import FeatureCodecError
-        from fsm_rollout.mm_codec import decode_item
+        from fsm_rollout.multimodal.codec import decode_item
 
         item, metadata = features.items[index], features.metadata[index]
         if item is None:
@@ -322,7 +322,7 @@ def tokens_per_image(grid: list[int]) -> int:
 def _features(
     pixel_values: torch.Tensor, grids: torch.Tensor, placeholders: list[tuple[int, int]], *, with_tensors: bool
 ) -> dict[str, Any]:
-    from fsm_rollout.mm_codec import KwargsItem, encode_item, qwen_vl_image_items, render_features
+    from fsm_rollout.multimodal.codec import KwargsItem, encode_item, qwen_vl_image_items, render_features
 
     items = qwen_vl_image_items(pixel_values, grids)
     features = render_features(items, placeholders)

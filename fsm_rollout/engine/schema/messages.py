@@ -14,7 +14,7 @@ ignores the keys it does not declare. So, in effect:
   list of function (or custom) tool calls, and ignores ``reasoning`` and the rest;
 * a function tool call is ``{"id": str, "type": "function", "function": {"name": str, "arguments": str}}``: the
   **arguments are a JSON string**. An object there is the 400 real clients meet when they send an engine the form a
-  chat template takes (:mod:`fsm_rollout.chat_messages`). A tool call of another type passes the schema and is
+  chat template takes (:mod:`fsm_rollout.tokens.chat_messages`). A tool call of another type passes the schema and is
   refused right after, when vLLM prepares the messages for the template.
 
 A message no member accepts is a 400 in pydantic's words, naming the field the member for its role refused.

@@ -3,7 +3,7 @@
 :class:`QwenLikeImageRender` is a ``render_features`` hook (:data:`~fsm_rollout.testing.fake_vllm.RenderFeaturesHook`):
 it cuts each image into ``PATCH`` x ``PATCH`` patches (no resizing: sides must be multiples of ``PATCH * MERGE``),
 expands every ``<|image_pad|>`` of the template's ids to ``t*h*w / MERGE**2`` placeholders, and answers the image
-tensors in vLLM's wire format (:mod:`fsm_rollout.mm_codec`), as vLLM does for Qwen2-VL. Images may be in any
+tensors in vLLM's wire format (:mod:`fsm_rollout.multimodal.codec`), as vLLM does for Qwen2-VL. Images may be in any
 message of the conversation (a prompt's, an observation's after a dummy prefix). Options imitate vLLM's
 processor cache: ``cache_hits`` leaves out the tensors of an image the hook has answered before (a null item, as
 vLLM's render may), and ``null_item`` nulls one item of every answer.
@@ -17,7 +17,7 @@ import base64
 import io
 from typing import Any, Final
 
-from fsm_rollout.mm_codec import qwen_vl_image_items, render_features
+from fsm_rollout.multimodal.codec import qwen_vl_image_items, render_features
 
 PATCH: Final = 8
 """Pixels per patch side."""

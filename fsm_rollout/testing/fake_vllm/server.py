@@ -134,7 +134,7 @@ class FakeVLLMServer:
 
     ``render_features``, when given, is called (in the tokenizer thread) with each render request's messages and
     the ids the chat template rendered; it returns the prompt ids to answer with (e.g. with image placeholders
-    expanded) and the ``features`` to send (see :func:`fsm_rollout.mm_codec.render_features`). An exception
+    expanded) and the ``features`` to send (see :func:`fsm_rollout.multimodal.codec.render_features`). An exception
     from it answers 400. Without it, render answers the template's ids and ``features: null``.
     """
 

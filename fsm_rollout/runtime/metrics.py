@@ -9,10 +9,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from fsm_rollout import lifecycle
 from fsm_rollout.hooks import RolloutHooks, RolloutView
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.rollout import Rollout
-from fsm_rollout.suspension import SuspendStats
+from fsm_rollout.weights.suspension import SuspendStats
 
 
 @dataclass(frozen=True)
@@ -163,9 +163,9 @@ class RunnerMetrics(RolloutHooks):
 
 @dataclass(frozen=True)
 class PoolMetricsSnapshot(MetricsSnapshot):
-    """:class:`~fsm_rollout.runner.MetricsSnapshot` summed over the live workers (rates over the pool's lifetime),
-    with the samples lost with dead workers counted ``failed``/``worker_lost``. A dead worker's other counts leave
-    the totals with it."""
+    """:class:`~fsm_rollout.runtime.runner.MetricsSnapshot` summed over the live workers (rates over the pool's
+    lifetime), with the samples lost with dead workers counted ``failed``/``worker_lost``. A dead worker's other counts
+    leave the totals with it."""
 
     workers_alive: int = 0
     workers_lost: int = 0
@@ -231,7 +231,7 @@ def combine_metrics(
 
 
 def combine_suspensions(stats: Sequence[SuspendStats]) -> SuspendStats:
-    """Workers' :class:`~fsm_rollout.suspension.SuspendStats` of one suspension as one: counts summed, times the
+    """Workers' :class:`~fsm_rollout.weights.suspension.SuspendStats` of one suspension as one: counts summed, times the
     slowest worker's (they suspend at once), errors all."""
     if not stats:
         return SuspendStats()

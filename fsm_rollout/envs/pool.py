@@ -1,7 +1,8 @@
 """Internal: the worker pools that run synchronous environment code off the event loop.
 
-Kept apart from :mod:`fsm_rollout.env` so that the environment adapters (:mod:`fsm_rollout.env_adapters`), which
-:mod:`fsm_rollout.env` loads by name, can use the same pools without importing it back.
+Kept apart from :mod:`fsm_rollout.envs.protocol` so that the environment adapters (:mod:`fsm_rollout.envs.adapters`),
+which
+:mod:`fsm_rollout.envs.protocol` loads by name, can use the same pools without importing it back.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ entry, and otherwise the plain ``transitions.Machine`` (with one warning per pro
 machine slower but never wrong. ``tests/unit/test_lean_machine.py`` fails on any mismatch, so an upgrade forces a
 review of the copies (and a new entry here).
 
-The lean machine supports only the configuration :func:`fsm_rollout.lifecycle.build_machine` uses: no models
+The lean machine supports only the configuration :func:`fsm_rollout.machine.lifecycle.build_machine` uses: no models
 attached (each trigger is called as ``machine.events[name].trigger(model, *args)``), ``send_event=False``, no
 queue, and callables (never names) for every guard and callback. Anything else is refused when the machine is
 built or a state or transition is added.
@@ -116,7 +116,7 @@ def machine_class() -> type[Machine]:
         warnings.warn(
             f"transitions {transitions.__version__} is not a version the lean lifecycle machine was verified "
             f"against (verified: {verified}); using the plain transitions.Machine, which behaves the same but "
-            "costs more per transition. Update fsm_rollout.lean_machine.VERIFIED_SOURCES after reviewing the "
+            "costs more per transition. Update fsm_rollout.machine.lean_machine.VERIFIED_SOURCES after reviewing the "
             "copied methods against the new release.",
             LeanMachineFallbackWarning,
             stacklevel=2,

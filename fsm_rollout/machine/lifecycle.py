@@ -34,8 +34,8 @@ from typing import Any
 
 from transitions import Machine
 
-from fsm_rollout import lean_machine
-from fsm_rollout.lean_machine import LeanCondition, LeanEvent, LeanState, LeanTransition, LifecycleMachine
+from fsm_rollout.machine import lean_machine
+from fsm_rollout.machine.lean_machine import LeanCondition, LeanEvent, LeanState, LeanTransition, LifecycleMachine
 
 __all__ = [  # the lean classes are re-exported: they used to live here
     "INITIAL",
@@ -337,9 +337,9 @@ def build_machine(
 ) -> Machine:
     """Build the one shared ``transitions.Machine`` that runs every rollout of the process.
 
-    ``machine_class`` defaults to :func:`fsm_rollout.lean_machine.machine_class`: the lean
-    :class:`~fsm_rollout.lean_machine.LifecycleMachine` when the installed ``transitions`` is a verified version,
-    else the plain ``transitions.Machine`` (with one warning per process).
+    ``machine_class`` defaults to :func:`fsm_rollout.machine.lean_machine.machine_class`: the lean
+    :class:`~fsm_rollout.machine.lean_machine.LifecycleMachine` when the installed ``transitions`` is a verified
+    version, else the plain ``transitions.Machine`` (with one warning per process).
 
     The machine holds no models: each rollout is passed to ``machine.events[trigger].trigger(rollout, rollout)``,
     keeps its own ``state`` attribute, and receives itself as the only argument of every guard and action. This

@@ -1,6 +1,6 @@
 """RolloutService: the surface a trainer programs against, so that one process and many are interchangeable.
 
-:class:`~fsm_rollout.runner.RolloutRunner` (rollouts on this event loop) and
+:class:`~fsm_rollout.runtime.runner.RolloutRunner` (rollouts on this event loop) and
 :class:`~fsm_rollout.distributed.RayRolloutPool` (rollouts on Ray workers, each hosting a runner) both have it, with
 the same signatures and meanings; a trainer written against it swaps one for the other::
 
@@ -16,14 +16,14 @@ from contextlib import AbstractAsyncContextManager
 from types import TracebackType
 from typing import TYPE_CHECKING, Protocol, Self, runtime_checkable
 
-from fsm_rollout.metrics import MetricsSnapshot
+from fsm_rollout.runtime.metrics import MetricsSnapshot
 from fsm_rollout.sample import Sample
-from fsm_rollout.suspension import SuspendStats
+from fsm_rollout.weights.suspension import SuspendStats
 
 
 @runtime_checkable
 class RolloutService(Protocol):
-    """Runs samples through the lifecycle; see :class:`~fsm_rollout.runner.RolloutRunner` for each method's
+    """Runs samples through the lifecycle; see :class:`~fsm_rollout.runtime.runner.RolloutRunner` for each method's
     meaning (the pool's differ only where its docstrings say)."""
 
     async def __aenter__(self) -> Self: ...
@@ -99,7 +99,7 @@ class RolloutService(Protocol):
 
 if TYPE_CHECKING:  # mypy checks here that both implementations have the surface, with the same signatures
     from fsm_rollout.distributed.pool import RayRolloutPool
-    from fsm_rollout.runner import RolloutRunner
+    from fsm_rollout.runtime.runner import RolloutRunner
 
     def _both_are_services(runner: RolloutRunner, pool: RayRolloutPool) -> tuple[RolloutService, RolloutService]:
         return runner, pool

@@ -11,7 +11,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Protocol, runtime_checkable
 
-from fsm_rollout.env_pool import env_thread_pool as env_thread_pool  # re-exported: its home before the adapters
+from fsm_rollout.envs.pool import env_thread_pool as env_thread_pool  # re-exported: its home before the adapters
 from fsm_rollout.envs.step import as_step_result
 from fsm_rollout.errors import EnvironmentContractError, EnvironmentLoadError, EnvironmentNotFoundError
 
@@ -109,8 +109,8 @@ def env_factory_from_module(module: ModuleType) -> EnvFactory:
 def load_env_factory(target: str) -> EnvFactory:
     """Load ``build_env`` from an environment module name or ``.py`` path, or build it through an adapter
     (``verifiers:NAME``, ``skyrl:NAME``, ``gym:ID``, ``trl:MODULE:CLASS``; see :mod:`fsm_rollout.adapters`, resolved in
-    :mod:`fsm_rollout.env_adapters.spec`)."""
-    from fsm_rollout.env_adapters.spec import factory_from_spec, is_adapter_spec
+    :mod:`fsm_rollout.envs.adapters.spec`)."""
+    from fsm_rollout.envs.adapters.spec import factory_from_spec, is_adapter_spec
 
     if is_adapter_spec(target):
         factory: EnvFactory = factory_from_spec(target, load_module=load_env_module)

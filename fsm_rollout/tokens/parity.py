@@ -1,7 +1,7 @@
 """Template parity: does the chat template render a finished sample's whole conversation as the sample's tokens?
 
 A rollout never re-renders: it appends each generated turn and each observation's boundary tokens
-(:mod:`fsm_rollout.chat`) to the tokens so far. That is exact only when the template is append-only for the
+(:mod:`fsm_rollout.tokens.chat`) to the tokens so far. That is exact only when the template is append-only for the
 conversations the rollout produces. :func:`check_template_parity` checks one sample: it rebuilds the conversation
 and compares the template's rendering of all of it with ``sample.tokens``, reporting the first differing token
 with decoded context on both sides.
@@ -24,8 +24,8 @@ local template writes one placeholder per image where vLLM's render expanded it 
 
 This module also holds what a sample records of its observations (:data:`OBSERVATIONS_KEY`,
 :func:`record_observation`) and the token ids a template renders (:func:`template_token_ids`): the observation
-encoder (:mod:`fsm_rollout.chat`) writes them and builds its start-up probe on the check, so it imports this module,
-never the other way round.
+encoder (:mod:`fsm_rollout.tokens.chat`) writes them and builds its start-up probe on the check, so it imports this
+module, never the other way round.
 
 A difference inside an assistant turn can also mean the model's tokens were not the canonical tokenization of
 their text (re-encoding the decoded text gives other ids); the report names the segment the difference is in.
@@ -37,10 +37,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
-from fsm_rollout.chat_messages import template_messages
 from fsm_rollout.errors import ParityInputError, TemplateError
 from fsm_rollout.multimodal import IMAGE_PAD_TOKEN, build_initial_messages, image_pad_token_id, prepare_render_messages
 from fsm_rollout.sample import Sample
+from fsm_rollout.tokens.chat_messages import template_messages
 from fsm_rollout.types import TokenIds
 
 __all__ = [

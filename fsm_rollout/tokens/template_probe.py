@@ -4,8 +4,8 @@
 observation role (``user``, ``tool``):
 
 * **cuttable**: whether the observation boundary can be cut from the template with the dummy-prefix method that the
-  ``append`` policy uses (:class:`~fsm_rollout.chat.ObservationEncoder`): the template must render the dummy prefix
-  the same with the observation after it. Where it cannot, ``append`` fails at every observation.
+  ``append`` policy uses (:class:`~fsm_rollout.tokens.chat.ObservationEncoder`): the template must render the dummy
+  prefix the same with the observation after it. Where it cannot, ``append`` fails at every observation.
 * **stable**: whether the template, given the conversation so far plus the observation, renders exactly the tokens the
   rollout holds (prompt, generated turns, boundaries). Each role is probed with turns that reason and turns that do
   not, written as a model writes them after the template's generation prompt: after an open ``<think>\\n`` a
@@ -29,7 +29,9 @@ from typing import Any, Final, Literal
 
 import structlog
 
-from fsm_rollout.chat import (
+from fsm_rollout.errors import ConfigError, TemplateError, TemplateNotPrefixStable
+from fsm_rollout.sample import Sample
+from fsm_rollout.tokens.chat import (
     DUMMY_PREFIXES,
     PROBE_OBSERVATIONS,
     PROBE_QUESTION,
@@ -38,9 +40,7 @@ from fsm_rollout.chat import (
     render_key,
     template_identity,
 )
-from fsm_rollout.errors import ConfigError, TemplateError, TemplateNotPrefixStable
-from fsm_rollout.parity import ParityReport, check_template_parity, record_observation, template_token_ids
-from fsm_rollout.sample import Sample
+from fsm_rollout.tokens.parity import ParityReport, check_template_parity, record_observation, template_token_ids
 from fsm_rollout.types import TokenIds
 
 __all__ = [

@@ -1,8 +1,8 @@
 """Internal: the adapters' names on the command line and in ``RolloutConfig.env_path`` (``verifiers:NAME``,
 ``skyrl:NAME``, ``gym:ID`` and ``trl:MODULE:CLASS``), and the samples an environment brings when it has one.
 
-:func:`fsm_rollout.env.load_env_factory` resolves these names here, so the CLI, the runner, the Ray pool's workers
-and replay all accept them wherever they accept an environment module.
+:func:`fsm_rollout.envs.protocol.load_env_factory` resolves these names here, so the CLI, the runner, the Ray pool's
+workers and replay all accept them wherever they accept an environment module.
 """
 
 from __future__ import annotations
@@ -45,21 +45,21 @@ def factory_from_spec(
     verifiers environment's ``load_environment`` or of Gymnasium's ``make``."""
     prefix, rest = _split(target)
     if prefix == "verifiers":
-        from fsm_rollout.env_adapters.verifiers import verifiers_env
+        from fsm_rollout.envs.adapters.verifiers import verifiers_env
 
         return verifiers_env(rest, env_args=env_args)
     if prefix == "skyrl":
-        from fsm_rollout.env_adapters.skyrl import skyrl_env
+        from fsm_rollout.envs.adapters.skyrl import skyrl_env
 
         return skyrl_env(rest, env_config=env_args)
     if prefix == "gym":
-        from fsm_rollout.env_adapters.gym import gym_env
+        from fsm_rollout.envs.adapters.gym import gym_env
 
         return gym_env(rest, make_kwargs=env_args)
     if env_args is not None:
         raise EnvironmentContractError(f"--env {target}: a TRL environment class takes no --env-args (the forms: "
                                        f"{ENV_ARGS_FORMS})")  # fmt: skip
-    from fsm_rollout.env_adapters.trl import trl_env
+    from fsm_rollout.envs.adapters.trl import trl_env
 
     module_name, colon, class_name = rest.rpartition(":")
     if not colon or not module_name or not class_name:
@@ -76,11 +76,11 @@ def samples_from_spec(target: str, factory: Any, *, limit: int | None) -> list[A
     asks for ``--data``."""
     prefix, _rest = _split(target)
     if prefix == "verifiers":
-        from fsm_rollout.env_adapters.verifiers import verifiers_samples
+        from fsm_rollout.envs.adapters.verifiers import verifiers_samples
 
         return verifiers_samples(factory, n=-1 if limit is None else limit)
     if prefix == "gym":
-        from fsm_rollout.env_adapters.gym import gym_samples
+        from fsm_rollout.envs.adapters.gym import gym_samples
 
         return gym_samples(DEFAULT_EPISODES if limit is None else limit)
     raise EnvironmentContractError(

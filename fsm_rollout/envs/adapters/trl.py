@@ -9,7 +9,7 @@ What TRL's ``GRPOTrainer(environment_factory=...)`` does with such a class, done
   signatures and Google-style docstrings by ``transformers.utils.get_json_schema``, as TRL's chat template call
   builds them; they go in ``sample.metadata["tools"]``;
 * each turn's text (without the end-of-turn token the model wrote last, ``<|im_end|>``) is the completion TRL's
-  reward functions see, and its ``<tool_call>`` blocks (read by :func:`fsm_rollout.tool_calls.parse_tool_calls`)
+  reward functions see, and its ``<tool_call>`` blocks (read by :func:`fsm_rollout.tokens.tool_calls.parse_tool_calls`)
   call the methods;
   each result comes back as a ``{"role": "tool", "name", "content"}`` message, ``str(result)``, or
   ``str({"error": ...})`` when the call raised, the tool is unknown or the block is unreadable, as TRL words it;
@@ -31,7 +31,7 @@ import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fsm_rollout.env_adapters._common import (
+from fsm_rollout.envs.adapters._common import (
     ENV_STOP_KEY,
     action_text,
     import_extra,
@@ -41,7 +41,7 @@ from fsm_rollout.env_adapters._common import (
     run_sync,
 )
 from fsm_rollout.errors import AdapterProtocolError
-from fsm_rollout.tool_calls import parse_tool_calls
+from fsm_rollout.tokens.tool_calls import parse_tool_calls
 
 ADAPTER = "trl"
 NOT_TOOLS = frozenset({"reset", "get_reward"})

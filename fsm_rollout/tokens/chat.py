@@ -28,17 +28,17 @@ from typing import Any, Final
 
 import orjson
 
-from fsm_rollout.chat_messages import template_messages
 from fsm_rollout.errors import ImageObservationError, ObservationError, TemplateError, TemplateNotPrefixStable
 from fsm_rollout.multimodal import check_observation_parts, is_image_part
-from fsm_rollout.parity import (
+from fsm_rollout.sample import Sample
+from fsm_rollout.tokens.chat_messages import template_messages
+from fsm_rollout.tokens.parity import (
     OBSERVATIONS_KEY,
     ParityReport,
     check_template_parity,
     record_observation,
     template_token_ids,
 )
-from fsm_rollout.sample import Sample
 from fsm_rollout.types import TokenIds
 
 __all__ = [
@@ -88,7 +88,7 @@ TOOL_DUMMY_MESSAGES: tuple[dict[str, Any], ...] = (
 )
 """The dummy prefix before an observation that starts with a ``tool`` message: it ends with a tool call. Its
 arguments are a JSON string, OpenAI's wire form, because the image path sends this prefix to the engine; local
-renders decode them as vLLM does (:func:`fsm_rollout.chat_messages.template_messages`)."""
+renders decode them as vLLM does (:func:`fsm_rollout.tokens.chat_messages.template_messages`)."""
 
 USER_SHAPE: Final = "user"
 TOOL_SHAPE: Final = "tool"
@@ -325,7 +325,7 @@ class ObservationEncoder:
         observation, which checks that shape's dummy prefix, then rebuilds a short made-up conversation of that
         shape (assistant turns with ``<think>`` blocks, two observations) the way a rollout appends it and
         compares it with the template's rendering of the whole conversation (:func:`probe_conversation`, with
-        :func:`fsm_rollout.parity.check_template_parity`). A template that renders earlier turns differently
+        :func:`fsm_rollout.tokens.parity.check_template_parity`). A template that renders earlier turns differently
         once more follows (one that drops the ``<think>`` blocks of earlier assistant turns, say) fails here
         with :class:`~fsm_rollout.errors.TemplateNotPrefixStable` naming the template and the first differing
         token, instead of at the first observation or silently in training data. Other template failures are

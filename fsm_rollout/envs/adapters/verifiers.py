@@ -10,7 +10,7 @@ cleanup handlers, and then the rubric: ``score_rollout`` gives ``sample.reward``
 ``sample.metadata["verifiers"]["metrics"]`` and the JSON-able entries of the final ``state`` in
 ``sample.metadata["verifiers"]["state"]``.
 
-A turn's ``<tool_call>`` blocks are read by :func:`fsm_rollout.tool_calls.parse_tool_calls` into the response's
+A turn's ``<tool_call>`` blocks are read by :func:`fsm_rollout.tokens.tool_calls.parse_tool_calls` into the response's
 ``tool_calls`` (an unreadable block is passed on with its text as the arguments, so a ``ToolEnv`` reports it to
 the model as it reports any argument it cannot parse); the tool definitions go in ``sample.metadata["tools"]``.
 
@@ -29,7 +29,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from fsm_rollout.env_adapters._common import (
+from fsm_rollout.envs.adapters._common import (
     ENV_STOP_KEY,
     import_extra,
     jsonable_items,
@@ -43,7 +43,7 @@ from fsm_rollout.errors import (
     EnvironmentLoadError,
     EnvironmentNotFoundError,
 )
-from fsm_rollout.tool_calls import ToolCall, parse_tool_calls
+from fsm_rollout.tokens.tool_calls import ToolCall, parse_tool_calls
 
 ADAPTER = "verifiers"
 MODEL = "fsm-rollout"
@@ -265,7 +265,7 @@ def _bridge_client(vf: Any, episode: VerifiersEpisode) -> Any:
 
 def rollout_input(sample: Any) -> dict[str, Any]:
     """The verifiers ``RolloutInput`` of a sample: its prompt and ``sample.metadata["verifiers_row"]``'s fields."""
-    from fsm_rollout.env_adapters._common import prompt_messages
+    from fsm_rollout.envs.adapters._common import prompt_messages
 
     metadata = getattr(sample, "metadata", None) or {}
     row = dict(metadata.get("verifiers_row") or {}) if isinstance(metadata, Mapping) else {}

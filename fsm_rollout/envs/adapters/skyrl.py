@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from fsm_rollout.env_adapters._common import (
+from fsm_rollout.envs.adapters._common import (
     ENV_STOP_KEY,
     action_text,
     describe,

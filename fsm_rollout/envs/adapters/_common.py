@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
-from fsm_rollout.env_pool import env_thread_pool
+from fsm_rollout.envs.pool import env_thread_pool
 from fsm_rollout.errors import AdapterProtocolError, MissingExtraError
 
 DEFAULT_WORKERS = 16

@@ -1,0 +1,521 @@
+"""RolloutRunner: many samples through the lifecycle with shared resources, bounded concurrency, abort and metrics.
+
+One runner owns what samples share: the HTTP client(s), the tokenizer, the loaded environment module, the trace
+sink and the machine definition (module-level, shared by every rollout). Use it as an async context manager::
+
+    async with RolloutRunner(config, sampling_params=sampling) as runner:
+        samples = await runner.run_batch(samples, concurrency=64)
+
+Several engine URLs are spread over with session-sticky consistent hashing: a sample's requests always go to the
+same server, and adding a server moves only about 1/N of the sessions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
+from dataclasses import replace
+from types import TracebackType
+from typing import Any, TypeVar
+
+from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig, build_inference_sampling_params
+from fsm_rollout.engine.client import VLLMClient
+from fsm_rollout.envs.protocol import EnvFactory, load_env_factory
+from fsm_rollout.errors import ConfigError, ModelListError, RolloutError
+from fsm_rollout.hooks import RolloutHooks, combine_hooks
+from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_writer_for
+from fsm_rollout.rollout import Rollout
+from fsm_rollout.rollout.handle import RolloutHandle
+from fsm_rollout.runtime import gc_policy
+from fsm_rollout.runtime.hashring import ConsistentHashRing
+from fsm_rollout.runtime.metrics import MetricsSnapshot, RunnerMetrics
+from fsm_rollout.runtime.queueing import QueueNotingTracer, Waiting
+from fsm_rollout.sample import Sample, Status
+from fsm_rollout.tokens.chat import ObservationEncoder
+from fsm_rollout.tokens.template_probe import HistoryPolicyChooser
+from fsm_rollout.tokens.tokenizers import TokenizerSource, listed_tokenizer_source, load_tokenizer
+from fsm_rollout.trace import Tracer, get_tracer
+from fsm_rollout.types import ServedModel
+from fsm_rollout.weights.suspension import Suspender, SuspendStats
+
+NOT_STARTED = "not_started"
+"""The reason of a sample that an abort (or a cancelled batch) ended while it waited for a concurrency slot: it
+never started, so it holds nothing but its input."""
+
+_T = TypeVar("_T")
+
+
+class RolloutRunner:
+    """Runs samples through the lifecycle with shared resources (see the module docstring).
+
+    ``engine_urls`` defaults to ``[config.engine_url]``; with several URLs each sample gets a session id and is
+    pinned to one URL by consistent hashing. With ``raise_on_error=False`` (the default) a sample whose rollout
+    raises ends ``failed`` with the error in ``metadata["rollout_error"]`` and the batch goes on; with True the
+    error propagates. ``tape`` (default: beside the trace when ``config.record`` is on) records every sample's
+    engine and environment exchanges for ``fsm-rollout replay``. ``hooks`` observe every rollout of the runner
+    (after the runner's own metrics). It implements :class:`~fsm_rollout.runtime.service.RolloutService`.
+
+    Entering it loads the tokenizer unless ``tokenizer`` is given: from ``config.tokenizer_path``, else from what
+    the first engine names in ``GET /v1/models``, from local files only (:mod:`fsm_rollout.tokens.tokenizers`; a
+    :class:`~fsm_rollout.errors.TokenizerNotFoundError` naming ``tokenizer_path`` otherwise). That load and the
+    chat template's probe run in a thread of their own, so the event loop's other tasks keep running.
+
+    A batch, group or stream queues its samples and makes each one's rollout when it gets a concurrency slot: the
+    wait is ``queued_ms`` on its first transition and in :meth:`metrics`, apart from the ``pending`` dwell. An
+    abort ends the samples still queued ``aborted`` with reason :data:`NOT_STARTED`.
+
+    Weight updates: ``async with runner.weight_update(version="7"):`` around the trainer's weight push suspends the
+    runner's rollouts (none is lost: each turn in flight continues from the tokens it had), sets the engines'
+    weight version and resumes them; :meth:`suspend` and :meth:`resume` are the two halves.
+    ``config.weight_update_strategy`` picks how requests in flight are treated (see
+    :class:`~fsm_rollout.config.RolloutConfig`). Every generated token's weight version ends up in
+    ``sample.metadata["weight_version_spans"]``.
+    """
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        *,
+        sampling_params: Mapping[str, Any],
+        tokenizer: Any = None,
+        processor: Any = None,
+        env_factory: EnvFactory | None = None,
+        engine_urls: Sequence[str] | None = None,
+        raise_on_error: bool = False,
+        tracer: Tracer | None = None,
+        tape: TapeWriter | None = None,
+        hooks: RolloutHooks | None = None,
+    ) -> None:
+        self.config = config
+        self.sampling_params = dict(sampling_params)
+        build_inference_sampling_params(self.sampling_params)  # bad values fail here, not at the first rollout
+        self.tokenizer = tokenizer
+        self.processor = processor
+        self.env_factory = env_factory
+        self.engine_urls = list(engine_urls or [config.engine_url])
+        self.raise_on_error = raise_on_error
+        self.tracer = tracer if tracer is not None else get_tracer(config.trace)
+        self.tape = tape if tape is not None else tape_writer_for(config)
+        self._ring = ConsistentHashRing(self.engine_urls)
+        self._clients: dict[str, VLLMClient] = {}
+        self._server_clients: dict[str, VLLMClient] = {}
+        """The servers behind a router (``config.servers_behind_router``), which weight updates reach directly."""
+        self._metrics = RunnerMetrics()
+        self._active = self._metrics.active
+        self._waiting = self._metrics.waiting
+        self._encoder: ObservationEncoder | None = None
+        self._history = HistoryPolicyChooser(config.history_policy, config.apply_chat_template_kwargs)
+        self.history_policy: str | None = None
+        self._configs: dict[str, RolloutConfig] = {}
+        """The history policy of samples without tools, resolved from the template probe on entering."""
+        self._hooks = combine_hooks(self._metrics, hooks)
+        self._entered = False
+        self.suspender = Suspender(
+            lambda: self._clients.values(),
+            strategy=config.weight_update_strategy,
+            servers=(lambda: self._server_clients.values()) if config.servers_behind_router else None,
+        )
+        """The gate every rollout of this runner consults (:mod:`fsm_rollout.weights.suspension`)."""
+
+    async def __aenter__(self) -> RolloutRunner:
+        for url in self.engine_urls:
+            self._clients[url] = VLLMClient.from_config(self.config, base_url=url)
+        for url in self.config.servers_behind_router:
+            self._server_clients[url] = VLLMClient.from_config(self.config, base_url=url)
+        try:
+            # an engine that does not answer fails the start, as the CLI's does, not every sample afterwards
+            served = await _check_engines(self.engine_urls, self.config)
+            source = None if self.tokenizer is not None else listed_tokenizer_source(self.config, self.engine_urls[0],
+                                                                                     served)  # fmt: skip
+            # loading a tokenizer and rendering the probe's conversations take long enough to stall every other
+            # task of the loop (a trainer's heartbeat): they run in a thread of their own
+            self.tokenizer, self._encoder = await _in_own_thread(lambda: self._tokenizer_and_encoder(source))
+            if self.env_factory is None:
+                self.env_factory = load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
+        except BaseException:
+            await self._close_clients()
+            raise
+        self._entered = True
+        return self
+
+    def _tokenizer_and_encoder(self, source: TokenizerSource | None) -> tuple[Any, ObservationEncoder]:
+        """The tokenizer (loaded from ``source`` unless given) and its observation encoder with the template probe
+        of samples without tools done. Blocking: runs in a worker thread."""
+        tokenizer = self.tokenizer
+        if source is not None:
+            tokenizer = source.load(model=self.config.model, trust_remote_code=self.config.trust_remote_code)
+        encoder = ObservationEncoder(tokenizer)
+        # the template probe and the history policy of samples without tools (AppendRefused ends the start-up)
+        self.history_policy = self._history.resolve(tokenizer)
+        return tokenizer, encoder
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._active or self._waiting:
+            await self.abort("shutdown")
+        await self._close_clients()
+        self.tracer.flush()
+        if self.tape is not None:
+            await asyncio.to_thread(self.tape.flush)
+        self._entered = False
+
+    async def _close_clients(self) -> None:
+        for client in [*self._clients.values(), *self._server_clients.values()]:
+            await client.close()
+        self._clients.clear()
+        self._server_clients.clear()
+
+    # ------------------------------------------------------------------ building rollouts
+
+    def _config_under(self, policy: str) -> RolloutConfig:
+        """The config with ``history_policy`` resolved to ``policy``, made once per policy."""
+        config = self._configs.get(policy)
+        if config is None:
+            config = self._configs[policy] = replace(self.config, history_policy=policy)
+        return config
+
+    def _client_for(self, sample: Sample) -> VLLMClient:
+        if len(self._clients) == 1:
+            return next(iter(self._clients.values()))
+        return self._clients[self._ring.url_for(sample.session_id or "")]
+
+    def _rollout(
+        self, sample: Sample, *, sample_id: str | None = None, seed: int | None = None, queued_ms: float | None = None
+    ) -> Rollout:
+        if not self._entered:
+            raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
+        if len(self._clients) > 1 and not sample.session_id:
+            sample.session_id = str(uuid.uuid4())
+        tools = sample.metadata.get("tools") if isinstance(sample.metadata, Mapping) else None
+        # a tool set not seen yet is probed once (AppendRefused fails the sample); the rollout runs the policy chosen
+        policy = self._history.resolve(self.tokenizer, tools) if tools else self.history_policy
+        options: dict[str, Any] = {
+            "config": self._config_under(policy or self.config.history_policy),
+            "sampling_params": self.sampling_params if seed is None else {**self.sampling_params, "seed": seed},
+            "client": self._client_for(sample),
+            "tokenizer": self.tokenizer,
+            "encoder": self._encoder,
+            "env_factory": self.env_factory,
+            "processor": self.processor,
+            "tracer": self.tracer if queued_ms is None else QueueNotingTracer(self.tracer, queued_ms),
+            "sample_id": sample_id,
+            "suspender": self.suspender,
+        }
+        if self.tape is not None:
+            rollout = recorded_rollout(sample, tape=self.tape, hooks=self._hooks, **options)
+        else:
+            rollout = Rollout(sample, hooks=self._hooks, **options)
+        self._active.add(rollout)
+        self._metrics.occupancy[rollout.state] += 1
+        return rollout
+
+    async def _drive(self, rollout: Rollout) -> Sample:
+        try:
+            return await rollout.run()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if self.raise_on_error:
+                raise
+            return rollout.sample
+
+    def _gc_tuned(self) -> AbstractContextManager[None]:
+        return gc_policy.rollouts_in_flight() if self.config.tune_gc else nullcontext()
+
+    # ------------------------------------------------------------------ public API
+
+    async def run(self, sample: Sample) -> Sample:
+        """Run one sample to a terminal state and return it."""
+        return await self._drive(self._rollout(sample))
+
+    def start(self, sample: Sample, *, sample_id: str | None = None) -> RolloutHandle:
+        """Start one sample's rollout as a task, now, and return its :class:`RolloutHandle` (``await handle`` gives
+        the finished sample; ``handle.abort(reason)`` ends it). Runs outside :meth:`run_batch`'s concurrency slots."""
+        rollout = self._rollout(sample, sample_id=sample_id)
+        return RolloutHandle(rollout, asyncio.ensure_future(self._drive(rollout)))
+
+    @property
+    def encoder(self) -> ObservationEncoder | None:
+        """The observation encoder the runner's rollouts share (None before ``async with``)."""
+        return self._encoder
+
+    @property
+    def counters(self) -> RunnerMetrics:
+        """The runner's live counters, which :meth:`metrics` snapshots (a gateway counts its sessions there)."""
+        return self._metrics
+
+    def _prepare(
+        self, samples: Iterable[Sample], sample_ids: Sequence[str | None] = (), seeds: Sequence[int | None] = ()
+    ) -> list[Waiting]:
+        """The samples as waiting for a slot (from now on :meth:`abort` reaches them); their rollouts are made
+        when they get one."""
+        if not self._entered:
+            raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
+        prepared: list[Waiting] = []
+        for position, sample in enumerate(samples):
+            sample_id = sample_ids[position] if position < len(sample_ids) else None
+            seed = seeds[position] if position < len(seeds) else None
+            prepared.append(Waiting(sample, sample_id, seed, time.perf_counter()))
+        self._waiting.update(prepared)
+        return prepared
+
+    def _build(self, waiting: Waiting, *, raising: bool) -> Rollout | Sample:
+        """The rollout of a sample that leaves the queue, or the sample ended ``failed`` when none can be built."""
+        self._waiting.discard(waiting)
+        waited_ms = waiting.waited_ms()
+        self._metrics.queue_left(waited_ms)
+        try:
+            return self._rollout(waiting.sample, sample_id=waiting.sample_id, seed=waiting.seed, queued_ms=waited_ms)
+        except Exception as error:
+            if raising:
+                raise
+            return self._unbuildable(waiting.sample, error)
+
+    def _end_unstarted(self, waiting: Waiting) -> None:
+        """End a sample that never got a slot ``aborted`` with reason :data:`NOT_STARTED`: its rollout is made and
+        aborted before it starts (traced and recorded as any abort before a start; nothing is sent)."""
+        if waiting.ended is not None or waiting not in self._waiting:
+            return
+        built = self._build(waiting, raising=False)
+        if isinstance(built, Rollout):
+            built.request_abort(NOT_STARTED)
+            built = built.sample
+        waiting.ended = built
+
+    def _end_all_unstarted(self, waiting: Iterable[Waiting]) -> None:
+        for queued in list(waiting):
+            self._end_unstarted(queued)
+
+    def _unbuildable(self, sample: Sample, error: Exception) -> Sample:
+        """A pending sample whose rollout could not be built ends ``failed`` with the error recorded (its data is
+        left as it was), and counts as failed in the metrics.
+
+        A sample that was not pending (already run, say) is not this batch's to end: its status and reason stay as
+        they were and it is not counted; the error is noted under ``metadata["rollout_error"]``.
+        """
+        described = {"type": type(error).__name__, "message": str(error), "state": None, "trigger": None}
+        metadata = dict(sample.metadata) if isinstance(sample.metadata, Mapping) else {}
+        if sample.status != Status.PENDING:
+            sample.metadata = {**metadata, "rollout_error": described}
+            return sample
+        sample.metadata = {**metadata, "rollout_error": described, "rollout_reason": "error"}
+        sample.status = Status.FAILED
+        self._metrics.statuses["failed"] += 1
+        self._metrics.reasons["error"] += 1
+        self._metrics.done += 1
+        self._metrics.sequences += 1
+        return sample
+
+    async def _bounded(self, waiting: Waiting, semaphore: asyncio.Semaphore) -> Sample:
+        try:
+            async with semaphore:
+                if waiting.ended is not None:
+                    return waiting.ended
+                built = self._build(waiting, raising=self.raise_on_error)
+                if isinstance(built, Sample):
+                    return built
+                return await self._drive(built)
+        except asyncio.CancelledError:
+            self._end_unstarted(waiting)  # cancelled while waiting for its slot (a no-op once it had one)
+            raise
+
+    async def run_batch(
+        self,
+        samples: Iterable[Sample],
+        *,
+        concurrency: int = 64,
+        sample_ids: Sequence[str | None] = (),
+        seeds: Sequence[int | None] = (),
+    ) -> list[Sample]:
+        """Run samples with at most ``concurrency`` in flight; returns them in input order.
+
+        ``sample_ids`` name the samples in traces and tapes and ``seeds`` set each one's sampling seed, by position
+        (as :meth:`run_group` names and seeds its members; :func:`group_members` makes such copies for many groups
+        under one concurrency limit). A sample's rollout is made when it gets a slot: the time it waited is its
+        first transition's ``queued_ms`` and :attr:`MetricsSnapshot.queued_ms_mean`, not ``pending`` dwell.
+        """
+        semaphore = asyncio.Semaphore(_positive(concurrency))
+        with self._gc_tuned():  # from before the samples' tasks are made, not from the first start
+            prepared = self._prepare(samples, sample_ids, seeds)
+            return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
+
+    def stream(
+        self,
+        samples: Iterable[Sample],
+        *,
+        concurrency: int = 64,
+        sample_ids: Sequence[str | None] = (),
+        seeds: Sequence[int | None] = (),
+    ) -> AsyncIterator[Sample]:
+        """Yield samples as they finish (at most ``concurrency`` in flight), for asynchronous RL trainers.
+
+        The samples are queued, and the first ``concurrency`` start, when this is called, so :meth:`abort` reaches
+        every one of them from then on, also before the first is awaited. ``sample_ids`` and ``seeds`` name and
+        seed the samples by position (as in :meth:`run_batch`). Closing the iterator early cancels the samples
+        still running and ends those still queued (reason :data:`NOT_STARTED`).
+        """
+        semaphore = asyncio.Semaphore(_positive(concurrency))
+        with self._gc_tuned():
+            prepared = self._prepare(samples, sample_ids, seeds)
+            tasks = [asyncio.ensure_future(self._bounded(item, semaphore)) for item in prepared]
+            if self.config.tune_gc:  # held on until the last task is done: tied to the tasks, not to the iterator,
+                gc_policy.rollout_started()  # which its consumer may never finish
+                asyncio.gather(*tasks, return_exceptions=True).add_done_callback(lambda _: gc_policy.rollout_ended())
+        # closed early: the samples still queued end at once (not when their cancelled tasks next run)
+        return _as_finished(tasks, lambda: self._end_all_unstarted(prepared))
+
+    async def run_group(
+        self, sample: Sample, n: int, *, concurrency: int | None = None, seed: int | None = None
+    ) -> list[Sample]:
+        """Run ``n`` copies of a sample (a GRPO group): one group index, each copy with its own session id.
+
+        With ``seed``, member ``m`` sends sampling seed ``seed + m`` (over the sampling parameters' own): the group
+        is reproducible and its members still differ.
+        """
+        copies, ids = group_members(sample, n)
+        semaphore = asyncio.Semaphore(_positive(concurrency or n))
+        seeds = group_seeds(seed, len(copies))
+        with self._gc_tuned():
+            prepared = self._prepare(copies, ids, seeds)
+            return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
+
+    async def abort(self, reason: str = "cancelled") -> None:
+        """End every sample this runner has not finished ``aborted`` with ``reason``.
+
+        Samples in flight have their request cancelled and named to the server. Samples still waiting for a
+        concurrency slot end without sending anything, with reason :data:`NOT_STARTED` (they hold nothing but
+        their input). When this returns, no request of those samples reaches a server any more.
+        """
+        self._end_all_unstarted(self._waiting)
+        waiting = []
+        for rollout in list(self._active):
+            if rollout.terminal:
+                continue
+            waiting.append(rollout.abort(reason))
+        await asyncio.gather(*waiting)
+
+    async def suspend(self, reason: str = "weight_update") -> None:
+        """Suspend every rollout of this runner; returns once no generate request of the runner is in flight at any
+        engine (``abort`` strategy) or every engine has frozen its requests (``keep``).
+
+        Rollouts stepping their environment or encoding an observation carry on and suspend when they next reach
+        ``generating``, before sending anything; samples that have not started, and new ``run`` calls, wait.
+        """
+        await self.suspender.suspend(reason)
+
+    async def resume(self) -> None:
+        """Resume every suspended rollout where it stopped, and let waiting samples start."""
+        await self.suspender.resume()
+
+    def weight_update(self, version: str | None = None) -> AbstractAsyncContextManager[None]:
+        """``async with runner.weight_update(version="7"):`` suspends, runs the body (push the weights), sets every
+        engine's weight version to ``version`` (when given) and resumes, also when the body raises."""
+        return self.suspender.weight_update(version)
+
+    @property
+    def last_suspension(self) -> SuspendStats:
+        """What the last suspension and resume cost: requests in flight, abort or pause calls, client time."""
+        return self.suspender.stats
+
+    def metrics(self) -> MetricsSnapshot:
+        """A consistent snapshot of occupancy, dwell times, outcomes and throughput."""
+        return self._metrics.snapshot()
+
+    @property
+    def in_flight(self) -> int:
+        """Samples whose rollout has started (or is made and about to) and not ended; those still waiting for a
+        concurrency slot are :attr:`queued`."""
+        return len(self._active)
+
+    @property
+    def queued(self) -> int:
+        """Samples of a batch, group or stream waiting for a concurrency slot."""
+        return len(self._waiting)
+
+
+def group_members(sample: Sample, n: int) -> tuple[list[Sample], list[str | None]]:
+    """The ``n`` copies :meth:`RolloutRunner.run_group` runs for ``sample`` and the ids that name them: one group
+    index (the sample's, else its index), a fresh session id each, ``metadata["group_member"]`` their position."""
+    group_index = sample.group_index if sample.group_index is not None else sample.index
+    copies: list[Sample] = []
+    for member in range(_positive(n)):
+        duplicate = copy.deepcopy(sample)
+        duplicate.group_index = group_index
+        duplicate.session_id = str(uuid.uuid4())
+        duplicate.metadata = {**(duplicate.metadata or {}), "group_member": member}
+        copies.append(duplicate)
+    ids = [f"{sample.index}.{member}" if sample.index is not None else None for member in range(n)]
+    return copies, ids
+
+
+def group_seeds(seed: int | None, n: int) -> list[int | None]:
+    """The seeds of a group's ``n`` members: ``seed + m`` for member ``m``, none without ``seed``."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ConfigError(f"seed must be an integer or None, got {seed!r}")
+    return [] if seed is None else [seed + member for member in range(n)]
+
+
+async def _check_engines(urls: Sequence[str], config: RolloutConfig) -> list[ServedModel] | ModelListError | None:
+    """The first engine's model list (None without a models endpoint; the error for a list of an odd shape, no
+    reason to refuse an engine); raises the error, naming the URL, of the first of ``urls`` that does not answer
+    ``GET /health`` and ``GET /v1/models`` within ``config.connect_timeout_s`` (down, timed out, an error status
+    such as a refused API key)."""
+    from fsm_rollout.engine.probe import probe_engine
+
+    answers = await asyncio.gather(
+        *(probe_engine(url, api_key=config.api_key, timeout_s=config.connect_timeout_s) for url in urls),
+        return_exceptions=True,
+    )
+    for answer in answers:
+        if isinstance(answer, BaseException) and not isinstance(answer, ModelListError):
+            raise answer
+    first = answers[0]
+    assert not isinstance(first, BaseException) or isinstance(first, ModelListError)
+    return first
+
+
+async def _in_own_thread(work: Callable[[], _T]) -> _T:
+    """``work()`` in a thread of its own that ends with it (the loop's default executor would keep its thread)."""
+    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsm-rollout-runner-start")
+    try:
+        result = await asyncio.get_running_loop().run_in_executor(executor, work)
+    except BaseException:
+        executor.shutdown(wait=False)  # cancelled: the thread ends when the work does
+        raise
+    executor.shutdown(wait=True)  # the work is done: this only joins the idle thread
+    return result
+
+
+async def _as_finished(
+    tasks: Sequence[asyncio.Future[Sample]], on_close: Callable[[], None] | None = None
+) -> AsyncIterator[Sample]:
+    try:
+        for finished in asyncio.as_completed(tasks):
+            yield await finished
+    finally:
+        if on_close is not None:
+            on_close()
+        for task in tasks:
+            task.cancel()
+
+
+def _positive(value: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"expected a positive integer, got {value!r}")
+    return value
+
+
+__all__ = [
+    "NOT_STARTED",
+    "MetricsSnapshot",
+    "RolloutRunner",
+    "group_members",
+    "group_seeds",
+    "load_tokenizer",
+]
