@@ -104,7 +104,7 @@ def build_config(args: argparse.Namespace, url: str, model: str, tokenizer_path:
 
 async def serve(args: argparse.Namespace, *, ready: Callable[[str], None] | None = None) -> int:
     """Run the gateway until SIGINT/SIGTERM; ``ready(url)`` is called once it listens."""
-    from fsm_rollout.cli.run import engine_for
+    from fsm_rollout.cli.run_engine import engine_for
     from fsm_rollout.gateway import AgentGateway
     from fsm_rollout.runtime.runner import RolloutRunner
 

@@ -7,27 +7,23 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import signal
 import sys
-import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TextIO, TypeVar
+from typing import Any, TextIO
 
 from fsm_rollout.cli.common import add_process_settings
 from fsm_rollout.cli.engine_options import add_engine_options, add_history_options
 from fsm_rollout.cli.preflight import (
-    EngineChoice,
     PreflightError,
     api_key,
-    discover_engine,
-    load_run_tokenizer,
     option_problem,
     redacted,
 )
 from fsm_rollout.cli.report import default_output as report_path_for
+from fsm_rollout.cli.run_engine import engine_for
 from fsm_rollout.cli.run_report import (
     error_lines,
     next_lines,
@@ -47,9 +43,6 @@ GEO3K_STOP = ("</tool_call>",)
 # the demo's model is right a few percent of the time: groups let a first run show the right-answer path too
 DEMO_SAMPLES_PER_PROMPT = 4
 EXIT_OK, EXIT_FAILED_SAMPLES, EXIT_BAD_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 130
-_BUILD_STOP_WAIT_S = 1.5
-"""How long a Ctrl-C waits for the model build to kill its child and remove what it staged."""
-_T = TypeVar("_T")
 
 EPILOG = """\
 With no --engine-url the embedded CPU engine is started in a child process (`fsm-rollout serve` on a free loopback
@@ -264,107 +257,6 @@ def _groups(samples: Sequence[Sample], args: argparse.Namespace) -> tuple[list[S
         names += ids
     seeds: list[int | None] = [] if args.seed is None else [args.seed + member for _ in samples for member in range(n)]
     return members, names, seeds
-
-
-@contextlib.asynccontextmanager
-async def engine_for(
-    args: argparse.Namespace, *, in_process: bool, batched: bool = True
-) -> AsyncIterator[tuple[list[str], EngineChoice, Any]]:
-    """Yield the engine URLs, what the run uses from them (flags first, then what the engine says), and the tokenizer.
-
-    Probes the given URLs (see :func:`~fsm_rollout.cli.preflight.discover_engine`), or starts the embedded engine,
-    which needs no API key, when no URL is given: ``in_process`` or in a child process, which starts while this
-    process loads the tokenizer; ``batched`` False decodes one request at a time.
-    """
-    if args.engine_url:
-        urls = list(args.engine_url)
-        choice = await discover_engine(
-            urls,
-            model=args.model,
-            tokenizer=args.tokenizer,
-            image_merge_size=args.image_merge_size,
-            api_key=api_key(args),
-        )
-        yield urls, choice, await _load_tokenizer(args, choice.tokenizer, choice.tokenizer_named_by)
-        return
-    from fsm_rollout.cli.build_progress import BuildProgressLine
-    from fsm_rollout.engine.local import LocalEngine
-    from fsm_rollout.engine.local.default_model import DEFAULT_MODEL_NAME, default_model_dir
-
-    def say(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    print("starting the embedded CPU engine ...", file=sys.stderr)
-    # built here, not inside the engine, so that a first run's training shows its progress line
-    progress = None if args.quiet else BuildProgressLine(sys.stderr)
-    stop = threading.Event()
-    building = _in_daemon_thread(lambda: default_model_dir(log=say, progress=progress, stop=stop))
-    try:
-        model_dir = await asyncio.shield(building)
-    except asyncio.CancelledError:  # Ctrl-C: the build kills its child and removes what it staged
-        stop.set()
-        building.add_done_callback(lambda done: done.cancelled() or done.exception())  # BuildInterrupted: expected
-        await asyncio.wait({building}, timeout=_BUILD_STOP_WAIT_S)
-        raise
-    if not in_process:
-        if args.model and args.model != DEFAULT_MODEL_NAME:
-            raise PreflightError(f"--model {args.model!r}: the embedded engine serves {DEFAULT_MODEL_NAME!r}")
-        from fsm_rollout.cli.engine_process import engine_process
-        from fsm_rollout.engine.local.images import IMAGE_MERGE_SIZE
-
-        tokenizer, named_by = (
-            (args.tokenizer, "--tokenizer")
-            if args.tokenizer
-            else (str(model_dir), "the embedded engine's model directory")
-        )
-        loading = asyncio.ensure_future(_load_tokenizer(args, tokenizer, named_by))
-        try:
-            options = [] if batched else ["--no-batching"]
-            async with engine_process(model_dir, DEFAULT_MODEL_NAME, *options) as url:
-                merge_size = args.image_merge_size or IMAGE_MERGE_SIZE
-                yield [url], EngineChoice(DEFAULT_MODEL_NAME, tokenizer, named_by, merge_size), await loading
-        finally:
-            loading.cancel()
-        return
-    async with LocalEngine(model_dir, served_model_name=DEFAULT_MODEL_NAME, log=say, batched=batched) as engine:
-        if args.model and args.model != engine.served_model_name:
-            raise PreflightError(f"--model {args.model!r}: the embedded engine serves {engine.served_model_name!r}")
-        tokenizer, named_by = (
-            (args.tokenizer, "--tokenizer")
-            if args.tokenizer
-            else (str(engine.model_dir), "the embedded engine's model directory")
-        )
-        merge_size = args.image_merge_size or engine.image_merge_size
-        choice = EngineChoice(engine.served_model_name, tokenizer, named_by, merge_size)
-        yield [engine.url], choice, await _load_tokenizer(args, tokenizer, named_by)
-
-
-async def _load_tokenizer(args: argparse.Namespace, location: str, named_by: str) -> Any:
-    return await _in_daemon_thread(
-        lambda: load_run_tokenizer(location, named_by=named_by, trust_remote_code=args.trust_remote_code)
-    )
-
-
-def _in_daemon_thread(work: Callable[[], _T]) -> asyncio.Future[_T]:
-    """``work()`` in a daemon thread: a Ctrl-C exits without waiting for it (``asyncio.to_thread``'s threads are
-    joined before the process may exit, a tokenizer load or a build step would hold the exit for seconds)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[_T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    def target() -> None:
-        try:
-            result, error = work(), None
-        except BaseException as raised:
-            result, error = None, raised
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for the answer any more
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=target, name="fsm-rollout-run-start", daemon=True).start()
-    return future
 
 
 def _progress_line(snapshot: MetricsSnapshot, total: int) -> str:

@@ -216,7 +216,7 @@ FOREIGN_PRIVATE_READS = {
     "cli/common.py": {"_ActionsContainer", "_get_help_string"},
     "cli/engine_options.py": {"_ActionsContainer"},
     # the lean machine overrides transitions' own hot path, verified against the installed version
-    "lean_machine.py": {"_eval_conditions", "_change_state", "_trigger", "_process", "_create_transition"},
+    "machine/lean_machine.py": {"_eval_conditions", "_change_state", "_trigger", "_process", "_create_transition"},
     # transformers' attention registry and the attention choice of a loaded model
     "engine/local/batch.py": {"_global_mapping", "_attn_implementation"},
     # aiohttp's site keeps its listening server private; the bound port is read from it

@@ -121,7 +121,7 @@ def test_help_shows_defaults_but_not_empty_ones(
             "--max-turns N         turns per sample at most (default: 3)",
             "(default: results.jsonl)",
             "run only the first N prompts of the dataset (each as --n-samples-per-prompt samples)",
-            "required with --data (default with the demo: fsm_rollout.envs.geo3k)",
+            "needs --data unless it brings samples of its own (default with",
             "response budget over all turns (default: 176)",
             f"(default: {DEMO_SAMPLES_PER_PROMPT} with the demo, else 1)",
             "(default: 5.0)",

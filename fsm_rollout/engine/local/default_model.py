@@ -17,6 +17,10 @@ process), cached under the cache directory as ``tiny-qwen2-geo3k-<key>``: the ke
 the training data and the source of this module, so a changed recipe or data never reuses a stale build. A build
 reports its progress (step, loss, time left) to a callback; the library prints nothing itself. torch and
 transformers are imported only when a build runs.
+
+Why this module is long: the build's cache key hashes this module's source, so everything that decides the
+weights (the recipe, the training data's format, the encoding, the training loop) stays in this one file; watching
+the training child, which does not, lives in :mod:`~fsm_rollout.engine.local.build_watch`.
 """
 
 from __future__ import annotations
@@ -38,6 +42,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Final
 
+from fsm_rollout.engine.local.build_watch import (
+    TRAIN_THREADS,
+    BuildEstimate,
+    end_when_stopped,
+    progress_report,
+    train_threads,
+)
 from fsm_rollout.engine.local.cache import cache_dir
 from fsm_rollout.engine.local.errors import ModelLoadError
 from fsm_rollout.engine.local.tiny import BUILD_MARKER, tiny_model_dir
@@ -81,10 +92,6 @@ to ``max_turns``, is here too, for :mod:`fsm_rollout.data.default_model_data`)."
 
 SHIPPED_DATA: Final = pathlib.Path(__file__).with_name("default_model_data.json.gz")
 """The default model's training data, as :mod:`fsm_rollout.data.default_model_data` writes it."""
-
-TRAIN_THREADS: Final = 2
-"""torch threads of the training process on a machine with cores to spare (:func:`train_threads` picks one when it
-has not); the deterministic kernels make the weights the same on one thread and on two."""
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -281,17 +288,17 @@ def _train_in_subprocess(directory: pathlib.Path, base: pathlib.Path, inputs: pa
         raise BuildInterrupted("the default model's build was interrupted before training started")
     command = [sys.executable, "-m", __name__, str(directory), str(base), str(inputs), str(threads)]
     started = time.monotonic()
-    estimate = _Estimate()
+    estimate = BuildEstimate()
     with tempfile.TemporaryFile("w+", encoding="utf-8") as errors:
         child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True)
         assert child.stdout is not None  # stdout=PIPE
         if stop is not None:
-            threading.Thread(target=_end_when_stopped, args=(child, stop), daemon=True).start()
+            threading.Thread(target=end_when_stopped, args=(child, stop), daemon=True).start()
         other: list[str] = []
         with child:
             try:
                 for line in child.stdout:
-                    report = _progress_report(line)
+                    report = progress_report(line)
                     if report is None:
                         other.append(line.rstrip("\n"))
                         continue
@@ -312,56 +319,6 @@ def _train_in_subprocess(directory: pathlib.Path, base: pathlib.Path, inputs: pa
             errors.seek(0)
             tail = "\n".join((errors.read().strip() or "\n".join(other)).splitlines()[-15:])
             raise ModelLoadError(f"training the default model failed (exit {child.returncode}):\n{tail}")
-
-
-def _end_when_stopped(child: subprocess.Popen[str], stop: threading.Event) -> None:
-    """Kill ``child`` once ``stop`` is set; return when it ends on its own first."""
-    while not stop.wait(0.05):
-        if child.poll() is not None:
-            return
-    child.kill()  # it holds nothing worth saving: the staging directory is removed after it
-
-
-def train_threads() -> int:
-    """torch threads for a build: :data:`TRAIN_THREADS`, or one when the machine's other work leaves it less than
-    a core per thread (two threads spin at each step's barriers while one waits for a core, many times slower than
-    one). The weights do not depend on it (deterministic kernels; tested)."""
-    try:
-        busy = os.getloadavg()[0]
-    except OSError:  # no load average on this platform
-        return TRAIN_THREADS
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    # the load average counts runnable processes: with more than half a core of other work, one thread
-    return TRAIN_THREADS if busy + TRAIN_THREADS <= cores + 0.5 else 1
-
-
-def _progress_report(line: str) -> tuple[int, int, float | None] | str | None:
-    """``(step, steps, loss)`` from one of the child's progress lines, the phase from one of its set-up beats, None
-    for any other line."""
-    try:
-        report = json.loads(line)
-        if isinstance(report, dict) and isinstance(report.get("phase"), str):
-            return str(report["phase"])
-        return int(report["step"]), int(report["steps"]), None if report["loss"] is None else float(report["loss"])
-    except (ValueError, TypeError, KeyError):
-        return None
-
-
-class _Estimate:
-    """Seconds left from the mean time per step since training started (step 0): the set-up before it (loading,
-    encoding) is not a step's cost."""
-
-    def __init__(self) -> None:
-        self._start: tuple[int, float] | None = None
-
-    def remaining(self, step: int, steps: int, now: float) -> float | None:
-        if self._start is None:
-            self._start = (step, now)
-            return None
-        first_step, first_time = self._start
-        if step <= first_step:
-            return None
-        return (now - first_time) / (step - first_step) * (steps - step)
 
 
 # --------------------------------------------------------------------------------------------------------------

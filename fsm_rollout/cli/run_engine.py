@@ -1,0 +1,119 @@
+"""The engine a run talks to: the given URLs probed, or the embedded engine started (in a child process, or in
+this one), with the run's tokenizer loaded meanwhile; a Ctrl-C during the default model's first build stops it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, TypeVar
+
+from fsm_rollout.cli.preflight import EngineChoice, PreflightError, api_key, discover_engine, load_run_tokenizer
+
+BUILD_STOP_WAIT_S = 1.5
+"""How long a Ctrl-C waits for the model build to kill its child and remove what it staged."""
+_T = TypeVar("_T")
+
+
+@contextlib.asynccontextmanager
+async def engine_for(
+    args: argparse.Namespace, *, in_process: bool, batched: bool = True
+) -> AsyncIterator[tuple[list[str], EngineChoice, Any]]:
+    """Yield the engine URLs, what the run uses from them (flags first, then what the engine says), and the tokenizer.
+
+    Probes the given URLs (see :func:`~fsm_rollout.cli.preflight.discover_engine`), or starts the embedded engine,
+    which needs no API key, when no URL is given: ``in_process`` or in a child process, which starts while this
+    process loads the tokenizer; ``batched`` False decodes one request at a time.
+    """
+    if args.engine_url:
+        urls = list(args.engine_url)
+        choice = await discover_engine(
+            urls,
+            model=args.model,
+            tokenizer=args.tokenizer,
+            image_merge_size=args.image_merge_size,
+            api_key=api_key(args),
+        )
+        yield urls, choice, await load_tokenizer(args, choice.tokenizer, choice.tokenizer_named_by)
+        return
+    from fsm_rollout.cli.build_progress import BuildProgressLine
+    from fsm_rollout.engine.local import LocalEngine
+    from fsm_rollout.engine.local.default_model import DEFAULT_MODEL_NAME, default_model_dir
+
+    def say(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    print("starting the embedded CPU engine ...", file=sys.stderr)
+    # built here, not inside the engine, so that a first run's training shows its progress line
+    progress = None if args.quiet else BuildProgressLine(sys.stderr)
+    stop = threading.Event()
+    building = in_daemon_thread(lambda: default_model_dir(log=say, progress=progress, stop=stop))
+    try:
+        model_dir = await asyncio.shield(building)
+    except asyncio.CancelledError:  # Ctrl-C: the build kills its child and removes what it staged
+        stop.set()
+        building.add_done_callback(lambda done: done.cancelled() or done.exception())  # BuildInterrupted: expected
+        await asyncio.wait({building}, timeout=BUILD_STOP_WAIT_S)
+        raise
+    if not in_process:
+        if args.model and args.model != DEFAULT_MODEL_NAME:
+            raise PreflightError(f"--model {args.model!r}: the embedded engine serves {DEFAULT_MODEL_NAME!r}")
+        from fsm_rollout.cli.engine_process import engine_process
+        from fsm_rollout.engine.local.images import IMAGE_MERGE_SIZE
+
+        tokenizer, named_by = (
+            (args.tokenizer, "--tokenizer")
+            if args.tokenizer
+            else (str(model_dir), "the embedded engine's model directory")
+        )
+        loading = asyncio.ensure_future(load_tokenizer(args, tokenizer, named_by))
+        try:
+            options = [] if batched else ["--no-batching"]
+            async with engine_process(model_dir, DEFAULT_MODEL_NAME, *options) as url:
+                merge_size = args.image_merge_size or IMAGE_MERGE_SIZE
+                yield [url], EngineChoice(DEFAULT_MODEL_NAME, tokenizer, named_by, merge_size), await loading
+        finally:
+            loading.cancel()
+        return
+    async with LocalEngine(model_dir, served_model_name=DEFAULT_MODEL_NAME, log=say, batched=batched) as engine:
+        if args.model and args.model != engine.served_model_name:
+            raise PreflightError(f"--model {args.model!r}: the embedded engine serves {engine.served_model_name!r}")
+        tokenizer, named_by = (
+            (args.tokenizer, "--tokenizer")
+            if args.tokenizer
+            else (str(engine.model_dir), "the embedded engine's model directory")
+        )
+        merge_size = args.image_merge_size or engine.image_merge_size
+        choice = EngineChoice(engine.served_model_name, tokenizer, named_by, merge_size)
+        yield [engine.url], choice, await load_tokenizer(args, tokenizer, named_by)
+
+
+async def load_tokenizer(args: argparse.Namespace, location: str, named_by: str) -> Any:
+    return await in_daemon_thread(
+        lambda: load_run_tokenizer(location, named_by=named_by, trust_remote_code=args.trust_remote_code)
+    )
+
+
+def in_daemon_thread(work: Callable[[], _T]) -> asyncio.Future[_T]:
+    """``work()`` in a daemon thread: a Ctrl-C exits without waiting for it (``asyncio.to_thread``'s threads are
+    joined before the process may exit, a tokenizer load or a build step would hold the exit for seconds)."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[_T] = loop.create_future()
+
+    def settle(result: Any, error: BaseException | None) -> None:
+        if not future.done():
+            future.set_exception(error) if error is not None else future.set_result(result)
+
+    def target() -> None:
+        try:
+            result, error = work(), None
+        except BaseException as raised:
+            result, error = None, raised
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for the answer any more
+            loop.call_soon_threadsafe(settle, result, error)
+
+    threading.Thread(target=target, name="fsm-rollout-run-start", daemon=True).start()
+    return future
