@@ -1,6 +1,6 @@
 """The package's layout rules, checked on its source: no import cycle (counting every import), seams instead of
 subclasses, no module writing another object's private attributes or reading another module's private names, no
-long module without a stated reason, and a README layout map generated from the tree."""
+long module without a stated reason, none over 600 lines, and a README layout map generated from the tree."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ README = PACKAGE.parent / "README.md"
 
 LONG_MODULE_LINES = 500
 LONG_MODULE_REASON = "Why this module is long:"
+MAX_MODULE_LINES = 600
+KNOWN_OVER = {"fsm_rollout/machine/diagrams.py": "split after the seams merge"}
+"""Modules allowed over :data:`MAX_MODULE_LINES` for now, each with why; an entry goes once its module is split."""
 
 
 def modules(package: Path = PACKAGE) -> dict[str, Path]:
@@ -133,6 +136,20 @@ def test_no_module_is_long_without_a_stated_reason() -> None:
         )
     ]
     assert unexplained == [], f"a module over {LONG_MODULE_LINES} lines needs a '{LONG_MODULE_REASON}' paragraph"
+
+
+def module_lines() -> dict[str, int]:
+    return {str(path.relative_to(PACKAGE.parent)): len(path.read_text().splitlines()) for path in PACKAGE.rglob("*.py")}
+
+
+def test_no_module_is_over_600_lines() -> None:
+    lines = module_lines()
+    over = sorted(f"{name} ({count} lines)" for name, count in lines.items() if count > MAX_MODULE_LINES)
+    assert [entry for entry in over if entry.split(" (")[0] not in KNOWN_OVER] == [], (
+        f"no module may be over {MAX_MODULE_LINES} lines, stated reason or not: split it along a seam"
+    )
+    # An allowance outlives its reason once the module is short: drop it from KNOWN_OVER.
+    assert [name for name in KNOWN_OVER if lines.get(name, 0) <= MAX_MODULE_LINES] == []
 
 
 def layout_names(text: str, indent: str = "  ") -> list[str]:

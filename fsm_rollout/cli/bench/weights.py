@@ -166,7 +166,7 @@ def bench_weight_update(
         figures["requests_in_flight_at_suspend"] = float(runner.last_suspension.requests_in_flight)
         await runner.suspender.set_weight_version(NEW_VERSION)  # the trainer's weight push would come before this
         server_cpu = (await control.post(STATS_PATH, {}))["cpu_s"]
-        started, cpu = time.monotonic(), time.process_time()  # monotonic: the server's clock (see its _Hold)
+        started, cpu = time.monotonic(), time.process_time()  # monotonic: the server's clock (see its Hold)
         await runner.resume()
         figures["resume_returned_ms"] = (time.monotonic() - started) * 1000.0
         resent = await _unless_ended(

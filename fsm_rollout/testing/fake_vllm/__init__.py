@@ -22,9 +22,10 @@ event loop stays free.
 
 The parts: :mod:`~fsm_rollout.testing.fake_vllm.scripting` (scripted turns and recorded requests),
 :mod:`~fsm_rollout.testing.fake_vllm.faults` (fault injection), :mod:`~fsm_rollout.testing.fake_vllm.generation`
-(a scripted turn cut and answered the way vLLM would), :mod:`~fsm_rollout.testing.fake_vllm.images` (a
-Qwen2-VL-like image render hook) and :mod:`~fsm_rollout.testing.fake_vllm.server` (the
-server). Their names are importable from here.
+(a scripted turn cut and answered the way vLLM would), :mod:`~fsm_rollout.testing.fake_vllm.turns` (which turn
+a request answers), :mod:`~fsm_rollout.testing.fake_vllm.waiting` (held requests, pauses, aborts),
+:mod:`~fsm_rollout.testing.fake_vllm.images` (a Qwen2-VL-like image render hook) and
+:mod:`~fsm_rollout.testing.fake_vllm.server` (the server). The names a test uses are importable from here.
 """
 
 from fsm_rollout.engine.schema import (

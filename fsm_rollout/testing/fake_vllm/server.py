@@ -1,19 +1,19 @@
-"""The fake vLLM server itself: lifecycle, scripting, request recording and its backend for the serving frame.
+"""The fake vLLM server itself: lifecycle, scripting, request recording, generate answers and its backend for
+the serving frame.
 
-Why this module is long: holds, pauses, aborts and continuations all act on the same waiting requests.
+Which turn a request answers is :mod:`~fsm_rollout.testing.fake_vllm.turns`'s; how requests wait (holds, pauses,
+aborts, releases) is :mod:`~fsm_rollout.testing.fake_vllm.waiting`'s.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import functools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -27,7 +27,6 @@ from fsm_rollout.engine.schema import (
     PauseMode,
     RequestError,
     WeightVersionSpan,
-    sent_request_id,
 )
 from fsm_rollout.engine.serving import GenerateRequest, RenderRequest, models_answer
 from fsm_rollout.engine.stop_strings import StopCut
@@ -40,61 +39,15 @@ from fsm_rollout.testing.fake_vllm.generation import (
     version_spans,
 )
 from fsm_rollout.testing.fake_vllm.routes import ExpertDims, answer_routes, check_expert_dims
-from fsm_rollout.testing.fake_vllm.scripting import (
-    SESSION_HEADER,
-    RecordedRequest,
-    ScriptedTurn,
-    check_turns,
-    recorded_body,
-)
+from fsm_rollout.testing.fake_vllm.scripting import SESSION_HEADER, RecordedRequest, ScriptedTurn, recorded_body
+from fsm_rollout.testing.fake_vllm.turns import Job, TurnQueues
+from fsm_rollout.testing.fake_vllm.waiting import Waiter, WaitingRoom
 
 RenderFeaturesHook = Callable[[list[dict[str, Any]], list[int]], tuple[list[int], dict[str, Any] | None]]
 """``(messages, template_ids) -> (prompt_ids, features)``: how render answers a conversation with images."""
 
 _CLIENT_MAX_SIZE = 64 * 1024 * 1024
 _T = TypeVar("_T")
-
-
-@dataclass(frozen=True)
-class _Job:
-    """What a generate request answers: its scripted turn's output from ``offset`` on.
-
-    ``waits`` says whether the request waits (the turn's ``hang`` or ``delay``) and ``held_after`` how many new
-    tokens it has produced by then (None: none, and an abort does not leave the turn to be continued).
-    ``continued`` counts the continuations of the turn up to this request (0: the turn's first request).
-    """
-
-    turn: ScriptedTurn
-    offset: int
-    waits: bool
-    held_after: int | None
-    continued: int
-
-
-@dataclass(frozen=True)
-class _Interrupted:
-    """An aborted turn that a continuation can take up: ``offset`` tokens of it were answered so far."""
-
-    turn: ScriptedTurn
-    offset: int
-    continued: int
-
-
-@dataclass(eq=False)
-class _Waiter:
-    """A generate request waiting at the server: ``held`` by its turn (hang or delay), or waiting for resume.
-
-    ``frozen`` while a ``keep`` pause stops its clock; ``resumed_version`` is the weight version current when a
-    ``keep`` pause last let it go on.
-    """
-
-    request_id: str
-    held: bool
-    wake: asyncio.Event = field(default_factory=asyncio.Event)
-    aborted: bool = False
-    released: bool = False
-    frozen: bool = False
-    resumed_version: str | None = None
 
 
 class FakeVLLMServer:
@@ -175,18 +128,14 @@ class FakeVLLMServer:
         self.interrupted_request_ids: list[str] = []
         self.continuation_request_ids: list[str] = []
         self.weight_updates: list[Any] = []
-        self._queues: dict[str | None, deque[ScriptedTurn]] = {None: deque()}
-        self._interrupted: dict[str | None, dict[tuple[int, ...], deque[_Interrupted]]] = {}
+        self._turns = TurnQueues()
         self._faults: dict[str, deque[Fault]] = {}
-        self._waiters: list[_Waiter] = []
-        self._watchers: list[tuple[Callable[[], bool], asyncio.Future[None]]] = []
+        self._room = WaitingRoom(on_disconnect=self.disconnected_request_ids.append)
         self._in_flight = 0
-        self._pause_mode: str | None = None
         self._weight_version: str = DEFAULT_WEIGHT_VERSION
         self._runner: web.AppRunner | None = None
         self._executor: ThreadPoolExecutor | None = None
         self._url: str | None = None
-        self._stopping = False
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -210,14 +159,12 @@ class FakeVLLMServer:
         )
         self._runner = runner
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-vllm-tokenizer")
-        self._stopping = False
+        self._room.open()
         self._url = url
 
     async def stop(self) -> None:
         """Answer every waiting generate with "abort", then close the server."""
-        self._stopping = True
-        for waiter in self._waiters:
-            waiter.wake.set()
+        self._room.stop()
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -246,8 +193,7 @@ class FakeVLLMServer:
         ``session=None`` is the default queue, used by generate requests without an ``x-session-id`` header
         and by requests naming a session that was never scripted.
         """
-        check_turns(turns)
-        self._queues.setdefault(session, deque()).extend(turns)
+        self._turns.script(turns, session)
 
     def fail_next(
         self,
@@ -281,12 +227,12 @@ class FakeVLLMServer:
     @property
     def paused(self) -> bool:
         """Whether ``/pause`` stopped generation (until ``/resume``)."""
-        return self._pause_mode is not None
+        return self._room.pause_mode is not None
 
     @property
     def pause_mode(self) -> str | None:
         """The mode of the pause in force (``abort``, ``wait`` or ``keep``), None when not paused."""
-        return self._pause_mode
+        return self._room.pause_mode
 
     @property
     def weight_version(self) -> str:
@@ -296,47 +242,26 @@ class FakeVLLMServer:
     @property
     def waiting_request_ids(self) -> list[str]:
         """The generate requests waiting now, held by their turn or for resume, in the order they began to."""
-        return [waiter.request_id for waiter in self._waiters]
+        return [waiter.request_id for waiter in self._room.waiters]
 
     @property
     def held_request_ids(self) -> list[str]:
         """The generate requests held by their turn's ``hang`` or ``delay`` now (frozen ones included)."""
-        return [waiter.request_id for waiter in self._waiters if waiter.held]
+        return [waiter.request_id for waiter in self._room.waiters if waiter.held]
 
     def release(self, request_id: str) -> int:
         """Let the held requests with this id (either id form) finish as if their delay had run out, a hanging
         one too; one frozen by a ``keep`` pause finishes once the pause ends. Returns how many were released."""
-        names = {request_id, sent_request_id(request_id)}
-        released = 0
-        for waiter in self._waiters:
-            if waiter.held and waiter.request_id in names:
-                waiter.released = True
-                waiter.wake.set()
-                released += 1
-        return released
+        return self._room.release(request_id)
 
     async def wait_until_waiting(self, count: int = 1) -> None:
         """Return once at least ``count`` generate requests wait at the server (see ``waiting_request_ids``)."""
-        await self.wait_until(lambda: len(self._waiters) >= count)
+        await self.wait_until(lambda: len(self._room.waiters) >= count)
 
     async def wait_until(self, predicate: Callable[[], bool]) -> None:
         """Return once ``predicate()`` holds; it is checked now and after every change of the server's waiting
         requests, requests being answered, pause mode or weight version."""
-        if predicate():
-            return
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        watcher = (predicate, future)
-        self._watchers.append(watcher)
-        try:
-            await future
-        finally:
-            self._watchers.remove(watcher)
-
-    def _changed(self) -> None:
-        """Wake the :meth:`wait_until` callers whose condition holds now."""
-        for predicate, future in self._watchers:
-            if not future.done() and predicate():
-                future.set_result(None)
+        await self._room.wait_until(predicate)
 
     # ---------------------------------------------------------------- middleware
 
@@ -363,38 +288,21 @@ class FakeVLLMServer:
     async def _abort_requests(self, request_ids: list[str]) -> None:
         for request_id in request_ids:
             self.aborted_request_ids.append(request_id)
-            names = {request_id, sent_request_id(request_id)}  # as sent, or vLLM's prefixed id
-            for waiter in self._waiters:
-                if waiter.held and waiter.request_id in names:
-                    _abort(waiter)
+            self._room.abort(request_id)
 
     async def _pause(self, mode: PauseMode) -> None:
         self._set_pause_mode(mode)
         if mode == "abort":
-            for waiter in self._waiters:
-                if waiter.held:
-                    _abort(waiter)
+            self._room.abort_held()
         if mode != "keep":
             await self.wait_until(lambda: self._in_flight == 0)
 
     async def _set_weight_version(self, version: str) -> None:
         self._weight_version = version
-        self._changed()
+        self._room.changed()
 
     def _set_pause_mode(self, mode: str | None) -> None:
-        # Synchronous with the handler, so a version set right after /resume cannot reach a frozen request.
-        self._pause_mode = mode
-        for waiter in self._waiters:
-            if waiter.held:
-                if mode == "keep":
-                    waiter.frozen = True
-                elif waiter.frozen:
-                    waiter.frozen = False
-                    waiter.resumed_version = self._weight_version
-                waiter.wake.set()
-            elif mode is None:
-                waiter.wake.set()
-        self._changed()
+        self._room.set_pause_mode(mode, self._weight_version)
 
     async def _render(self, request: RenderRequest) -> tuple[list[int], Any]:
         messages = request.messages
@@ -412,10 +320,12 @@ class FakeVLLMServer:
 
     async def _generate(self, params: GenerateRequest, http: web.Request) -> web.StreamResponse:
         session = http.headers.get(SESSION_HEADER)
-        job = self._next_job(session, params)
-        if self._pause_mode is not None:
-            await self._wait_for_resume(params.request_id)
-            if self._stopping:
+        job = self._turns.next_job(session, params.token_ids)
+        if job.continued:
+            self.continuation_request_ids.append(params.request_id)
+        if self._room.pause_mode is not None:
+            await self._room.wait_for_resume(params.request_id)
+            if self._room.stopping:
                 self.interrupted_request_ids.append(params.request_id)
                 return json_response(self._generate_answer(params, job, [], "abort", []))
         self._in_flight += 1
@@ -423,42 +333,18 @@ class FakeVLLMServer:
             return await self._answer(session, params, job)
         finally:
             self._in_flight -= 1
-            self._changed()
+            self._room.changed()
 
     # ---------------------------------------------------------------- generate helpers
 
-    def _next_job(self, session: str | None, params: GenerateRequest) -> _Job:
-        """The interrupted turn these prompt ids continue, else the next scripted turn of the session."""
-        by_ids = self._interrupted.get(session, {})
-        pending = by_ids.get(prompt_ids := tuple(params.token_ids))
-        if pending:
-            interrupted = pending.popleft()
-            if not pending:
-                del by_ids[prompt_ids]
-            self.continuation_request_ids.append(params.request_id)
-            holds = interrupted.turn.held_again_after
-            held_after = holds[interrupted.continued] if interrupted.continued < len(holds) else None
-            return _Job(
-                interrupted.turn,
-                offset=interrupted.offset,
-                waits=held_after is not None,
-                held_after=held_after,
-                continued=interrupted.continued + 1,
-            )
-        queue = self._queues[session if session in self._queues else None]
-        if not queue:
-            name = "<default>" if session is None else session
-            raise RequestError(500, f"fake vLLM: no scripted turn left for session {name}")
-        turn = queue.popleft()
-        return _Job(turn, offset=0, waits=turn.hang or turn.delay > 0, held_after=turn.held_after, continued=0)
-
-    async def _answer(self, session: str | None, params: GenerateRequest, job: _Job) -> web.StreamResponse:
+    async def _answer(self, session: str | None, params: GenerateRequest, job: Job) -> web.StreamResponse:
         turn = job.turn
         version = self._weight_version
-        waiter: _Waiter | None = None
+        waiter: Waiter | None = None
         if job.waits:
-            waiter = _Waiter(params.request_id, held=True)
-            if await self._hold(waiter, turn):
+            waiter = Waiter(params.request_id, held=True)
+            # A keep pause stops the delay's clock; a client gone meanwhile is recorded in disconnected_request_ids.
+            if await self._room.hold(waiter, None if turn.hang else turn.delay):
                 return json_response(await self._aborted_answer(session, params, job, version))
         if turn.raw is not None:
             return json_response(turn.raw, status=turn.status)
@@ -479,22 +365,19 @@ class FakeVLLMServer:
         return json_response(answer)
 
     async def _aborted_answer(
-        self, session: str | None, params: GenerateRequest, job: _Job, version: str
+        self, session: str | None, params: GenerateRequest, job: Job, version: str
     ) -> dict[str, Any]:
         """The ``abort`` answer of a held request: the tokens it had produced, and the turn left to continue."""
         token_ids: list[int] = []
         if job.held_after is not None:
             token_ids = (await self._output(job, params)).token_ids[: job.held_after]
-            continued_by = (*params.token_ids, *token_ids)
-            self._interrupted.setdefault(session, {}).setdefault(continued_by, deque()).append(
-                _Interrupted(job.turn, offset=job.offset + len(token_ids), continued=job.continued)
-            )
+            self._turns.interrupt(session, job, (*params.token_ids, *token_ids), len(token_ids))
         self.interrupted_request_ids.append(params.request_id)
         runs = [(version, len(token_ids))]
         routes = (version, runs) if self.routes_on_abort else None
         return self._generate_answer(params, job, token_ids, "abort", version_spans(runs), routes=routes)
 
-    async def _output(self, job: _Job, params: GenerateRequest) -> StopCut:
+    async def _output(self, job: Job, params: GenerateRequest) -> StopCut:
         """The job's new tokens and why they end: the whole turn is cut (so a stop string across an interruption
         is found where it would have been) with ``max_tokens`` and ``min_tokens`` counted from ``job.offset``."""
         settings = params.settings
@@ -504,59 +387,10 @@ class FakeVLLMServer:
         cut = await self._in_tokenizer_thread(complete, self.tokenizer, job.turn, whole)
         return dataclasses.replace(cut, token_ids=cut.token_ids[job.offset :])
 
-    async def _hold(self, waiter: _Waiter, turn: ScriptedTurn) -> bool:
-        """Wait for the turn's delay (forever if it hangs) or :meth:`release`; True when the request was aborted
-        first.
-
-        A ``keep`` pause stops the delay's clock until the pause ends. A client that disconnects meanwhile
-        cancels this handler (``handler_cancellation=True``): the request is recorded in
-        ``disconnected_request_ids`` and the cancellation goes on.
-        """
-        loop = asyncio.get_running_loop()
-        remaining = None if turn.hang else turn.delay
-        waiter.frozen = self._pause_mode == "keep"
-        async with self._waiting(waiter):
-            while not (waiter.aborted or self._stopping):
-                waiter.wake.clear()
-                if waiter.released and not waiter.frozen:
-                    return False
-                if waiter.frozen or remaining is None:
-                    await waiter.wake.wait()
-                    continue
-                started = loop.time()
-                try:
-                    await asyncio.wait_for(waiter.wake.wait(), remaining)
-                except TimeoutError:
-                    return False
-                remaining = max(0.0, remaining - (loop.time() - started))
-            return True
-
-    async def _wait_for_resume(self, request_id: str) -> None:
-        """Wait until the pause ends (or the server stops)."""
-        waiter = _Waiter(request_id, held=False)
-        async with self._waiting(waiter):
-            while self._pause_mode is not None and not self._stopping:
-                waiter.wake.clear()
-                await waiter.wake.wait()
-
-    @contextlib.asynccontextmanager
-    async def _waiting(self, waiter: _Waiter) -> AsyncIterator[None]:
-        self._waiters.append(waiter)
-        self._changed()
-        try:
-            yield
-        except asyncio.CancelledError:
-            if not self._stopping:
-                self.disconnected_request_ids.append(waiter.request_id)
-            raise
-        finally:
-            self._waiters.remove(waiter)
-            self._changed()
-
     def _generate_answer(
         self,
         params: GenerateRequest,
-        job: _Job,
+        job: Job,
         token_ids: list[int],
         finish: Finish,
         weight_versions: list[WeightVersionSpan],
@@ -647,9 +481,3 @@ class _Backend:
 
     async def update_weights(self, body: dict[str, Any]) -> None:
         self._server.weight_updates.append(body)  # there are no weights to load
-
-
-def _abort(waiter: _Waiter) -> None:
-    waiter.aborted = True
-    waiter.frozen = False
-    waiter.wake.set()
