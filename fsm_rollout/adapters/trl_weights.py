@@ -1,4 +1,4 @@
-"""Keeping the engine on the trainer's weights for :func:`~fsm_rollout.adapters.trl_rollout_func`.
+"""Internal: keeping the engine on the trainer's weights for :func:`~fsm_rollout.adapters.trl_rollout_func`.
 
 TRL's ``GRPOTrainer`` syncs no weights to a ``rollout_func``'s engine (only to its own vLLM, with ``use_vllm=True``),
 so without a push here the engine keeps sampling from the initial model and training is off-policy.

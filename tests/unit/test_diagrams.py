@@ -17,7 +17,7 @@ import pytest
 from fsm_rollout.cli import build_parser, docs
 from fsm_rollout.cli import diagram as diagram_cli
 from fsm_rollout.cli import main as cli_main
-from fsm_rollout.machine import diagrams, lifecycle
+from fsm_rollout.machine import diagrams, lifecycle, overlays
 
 REPO = Path(__file__).resolve().parents[2]
 MERMAID_EDGE = re.compile(r"^    (\w+) --> (\w+) : (.*)$", re.MULTILINE)
@@ -428,7 +428,7 @@ def test_every_table_edge_can_be_told_apart_in_a_trace() -> None:
             "dst": edge.dest,
             "reason": edge.reason or ("cancelled" if edge.trigger == "abort" else "error"),
         }
-        for guard, field in diagrams._GUARD_EVIDENCE.items():
+        for guard, field in overlays._GUARD_EVIDENCE.items():
             recorded.setdefault(field, edge.guard == guard)
         assert diagrams.match_edge(recorded, lifecycle.TRANSITIONS) == index, edge
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from fsm_rollout.machine import diagrams, lifecycle
+from fsm_rollout.machine import diagrams, lifecycle, overlays
 from fsm_rollout.report import detail
 from fsm_rollout.report.page import json_for_script
 
@@ -28,9 +28,9 @@ def scanned_edge(event: Mapping[str, Any], transitions: Sequence[lifecycle.Edge]
     if len(candidates) > 1 and any(transitions[index].reason == reason for index in candidates):
         candidates = [index for index in candidates if transitions[index].reason == reason]
     if len(candidates) > 1:
-        with_evidence = [index for index in candidates if transitions[index].guard in diagrams._GUARD_EVIDENCE]
+        with_evidence = [index for index in candidates if transitions[index].guard in overlays._GUARD_EVIDENCE]
         for index in with_evidence:
-            if event.get(diagrams._GUARD_EVIDENCE[str(transitions[index].guard)]) is True:
+            if event.get(overlays._GUARD_EVIDENCE[str(transitions[index].guard)]) is True:
                 return index
         candidates = [index for index in candidates if index not in with_evidence] or candidates
     return candidates[-1] if candidates else None
@@ -56,7 +56,7 @@ def varied_events(count: int, seed: int) -> list[dict[str, Any]]:
             event["reason"] = rng.choice(reasons)
         elif roll < 0.7:
             event["reason"] = None
-        for field in diagrams._GUARD_EVIDENCE.values():
+        for field in overlays._GUARD_EVIDENCE.values():
             event[field] = rng.choice([True, False, 1, "true", None])
         if rng.random() < 0.05:
             event[rng.choice(["trigger", "src", "dst"])] = rng.choice([None, 3, ["step"], {"a": 1}])
