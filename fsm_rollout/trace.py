@@ -97,6 +97,10 @@ class Tracer:
     def __init__(self, stream: BinaryIO | None, *, owns_stream: bool = False) -> None:
         self._stream = stream
         self._owns_stream = owns_stream
+        self._holders = 0
+        """Owners that :func:`hold_tracer` gave it to and that have not released it yet."""
+        self._pinned = False
+        """Handed out by :func:`get_tracer`, whose callers never release it: open until the process exits."""
         self._log: Any = None
         if stream is not None:
             self._log = _TransitionLogger(
@@ -123,13 +127,13 @@ class Tracer:
             self._log.transition(fields)
 
     def flush(self) -> None:
-        """Push buffered lines to the sink (called when a sample reaches a terminal state)."""
-        if self._stream is not None:
+        """Push buffered lines to the sink (called when a sample reaches a terminal state); nothing once closed."""
+        if self._stream is not None and not self._stream.closed:
             self._stream.flush()
 
     def close(self) -> None:
         """Flush, and close the sink if this tracer opened it (a later :func:`get_tracer` opens it again)."""
-        if self._stream is not None:
+        if self._stream is not None and not self._stream.closed:
             self._stream.flush()
             if self._owns_stream:
                 self._stream.close()
@@ -146,14 +150,43 @@ _TRACERS: dict[str, Tracer] = {}
 _TRACERS_BY_SINK: dict[Any, Tracer] = {}
 """The same tracers by the sink as given (relative paths with the working directory): a dictionary lookup per
 rollout instead of resolving the path, which costs system calls."""
-_TRACERS_LOCK = threading.Lock()
+_TRACERS_LOCK = threading.RLock()  # re-entered: hold_tracer finds or opens the tracer under it
 
 
 def get_tracer(sink: str | Path | None) -> Tracer:
     """The process-wide tracer for a sink: None or ``"off"`` (nothing), ``"stdout"`` or ``"-"``, or a file path.
 
-    File sinks are opened once, in append mode, and shared by every rollout that names the same path.
+    File sinks are opened once, in append mode, and shared by every rollout that names the same path; one handed
+    out here stays open until the process exits (see :func:`hold_tracer` for one that is closed when let go).
     """
+    tracer = _shared_tracer(sink)
+    tracer._pinned = True
+    return tracer
+
+
+def hold_tracer(sink: str | Path | None) -> Tracer:
+    """The same shared tracer as :func:`get_tracer`, for an owner that lets it go with :func:`release_tracer`
+    (a runner, when it exits): a file sink is closed once its last holder has released it, unless
+    :func:`get_tracer` also handed it out."""
+    with _TRACERS_LOCK:
+        tracer = _shared_tracer(sink)
+        tracer._holders += 1
+    return tracer
+
+
+def release_tracer(tracer: Tracer) -> None:
+    """Let go of a tracer :func:`hold_tracer` gave; the last holder's release flushes and closes a file sink
+    (a later :func:`get_tracer` or :func:`hold_tracer` opens it again)."""
+    with _TRACERS_LOCK:
+        tracer._holders = max(0, tracer._holders - 1)
+        last = tracer._holders == 0 and not tracer._pinned
+    if last:
+        tracer.close()
+    else:
+        tracer.flush()
+
+
+def _shared_tracer(sink: str | Path | None) -> Tracer:
     if sink is None or sink == "off":
         return NULL_TRACER
     given = str(sink)

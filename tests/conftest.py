@@ -28,6 +28,9 @@ from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer
 from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
 
+# the process's peak memory in the summary, and per-test resource lines on request
+pytest_plugins = ["resource_watch"]
+
 MODEL = "fake-model"
 SAMPLING = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0}
 

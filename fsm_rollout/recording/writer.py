@@ -44,6 +44,8 @@ class TapeWriter:
         self._queue: queue.SimpleQueue[bytes | PendingBlob | threading.Event | None] = queue.SimpleQueue()
         self._tokenizer_info: dict[int, tuple[Any, dict[str, Any]]] = {}
         self._closed = False
+        self._holders = 0  # owners given it by hold_tape_writer that have not released it
+        self._pinned = False  # handed out by get_tape_writer, whose callers never release it
         self._error: BaseException | None = None
         self.dropped_blobs: list[str] = []
         """Blobs that could not be written (hash and why); the samples using them replay as lacking them."""
@@ -152,7 +154,7 @@ class TapeWriter:
 
 
 _WRITERS: dict[Path, TapeWriter] = {}
-_WRITERS_LOCK = threading.Lock()
+_WRITERS_LOCK = threading.RLock()  # re-entered: hold_tape_writer finds or opens the writer under it
 _EXIT_HOOK_REGISTERED = False
 
 
@@ -161,6 +163,36 @@ def get_tape_writer(path: str | Path) -> TapeWriter:
 
     The exit hook that closes shared writers is registered when the first one is opened, not at import.
     """
+    writer = _shared_writer(path)
+    writer._pinned = True
+    return writer
+
+
+def hold_tape_writer(path: str | Path) -> TapeWriter:
+    """The same shared writer as :func:`get_tape_writer`, for an owner that lets it go with
+    :func:`release_tape_writer` (a runner, when it exits): it is closed, and its thread ends, once its last holder
+    has released it, unless :func:`get_tape_writer` also handed it out."""
+    with _WRITERS_LOCK:
+        writer = _shared_writer(path)
+        writer._holders += 1
+    return writer
+
+
+def release_tape_writer(writer: TapeWriter) -> None:
+    """Let go of a writer :func:`hold_tape_writer` gave: the last holder's release closes it (raises as
+    :meth:`TapeWriter.close` does); otherwise what is queued so far is flushed."""
+    with _WRITERS_LOCK:
+        writer._holders = max(0, writer._holders - 1)
+        last = writer._holders == 0 and not writer._pinned
+        if last and _WRITERS.get(writer.path) is writer:
+            del _WRITERS[writer.path]
+    if last:
+        writer.close()
+    else:
+        writer.flush()
+
+
+def _shared_writer(path: str | Path) -> TapeWriter:
     global _EXIT_HOOK_REGISTERED
     key = Path(path).expanduser().resolve()
     with _WRITERS_LOCK:
@@ -174,13 +206,15 @@ def get_tape_writer(path: str | Path) -> TapeWriter:
     return writer
 
 
-def tape_writer_for(config: RolloutConfig) -> TapeWriter | None:
-    """The tape writer a config asks for: beside its trace file when ``record`` is on, else None."""
+def tape_writer_for(config: RolloutConfig, *, hold: bool = False) -> TapeWriter | None:
+    """The tape writer a config asks for: beside its trace file when ``record`` is on, else None. With ``hold``, it
+    comes from :func:`hold_tape_writer` (the caller releases it with :func:`release_tape_writer`)."""
     if not config.record:
         return None
     if config.trace is None or str(config.trace) in ("off", "stdout", "-"):
         raise ConfigError("record=True needs a trace file path: the tape is written beside it")
-    return get_tape_writer(tape_path_for(config.trace))
+    path = tape_path_for(config.trace)
+    return hold_tape_writer(path) if hold else get_tape_writer(path)
 
 
 def _close_writers() -> None:
