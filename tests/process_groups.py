@@ -17,12 +17,14 @@ killer, ``kill -9``, a crash):
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 #: Seconds a group gets to end after SIGTERM before it is killed.
@@ -63,11 +65,18 @@ _WATCHDOGS: dict[int, subprocess.Popen[bytes]] = {}
 _LOCK = threading.Lock()
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    import ctypes
+def _parent_death_signal() -> Callable[[], None] | None:
+    """A preexec_fn that sets the parent-death signal, with libc's ``prctl`` looked up here, in the parent: the child
+    between fork and exec only calls it (no import, no lock another thread may have held at the fork)."""
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (AttributeError, OSError):  # not Linux
+        return None
 
-    with contextlib.suppress(Exception):
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    def set_signal() -> None:  # pragma: no cover - runs in the child between fork and exec
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+    return set_signal
 
 
 def start_group(command: list[str], *, grace_s: float = GRACE_S, **popen: Any) -> subprocess.Popen[bytes]:
@@ -77,7 +86,7 @@ def start_group(command: list[str], *, grace_s: float = GRACE_S, **popen: Any) -
     process: subprocess.Popen[bytes] = subprocess.Popen(
         command,
         start_new_session=True,
-        preexec_fn=_die_with_parent if on_main_thread else None,
+        preexec_fn=_parent_death_signal() if on_main_thread else None,
         **popen,
     )
     watchdog = subprocess.Popen(
