@@ -98,10 +98,8 @@ class RolloutRunner:
         self.raise_on_error = raise_on_error
         # The trace file and tape this runner opened itself are let go when it exits (closed, and the tape's thread
         # ended, unless another owner still holds them); the ones passed in stay their owner's.
-        self._owns_sinks = (tracer is None, tape is None)
-        self._holding_sinks = False
-        self.tracer = tracer if tracer is not None else NULL_TRACER
-        self.tape = tape
+        self._owns_sinks, self._holding_sinks = (tracer is None, tape is None), False
+        self.tracer, self.tape = tracer or NULL_TRACER, tape
         self._hold_sinks()
         self._ring = ConsistentHashRing(self.engine_urls)
         self._clients: dict[str, VLLMClient] = {}
@@ -125,26 +123,19 @@ class RolloutRunner:
         """The gate every rollout of this runner consults (:mod:`fsm_rollout.suspension`)."""
 
     def _hold_sinks(self) -> None:
-        if self._holding_sinks:
-            return
         owns_tracer, owns_tape = self._owns_sinks
-        if owns_tracer:
-            self.tracer = hold_tracer(self.config.trace)
-        if owns_tape:
-            self.tape = tape_writer_for(self.config, hold=True)
-        self._holding_sinks = True
+        if not self._holding_sinks:
+            self.tracer = hold_tracer(self.config.trace) if owns_tracer else self.tracer
+            self.tape = tape_writer_for(self.config, hold=True) if owns_tape else self.tape
+            self._holding_sinks = True
 
     async def _release_sinks(self) -> None:
-        if not self._holding_sinks:
-            return
-        self._holding_sinks = False
         owns_tracer, owns_tape = self._owns_sinks
-        if owns_tracer:
-            release_tracer(self.tracer)
-        else:
-            self.tracer.flush()
-        if self.tape is not None:
-            await asyncio.to_thread(release_tape_writer if owns_tape else TapeWriter.flush, self.tape)
+        if self._holding_sinks:
+            self._holding_sinks = False
+            release_tracer(self.tracer) if owns_tracer else self.tracer.flush()
+            if self.tape is not None:
+                await asyncio.to_thread(release_tape_writer if owns_tape else TapeWriter.flush, self.tape)
 
     async def __aenter__(self) -> RolloutRunner:
         self._hold_sinks()  # again, when entered after an exit

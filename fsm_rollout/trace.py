@@ -97,10 +97,6 @@ class Tracer:
     def __init__(self, stream: BinaryIO | None, *, owns_stream: bool = False) -> None:
         self._stream = stream
         self._owns_stream = owns_stream
-        self._holders = 0
-        """Owners that :func:`hold_tracer` gave it to and that have not released it yet."""
-        self._pinned = False
-        """Handed out by :func:`get_tracer`, whose callers never release it: open until the process exits."""
         self._log: Any = None
         if stream is not None:
             self._log = _TransitionLogger(
@@ -141,6 +137,8 @@ class Tracer:
                     for registry in (_TRACERS, _TRACERS_BY_SINK):
                         for key in [key for key, tracer in registry.items() if tracer is self]:
                             del registry[key]
+                    _PINNED.discard(self)
+                    _HOLDERS.pop(self, None)
 
 
 NULL_TRACER = Tracer(None)
@@ -150,6 +148,10 @@ _TRACERS: dict[str, Tracer] = {}
 _TRACERS_BY_SINK: dict[Any, Tracer] = {}
 """The same tracers by the sink as given (relative paths with the working directory): a dictionary lookup per
 rollout instead of resolving the path, which costs system calls."""
+_HOLDERS: dict[Tracer, int] = {}
+"""How many owners :func:`hold_tracer` gave each tracer to that have not released it yet."""
+_PINNED: set[Tracer] = set()
+"""Tracers :func:`get_tracer` handed out: their callers never release them, so they stay open until exit."""
 _TRACERS_LOCK = threading.RLock()  # re-entered: hold_tracer finds or opens the tracer under it
 
 
@@ -159,8 +161,9 @@ def get_tracer(sink: str | Path | None) -> Tracer:
     File sinks are opened once, in append mode, and shared by every rollout that names the same path; one handed
     out here stays open until the process exits (see :func:`hold_tracer` for one that is closed when let go).
     """
-    tracer = _shared_tracer(sink)
-    tracer._pinned = True
+    with _TRACERS_LOCK:
+        tracer = _shared_tracer(sink)
+        _PINNED.add(tracer)
     return tracer
 
 
@@ -170,7 +173,7 @@ def hold_tracer(sink: str | Path | None) -> Tracer:
     :func:`get_tracer` also handed it out."""
     with _TRACERS_LOCK:
         tracer = _shared_tracer(sink)
-        tracer._holders += 1
+        _HOLDERS[tracer] = _HOLDERS.get(tracer, 0) + 1
     return tracer
 
 
@@ -178,8 +181,10 @@ def release_tracer(tracer: Tracer) -> None:
     """Let go of a tracer :func:`hold_tracer` gave; the last holder's release flushes and closes a file sink
     (a later :func:`get_tracer` or :func:`hold_tracer` opens it again)."""
     with _TRACERS_LOCK:
-        tracer._holders = max(0, tracer._holders - 1)
-        last = tracer._holders == 0 and not tracer._pinned
+        holders = _HOLDERS.pop(tracer, 0) - 1
+        if holders > 0:
+            _HOLDERS[tracer] = holders
+        last = holders <= 0 and tracer not in _PINNED
     if last:
         tracer.close()
     else:

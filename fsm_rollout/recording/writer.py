@@ -44,8 +44,6 @@ class TapeWriter:
         self._queue: queue.SimpleQueue[bytes | PendingBlob | threading.Event | None] = queue.SimpleQueue()
         self._tokenizer_info: dict[int, tuple[Any, dict[str, Any]]] = {}
         self._closed = False
-        self._holders = 0  # owners given it by hold_tape_writer that have not released it
-        self._pinned = False  # handed out by get_tape_writer, whose callers never release it
         self._error: BaseException | None = None
         self.dropped_blobs: list[str] = []
         """Blobs that could not be written (hash and why); the samples using them replay as lacking them."""
@@ -156,6 +154,10 @@ class TapeWriter:
 _WRITERS: dict[Path, TapeWriter] = {}
 _WRITERS_LOCK = threading.RLock()  # re-entered: hold_tape_writer finds or opens the writer under it
 _EXIT_HOOK_REGISTERED = False
+_HOLDERS: dict[TapeWriter, int] = {}
+"""How many owners :func:`hold_tape_writer` gave each writer to that have not released it yet."""
+_PINNED: set[TapeWriter] = set()
+"""Writers :func:`get_tape_writer` handed out: their callers never release them, so they stay open until exit."""
 
 
 def get_tape_writer(path: str | Path) -> TapeWriter:
@@ -163,8 +165,9 @@ def get_tape_writer(path: str | Path) -> TapeWriter:
 
     The exit hook that closes shared writers is registered when the first one is opened, not at import.
     """
-    writer = _shared_writer(path)
-    writer._pinned = True
+    with _WRITERS_LOCK:
+        writer = _shared_writer(path)
+        _PINNED.add(writer)
     return writer
 
 
@@ -174,7 +177,7 @@ def hold_tape_writer(path: str | Path) -> TapeWriter:
     has released it, unless :func:`get_tape_writer` also handed it out."""
     with _WRITERS_LOCK:
         writer = _shared_writer(path)
-        writer._holders += 1
+        _HOLDERS[writer] = _HOLDERS.get(writer, 0) + 1
     return writer
 
 
@@ -182,8 +185,10 @@ def release_tape_writer(writer: TapeWriter) -> None:
     """Let go of a writer :func:`hold_tape_writer` gave: the last holder's release closes it (raises as
     :meth:`TapeWriter.close` does); otherwise what is queued so far is flushed."""
     with _WRITERS_LOCK:
-        writer._holders = max(0, writer._holders - 1)
-        last = writer._holders == 0 and not writer._pinned
+        holders = _HOLDERS.pop(writer, 0) - 1
+        if holders > 0:
+            _HOLDERS[writer] = holders
+        last = holders <= 0 and writer not in _PINNED
         if last and _WRITERS.get(writer.path) is writer:
             del _WRITERS[writer.path]
     if last:
@@ -198,6 +203,9 @@ def _shared_writer(path: str | Path) -> TapeWriter:
     with _WRITERS_LOCK:
         writer = _WRITERS.get(key)
         if writer is None or writer.closed:
+            if writer is not None:  # closed by its user: forget it
+                _PINNED.discard(writer)
+                _HOLDERS.pop(writer, None)
             writer = TapeWriter(key)
             _WRITERS[key] = writer
         if not _EXIT_HOOK_REGISTERED:
