@@ -130,13 +130,13 @@ class Tracer:
             self._log.transition(fields, event)
 
     def flush(self) -> None:
-        """Push buffered lines to the sink (called when a sample reaches a terminal state)."""
-        if self._stream is not None:
+        """Push buffered lines to the sink (called when a sample reaches a terminal state); nothing once closed."""
+        if self._stream is not None and not self._stream.closed:
             self._stream.flush()
 
     def close(self) -> None:
         """Flush, and close the sink if this tracer opened it (a later :func:`get_tracer` opens it again)."""
-        if self._stream is not None:
+        if self._stream is not None and not self._stream.closed:
             self._stream.flush()
             if self._owns_stream:
                 self._stream.close()
@@ -144,6 +144,8 @@ class Tracer:
                     for registry in (_TRACERS, _TRACERS_BY_SINK):
                         for key in [key for key, tracer in registry.items() if tracer is self]:
                             del registry[key]
+                    _PINNED.discard(self)
+                    _HOLDERS.pop(self, None)
 
 
 NULL_TRACER = Tracer(None)
@@ -153,14 +155,50 @@ _TRACERS: dict[str, Tracer] = {}
 _TRACERS_BY_SINK: dict[Any, Tracer] = {}
 """The same tracers by the sink as given (relative paths with the working directory): a dictionary lookup per
 rollout instead of resolving the path, which costs system calls."""
-_TRACERS_LOCK = threading.Lock()
+_HOLDERS: dict[Tracer, int] = {}
+"""How many owners :func:`hold_tracer` gave each tracer to that have not released it yet."""
+_PINNED: set[Tracer] = set()
+"""Tracers :func:`get_tracer` handed out: their callers never release them, so they stay open until exit."""
+_TRACERS_LOCK = threading.RLock()  # re-entered: hold_tracer finds or opens the tracer under it
 
 
 def get_tracer(sink: str | Path | None) -> Tracer:
     """The process-wide tracer for a sink: None or ``"off"`` (nothing), ``"stdout"`` or ``"-"``, or a file path.
 
-    File sinks are opened once, in append mode, and shared by every rollout that names the same path.
+    File sinks are opened once, in append mode, and shared by every rollout that names the same path; one handed
+    out here stays open until the process exits (see :func:`hold_tracer` for one that is closed when let go).
     """
+    with _TRACERS_LOCK:
+        tracer = _shared_tracer(sink)
+        _PINNED.add(tracer)
+    return tracer
+
+
+def hold_tracer(sink: str | Path | None) -> Tracer:
+    """The same shared tracer as :func:`get_tracer`, for an owner that lets it go with :func:`release_tracer`
+    (a runner, when it exits): a file sink is closed once its last holder has released it, unless
+    :func:`get_tracer` also handed it out."""
+    with _TRACERS_LOCK:
+        tracer = _shared_tracer(sink)
+        _HOLDERS[tracer] = _HOLDERS.get(tracer, 0) + 1
+    return tracer
+
+
+def release_tracer(tracer: Tracer) -> None:
+    """Let go of a tracer :func:`hold_tracer` gave; the last holder's release flushes and closes a file sink
+    (a later :func:`get_tracer` or :func:`hold_tracer` opens it again)."""
+    with _TRACERS_LOCK:
+        holders = _HOLDERS.pop(tracer, 0) - 1
+        if holders > 0:
+            _HOLDERS[tracer] = holders
+        last = holders <= 0 and tracer not in _PINNED
+    if last:
+        tracer.close()
+    else:
+        tracer.flush()
+
+
+def _shared_tracer(sink: str | Path | None) -> Tracer:
     if sink is None or sink == "off":
         return NULL_TRACER
     given = str(sink)

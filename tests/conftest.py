@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import random
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import pytest
@@ -27,6 +27,9 @@ from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, VLLMClient,
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer
 from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
+
+# the process's peak memory in the summary, and per-test resource lines on request
+pytest_plugins = ["resource_watch"]
 
 MODEL = "fake-model"
 SAMPLING = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0}
@@ -61,6 +64,20 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     exploring = _exploring_with(config)
     if exploring is not None:
         terminalreporter.write_sep("=", f"hypothesis examples explored with {exploring}")
+
+
+@pytest.fixture(autouse=True)
+def _aiohttp_forgets_finished_servers() -> Iterator[None]:
+    """After each test, empty aiohttp's module-level cache of middleware chains (up to 1024 of them, keyed by handler
+    and app): it holds every app a test served, and with it the server object behind its handlers (an engine and
+    its model, a fake server and the requests it recorded, a gateway and its runner's tokenizer) for the rest of the
+    session. The library releases what its own servers hold when they stop; this keeps the rest bounded too."""
+    yield
+    from aiohttp import web_app
+
+    cache = getattr(web_app, "_cached_build_middleware", None)  # aiohttp >= 3.10; absent, there is nothing to clear
+    if cache is not None and hasattr(cache, "cache_clear"):
+        cache.cache_clear()
 
 
 @pytest.fixture(scope="session")

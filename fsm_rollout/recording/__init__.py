@@ -23,7 +23,13 @@ from fsm_rollout.recording.format import (
 )
 from fsm_rollout.recording.reader import LineProblem, TapeFile, TapeSample, read_json_lines, read_tape
 from fsm_rollout.recording.recorder import RecordingEnv, RecordingTransport, SampleRecorder, recorded_rollout
-from fsm_rollout.recording.writer import TapeWriter, get_tape_writer, tape_writer_for
+from fsm_rollout.recording.writer import (
+    TapeWriter,
+    get_tape_writer,
+    hold_tape_writer,
+    release_tape_writer,
+    tape_writer_for,
+)
 
 __all__ = [
     "BLOB_MIN_CHARS",
@@ -38,9 +44,11 @@ __all__ = [
     "TapeSample",
     "TapeWriter",
     "get_tape_writer",
+    "hold_tape_writer",
     "read_json_lines",
     "read_tape",
     "recorded_rollout",
+    "release_tape_writer",
     "tape_path_for",
     "tape_writer_for",
 ]

@@ -152,8 +152,12 @@ class TapeWriter:
 
 
 _WRITERS: dict[Path, TapeWriter] = {}
-_WRITERS_LOCK = threading.Lock()
+_WRITERS_LOCK = threading.RLock()  # re-entered: hold_tape_writer finds or opens the writer under it
 _EXIT_HOOK_REGISTERED = False
+_HOLDERS: dict[TapeWriter, int] = {}
+"""How many owners :func:`hold_tape_writer` gave each writer to that have not released it yet."""
+_PINNED: set[TapeWriter] = set()
+"""Writers :func:`get_tape_writer` handed out: their callers never release them, so they stay open until exit."""
 
 
 def get_tape_writer(path: str | Path) -> TapeWriter:
@@ -161,11 +165,47 @@ def get_tape_writer(path: str | Path) -> TapeWriter:
 
     The exit hook that closes shared writers is registered when the first one is opened, not at import.
     """
+    with _WRITERS_LOCK:
+        writer = _shared_writer(path)
+        _PINNED.add(writer)
+    return writer
+
+
+def hold_tape_writer(path: str | Path) -> TapeWriter:
+    """The same shared writer as :func:`get_tape_writer`, for an owner that lets it go with
+    :func:`release_tape_writer` (a runner, when it exits): it is closed, and its thread ends, once its last holder
+    has released it, unless :func:`get_tape_writer` also handed it out."""
+    with _WRITERS_LOCK:
+        writer = _shared_writer(path)
+        _HOLDERS[writer] = _HOLDERS.get(writer, 0) + 1
+    return writer
+
+
+def release_tape_writer(writer: TapeWriter) -> None:
+    """Let go of a writer :func:`hold_tape_writer` gave: the last holder's release closes it (raises as
+    :meth:`TapeWriter.close` does); otherwise what is queued so far is flushed."""
+    with _WRITERS_LOCK:
+        holders = _HOLDERS.pop(writer, 0) - 1
+        if holders > 0:
+            _HOLDERS[writer] = holders
+        last = holders <= 0 and writer not in _PINNED
+        if last and _WRITERS.get(writer.path) is writer:
+            del _WRITERS[writer.path]
+    if last:
+        writer.close()
+    else:
+        writer.flush()
+
+
+def _shared_writer(path: str | Path) -> TapeWriter:
     global _EXIT_HOOK_REGISTERED
     key = Path(path).expanduser().resolve()
     with _WRITERS_LOCK:
         writer = _WRITERS.get(key)
         if writer is None or writer.closed:
+            if writer is not None:  # closed by its user: forget it
+                _PINNED.discard(writer)
+                _HOLDERS.pop(writer, None)
             writer = TapeWriter(key)
             _WRITERS[key] = writer
         if not _EXIT_HOOK_REGISTERED:
@@ -174,13 +214,15 @@ def get_tape_writer(path: str | Path) -> TapeWriter:
     return writer
 
 
-def tape_writer_for(config: RolloutConfig) -> TapeWriter | None:
-    """The tape writer a config asks for: beside its trace file when ``record`` is on, else None."""
+def tape_writer_for(config: RolloutConfig, *, hold: bool = False) -> TapeWriter | None:
+    """The tape writer a config asks for: beside its trace file when ``record`` is on, else None. With ``hold``, it
+    comes from :func:`hold_tape_writer` (the caller releases it with :func:`release_tape_writer`)."""
     if not config.record:
         return None
     if config.trace is None or str(config.trace) in ("off", "stdout", "-"):
         raise ConfigError("record=True needs a trace file path: the tape is written beside it")
-    return get_tape_writer(tape_path_for(config.trace))
+    path = tape_path_for(config.trace)
+    return hold_tape_writer(path) if hold else get_tape_writer(path)
 
 
 def _close_writers() -> None:

@@ -28,7 +28,7 @@ from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.envs.protocol import EnvFactory, load_env_factory
 from fsm_rollout.errors import ConfigError, ModelListError, RolloutError
 from fsm_rollout.hooks import RolloutHooks, combine_hooks
-from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_writer_for
+from fsm_rollout.recording import TapeWriter, recorded_rollout, release_tape_writer, tape_writer_for
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.rollout.handle import RolloutHandle
 from fsm_rollout.runtime import gc_policy
@@ -39,7 +39,7 @@ from fsm_rollout.sample import Sample, Status
 from fsm_rollout.tokens.chat import ObservationEncoder
 from fsm_rollout.tokens.template_probe import HistoryPolicyChooser
 from fsm_rollout.tokens.tokenizers import TokenizerSource, listed_tokenizer_source, load_tokenizer
-from fsm_rollout.trace import Tracer, get_tracer
+from fsm_rollout.trace import NULL_TRACER, Tracer, hold_tracer, release_tracer
 from fsm_rollout.types import ServedModel
 from fsm_rollout.weights.suspension import Suspender, SuspendStats
 
@@ -99,8 +99,11 @@ class RolloutRunner:
         self.env_factory = env_factory
         self.engine_urls = list(engine_urls or [config.engine_url])
         self.raise_on_error = raise_on_error
-        self.tracer = tracer if tracer is not None else get_tracer(config.trace)
-        self.tape = tape if tape is not None else tape_writer_for(config)
+        # The trace file and tape this runner opened itself are let go when it exits (closed, and the tape's thread
+        # ended, unless another owner still holds them); the ones passed in stay their owner's.
+        self._owns_sinks, self._holding_sinks = (tracer is None, tape is None), False
+        self.tracer, self.tape = tracer or NULL_TRACER, tape
+        self._hold_sinks()
         self._ring = ConsistentHashRing(self.engine_urls)
         self._clients: dict[str, VLLMClient] = {}
         self._server_clients: dict[str, VLLMClient] = {}
@@ -122,7 +125,23 @@ class RolloutRunner:
         )
         """The gate every rollout of this runner consults (:mod:`fsm_rollout.weights.suspension`)."""
 
+    def _hold_sinks(self) -> None:
+        owns_tracer, owns_tape = self._owns_sinks
+        if not self._holding_sinks:
+            self.tracer = hold_tracer(self.config.trace) if owns_tracer else self.tracer
+            self.tape = tape_writer_for(self.config, hold=True) if owns_tape else self.tape
+            self._holding_sinks = True
+
+    async def _release_sinks(self) -> None:
+        owns_tracer, owns_tape = self._owns_sinks
+        if self._holding_sinks:
+            self._holding_sinks = False
+            release_tracer(self.tracer) if owns_tracer else self.tracer.flush()
+            if self.tape is not None:
+                await asyncio.to_thread(release_tape_writer if owns_tape else TapeWriter.flush, self.tape)
+
     async def __aenter__(self) -> RolloutRunner:
+        self._hold_sinks()  # again, when entered after an exit
         for url in self.engine_urls:
             self._clients[url] = VLLMClient.from_config(self.config, base_url=url)
         for url in self.config.servers_behind_router:
@@ -139,6 +158,7 @@ class RolloutRunner:
                 self.env_factory = load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
         except BaseException:
             await self._close_clients()
+            await self._release_sinks()
             raise
         self._entered = True
         return self
@@ -160,10 +180,10 @@ class RolloutRunner:
         if self._active or self._waiting:
             await self.abort("shutdown")
         await self._close_clients()
-        self.tracer.flush()
-        if self.tape is not None:
-            await asyncio.to_thread(self.tape.flush)
-        self._entered = False
+        try:
+            await self._release_sinks()
+        finally:
+            self._entered = False
 
     async def _close_clients(self) -> None:
         for client in [*self._clients.values(), *self._server_clients.values()]:

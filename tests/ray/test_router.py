@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import signal
 import socket
 import subprocess
 import time
@@ -25,6 +23,7 @@ import aiohttp
 import pytest
 import pytest_asyncio
 from conftest import MODEL, SAMPLING, pool_config, router_binary
+from process_groups import start_group, stop_group
 
 from fsm_rollout import RolloutRunner, Sample, Status
 from fsm_rollout.engine.local import LocalEngine
@@ -58,18 +57,14 @@ async def router(worker_urls: list[str], log: Path) -> AsyncIterator[str]:
         await _wait_healthy(url, process, log)
         yield url
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        stop_group(process)
 
 
 def _spawn(command: list[str], log: Path) -> subprocess.Popen[bytes]:
+    """The router in a process group of its own, killed with this process whatever ends it
+    (tests/process_groups.py)."""
     with log.open("wb") as out:
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return start_group(command, stdout=out, stderr=subprocess.STDOUT)
 
 
 def _tail(log: Path) -> str:

@@ -28,7 +28,6 @@ import contextlib
 import json
 import os
 import pathlib
-import signal
 import socket
 import subprocess
 import sys
@@ -46,6 +45,7 @@ from aiohttp import web
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import build_vllm_env
+from process_groups import start_group, stop_group
 from vllm_helpers import ABORT_PATH, GENERATE_PATH, MAX_MODEL_LEN, SERVED_MODEL
 
 from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, VLLMClient, capture_transitions
@@ -53,7 +53,6 @@ from fsm_rollout.engine.client import server_request_ids
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 
 HEALTH_TIMEOUT_S = float(os.environ.get("FSM_ROLLOUT_VLLM_STARTUP_TIMEOUT", "300"))
-STOP_TIMEOUT_S = 30.0
 LOG_TAIL_LINES = 80
 SERVE_FLAGS = (
     "--enable-scale-out",
@@ -140,14 +139,6 @@ def _post(url: str, body: dict[str, Any], timeout: float = 120.0) -> Any:
         return json.loads(response.read())
 
 
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Ask the kernel to SIGTERM the server if pytest itself dies without running the fixture's teardown."""
-    with contextlib.suppress(Exception):
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class VLLMServer:
     """A running ``vllm serve``: its base URL, model directory, log file and process (None when external)."""
@@ -166,29 +157,9 @@ class VLLMServer:
         return self.process is None or self.process.poll() is None
 
     def stop(self) -> None:
-        """Stop the whole process group (API server, engine core, worker): SIGTERM, then SIGKILL."""
-        process = self.process
-        if process is None:
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait(timeout=STOP_TIMEOUT_S)
-        # The engine processes share the group; make sure none outlives the API server.
-        deadline = time.monotonic() + STOP_TIMEOUT_S
-        while time.monotonic() < deadline:
-            try:
-                os.killpg(process.pid, 0)
-            except ProcessLookupError:
-                break
-            time.sleep(0.2)
-        else:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
+        """Stop the whole process group (API server, engine core, worker): SIGTERM, then SIGKILL after a grace."""
+        if self.process is not None:
+            stop_group(self.process)
 
 
 def start_server(
@@ -205,15 +176,9 @@ def start_server(
     with log_path.open("wb") as log:
         log.write(f"$ {' '.join(command)}\n".encode())
         log.flush()
-        process = subprocess.Popen(
-            command,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=env,
-            cwd=str(log_path.parent),
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
+        # its own process group, killed with this process whatever ends it (tests/process_groups.py)
+        process = start_group(
+            command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(log_path.parent)
         )
     server = VLLMServer(url=f"http://127.0.0.1:{port}", model_dir=model_dir, log_path=log_path, process=process)
     deadline = time.monotonic() + HEALTH_TIMEOUT_S

@@ -18,7 +18,6 @@ import contextlib
 import json
 import os
 import pathlib
-import signal
 import socket
 import subprocess
 import sys
@@ -34,9 +33,9 @@ import pytest
 sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import build_vl_env
+from process_groups import start_group, stop_group
 
 HEALTH_TIMEOUT_S = float(os.environ.get("FSM_ROLLOUT_VLLM_STARTUP_TIMEOUT", "600"))
-STOP_TIMEOUT_S = 30.0
 MAX_MODEL_LEN = 2048
 SERVED_MODEL = "tiny-qwen2-vl"
 SERVE_FLAGS = (
@@ -118,19 +117,6 @@ class VLServer:
     model_dir: Path
 
 
-def _stop(process: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    try:
-        process.wait(timeout=STOP_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait(timeout=STOP_TIMEOUT_S)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)  # engine processes of the group that outlived the API server
-
-
 @pytest.fixture(scope="session")
 def vl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLServer]:
     """The session's ``vllm serve`` of the tiny Qwen2-VL, stopped by process group at the end."""
@@ -164,8 +150,9 @@ def vl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLServer]:
     with log_path.open("wb") as log:
         log.write(f"$ {' '.join(command)}\n".encode())
         log.flush()
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                   cwd=str(log_path.parent), start_new_session=True)  # fmt: skip
+        # its own process group, killed with this process whatever ends it (tests/process_groups.py)
+        process = start_group(command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                              cwd=str(log_path.parent))  # fmt: skip
     try:
         deadline = time.monotonic() + HEALTH_TIMEOUT_S
         while not _healthy(url):
@@ -179,5 +166,5 @@ def vl_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLServer]:
         TIMINGS["server start-up (to /health)"] = time.perf_counter() - launched
         yield VLServer(url=url, model=SERVED_MODEL, model_dir=model_dir)
     finally:
-        _stop(process)
+        stop_group(process)
         TIMINGS["server log"] = str(log_path)

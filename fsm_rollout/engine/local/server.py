@@ -164,6 +164,7 @@ class LocalEngine:
         self._authorization = None if not api_key else f"Bearer {api_key}".encode()
         self._log = log
         self._loaded: LoadedModel | None = None
+        self._stopped_model: tuple[pathlib.Path, int] | None = None  # what a stopped engine still tells of its model
         self._images: ImageSupport | None = None
         self._scheduler: Scheduler | None = None
         self._frontend: Frontend | None = None
@@ -191,11 +192,15 @@ class LocalEngine:
     @property
     def max_model_len(self) -> int:
         """The context length (prompt + output tokens) the engine accepts."""
+        if self._loaded is None and self._stopped_model is not None:
+            return self._stopped_model[1]
         return self._require_loaded().max_model_len
 
     @property
     def model_dir(self) -> pathlib.Path:
         """The directory the model was loaded from."""
+        if self._loaded is None and self._stopped_model is not None:
+            return self._stopped_model[0]
         return self._require_loaded().model_dir
 
     @property
@@ -318,6 +323,11 @@ class LocalEngine:
             await self._runner.cleanup()
             self._runner = None
         self._url = None
+        # The model goes with the engine's stop, not with the engine object: aiohttp keeps the middleware chains of
+        # apps it served in a module-level cache, which holds this object long after its user let go of it.
+        loaded, self._loaded, self._images = self._loaded, None, None
+        if loaded is not None:
+            self._stopped_model = (loaded.model_dir, loaded.max_model_len)
 
     async def __aenter__(self) -> LocalEngine:
         await self.start()
