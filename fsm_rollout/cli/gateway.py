@@ -26,7 +26,8 @@ on 127.0.0.1 unless --host says otherwise, and prints its URL. A trainer opens a
 (optional {"metadata": {...}, "label": ...}) and gives the agent the answer's base_url as its OpenAI base URL; the
 agent's chat calls are the session's turns; POST /sessions/<id>/reward sets the reward, and POST
 /sessions/<id>/close ends the session and answers {"samples": [...]}: its training sequences, token-exact, more than
-one when the agent rewrote its history. GET /sessions/<id> shows the session's state.
+one when the agent rewrote its history; a repeated close answers the same samples for --closed-session-ttl seconds,
+and a chat call on a closed session answers 409. GET /sessions/<id> shows the session's state.
 
 --api-key is sent to the engine, as `run` sends it, and the gateway's control endpoints (opening, rewarding, closing
 and reading sessions) then need it as `Authorization: Bearer KEY`; --agent-api-key makes the agent endpoints
@@ -52,8 +53,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--session-idle-timeout",
         type=float,
+        default=3600.0,
         metavar="S",
-        help="end a session truncated (reason agent_timeout) when its agent sends nothing for S seconds",
+        help="end a session truncated (reason agent_timeout) when its agent sends nothing for S seconds "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--closed-session-ttl",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="answer a repeated close of a session with the same samples for S seconds (default: %(default)s)",
     )
     serve.add_argument("--trace", metavar="FILE", help="write the sessions' transition trace (JSONL) here")
     serve.add_argument(
@@ -124,6 +134,7 @@ async def serve(args: argparse.Namespace, *, ready: Callable[[str], None] | None
                 api_key=api_key(args),
                 agent_api_key=args.agent_api_key,
                 session_idle_timeout_s=args.session_idle_timeout,
+                closed_session_ttl_s=args.closed_session_ttl,
             ) as gateway:
                 print(f"gateway listening on {gateway.url} (model {choice.model})", flush=True)
                 print(f"open a session: curl -X POST {gateway.url}/sessions", flush=True)
@@ -148,6 +159,9 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     if args.session_idle_timeout is not None and args.session_idle_timeout <= 0:
         print("error: --session-idle-timeout must be positive", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.closed_session_ttl < 0:
+        print("error: --closed-session-ttl must be >= 0", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         return asyncio.run(serve(args))

@@ -78,7 +78,8 @@ class AgentGateway:
         port: int = 0,
         api_key: str | None = None,
         agent_api_key: str | None = None,
-        session_idle_timeout_s: float | None = None,
+        session_idle_timeout_s: float | None = 3600.0,
+        closed_session_ttl_s: float = 600.0,
     ) -> None:
         if runner.env_factory is not None:
             raise ConfigError(
@@ -86,13 +87,19 @@ class AgentGateway:
             )
         if session_idle_timeout_s is not None and session_idle_timeout_s <= 0:
             raise ConfigError(f"session_idle_timeout_s must be positive, got {session_idle_timeout_s!r}")
+        if closed_session_ttl_s < 0:
+            raise ConfigError(f"closed_session_ttl_s must be >= 0, got {closed_session_ttl_s!r}")
         self.runner = runner
         self.host = host
         self.port = port
         self.api_key = api_key
         self.agent_api_key = agent_api_key
         self.session_idle_timeout_s = session_idle_timeout_s
+        self.closed_session_ttl_s = closed_session_ttl_s
         self._sessions: dict[str, GatewaySession] = {}
+        # closed sessions kept for a repeated close (a lost close response must not lose the samples), each with
+        # the loop time it is forgotten at; insertion order is expiry order, the TTL being one for all
+        self._closed: dict[str, tuple[float, GatewaySession]] = {}
         self._opened = 0
         self._site_runner: web.AppRunner | None = None
         self._pacer: LoopPacer | None = None
@@ -176,10 +183,15 @@ class AgentGateway:
         return self._text
 
     def session(self, session_id: str) -> GatewaySession:
-        """The open session ``session_id`` (a 404 :class:`GatewayError` otherwise)."""
+        """The session ``session_id``, open or closed less than ``closed_session_ttl_s`` ago (a closed one answers
+        a repeated close with the same samples and a call with 409); a 404 :class:`GatewayError` otherwise."""
         session = self._sessions.get(session_id)
         if session is None:
-            raise GatewayError(404, "no such session (unknown or closed)", code="session_not_found")
+            self._drop_expired()
+            kept = self._closed.get(session_id)
+            if kept is None:
+                raise GatewayError(404, "no such session (unknown, or closed long ago)", code="session_not_found")
+            session = kept[1]
         return session
 
     @property
@@ -190,6 +202,21 @@ class AgentGateway:
     def _forget(self, session: GatewaySession) -> None:
         if self._sessions.pop(session.session_id, None) is not None:
             self.runner.counters.session_closed()
+            self._drop_expired()
+            if self.closed_session_ttl_s > 0:
+                deadline = asyncio.get_running_loop().time() + self.closed_session_ttl_s
+                self._closed[session.session_id] = (deadline, session)
+
+    def _drop_expired(self) -> None:
+        """Forget the closed sessions whose TTL has passed (the oldest first: they expire in insertion order)."""
+        if not self._closed:
+            return
+        now = asyncio.get_running_loop().time()
+        while self._closed:
+            session_id, (deadline, _) = next(iter(self._closed.items()))
+            if deadline > now:
+                break
+            del self._closed[session_id]
 
     def _build_env(self, *, sample: Sample, args: Any = None) -> SessionEnvironment:
         session = self._sessions.get(sample.session_id or "")

@@ -174,7 +174,8 @@ class GatewaySession:
         """Answer one chat call (409 when another is in flight or the session has ended)."""
         state = self._machine.state
         if self.closed:
-            raise GatewayError(409, "the session is closed", code="session_closed")
+            why = "expired before its first call (agent_timeout)" if state == "expired" else "closed"
+            raise GatewayError(409, f"the session is {why}", code="session_closed")
         if state == "answering":
             raise GatewayError(409, "another call of this session is in flight", code="concurrent_call")
         self.calls += 1

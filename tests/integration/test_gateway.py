@@ -239,8 +239,24 @@ async def test_http_surface_errors_and_status(gateway: AgentGateway, fake_vllm: 
         samples = body["samples"]
         assert len(samples) == 1 and samples[0]["reward"] == 0.5
         assert samples[0]["status"] == "completed" and samples[0]["metadata"]["rollout_reason"] == "session_closed"
-        status, _ = await http.post(chat, json={"messages": [{"role": "user", "content": "go"}]})
-        assert status == 404  # a closed session is gone
+        status, body = await http.post(chat, json={"messages": [{"role": "user", "content": "go"}]})
+        assert status == 409 and body["error"]["code"] == "session_closed"  # a call after close
+        status, again = await http.post(f"/sessions/{session_id}/close")
+        assert status == 200 and again == {"samples": samples}  # a lost close response loses nothing
+        status, _ = await http.post("/sessions/never-opened/close")
+        assert status == 404
+
+
+async def test_a_closed_session_is_forgotten_after_its_ttl(fake_vllm: FakeVLLMServer, tokenizer: Any) -> None:
+    async with (
+        AgentGateway(runner_for(fake_vllm, tokenizer), closed_session_ttl_s=0.0) as gateway,
+        aiohttp.ClientSession() as raw,
+    ):
+        http = Http(gateway.url, raw)
+        _, opened = await http.post("/sessions")
+        assert (await http.post(f"/sessions/{opened['session_id']}/close"))[0] == 200
+        status, body = await http.post(f"/sessions/{opened['session_id']}/close")
+        assert status == 404 and body["error"]["code"] == "session_not_found"
 
 
 async def test_a_second_concurrent_call_gets_409(gateway: AgentGateway, fake_vllm: FakeVLLMServer) -> None:

@@ -121,8 +121,11 @@ async def test_a_session_never_called_is_reaped_truncated_agent_timeout(
             assert (session.status()["status"], session.status()["reason"]) == ("truncated", "agent_timeout")
             assert gateway.sessions == 0 and gateway.runner.metrics().sessions_open == 0
             async with http.get(f"{gateway.url}/sessions/{opened['session_id']}") as response:
-                assert response.status == 404
-            async with http.post(f"{opened['base_url']}/chat/completions", json={"messages": []}) as response:
-                assert response.status == 404
+                assert (await response.json())["session_state"] == "expired"  # kept for a late close
+            chat = {"messages": [{"role": "user", "content": "late"}]}
+            async with http.post(f"{opened['base_url']}/chat/completions", json=chat) as response:
+                assert response.status == 409 and "agent_timeout" in await response.text()
+            async with http.post(f"{gateway.url}/sessions/{opened['session_id']}/close") as response:
+                assert response.status == 200 and (await response.json())["samples"] == []
         assert await session.close() == []
     assert not fake_vllm.requests_to(GENERATE_PATH)
