@@ -423,12 +423,12 @@ class GatewaySession:
         if self._agent is not None and not self._agent.done():
             self._agent.set_result(("close", self._close_reward))
 
-    async def abort(self, reason: str) -> None:
-        """End the session's rollout ``aborted`` with ``reason`` (the gateway shutting down)."""
+    async def abort(self, reason: str = "shutdown") -> None:
+        """The gateway stops: the table's ``shutdown`` edge; the session's rollout ends ``aborted`` with ``reason``."""
         self._cancel_reaper()
         self._abort_reason = reason
         if not self._machine.terminal:
-            self._machine.fire("abort")
+            self._machine.fire("shutdown")
         if self._rollout is not None:
             if not self._rollout.terminal:  # expired: its rollout may still be ending
                 self._rollout.abort(reason)
@@ -464,7 +464,11 @@ class GatewaySession:
             "turns": (rollout.turn_index + (rollout.state not in ("pending", "rendered", "generating")))
             if rollout is not None
             else 0,
-            "status": sample.status.value if sample is not None else ("truncated" if never_called else "pending"),
+            # the sample's status once its rollout has ended; while it runs, the session's own state (a sample not
+            # yet ended reads "truncated" or "completed", which an open session is not)
+            "status": sample.status.value
+            if sample is not None and rollout is not None and rollout.terminal
+            else ("truncated" if never_called else self._machine.state),
             "reason": sample.metadata.get("rollout_reason")
             if sample is not None
             else (EndReason.AGENT_TIMEOUT.value if never_called else None),

@@ -4,8 +4,8 @@ Read it like the rollout's table (:mod:`fsm_rollout.machine.lifecycle`): each tr
 order, the first whose guard holds is taken, and its actions run as part of the transition. The session
 (:class:`~fsm_rollout.gateway.session.GatewaySession`) fires ``call`` for each chat call of the agent,
 ``answered`` when the rollout hands a turn to its environment, ``idle`` when the agent stays silent past the
-session's limit, ``rollout_end`` when the session's rollout ended on its own, and ``close`` / ``abort`` when the
-session is closed (by the agent or trainer) or the gateway shuts down. A trigger with no edge from the state is
+session's limit, ``rollout_end`` when the session's rollout ended on its own, ``close`` when the session is closed
+(by the agent or trainer) and ``shutdown`` when the gateway stops with the session open. A trigger with no edge is
 refused: the caller answers the agent with the error that says why. Every transition is traced (event
 ``session_transition``) in the runner's trace, beside the rollout's own.
 
@@ -93,7 +93,14 @@ TRANSITIONS: tuple[Edge, ...] = (
     Edge("close", "waiting_for_agent", "closed", actions=("hand_close",), work="the rollout ends completed"),
     Edge("close", "rollout_ended", "closed"),
     *(
-        Edge("abort", state, "closed", reason="aborted", actions=("abort_rollout",), work="the rollout is aborted")
+        Edge(
+            "shutdown",
+            state,
+            "closed",
+            reason="shutdown",
+            actions=("abort_rollout",),
+            work="the gateway stops: the rollout ends aborted (shutdown)",
+        )
         for state in _LIVE
     ),
 )

@@ -578,3 +578,30 @@ async def test_image_url_parts_reach_the_engine_as_image_observations(tokenizer:
     assert all(
         bit == 0 for token, bit in zip(sample.tokens[start:], sample.loss_mask or [], strict=True) if token == pad
     )
+
+
+async def test_a_gateway_stopped_with_a_session_open_ends_it_aborted_shutdown_and_replays(
+    fake_vllm: FakeVLLMServer, tokenizer: Any, tmp_path: Any, capsys: Any
+) -> None:
+    trace = tmp_path / "gateway.jsonl"
+    runner = runner_for(fake_vllm, tokenizer, trace=str(trace), record=True)
+    async with AgentGateway(runner) as gateway:
+        session = await gateway.open_session()
+        fake_vllm.script([ScriptedTurn(text="Hello.<|im_end|>")], session=session.session_id)
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
+        assert session.status()["status"] == "waiting_for_agent"  # open: not the rollout's provisional status
+        assert session.status()["session_state"] == "waiting_for_agent"
+    # the gateway stopped with the session waiting for its agent
+    status = session.status()
+    assert (status["session_state"], status["status"], status["reason"]) == ("closed", "aborted", "shutdown")
+    from fsm_rollout.cli import main
+
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["replay", str(trace)]) == 0, capsys.readouterr()
+    assert "identical 1" in capsys.readouterr().out
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    ends = [row for row in rows if row["event"] == "session_transition" and row["dst"] == "closed"]
+    assert [(row["src"], row["trigger"], row.get("reason")) for row in ends] == [
+        ("waiting_for_agent", "shutdown", "shutdown")
+    ]
