@@ -267,8 +267,8 @@ async def test_a_second_concurrent_call_gets_409(gateway: AgentGateway, fake_vll
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
     )
     await fake_vllm.wait_until_waiting(1)
-    with pytest.raises(openai.ConflictError):
-        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+    with pytest.raises(openai.ConflictError):  # another call of the same chain, not a retry of the first
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}])
     first.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first
