@@ -26,12 +26,16 @@ on 127.0.0.1 unless --host says otherwise, and prints its URL. A trainer opens a
 (optional {"metadata": {...}, "label": ...}) and gives the agent the answer's base_url as its OpenAI base URL; the
 agent's chat calls are the session's turns; POST /sessions/<id>/reward sets the reward, and POST
 /sessions/<id>/close ends the session and answers {"samples": [...]}: its training sequences, token-exact, more than
-one when the agent rewrote its history. GET /sessions/<id> shows the session's state.
+one when the agent rewrote its history; a repeated close answers the same samples for --closed-session-ttl seconds,
+and a chat call on a closed session answers 409. GET /sessions/<id> shows the session's state.
 
 --api-key is sent to the engine, as `run` sends it, and the gateway's control endpoints (opening, rewarding, closing
 and reading sessions) then need it as `Authorization: Bearer KEY`; --agent-api-key makes the agent endpoints
 (chat completions, models) need a key too. A session idle past --session-idle-timeout ends truncated with reason
-agent_timeout. --trace writes every session's transitions; --record (with --trace) records the tape, so that
+agent_timeout. A chat call that repeats the call in flight or the last one (same body, or same Idempotency-Key) gets
+that call's answer, so a client's retry after a timeout generates nothing twice; a call whose client went away and
+is not retried within --disconnect-grace ends the session aborted (agent_disconnected). --trace writes every
+session's transitions; --record (with --trace) records the tape, so that
 `fsm-rollout replay` re-executes a session offline and `fsm-rollout inspect` shows it.
 
 Ctrl-C or SIGTERM stops the gateway: sessions still open end aborted (reason shutdown). Exit codes: 0 stopped;
@@ -52,8 +56,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--session-idle-timeout",
         type=float,
+        default=3600.0,
         metavar="S",
-        help="end a session truncated (reason agent_timeout) when its agent sends nothing for S seconds",
+        help="end a session truncated (reason agent_timeout) when its agent sends nothing for S seconds "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--disconnect-grace",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="how long the answer of a call whose client went away waits for its retry before the session is "
+        "aborted (reason agent_disconnected) (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--closed-session-ttl",
+        type=float,
+        default=600.0,
+        metavar="S",
+        help="answer a repeated close of a session with the same samples for S seconds (default: %(default)s)",
     )
     serve.add_argument("--trace", metavar="FILE", help="write the sessions' transition trace (JSONL) here")
     serve.add_argument(
@@ -124,6 +145,8 @@ async def serve(args: argparse.Namespace, *, ready: Callable[[str], None] | None
                 api_key=api_key(args),
                 agent_api_key=args.agent_api_key,
                 session_idle_timeout_s=args.session_idle_timeout,
+                closed_session_ttl_s=args.closed_session_ttl,
+                disconnect_grace_s=args.disconnect_grace,
             ) as gateway:
                 print(f"gateway listening on {gateway.url} (model {choice.model})", flush=True)
                 print(f"open a session: curl -X POST {gateway.url}/sessions", flush=True)
@@ -148,6 +171,9 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     if args.session_idle_timeout is not None and args.session_idle_timeout <= 0:
         print("error: --session-idle-timeout must be positive", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.closed_session_ttl < 0 or args.disconnect_grace < 0:
+        print("error: --closed-session-ttl and --disconnect-grace must be >= 0", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
         return asyncio.run(serve(args))

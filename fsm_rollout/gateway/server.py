@@ -3,7 +3,9 @@
 Paths (the agent is given ``base_url`` = ``<gateway>/sessions/<id>/v1`` and uses it as an OpenAI base URL):
 
 * ``POST /sessions`` (control), optional ``{"metadata": {...}, "label": ...}`` → 201 ``{"session_id", "base_url"}``
-* ``POST /sessions/{id}/v1/chat/completions`` (agent): OpenAI Chat Completions, streamed or not
+* ``POST /sessions/{id}/v1/chat/completions`` (agent): OpenAI Chat Completions, streamed or not. A retry of the
+  call in flight or of the last one (the same body, or the same ``Idempotency-Key`` header) gets that call's answer:
+  a client's retry after a timeout or a disconnect generates nothing twice
 * ``GET /sessions/{id}/v1/models`` (agent)
 * ``POST /sessions/{id}/reward`` (control) ``{"reward": float}``
 * ``POST /sessions/{id}/close`` (control), optional ``{"reward": ...}`` → ``{"samples": [Sample.to_dict(), ...]}``
@@ -78,7 +80,9 @@ class AgentGateway:
         port: int = 0,
         api_key: str | None = None,
         agent_api_key: str | None = None,
-        session_idle_timeout_s: float | None = None,
+        session_idle_timeout_s: float | None = 3600.0,
+        closed_session_ttl_s: float = 600.0,
+        disconnect_grace_s: float = 30.0,
     ) -> None:
         if runner.env_factory is not None:
             raise ConfigError(
@@ -86,13 +90,22 @@ class AgentGateway:
             )
         if session_idle_timeout_s is not None and session_idle_timeout_s <= 0:
             raise ConfigError(f"session_idle_timeout_s must be positive, got {session_idle_timeout_s!r}")
+        if disconnect_grace_s < 0:
+            raise ConfigError(f"disconnect_grace_s must be >= 0, got {disconnect_grace_s!r}")
+        if closed_session_ttl_s < 0:
+            raise ConfigError(f"closed_session_ttl_s must be >= 0, got {closed_session_ttl_s!r}")
         self.runner = runner
         self.host = host
         self.port = port
         self.api_key = api_key
         self.agent_api_key = agent_api_key
         self.session_idle_timeout_s = session_idle_timeout_s
+        self.closed_session_ttl_s = closed_session_ttl_s
+        self.disconnect_grace_s = disconnect_grace_s
         self._sessions: dict[str, GatewaySession] = {}
+        # closed sessions kept for a repeated close (a lost close response must not lose the samples), each with
+        # the loop time it is forgotten at; insertion order is expiry order, the TTL being one for all
+        self._closed: dict[str, tuple[float, GatewaySession]] = {}
         self._opened = 0
         self._site_runner: web.AppRunner | None = None
         self._pacer: LoopPacer | None = None
@@ -115,7 +128,8 @@ class AgentGateway:
             app.router.add_post("/sessions/{sid}/reward", self._reward)
             app.router.add_post("/sessions/{sid}/close", self._close)
             app.router.add_get("/sessions/{sid}", self._status)
-            # an agent that disconnects cancels its handler, which aborts the engine request it waits on
+            # an agent that disconnects cancels its handler; its answer waits for the client's retry (the session's
+            # disconnect grace), then the session's rollout and its engine request are aborted
             site_runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
             await site_runner.setup()
             site = web.TCPSite(site_runner, self.host, self.port)
@@ -162,6 +176,7 @@ class AgentGateway:
             metadata=metadata,
             label=label,
             idle_timeout_s=self.session_idle_timeout_s,
+            disconnect_grace_s=self.disconnect_grace_s,
             on_closed=self._forget,
             token_text=self._token_text(),
         )
@@ -176,10 +191,15 @@ class AgentGateway:
         return self._text
 
     def session(self, session_id: str) -> GatewaySession:
-        """The open session ``session_id`` (a 404 :class:`GatewayError` otherwise)."""
+        """The session ``session_id``, open or closed less than ``closed_session_ttl_s`` ago (a closed one answers
+        a repeated close with the same samples and a call with 409); a 404 :class:`GatewayError` otherwise."""
         session = self._sessions.get(session_id)
         if session is None:
-            raise GatewayError(404, "no such session (unknown or closed)", code="session_not_found")
+            self._drop_expired()
+            kept = self._closed.get(session_id)
+            if kept is None:
+                raise GatewayError(404, "no such session (unknown, or closed long ago)", code="session_not_found")
+            session = kept[1]
         return session
 
     @property
@@ -190,6 +210,21 @@ class AgentGateway:
     def _forget(self, session: GatewaySession) -> None:
         if self._sessions.pop(session.session_id, None) is not None:
             self.runner.counters.session_closed()
+            self._drop_expired()
+            if self.closed_session_ttl_s > 0:
+                deadline = asyncio.get_running_loop().time() + self.closed_session_ttl_s
+                self._closed[session.session_id] = (deadline, session)
+
+    def _drop_expired(self) -> None:
+        """Forget the closed sessions whose TTL has passed (the oldest first: they expire in insertion order)."""
+        if not self._closed:
+            return
+        now = asyncio.get_running_loop().time()
+        while self._closed:
+            session_id, (deadline, _) = next(iter(self._closed.items()))
+            if deadline > now:
+                break
+            del self._closed[session_id]
 
     def _build_env(self, *, sample: Sample, args: Any = None) -> SessionEnvironment:
         session = self._sessions.get(sample.session_id or "")
@@ -254,7 +289,7 @@ class AgentGateway:
         self._authorize(request, self.agent_api_key)
         session = self.session(request.match_info["sid"])
         call = parse_chat_request(await self._body(request, optional=False))
-        answer = await session.chat(call)
+        answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
         runner_stop = self.runner.sampling_params.get("stop") or ()
         stops = [*(call.sampling.get("stop") or ()), *([runner_stop] if isinstance(runner_stop, str) else runner_stop)]
         answer = without_stop_string(answer, stops)

@@ -45,7 +45,11 @@ if TYPE_CHECKING:
 __all__ = ["GatewaySession", "SessionEnvironment", "TokenText"]
 
 DISCONNECTED = "agent_disconnected"
-"""The abort reason of a sequence whose agent went away while its call was being answered."""
+"""The abort reason of a sequence whose agent went away mid-call and did not retry within the disconnect grace."""
+
+_CallIdentity = tuple[str | None, tuple[Any, ...]]
+"""What makes two calls the same call: the ``Idempotency-Key`` (None when not sent) and the call's messages,
+tools, sampling settings and tool choice."""
 
 
 class TokenText:
@@ -107,6 +111,7 @@ class GatewaySession:
         metadata: Mapping[str, Any] | None = None,
         label: Any = None,
         idle_timeout_s: float | None = None,
+        disconnect_grace_s: float = 30.0,
         on_closed: Callable[[GatewaySession], None] | None = None,
         token_text: TokenText | None = None,
     ) -> None:
@@ -116,6 +121,7 @@ class GatewaySession:
         self.metadata = dict(metadata or {})
         self.label = label
         self.idle_timeout_s = idle_timeout_s
+        self.disconnect_grace_s = disconnect_grace_s
         self.reward: Any = None
         self.calls = 0
         self.call_sampling: dict[str, Any] = {}
@@ -136,12 +142,18 @@ class GatewaySession:
         # what the trigger being fired carries, for its guards and actions
         self._call: ChatCall | None = None
         self._found: Extension | None = None
+        self._identity: _CallIdentity | None = None
+        # the call being answered and the last one answered, for a client's retry of either
+        self._answering: _CallIdentity | None = None
+        self._answered: _CallIdentity | None = None
+        self._waiters = 0  # HTTP calls waiting for the answer in flight
+        self._grace: asyncio.TimerHandle | None = None
         self._delivering: TurnAnswer | None = None
         self._close_reward: Any = None
         self._abort_reason = "cancelled"
         tracer = runner.tracer
         self._machine = session_table.SessionMachine(
-            {"is_retry": lambda: self._found_kind("retry"), "history_rewritten": lambda: self._found_kind("rewritten")},
+            {"is_retry": self._is_retry, "history_rewritten": lambda: self._found_kind("rewritten")},
             {name: getattr(self, f"_act_{name}") for name in session_table.action_names()},
             fields={"session_id": session_id},
             emit=(lambda fields: tracer.other_event(session_table.SESSION_EVENT, fields)) if tracer.enabled else None,
@@ -156,6 +168,11 @@ class GatewaySession:
         return self._machine.state
 
     @property
+    def waiting_calls(self) -> int:
+        """HTTP calls waiting for the answer in flight now (a call and its clients' retries attached to it)."""
+        return self._waiters
+
+    @property
     def rollout(self) -> RolloutHandle | None:
         """The handle of the session's rollout (None before the first call)."""
         return self._rollout
@@ -168,18 +185,37 @@ class GatewaySession:
     def _found_kind(self, kind: str) -> bool:
         return self._found is not None and self._found.kind == kind
 
+    def _is_retry(self) -> bool:
+        """The call repeats the one in flight (``answering``) or the last one answered: the same
+        ``Idempotency-Key``, or the same messages, tools and sampling (after an answer: the held conversation
+        without that answer, as :func:`~fsm_rollout.gateway.conversation.compare_history` says)."""
+        this = self._identity
+        other = self._answering if self._machine.state == "answering" else self._answered
+        if this is None or other is None:
+            return False
+        if this[0] is not None and this[0] == other[0]:
+            return True
+        return this[1] == other[1] if self._machine.state == "answering" else self._found_kind("retry")
+
     # ------------------------------------------------------------------ what the agent's calls do
 
-    async def chat(self, call: ChatCall) -> TurnAnswer:
-        """Answer one chat call (409 when another is in flight or the session has ended)."""
+    async def chat(self, call: ChatCall, *, idempotency_key: str | None = None) -> TurnAnswer:
+        """Answer one chat call. A retry of the call in flight (or of the last one answered) is that call: it gets
+        the same answer, nothing is generated twice. 409 when another call of the chain is in flight or the
+        session has ended."""
         state = self._machine.state
         if self.closed:
-            raise GatewayError(409, "the session is closed", code="session_closed")
+            why = "expired before its first call (agent_timeout)" if state == "expired" else "closed"
+            raise GatewayError(409, f"the session is {why}", code="session_closed")
+        self._identity = (idempotency_key, (call.messages, call.tools, call.sampling, call.tool_choice))
+        self._call, self._found = call, None
         if state == "answering":
-            raise GatewayError(409, "another call of this session is in flight", code="concurrent_call")
+            if not self._machine.fire("call"):
+                raise GatewayError(409, "another call of this session is in flight", code="concurrent_call")
+            self.calls += 1
+            return await self._wait_for_answer()
         self.calls += 1
         self._tool_choice = call.tool_choice
-        self._call, self._found = call, None
         if state != session_table.INITIAL:
             self._found = compare_history(
                 self._held, self._tools, call.messages, call.tools, last_answered=self._last_answer is not None
@@ -193,13 +229,19 @@ class GatewaySession:
             raise GatewayError(
                 409, f"the session's rollout has ended ({reason or 'not waiting'})", code="session_ended"
             )
-        if self._found_kind("retry"):
+        self._cancel_grace()
+        if self._machine.state != "answering":  # answer_again
             assert self._last_answer is not None
             return self._last_answer
+        self._answering = self._identity
         return await self._wait_for_answer()
 
     def _act_answer_again(self) -> None:
         """A retry of the previous call: answered again (by :meth:`chat`), nothing generated."""
+
+    def _act_attach(self) -> None:
+        """A retry of the call in flight: it waits for the same answer (by :meth:`chat`)."""
+        self._cancel_grace()
 
     def _act_hand_messages(self) -> None:
         """Hand the call's new messages to the waiting rollout (its observation)."""
@@ -218,6 +260,7 @@ class GatewaySession:
         self._held = [dict(message) for message in call.messages]
         self._tools = [dict(tool) for tool in call.tools] if call.tools else None
         self._last_answer = None
+        self._answered = None
         self.call_sampling = dict(call.sampling)
         self._answer = asyncio.get_running_loop().create_future()
         messages = [render_message(message) for message in call.messages]
@@ -240,6 +283,7 @@ class GatewaySession:
         self._held = [dict(message) for message in call.messages]
         self._tools = [dict(tool) for tool in call.tools] if call.tools else None
         self._last_answer = None
+        self._answered = None
         self.call_sampling = dict(call.sampling)
         self._answer = asyncio.get_running_loop().create_future()
         self._agent = None
@@ -256,13 +300,32 @@ class GatewaySession:
     async def _wait_for_answer(self) -> TurnAnswer:
         answer = self._answer
         assert answer is not None
+        self._waiters += 1
         try:
             return await asyncio.shield(answer)
         except asyncio.CancelledError:
-            # the agent went away mid-call: the engine request is aborted; what was generated before stays
-            if self._rollout is not None and not self._rollout.terminal:
-                self._rollout.abort(DISCONNECTED)
+            # the agent went away mid-call: its client retries a timed-out call, so the answer goes on and waits
+            # for the retry, for the grace; none came: the rollout is aborted (``agent_gone``)
+            if self._waiters == 1 and self._grace is None:
+                self._grace = asyncio.get_running_loop().call_later(self.disconnect_grace_s, self._agent_gone)
             raise
+        finally:
+            self._waiters -= 1
+
+    def _agent_gone(self) -> None:
+        self._grace = None
+        self._machine.fire("agent_gone")
+
+    def _act_abort_disconnected(self) -> None:
+        """The disconnected call's retry did not come: the rollout ends ``aborted`` (``agent_disconnected``); what
+        was generated before stays."""
+        if self._rollout is not None and not self._rollout.terminal:
+            self._rollout.abort(DISCONNECTED)
+
+    def _cancel_grace(self) -> None:
+        if self._grace is not None:
+            self._grace.cancel()
+            self._grace = None
 
     # ------------------------------------------------------------------ what the rollout's environment does
 
@@ -294,6 +357,7 @@ class GatewaySession:
         pending, self._answer = self._answer, None
         self._held.append(answer.message())
         self._last_answer = answer
+        self._answered, self._answering = self._answering, None
         if pending is not None and not pending.done():
             pending.set_result(answer)
 
@@ -402,6 +466,7 @@ class GatewaySession:
         if self._machine.state == "answering":
             raise GatewayError(409, "a call of this session is in flight; close it after the answer", code="busy")
         self._cancel_reaper()
+        self._cancel_grace()
         self._close_reward = reward = reward if reward is not None else self.reward
         if not self._machine.terminal:
             self._machine.fire("close")
@@ -422,12 +487,13 @@ class GatewaySession:
         if self._agent is not None and not self._agent.done():
             self._agent.set_result(("close", self._close_reward))
 
-    async def abort(self, reason: str) -> None:
-        """End the session's rollout ``aborted`` with ``reason`` (the gateway shutting down)."""
+    async def abort(self, reason: str = "shutdown") -> None:
+        """The gateway stops: the table's ``shutdown`` edge; the session's rollout ends ``aborted`` with ``reason``."""
         self._cancel_reaper()
+        self._cancel_grace()
         self._abort_reason = reason
         if not self._machine.terminal:
-            self._machine.fire("abort")
+            self._machine.fire("shutdown")
         if self._rollout is not None:
             if not self._rollout.terminal:  # expired: its rollout may still be ending
                 self._rollout.abort(reason)
@@ -463,7 +529,11 @@ class GatewaySession:
             "turns": (rollout.turn_index + (rollout.state not in ("pending", "rendered", "generating")))
             if rollout is not None
             else 0,
-            "status": sample.status.value if sample is not None else ("truncated" if never_called else "pending"),
+            # the sample's status once its rollout has ended; while it runs, the session's own state (a sample not
+            # yet ended reads "truncated" or "completed", which an open session is not)
+            "status": sample.status.value
+            if sample is not None and rollout is not None and rollout.terminal
+            else ("truncated" if never_called else self._machine.state),
             "reason": sample.metadata.get("rollout_reason")
             if sample is not None
             else (EndReason.AGENT_TIMEOUT.value if never_called else None),

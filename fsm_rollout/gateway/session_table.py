@@ -4,8 +4,9 @@ Read it like the rollout's table (:mod:`fsm_rollout.machine.lifecycle`): each tr
 order, the first whose guard holds is taken, and its actions run as part of the transition. The session
 (:class:`~fsm_rollout.gateway.session.GatewaySession`) fires ``call`` for each chat call of the agent,
 ``answered`` when the rollout hands a turn to its environment, ``idle`` when the agent stays silent past the
-session's limit, ``rollout_end`` when the session's rollout ended on its own, and ``close`` / ``abort`` when the
-session is closed (by the agent or trainer) or the gateway shuts down. A trigger with no edge from the state is
+session's limit, ``agent_gone`` when a call's client went away and no retry came within the disconnect grace,
+``rollout_end`` when the session's rollout ended on its own, ``close`` when the session is closed
+(by the agent or trainer) and ``shutdown`` when the gateway stops with the session open. A trigger with no edge is
 refused: the caller answers the agent with the error that says why. Every transition is traced (event
 ``session_transition``) in the runner's trace, beside the rollout's own.
 
@@ -52,6 +53,14 @@ TRANSITIONS: tuple[Edge, ...] = (
     Edge("call", "waiting_for_first_call", "answering", actions=("start_sequence",), work="the rollout starts"),
     Edge(
         "call",
+        "answering",
+        "answering",
+        guard="is_retry",
+        actions=("attach",),
+        work="a retry of the call in flight attaches to it: both get its answer, nothing generated twice",
+    ),
+    Edge(
+        "call",
         "waiting_for_agent",
         "waiting_for_agent",
         guard="is_retry",
@@ -85,6 +94,17 @@ TRANSITIONS: tuple[Edge, ...] = (
         work="no training sequence; the gateway forgets the session",
     ),
     Edge("idle", "waiting_for_agent", "expired", reason="agent_timeout", work="the rollout ends truncated, data kept"),
+    *(
+        Edge(
+            "agent_gone",
+            state,
+            "rollout_ended",
+            reason="agent_disconnected",
+            actions=("abort_disconnected",),
+            work="the disconnected call's retry did not come within the grace: the rollout is aborted",
+        )
+        for state in ("answering", "waiting_for_agent")
+    ),
     Edge(
         "rollout_end", "answering", "rollout_ended", actions=("settle_call",), work="the call gets the cut turn or why"
     ),
@@ -93,7 +113,14 @@ TRANSITIONS: tuple[Edge, ...] = (
     Edge("close", "waiting_for_agent", "closed", actions=("hand_close",), work="the rollout ends completed"),
     Edge("close", "rollout_ended", "closed"),
     *(
-        Edge("abort", state, "closed", reason="aborted", actions=("abort_rollout",), work="the rollout is aborted")
+        Edge(
+            "shutdown",
+            state,
+            "closed",
+            reason="shutdown",
+            actions=("abort_rollout",),
+            work="the gateway stops: the rollout ends aborted (shutdown)",
+        )
         for state in _LIVE
     ),
 )

@@ -259,17 +259,21 @@ class _TapeTransport:
         return answer
 
     async def _cut_off(self, reason: str) -> None:
-        """Re-issue the recording's abort while this request is pending: today's rollout must cancel it."""
-        replay = self._replay
-        assert replay.rollout is not None
-        replay.rollout.request_abort(reason)
-        await asyncio.sleep(0)  # the rollout cancels this request: CancelledError lands here
-        raise replay.stop(
-            Divergence(
-                "transition",
-                f"the recording's abort ({reason}) cut this request off, but today's rollout did not cancel it",
-            )
+        await _cut_off(self._replay, reason)
+
+
+async def _cut_off(replay: _Replay, reason: str) -> None:
+    """Re-issue the recording's abort while this request or environment step is pending: today's rollout must
+    cancel it."""
+    assert replay.rollout is not None
+    replay.rollout.request_abort(reason)
+    await asyncio.sleep(0)  # the rollout cancels this call: CancelledError lands here
+    raise replay.stop(
+        Divergence(
+            "transition",
+            f"the recording's abort ({reason}) cut this call off, but today's rollout did not cancel it",
         )
+    )
 
 
 class _TapeEnv:
@@ -307,6 +311,10 @@ class _TapeEnv:
 
     def step(self, response_text: str) -> Any:
         entry = self._call("step", text=response_text)
+        if entry is not None and "result" not in entry and "error" not in entry:
+            reason = self._replay.abort_landing(in_flight=True)
+            if reason is not None:  # the recording's abort cut this step off (a gateway stopped, say): again today
+                return _cut_off(self._replay, reason)
         result = self._replay.value(entry, "result") if entry is not None else None
         if not isinstance(result, dict):
             return (None, False, {})

@@ -267,8 +267,10 @@ def run_summary(inputs: Inputs, rows: Sequence[Mapping[str, Any] | None]) -> dic
 
 
 def group_rewards(paths: Sequence[Any], rows: Sequence[Mapping[str, Any] | None]) -> list[dict[str, Any]]:
-    """Per group with a numeric reward: its members' rewards, mean and spread; ``zero_variance`` when every member
-    got the same reward (a group a GRPO trainer learns nothing from)."""
+    """Per group with a numeric reward: its members' rewards, mean and spread; ``zero_variance`` when its two or
+    more members all got the same reward (a group a GRPO trainer learns nothing from). A one-member group (a
+    gateway session, a run without groups) has no variance to speak of: never ``zero_variance``, and ``members``
+    lets the page leave it out of the count."""
     rewards: dict[str, list[float]] = defaultdict(list)
     for path, row in zip(paths, rows, strict=True):
         group = group_of(path, row)
@@ -282,6 +284,7 @@ def group_rewards(paths: Sequence[Any], rows: Sequence[Mapping[str, Any] | None]
             {
                 "group": group,
                 "rewards": values,
+                "members": len(values),
                 "mean": round(statistics.fmean(values), 4),
                 "std": round(statistics.pstdev(values), 4),
                 "zero_variance": len(values) > 1 and len(set(values)) == 1,

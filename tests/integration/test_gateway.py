@@ -239,8 +239,24 @@ async def test_http_surface_errors_and_status(gateway: AgentGateway, fake_vllm: 
         samples = body["samples"]
         assert len(samples) == 1 and samples[0]["reward"] == 0.5
         assert samples[0]["status"] == "completed" and samples[0]["metadata"]["rollout_reason"] == "session_closed"
-        status, _ = await http.post(chat, json={"messages": [{"role": "user", "content": "go"}]})
-        assert status == 404  # a closed session is gone
+        status, body = await http.post(chat, json={"messages": [{"role": "user", "content": "go"}]})
+        assert status == 409 and body["error"]["code"] == "session_closed"  # a call after close
+        status, again = await http.post(f"/sessions/{session_id}/close")
+        assert status == 200 and again == {"samples": samples}  # a lost close response loses nothing
+        status, _ = await http.post("/sessions/never-opened/close")
+        assert status == 404
+
+
+async def test_a_closed_session_is_forgotten_after_its_ttl(fake_vllm: FakeVLLMServer, tokenizer: Any) -> None:
+    async with (
+        AgentGateway(runner_for(fake_vllm, tokenizer), closed_session_ttl_s=0.0) as gateway,
+        aiohttp.ClientSession() as raw,
+    ):
+        http = Http(gateway.url, raw)
+        _, opened = await http.post("/sessions")
+        assert (await http.post(f"/sessions/{opened['session_id']}/close"))[0] == 200
+        status, body = await http.post(f"/sessions/{opened['session_id']}/close")
+        assert status == 404 and body["error"]["code"] == "session_not_found"
 
 
 async def test_a_second_concurrent_call_gets_409(gateway: AgentGateway, fake_vllm: FakeVLLMServer) -> None:
@@ -251,8 +267,8 @@ async def test_a_second_concurrent_call_gets_409(gateway: AgentGateway, fake_vll
         client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
     )
     await fake_vllm.wait_until_waiting(1)
-    with pytest.raises(openai.ConflictError):
-        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "a"}])
+    with pytest.raises(openai.ConflictError):  # another call of the same chain, not a retry of the first
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "b"}])
     first.cancel()
     with pytest.raises(asyncio.CancelledError):
         await first
@@ -562,3 +578,30 @@ async def test_image_url_parts_reach_the_engine_as_image_observations(tokenizer:
     assert all(
         bit == 0 for token, bit in zip(sample.tokens[start:], sample.loss_mask or [], strict=True) if token == pad
     )
+
+
+async def test_a_gateway_stopped_with_a_session_open_ends_it_aborted_shutdown_and_replays(
+    fake_vllm: FakeVLLMServer, tokenizer: Any, tmp_path: Any, capsys: Any
+) -> None:
+    trace = tmp_path / "gateway.jsonl"
+    runner = runner_for(fake_vllm, tokenizer, trace=str(trace), record=True)
+    async with AgentGateway(runner) as gateway:
+        session = await gateway.open_session()
+        fake_vllm.script([ScriptedTurn(text="Hello.<|im_end|>")], session=session.session_id)
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
+        await client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
+        assert session.status()["status"] == "waiting_for_agent"  # open: not the rollout's provisional status
+        assert session.status()["session_state"] == "waiting_for_agent"
+    # the gateway stopped with the session waiting for its agent
+    status = session.status()
+    assert (status["session_state"], status["status"], status["reason"]) == ("closed", "aborted", "shutdown")
+    from fsm_rollout.cli import main
+
+    capsys.readouterr()
+    assert await asyncio.to_thread(main, ["replay", str(trace)]) == 0, capsys.readouterr()
+    assert "identical 1" in capsys.readouterr().out
+    rows = [json.loads(line) for line in trace.read_text().splitlines()]
+    ends = [row for row in rows if row["event"] == "session_transition" and row["dst"] == "closed"]
+    assert [(row["src"], row["trigger"], row.get("reason")) for row in ends] == [
+        ("waiting_for_agent", "shutdown", "shutdown")
+    ]

@@ -48,10 +48,10 @@ async def test_a_weight_update_mid_call_is_one_ordinary_answer(fake_vllm: FakeVL
     assert len(fake_vllm.requests_to(GENERATE_PATH)) == 2  # the cut request and its continuation
 
 
-async def test_an_agent_that_disconnects_aborts_the_engine_request_and_keeps_earlier_turns(
+async def test_an_agent_that_disconnects_and_never_retries_aborts_the_engine_request_and_keeps_earlier_turns(
     fake_vllm: FakeVLLMServer, tokenizer: Any
 ) -> None:
-    async with gateway_for(fake_vllm, tokenizer) as gateway:
+    async with gateway_for(fake_vllm, tokenizer, disconnect_grace_s=0.0) as gateway:
         session = await gateway.open_session()
         fake_vllm.script(
             [ScriptedTurn(text="First.<|im_end|>"), ScriptedTurn(text=TEXT, hang=True)], session=session.session_id
@@ -121,8 +121,80 @@ async def test_a_session_never_called_is_reaped_truncated_agent_timeout(
             assert (session.status()["status"], session.status()["reason"]) == ("truncated", "agent_timeout")
             assert gateway.sessions == 0 and gateway.runner.metrics().sessions_open == 0
             async with http.get(f"{gateway.url}/sessions/{opened['session_id']}") as response:
-                assert response.status == 404
-            async with http.post(f"{opened['base_url']}/chat/completions", json={"messages": []}) as response:
-                assert response.status == 404
+                assert (await response.json())["session_state"] == "expired"  # kept for a late close
+            chat = {"messages": [{"role": "user", "content": "late"}]}
+            async with http.post(f"{opened['base_url']}/chat/completions", json=chat) as response:
+                assert response.status == 409 and "agent_timeout" in await response.text()
+            async with http.post(f"{gateway.url}/sessions/{opened['session_id']}/close") as response:
+                assert response.status == 200 and (await response.json())["samples"] == []
         assert await session.close() == []
     assert not fake_vllm.requests_to(GENERATE_PATH)
+
+
+async def test_a_client_timeout_and_the_sdks_own_retry_get_one_answer_generated_once(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    async with gateway_for(fake_vllm, tokenizer) as gateway:
+        session = await gateway.open_session()
+        fake_vllm.script([ScriptedTurn(text=TEXT, hang=True)], session=session.session_id)
+        # each attempt gives up after 3 s; the engine holds the first attempt's generate until the retry came
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=1, timeout=3.0)
+        call = asyncio.ensure_future(
+            client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
+        )
+        await fake_vllm.wait_until_waiting(1)
+        await asyncio.wait_for(_until(lambda: session.calls == 2), 60)  # the SDK's retry attached
+        assert session.state == "answering"
+        (held,) = fake_vllm.held_request_ids
+        fake_vllm.release(held)
+        answer = await call
+        assert answer.choices[0].message.content == TEXT.removesuffix("<|im_end|>")
+        samples = await session.close()
+    assert len(fake_vllm.requests_to(GENERATE_PATH)) == 1 and not fake_vllm.requests_to(ABORT_PATH)
+    (sample,) = samples
+    assert sample.metadata["rollout_reason"] == "session_closed"
+    generated = tokenizer.encode(TEXT)
+    prompt = len(sample.tokens) - sample.response_length
+    assert sample.tokens[prompt:] == generated and sample.loss_mask == [1] * len(generated)  # the turn, once
+
+
+async def test_a_retry_after_the_client_went_away_gets_the_answer_already_generated(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    async with gateway_for(fake_vllm, tokenizer) as gateway, aiohttp.ClientSession() as http:
+        session = await gateway.open_session()
+        fake_vllm.script([ScriptedTurn(text=TEXT, hang=True)], session=session.session_id)
+        body = {"messages": [{"role": "user", "content": "Hi"}]}
+
+        async def call() -> Any:
+            async with http.post(f"{session.base_url}/chat/completions", json=body) as response:
+                return response.status, await response.json()
+
+        gone = asyncio.ensure_future(call())
+        await fake_vllm.wait_until_waiting(1)
+        gone.cancel()  # the client goes away mid-call
+        await asyncio.wait_for(_until(lambda: session.waiting_calls == 0), 30)  # the handler saw it go
+        fake_vllm.release(fake_vllm.held_request_ids[0])
+        await asyncio.wait_for(_until(lambda: session.state == "waiting_for_agent"), 30)  # answered to nobody
+        status, answer = await call()  # the retry
+        assert status == 200 and answer["choices"][0]["message"]["content"] == TEXT.removesuffix("<|im_end|>")
+        # a retry naming the first call by its Idempotency-Key is that call too, whatever its body says
+        headers = {"Idempotency-Key": "k-1"}
+        first = {"messages": [*body["messages"], answer["choices"][0]["message"], {"role": "user", "content": "2?"}]}
+        fake_vllm.script([ScriptedTurn(text="Two.<|im_end|>")], session=session.session_id)
+        async with http.post(f"{session.base_url}/chat/completions", json=first, headers=headers) as response:
+            assert (await response.json())["choices"][0]["message"]["content"] == "Two."
+        again = {**first, "temperature": 0.3}
+        async with http.post(f"{session.base_url}/chat/completions", json=again, headers=headers) as response:
+            assert (await response.json())["choices"][0]["message"]["content"] == "Two."
+        samples = await session.close()
+    assert len(fake_vllm.requests_to(GENERATE_PATH)) == 2 and not fake_vllm.requests_to(ABORT_PATH)
+    (sample,) = samples
+    assert sample.status.value == "completed"
+    assert sum(sample.loss_mask or []) == len(tokenizer.encode(TEXT)) + len(tokenizer.encode("Two.<|im_end|>"))
+
+
+async def _until(predicate: Any) -> None:
+    """Wait (bounded by the caller) until ``predicate()`` holds: for what the gateway does on its own time."""
+    while not predicate():  # noqa: ASYNC110 - the gateway has no event for it; bounded by the caller
+        await asyncio.sleep(0.01)

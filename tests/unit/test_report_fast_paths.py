@@ -115,3 +115,17 @@ def test_script_json_escapes_as_the_translation_did() -> None:
     translated = orjson.dumps(value, option=orjson.OPT_NON_STR_KEYS).decode().translate(escapes)
     assert json_for_script(value) == translated
     assert "<" not in translated and ">" not in translated and "&" not in translated
+
+
+def test_a_one_member_group_is_never_zero_variance() -> None:
+    """A gateway run's sessions are one-member groups (``4.0``): no variance to speak of, so not counted."""
+    from types import SimpleNamespace
+
+    from fsm_rollout.report.model import group_rewards
+
+    paths = [SimpleNamespace(sample_id=sample_id) for sample_id in ("0.0", "1.0", "1.1", "2.0", "2.1")]
+    rows = [{"reward": 1.0}, {"reward": 0.5}, {"reward": 0.5}, {"reward": 1.0}, {"reward": 0.0}]
+    groups = {group["group"]: group for group in group_rewards(paths, rows)}
+    assert (groups["0"]["members"], groups["0"]["zero_variance"]) == (1, False)
+    assert (groups["1"]["members"], groups["1"]["zero_variance"]) == (2, True)
+    assert (groups["2"]["members"], groups["2"]["zero_variance"]) == (2, False)

@@ -69,6 +69,7 @@
     const t = S.throughput;
     const gen = S.tokens.generated;
     const zero = S.groups.filter((g) => g.zero_variance).length;
+    const spread = S.groups.filter((g) => g.members > 1).length;  // a one-member group has no variance
     const list = [
       [fmt(S.runs), "sample runs (" + fmt(S.finished) + " finished, " + fmt(S.unfinished) + " unfinished)"],
       [fmt(S.turns_total), "turns"],
@@ -77,7 +78,7 @@
       [t ? fmt(t.samples_per_s, 2) : "\u2013", "samples/s"],
     ];
     if (mean !== null) list.push([mean.toFixed(3), "mean reward (" + rewards.length + ")"]);
-    if (S.groups.length) list.push([zero + "/" + S.groups.length, "groups with zero reward variance"]);
+    if (spread) list.push([zero + "/" + spread, "groups with zero reward variance"]);
     if (S.forks) list.push([fmt(S.forks.transitions), "forks in " + fmt(S.forks.samples) + " samples"]);
     if (S.suspensions) list.push([fmt(S.suspensions.samples), "samples suspended"]);
     return h("div", { class: "cards" }, list.map(([v, k]) => h("div", { class: "card" },
@@ -141,8 +142,9 @@
     const colour = (r) => "hsl(" + Math.round(120 * Math.max(0, Math.min(1, r))) + ",55%,55%)";
     const shown = S.groups.length <= GROUPS_DRAWN ? S.groups : zero.slice(0, GROUPS_DRAWN);
     return h("section", null, h("h2", null, "Rewards per group"),
-      h("p", { class: "note" }, zero.length + " of " + S.groups.length +
-        " groups have zero reward variance (every member got the same reward: no signal for a group-relative update)"),
+      h("p", { class: "note" }, zero.length + " of " + S.groups.filter((g) => g.members > 1).length +
+        " groups of two or more have zero reward variance (every member got the same reward: no signal for a " +
+        "group-relative update)"),
       shown.length < S.groups.length ? h("p", { class: "note" }, "drawn: " + (shown.length < zero.length ?
         "the first " + shown.length + " of them" : "those " + shown.length) + "; every group is in the sample " +
         "table's group filter") : null,
