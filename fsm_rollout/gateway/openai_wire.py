@@ -18,6 +18,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fsm_rollout.gateway.request_fields import (
+    MAX_STOP_STRINGS,
+    REQUEST_FIELDS,
+    FieldError,
+    check_fields,
+    check_parallel_tool_calls,
+    check_penalties,
+    logit_bias,
+    structured_outputs,
+)
 from fsm_rollout.tokens.chat_messages import wire_tool_call
 
 __all__ = [
@@ -36,57 +46,6 @@ __all__ = [
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 _SAMPLING_KEYS = ("temperature", "top_p", "seed", "stop", "frequency_penalty", "presence_penalty")
-
-REQUEST_FIELDS: Mapping[str, str] = {
-    # reach the call's generate request (its sampling_params)
-    "temperature": "sampling",
-    "top_p": "sampling",
-    "seed": "sampling",
-    "stop": "sampling",
-    "frequency_penalty": "sampling",
-    "presence_penalty": "sampling",
-    "logit_bias": "sampling",
-    "max_tokens": "sampling",
-    "max_completion_tokens": "sampling",
-    "top_logprobs": "sampling",
-    "response_format": "sampling",
-    "tool_choice": "sampling",
-    # shape the call itself
-    "messages": "call",
-    "tools": "call",
-    "model": "call",
-    "n": "call",
-    "stream": "call",
-    "stream_options": "call",
-    "logprobs": "call",
-    "parallel_tool_calls": "call",
-    # bookkeeping of OpenAI's platform: no effect on the tokens, accepted so clients that always send them run
-    "metadata": "bookkeeping",
-    "store": "bookkeeping",
-    "user": "bookkeeping",
-    "safety_identifier": "bookkeeping",
-    "service_tier": "bookkeeping",
-    "prompt_cache_key": "bookkeeping",
-    "prompt_cache_retention": "bookkeeping",
-    "prompt_cache_options": "bookkeeping",
-    # would change what is generated and cannot be honoured: a 400 naming the field when set (null is absent)
-    "audio": "refused",
-    "modalities": "refused",
-    "prediction": "refused",
-    "web_search_options": "refused",
-    "functions": "refused",
-    "function_call": "refused",
-    "reasoning_effort": "refused",
-    "verbosity": "refused",
-    "moderation": "refused",
-}
-"""What the gateway does with each Chat Completions request field: ``sampling`` fields reach the generate request's
-``sampling_params`` (``response_format`` and a forcing ``tool_choice`` as vLLM's ``structured_outputs``), ``call``
-fields shape the call, ``bookkeeping`` fields have no effect on the tokens, ``refused`` fields are a 400 naming them
-when not null. A field in none of these is a 400 too, so nothing is silently dropped."""
-
-MAX_STOP_STRINGS = 4
-"""OpenAI's limit on ``stop``."""
 
 
 class GatewayError(Exception):
@@ -169,7 +128,6 @@ def parse_chat_request(body: Any) -> ChatCall:
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty list of chat messages", "messages")
     checked = [_message(index, message) for index, message in enumerate(messages)]
-    _check_fields(body)
     tools = body.get("tools")
     if tools is not None:
         if not isinstance(tools, list) or not all(_is_tool(tool) for tool in tools):
@@ -184,10 +142,6 @@ def parse_chat_request(body: Any) -> ChatCall:
             raise _bad(f"'{key}' must be a number", key)
     if "seed" in sampling and (isinstance(sampling["seed"], bool) or not isinstance(sampling["seed"], int)):
         raise _bad("'seed' must be an integer", "seed")
-    for key in ("frequency_penalty", "presence_penalty"):
-        value = sampling.get(key)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or not -2 <= value <= 2):
-            raise _bad(f"'{key}' must be a number from -2 to 2, got {value!r}", key)
     stop = sampling.get("stop")
     if isinstance(stop, str):
         sampling["stop"] = [stop]
@@ -195,9 +149,6 @@ def parse_chat_request(body: Any) -> ChatCall:
         raise _bad("'stop' must be a string or a list of strings", "stop")
     if len(sampling.get("stop") or ()) > MAX_STOP_STRINGS:
         raise _bad(f"'stop' holds at most {MAX_STOP_STRINGS} strings", "stop")
-    bias = _logit_bias(body.get("logit_bias"))
-    if bias:
-        sampling["logit_bias"] = bias
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is not None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -210,16 +161,16 @@ def parse_chat_request(body: Any) -> ChatCall:
     if top_logprobs:
         sampling["top_logprobs"] = top_logprobs
     tool_choice, tool_name = _tool_choice(body.get("tool_choice"), tools)
-    parallel = body.get("parallel_tool_calls")
-    if parallel is not None and not isinstance(parallel, bool):
-        raise _bad("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
-    if parallel is False and tool_choice == "auto":
-        raise _bad(
-            "'parallel_tool_calls': false is enforced only with a forcing 'tool_choice' ('required' or a named "
-            "function: one call); with 'auto' the model may answer several",
-            "parallel_tool_calls",
-        )
-    structured = _structured_outputs(body.get("response_format"), tool_choice, tool_name, tools)
+    try:
+        check_fields(body)  # a field the gateway cannot honour is a 400 naming it
+        check_penalties(sampling)
+        bias = logit_bias(body.get("logit_bias"))
+        check_parallel_tool_calls(body.get("parallel_tool_calls"), tool_choice)
+        structured = structured_outputs(body.get("response_format"), tool_choice, tool_name, tools)
+    except FieldError as error:
+        raise _bad(error.message, error.code) from error
+    if bias:
+        sampling["logit_bias"] = bias
     if structured is not None:
         sampling["structured_outputs"] = structured
     stream_options = body.get("stream_options")
@@ -260,7 +211,7 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> tuple[str, 
     with tools, ``"none"`` without (a call that offered no tools never gets a tool call back). ``"none"`` is enforced
     on the answer: its tool-call markup is left in the content and no call is returned (as vLLM answers without a
     tool parser), so the tokens stay the model's. ``"required"`` and a named function are enforced by constrained
-    decoding (:func:`_structured_outputs`)."""
+    decoding (:func:`~fsm_rollout.gateway.request_fields.structured_outputs`)."""
     if choice is None:
         return ("auto" if tools else "none"), None
     if isinstance(choice, str):
@@ -274,99 +225,13 @@ def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> tuple[str, 
         name = function.get("name") if isinstance(function, Mapping) else None
         offered = [tool["function"]["name"] for tool in tools or ()]
         if not isinstance(name, str) or name not in offered:
-            raise _bad(f"'tool_choice' names function {name!r}, which is not among the 'tools' {offered}", "tool_choice")
+            raise _bad(
+                f"'tool_choice' names function {name!r}, which is not among the 'tools' {offered}", "tool_choice"
+            )
         return "required", name
     if isinstance(choice, Mapping) and choice.get("type") == "allowed_tools":
         raise _bad("an 'allowed_tools' 'tool_choice' is not supported (send 'auto', 'required', 'none' or a function)")
     raise _bad("'tool_choice' must be 'auto', 'none', 'required' or a function object", "tool_choice")
-
-
-def _check_fields(body: Mapping[str, Any]) -> None:
-    """Every field of the body is one the gateway handles (:data:`REQUEST_FIELDS`): a refused or unknown field that
-    is not null is a 400 naming it, never dropped."""
-    for key, value in body.items():
-        kind = REQUEST_FIELDS.get(key)
-        if kind is None and value is not None:
-            raise _bad(f"'{key}' is not a Chat Completions field the gateway knows; it would be ignored", key)
-        if kind == "refused" and value is not None and not (key == "modalities" and value == ["text"]):
-            raise _bad(f"'{key}' is not supported by the gateway: it would change the answer in a way it cannot", key)
-
-
-MAX_LOGIT_BIAS = 100
-"""OpenAI's (and vLLM's) bound on a ``logit_bias`` value."""
-
-
-def _logit_bias(value: Any) -> dict[str, float]:
-    """``logit_bias``: token ids (JSON object keys) to biases in [-100, 100], as OpenAI takes it."""
-    if value is None:
-        return {}
-    if not isinstance(value, Mapping):
-        raise _bad("'logit_bias' must be an object of token ids to numbers", "logit_bias")
-    out: dict[str, float] = {}
-    for key, bias in value.items():
-        if not (isinstance(key, str) and key.isdigit()):
-            raise _bad(f"'logit_bias' key {key!r} is not a token id", "logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, int | float) or not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
-            raise _bad(f"'logit_bias' value for {key} must be a number from -100 to 100, got {bias!r}", "logit_bias")
-        out[str(int(key))] = float(bias)
-    return out
-
-
-TOOL_CALL_OPEN = '<tool_call>\n{"name": '
-TOOL_CALL_ARGUMENTS = ', "arguments": '
-TOOL_CALL_CLOSE = "}\n</tool_call>"
-"""The Qwen / Hermes tool-call markup a forced call is generated in (what :mod:`fsm_rollout.tokens.tool_calls`
-reads), around the function's name and its arguments' JSON."""
-
-
-def _structured_outputs(
-    response_format: Any, tool_choice: str, tool_name: str | None, tools: list[dict[str, Any]] | None
-) -> dict[str, Any] | None:
-    """vLLM's ``structured_outputs`` for the call: the JSON a ``response_format`` asks for, or the tool call a
-    ``tool_choice`` forces. JSON whitespace is bounded (``disable_any_whitespace``): with unbounded whitespace a
-    small model pads until its budget runs out."""
-    fmt = _response_format(response_format)
-    if tool_choice == "required":
-        if fmt is not None:
-            raise _bad("'response_format' and a forcing 'tool_choice' cannot both constrain one answer", "tool_choice")
-        chosen = [tool["function"] for tool in tools or () if tool_name is None or tool["function"]["name"] == tool_name]
-        calls = [_forced_call(function) for function in chosen]
-        tag = calls[0] if len(calls) == 1 else {"type": "or", "elements": calls}
-        return {"structural_tag": json.dumps({"type": "structural_tag", "format": tag})}
-    return fmt
-
-
-def _forced_call(function: Mapping[str, Any]) -> dict[str, Any]:
-    parameters = function.get("parameters")
-    schema = parameters if isinstance(parameters, Mapping) and parameters else {"type": "object"}
-    name = json.dumps(function["name"], ensure_ascii=False)
-    return {
-        "type": "sequence",
-        "elements": [
-            {"type": "const_string", "value": TOOL_CALL_OPEN + name + TOOL_CALL_ARGUMENTS},
-            {"type": "json_schema", "json_schema": dict(schema), "max_whitespace_cnt": 1},
-            {"type": "const_string", "value": TOOL_CALL_CLOSE},
-        ],
-    }
-
-
-def _response_format(value: Any) -> dict[str, Any] | None:
-    if value is None:
-        return None
-    kind = value.get("type") if isinstance(value, Mapping) else None
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return {"json_object": True, "disable_any_whitespace": True}
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        schema = spec.get("schema") if isinstance(spec, Mapping) else None
-        if schema is None and isinstance(spec, Mapping):
-            schema = {}  # OpenAI allows a json_schema without a schema: any JSON value
-        if not isinstance(schema, Mapping):
-            raise _bad("'response_format.json_schema.schema' must be a JSON schema object", "response_format")
-        return {"json": dict(schema), "disable_any_whitespace": True}
-    raise _bad("'response_format' must be {'type': 'text' | 'json_object' | 'json_schema', ...}", "response_format")
 
 
 def _is_tool(tool: Any) -> bool:

@@ -20,7 +20,7 @@ from fsm_rollout.gateway.openai_wire import REQUEST_FIELDS
 from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
 
-TOOLS = [
+TOOLS: list[Any] = [
     {
         "type": "function",
         "function": {"name": "add", "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}}},
@@ -124,9 +124,11 @@ async def _call(gateway: AgentGateway, fake: FakeVLLMServer, field: str, value: 
         body["logprobs"] = True
     body[field] = value
     before = len(fake.requests_to(GENERATE_PATH))
-    async with aiohttp.ClientSession() as http:
-        async with http.post(f"{session.base_url}/chat/completions", json=body) as response:
-            status, answer = response.status, await response.json(content_type=None)
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(f"{session.base_url}/chat/completions", json=body) as response,
+    ):
+        status, answer = response.status, await response.json(content_type=None)
     generates = fake.requests_to(GENERATE_PATH)[before:]
     sampling = generates[-1].body["sampling_params"] if generates else None
     await session.close()

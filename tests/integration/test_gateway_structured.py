@@ -20,11 +20,14 @@ pytest.importorskip("xgrammar", reason="the extra 'structured' (xgrammar) is not
 
 SCHEMA: dict[str, Any] = {
     "type": "object",
-    "properties": {"answer": {"type": "integer", "minimum": 0, "maximum": 99}, "unit": {"type": "string", "enum": ["cm", "m"]}},
+    "properties": {
+        "answer": {"type": "integer", "minimum": 0, "maximum": 99},
+        "unit": {"type": "string", "enum": ["cm", "m"]},
+    },
     "required": ["answer", "unit"],
     "additionalProperties": False,
 }
-TOOLS = [
+TOOLS: list[Any] = [
     {
         "type": "function",
         "function": {
@@ -56,9 +59,7 @@ def _matches(value: Any) -> bool:
 
 async def test_json_schema_and_a_named_tool_choice_are_enforced_on_the_default_model() -> None:
     async with LocalEngine(default_model_dir(), served_model_name="policy") as engine:
-        config = RolloutConfig(
-            engine_url=engine.url, model="policy", tokenizer_path=str(engine.model_dir), max_turns=4
-        )
+        config = RolloutConfig(engine_url=engine.url, model="policy", tokenizer_path=str(engine.model_dir), max_turns=4)
         runner = RolloutRunner(config, sampling_params={"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0})
         async with AgentGateway(runner) as gateway:
             parsed = []
@@ -88,7 +89,7 @@ async def test_json_schema_and_a_named_tool_choice_are_enforced_on_the_default_m
             reply = await client.chat.completions.create(
                 model="policy",
                 messages=[{"role": "user", "content": "Look up the word 'side'."}],
-                tools=TOOLS,  # type: ignore[arg-type]
+                tools=TOOLS,
                 tool_choice={"type": "function", "function": {"name": "lookup"}},
                 max_tokens=48,
                 seed=3,

@@ -85,6 +85,7 @@ class GrammarMask:
     ) -> None:
         compiler = _compiler(tokenizer, vocab_size, stop_token_ids)
         import xgrammar  # importable: _compiler refused otherwise
+
         if spec.get("whitespace_pattern") is not None:
             raise RequestError(
                 400, "structured_outputs.whitespace_pattern is not supported with xgrammar", "structured_outputs"

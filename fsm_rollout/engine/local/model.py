@@ -323,7 +323,10 @@ class Generation:
             from fsm_rollout.engine.local.grammar import GrammarMask
 
             self._grammar = GrammarMask(
-                settings.structured, tokenizer=loaded.tokenizer, vocab_size=loaded.vocab_size, stop_token_ids=stops
+                settings.structured,
+                tokenizer=loaded.tokenizer,
+                vocab_size=loaded.vocab_size,
+                stop_token_ids=self._stop_ids,
             )
         # Settings that treat every zero row of a live-rows head alike can sample without them (see live_rows).
         self._samples_live = (

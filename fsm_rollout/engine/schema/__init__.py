@@ -158,6 +158,7 @@ __all__ = [
     "is_number",
     "is_token_id_list",
     "last_span_version",
+    "logit_bias",
     "message_list",
     "model_list",
     "number_field",
@@ -180,9 +181,8 @@ __all__ = [
     "server_request_id",
     "server_request_ids",
     "stop_strings",
-    "structured_outputs",
-    "logit_bias",
     "stop_token_ids",
+    "structured_outputs",
     "token_text",
     "weight_version_spans",
 ]

@@ -289,7 +289,9 @@ def structured_outputs(value: Any) -> dict[str, Any] | None:
         if isinstance(spec, str):
             spec = _json_text(spec, where)
         if not isinstance(spec, dict | bool):
-            raise RequestError(400, f"{where}: Input should be a JSON schema (object or its text)", "structured_outputs")
+            raise RequestError(
+                400, f"{where}: Input should be a JSON schema (object or its text)", "structured_outputs"
+            )
     elif kind == "choice":
         if not isinstance(spec, list) or not spec or not all(isinstance(item, str) for item in spec):
             raise RequestError(400, f"{where}: Input should be a non-empty list of strings", "structured_outputs")
@@ -304,7 +306,9 @@ def structured_outputs(value: Any) -> dict[str, Any] | None:
     for option in _STRUCTURED_OPTIONS:
         flag = value.get(option)
         if flag is not None and not isinstance(flag, bool):
-            raise RequestError(400, f"structured_outputs.{option}: Input should be a valid boolean", "structured_outputs")
+            raise RequestError(
+                400, f"structured_outputs.{option}: Input should be a valid boolean", "structured_outputs"
+            )
         checked[option] = bool(flag)
     pattern = value.get("whitespace_pattern")
     if pattern is not None and not isinstance(pattern, str):
