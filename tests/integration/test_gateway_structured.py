@@ -5,16 +5,19 @@ sample says which tokens were constrained."""
 from __future__ import annotations
 
 import json
+import math
 from typing import Any
 
+import aiohttp
 import openai
 import pytest
 
 from fsm_rollout import RolloutConfig
-from fsm_rollout.engine.local import LocalEngine
+from fsm_rollout.engine.local import LocalEngine, tiny_model_dir
 from fsm_rollout.engine.local.default_model import default_model_dir
 from fsm_rollout.gateway import AgentGateway
 from fsm_rollout.runtime.runner import RolloutRunner
+from fsm_rollout.testing.fake_vllm import GENERATE_PATH
 
 pytest.importorskip("xgrammar", reason="the extra 'structured' (xgrammar) is not installed")
 
@@ -101,3 +104,38 @@ async def test_json_schema_and_a_named_tool_choice_are_enforced_on_the_default_m
             assert set(json.loads(function.arguments)) == {"word"}
             assert reply.choices[0].finish_reason == "tool_calls"
             await session.close()
+
+
+async def test_logit_bias_and_a_regex_reach_the_embedded_engines_sampling() -> None:
+    """A +100 bias makes one token the greedy pick every step; a regex grammar yields text matching it, with the
+    logprob of each token taken from the masked distribution (so at most 0, and exactly 0 where one token fits)."""
+    async with LocalEngine(tiny_model_dir(), served_model_name="policy") as engine, aiohttp.ClientSession() as http:
+        prompt = [9707, 11, 1879, 0]
+
+        async def generate(sampling: dict[str, Any]) -> dict[str, Any]:
+            body = {"token_ids": prompt, "sampling_params": {"logprobs": 5, **sampling}}
+            async with http.post(engine.url + GENERATE_PATH, json=body) as response:
+                answer: dict[str, Any] = await response.json()
+                assert response.status == 200, answer
+                return answer
+
+        biased = await generate({"temperature": 0, "max_tokens": 6, "ignore_eos": True, "logit_bias": {"42": 100}})
+        assert biased["choices"][0]["token_ids"] == [42] * 6
+
+        answer = await generate(
+            {"temperature": 1.0, "seed": 5, "max_tokens": 16, "structured_outputs": {"regex": "yes|no"}}
+        )
+        choice = answer["choices"][0]
+        text = engine_text(engine, choice["token_ids"])
+        assert text in ("yes", "no") and choice["finish_reason"] == "stop"
+        # after the grammar ends only the end-of-turn tokens may follow: the masked distribution's mass is all on
+        # them, so the top candidates listed at that step hold all of it (an unmasked random model spreads it thin)
+        last = choice["logprobs"]["content"][-1]
+        assert abs(sum(math.exp(top["logprob"]) for top in last["top_logprobs"]) - 1.0) < 1e-4
+
+
+def engine_text(engine: LocalEngine, token_ids: list[int]) -> str:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(engine.model_dir))
+    return str(tokenizer.decode(token_ids, skip_special_tokens=True))
