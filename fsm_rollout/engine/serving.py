@@ -56,6 +56,7 @@ from fsm_rollout.engine.schema import (
     error_body,
     generate_request_id,
     integer_field,
+    logit_bias,
     message_list,
     model_list,
     number_field,
@@ -68,6 +69,7 @@ from fsm_rollout.engine.schema import (
     server_request_id,
     stop_strings,
     stop_token_ids,
+    structured_outputs,
 )
 from fsm_rollout.tokens.chat_messages import template_messages
 from fsm_rollout.types import Finish
@@ -267,6 +269,11 @@ class SamplingSettings:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """``(token_id, bias)`` added to the logits before the penalties and filters."""
+    structured: Mapping[str, Any] | None = None
+    """vLLM's ``structured_outputs``, checked (:func:`~fsm_rollout.engine.schema.structured_outputs`): the grammar
+    every token is sampled under (None: unconstrained)."""
 
     @property
     def greedy(self) -> bool:
@@ -301,6 +308,8 @@ def parse_generate_request(
     sampling = request_sampling_params(body)
     check_prompt_room(len(token_ids), max_model_len)
     settings = parse_sampling_params(sampling, prompt_len=len(token_ids), max_model_len=max_model_len)
+    if settings.logit_bias and vocab_size is not None:
+        logit_bias(sampling.get("logit_bias"), vocab_size=vocab_size)  # out-of-vocab ids, as vLLM's processor checks
     return GenerateRequest(request_id=request_id, token_ids=token_ids, settings=settings, body=body)
 
 
@@ -356,6 +365,8 @@ def parse_sampling_params(sampling: Mapping[str, Any], *, prompt_len: int, max_m
         repetition_penalty=repetition_penalty,
         presence_penalty=penalties["presence_penalty"],
         frequency_penalty=penalties["frequency_penalty"],
+        logit_bias=logit_bias(sampling.get("logit_bias")),
+        structured=structured_outputs(sampling.get("structured_outputs")),
     )
 
 

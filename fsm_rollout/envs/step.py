@@ -48,7 +48,8 @@ class Rewrite:
 @dataclass(frozen=True)
 class NextCall:
     """What the next generate request must carry: the sampling settings an agent's call asked for (``temperature``,
-    ``top_p``, ``seed``, ``stop``, ``max_tokens``, ``top_logprobs``) and, for a call that rewrote the history, the
+    ``top_p``, ``seed``, ``stop``, ``max_tokens``, ``top_logprobs``, ``frequency_penalty``, ``presence_penalty``,
+    ``logit_bias``, and vLLM's ``structured_outputs``) and, for a call that rewrote the history, the
     :class:`Rewrite` the rollout renders and forks on."""
 
     sampling: Mapping[str, Any] = field(default_factory=dict)

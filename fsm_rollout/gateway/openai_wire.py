@@ -18,9 +18,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fsm_rollout.gateway.request_fields import (
+    MAX_STOP_STRINGS,
+    REQUEST_FIELDS,
+    FieldError,
+    check_fields,
+    check_parallel_tool_calls,
+    check_penalties,
+    logit_bias,
+    structured_outputs,
+)
 from fsm_rollout.tokens.chat_messages import wire_tool_call
 
 __all__ = [
+    "REQUEST_FIELDS",
     "ChatCall",
     "GatewayError",
     "TurnAnswer",
@@ -34,7 +45,7 @@ __all__ = [
 ]
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-_SAMPLING_KEYS = ("temperature", "top_p", "seed", "stop")
+_SAMPLING_KEYS = ("temperature", "top_p", "seed", "stop", "frequency_penalty", "presence_penalty")
 
 
 class GatewayError(Exception):
@@ -91,15 +102,18 @@ class ChatCall:
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     sampling: dict[str, Any]
-    """``temperature``, ``top_p``, ``seed``, ``stop``, ``max_tokens`` and ``top_logprobs`` (above 0), as given
-    (absent when not)."""
+    """``temperature``, ``top_p``, ``seed``, ``stop``, ``frequency_penalty``, ``presence_penalty``, ``logit_bias``,
+    ``max_tokens``, ``top_logprobs`` (above 0) as given (absent when not), and ``structured_outputs`` (vLLM's
+    constrained decoding) for a ``response_format`` or a ``tool_choice`` that forces a call."""
     model: str | None = None
     stream: bool = False
     include_usage: bool = False
     logprobs: bool = False
     tool_choice: str = "auto"
     """``"auto"`` (tool calls are parsed from the answer), ``"none"`` (they are not: the answer is all content;
-    the default of a call without tools) or ``"required"`` (asked for, not forced: see :func:`parse_chat_request`)."""
+    the default of a call without tools) or ``"required"`` (a call is forced by constrained decoding; a named
+    function is ``"required"`` with :attr:`tool_name` set)."""
+    tool_name: str | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
 
 
@@ -133,6 +147,8 @@ def parse_chat_request(body: Any) -> ChatCall:
         sampling["stop"] = [stop]
     elif stop is not None and not (isinstance(stop, list) and all(isinstance(item, str) for item in stop)):
         raise _bad("'stop' must be a string or a list of strings", "stop")
+    if len(sampling.get("stop") or ()) > MAX_STOP_STRINGS:
+        raise _bad(f"'stop' holds at most {MAX_STOP_STRINGS} strings", "stop")
     limit = body.get("max_completion_tokens", body.get("max_tokens"))
     if limit is not None:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
@@ -144,7 +160,19 @@ def parse_chat_request(body: Any) -> ChatCall:
     top_logprobs = _top_logprobs(body.get("top_logprobs"), bool(logprobs))
     if top_logprobs:
         sampling["top_logprobs"] = top_logprobs
-    tool_choice = _tool_choice(body.get("tool_choice"), tools)
+    tool_choice, tool_name = _tool_choice(body.get("tool_choice"), tools)
+    try:
+        check_fields(body)  # a field the gateway cannot honour is a 400 naming it
+        check_penalties(sampling)
+        bias = logit_bias(body.get("logit_bias"))
+        check_parallel_tool_calls(body.get("parallel_tool_calls"), tool_choice)
+        structured = structured_outputs(body.get("response_format"), tool_choice, tool_name, tools)
+    except FieldError as error:
+        raise _bad(error.message, error.code) from error
+    if bias:
+        sampling["logit_bias"] = bias
+    if structured is not None:
+        sampling["structured_outputs"] = structured
     stream_options = body.get("stream_options")
     include_usage = isinstance(stream_options, Mapping) and bool(stream_options.get("include_usage"))
     model = body.get("model")
@@ -157,6 +185,7 @@ def parse_chat_request(body: Any) -> ChatCall:
         include_usage=include_usage,
         logprobs=bool(logprobs),
         tool_choice=tool_choice,
+        tool_name=tool_name,
         raw=body,
     )
 
@@ -177,27 +206,31 @@ def _top_logprobs(value: Any, logprobs: bool) -> int:
     return value
 
 
-def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> str:
-    """``tool_choice`` checked. Missing, it is OpenAI's default: ``"auto"`` with tools, ``"none"`` without (a call
-    that offered no tools never gets a tool call back). ``"none"`` is enforced on the answer: its tool-call markup
-    is left in the content and no call is returned (as vLLM answers without a tool parser), so the tokens stay the
-    model's. ``"required"`` is passed through as ``"auto"`` is: the model sees the tools, and frameworks that
-    always send it (smolagents) run; no call can be forced without constrained decoding, so an answer without one
-    comes back as generated. A named function would have to be forced the same way: it is refused."""
+def _tool_choice(choice: Any, tools: list[dict[str, Any]] | None) -> tuple[str, str | None]:
+    """``tool_choice`` checked, with the function a named choice forces. Missing, it is OpenAI's default: ``"auto"``
+    with tools, ``"none"`` without (a call that offered no tools never gets a tool call back). ``"none"`` is enforced
+    on the answer: its tool-call markup is left in the content and no call is returned (as vLLM answers without a
+    tool parser), so the tokens stay the model's. ``"required"`` and a named function are enforced by constrained
+    decoding (:func:`~fsm_rollout.gateway.request_fields.structured_outputs`)."""
     if choice is None:
-        return "auto" if tools else "none"
+        return ("auto" if tools else "none"), None
     if isinstance(choice, str):
         if choice not in ("auto", "none", "required"):
             raise _bad(f"'tool_choice' {choice!r} is not one of 'auto', 'none', 'required'", "tool_choice")
         if choice == "required" and not tools:
             raise _bad("'tool_choice' 'required' needs 'tools'", "tool_choice")
-        return choice
-    if isinstance(choice, Mapping) and choice.get("type") in ("function", "allowed_tools"):
-        raise _bad(
-            "a named or allowed-tools 'tool_choice' is not supported: the gateway cannot force a call without "
-            "constrained decoding (send 'auto', 'required' or 'none')",
-            "tool_choice",
-        )
+        return choice, None
+    if isinstance(choice, Mapping) and choice.get("type") == "function":
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, Mapping) else None
+        offered = [tool["function"]["name"] for tool in tools or ()]
+        if not isinstance(name, str) or name not in offered:
+            raise _bad(
+                f"'tool_choice' names function {name!r}, which is not among the 'tools' {offered}", "tool_choice"
+            )
+        return "required", name
+    if isinstance(choice, Mapping) and choice.get("type") == "allowed_tools":
+        raise _bad("an 'allowed_tools' 'tool_choice' is not supported (send 'auto', 'required', 'none' or a function)")
     raise _bad("'tool_choice' must be 'auto', 'none', 'required' or a function object", "tool_choice")
 
 

@@ -343,7 +343,20 @@ class Activities:
             await self._restore_environment()
 
 
-_CALL_PARAMS = frozenset({"temperature", "top_p", "seed", "stop", "max_tokens", "top_logprobs"})
+_CALL_PARAMS = frozenset(
+    {
+        "temperature",
+        "top_p",
+        "seed",
+        "stop",
+        "max_tokens",
+        "top_logprobs",
+        "frequency_penalty",
+        "presence_penalty",
+        "logit_bias",
+        "structured_outputs",
+    }
+)
 
 
 def _call_params(asked: dict[str, Any]) -> dict[str, Any]:

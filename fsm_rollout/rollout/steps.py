@@ -136,6 +136,11 @@ def append_turn(ctx: RolloutContext) -> None:
         track_spec_stats=config.track_speculative_stats,
     )
     ctx.response_token_ids.extend(turn.token_ids)
+    next_call = ctx.step.next_call if ctx.step is not None else None
+    if next_call is not None and next_call.sampling.get("structured_outputs") is not None and turn.token_ids:
+        # sampled under a grammar's mask (logprobs are the masked distribution's): a trainer must know which
+        constrained = ctx.sample.metadata.setdefault("constrained_spans", [])
+        constrained.append({"start": offset, "end": offset + len(turn.token_ids)})
     if routes and ctx.sample.rollout_routed_experts is not None:  # the rows the sample now holds, by request
         ctx.sample.metadata["routed_expert_spans"] = [
             {"request_id": request_id, "weight_version": version, "start": start, "end": end}

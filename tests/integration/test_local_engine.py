@@ -523,7 +523,12 @@ async def test_concurrent_requests_all_get_their_own_answers(
         ({"token_ids": [1] * MAX_MODEL_LEN, "sampling_params": {}}, "maximum context length"),
         ({"token_ids": [1], "sampling_params": {"n": 2}}, "n must be 1"),
         ({"token_ids": [1], "sampling_params": {"stop": 5}}, "stop"),
-        ({"token_ids": [1], "sampling_params": {"logit_bias": {"1": 2.0}}}, "not supported"),
+        ({"token_ids": [1], "sampling_params": {"logit_bias": {"x": 2.0}}}, "cannot be converted"),
+        ({"token_ids": [1], "sampling_params": {"logit_bias": {str(10**7): 2.0}}}, "out-of-vocab"),
+        ({"token_ids": [1], "sampling_params": {"structured_outputs": {}}}, "must use one kind"),
+        ({"token_ids": [1], "sampling_params": {"structured_outputs": {"json": "{", "regex": "a"}}}, "only one kind"),
+        ({"token_ids": [1], "sampling_params": {"structured_outputs": {"json": "{"}}}, "not valid JSON"),
+        ({"token_ids": [1], "sampling_params": {"structured_outputs": {"choice": "a"}}}, "list of strings"),
         ({"token_ids": [1], "sampling_params": {}, "stream": True}, "stream"),
     ],
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from fsm_rollout.engine.schema import check_chat_message
@@ -94,7 +96,7 @@ def test_top_logprobs_ask_the_engine_for_that_many_candidates() -> None:
         parse_chat_request({"messages": [user], "logprobs": True, "top_logprobs": 21})
 
 
-def test_tool_choice_is_checked_and_a_named_function_refused() -> None:
+def test_tool_choice_is_checked_and_a_forcing_one_becomes_structured_outputs() -> None:
     user = {"role": "user", "content": "Hi"}
     tools = [{"type": "function", "function": {"name": "f"}}]
     # missing: OpenAI's default, "auto" with tools and "none" without (no tools, no tool calls)
@@ -104,8 +106,14 @@ def test_tool_choice_is_checked_and_a_named_function_refused() -> None:
     assert parse_chat_request({"messages": [user], "tools": tools, "tool_choice": "required"}).tool_choice == (
         "required"
     )
+    for choice, name in (("required", None), ({"type": "function", "function": {"name": "f"}}, "f")):
+        call = parse_chat_request({"messages": [user], "tools": tools, "tool_choice": choice})
+        assert (call.tool_choice, call.tool_name) == ("required", name)
+        tag = json.loads(call.sampling["structured_outputs"]["structural_tag"])
+        assert tag["format"]["elements"][0]["value"] == '<tool_call>\n{"name": "f", "arguments": '
+    assert "structured_outputs" not in parse_chat_request({"messages": [user], "tools": tools}).sampling
     refused = [
-        ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "f"}}}, "constrained decoding"),
+        ({"tools": tools, "tool_choice": {"type": "function", "function": {"name": "g"}}}, "not among"),
         ({"tool_choice": "required"}, "needs 'tools'"),
         ({"tool_choice": "any"}, "is not one of"),
         ({"tool_choice": 3}, "must be"),

@@ -24,7 +24,7 @@ import pathlib
 import secrets
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -33,6 +33,9 @@ from fsm_rollout.engine.local.live_rows import LiveLogits, LiveRowsHead, LiveSam
 from fsm_rollout.engine.local.protocol import SamplingSettings
 from fsm_rollout.engine.schema import Finish
 from fsm_rollout.engine.stop_strings import completed_stop_string
+
+if TYPE_CHECKING:
+    from fsm_rollout.engine.local.grammar import GrammarMask
 
 __all__ = [
     "Generation",
@@ -311,10 +314,26 @@ class Generation:
             self._seen[torch.tensor(prompt)] = True
         if settings.presence_penalty or settings.frequency_penalty:
             self._counts = torch.zeros(loaded.vocab_size, dtype=torch.float32)
+        self._bias: tuple[torch.Tensor, torch.Tensor] | None = None
+        if settings.logit_bias:
+            ids, biases = zip(*settings.logit_bias, strict=True)
+            self._bias = (torch.tensor(ids, dtype=torch.long), torch.tensor(biases, dtype=torch.float32))
+        self._grammar: GrammarMask | None = None
+        if settings.structured is not None:  # every token is sampled under the grammar's mask
+            from fsm_rollout.engine.local.grammar import GrammarMask
+
+            self._grammar = GrammarMask(
+                settings.structured,
+                tokenizer=loaded.tokenizer,
+                vocab_size=loaded.vocab_size,
+                stop_token_ids=self._stop_ids,
+            )
         # Settings that treat every zero row of a live-rows head alike can sample without them (see live_rows).
         self._samples_live = (
             self._seen is None
             and self._counts is None
+            and self._bias is None
+            and self._grammar is None
             and settings.min_p <= 0
             and not 0 < settings.top_k < loaded.vocab_size
             and settings.top_p >= 1.0
@@ -375,6 +394,8 @@ class Generation:
             self._seen[token] = True
         if self._counts is not None:
             self._counts[token] += 1
+        if self._grammar is not None:
+            self._grammar.accept(token)
         return self._finish_reason(token)
 
     # ---------------------------------------------------------------- forward
@@ -426,13 +447,19 @@ class Generation:
         return TokenLogprob(token_id=picked.token, logprob=picked.logprob, rank=picked.rank, top=top)
 
     def _process(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits the token is drawn from: padding rows, ``min_tokens``, penalties, then the filters."""
+        """The logits the token is drawn from: padding rows, ``min_tokens``, the grammar's mask, ``logit_bias``,
+        penalties, then the filters. The logprob is the processed distribution's, so a constrained token's logprob
+        is the masked distribution's."""
         settings = self.settings
         loaded = self._loaded
         if loaded.sampleable < loaded.vocab_size:
             logits[loaded.sampleable :] = float("-inf")
         if len(self.token_ids) < settings.min_tokens and self._min_tokens_mask.numel():
             logits[self._min_tokens_mask] = float("-inf")
+        if self._grammar is not None:
+            self._grammar.apply(logits)
+        if self._bias is not None:
+            logits[self._bias[0]] += self._bias[1]
         if self._seen is not None:
             penalty = settings.repetition_penalty
             penalized = torch.where(logits > 0, logits / penalty, logits * penalty)

@@ -62,11 +62,9 @@ _OTHER_MEDIA_PART_TYPES: Final = frozenset(
 # rather than silently ignored, so a request never gets a different distribution than it asked for.
 _UNSUPPORTED_SAMPLING: Final[Mapping[str, tuple[Any, ...]]] = {
     "best_of": (None, 1),
-    "logit_bias": (None, {}),
     "allowed_token_ids": (None, []),
     "bad_words": (None, []),
     "prompt_logprobs": (None,),
-    "structured_outputs": (None,),
     "guided_decoding": (None,),
     "logits_processors": (None, []),
     "truncate_prompt_tokens": (None,),

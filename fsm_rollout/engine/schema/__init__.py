@@ -39,6 +39,7 @@ from fsm_rollout.engine.schema.requests import (
     decode_json_object,
     generate_request_id,
     integer_field,
+    logit_bias,
     message_list,
     number_field,
     render_template_kwargs,
@@ -48,6 +49,7 @@ from fsm_rollout.engine.schema.requests import (
     resolve_max_tokens,
     stop_strings,
     stop_token_ids,
+    structured_outputs,
 )
 from fsm_rollout.engine.schema.wire import (
     ABORT_FINISH_REASONS,
@@ -156,6 +158,7 @@ __all__ = [
     "is_number",
     "is_token_id_list",
     "last_span_version",
+    "logit_bias",
     "message_list",
     "model_list",
     "number_field",
@@ -179,6 +182,7 @@ __all__ = [
     "server_request_ids",
     "stop_strings",
     "stop_token_ids",
+    "structured_outputs",
     "token_text",
     "weight_version_spans",
 ]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any, overload
+from typing import Any, Final, overload
 
 import orjson
 
@@ -214,3 +214,111 @@ def render_template_kwargs(body: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(template_kwargs, dict):
         raise RequestError(400, "chat_template_kwargs: Input should be a valid dictionary", "chat_template_kwargs")
     return template_kwargs
+
+
+# ---------------------------------------------------------------------------------------------------- logit bias
+
+
+LOGIT_BIAS_LIMIT = 100.0
+"""vLLM clamps each ``logit_bias`` value into [-100, 100]."""
+
+
+def logit_bias(value: Any, *, vocab_size: int | None = None) -> tuple[tuple[int, float], ...]:
+    """``logit_bias``: an object of token ids (integer keys, or strings that read as integers, as JSON sends them) to
+    finite numbers, clamped into [-100, 100] as vLLM does; ids at or above ``vocab_size`` are refused, as vLLM's input
+    processor refuses them. Null gives none."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise RequestError(400, "logit_bias: Input should be a valid dictionary", "logit_bias")
+    out: dict[int, float] = {}
+    bad_keys = []
+    for key, bias in value.items():
+        try:
+            token = int(key)
+        except (TypeError, ValueError):
+            bad_keys.append(key)
+            continue
+        if not is_number(bias) or not math.isfinite(bias):
+            raise RequestError(400, f"logit_bias.{key}: Input should be a finite number, got {bias!r}", "logit_bias")
+        out[token] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, float(bias)))
+    if bad_keys:
+        raise RequestError(
+            400, f"logit_bias contains key(s) that cannot be converted to integer token IDs: {bad_keys!r}", "logit_bias"
+        )
+    outside = sorted(token for token in out if token < 0 or (vocab_size is not None and token >= vocab_size))
+    if outside:
+        raise RequestError(
+            400,
+            f"token_id(s) {outside} in logit_bias contain out-of-vocab token ids. Vocabulary size: {vocab_size}",
+            "logit_bias",
+        )
+    return tuple(sorted(out.items()))
+
+
+# ---------------------------------------------------------------------------------------------------- structured
+
+
+STRUCTURED_CONSTRAINTS: Final = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
+"""The kinds of constraint of vLLM's ``StructuredOutputsParams``: a request names exactly one."""
+
+_STRUCTURED_OPTIONS: Final = ("disable_any_whitespace", "disable_additional_properties")
+
+
+def structured_outputs(value: Any) -> dict[str, Any] | None:
+    """``structured_outputs`` (vLLM's ``StructuredOutputsParams``): an object naming exactly one constraint of
+    :data:`STRUCTURED_CONSTRAINTS`, each of its type (``json`` a schema object or its JSON text, ``choice`` a list of
+    strings, ``json_object`` a boolean, ``structural_tag`` the JSON text of a structural tag, the others strings),
+    and boolean options. Null gives None."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise RequestError(400, "structured_outputs: Input should be a valid dictionary", "structured_outputs")
+    named = [kind for kind in STRUCTURED_CONSTRAINTS if value.get(kind) is not None]
+    if len(named) != 1:
+        which = "only one kind of" if named else "one kind of"
+        raise RequestError(
+            400,
+            f"You must use {which} structured outputs constraint but {len(named)} are specified: {named}",
+            "structured_outputs",
+        )
+    kind = named[0]
+    spec = value[kind]
+    where = f"structured_outputs.{kind}"
+    if kind == "json":
+        if isinstance(spec, str):
+            spec = _json_text(spec, where)
+        if not isinstance(spec, dict | bool):
+            raise RequestError(
+                400, f"{where}: Input should be a JSON schema (object or its text)", "structured_outputs"
+            )
+    elif kind == "choice":
+        if not isinstance(spec, list) or not spec or not all(isinstance(item, str) for item in spec):
+            raise RequestError(400, f"{where}: Input should be a non-empty list of strings", "structured_outputs")
+    elif kind == "json_object":
+        if not isinstance(spec, bool):
+            raise RequestError(400, f"{where}: Input should be a valid boolean", "structured_outputs")
+    elif not isinstance(spec, str):
+        raise RequestError(400, f"{where}: Input should be a valid string", "structured_outputs")
+    elif kind == "structural_tag" and not isinstance(_json_text(spec, where), dict):
+        raise RequestError(400, f"{where}: Input should be the JSON text of an object", "structured_outputs")
+    checked: dict[str, Any] = {kind: spec}
+    for option in _STRUCTURED_OPTIONS:
+        flag = value.get(option)
+        if flag is not None and not isinstance(flag, bool):
+            raise RequestError(
+                400, f"structured_outputs.{option}: Input should be a valid boolean", "structured_outputs"
+            )
+        checked[option] = bool(flag)
+    pattern = value.get("whitespace_pattern")
+    if pattern is not None and not isinstance(pattern, str):
+        raise RequestError(400, "structured_outputs.whitespace_pattern: Input should be a string", "structured_outputs")
+    checked["whitespace_pattern"] = pattern
+    return checked
+
+
+def _json_text(text: str, where: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as error:
+        raise RequestError(400, f"{where}: not valid JSON ({error})", "structured_outputs") from error
