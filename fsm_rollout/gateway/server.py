@@ -33,6 +33,7 @@ from aiohttp import web
 
 from fsm_rollout.envs.protocol import EnvFactory
 from fsm_rollout.errors import ConfigError
+from fsm_rollout.gateway.answers import TokenText
 from fsm_rollout.gateway.openai_wire import (
     GatewayError,
     chat_completion,
@@ -42,7 +43,7 @@ from fsm_rollout.gateway.openai_wire import (
     stream_chunks,
     without_stop_string,
 )
-from fsm_rollout.gateway.session import GatewaySession, SessionEnvironment, TokenText
+from fsm_rollout.gateway.session import GatewaySession, SessionEnvironment
 from fsm_rollout.runtime.pacing import LoopPacer, pacer_for
 from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.sample import Sample

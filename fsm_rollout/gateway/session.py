@@ -26,17 +26,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import secrets
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fsm_rollout.envs.step import EndReason, NextCall, Rewrite, StepResult, Turn
 from fsm_rollout.gateway import session_table
+from fsm_rollout.gateway.answers import TokenText, read_answer
 from fsm_rollout.gateway.conversation import Extension, compare_history
 from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer, render_message
 from fsm_rollout.sample import Sample
 from fsm_rollout.sample.branches import training_sequences
-from fsm_rollout.tokens.tool_calls import parse_tool_calls
 
 if TYPE_CHECKING:
     from fsm_rollout.rollout.handle import RolloutHandle
@@ -50,26 +49,6 @@ DISCONNECTED = "agent_disconnected"
 _CallIdentity = tuple[str | None, tuple[Any, ...]]
 """What makes two calls the same call: the ``Idempotency-Key`` (None when not sent) and the call's messages,
 tools, sampling settings and tool choice."""
-
-
-class TokenText:
-    """Reads an answer's text from its tokens: the tokenizer's end tokens and a decode, found once per gateway.
-
-    A fast tokenizer without clean-up decodes through its backend directly, which is what its ``decode`` returns
-    without the per-call wrapper work."""
-
-    def __init__(self, tokenizer: Any, sampling_params: Mapping[str, Any]) -> None:
-        ends = {getattr(tokenizer, "eos_token_id", None), getattr(tokenizer, "pad_token_id", None)}
-        ends.update(sampling_params.get("stop_token_ids") or ())
-        self.end_token_ids: frozenset[int] = frozenset(token for token in ends if isinstance(token, int))
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
-            self._decode: Callable[..., str] = backend.decode
-        else:
-            self._decode = tokenizer.decode
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self._decode(token_ids, skip_special_tokens=False) if token_ids else ""
 
 
 class SessionEnvironment:
@@ -363,43 +342,15 @@ class GatewaySession:
 
     def _read_answer(self, turn: Turn, *, finish: str | None = None) -> TurnAnswer:
         """The answer to the waiting call: the turn's own tokens, its text without the end tokens, its tool calls."""
-        token_ids = list(turn.token_ids)
-        logprobs = [float(logprob) for logprob in turn.logprobs]
-        ends = self._text.end_token_ids
-        cut = len(token_ids)
-        while cut and token_ids[cut - 1] in ends:
-            cut -= 1
-        text_ids = token_ids[:cut]
-        text = self._text.decode(text_ids)
-        # tool_choice "none": no call is parsed, the markup stays content (the tokens are the model's either way)
-        found = parse_tool_calls(text).calls if self._tool_choice != "none" else []
-        content = text
-        for call in reversed(found):
-            content = content[: call.start] + content[call.end :]
-        content = content.strip()
-        calls = [
-            {"id": f"call_{secrets.token_hex(12)}", "name": call.name, "arguments": dict(call.arguments)}
-            for call in found
-        ]
-        if finish is None:
-            limit = self.call_sampling.get("max_tokens")
-            if limit is not None and len(token_ids) >= limit and len(text_ids) == len(token_ids):
-                finish = "length"
-            else:
-                finish = "tool_calls" if calls else "stop"
         spans = (self._sample.metadata.get("weight_version_spans") if self._sample is not None else None) or []
-        top = turn.top_logprobs if self.call_sampling.get("top_logprobs") else None
-        return TurnAnswer(
-            content=content if content or not calls else None,
-            tool_calls=calls,
-            finish_reason=finish,
-            prompt_tokens=turn.prompt_tokens,
-            completion_tokens=len(token_ids),
-            token_ids=token_ids,
-            logprobs=logprobs,
-            text=text,
+        return read_answer(
+            turn,
+            self._text,
+            parse_calls=self._tool_choice != "none",
+            max_tokens=self.call_sampling.get("max_tokens"),
+            with_top_logprobs=bool(self.call_sampling.get("top_logprobs")),
             weight_version=spans[-1]["version"] if spans else None,
-            top_logprobs=None if top is None else [list(candidates) for candidates in top],
+            finish=finish,
         )
 
     def _sequence_ended(self, handle: RolloutHandle) -> None:

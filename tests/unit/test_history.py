@@ -145,7 +145,7 @@ def test_the_grpo_example_gives_every_sequence_of_a_rollout_the_rollouts_advanta
         sample.branches[0].metadata.setdefault("weight_version_spans", [])
     forked.branches[0].metadata["weight_version_spans"] = [{"version": "3", "start": 0, "end": 2}]
     trainer = SimpleNamespace(version="3", history=["0", "1", "2", "3"])
-    samples, advantages, dropped = training_batch(
+    samples, advantages, dropped, kept = training_batch(
         [[forked, plain, stale]],
         trainer,
         GRPOOptions(max_staleness=1),  # type: ignore[arg-type]
@@ -154,6 +154,7 @@ def test_the_grpo_example_gives_every_sequence_of_a_rollout_the_rollouts_advanta
     assert samples == [forked.branches[0], forked, plain]
     assert advantages == [high, high, low]
     assert dropped == 1  # the stale rollout is dropped whole, all its sequences with it
+    assert kept == [forked, plain]
 
 
 def test_pool_metrics_add_up_the_workers_forks_and_sequences() -> None:

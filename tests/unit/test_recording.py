@@ -421,13 +421,3 @@ def test_a_long_blob_that_cannot_be_written_is_left_out_and_the_tape_goes_on(tmp
     assert [record.sample_id for record in tape.samples] == ["0", "1"]
     assert len(writer.dropped_blobs) == 1
     assert tape.missing_blobs(tape.samples[0].io) != []
-
-
-def test_the_old_tape_module_still_imports_with_a_deprecation_warning() -> None:
-    import importlib
-    import sys
-
-    sys.modules.pop("fsm_rollout.tape", None)
-    with pytest.warns(DeprecationWarning, match="fsm_rollout.recording"):
-        old = importlib.import_module("fsm_rollout.tape")
-    assert old.TapeWriter is TapeWriter and old.read_tape is read_tape
