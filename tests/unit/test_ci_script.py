@@ -29,7 +29,7 @@ def run_ci(tmp_path: Path, apt_get: str, *, missing: str = "dot") -> subprocess.
     shutil.copy(REPO / ".ci" / "run", checkout / ".ci" / "run")
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for tool in ("bash", "dirname", "id", "rm", "chmod"):
+    for tool in ("bash", "dirname", "id", "rm", "chmod", "mktemp", "cat"):
         found = shutil.which(tool)
         assert found is not None, tool
         (bin_dir / tool).symlink_to(found)
