@@ -238,7 +238,10 @@ def finalize(ctx: RolloutContext) -> None:
 
 
 def salvage_response(ctx: RolloutContext) -> None:
-    """On failure keep what can be kept: the response text of the tokens generated so far."""
+    """On failure keep what can be kept: the response text of the tokens generated so far (none before the
+    response started: the sample's own is left as it was)."""
+    if ctx.prompt_length is None:
+        return
     try:
         ctx.sample.response = ctx.deps.decode(ctx.response_token_ids[ctx.branch_start :])
     except Exception as error:  # the sample's tokens stay; only the text is missing
