@@ -379,6 +379,8 @@ def mermaid(overlay: Overlay | None = None) -> str:
     lines = [f"%% {_HEADER}", "stateDiagram-v2"]
     for state in lifecycle.STATES:
         descriptions = [", ".join(state.activity)] if state.activity else []
+        if state.awaits:
+            descriptions.append(f"awaits {', '.join(state.awaits)} on the way in")
         if overlay is not None:
             descriptions.append(_state_usage_text(overlay.states[state.name]))
         lines.extend(f"    {state.name} : {_mermaid_text(text)}" for text in descriptions)
@@ -504,6 +506,8 @@ def _node_attributes(state: lifecycle.StateSpec, overlay: Overlay | None) -> dic
     detail: list[tuple[str, str]] = []
     if state.activity:
         detail.append((", ".join(state.activity), "#555555"))
+    if state.awaits:
+        detail.append((f"awaits {', '.join(state.awaits)} on the way in", "#555555"))
     attributes: dict[str, str] = {}
     if state.terminal:
         attributes.update(peripheries="2", fillcolor=_TERMINAL_FILL.get(state.name, _STATE_FILL))

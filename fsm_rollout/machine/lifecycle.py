@@ -19,6 +19,12 @@ choice: a suspended sample goes back to its caller (slime/vime's ``partial_rollo
 resume; it ends ``aborted`` with the reason ``handed_back``, its resume state in ``metadata["resume_state"]`` and
 its environment closed (a resume rebuilds it from its snapshot).
 
+A state may name activities awaited on the way in (``awaits``): ``completed`` and ``truncated`` are scored
+(``score``: ``RolloutConfig.reward_fn``, sync or async, sets ``sample.reward``). On every edge into such a state the
+machine tries the guards once, runs the edge's actions and notes the edge (``entering``) without leaving the source;
+the driver awaits the activities, then fires :data:`ENTER`, which completes that same edge. An error in them fails
+the rollout from the source state, its data so far kept.
+
 Every edge into a terminal state runs the edge's actions, then records the outcome (the state as the sample's
 status, and the edge's ``reason``; ``abort`` takes the caller's reason, ``fail`` the reason ``error``), then the
 terminal state's arrival actions (finalize the sample, close the environment), all as part of the transition:
@@ -38,6 +44,7 @@ from fsm_rollout.machine import lean_machine
 from fsm_rollout.machine.lean_machine import LeanCondition, LeanEvent, LeanState, LeanTransition, LifecycleMachine
 
 __all__ = [  # the lean classes are re-exported: they used to live here
+    "ENTER",
     "INITIAL",
     "NON_TERMINAL",
     "STATES",
@@ -73,6 +80,8 @@ class StateSpec:
     terminal: bool = False
     on_arrival: tuple[str, ...] = ()
     doc: str = ""
+    awaits: tuple[str, ...] = ()
+    """Activities awaited on every edge into the state, after the edge's actions, before the outcome is recorded."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +102,10 @@ class Edge:
 
 
 INITIAL = "pending"
+
+ENTER = "enter"
+"""The machine's own trigger that completes an edge whose destination awaits activities (not a trigger of the
+table: the trace names the edge's trigger)."""
 
 STATES: tuple[StateSpec, ...] = (
     StateSpec(
@@ -122,8 +135,8 @@ STATES: tuple[StateSpec, ...] = (
         doc="`format_observation`, text/image check, boundary tokens (images: one engine render; fork, per_turn: "
         "the engine's re-render, compared)",
     ),
-    StateSpec("completed", terminal=True, on_arrival=("finalize", "close_environment")),
-    StateSpec("truncated", terminal=True, on_arrival=("finalize", "close_environment")),
+    StateSpec("completed", terminal=True, awaits=("score",), on_arrival=("finalize", "close_environment")),
+    StateSpec("truncated", terminal=True, awaits=("score",), on_arrival=("finalize", "close_environment")),
     StateSpec("aborted", terminal=True, on_arrival=("finalize", "close_environment")),
     StateSpec(
         "failed", terminal=True, on_arrival=("record_failure", "salvage_response", "close_environment_after_error")
@@ -325,8 +338,16 @@ def action_names() -> frozenset[str]:
 
 
 def activity_names() -> frozenset[str]:
-    """Every activity the states reference."""
-    return frozenset(name for state in STATES for name in state.activity)
+    """Every activity the states reference (each state's own, and those awaited on the way into it)."""
+    return frozenset(name for state in STATES for name in (*state.activity, *state.awaits))
+
+
+def _note_entering(model: Any, *, index: int | None) -> None:
+    model.entering = index
+
+
+def _entering(model: Any, *, index: int) -> bool:
+    return getattr(model, "entering", None) == index
 
 
 def build_machine(
@@ -346,6 +367,10 @@ def build_machine(
     costs O(1) per sample (``add_model`` is O(n) in the number of attached models) and nothing per transition
     beyond the synchronous machine.
 
+    An edge into a state that awaits activities is two transitions of the machine: its trigger, guarded as in the
+    table, runs the edge's actions and sets ``model.entering`` to the edge's index in :data:`TRANSITIONS` (the state
+    stays); :data:`ENTER` then moves the model along that edge and clears ``entering``.
+
     ``actions["record_outcome"]`` is called with keywords ``dest`` and ``reason`` on every edge into a terminal
     state, after the edge's own actions and before the state's arrival actions.
     """
@@ -356,20 +381,29 @@ def build_machine(
     if named:  # the lean machine calls them directly; it resolves no names
         raise TypeError(f"lifecycle guards/actions must be callables, not names: {named}")
     transitions: list[dict[str, Any]] = []
-    for edge in TRANSITIONS:
-        before: list[Callable[..., None]] = [actions[name] for name in edge.actions]
+    for index, edge in enumerate(TRANSITIONS):
+        arrive: list[Callable[..., None]] = []
         if edge.dest in TERMINAL:
-            before.append(partial(actions["record_outcome"], dest=edge.dest, reason=edge.reason))
-        before.extend(actions[name] for name in STATE_BY_NAME[edge.dest].on_arrival)
-        spec: dict[str, Any] = {
-            "trigger": edge.trigger,
-            "source": edge.source,
-            "dest": edge.dest,
-            "before": before,
-        }
+            arrive.append(partial(actions["record_outcome"], dest=edge.dest, reason=edge.reason))
+        arrive.extend(actions[name] for name in STATE_BY_NAME[edge.dest].on_arrival)
+        spec: dict[str, Any] = {"trigger": edge.trigger, "source": edge.source, "dest": edge.dest}
         if edge.guard is not None:
             spec["conditions"] = [guards[edge.guard]]
-        transitions.append(spec)
+        edge_actions = [actions[name] for name in edge.actions]
+        if not STATE_BY_NAME[edge.dest].awaits:
+            transitions.append({**spec, "before": [*edge_actions, *arrive]})
+            continue
+        # chosen by its guard, its actions run; the driver awaits the destination's activities, then ENTER ends it
+        transitions.append({**spec, "dest": None, "before": [*edge_actions, partial(_note_entering, index=index)]})
+        transitions.append(
+            {
+                "trigger": ENTER,
+                "source": edge.source,
+                "dest": edge.dest,
+                "conditions": [partial(_entering, index=index)],
+                "before": [partial(_note_entering, index=None), *arrive],
+            }
+        )
     if machine_class is None:
         machine_class = lean_machine.machine_class()
     return machine_class(

@@ -329,6 +329,19 @@ class Activities:
                 f"actual_size={routed.size}, expected_size={expected}"
             )
 
+    # ------------------------------------------------------------------ scoring
+
+    async def score(self) -> None:
+        """On the way into ``completed`` or ``truncated``: ``reward_fn`` (sync or async) sets the sample's reward
+        (without one, nothing)."""
+        reward_fn = self.ctx.deps.config.reward_fn
+        if reward_fn is None:
+            return
+        reward = reward_fn(self.ctx.sample)
+        if inspect.isawaitable(reward):
+            reward = await reward
+        self.ctx.sample.reward = reward
+
     # ------------------------------------------------------------------ the gate
 
     async def await_resume(self) -> None:
