@@ -379,6 +379,7 @@ def mermaid(overlay: Overlay | None = None) -> str:
     lines = [f"%% {_HEADER}", "stateDiagram-v2"]
     for state in lifecycle.STATES:
         descriptions = [", ".join(state.activity)] if state.activity else []
+        descriptions.extend(f"{trigger} if {guard}" for guard, trigger in state.outcomes)
         if state.awaits:
             descriptions.append(f"awaits {', '.join(state.awaits)} on the way in")
         if overlay is not None:
@@ -506,6 +507,7 @@ def _node_attributes(state: lifecycle.StateSpec, overlay: Overlay | None) -> dic
     detail: list[tuple[str, str]] = []
     if state.activity:
         detail.append((", ".join(state.activity), "#555555"))
+    detail.extend((f"{trigger} if {guard}", "#555555") for guard, trigger in state.outcomes)
     if state.awaits:
         detail.append((f"awaits {', '.join(state.awaits)} on the way in", "#555555"))
     attributes: dict[str, str] = {}

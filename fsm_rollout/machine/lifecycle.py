@@ -6,15 +6,19 @@ trigger's edges are listed in order: the first edge whose guard holds is taken, 
 Guards are pure predicates over the rollout's context; actions change the sample. Their implementations live in
 :mod:`fsm_rollout.rollout.steps`, which hands them to :func:`build_machine` by name.
 
-``fork`` is the ``observing`` state's other exit, chosen by its activity under the ``fork`` and ``per_turn`` history
+A state's activity reports what happened in the context, and the state's ``outcomes`` (guard, trigger pairs) decide
+on it which trigger follows: ``generating`` fires ``suspend`` when ``suspension_due``, ``suspended`` fires
+``hand_back`` when ``hand_back_due``, ``observing`` fires ``fork`` when ``history_rewritten``; else the state's own.
+
+``fork`` is the ``observing`` state's other exit, taken under the ``fork`` and ``per_turn`` history
 policies (:mod:`fsm_rollout.rollout.history`): the engine's re-render of the conversation does not extend the
 tokens so far (``per_turn``: always), so the sequence so far closes into ``sample.branches`` and the re-render is
 the prompt of the next one; from ``rendered`` the ``generate`` edges apply as after the first render. A gateway
 agent that rewrote the history takes it too, under any policy (:func:`fsm_rollout.rollout.history.rewrite_history`).
 
-Some triggers are the driver's choice rather than a state's: ``suspend`` (a weight update closed the rollout's
-gate while it was generating, or as it was about to), ``env_timeout`` and ``rollout_timeout`` (a limit of the
-config ran out), ``abort`` and ``fail``; they interrupt the state's own trigger. ``hand_back`` is the gate's
+``suspend`` is an outcome of ``generating``: a weight update closed the rollout's gate while it was generating, or
+as it was about to. ``env_timeout`` and ``rollout_timeout`` (a limit of the config ran out), ``abort`` and ``fail``
+are the driver's, and interrupt the state's own trigger. ``hand_back`` (an outcome of ``suspended``) is the gate's
 choice: a suspended sample goes back to its caller (slime/vime's ``partial_rollout``) instead of waiting for the
 resume; it ends ``aborted`` with the reason ``handed_back``, its resume state in ``metadata["resume_state"]`` and
 its environment closed (a resume rebuilds it from its snapshot).
@@ -80,6 +84,9 @@ class StateSpec:
     terminal: bool = False
     on_arrival: tuple[str, ...] = ()
     doc: str = ""
+    outcomes: tuple[tuple[str, str], ...] = ()
+    """``(guard, trigger)`` pairs tried in order once the activity is done: the first whose guard holds (on what the
+    activity reported) names the trigger fired instead of ``trigger``."""
     awaits: tuple[str, ...] = ()
     """Activities awaited on every edge into the state, after the edge's actions, before the outcome is recorded."""
 
@@ -119,12 +126,14 @@ STATES: tuple[StateSpec, ...] = (
         "generating",
         activity=("request_turn",),
         trigger="step",
+        outcomes=(("suspension_due", "suspend"),),
         doc="one generate request in flight, its answer parsed and validated",
     ),
     StateSpec(
         "suspended",
         activity=("await_resume",),
         trigger="resume",
+        outcomes=(("hand_back_due", "hand_back"),),
         doc="waiting out a weight update; the partial turn is kept",
     ),
     StateSpec("stepping", activity=("step_environment",), trigger="observe", doc="`env.step(text)`"),
@@ -132,6 +141,7 @@ STATES: tuple[StateSpec, ...] = (
         "observing",
         activity=("encode_observation",),
         trigger="generate",
+        outcomes=(("history_rewritten", "fork"),),
         doc="`format_observation`, text/image check, boundary tokens (images: one engine render; fork, per_turn: "
         "the engine's re-render, compared)",
     ),
@@ -325,8 +335,9 @@ TRIGGERS: tuple[str, ...] = tuple(dict.fromkeys(edge.trigger for edge in TRANSIT
 
 
 def guard_names() -> frozenset[str]:
-    """Every guard the table references."""
-    return frozenset(edge.guard for edge in TRANSITIONS if edge.guard is not None)
+    """Every guard the table references (on edges, and on the states' outcomes)."""
+    on_edges = {edge.guard for edge in TRANSITIONS if edge.guard is not None}
+    return frozenset(on_edges | {guard for state in STATES for guard, _ in state.outcomes})
 
 
 def action_names() -> frozenset[str]:

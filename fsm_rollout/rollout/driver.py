@@ -282,9 +282,8 @@ class Rollout:
                     if trigger not in _STOPPING_TRIGGERS:
                         for name in lifecycle.STATE_BY_NAME[self.ctx.state].activity:
                             await ACTIVITIES[name](io)
-                        # a stop asked for during the activity wins over what the activity chose
-                        trigger = scope.trigger or io.next_trigger or trigger
-                    io.next_trigger = None
+                        # a stop asked for during the activity wins over what its outcome chose
+                        trigger = scope.trigger or steps.state_trigger(self.ctx)
                     await self._take(trigger)
                 except Stopped:
                     await self._send_abort_notice()

@@ -25,12 +25,12 @@ from fsm_rollout import (
     Sample,
     Status,
     compat,
-    lifecycle,
     training_sequences,
 )
 from fsm_rollout.cli import main as cli_main
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.engine.local.tiny import tiny_model_dir
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.machine.diagrams import build_overlay
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_path_for
 from fsm_rollout.replay import replay
