@@ -374,17 +374,17 @@ async def test_an_unbuildable_sample_leaves_pending_by_a_traced_fail_edge_that_r
 async def test_no_finished_batch_returns_a_pending_sample_when_no_rollout_can_be_built(
     fake_vllm: FakeVLLMServer, tokenizer: Any, how: str
 ) -> None:
-    config = config_for(fake_vllm.url)
-    bad_sampling = {**SAMPLING, "max_new_tokens": -5}
-    async with RolloutRunner(
-        config, sampling_params=bad_sampling, tokenizer=tokenizer, env_factory=ScriptedEnvFactory()
-    ) as runner:
+    stale = samples(3)
+    for sample in stale:  # pending, but holding a response already: each rollout refuses it as it is built
+        sample.response = "stale"
+    async with runner_for(fake_vllm, tokenizer) as runner:
         if how == "batch":
-            done = await runner.run_batch(samples(3))
+            done = await runner.run_batch(stale)
         elif how == "group":
-            done = await runner.run_group(samples(1)[0], 3)
+            done = await runner.run_group(stale[0], 3)
         else:
-            done = [sample async for sample in runner.stream(samples(3))]
+            done = [sample async for sample in runner.stream(stale)]
     assert [sample.status for sample in done] == [Status.FAILED] * 3
-    assert {sample.metadata["rollout_error"]["type"] for sample in done} == {"ConfigError"}
-    assert fake_vllm.requests == []
+    assert {sample.metadata["rollout_error"]["type"] for sample in done} == {"SampleStateError"}
+    assert [sample.response for sample in done] == ["stale"] * 3  # the sample's data is kept
+    assert not fake_vllm.requests_to(RENDER_PATH) and not fake_vllm.requests_to(GENERATE_PATH)
