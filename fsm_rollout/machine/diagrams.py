@@ -378,10 +378,7 @@ def mermaid(overlay: Overlay | None = None) -> str:
     labels = guard_labels(transitions)
     lines = [f"%% {_HEADER}", "stateDiagram-v2"]
     for state in lifecycle.STATES:
-        descriptions = [", ".join(state.activity)] if state.activity else []
-        descriptions.extend(f"{trigger} if {guard}" for guard, trigger in state.outcomes)
-        if state.awaits:
-            descriptions.append(f"awaits {', '.join(state.awaits)} on the way in")
+        descriptions = state_notes(state)
         if overlay is not None:
             descriptions.append(_state_usage_text(overlay.states[state.name]))
         lines.extend(f"    {state.name} : {_mermaid_text(text)}" for text in descriptions)
@@ -503,13 +500,15 @@ def _caption(overlay: Overlay | None) -> str:
     return caption.replace('"', "'").replace("\\", "/")
 
 
+def state_notes(state: lifecycle.StateSpec) -> list[str]:
+    """A state's node text: its activity, the outcomes that choose its trigger, what it awaits on the way in."""
+    notes = [", ".join(state.activity)] if state.activity else []
+    notes.extend(f"{trigger} if {guard}" for guard, trigger in state.outcomes)
+    return notes + ([f"awaits {', '.join(state.awaits)} on the way in"] if state.awaits else [])
+
+
 def _node_attributes(state: lifecycle.StateSpec, overlay: Overlay | None) -> dict[str, str]:
-    detail: list[tuple[str, str]] = []
-    if state.activity:
-        detail.append((", ".join(state.activity), "#555555"))
-    detail.extend((f"{trigger} if {guard}", "#555555") for guard, trigger in state.outcomes)
-    if state.awaits:
-        detail.append((f"awaits {', '.join(state.awaits)} on the way in", "#555555"))
+    detail = [(note, "#555555") for note in state_notes(state)]
     attributes: dict[str, str] = {}
     if state.terminal:
         attributes.update(peripheries="2", fillcolor=_TERMINAL_FILL.get(state.name, _STATE_FILL))
