@@ -84,8 +84,9 @@ class RolloutConfig:
     ``rollout_timeout_s`` one rollout's wall time (time ``suspended`` for a weight update excluded); either ends the
     sample ``truncated`` (reasons ``env_timeout`` / ``rollout_timeout``, ``metadata["rollout_timeout"]``).
     ``reward_fn`` (``(sample) -> float``, sync or async) sets ``sample.reward`` on the way into ``completed`` or
-    ``truncated``; it is never recorded. ``observation_image_max_bytes`` and ``observation_image_max_pixels`` limit
-    each image an environment's observation holds (a bigger one fails the sample before its pixels are decoded).
+    ``truncated`` (the table's ``score``, after the edge's actions); it is never recorded.
+    ``observation_image_max_bytes`` and ``observation_image_max_pixels`` limit each image an environment's
+    observation holds (a bigger one fails the sample before its pixels are decoded).
 
     Behind a router (``engine_url`` a ``vllm-router`` in front of several servers), ``servers_behind_router`` lists
     the servers' own URLs: a router forwards each request to one server, so a weight update's ``/pause``,

@@ -139,7 +139,7 @@ def mermaid(overlay: Overlay | None = None) -> str:
     labels = guard_labels(transitions)
     lines = [f"%% {_HEADER}", "stateDiagram-v2"]
     for state in lifecycle.STATES:
-        descriptions = [", ".join(state.activity)] if state.activity else []
+        descriptions = state_notes(state)
         if overlay is not None:
             descriptions.append(state_usage_text(overlay.states[state.name]))
         lines.extend(f"    {state.name} : {_mermaid_text(text)}" for text in descriptions)
@@ -261,10 +261,15 @@ def _caption(overlay: Overlay | None) -> str:
     return caption.replace('"', "'").replace("\\", "/")
 
 
+def state_notes(state: lifecycle.StateSpec) -> list[str]:
+    """A state's node text: its activity, the outcomes that choose its trigger, what it awaits on the way in."""
+    notes = [", ".join(state.activity)] if state.activity else []
+    notes.extend(f"{trigger} if {guard}" for guard, trigger in state.outcomes)
+    return notes + ([f"awaits {', '.join(state.awaits)} on the way in"] if state.awaits else [])
+
+
 def _node_attributes(state: lifecycle.StateSpec, overlay: Overlay | None) -> dict[str, str]:
-    detail: list[tuple[str, str]] = []
-    if state.activity:
-        detail.append((", ".join(state.activity), "#555555"))
+    detail = [(note, "#555555") for note in state_notes(state)]
     attributes: dict[str, str] = {}
     if state.terminal:
         attributes.update(peripheries="2", fillcolor=_TERMINAL_FILL.get(state.name, _STATE_FILL))

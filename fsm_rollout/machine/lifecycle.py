@@ -6,18 +6,28 @@ trigger's edges are listed in order: the first edge whose guard holds is taken, 
 Guards are pure predicates over the rollout's context; actions change the sample. Their implementations live in
 :mod:`fsm_rollout.rollout.steps`, which hands them to :func:`build_machine` by name.
 
-``fork`` is the ``observing`` state's other exit, chosen by its activity under the ``fork`` and ``per_turn`` history
+A state's activity reports what happened in the context, and the state's ``outcomes`` (guard, trigger pairs) decide
+on it which trigger follows: ``generating`` fires ``suspend`` when ``suspension_due``, ``suspended`` fires
+``hand_back`` when ``hand_back_due``, ``observing`` fires ``fork`` when ``history_rewritten``; else the state's own.
+
+``fork`` is the ``observing`` state's other exit, taken under the ``fork`` and ``per_turn`` history
 policies (:mod:`fsm_rollout.rollout.history`): the engine's re-render of the conversation does not extend the
 tokens so far (``per_turn``: always), so the sequence so far closes into ``sample.branches`` and the re-render is
 the prompt of the next one; from ``rendered`` the ``generate`` edges apply as after the first render. A gateway
 agent that rewrote the history takes it too, under any policy (:func:`fsm_rollout.rollout.history.rewrite_history`).
 
-Some triggers are the driver's choice rather than a state's: ``suspend`` (a weight update closed the rollout's
-gate while it was generating, or as it was about to), ``env_timeout`` and ``rollout_timeout`` (a limit of the
-config ran out), ``abort`` and ``fail``; they interrupt the state's own trigger. ``hand_back`` is the gate's
+``suspend`` is an outcome of ``generating``: a weight update closed the rollout's gate while it was generating, or
+as it was about to. ``env_timeout`` and ``rollout_timeout`` (a limit of the config ran out), ``abort`` and ``fail``
+are the driver's, and interrupt the state's own trigger. ``hand_back`` (an outcome of ``suspended``) is the gate's
 choice: a suspended sample goes back to its caller (slime/vime's ``partial_rollout``) instead of waiting for the
 resume; it ends ``aborted`` with the reason ``handed_back``, its resume state in ``metadata["resume_state"]`` and
 its environment closed (a resume rebuilds it from its snapshot).
+
+A state may name activities awaited on the way in (``awaits``): ``completed`` and ``truncated`` are scored
+(``score``: ``RolloutConfig.reward_fn``, sync or async, sets ``sample.reward``). On every edge into such a state the
+machine tries the guards once, runs the edge's actions and notes the edge (``entering``) without leaving the source;
+the driver awaits the activities, then fires :data:`ENTER`, which completes that same edge. An error in them fails
+the rollout from the source state, its data so far kept.
 
 Every edge into a terminal state runs the edge's actions, then records the outcome (the state as the sample's
 status, and the edge's ``reason``; ``abort`` takes the caller's reason, ``fail`` the reason ``error``), then the
@@ -38,6 +48,7 @@ from fsm_rollout.machine import lean_machine
 from fsm_rollout.machine.lean_machine import LeanCondition, LeanEvent, LeanState, LeanTransition, LifecycleMachine
 
 __all__ = [  # the lean classes are re-exported: they used to live here
+    "ENTER",
     "INITIAL",
     "NON_TERMINAL",
     "STATES",
@@ -73,6 +84,11 @@ class StateSpec:
     terminal: bool = False
     on_arrival: tuple[str, ...] = ()
     doc: str = ""
+    outcomes: tuple[tuple[str, str], ...] = ()
+    """``(guard, trigger)`` pairs tried in order once the activity is done: the first whose guard holds (on what the
+    activity reported) names the trigger fired instead of ``trigger``."""
+    awaits: tuple[str, ...] = ()
+    """Activities awaited on every edge into the state, after the edge's actions, before the outcome is recorded."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +110,10 @@ class Edge:
 
 INITIAL = "pending"
 
+ENTER = "enter"
+"""The machine's own trigger that completes an edge whose destination awaits activities (not a trigger of the
+table: the trace names the edge's trigger)."""
+
 STATES: tuple[StateSpec, ...] = (
     StateSpec(
         "pending",
@@ -106,12 +126,14 @@ STATES: tuple[StateSpec, ...] = (
         "generating",
         activity=("request_turn",),
         trigger="step",
+        outcomes=(("suspension_due", "suspend"),),
         doc="one generate request in flight, its answer parsed and validated",
     ),
     StateSpec(
         "suspended",
         activity=("await_resume",),
         trigger="resume",
+        outcomes=(("hand_back_due", "hand_back"),),
         doc="waiting out a weight update; the partial turn is kept",
     ),
     StateSpec("stepping", activity=("step_environment",), trigger="observe", doc="`env.step(text)`"),
@@ -119,11 +141,12 @@ STATES: tuple[StateSpec, ...] = (
         "observing",
         activity=("encode_observation",),
         trigger="generate",
+        outcomes=(("history_rewritten", "fork"),),
         doc="`format_observation`, text/image check, boundary tokens (images: one engine render; fork, per_turn: "
         "the engine's re-render, compared)",
     ),
-    StateSpec("completed", terminal=True, on_arrival=("finalize", "close_environment")),
-    StateSpec("truncated", terminal=True, on_arrival=("finalize", "close_environment")),
+    StateSpec("completed", terminal=True, awaits=("score",), on_arrival=("finalize", "close_environment")),
+    StateSpec("truncated", terminal=True, awaits=("score",), on_arrival=("finalize", "close_environment")),
     StateSpec("aborted", terminal=True, on_arrival=("finalize", "close_environment")),
     StateSpec(
         "failed", terminal=True, on_arrival=("record_failure", "salvage_response", "close_environment_after_error")
@@ -312,8 +335,9 @@ TRIGGERS: tuple[str, ...] = tuple(dict.fromkeys(edge.trigger for edge in TRANSIT
 
 
 def guard_names() -> frozenset[str]:
-    """Every guard the table references."""
-    return frozenset(edge.guard for edge in TRANSITIONS if edge.guard is not None)
+    """Every guard the table references (on edges, and on the states' outcomes)."""
+    on_edges = {edge.guard for edge in TRANSITIONS if edge.guard is not None}
+    return frozenset(on_edges | {guard for state in STATES for guard, _ in state.outcomes})
 
 
 def action_names() -> frozenset[str]:
@@ -325,8 +349,16 @@ def action_names() -> frozenset[str]:
 
 
 def activity_names() -> frozenset[str]:
-    """Every activity the states reference."""
-    return frozenset(name for state in STATES for name in state.activity)
+    """Every activity the states reference (each state's own, and those awaited on the way into it)."""
+    return frozenset(name for state in STATES for name in (*state.activity, *state.awaits))
+
+
+def _note_entering(model: Any, *, index: int | None) -> None:
+    model.entering = index
+
+
+def _entering(model: Any, *, index: int) -> bool:
+    return getattr(model, "entering", None) == index
 
 
 def build_machine(
@@ -346,6 +378,10 @@ def build_machine(
     costs O(1) per sample (``add_model`` is O(n) in the number of attached models) and nothing per transition
     beyond the synchronous machine.
 
+    An edge into a state that awaits activities is two transitions of the machine: its trigger, guarded as in the
+    table, runs the edge's actions and sets ``model.entering`` to the edge's index in :data:`TRANSITIONS` (the state
+    stays); :data:`ENTER` then moves the model along that edge and clears ``entering``.
+
     ``actions["record_outcome"]`` is called with keywords ``dest`` and ``reason`` on every edge into a terminal
     state, after the edge's own actions and before the state's arrival actions.
     """
@@ -356,20 +392,29 @@ def build_machine(
     if named:  # the lean machine calls them directly; it resolves no names
         raise TypeError(f"lifecycle guards/actions must be callables, not names: {named}")
     transitions: list[dict[str, Any]] = []
-    for edge in TRANSITIONS:
-        before: list[Callable[..., None]] = [actions[name] for name in edge.actions]
+    for index, edge in enumerate(TRANSITIONS):
+        arrive: list[Callable[..., None]] = []
         if edge.dest in TERMINAL:
-            before.append(partial(actions["record_outcome"], dest=edge.dest, reason=edge.reason))
-        before.extend(actions[name] for name in STATE_BY_NAME[edge.dest].on_arrival)
-        spec: dict[str, Any] = {
-            "trigger": edge.trigger,
-            "source": edge.source,
-            "dest": edge.dest,
-            "before": before,
-        }
+            arrive.append(partial(actions["record_outcome"], dest=edge.dest, reason=edge.reason))
+        arrive.extend(actions[name] for name in STATE_BY_NAME[edge.dest].on_arrival)
+        spec: dict[str, Any] = {"trigger": edge.trigger, "source": edge.source, "dest": edge.dest}
         if edge.guard is not None:
             spec["conditions"] = [guards[edge.guard]]
-        transitions.append(spec)
+        edge_actions = [actions[name] for name in edge.actions]
+        if not STATE_BY_NAME[edge.dest].awaits:
+            transitions.append({**spec, "before": [*edge_actions, *arrive]})
+            continue
+        # chosen by its guard, its actions run; the driver awaits the destination's activities, then ENTER ends it
+        transitions.append({**spec, "dest": None, "before": [*edge_actions, partial(_note_entering, index=index)]})
+        transitions.append(
+            {
+                "trigger": ENTER,
+                "source": edge.source,
+                "dest": edge.dest,
+                "conditions": [partial(_entering, index=index)],
+                "before": [partial(_note_entering, index=None), *arrive],
+            }
+        )
     if machine_class is None:
         machine_class = lean_machine.machine_class()
     return machine_class(

@@ -36,6 +36,7 @@ from fsm_rollout.recording.format import (
 )
 from fsm_rollout.recording.writer import TapeWriter, tape_writer_for
 from fsm_rollout.rollout import Rollout
+from fsm_rollout.rollout.unbuilt import UnbuiltRollout
 
 if TYPE_CHECKING:
     from fsm_rollout.sample import Sample
@@ -118,7 +119,7 @@ class SampleRecorder(RolloutHooks):
             return env
         return RecordingEnv(env, self)
 
-    def begin(self, rollout: Rollout) -> None:
+    def begin(self, rollout: Rollout | UnbuiltRollout) -> None:
         """Snapshot what the record needs from the rollout as built (before it runs)."""
         self._started = time.time()
         self._sample = jsonable(rollout.sample.to_dict(), images_as_urls=True)

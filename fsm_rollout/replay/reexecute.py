@@ -56,6 +56,7 @@ from fsm_rollout.replay.compare import (
 from fsm_rollout.replay.legacy_steps import legacy_reset, legacy_step
 from fsm_rollout.replay.tape import TapeCursor, describe_entry, rebuild_error, revive
 from fsm_rollout.rollout import Rollout
+from fsm_rollout.rollout.unbuilt import UnbuiltRollout
 from fsm_rollout.sample import Sample
 from fsm_rollout.tokens.chat import ObservationEncoder
 from fsm_rollout.trace import NULL_TRACER
@@ -93,7 +94,7 @@ class _Replay:
             )
         return ReplayDiverged(found.message)
 
-    def todays_error_first(self, rollout: Rollout) -> None:
+    def todays_error_first(self, rollout: Rollout | UnbuiltRollout) -> None:
         """Put the error today's rollout failed with before what it did next, when the recording did not fail so.
 
         A failing rollout closes its environment and ends: the calls and transitions that then differ from the
@@ -162,7 +163,7 @@ class _Replay:
             return None
         return token_context(self.tokenizer, recorded, today, index)
 
-    def finish(self, rollout: Rollout) -> None:
+    def finish(self, rollout: Rollout | UnbuiltRollout) -> None:
         """Compare how the rollout ended with the recorded result, then that nothing recorded is left over."""
         if self.divergence is not None:
             return
@@ -445,6 +446,19 @@ class _ComparingHooks(RolloutHooks):
             replay.stop(dataclasses.replace(found, context=replay.token_context_now()), here=False)
 
 
+def _unbuilt(record: TapeSample) -> bool:
+    """Whether the recorded sample's rollout could not be built: its one transition is ``fail`` out of
+    ``pending`` with no trigger under way (:class:`~fsm_rollout.rollout.unbuilt.UnbuiltRollout`)."""
+    transitions = record.transitions
+    return (
+        len(transitions) == 1
+        and transitions[0].get("trigger") == "fail"
+        and transitions[0].get("src") == "pending"
+        and transitions[0].get("failed_trigger") is None
+        and not record.io
+    )
+
+
 _NOT_REPLAYED_CONFIG_FIELDS = frozenset({"trace", "record"})
 
 
@@ -494,6 +508,7 @@ async def reexecute(
             notes,
         )
     replay = _Replay(record, tape, tokenizer)
+    sample: Sample | None = None
     try:
         config, dropped = config_from(record.config)
         if dropped:
@@ -515,10 +530,35 @@ async def reexecute(
             suspender=_TapeGate(replay),
         )
     except Exception as error:
+        if sample is not None and _unbuilt(record):  # nor could the recording: the fail edge, compared as it fires
+            unbuilt = UnbuiltRollout(
+                sample,
+                error,
+                config=config,
+                tokenizer=tokenizer,
+                hooks=_ComparingHooks(replay),
+                sample_id=record.sample_id,
+                request_prefix=record.request_prefix,
+            )
+            unbuilt.fail()
+            replay.finish(unbuilt)
+            return replay.divergence, 0, notes
         return (
             Divergence(
                 "setup",
                 f"today's code rejects the recorded sample or config: {type(error).__name__}: {error}",
+                line=record.line,
+            ),
+            0,
+            notes,
+        )
+    if _unbuilt(record):
+        recorded = record.result.get("error") or {}
+        return (
+            Divergence(
+                "setup",
+                "today's code builds the rollout the recording could not (it failed with "
+                f"{recorded.get('type')}: {recorded.get('message')})",
                 line=record.line,
             ),
             0,

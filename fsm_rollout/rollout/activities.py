@@ -1,8 +1,9 @@
 """The rollout's I/O: the activities the lifecycle's states name (render, generate, step, encode, wait to resume).
 
 Each activity reads and writes the :class:`~fsm_rollout.rollout.context.RolloutContext` and awaits through the
-rollout's one :class:`~fsm_rollout.rollout.cancel.CancelScope`; an activity that ends in a trigger other than its
-state's own (``suspend``, ``hand_back``) leaves it in :attr:`Activities.next_trigger`. Engine requests go through
+rollout's one :class:`~fsm_rollout.rollout.cancel.CancelScope`. An activity reports its outcome in the context (the
+gate closed: ``suspend_due``; handed back: ``hand_back_due``; a re-render that does not extend the tokens:
+``fork_prompt``) and the table's guards on the state's outcomes decide which trigger follows. Engine requests go through
 the client, environment calls through :meth:`Activities.env_call` (inline or in the worker pool, bounded by
 ``env_step_timeout_s``), and the weight-update gate is met in :meth:`Activities.request_turn` only
 (:mod:`fsm_rollout.rollout.gating`).
@@ -66,8 +67,6 @@ class Activities:
         self.scope = scope
         self.env_factory = env_factory
         self.env_args = env_args
-        self.next_trigger: str | None = None
-        """The trigger an activity chose instead of its state's own (``suspend``, ``hand_back``)."""
 
     # ------------------------------------------------------------------ environment
 
@@ -131,16 +130,17 @@ class Activities:
         formatted = await self.env_call("env.format_observation", ctx.env.format_observation, step.observation)
         ctx.observation_messages = validate_observation(formatted)
         ctx.observation_features, ctx.observation_image_hashes = None, ()
+        ctx.fork_prompt = None  # set by a re-render that does not extend the tokens so far (the fork's outcome)
         rewrite = step.next_call.rewrite if step.next_call is not None else None
         if rewrite is not None:  # a gateway agent rewrote the history: render it as sent, fork unless it extends
-            self.next_trigger = await rewrite_history(ctx, self._render, rewrite)
+            await rewrite_history(ctx, self._render, rewrite)
             return
         if keeps_history(ctx.deps.config):  # fork / per_turn: the engine's re-render decides (one render request)
             formatted_messages = ctx.observation_messages
             images = observation_image_count(formatted_messages)
             if images:  # the conversation re-rendered from now on holds the images themselves
                 ctx.observation_messages = render_ready_observation(ctx, formatted_messages)
-            self.next_trigger = await reconcile(ctx, filling_render(ctx, self._render))
+            await reconcile(ctx, filling_render(ctx, self._render))
             if images:  # the sample's records keep the images' hashes (the pixels are in its features)
                 ctx.observation_messages = hashed_messages(formatted_messages, ctx.observation_image_hashes)
             return
@@ -257,7 +257,7 @@ class Activities:
         self._take_turn([*ctx.partial_turn, answer], remaining)
 
     def _suspend(self, *, cut_request: bool) -> None:
-        self.next_trigger = "suspend"
+        self.ctx.suspend_due = True
         self.ctx.suspend_cut_request = cut_request
 
     def _take_turn(self, parts: list[GeneratedTurn], remaining: int | None) -> None:
@@ -329,6 +329,19 @@ class Activities:
                 f"actual_size={routed.size}, expected_size={expected}"
             )
 
+    # ------------------------------------------------------------------ scoring
+
+    async def score(self) -> None:
+        """On the way into ``completed`` or ``truncated``: ``reward_fn`` (sync or async) sets the sample's reward
+        (without one, nothing)."""
+        reward_fn = self.ctx.deps.config.reward_fn
+        if reward_fn is None:
+            return
+        reward = reward_fn(self.ctx.sample)
+        if inspect.isawaitable(reward):
+            reward = await reward
+        self.ctx.sample.reward = reward
+
     # ------------------------------------------------------------------ the gate
 
     async def await_resume(self) -> None:
@@ -336,7 +349,7 @@ class Activities:
         try:
             await self.scope.run(self.ctx.deps.gate.wait_resumed())
         except HandBack:
-            self.next_trigger = "hand_back"
+            self.ctx.hand_back_due = True
             return
         self.start_clock()
         if self.ctx.env is None:  # resumed from a handed-back sample: rebuild the environment from its snapshot

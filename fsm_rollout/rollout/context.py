@@ -35,7 +35,7 @@ _ADDED_IN_3 = frozenset(
 """Fields a version-2 state (written before forks, image observations and gateway calls) lacks: they take their
 defaults, which are what such a rollout had."""
 """Version 2: the context's JSON, keys named as its fields. Version 1 (before the context) is still read."""
-_OPTIONAL_IN_3: frozenset[str] = frozenset()
+_OPTIONAL_IN_3: frozenset[str] = frozenset({"entering", "suspend_due", "hand_back_due"})
 """Fields added after version 3 was first written: a state without them takes their defaults, which are what the
 rollout that wrote it had. (A state's ``env_done``/``env_truncated``, written before the step was typed, are
 ignored: a rollout is resumed in ``suspended``, where the last step is no longer read.)"""
@@ -129,6 +129,12 @@ class RolloutContext:
     """The re-render the ``fork`` edge opens the next sequence with, from the observation until the edge."""
     branch_start: int = 0
     """Where the current sequence's generated tokens start in ``response_token_ids`` (after its branches')."""
+    suspend_due: bool = False
+    """The generate activity's outcome: the weight-update gate closed (guard ``suspension_due``)."""
+    hand_back_due: bool = False
+    """The resume activity's outcome: the caller takes the sample back (guard ``hand_back_due``)."""
+    entering: int | None = None
+    """The edge (its index in the table) whose destination's activities are being awaited (scoring), if any."""
 
     @property
     def remaining_budget(self) -> int | None:
@@ -234,9 +240,12 @@ _DECODE: dict[str, Any] = {
     "prompt_length": _optional_int,
     "budget": _optional_int,
     "call_max_tokens": _optional_int,
+    "entering": _optional_int,
     "eos_due": bool,
     "env_closed": bool,
     "suspend_cut_request": bool,
+    "suspend_due": bool,
+    "hand_back_due": bool,
     "state": str,
     "sample_id": str,
     "request_prefix": str,

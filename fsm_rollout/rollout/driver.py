@@ -4,13 +4,12 @@ The lifecycle table (:mod:`fsm_rollout.machine.lifecycle`) decides every branch;
 context (:mod:`~fsm_rollout.rollout.steps`), the I/O is in :mod:`~fsm_rollout.rollout.activities`, every await
 goes through one :mod:`~fsm_rollout.rollout.cancel` scope, and the weight-update gate is met around the generate
 request (:mod:`~fsm_rollout.rollout.gating`). What is left here: starting and ending, stops (abort, timeouts,
-cancellation), scoring, and the trace of each transition.
+cancellation), awaiting what a state awaits on the way in (scoring), and the trace of each transition.
 """
 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import time
 import uuid
 from collections.abc import Mapping
@@ -49,9 +48,6 @@ from fsm_rollout.weights.resume_state import RESUME_STATE_KEY
 from fsm_rollout.weights.suspension import SuspensionGate
 
 _STOPPING_TRIGGERS = frozenset({"abort", "env_timeout", "rollout_timeout"})
-_EDGES: dict[tuple[str, str], list[lifecycle.Edge]] = {}
-for _edge in lifecycle.TRANSITIONS:
-    _EDGES.setdefault((_edge.source, _edge.trigger), []).append(_edge)
 
 
 def _context_field(name: str, doc: str = "") -> Any:
@@ -206,11 +202,34 @@ class Rollout:
     # ------------------------------------------------------------------ transitions
 
     def _fire(self, trigger: str) -> None:
+        src = self.ctx.state
+        self._trigger(trigger)
+        self._noted(trigger, src)
+
+    def _trigger(self, trigger: str) -> None:
+        if trigger == "abort":
+            self.ctx.stop_reason = self._scope.abort_reason or self._scope.timeout or "cancelled"
+        steps.MACHINE.events[trigger].trigger(self.ctx, self.ctx)
+
+    async def _take(self, trigger: str) -> None:
+        """Fire ``trigger``; an edge whose destination awaits activities on the way in (scoring) has them awaited,
+        then completes (:data:`~fsm_rollout.machine.lifecycle.ENTER`)."""
         ctx = self.ctx
         src = ctx.state
-        if trigger == "abort":
-            ctx.stop_reason = self._scope.abort_reason or self._scope.timeout or "cancelled"
-        steps.MACHINE.events[trigger].trigger(ctx, ctx)
+        self._trigger(trigger)
+        if ctx.entering is not None:
+            try:
+                for name in lifecycle.STATE_BY_NAME[lifecycle.TRANSITIONS[ctx.entering].dest].awaits:
+                    await ACTIVITIES[name](self._io)
+            except BaseException:
+                ctx.entering = None  # the edge is not taken: the rollout stops or fails from ``src``
+                raise
+            steps.MACHINE.events[lifecycle.ENTER].trigger(ctx, ctx)
+        self._noted(trigger, src)
+
+    def _noted(self, trigger: str, src: str) -> None:
+        """Trace the transition ``src --trigger--> state`` and tell the hooks."""
+        ctx = self.ctx
         now = time.perf_counter()
         if ctx.state == "suspended" and src != "suspended":
             self._clock.stop()
@@ -263,12 +282,9 @@ class Rollout:
                     if trigger not in _STOPPING_TRIGGERS:
                         for name in lifecycle.STATE_BY_NAME[self.ctx.state].activity:
                             await ACTIVITIES[name](io)
-                        # a stop asked for during the activity wins over what the activity chose
-                        trigger = scope.trigger or io.next_trigger or trigger
-                    io.next_trigger = None
-                    if self.config.reward_fn is not None and self._ends_scored(trigger):
-                        await self._score()
-                    self._fire(trigger)
+                        # a stop asked for during the activity wins over what its outcome chose
+                        trigger = scope.trigger or steps.state_trigger(self.ctx)
+                    await self._take(trigger)
                 except Stopped:
                     await self._send_abort_notice()
                 except TimedOut as timeout:
@@ -285,22 +301,6 @@ class Rollout:
                 self._end_now()
         if cancelled_by_caller:
             raise asyncio.CancelledError
-
-    def _ends_scored(self, trigger: str) -> bool:
-        """Whether ``trigger`` now takes an edge into ``completed`` or ``truncated`` (guards are pure: evaluating
-        them ahead of the machine changes nothing)."""
-        for edge in _EDGES.get((self.ctx.state, trigger), ()):
-            if edge.guard is None or steps.GUARDS[edge.guard](self.ctx):
-                return edge.dest in ("completed", "truncated")
-        return False
-
-    async def _score(self) -> None:
-        """``reward_fn`` sets the sample's reward on its way into a scored terminal state; an error fails it."""
-        assert self.config.reward_fn is not None
-        reward = self.config.reward_fn(self.sample)
-        if inspect.isawaitable(reward):
-            reward = await reward
-        self.sample.reward = reward
 
     # ------------------------------------------------------------------ time limits (fsm_rollout.rollout.clock)
 

@@ -85,6 +85,22 @@ def turn_limit_reached(ctx: RolloutContext) -> bool:
     return ctx.turn_index + 1 >= ctx.deps.config.max_turns
 
 
+def suspension_due(ctx: RolloutContext) -> bool:
+    """The generate activity met a closed weight-update gate (before sending, or its request was cut)."""
+    return ctx.suspend_due
+
+
+def hand_back_due(ctx: RolloutContext) -> bool:
+    """The resume activity was told the caller takes the suspended sample back."""
+    return ctx.hand_back_due
+
+
+def history_rewritten(ctx: RolloutContext) -> bool:
+    """The observation's re-render does not extend the tokens so far (fork / per_turn, or a gateway agent's
+    rewrite): the sequence so far closes and the re-render opens the next one."""
+    return ctx.fork_prompt is not None
+
+
 def observation_exceeds_budget(ctx: RolloutContext) -> bool:
     """The observation tokens would leave no budget for another turn."""
     remaining = ctx.remaining_budget
@@ -202,6 +218,7 @@ def note_timeout(ctx: RolloutContext) -> None:
 
 def hold_partial_turn(ctx: RolloutContext) -> None:
     """The partial turn stays in ``partial_turn`` until the rollout resumes (the driver stops its clock)."""
+    ctx.suspend_due = False
     ctx.suspensions += 1
     ctx.suspend_reason = ctx.deps.gate.reason
 
@@ -209,6 +226,7 @@ def hold_partial_turn(ctx: RolloutContext) -> None:
 def hand_back(ctx: RolloutContext) -> None:
     """The suspended sample goes back to its caller: the context, with the environment's snapshot, becomes its
     ``metadata["resume_state"]`` (the arrival in ``aborted`` then closes the environment)."""
+    ctx.hand_back_due = False
     ctx.status_before_hand_back = Status(ctx.sample.status).value
     env = ctx.env
     if env is not None:  # else it was never rebuilt since a resume: the snapshot it came with still holds
@@ -243,7 +261,10 @@ def finalize(ctx: RolloutContext) -> None:
 
 
 def salvage_response(ctx: RolloutContext) -> None:
-    """On failure keep what can be kept: the response text of the tokens generated so far."""
+    """On failure keep what can be kept: the response text of the tokens generated so far (none before the
+    response started: the sample's own is left as it was)."""
+    if ctx.prompt_length is None:
+        return
     try:
         ctx.sample.response = ctx.deps.decode(ctx.response_token_ids[ctx.branch_start :])
     except Exception as error:  # the sample's tokens stay; only the text is missing
@@ -299,4 +320,15 @@ ACTIONS: dict[str, Callable[..., None]] = {
 MACHINE = lifecycle.build_machine(GUARDS, ACTIONS)
 
 
-__all__ = ["ACTIONS", "GUARDS", "MACHINE", *GUARDS, *ACTIONS]
+def state_trigger(ctx: RolloutContext) -> str:
+    """The trigger the state fires once its activity is done: the first of its outcomes whose guard holds, else its
+    own (the table's :attr:`~fsm_rollout.machine.lifecycle.StateSpec.outcomes`)."""
+    spec = lifecycle.STATE_BY_NAME[ctx.state]
+    for guard, trigger in spec.outcomes:
+        if GUARDS[guard](ctx):
+            return trigger
+    assert spec.trigger is not None
+    return spec.trigger
+
+
+__all__ = ["ACTIONS", "GUARDS", "MACHINE", "state_trigger", *GUARDS, *ACTIONS]

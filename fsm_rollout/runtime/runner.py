@@ -28,9 +28,11 @@ from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.envs.protocol import EnvFactory, load_env_factory
 from fsm_rollout.errors import ConfigError, ModelListError, RolloutError
 from fsm_rollout.hooks import RolloutHooks, combine_hooks
-from fsm_rollout.recording import TapeWriter, recorded_rollout, release_tape_writer, tape_writer_for
+from fsm_rollout.machine import lifecycle
+from fsm_rollout.recording import SampleRecorder, TapeWriter, recorded_rollout, release_tape_writer, tape_writer_for
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.rollout.handle import RolloutHandle
+from fsm_rollout.rollout.unbuilt import UnbuiltRollout
 from fsm_rollout.runtime import gc_policy
 from fsm_rollout.runtime.hashring import ConsistentHashRing
 from fsm_rollout.runtime.metrics import MetricsSnapshot, RunnerMetrics
@@ -295,7 +297,7 @@ class RolloutRunner:
         except Exception as error:
             if raising:
                 raise
-            return self._unbuildable(waiting.sample, error)
+            return self._unbuildable(waiting, error)
 
     def _end_unstarted(self, waiting: Waiting) -> None:
         """End a sample that never got a slot ``aborted`` with reason :data:`NOT_STARTED`: its rollout is made and
@@ -312,25 +314,36 @@ class RolloutRunner:
         for queued in list(waiting):
             self._end_unstarted(queued)
 
-    def _unbuildable(self, sample: Sample, error: Exception) -> Sample:
-        """A pending sample whose rollout could not be built ends ``failed`` with the error recorded (its data is
-        left as it was), and counts as failed in the metrics.
+    def _unbuildable(self, waiting: Waiting, error: Exception) -> Sample:
+        """A pending sample whose rollout could not be built leaves ``pending`` by the table's ``fail`` edge
+        (:class:`~fsm_rollout.rollout.unbuilt.UnbuiltRollout`): the error recorded, its data kept, the transition
+        traced, recorded on the tape and counted in the metrics.
 
         A sample that was not pending (already run, say) is not this batch's to end: its status and reason stay as
         they were and it is not counted; the error is noted under ``metadata["rollout_error"]``.
         """
-        described = {"type": type(error).__name__, "message": str(error), "state": None, "trigger": None}
-        metadata = dict(sample.metadata) if isinstance(sample.metadata, Mapping) else {}
+        sample = waiting.sample
         if sample.status != Status.PENDING:
+            described = {"type": type(error).__name__, "message": str(error), "state": None, "trigger": None}
+            metadata = dict(sample.metadata) if isinstance(sample.metadata, Mapping) else {}
             sample.metadata = {**metadata, "rollout_error": described}
             return sample
-        sample.metadata = {**metadata, "rollout_error": described, "rollout_reason": "error"}
-        sample.status = Status.FAILED
-        self._metrics.statuses["failed"] += 1
-        self._metrics.reasons["error"] += 1
-        self._metrics.done += 1
-        self._metrics.sequences += 1
-        return sample
+        recorder = None
+        if self.tape is not None:
+            recorder = SampleRecorder(self.tape, config=self.config, sampling_params=self.sampling_params)
+        unbuilt = UnbuiltRollout(
+            sample,
+            error,
+            config=self.config,
+            tokenizer=self.tokenizer,
+            tracer=self.tracer,
+            hooks=combine_hooks(recorder, self._hooks),
+            sample_id=waiting.sample_id,
+        )
+        if recorder is not None:
+            recorder.begin(unbuilt)
+        self._metrics.occupancy[lifecycle.INITIAL] += 1  # as a built rollout is counted, until its transition
+        return unbuilt.fail()
 
     async def _bounded(self, waiting: Waiting, semaphore: asyncio.Semaphore) -> Sample:
         try:

@@ -299,6 +299,34 @@ async def test_reward_fn_sets_the_reward_and_its_error_fails_the_sample_with_dat
     assert failed.response_length > 0 and env.closed == 1
 
 
+async def test_reward_fn_is_the_terminal_edge_s_step_after_its_actions_and_only_into_scored_states(
+    tokenizer: Any,
+) -> None:
+    """Scoring is awaited on the edge into ``truncated`` after the edge appended the last turn, once per sample; the
+    edges into ``aborted`` and ``failed`` do not score."""
+    seen: list[tuple[str, int]] = []
+
+    def reward(sample: Sample) -> float:
+        seen.append((str(sample.index), sample.response_length))
+        return 1.0
+
+    async with FakeVLLMServer(tokenizer) as server:
+        server.script([ScriptedTurn(text="one two three four five six seven eight nine ten")], session="s0")
+        server.script([ScriptedTurn(text="partial", finish="abort")], session="s1")
+        async with RolloutRunner(
+            config(server, reward_fn=reward, router_policy="consistent_hash"),
+            sampling_params={**SAMPLING, "max_new_tokens": 4},
+            tokenizer=tokenizer,
+            env_factory=lambda **_: AsyncEnv(turns=1),
+        ) as runner:
+            cut = await runner.run(Sample(prompt="p", index=0, session_id="s0"))
+            aborted = await runner.run(Sample(prompt="p", index=1, session_id="s1"))
+    assert (cut.status.value, cut.metadata["rollout_reason"]) == ("truncated", "length")
+    assert cut.response_length == 4 and cut.reward == 1.0
+    assert aborted.status.value == "aborted" and aborted.reward is None
+    assert seen == [("0", 4)]  # the turn the length edge appended is in the sample it scored
+
+
 async def test_a_recorded_run_with_an_async_environment_replays_identically(tokenizer: Any, tmp_path: Path) -> None:
     async with FakeVLLMServer(tokenizer) as server:
         server.script([ScriptedTurn(text=f"turn {i}") for i in range(4)])

@@ -6,17 +6,22 @@ import asyncio
 import gc
 from collections import Counter
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 
 from fsm_rollout import RetryPolicy, RolloutConfig, Sample, Status
+from fsm_rollout.cli import main as cli_main
 from fsm_rollout.errors import ConfigError
+from fsm_rollout.replay import replay
 from fsm_rollout.runtime import gc_policy
 from fsm_rollout.runtime.hashring import ConsistentHashRing
 from fsm_rollout.runtime.runner import RolloutRunner, group_members
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import ABORT_PATH, GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
+from fsm_rollout.trace import TRANSITION_EVENT
 
 SAMPLING = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0}
 
@@ -339,21 +344,47 @@ async def test_a_pending_sample_whose_rollout_cannot_be_built_ends_failed_with_i
     assert metrics.statuses == {"completed": 1, "failed": 1}
 
 
+async def test_an_unbuildable_sample_leaves_pending_by_a_traced_fail_edge_that_replay_and_inspect_accept(
+    fake_vllm: FakeVLLMServer, tokenizer: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake_vllm.script([ScriptedTurn(text="ok")], session="s0")
+    batch = samples(2)
+    batch[1].metadata = ["not", "a", "dict"]  # type: ignore[assignment]
+    trace = tmp_path / "run.jsonl"
+    config = config_for(fake_vllm.url, trace=str(trace), record=True)
+    envs = ScriptedEnvFactory(steps=[("ok", True)])
+    async with runner_for(fake_vllm, tokenizer, envs=envs, config=config) as runner:
+        done = await runner.run_batch(batch)
+        metrics = runner.metrics()
+    assert done[1].status == Status.FAILED and done[1].metadata["rollout_error"]["state"] == "pending"
+    assert metrics.statuses == {"completed": 1, "failed": 1} and metrics.in_flight == 0
+    events = [orjson.loads(line) for line in trace.read_bytes().splitlines()]
+    failed = [event for event in events if event.get("sample_id") == "1" and event.get("event") == TRANSITION_EVENT]
+    assert [(e["src"], e["trigger"], e["dst"], e["reason"]) for e in failed] == [("pending", "fail", "failed", "error")]
+    assert failed[0]["error_type"] == "SampleStateError" and failed[0]["failed_trigger"] is None
+    report = await asyncio.to_thread(replay, trace, tokenizer=tokenizer)
+    assert report.counts() == {"identical": 2}, report.render(verbose=True)
+    assert report.sample("1").verdict == "identical"
+    assert await asyncio.to_thread(cli_main, ["inspect", str(trace), "--sample", "1", "--color", "never"]) == 0
+    shown = capsys.readouterr().out
+    assert "pending --fail--> failed" in shown and "error_type=SampleStateError" in shown, shown
+
+
 @pytest.mark.parametrize("how", ["batch", "group", "stream"])
 async def test_no_finished_batch_returns_a_pending_sample_when_no_rollout_can_be_built(
     fake_vllm: FakeVLLMServer, tokenizer: Any, how: str
 ) -> None:
-    config = config_for(fake_vllm.url)
-    bad_sampling = {**SAMPLING, "max_new_tokens": -5}
-    async with RolloutRunner(
-        config, sampling_params=bad_sampling, tokenizer=tokenizer, env_factory=ScriptedEnvFactory()
-    ) as runner:
+    stale = samples(3)
+    for sample in stale:  # pending, but holding a response already: each rollout refuses it as it is built
+        sample.response = "stale"
+    async with runner_for(fake_vllm, tokenizer) as runner:
         if how == "batch":
-            done = await runner.run_batch(samples(3))
+            done = await runner.run_batch(stale)
         elif how == "group":
-            done = await runner.run_group(samples(1)[0], 3)
+            done = await runner.run_group(stale[0], 3)
         else:
-            done = [sample async for sample in runner.stream(samples(3))]
+            done = [sample async for sample in runner.stream(stale)]
     assert [sample.status for sample in done] == [Status.FAILED] * 3
-    assert {sample.metadata["rollout_error"]["type"] for sample in done} == {"ConfigError"}
-    assert fake_vllm.requests == []
+    assert {sample.metadata["rollout_error"]["type"] for sample in done} == {"SampleStateError"}
+    assert [sample.response for sample in done] == ["stale"] * 3  # the sample's data is kept
+    assert not fake_vllm.requests_to(RENDER_PATH) and not fake_vllm.requests_to(GENERATE_PATH)

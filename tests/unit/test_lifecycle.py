@@ -86,13 +86,21 @@ def test_every_terminal_edge_carries_a_reason_except_abort_and_fail() -> None:
 
 
 def test_built_machine_mirrors_the_table() -> None:
+    """An edge into a state that awaits activities (scoring) is its trigger without a state change, then the
+    machine's own ENTER along the same edge; every other edge is itself."""
     built = {
         (source, name, transition.dest)
         for name, event in MACHINE.events.items()
         for source, transitions in event.transitions.items()
         for transition in transitions
     }
-    assert built == {(edge.source, edge.trigger, edge.dest) for edge in lifecycle.TRANSITIONS}
+    awaited = {edge for edge in lifecycle.TRANSITIONS if lifecycle.STATE_BY_NAME[edge.dest].awaits}
+    assert {edge.dest for edge in awaited} == {"completed", "truncated"}
+    assert built == {
+        *((edge.source, edge.trigger, edge.dest) for edge in lifecycle.TRANSITIONS if edge not in awaited),
+        *((edge.source, edge.trigger, None) for edge in awaited),
+        *((edge.source, lifecycle.ENTER, edge.dest) for edge in awaited),
+    }
 
 
 def test_building_with_a_missing_implementation_names_it() -> None:
