@@ -32,6 +32,7 @@ from typing import Any
 from fsm_rollout.config import RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.errors import ResumeError as ResumeError  # re-exported: what resuming a handed-back sample raises
+from fsm_rollout.errors import SamplingParamsError
 from fsm_rollout.multimodal import load_image_processor
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.runtime.loop_shutdown import at_loop_shutdown
@@ -193,6 +194,8 @@ async def generate(args: Any, sample: Any, sampling_params: dict[str, Any]) -> A
         trace=getattr(args, "fsm_rollout_trace", None),
         history_policy=getattr(args, "fsm_rollout_history_policy", "append"),  # the seed's method unless asked
     )
+    if "top_p" not in sampling_params:  # the seed reads it unconditionally; slime/vime callers get its KeyError
+        raise SamplingParamsError("sampling_params lacks required keys ['top_p']")
     tokenizer, processor = _load_tokenizer_and_processor(config.tokenizer_path or config.model)
     library_sample = sample if isinstance(sample, Sample) else _to_library_sample(sample)
     suspender = _suspender_for_strategy(config.weight_update_strategy)

@@ -41,8 +41,9 @@ Known, intended differences, deliberately not asserted equal here:
 
 With no token budget at all (``max_new_tokens=None`` and no context limit) both sides send ``"max_tokens": null``;
 the ``unlimited_budget`` scenario asserts it. The library's additive ``metadata["rollout_reason"]`` /
-``metadata["rollout_error"]``, ``metadata["weight_version_spans"]`` / ``metadata["start_weight_version"]`` and
-``metadata["observations"]`` (README) are left out when metadata is compared.
+``metadata["rollout_error"]``, ``metadata["weight_version_spans"]`` / ``metadata["start_weight_version"]``,
+``metadata["observations"]``, ``metadata["routed_expert_spans"]`` and ``metadata["constrained_spans"]`` (README) are
+left out when metadata is compared.
 """
 
 from __future__ import annotations
@@ -83,9 +84,18 @@ SESSION_HEADER = "x-session-id"
 # The library's generate body carries a request_id the seed never sends (an intended difference).
 LIBRARY_ONLY_GENERATE_KEYS = frozenset({"request_id"})
 # Metadata the library adds on top of the seed's (README: "rollout_reason" on every end, "rollout_error" on errors,
-# the weight versions of the generated tokens, the record of each appended observation).
+# the weight versions of the generated tokens, the record of each appended observation, which request each span of
+# routed experts came from, which turns a grammar constrained).
 LIBRARY_ONLY_METADATA_KEYS = frozenset(
-    {"rollout_reason", "rollout_error", "weight_version_spans", "start_weight_version", "observations"}
+    {
+        "rollout_reason",
+        "rollout_error",
+        "weight_version_spans",
+        "start_weight_version",
+        "observations",
+        "routed_expert_spans",
+        "constrained_spans",
+    }
 )
 
 
