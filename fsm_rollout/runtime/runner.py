@@ -8,12 +8,16 @@ sink and the machine definition (module-level, shared by every rollout). Use it 
 
 Several engine URLs are spread over with session-sticky consistent hashing: a sample's requests always go to the
 same server, and adding a server moves only about 1/N of the sessions.
+
+Why this module is long: it is one class whose methods share the run's state (clients, tokenizer and encoder, the
+concurrency slots and the queue of waiting samples, the suspension gate, the trace and tape it holds); what is not
+that state lives beside it (:mod:`~fsm_rollout.runtime.queueing`, :mod:`~fsm_rollout.runtime.metrics`,
+:mod:`~fsm_rollout.runtime.groups`, :mod:`~fsm_rollout.runtime.engine_check`, :mod:`~fsm_rollout.runtime.hashring`).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
@@ -26,7 +30,7 @@ from typing import Any, TypeVar
 from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig, build_inference_sampling_params
 from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.envs.protocol import EnvFactory, load_env_factory
-from fsm_rollout.errors import ConfigError, ModelListError, RolloutError
+from fsm_rollout.errors import RolloutError
 from fsm_rollout.hooks import RolloutHooks, combine_hooks
 from fsm_rollout.machine import lifecycle
 from fsm_rollout.recording import SampleRecorder, TapeWriter, recorded_rollout, release_tape_writer, tape_writer_for
@@ -34,6 +38,10 @@ from fsm_rollout.rollout import Rollout
 from fsm_rollout.rollout.handle import RolloutHandle
 from fsm_rollout.rollout.unbuilt import UnbuiltRollout
 from fsm_rollout.runtime import gc_policy
+from fsm_rollout.runtime.engine_check import check_engines
+from fsm_rollout.runtime.groups import group_members as group_members
+from fsm_rollout.runtime.groups import group_seeds as group_seeds
+from fsm_rollout.runtime.groups import positive_count
 from fsm_rollout.runtime.hashring import ConsistentHashRing
 from fsm_rollout.runtime.metrics import MetricsSnapshot, RunnerMetrics
 from fsm_rollout.runtime.queueing import QueueNotingTracer, Waiting
@@ -42,7 +50,6 @@ from fsm_rollout.tokens.chat import ObservationEncoder
 from fsm_rollout.tokens.template_probe import HistoryPolicyChooser
 from fsm_rollout.tokens.tokenizers import TokenizerSource, listed_tokenizer_source, load_tokenizer
 from fsm_rollout.trace import NULL_TRACER, Tracer, hold_tracer, release_tracer
-from fsm_rollout.types import ServedModel
 from fsm_rollout.weights.suspension import Suspender, SuspendStats
 
 NOT_STARTED = "not_started"
@@ -150,7 +157,7 @@ class RolloutRunner:
             self._server_clients[url] = VLLMClient.from_config(self.config, base_url=url)
         try:
             # an engine that does not answer fails the start, as the CLI's does, not every sample afterwards
-            served = await _check_engines(self.engine_urls, self.config)
+            served = await check_engines(self.engine_urls, self.config)
             source = None if self.tokenizer is not None else listed_tokenizer_source(self.config, self.engine_urls[0],
                                                                                      served)  # fmt: skip
             # loading a tokenizer and rendering the probe's conversations take long enough to stall every other
@@ -373,7 +380,7 @@ class RolloutRunner:
         under one concurrency limit). A sample's rollout is made when it gets a slot: the time it waited is its
         first transition's ``queued_ms`` and :attr:`MetricsSnapshot.queued_ms_mean`, not ``pending`` dwell.
         """
-        semaphore = asyncio.Semaphore(_positive(concurrency))
+        semaphore = asyncio.Semaphore(positive_count(concurrency))
         with self._gc_tuned():  # from before the samples' tasks are made, not from the first start
             prepared = self._prepare(samples, sample_ids, seeds)
             return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
@@ -393,7 +400,7 @@ class RolloutRunner:
         seed the samples by position (as in :meth:`run_batch`). Closing the iterator early cancels the samples
         still running and ends those still queued (reason :data:`NOT_STARTED`).
         """
-        semaphore = asyncio.Semaphore(_positive(concurrency))
+        semaphore = asyncio.Semaphore(positive_count(concurrency))
         with self._gc_tuned():
             prepared = self._prepare(samples, sample_ids, seeds)
             tasks = [asyncio.ensure_future(self._bounded(item, semaphore)) for item in prepared]
@@ -412,7 +419,7 @@ class RolloutRunner:
         is reproducible and its members still differ.
         """
         copies, ids = group_members(sample, n)
-        semaphore = asyncio.Semaphore(_positive(concurrency or n))
+        semaphore = asyncio.Semaphore(positive_count(concurrency or n))
         seeds = group_seeds(seed, len(copies))
         with self._gc_tuned():
             prepared = self._prepare(copies, ids, seeds)
@@ -472,47 +479,6 @@ class RolloutRunner:
         return len(self._waiting)
 
 
-def group_members(sample: Sample, n: int) -> tuple[list[Sample], list[str | None]]:
-    """The ``n`` copies :meth:`RolloutRunner.run_group` runs for ``sample`` and the ids that name them: one group
-    index (the sample's, else its index), a fresh session id each, ``metadata["group_member"]`` their position."""
-    group_index = sample.group_index if sample.group_index is not None else sample.index
-    copies: list[Sample] = []
-    for member in range(_positive(n)):
-        duplicate = copy.deepcopy(sample)
-        duplicate.group_index = group_index
-        duplicate.session_id = str(uuid.uuid4())
-        duplicate.metadata = {**(duplicate.metadata or {}), "group_member": member}
-        copies.append(duplicate)
-    ids = [f"{sample.index}.{member}" if sample.index is not None else None for member in range(n)]
-    return copies, ids
-
-
-def group_seeds(seed: int | None, n: int) -> list[int | None]:
-    """The seeds of a group's ``n`` members: ``seed + m`` for member ``m``, none without ``seed``."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ConfigError(f"seed must be an integer or None, got {seed!r}")
-    return [] if seed is None else [seed + member for member in range(n)]
-
-
-async def _check_engines(urls: Sequence[str], config: RolloutConfig) -> list[ServedModel] | ModelListError | None:
-    """The first engine's model list (None without a models endpoint; the error for a list of an odd shape, no
-    reason to refuse an engine); raises the error, naming the URL, of the first of ``urls`` that does not answer
-    ``GET /health`` and ``GET /v1/models`` within ``config.connect_timeout_s`` (down, timed out, an error status
-    such as a refused API key)."""
-    from fsm_rollout.engine.probe import probe_engine
-
-    answers = await asyncio.gather(
-        *(probe_engine(url, api_key=config.api_key, timeout_s=config.connect_timeout_s) for url in urls),
-        return_exceptions=True,
-    )
-    for answer in answers:
-        if isinstance(answer, BaseException) and not isinstance(answer, ModelListError):
-            raise answer
-    first = answers[0]
-    assert not isinstance(first, BaseException) or isinstance(first, ModelListError)
-    return first
-
-
 async def _in_own_thread(work: Callable[[], _T]) -> _T:
     """``work()`` in a thread of its own that ends with it (the loop's default executor would keep its thread)."""
     executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsm-rollout-runner-start")
@@ -536,12 +502,6 @@ async def _as_finished(
             on_close()
         for task in tasks:
             task.cancel()
-
-
-def _positive(value: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"expected a positive integer, got {value!r}")
-    return value
 
 
 __all__ = [
