@@ -135,6 +135,7 @@ def test_the_answer_holds_what_trl_reads_per_sample() -> None:
         "env_reward": [0.5],
         "rollout_status": ["pending"],
         "rollout_reason": ["env_done"],
+        "weight_version": [None],  # no weight_version_spans: the sample's first token's version is unknown
     }
     assert env_reward(env_reward=[0.5, None]) == [0.5, None]
 

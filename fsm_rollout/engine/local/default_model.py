@@ -391,6 +391,13 @@ def _report(step: int, steps: int, loss: float | None) -> None:
         print(json.dumps({"step": step, "steps": steps, "loss": loss}), flush=True)
 
 
+def _enter_phase(phase: str) -> None:
+    """Say a new set-up phase at once (a phase shorter than the beat would otherwise never be said)."""
+    _PHASE[0] = phase
+    with _PRINTING:
+        print(json.dumps({"phase": phase}), flush=True)
+
+
 def _beat_phases() -> None:
     """Say the set-up phase once a second until training starts: loading torch and the model takes long enough
     that a still line looks hung."""
@@ -410,12 +417,12 @@ def _train_into(directory: pathlib.Path, base: pathlib.Path, inputs: pathlib.Pat
     started = time.perf_counter()
     given = json.loads(inputs.read_bytes())
     recipe: dict[str, Any] = given["recipe"]
-    _PHASE[0] = "loading the random model"
+    _enter_phase("loading the random model")
     with quiet_progress_bars():
         tokenizer: Any = AutoTokenizer.from_pretrained(str(base), local_files_only=True)
         model: Any = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32, local_files_only=True)
     data = TrainingData.from_json(given["data"])
-    _PHASE[0] = f"encoding {len(data.conversations)} conversations"
+    _enter_phase(f"encoding {len(data.conversations)} conversations")
     examples = encode_conversations(data, tokenizer)
     steps = int(recipe["steps"])
     _report(0, steps, None)
@@ -526,7 +533,7 @@ if __name__ == "__main__":
     # the parent ends this process when its user interrupts (and cleans up after it): a terminal's Ctrl-C, which
     # reaches the whole process group, must not kill it half-way on its own
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _PHASE[0] = "importing torch"
+    _enter_phase("importing torch")
     threading.Thread(target=_beat_phases, daemon=True).start()
     import torch
 
