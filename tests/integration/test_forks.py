@@ -666,7 +666,7 @@ async def test_the_runner_counts_forks_and_sequences_per_rollout_and_the_overlay
 async def test_the_runner_resolves_auto_once_at_start_up(server: FakeVLLMServer, stripping_tokenizer: Any) -> None:
     runner = RolloutRunner(
         config_for(server, "auto"),
-        sampling_params={"max_new_tokens": 8},
+        sampling_params={"max_new_tokens": 8, "temperature": 1.0},
         tokenizer=stripping_tokenizer,
         env_factory=ScriptedEnvFactory(),
     )
