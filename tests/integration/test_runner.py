@@ -176,6 +176,8 @@ async def test_several_engines_keep_each_session_on_one_server(
     owners: dict[str, set[int]] = {}
     for position, server in enumerate(three_servers):
         for request in server.requests:
+            if request.path in ("/health", "/v1/models"):  # the runner's start-up check of each engine
+                continue
             owners.setdefault(request.headers["x-session-id"], set()).add(position)
     assert len(owners) == 30
     assert all(len(servers) == 1 for servers in owners.values())
@@ -210,7 +212,8 @@ async def test_abort_ends_running_and_queued_samples_and_nothing_is_sent_after(
     assert [sample.metadata["rollout_reason"] for sample in done] == ["weight_update"] * 3 + ["not_started"] * 3
     assert all(sample.response == "" and sample.response_length == 0 for sample in done[3:])
     counts = Counter(request.path for request in fake_vllm.requests)
-    assert counts == {RENDER_PATH: 3, GENERATE_PATH: 3, ABORT_PATH: 3}
+    # one start-up check of the engine, then the three rollouts' requests and their aborts
+    assert counts == {"/health": 1, "/v1/models": 1, RENDER_PATH: 3, GENERATE_PATH: 3, ABORT_PATH: 3}
     assert snapshot.in_flight == 0 and snapshot.queued == 0
     assert snapshot.reasons == {"weight_update": 3, "not_started": 3}
 
