@@ -168,8 +168,10 @@ def conversation_from_tape(record: Any, tape: Any) -> dict[str, Any]:
         turn: dict[str, Any] = {"turn": index, "parts": message_parts(_text(step.get("text", "")))}
         if isinstance(step.get("error"), dict):
             turn["env"] = {"error": f"{step['error'].get('type')}: {step['error'].get('message')}"}
-        elif isinstance(step.get("result"), dict) and "done" in step["result"]:
+        elif isinstance(step.get("result"), dict) and ("done" in step["result"] or "step" in step["result"]):
             outcome = value(step, "result")
+            if isinstance(outcome.get("step"), dict):  # tape schema 3: the typed step as the rollout read it
+                outcome = outcome["step"]
             turn["env"] = {"done": bool(outcome.get("done")), "observation": _text(outcome.get("observation"))}
         if index < len(observations):
             message = value(observations[index], "message")
