@@ -314,10 +314,11 @@ async def test_failed_samples_print_their_distinct_errors_under_the_summary(
     lines = stdout.splitlines()
     errors_at = lines.index("errors (3 failed sample(s), 1 distinct)")
     assert lines[errors_at - 1].split() == ["error", "3"]  # under the reason counts
-    assert lines[errors_at + 1 : errors_at + 4] == [
+    assert lines[errors_at + 1 : errors_at + 5] == [
         f"     3 x EngineHTTPError: POST {fake_vllm.url}{RENDER_PATH} answered HTTP 400 (attempt 1): "
         "fake vLLM: injected fault (400)",
         f"results: {tmp_path / 'results.jsonl'}   trace: {tmp_path / 'trace.jsonl'}",
+        "history: 0 fork(s), 4 training sequence(s) from 4 sample(s)",  # the forks the run counted
         "next:",  # then the commands that look inside the run
     ]
 
