@@ -156,6 +156,8 @@ class RolloutRunner:
         for url in self.config.servers_behind_router:
             self._server_clients[url] = VLLMClient.from_config(self.config, base_url=url)
         try:
+            if self.env_factory is None:  # a configuration error, found before anything is asked of an engine
+                self.env_factory = load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
             # an engine that does not answer fails the start, as the CLI's does, not every sample afterwards
             served = await check_engines(self.engine_urls, self.config)
             source = None if self.tokenizer is not None else listed_tokenizer_source(self.config, self.engine_urls[0],
@@ -163,8 +165,6 @@ class RolloutRunner:
             # loading a tokenizer and rendering the probe's conversations take long enough to stall every other
             # task of the loop (a trainer's heartbeat): they run in a thread of their own
             self.tokenizer, self._encoder = await _in_own_thread(lambda: self._tokenizer_and_encoder(source))
-            if self.env_factory is None:
-                self.env_factory = load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
         except BaseException:
             await self._close_clients()
             await self._release_sinks()
