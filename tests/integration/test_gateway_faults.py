@@ -137,8 +137,9 @@ async def test_a_client_timeout_and_the_sdks_own_retry_get_one_answer_generated_
     async with gateway_for(fake_vllm, tokenizer) as gateway:
         session = await gateway.open_session()
         fake_vllm.script([ScriptedTurn(text=TEXT, hang=True)], session=session.session_id)
-        # each attempt gives up after 3 s; the engine holds the first attempt's generate until the retry came
-        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=1, timeout=3.0)
+        # each attempt gives up after 10 s; the engine holds the first attempt's generate until the retry came. The
+        # retry is released as soon as it attached, so 10 s leaves a loaded machine ample room for its answer.
+        client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=1, timeout=10.0)
         call = asyncio.ensure_future(
             client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}])
         )
