@@ -425,6 +425,8 @@ def _turn_lines(record: TapeSample, tape: TapeFile, tokenizer: Any, painter: Pai
             if segment.turn < len(steps):
                 step = steps[segment.turn]
                 outcome = step.get("result") or {}
+                if isinstance(outcome.get("step"), dict):  # tape schema 3 wraps the typed step
+                    outcome = outcome["step"]
                 if "error" in step:
                     lines.append(f"    env.step raised {step['error'].get('type')}: {step['error'].get('message')}")
                 elif "done" in outcome:

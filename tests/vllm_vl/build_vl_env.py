@@ -156,10 +156,13 @@ def _build_venv(staging: pathlib.Path, final: pathlib.Path, base: pathlib.Path, 
     base_site = venv_support.purelib(str(base / "bin" / "python"), log)
     (venv_support.purelib(python, log) / LAYER_PTH).write_text(f"{base_site}\n", encoding="utf-8")
     check = (
-        "import importlib.metadata as m, json, torch, torchvision, transformers, vllm, vllm._C\n"
+        "import importlib.metadata as m, json, torch, torchvision, transformers, vllm\n"
         "import torchvision.ops, vllm.entrypoints.cli.main\n"
         "from vllm.platforms import current_platform\n"
         "assert current_platform.device_type == 'cpu', current_platform\n"
+        # vLLM picks its kernels by CPU (vllm._C is the AVX-512 build and dies of SIGILL on an AVX2-only CPU)
+        "current_platform.import_kernels()\n"
+        "assert hasattr(torch.ops._C, 'rms_norm'), 'vLLM CPU kernels did not load'\n"
         "torchvision.ops.nms(torch.tensor([[0.0, 0.0, 1.0, 1.0]]), torch.tensor([1.0]), 0.5)\n"
         "print(json.dumps({'vllm': m.version('vllm'), 'torch': torch.__version__,"
         " 'torchvision': torchvision.__version__, 'transformers': transformers.__version__}))\n"
