@@ -52,8 +52,9 @@ def read_answer(
         cut -= 1
     text_ids = token_ids[:cut]
     text = text_of.decode(text_ids)
-    found = parse_tool_calls(text).calls if parse_calls else []
-    content = text
+    reasoning, answered = split_reasoning(text)
+    found = parse_tool_calls(answered).calls if parse_calls else []
+    content = answered
     for call in reversed(found):
         content = content[: call.start] + content[call.end :]
     content = content.strip()
@@ -77,4 +78,27 @@ def read_answer(
         text=text,
         weight_version=weight_version,
         top_logprobs=None if top is None else [list(candidates) for candidates in top],
+        reasoning=reasoning,
     )
+
+
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+
+
+def split_reasoning(text: str) -> tuple[str | None, str]:
+    """``(reasoning, rest)`` of a turn's text: a thinking template's turn starts with its reasoning, closed by
+    ``</think>`` (opened by ``<think>``, or by the generation prompt, which then holds the opening tag). A turn
+    without the closing tag has no reasoning; a turn cut inside its thinking has no answer yet."""
+    stripped = text.lstrip()
+    if stripped.startswith(THINK_OPEN) and THINK_CLOSE not in stripped:
+        return stripped[len(THINK_OPEN) :].strip(), ""
+    end = text.find(THINK_CLOSE)
+    if end < 0:
+        return None, text
+    head = text[:end].lstrip()
+    if head.startswith(THINK_OPEN):
+        head = head[len(THINK_OPEN) :]
+    elif THINK_OPEN in head:  # a closing tag after other text is the model's prose, not a thinking block
+        return None, text
+    return head.strip(), text[end + len(THINK_CLOSE) :]

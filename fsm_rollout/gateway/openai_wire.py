@@ -115,6 +115,10 @@ class ChatCall:
     function is ``"required"`` with :attr:`tool_name` set)."""
     tool_name: str | None = None
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False)
+    hints: Mapping[str, Any] = field(default_factory=dict)
+    """What the client says about the call beyond its messages, read by its dialect from headers or fields (for
+    example a harness's ``session_key``, ``parent_lineage``, ``agent``, ``request_kind`` or ``window``); never
+    sent to the engine."""
 
 
 def parse_chat_request(body: Any) -> ChatCall:
@@ -363,6 +367,8 @@ class TurnAnswer:
     weight_version: str | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     """Each token's top candidates ``(token_id, logprob)`` in the engine's order, when the call asked for them."""
+    reasoning: str | None = None
+    """The model's thinking (the text before ``</think>`` when its template thinks), kept out of ``content``."""
 
     def message(self) -> dict[str, Any]:
         """The assistant message as the session holds it (checked form)."""
@@ -437,6 +443,8 @@ def chat_completion(
 ) -> dict[str, Any]:
     """The ``chat.completion`` object for an answer."""
     message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if answer.reasoning is not None:
+        message["reasoning_content"] = answer.reasoning  # vLLM's name with a reasoning parser
     if answer.tool_calls:
         message["tool_calls"] = _wire_calls(answer.tool_calls)
     choice: dict[str, Any] = {"index": 0, "message": message, "finish_reason": answer.finish_reason, "logprobs": None}
@@ -478,6 +486,8 @@ def stream_chunks(
         return item
 
     chunks = [chunk({"role": "assistant", "content": ""})]
+    if answer.reasoning:
+        chunks.append(chunk({"reasoning_content": answer.reasoning}))
     # the logprobs ride on the first chunk that carries the answer: the content, else the tool calls
     logprobs = _logprobs(answer, decode) if want_logprobs and decode is not None else None
     if answer.content:
