@@ -1,5 +1,5 @@
-"""``.ci/run`` requires Graphviz and Chromium: it installs each with apt-get when missing, and a failed install fails
-CI."""
+"""``.ci/run`` requires Graphviz, Chromium, and Node with npm: it installs each with apt-get when missing, and a failed
+install fails CI."""
 
 from __future__ import annotations
 
@@ -21,9 +21,9 @@ def _stub(directory: Path, name: str, body: str) -> None:
 
 
 def run_ci(tmp_path: Path, apt_get: str, *, missing: str = "dot") -> subprocess.CompletedProcess[str]:
-    """``.ci/run`` copied into an empty checkout, with a PATH of stubs: no ``missing`` program (``dot`` or
-    ``chromium``; the other is there), the given ``apt-get``, and a ``python3`` that only records its arguments (so
-    nothing is installed or tested for real)."""
+    """``.ci/run`` copied into an empty checkout, with a PATH of stubs: no ``missing`` program (``dot``, ``chromium``
+    or ``node``; the others are there, ``npm`` too), the given ``apt-get``, and a ``python3`` that only records its
+    arguments (so nothing is installed or tested for real)."""
     checkout = tmp_path / "checkout"
     (checkout / ".ci").mkdir(parents=True)
     shutil.copy(REPO / ".ci" / "run", checkout / ".ci" / "run")
@@ -36,7 +36,7 @@ def run_ci(tmp_path: Path, apt_get: str, *, missing: str = "dot") -> subprocess.
     _stub(bin_dir, "sudo", 'exec "$@"')
     _stub(bin_dir, "apt-get", apt_get.replace("BIN", str(bin_dir)))
     _stub(bin_dir, "python3", f'echo "$@" >> {tmp_path}/python3.log')
-    for program in {"dot", "chromium"} - {missing}:
+    for program in {"dot", "chromium", "node", "npm"} - {missing}:
         _stub(bin_dir, program, "exit 0")
     env = {"PATH": str(bin_dir), "HOME": str(tmp_path)}
     return subprocess.run(
@@ -89,3 +89,26 @@ def test_ci_installs_chromium_and_goes_on(tmp_path: Path) -> None:
     result = run_ci(tmp_path, installs, missing="chromium")
     assert (tmp_path / "python3.log").read_text().startswith("-m venv .venv"), result.stderr
     assert os.access(tmp_path / "bin" / "chromium", os.X_OK)
+
+
+@pytest.mark.parametrize(
+    ("apt_get", "message"),
+    [
+        ("exit 100", "Node and npm are required"),
+        ('[ "$1" = update ] && exit 1; exit 0', "Node and npm are required"),
+        ("exit 0", "node or npm is still not on PATH"),
+    ],
+    ids=["install_fails", "update_fails", "installs_nothing"],
+)
+def test_ci_fails_when_node_cannot_be_installed(tmp_path: Path, apt_get: str, message: str) -> None:
+    result = run_ci(tmp_path, apt_get, missing="node")
+    assert result.returncode != 0
+    assert message in result.stderr
+    assert not (tmp_path / "python3.log").exists(), "the run went on without Node"
+
+
+def test_ci_installs_node_and_goes_on(tmp_path: Path) -> None:
+    installs = 'if [ "$1" = install ]; then printf "#!/bin/sh\\n" > BIN/node; chmod +x BIN/node; fi'
+    result = run_ci(tmp_path, installs, missing="node")
+    assert (tmp_path / "python3.log").read_text().startswith("-m venv .venv"), result.stderr
+    assert os.access(tmp_path / "bin" / "node", os.X_OK)

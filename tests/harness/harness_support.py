@@ -1,0 +1,107 @@
+"""What the harness tests share: the gateway over the scripted fake engine, running a harness, the token checks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Final
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
+
+from process_groups import start_group, stop_group
+
+from fsm_rollout import RolloutConfig, Sample
+from fsm_rollout.gateway import AgentGateway
+from fsm_rollout.runtime.runner import RolloutRunner
+from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer
+
+#: Generous: a harness's start-up and two calls take 1 to 3 s on an idle machine.
+HARNESS_TIMEOUT_S: Final = 300.0
+#: The harnesses' prompts are long (Codex ~10k tokens, Claude Code ~13k with the Qwen tokenizer).
+MAX_MODEL_LEN: Final = 65536
+SAMPLING: Final = {"max_new_tokens": 512, "temperature": 1.0, "top_p": 1.0}
+#: The command the model asks the harness's shell tool to run, in the harness's working directory.
+COMMAND: Final = "echo harness-was-here > out.txt"
+WRITTEN: Final = "harness-was-here\n"
+FINAL_ANSWER: Final = "The file is written."
+
+
+def tool_call(name: str, arguments: dict[str, Any]) -> str:
+    """The model's tool call in Qwen's markup, ending its turn."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call><|im_end|>"
+
+
+@asynccontextmanager
+async def gateway_over(tokenizer: Any) -> AsyncIterator[tuple[AgentGateway, FakeVLLMServer]]:
+    """An :class:`AgentGateway` whose runner's engine is a scripted fake vLLM server with room for a harness's
+    prompt."""
+    async with FakeVLLMServer(tokenizer, model="fake-model", max_model_len=MAX_MODEL_LEN) as server:
+        config = RolloutConfig(engine_url=server.url, model="fake-model", max_turns=50, check_invariants=True)
+        runner = RolloutRunner(config, sampling_params=dict(SAMPLING), tokenizer=tokenizer)
+        async with AgentGateway(runner) as gateway:
+            yield gateway, server
+
+
+@dataclass(frozen=True)
+class HarnessRun:
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def describe(self) -> str:
+        return f"exit {self.returncode}\n--- stdout ---\n{self.stdout}\n--- stderr ---\n{self.stderr[-6000:]}"
+
+
+async def run_harness(command: Sequence[str], *, cwd: pathlib.Path, env: dict[str, str]) -> HarnessRun:
+    """Run a harness (stdin empty) in a process group of its own, while this loop goes on serving the gateway; the
+    group is stopped when it is done, timed out or the test is cancelled."""
+    process = start_group(
+        list(command), cwd=cwd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    )
+    try:
+        try:
+            out, err = await asyncio.to_thread(process.communicate, timeout=HARNESS_TIMEOUT_S)
+        except subprocess.TimeoutExpired as timeout:
+            partial = (timeout.stdout or b"").decode(errors="replace"), (timeout.stderr or b"").decode(errors="replace")
+            raise AssertionError(
+                f"{command[0]} did not finish in {HARNESS_TIMEOUT_S} s\n--- stdout ---\n{partial[0]}\n"
+                f"--- stderr ---\n{partial[1][-6000:]}"
+            ) from None
+    finally:
+        await asyncio.to_thread(stop_group, process)
+    return HarnessRun(process.returncode, out.decode(errors="replace"), err.decode(errors="replace"))
+
+
+def base_env(home: pathlib.Path) -> dict[str, str]:
+    """A harness's environment: this process's PATH (node), a home of its own, nothing else of ours."""
+    home.mkdir(parents=True, exist_ok=True)
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home), "LANG": "C.UTF-8", "TERM": "dumb"}
+
+
+def check_token_exact(
+    server: FakeVLLMServer, session_id: str, sequences: Sequence[Sample], scripted: Sequence[str], tokenizer: Any
+) -> None:
+    """The session is one training sequence: the engine's first prompt, then each answer the engine generated
+    (mask 1) and what the harness sent in between (mask 0), ending with the last answer; every generate request
+    sent exactly the sequence's tokens up to it."""
+    requests = [r for r in server.requests_to(GENERATE_PATH) if r.headers.get("x-session-id") == session_id]
+    assert len(requests) == len(scripted), f"{len(requests)} generate requests for {len(scripted)} scripted turns"
+    assert len(sequences) == 1, [s.metadata.get("history_rewritten") for s in sequences]
+    sequence = sequences[0]
+    generated = [tokenizer.encode(text, add_special_tokens=False) for text in scripted]
+    assert sequence.tokens == requests[-1].body["token_ids"] + generated[-1]
+    mask = [0] * len(sequence.tokens)
+    for request, output in zip(requests, generated, strict=True):
+        sent = request.body["token_ids"]
+        assert sequence.tokens[: len(sent) + len(output)] == sent + output
+        mask[len(sent) : len(sent) + len(output)] = [1] * len(output)
+    prompt_length = len(sequence.tokens) - sequence.response_length
+    assert prompt_length == len(requests[0].body["token_ids"])
+    assert sequence.loss_mask == mask[prompt_length:]
