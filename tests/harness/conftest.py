@@ -27,6 +27,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).parent))
 
 import harness_install
 from harness_install import Harnesses
+from harness_support import MODEL_CASES, ModelCase
 
 SKIP_VAR = "FSM_ROLLOUT_SKIP_HARNESS"
 
@@ -56,3 +57,9 @@ def harnesses() -> Harnesses:
     if missing:
         _unavailable(f"{' and '.join(missing)} not on PATH: the harness tier installs and runs Codex and Claude Code")
     return harness_install.ensure_harnesses()
+
+
+@pytest.fixture(params=sorted(MODEL_CASES))
+def model(request: pytest.FixtureRequest) -> ModelCase:
+    """The engine's model: a plain template, and a thinking one whose reasoning the harness must echo back."""
+    return MODEL_CASES[str(request.param)]

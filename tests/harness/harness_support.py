@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import os
 import pathlib
@@ -20,7 +21,10 @@ from process_groups import start_group, stop_group
 from fsm_rollout import RolloutConfig, Sample
 from fsm_rollout.gateway import AgentGateway
 from fsm_rollout.runtime.runner import RolloutRunner
+from fsm_rollout.testing.chat_templates import chat_template
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer
+from fsm_rollout.testing.qwen3_6_tokenizer import load_qwen3_6_tokenizer
+from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
 
 #: Generous: a harness's start-up and two calls take 1 to 3 s on an idle machine.
 HARNESS_TIMEOUT_S: Final = 300.0
@@ -33,9 +37,45 @@ WRITTEN: Final = "harness-was-here\n"
 FINAL_ANSWER: Final = "The file is written."
 
 
+@dataclass(frozen=True)
+class ModelCase:
+    """The engine's model as the gateway sees it: its tokenizer and chat template, and whether its turns start
+    with a ``<think>`` block (which the harness gets as a reasoning item or a thinking block and echoes back)."""
+
+    name: str
+    thinking: bool
+
+    @property
+    def tokenizer(self) -> Any:
+        return _tokenizer(self.name)
+
+    def turn(self, answer: str, reasoning: str) -> str:
+        """One generated turn: the reasoning first when the model thinks, then ``answer`` and the end of turn."""
+        opening = f"<think>\n{reasoning}\n</think>\n\n" if self.thinking else ""
+        return f"{opening}{answer}<|im_end|>"
+
+
+MODEL_CASES: Final = {
+    # the test suite's Qwen2 tokenizer and template: renders any role and any content shape
+    "qwen2": ModelCase("qwen2", thinking=False),
+    # Qwen3's shipped template (Hermes tool calls, <think> kept after the last user query) on the real Qwen3.6
+    # vocabulary, where <think> and </think> are single tokens
+    "qwen3_thinking": ModelCase("qwen3_thinking", thinking=True),
+}
+
+
+@functools.cache
+def _tokenizer(name: str) -> Any:
+    if name == "qwen2":
+        return load_qwen_tokenizer()
+    tokenizer = load_qwen3_6_tokenizer()
+    tokenizer.chat_template = chat_template("qwen3")
+    return tokenizer
+
+
 def tool_call(name: str, arguments: dict[str, Any]) -> str:
-    """The model's tool call in Qwen's markup, ending its turn."""
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call><|im_end|>"
+    """The model's tool call in Qwen's (Hermes) markup."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
 
 
 @asynccontextmanager

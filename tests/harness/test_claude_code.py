@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pathlib
-from typing import Any
 
 from harness_install import Harnesses
 from harness_support import (
     COMMAND,
     FINAL_ANSWER,
     WRITTEN,
+    ModelCase,
     base_env,
     check_token_exact,
     gateway_over,
@@ -36,11 +36,14 @@ def claude_env(home: pathlib.Path, base_url: str) -> dict[str, str]:
 
 
 async def test_claude_code_runs_the_models_bash_call_and_the_session_is_token_exact(
-    harnesses: Harnesses, tokenizer: Any, tmp_path: pathlib.Path
+    harnesses: Harnesses, model: ModelCase, tmp_path: pathlib.Path
 ) -> None:
+    tokenizer = model.tokenizer
     scripted = [
-        tool_call("Bash", {"command": COMMAND, "description": "Write the file"}),
-        f"{FINAL_ANSWER}<|im_end|>",
+        model.turn(
+            tool_call("Bash", {"command": COMMAND, "description": "Write the file"}), "The shell can write the file."
+        ),
+        model.turn(FINAL_ANSWER, "The command succeeded."),
     ]
     workdir = tmp_path / "work"
     workdir.mkdir()

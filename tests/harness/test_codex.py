@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import pathlib
-from typing import Any
 
 from harness_install import Harnesses
 from harness_support import (
     COMMAND,
     FINAL_ANSWER,
     WRITTEN,
+    ModelCase,
     base_env,
     check_token_exact,
     gateway_over,
@@ -43,9 +43,13 @@ def codex_home(path: pathlib.Path, base_url: str) -> pathlib.Path:
 
 
 async def test_codex_exec_runs_the_models_shell_call_and_the_session_is_token_exact(
-    harnesses: Harnesses, tokenizer: Any, tmp_path: pathlib.Path
+    harnesses: Harnesses, model: ModelCase, tmp_path: pathlib.Path
 ) -> None:
-    scripted = [tool_call("exec_command", {"cmd": COMMAND}), f"{FINAL_ANSWER}<|im_end|>"]
+    tokenizer = model.tokenizer
+    scripted = [
+        model.turn(tool_call("exec_command", {"cmd": COMMAND}), "The shell can write the file."),
+        model.turn(FINAL_ANSWER, "The command succeeded."),
+    ]
     workdir = tmp_path / "work"
     workdir.mkdir()
     async with gateway_over(tokenizer) as (gateway, server):
