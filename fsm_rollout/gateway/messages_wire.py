@@ -61,60 +61,26 @@ __all__ = [
 ERROR_PREFIX = "Error: "
 """What a ``tool_result`` with ``is_error: true`` shows the model before its text, so the failure stays visible."""
 
-USED_FIELDS = frozenset(
-    {
-        "model",
-        "messages",
-        "system",
-        "tools",
-        "tool_choice",
-        "max_tokens",
-        "stop_sequences",
-        "temperature",
-        "top_p",
-        "top_k",
-        "stream",
-        "metadata",
-        "thinking",
-        "output_config",
-        "output_format",
-    }
-)
-IGNORED_FIELDS = frozenset(
-    {
-        "context_management",
-        "cache_control",
-        "service_tier",
-        "container",
-        "mcp_servers",
-        "inference_geo",
-        "speed",
-        "diagnostics",
-        "betas",
-        "user_profile_id",
-        "workspace_id",
-        "compaction",
-        "billing_policy",
-        "thread",
-        "fallbacks",
-        "fallback_credit_token",
-    }
-)
-"""Messages API fields with no effect on the tokens the model sees or generates: accepted, never a 400."""
-
-_BLOCK_JOIN = "\n\n"
-_ECHOED_THINKING = frozenset({"thinking", "redacted_thinking"})
+# the Messages API's fields the gateway reads, and those with no effect on the tokens the model sees or generates
+# (accepted, never a 400); Anthropic's error type of each status (409, which it does not use, is a request error)
+# fmt: off
+USED_FIELDS = frozenset({
+    "model", "messages", "system", "tools", "tool_choice", "max_tokens", "stop_sequences", "temperature", "top_p",
+    "top_k", "stream", "metadata", "thinking", "output_config", "output_format",
+})
+IGNORED_FIELDS = frozenset({
+    "context_management", "cache_control", "service_tier", "container", "mcp_servers", "inference_geo", "speed",
+    "diagnostics", "betas", "user_profile_id", "workspace_id", "compaction", "billing_policy", "thread", "fallbacks",
+    "fallback_credit_token",
+})
 _ERROR_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    409: "invalid_request_error",
-    413: "request_too_large",
-    429: "rate_limit_error",
-    500: "api_error",
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+    409: "invalid_request_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
     529: "overloaded_error",
 }
+# fmt: on
+_BLOCK_JOIN = "\n\n"
+_ECHOED_THINKING = frozenset({"thinking", "redacted_thinking"})
 
 
 def _bad(message: str, code: str = "invalid_request") -> GatewayError:
