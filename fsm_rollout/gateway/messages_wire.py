@@ -126,7 +126,7 @@ def parse_messages_request(
 ) -> MessagesCall:
     """A Messages request body (or a ``count_tokens`` one, without ``max_tokens``), checked (400 naming what is
     wrong). ``headers``: the request's, for the call's hints (``X-Claude-Code-Session-Id``)."""
-    if not isinstance(body, Mapping):
+    if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object")
     for key, value in body.items():
         if key not in USED_FIELDS and key not in IGNORED_FIELDS and value is not None:
@@ -156,13 +156,13 @@ def parse_messages_request(
     if body.get("stream") is not None and not count_only:
         out["stream"] = body["stream"]
     output = body.get("output_config")
-    if output is not None and not isinstance(output, Mapping):
+    if output is not None and not isinstance(output, dict):
         raise _bad("'output_config' must be an object", "output_config")
     fmt = (output or {}).get("format") or body.get("output_format")
     if fmt is not None:
         out["response_format"] = _response_format(fmt)
     thinking = body.get("thinking")
-    if thinking is not None and not (isinstance(thinking, Mapping) and isinstance(thinking.get("type"), str)):
+    if thinking is not None and not (isinstance(thinking, dict) and isinstance(thinking.get("type"), str)):
         raise _bad("'thinking' must be an object with a 'type'", "thinking")
     call = parse_chat_request(out)
     sampling = dict(call.sampling)
@@ -182,7 +182,7 @@ def parse_messages_request(
 
 
 def _hints(metadata: Any, headers: Mapping[str, str]) -> dict[str, Any]:
-    if metadata is not None and not isinstance(metadata, Mapping):
+    if metadata is not None and not isinstance(metadata, dict):
         raise _bad("'metadata' must be an object", "metadata")
     hints: dict[str, Any] = {}
     session_key = headers.get("X-Claude-Code-Session-Id")
@@ -205,7 +205,7 @@ def _stop_sequences(value: Any) -> tuple[str, ...]:
 
 
 def _response_format(fmt: Any) -> dict[str, Any]:
-    if not isinstance(fmt, Mapping) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), Mapping):
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
         raise _bad("'output_config.format' must be {'type': 'json_schema', 'schema': {...}}", "output_config")
     return {"type": "json_schema", "json_schema": {"name": "output", "schema": dict(fmt["schema"])}}
 
@@ -213,7 +213,7 @@ def _response_format(fmt: Any) -> dict[str, Any]:
 def _blocks(where: str, content: Any) -> list[Mapping[str, Any]]:
     if isinstance(content, str):
         return [{"type": "text", "text": content}]
-    if not isinstance(content, list) or not all(isinstance(block, Mapping) for block in content):
+    if not isinstance(content, list) or not all(isinstance(block, dict) for block in content):
         raise _bad(f"{where}.content must be a string or a list of content blocks", "messages")
     return content
 
@@ -237,14 +237,14 @@ def _text_of(where: str, content: Any) -> str:
 
 def _image(where: str, block: Mapping[str, Any]) -> dict[str, Any]:
     source = block.get("source")
-    kind = source.get("type") if isinstance(source, Mapping) else None
+    kind = source.get("type") if isinstance(source, dict) else None
     if kind != "base64":
         raise _bad(
             f"{where} is an image whose source is {kind!r}: images are accepted as base64 sources (an image behind "
             "a URL is refused: the session's tape could not hold its content)",
             "unsupported_content",
         )
-    assert isinstance(source, Mapping)
+    assert isinstance(source, dict)
     media, data = source.get("media_type"), source.get("data")
     if not isinstance(media, str) or not media.startswith("image/") or not isinstance(data, str):
         raise _bad(f"{where} needs a base64 source with an image 'media_type' and 'data'", "messages")
@@ -273,7 +273,7 @@ def _parts(where: str, blocks: Sequence[Mapping[str, Any]]) -> str | list[dict[s
 
 def _messages_of(index: int, message: Any) -> list[dict[str, Any]]:
     where = f"messages[{index}]"
-    if not isinstance(message, Mapping):
+    if not isinstance(message, dict):
         raise _bad(f"{where} must be an object", "messages")
     role = message.get("role")
     blocks = _blocks(where, message.get("content"))
@@ -320,7 +320,7 @@ def _assistant(where: str, blocks: Sequence[Mapping[str, Any]]) -> dict[str, Any
             texts.append(_text(f"{where}.content[{index}]", block))
         elif kind == "tool_use":
             name, arguments = block.get("name"), block.get("input", {})
-            if not isinstance(name, str) or not isinstance(arguments, Mapping):
+            if not isinstance(name, str) or not isinstance(arguments, dict):
                 raise _bad(f"{where}.content[{index}] is a tool_use without a 'name' or an 'input' object", "messages")
             call_id = block.get("id")
             calls.append({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}})
@@ -344,11 +344,11 @@ def _tools(value: Any) -> tuple[list[dict[str, Any]], list[str]]:
     tools: list[dict[str, Any]] = []
     dropped: list[str] = []
     for index, tool in enumerate(value):
-        kind = tool.get("type") if isinstance(tool, Mapping) else None
-        name = tool.get("name") if isinstance(tool, Mapping) else None
-        if kind in (None, "custom") and isinstance(tool, Mapping):
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        name = tool.get("name") if isinstance(tool, dict) else None
+        if kind in (None, "custom") and isinstance(tool, dict):
             schema = tool.get("input_schema")
-            if not isinstance(name, str) or not isinstance(schema, Mapping):
+            if not isinstance(name, str) or not isinstance(schema, dict):
                 raise _bad(f"tools[{index}] needs a 'name' string and an 'input_schema' object", "tools")
             function: dict[str, Any] = {"name": name}
             if isinstance(tool.get("description"), str):
@@ -365,8 +365,8 @@ def _tools(value: Any) -> tuple[list[dict[str, Any]], list[str]]:
 def _tool_choice(choice: Any, out: dict[str, Any]) -> None:
     if choice is None:
         return
-    kind = choice.get("type") if isinstance(choice, Mapping) else None
-    assert kind is None or isinstance(choice, Mapping)
+    kind = choice.get("type") if isinstance(choice, dict) else None
+    assert kind is None or isinstance(choice, dict)
     if kind == "auto":
         out["tool_choice"] = "auto"
     elif kind == "any":
