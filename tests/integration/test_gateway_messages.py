@@ -14,7 +14,7 @@ import pytest
 from fsm_rollout import Sample
 from fsm_rollout.gateway import AgentGateway, GatewaySession
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
-from tests.integration.test_gateway import CALL, runner_for
+from tests.integration.test_gateway import CALL, png_data_url, runner_for
 
 TOOLS: Any = [
     {
@@ -329,3 +329,49 @@ async def claude_code_sized_request(gateway: AgentGateway, fake_vllm: FakeVLLMSe
     assert [tool["function"]["name"] for tool in render["tools"]] == [*(f"tool_{i}" for i in range(20)), "add"]
     samples = await session.close()
     assert samples[0].metadata["gateway_session"]["dropped_tools"] == ["web_search", "bash"]
+
+
+async def test_image_blocks_reach_the_engine_as_images_in_the_prompt_and_a_tool_result(tokenizer: Any) -> None:
+    from fsm_rollout.testing.fake_vllm import QwenLikeImageRender
+
+    red, blue = png_data_url((200, 0, 0)), png_data_url((0, 0, 200))
+
+    def block(url: str) -> dict[str, Any]:
+        media, data = url.removeprefix("data:").split(";base64,")
+        return {"type": "image", "source": {"type": "base64", "media_type": media, "data": data}}
+
+    async with (
+        FakeVLLMServer(tokenizer, model="fake-model", render_features=QwenLikeImageRender(tokenizer)) as fake,
+        AgentGateway(runner_for(fake, tokenizer, image_merge_size=2)) as gateway,
+    ):
+        session = await gateway.open_session()
+        fake.script([ScriptedTurn(text=CALL), ScriptedTurn(text=ANSWER)], session=session.session_id)
+        client = client_for(gateway, session)
+        messages: Any = [{"role": "user", "content": [{"type": "text", "text": "Add these."}, block(red)]}]
+        first = await client.messages.create(model="m", max_tokens=64, messages=messages, tools=TOOLS)
+        tool_use = first.content[0]
+        assert isinstance(tool_use, anthropic.types.ToolUseBlock)
+        result = {
+            "type": "tool_result",
+            "tool_use_id": tool_use.id,
+            "content": [{"type": "text", "text": "5"}, block(blue)],
+        }
+        messages += [
+            {"role": "assistant", "content": [item.model_dump() for item in first.content]},
+            {"role": "user", "content": [result]},
+        ]
+        second = await client.messages.create(model="m", max_tokens=64, messages=messages, tools=TOOLS)
+        assert second.stop_reason == "end_turn"
+        samples = await session.close()
+    assert len(samples) == 1 and samples[0].branches == []
+    sample = samples[0]
+    check_exact(fake, session.session_id, sample, [CALL, ANSWER], tokenizer)
+    urls = [
+        part["image_url"]["url"]
+        for request in fake.requests_to(RENDER_PATH)
+        for message in request.body["messages"]
+        for part in (message["content"] if isinstance(message["content"], list) else [])
+        if part.get("type") == "image_url"
+    ]
+    assert red in urls and blue in urls and urls.index(red) < urls.index(blue)
+    assert sample.multimodal_train_inputs is not None and len(sample.multimodal_train_inputs["image_grid_thw"]) == 2
