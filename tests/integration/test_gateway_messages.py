@@ -375,3 +375,28 @@ async def test_image_blocks_reach_the_engine_as_images_in_the_prompt_and_a_tool_
     ]
     assert red in urls and blue in urls and urls.index(red) < urls.index(blue)
     assert sample.multimodal_train_inputs is not None and len(sample.multimodal_train_inputs["image_grid_thw"]) == 2
+
+
+async def test_a_stop_sequence_is_cut_from_the_text_and_the_answer_sent_back_so_is_no_fork(
+    gateway: AgentGateway, fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    session = await gateway.open_session()
+    # the engine cuts the scripted turn at the stop string, which its tokens keep
+    fake_vllm.script(
+        [ScriptedTurn(text="Result: 5 END and more<|im_end|>"), ScriptedTurn(text="ok<|im_end|>")],
+        session=session.session_id,
+    )
+    client = client_for(gateway, session)
+    messages: Any = [{"role": "user", "content": "go"}]
+    first = await client.messages.create(model="m", max_tokens=64, messages=messages, stop_sequences=["STOP", "END"])
+    assert (first.stop_reason, first.stop_sequence) == ("stop_sequence", "END")
+    assert [block.model_dump() for block in first.content] == [{"type": "text", "text": "Result: 5", "citations": None}]
+    messages += [
+        {"role": "assistant", "content": [block.model_dump() for block in first.content]},
+        {"role": "user", "content": "more"},
+    ]
+    second = await client.messages.create(model="m", max_tokens=64, messages=messages, stop_sequences=["END"])
+    assert second.stop_reason == "end_turn"
+    samples = await session.close()
+    assert len(samples) == 1 and gateway.runner.metrics().forks == 0
+    check_exact(fake_vllm, session.session_id, samples[0], ["Result: 5 END", "ok<|im_end|>"], tokenizer)
