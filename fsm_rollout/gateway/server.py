@@ -7,6 +7,9 @@ Paths (the agent is given ``base_url`` = ``<gateway>/sessions/<id>/v1`` and uses
   call in flight or of the last one (the same body, or the same ``Idempotency-Key`` header) gets that call's answer:
   a client's retry after a timeout or a disconnect generates nothing twice
 * ``GET /sessions/{id}/v1/models`` (agent)
+* ``POST /sessions/{id}/v1/messages`` and ``.../v1/messages/count_tokens`` (agent): the Anthropic Messages API
+  (:mod:`fsm_rollout.gateway.messages_wire`) on the same session, for clients given ``<gateway>/sessions/<id>``
+  as their Anthropic base URL; its errors are in Anthropic's shape, and its key may come as ``x-api-key``
 * ``POST /sessions/{id}/reward`` (control) ``{"reward": float}``
 * ``POST /sessions/{id}/close`` (control), optional ``{"reward": ...}`` → ``{"samples": [Sample.to_dict(), ...]}``
 * ``GET /sessions/{id}`` (control): the machine's state, turns and status
@@ -32,14 +35,24 @@ import structlog
 from aiohttp import web
 
 from fsm_rollout.envs.protocol import EnvFactory
-from fsm_rollout.errors import ConfigError
+from fsm_rollout.errors import ConfigError, EngineError, EngineHTTPError
 from fsm_rollout.gateway.answers import TokenText
+from fsm_rollout.gateway.messages_wire import (
+    is_messages_path,
+    message_events,
+    message_object,
+    messages_error_body,
+    new_message_id,
+    parse_messages_request,
+    sse,
+)
 from fsm_rollout.gateway.openai_wire import (
     GatewayError,
     chat_completion,
     error_body,
     parse_chat_request,
     public_error,
+    render_message,
     stream_chunks,
     without_stop_string,
 )
@@ -126,6 +139,8 @@ class AgentGateway:
             app.router.add_post("/sessions", self._open)
             app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
             app.router.add_get("/sessions/{sid}/v1/models", self._models)
+            app.router.add_post("/sessions/{sid}/v1/messages", self._messages)
+            app.router.add_post("/sessions/{sid}/v1/messages/count_tokens", self._count_tokens)
             app.router.add_post("/sessions/{sid}/reward", self._reward)
             app.router.add_post("/sessions/{sid}/close", self._close)
             app.router.add_get("/sessions/{sid}", self._status)
@@ -249,20 +264,27 @@ class AgentGateway:
                 _log.warning(
                     "gateway_error", path=request.path, status=error.status, code=error.code, detail=error.message
                 )
+            if is_messages_path(request.path):
+                return _json(messages_error_body(public.status, public.message), public.status)
             return _json(public.body(), public.status)
         except web.HTTPException as error:
             if error.status < 400:
                 raise
             kind = "not_found" if error.status == 404 else "invalid_request"
+            if is_messages_path(request.path):
+                return _json(messages_error_body(error.status, error.reason or "request refused"), error.status)
             return _json(
                 error_body(error.reason or "request refused", type="invalid_request_error", code=kind), error.status
             )
 
-    def _authorize(self, request: web.Request, key: str | None) -> None:
+    def _authorize(self, request: web.Request, key: str | None, *, x_api_key: bool = False) -> None:
+        """The key as ``Authorization: Bearer``, or (Anthropic's clients) as ``x-api-key`` when ``x_api_key``."""
         if key is None:
             return
         header = request.headers.get("Authorization", "")
         given = header[7:] if header.startswith("Bearer ") else ""
+        if x_api_key and not given:
+            given = request.headers.get("x-api-key", "")
         if not hmac.compare_digest(given.encode(), key.encode()):
             raise GatewayError(401, "missing or wrong API key", code="invalid_api_key", type="authentication_error")
 
@@ -317,6 +339,51 @@ class AgentGateway:
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
+
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        self._authorize(request, self.agent_api_key, x_api_key=True)
+        session = self.session(request.match_info["sid"])
+        read = parse_messages_request(await self._body(request, optional=False), request.headers)
+        call = read.call
+        if read.dropped_tools:  # Anthropic's typed tools the prompt leaves out, named where the trainer reads
+            listed = session.metadata.setdefault("dropped_tools", [])
+            listed.extend(name for name in read.dropped_tools if name not in listed)
+        answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
+        runner_stop = self.runner.sampling_params.get("stop") or ()
+        stops = [*(call.sampling.get("stop") or ()), *([runner_stop] if isinstance(runner_stop, str) else runner_stop)]
+        answer = without_stop_string(answer, stops)
+        message_id, model = new_message_id(), self.runner.config.model
+        if not call.stream:
+            return _json(message_object(answer, message_id=message_id, model=model, stop_sequences=read.stop_sequences))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await response.write(
+            sse(message_events(answer, message_id=message_id, model=model, stop_sequences=read.stop_sequences))
+        )
+        await response.write_eof()
+        return response
+
+    async def _count_tokens(self, request: web.Request) -> web.Response:
+        """``{"input_tokens"}``: the engine's render of the request as a session's first call (or a fork) sends it."""
+        self._authorize(request, self.agent_api_key, x_api_key=True)
+        session = self.session(request.match_info["sid"])
+        call = parse_messages_request(await self._body(request, optional=True), count_only=True).call
+        config = self.runner.config
+        payload: dict[str, Any] = {"model": config.model, "messages": [render_message(m) for m in call.messages]}
+        if call.tools:
+            payload["tools"] = [dict(tool) for tool in call.tools]
+        if config.apply_chat_template_kwargs:
+            payload["chat_template_kwargs"] = dict(config.apply_chat_template_kwargs)
+        try:
+            rendered = await self.runner.render(payload, session_id=session.session_id)
+        except EngineHTTPError as error:
+            if error.status >= 500:
+                raise GatewayError(502, f"the engine failed to render: {error}", code="render_failed") from error
+            detail = error.body.strip().splitlines()[0] if error.body.strip() else str(error.status)
+            raise GatewayError(400, f"the engine refused to render the request: {detail}", code="render") from error
+        except EngineError as error:
+            raise GatewayError(502, f"the engine failed to render: {error}", code="render_failed") from error
+        return _json({"input_tokens": len(rendered.token_ids)})
 
     async def _models(self, request: web.Request) -> web.Response:
         self._authorize(request, self.agent_api_key)

@@ -33,7 +33,7 @@ from fsm_rollout.envs.step import EndReason, NextCall, Rewrite, StepResult, Turn
 from fsm_rollout.gateway import session_table
 from fsm_rollout.gateway.answers import TokenText, read_answer
 from fsm_rollout.gateway.conversation import Extension, compare_history
-from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer, render_message
+from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer, render_message, without_stop_string
 from fsm_rollout.sample import Sample
 from fsm_rollout.sample.branches import training_sequences
 
@@ -341,9 +341,12 @@ class GatewaySession:
             pending.set_result(answer)
 
     def _read_answer(self, turn: Turn, *, finish: str | None = None) -> TurnAnswer:
-        """The answer to the waiting call: the turn's own tokens, its text without the end tokens, its tool calls."""
+        """The answer to the waiting call: the turn's own tokens, its text without the end tokens, its tool calls;
+        its content as the agent gets it, without the stop string (the agent sends it back so; the tokens keep it)."""
         spans = (self._sample.metadata.get("weight_version_spans") if self._sample is not None else None) or []
-        return read_answer(
+        stop = self._runner.sampling_params.get("stop") or ()
+        stops = [*(self.call_sampling.get("stop") or ()), *([stop] if isinstance(stop, str) else stop)]
+        answer = read_answer(
             turn,
             self._text,
             parse_calls=self._tool_choice != "none",
@@ -352,6 +355,7 @@ class GatewaySession:
             weight_version=spans[-1]["version"] if spans else None,
             finish=finish,
         )
+        return without_stop_string(answer, stops)
 
     def _sequence_ended(self, handle: RolloutHandle) -> None:
         """A sequence's rollout ended (``rollout_end``; after a close, abort or expiry the call is settled all the

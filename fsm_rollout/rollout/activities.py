@@ -360,6 +360,7 @@ _CALL_PARAMS = frozenset(
     {
         "temperature",
         "top_p",
+        "top_k",
         "seed",
         "stop",
         "max_tokens",

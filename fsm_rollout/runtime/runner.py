@@ -50,6 +50,7 @@ from fsm_rollout.tokens.chat import ObservationEncoder
 from fsm_rollout.tokens.template_probe import HistoryPolicyChooser
 from fsm_rollout.tokens.tokenizers import TokenizerSource, listed_tokenizer_source, load_tokenizer
 from fsm_rollout.trace import NULL_TRACER, Tracer, hold_tracer, release_tracer
+from fsm_rollout.types import RenderedPrompt
 from fsm_rollout.weights.suspension import Suspender, SuspendStats
 
 NOT_STARTED = "not_started"
@@ -210,9 +211,20 @@ class RolloutRunner:
         return config
 
     def _client_for(self, sample: Sample) -> VLLMClient:
+        return self._client_at(sample.session_id)
+
+    def _client_at(self, session_id: str | None) -> VLLMClient:
         if len(self._clients) == 1:
             return next(iter(self._clients.values()))
-        return self._clients[self._ring.url_for(sample.session_id or "")]
+        return self._clients[self._ring.url_for(session_id or "")]
+
+    async def render(self, payload: Mapping[str, Any], *, session_id: str | None = None) -> RenderedPrompt:
+        """The engine's render of a chat request outside any rollout (not on the tape), on the engine a sample of
+        ``session_id`` is pinned to: what a rollout's first render of the same payload answers."""
+        if not self._entered:
+            raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
+        headers = {"x-session-id": session_id} if session_id else None
+        return await self._client_at(session_id).render(payload, headers=headers)
 
     def _rollout(
         self, sample: Sample, *, sample_id: str | None = None, seed: int | None = None, queued_ms: float | None = None
