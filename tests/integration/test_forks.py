@@ -762,8 +762,8 @@ def test_the_canned_bench_server_renders_a_conversation_so_fork_rollouts_extend_
 ) -> None:
     """The forks benchmark's CPU figure is fork's own cost only if the canned server's re-render is the template's
     (a canned first prompt for every render would fork every observation)."""
-    from fsm_rollout.cli.bench.forks import canned_run
     from fsm_rollout.cli.bench.server import Server
+    from tools.bench_forks import canned_run
 
     server = Server(0.0)
     try:
