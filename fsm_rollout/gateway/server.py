@@ -37,6 +37,7 @@ from aiohttp import web
 from fsm_rollout.envs.protocol import EnvFactory
 from fsm_rollout.errors import ConfigError, EngineError, EngineHTTPError
 from fsm_rollout.gateway.answers import TokenText
+from fsm_rollout.gateway.chat_answers import chat_completion, stream_chunks
 from fsm_rollout.gateway.messages_wire import (
     is_messages_path,
     message_events,
@@ -48,12 +49,10 @@ from fsm_rollout.gateway.messages_wire import (
 )
 from fsm_rollout.gateway.openai_wire import (
     GatewayError,
-    chat_completion,
     error_body,
     parse_chat_request,
     public_error,
     render_message,
-    stream_chunks,
     without_stop_string,
 )
 from fsm_rollout.gateway.session import GatewaySession, SessionEnvironment
