@@ -6,9 +6,10 @@ request, a guardrail's. Each runs as its own rollout (:class:`~fsm_rollout.gatew
 1. the lineage its harness names (the ``lineage_key`` hint; a key not seen before opens a new lineage, or names an
    unnamed lineage the call continues);
 2. else the lineage whose conversation it continues (extends, or repeats as a retry), compared by meaning on the
-   messages alone (a continuation with other tools is that chain's rewrite, as before lineages);
-3. else the lineage with the same system prompt and tools (the most recently called): the call rewrites that chain,
-   which forks (``history_rewritten``) or, for a compaction, ends its sequence ``compacted``;
+   messages alone (a continuation with other tools is that chain's rewrite, as before lineages; a continuation of a
+   chain that ended is refused by it);
+3. else the lineage with the same system prompt and tools (the most recently called live one): the call rewrites
+   that chain, which forks (``history_rewritten``) or, for a compaction, ends its sequence ``compacted``;
 4. else a new lineage (a different system prompt or tool set: another agent's chain).
 
 A rewrite is a **compaction** when its harness says so (a ``window`` hint that changed on the lineage), else when the
@@ -93,7 +94,7 @@ def _compare(lineage: Lineage, call: ChatCall, *, tools: bool) -> Extension:
 def _continues(lineage: Lineage, call: ChatCall) -> bool:
     """The call continues the lineage's conversation (its messages alone, by meaning): it extends it or retries its
     last call; while a call is in flight, it extends or repeats that call's messages."""
-    if not lineage.started or lineage.terminal:
+    if not lineage.started:
         return False
     found = _compare(lineage, call, tools=False)
     if lineage.state == "answering":
@@ -132,13 +133,12 @@ def route(call: ChatCall, lineages: Sequence[Lineage]) -> Route:
         else:
             own = signature(call.messages, call.tools)
             alike = [
-                lineage
-                for lineage in lineages
-                if lineage.started and not lineage.terminal and signature(lineage.held, lineage.tools) == own
+                lineage for lineage in lineages if lineage.started and signature(lineage.held, lineage.tools) == own
             ]
             if not alike:
                 return Route(None)
-            chosen = max(alike, key=lambda lineage: lineage.last_called)
+            # a live chain first; a chain that ended (its agent idle, say) refuses the call as before lineages
+            chosen = max(alike, key=lambda lineage: (not lineage.terminal, lineage.last_called))
     if not chosen.started or chosen.state == "answering":
         return Route(chosen)
     return Route(chosen, _compare(chosen, call, tools=True))

@@ -39,6 +39,8 @@ ROW_COLUMNS = (
 
 FORK_REASON = "history_rewritten"
 """The reason a non-terminal edge carries when a rollout rewrote its history (a fork: a new training sequence)."""
+COMPACTION_REASON = "compacted"
+"""The reason of the fork a gateway agent's compaction takes (a summary replaced earlier turns)."""
 SUSPEND_TRIGGERS = ("suspend", "resume", "hand_back")
 _QUEUED_SHOWN_MS = 50.0
 """A sample is flagged as queued when it waited at least this long for a slot (shown as at least 0.1 s)."""
@@ -261,6 +263,8 @@ def run_summary(inputs: Inputs, rows: Sequence[Mapping[str, Any] | None]) -> dic
         "queued": stats(summary.queued_ms),
         "groups": group_rewards(paths, rows),
         "forks": _edge_reason_usage(paths, FORK_REASON),
+        "compactions": _edge_reason_usage(paths, COMPACTION_REASON),
+        "lineages": lineage_groups(paths),
         "suspensions": _suspensions(paths),
         "problems": [str(problem) for problem in problems],
     }
@@ -308,6 +312,46 @@ def _edge_reason_usage(paths: Sequence[Any], reason: str) -> dict[str, Any] | No
     if not per_sample:
         return None
     return {"reason": reason, "transitions": sum(per_sample.values()), "samples": len(per_sample)}
+
+
+def lineage_of(sample_id: Any) -> tuple[str, str]:
+    """``(session run, lineage)`` of a sample id: a gateway session's lineage ``l1`` runs as ``7.0.l1`` beside its main
+    lineage ``7.0`` (``l0``); any other id is its own main lineage."""
+    head, dot, member = str(sample_id).rpartition(".")
+    if dot and head and member[:1] == "l" and member[1:].isdigit():
+        return head, member
+    return str(sample_id), "l0"
+
+
+def lineage_groups(paths: Sequence[Any]) -> list[dict[str, Any]] | None:
+    """Per gateway session with more than one lineage: each lineage's runs, training sequences (a fork starts one)
+    and the reasons of its forks; None when no session has more than one."""
+    sessions: dict[str, dict[str, dict[str, Any]]] = {}
+    for path in paths:
+        session, lineage = lineage_of(path.sample_id)
+        entry = sessions.setdefault(session, {}).setdefault(
+            lineage, {"lineage": lineage, "runs": 0, "sequences": 0, "forks": Counter()}
+        )
+        forks = [
+            str(event.get("reason"))
+            for event in path.events
+            if event.get("trigger") == "fork" and event.get("dst") == "rendered"
+        ]
+        entry["runs"] += 1
+        entry["sequences"] += 1 + len(forks)
+        entry["forks"].update(forks)
+    groups = [
+        {
+            "session": session,
+            "lineages": [
+                {**entry, "forks": dict(entry["forks"])}
+                for _, entry in sorted(lineages.items(), key=lambda item: int(item[0][1:]))
+            ],
+        }
+        for session, lineages in sessions.items()
+        if len(lineages) > 1
+    ]
+    return groups or None
 
 
 def _suspensions(paths: Sequence[Any]) -> dict[str, Any] | None:
@@ -384,6 +428,11 @@ def sample_row(path: Any, row: Mapping[str, Any] | None, replayed: Mapping[str, 
     flags = []
     if any(event.get("reason") == FORK_REASON for event in path.events):
         flags.append("fork")
+    if any(event.get("reason") == COMPACTION_REASON for event in path.events):
+        flags.append("compacted")
+    session, lineage = lineage_of(path.sample_id)
+    if session != str(path.sample_id):
+        flags.append(f"lineage {lineage} of {session}")
     if any(event.get("trigger") in SUSPEND_TRIGGERS for event in path.events):
         flags.append("suspended")
     if any(event.get("trigger") == "fail" for event in path.events):
