@@ -116,7 +116,7 @@ class BatchSummary:
 
 def summarize(paths: Sequence[TracedPath]) -> BatchSummary:
     """Aggregate the paths of a trace (see :class:`BatchSummary`)."""
-    from fsm_rollout.report.model import lineage_groups
+    from fsm_rollout.replay.paths import lineage_groups
 
     summary = BatchSummary(runs=len(paths), lineages=lineage_groups(paths))
     for path in paths:
@@ -301,7 +301,7 @@ def render_timeline(
         f"{len(path.events)} transitions ({where})"
     ]
     if path.session_id:
-        from fsm_rollout.report.model import lineage_of
+        from fsm_rollout.replay.paths import lineage_of
 
         run, lineage = lineage_of(path.sample_id)
         of = f", lineage {lineage} of {run} (lineage l0)" if run != str(path.sample_id) else ""

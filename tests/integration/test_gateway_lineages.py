@@ -36,7 +36,10 @@ def generated_by_request(server: FakeVLLMServer, session_id: str, texts: Sequenc
     """The session's generate requests in arrival order, each with the tokens its scripted turn generated."""
     requests = [r for r in server.requests_to(GENERATE_PATH) if r.headers.get("x-session-id") == session_id]
     assert len(requests) == len(texts)
-    return [(r.body["token_ids"], tokenizer.encode(text, add_special_tokens=False)) for r, text in zip(requests, texts)]
+    return [
+        (r.body["token_ids"], tokenizer.encode(text, add_special_tokens=False))
+        for r, text in zip(requests, texts, strict=True)
+    ]
 
 
 def check_token_exact(sequences: Sequence[Sample], generated: Sequence[Any]) -> None:
