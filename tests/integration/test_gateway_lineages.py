@@ -17,6 +17,7 @@ import pytest
 from fsm_rollout import Sample, training_sequences
 from fsm_rollout.gateway import AgentGateway, GatewaySession
 from fsm_rollout.gateway.openai_wire import parse_chat_request
+from fsm_rollout.report import build_report
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
 from tests.integration.test_gateway import TOOLS, runner_for
 
@@ -238,4 +239,14 @@ async def test_a_recorded_session_with_lineages_and_a_compaction_replays_identic
     assert "re-executed 4 turns" in replayed and "identical 2" in replayed, replayed
     assert await asyncio.to_thread(cli, ["inspect", str(trace)]) == 0
     shown = capsys.readouterr().out
-    assert "lineage l1" in shown and "compacted" in shown, shown
+    assert "lineage l0 2 sequence(s) (compacted 1); lineage l1 1 sequence(s)" in shown, shown
+    assert await asyncio.to_thread(cli, ["inspect", str(trace), "--sample", "0.0.l1"]) == 0
+    assert "lineage l1 of 0.0" in capsys.readouterr().out
+    # the report groups the session's runs by lineage and counts the compaction apart from history rewrites
+    summary = (await asyncio.to_thread(build_report, trace, tokenizer=tokenizer)).index["summary"]
+    assert summary["compactions"] == {"reason": "compacted", "transitions": 1, "samples": 1}
+    assert summary["forks"] is None
+    assert [(each["lineage"], each["sequences"]) for each in summary["lineages"][0]["lineages"]] == [
+        ("l0", 2),
+        ("l1", 1),
+    ]
