@@ -245,7 +245,7 @@ class AgentGateway:
         session = self._sessions.get(sample.session_id or "")
         if session is None:
             raise ConfigError(f"no gateway session {sample.session_id!r} for this sample")
-        return SessionEnvironment(session)
+        return session.environment(sample)
 
     # ------------------------------------------------------------------ HTTP
 
