@@ -6,7 +6,14 @@ Paths (the agent is given ``base_url`` = ``<gateway>/sessions/<id>/v1`` and uses
 * ``POST /sessions/{id}/v1/chat/completions`` (agent): OpenAI Chat Completions, streamed or not. A retry of the
   call in flight or of the last one (the same body, or the same ``Idempotency-Key`` header) gets that call's answer:
   a client's retry after a timeout or a disconnect generates nothing twice
+* ``POST /sessions/{id}/v1/responses`` (agent): OpenAI Responses, streamed or not
+  (:mod:`fsm_rollout.gateway.responses_wire`); ``store`` keeps a session's responses for ``previous_response_id``
 * ``GET /sessions/{id}/v1/models`` (agent)
+* ``GET /sessions`` (control): the open sessions (each as ``GET /sessions/{id}`` answers, with ``created`` and
+  ``base_url``), so a trainer can close and reward them after a harness exits
+* with ``auto_sessions``, ``POST /v1/chat/completions``, ``POST /v1/responses`` and ``GET /v1/models`` at the root
+  (agent): the first request with a client session key (:mod:`fsm_rollout.gateway.hints`: ``x-session-id``, or a
+  harness's own header) opens a session, later ones with that key use it
 * ``POST /sessions/{id}/reward`` (control) ``{"reward": float}``
 * ``POST /sessions/{id}/close`` (control), optional ``{"reward": ...}`` → ``{"samples": [Sample.to_dict(), ...]}``
 * ``GET /sessions/{id}`` (control): the machine's state, turns and status
@@ -23,7 +30,9 @@ import dataclasses
 import hmac
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any, cast
 
@@ -34,6 +43,7 @@ from aiohttp import web
 from fsm_rollout.envs.protocol import EnvFactory
 from fsm_rollout.errors import ConfigError
 from fsm_rollout.gateway.answers import TokenText
+from fsm_rollout.gateway.hints import header_hints
 from fsm_rollout.gateway.openai_wire import (
     GatewayError,
     chat_completion,
@@ -43,6 +53,8 @@ from fsm_rollout.gateway.openai_wire import (
     stream_chunks,
     without_stop_string,
 )
+from fsm_rollout.gateway.responses_events import sse_bytes, stream_events
+from fsm_rollout.gateway.responses_wire import StoredResponses, parse_responses_request, response_object
 from fsm_rollout.gateway.session import GatewaySession, SessionEnvironment
 from fsm_rollout.runtime.pacing import LoopPacer, pacer_for
 from fsm_rollout.runtime.runner import RolloutRunner
@@ -84,6 +96,7 @@ class AgentGateway:
         session_idle_timeout_s: float | None = 3600.0,
         closed_session_ttl_s: float = 600.0,
         disconnect_grace_s: float = 30.0,
+        auto_sessions: bool = False,
     ) -> None:
         if runner.env_factory is not None:
             raise ConfigError(
@@ -103,6 +116,11 @@ class AgentGateway:
         self.session_idle_timeout_s = session_idle_timeout_s
         self.closed_session_ttl_s = closed_session_ttl_s
         self.disconnect_grace_s = disconnect_grace_s
+        self.auto_sessions = auto_sessions
+        self._auto: dict[str, str] = {}  # a client's session key -> the session it opened (auto_sessions)
+        self._created: dict[str, float] = {}  # open sessions' wall-clock opening times, for GET /sessions
+        # each session's stored responses (store: true), gone with the session
+        self._stored: weakref.WeakKeyDictionary[GatewaySession, StoredResponses] = weakref.WeakKeyDictionary()
         self._sessions: dict[str, GatewaySession] = {}
         # closed sessions kept for a repeated close (a lost close response must not lose the samples), each with
         # the loop time it is forgotten at; insertion order is expiry order, the TTL being one for all
@@ -126,6 +144,12 @@ class AgentGateway:
             app.router.add_post("/sessions", self._open)
             app.router.add_post("/sessions/{sid}/v1/chat/completions", self._chat)
             app.router.add_get("/sessions/{sid}/v1/models", self._models)
+            app.router.add_post("/sessions/{sid}/v1/responses", self._responses)
+            app.router.add_get("/sessions", self._list)
+            if self.auto_sessions:  # the same handlers: a path without {sid} resolves the session by the client's key
+                app.router.add_post("/v1/chat/completions", self._chat)
+                app.router.add_post("/v1/responses", self._responses)
+                app.router.add_get("/v1/models", self._models)
             app.router.add_post("/sessions/{sid}/reward", self._reward)
             app.router.add_post("/sessions/{sid}/close", self._close)
             app.router.add_get("/sessions/{sid}", self._status)
@@ -183,6 +207,7 @@ class AgentGateway:
         )
         self._opened += 1
         self._sessions[session_id] = session
+        self._created[session_id] = time.time()
         self.runner.counters.session_opened()
         return session
 
@@ -209,6 +234,10 @@ class AgentGateway:
         return len(self._sessions)
 
     def _forget(self, session: GatewaySession) -> None:
+        self._created.pop(session.session_id, None)
+        key = session.metadata.get("session_key")
+        if isinstance(key, str) and self._auto.get(key) == session.session_id:
+            del self._auto[key]
         if self._sessions.pop(session.session_id, None) is not None:
             self.runner.counters.session_closed()
             self._drop_expired()
@@ -288,8 +317,9 @@ class AgentGateway:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self._authorize(request, self.agent_api_key)
-        session = self.session(request.match_info["sid"])
         call = parse_chat_request(await self._body(request, optional=False))
+        call = dataclasses.replace(call, hints=header_hints(request.headers))
+        session = await self._agent_session(request, call.hints)
         answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
         runner_stop = self.runner.sampling_params.get("stop") or ()
         stops = [*(call.sampling.get("stop") or ()), *([runner_stop] if isinstance(runner_stop, str) else runner_stop)]
@@ -320,7 +350,8 @@ class AgentGateway:
 
     async def _models(self, request: web.Request) -> web.Response:
         self._authorize(request, self.agent_api_key)
-        self.session(request.match_info["sid"])
+        if "sid" in request.match_info:
+            self.session(request.match_info["sid"])
         model = self.runner.config.model
         return _json(
             {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "fsm-rollout"}]}
@@ -349,3 +380,59 @@ class AgentGateway:
     async def _status(self, request: web.Request) -> web.Response:
         self._authorize(request, self.api_key)
         return _json(self.session(request.match_info["sid"]).status())
+
+    async def _list(self, request: web.Request) -> web.Response:
+        self._authorize(request, self.api_key)
+        listed = [
+            {**session.status(), "created": self._created.get(sid), "base_url": session.base_url}
+            for sid, session in self._sessions.items()
+        ]
+        return _json({"sessions": listed})
+
+    async def _agent_session(self, request: web.Request, hints: Mapping[str, Any]) -> GatewaySession:
+        """The session an agent's call is for: the path's, or (a root path, ``auto_sessions``) the one keyed by the
+        client's ``session_key`` hint, opened on first sight."""
+        sid = request.match_info.get("sid")
+        if sid is not None:
+            return self.session(sid)
+        key = hints.get("session_key")
+        if not isinstance(key, str) or not key:
+            raise GatewayError(
+                400,
+                "a call on a root path needs a session key: send the 'x-session-id' header (Codex sends its own in "
+                "'x-codex-turn-metadata'), or use the base URL <gateway>/sessions/<id>/v1 of a session opened with "
+                "POST /sessions",
+                code="session_key_missing",
+            )
+        session = self._sessions.get(self._auto.get(key, ""))
+        if session is None:
+            session = await self.open_session(metadata={"session_key": key})
+            self._auto[key] = session.session_id
+        return session
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        self._authorize(request, self.agent_api_key)
+        parsed = parse_responses_request(await self._body(request, optional=False))
+        hints = header_hints(request.headers)
+        session = await self._agent_session(request, hints)
+        stored = self._stored.setdefault(session, StoredResponses())
+        prior = stored.conversation(parsed.previous_response_id)
+        call = parsed.chat_call(prior, hints)
+        if parsed.dropped_tools:  # listed in the session's metadata (the samples' "gateway_session")
+            dropped = session.metadata.setdefault("dropped_tools", [])
+            dropped.extend(tool for tool in parsed.dropped_tools if tool not in dropped)
+        answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
+        runner_stop = self.runner.sampling_params.get("stop") or ()
+        stops = [*(call.sampling.get("stop") or ()), *([runner_stop] if isinstance(runner_stop, str) else runner_stop)]
+        answer = without_stop_string(answer, stops)
+        response_id = f"resp_{secrets.token_hex(16)}"
+        body = response_object(answer, parsed, response_id=response_id, model=self.runner.config.model)
+        if parsed.store:
+            stored.put(response_id, parsed.conversation(prior, answer))
+        if not parsed.stream:
+            return _json(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await response.write(sse_bytes(stream_events(body)))
+        await response.write_eof()
+        return response
