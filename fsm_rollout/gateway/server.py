@@ -317,6 +317,7 @@ class AgentGateway:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self._authorize(request, self.agent_api_key)
+        self._known_session(request)  # an unknown session is a 404 before the body is read
         call = parse_chat_request(await self._body(request, optional=False))
         call = dataclasses.replace(call, hints=header_hints(request.headers))
         session = await self._agent_session(request, call.hints)
@@ -350,8 +351,7 @@ class AgentGateway:
 
     async def _models(self, request: web.Request) -> web.Response:
         self._authorize(request, self.agent_api_key)
-        if "sid" in request.match_info:
-            self.session(request.match_info["sid"])
+        self._known_session(request)
         model = self.runner.config.model
         return _json(
             {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "fsm-rollout"}]}
@@ -389,6 +389,11 @@ class AgentGateway:
         ]
         return _json({"sessions": listed})
 
+    def _known_session(self, request: web.Request) -> None:
+        """A path naming a session must name a known one (404); a root path's session is resolved by the call."""
+        if "sid" in request.match_info:
+            self.session(request.match_info["sid"])
+
     async def _agent_session(self, request: web.Request, hints: Mapping[str, Any]) -> GatewaySession:
         """The session an agent's call is for: the path's, or (a root path, ``auto_sessions``) the one keyed by the
         client's ``session_key`` hint, opened on first sight."""
@@ -412,6 +417,7 @@ class AgentGateway:
 
     async def _responses(self, request: web.Request) -> web.StreamResponse:
         self._authorize(request, self.agent_api_key)
+        self._known_session(request)
         parsed = parse_responses_request(await self._body(request, optional=False))
         hints = header_hints(request.headers)
         session = await self._agent_session(request, hints)
