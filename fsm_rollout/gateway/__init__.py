@@ -4,7 +4,9 @@ A gateway session is a rollout whose environment is the agent: the first call's 
 later call's new messages are an observation, and closing the session is ``done``. See
 :mod:`fsm_rollout.gateway.server` (the HTTP surface and :class:`AgentGateway`),
 :mod:`fsm_rollout.gateway.session` (one session), :mod:`fsm_rollout.gateway.conversation` (the history check by
-meaning) and :mod:`fsm_rollout.gateway.openai_wire` (requests, answers, streams, errors).
+meaning), :mod:`fsm_rollout.gateway.openai_wire` (requests, answers, streams, errors),
+:mod:`fsm_rollout.gateway.responses_wire` and :mod:`fsm_rollout.gateway.responses_events` (the Responses API, read
+into chat calls) and :mod:`fsm_rollout.gateway.hints` (what a client's headers say about a call).
 
 Its modules are internal: import from this package.
 """

@@ -30,6 +30,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import orjson
+
 from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer, parse_chat_request
 
 __all__ = [
@@ -126,8 +128,9 @@ class ResponsesRequest:
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
-    """A Responses request body, checked (:class:`GatewayError` 400 naming what is wrong)."""
-    if not isinstance(body, Mapping):
+    """A Responses request body, checked (:class:`GatewayError` 400 naming what is wrong). JSON objects are
+    ``dict`` (as the body's decoder gives them): checked as such, which is cheaper than an abstract ``Mapping``."""
+    if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", "invalid_json")
     for key, value in body.items():
         kind = RESPONSES_FIELDS.get(key)
@@ -168,7 +171,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         if body.get(key) is not None and not isinstance(body[key], bool):
             raise _bad(f"'{key}' must be a boolean", key)
     for key in ("metadata", "reasoning"):
-        if body.get(key) is not None and not isinstance(body[key], Mapping):
+        if body.get(key) is not None and not isinstance(body[key], dict):
             raise _bad(f"'{key}' must be an object", key)
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):
@@ -201,7 +204,7 @@ def _input(value: Any) -> list[dict[str, Any]]:
     turn: dict[str, Any] | None = None  # the assistant message being gathered from consecutive items
     for index, item in enumerate(value):
         where = f"input[{index}]"
-        if not isinstance(item, Mapping):
+        if not isinstance(item, dict):
             raise _bad(f"{where} must be an object", "input")
         kind = item.get("type") or ("message" if "role" in item else None)
         if kind == "reasoning":
@@ -253,8 +256,8 @@ def _function_call(where: str, item: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(arguments, str):
         raise _bad(f"{where}.arguments must be a JSON string", "input")
     try:
-        decoded = json.loads(arguments) if arguments.strip() else {}
-    except ValueError as error:
+        decoded = orjson.loads(arguments) if arguments.strip() else {}
+    except orjson.JSONDecodeError as error:
         raise _bad(f"{where}.arguments is not valid JSON ({error})", "input") from error
     if not isinstance(decoded, dict):
         raise _bad(f"{where}.arguments must encode a JSON object", "input")
@@ -271,7 +274,7 @@ def _content(where: str, content: Any, role: str) -> str | list[dict[str, Any]]:
     parts: list[dict[str, Any]] = []
     images = False
     for part in content:
-        kind = part.get("type") if isinstance(part, Mapping) else None
+        kind = part.get("type") if isinstance(part, dict) else None
         if kind in _TEXT_PARTS and isinstance(part.get("text"), str):
             parts.append({"type": "text", "text": part["text"]})
         elif kind == "refusal" and isinstance(part.get("refusal"), str):
@@ -306,21 +309,21 @@ def _tools(value: Any) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]
     tools: list[dict[str, Any]] = []
     dropped: list[dict[str, Any]] = []
     for index, tool in enumerate(value):
-        if not isinstance(tool, Mapping) or not isinstance(tool.get("type"), str):
+        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
             raise _bad(f"tools[{index}] must be an object with a 'type'", "tools")
         if tool["type"] != "function":
             name = tool.get("name")
             dropped.append({"type": tool["type"], **({"name": name} if isinstance(name, str) else {})})
             continue
         nested = tool.get("function")
-        spec = nested if isinstance(nested, Mapping) and "name" not in tool else tool  # chat's form, sent by mistake
+        spec = nested if isinstance(nested, dict) and "name" not in tool else tool  # chat's form, sent by mistake
         if not isinstance(spec.get("name"), str) or not spec["name"]:
             raise _bad(f"tools[{index}] is a function without a 'name'", "tools")
         function: dict[str, Any] = {"name": spec["name"]}
         for key in ("description", "parameters", "strict"):
             if spec.get(key) is not None:
                 function[key] = spec[key]
-        if "parameters" in function and not isinstance(function["parameters"], Mapping):
+        if "parameters" in function and not isinstance(function["parameters"], dict):
             raise _bad(f"tools[{index}].parameters must be a JSON schema object", "tools")
         tools.append({"type": "function", "function": function})
     return tools or None, dropped
@@ -330,7 +333,7 @@ def _tool_choice(choice: Any, dropped: Sequence[Mapping[str, Any]]) -> Any:
     """Responses' ``tool_choice`` in chat's form (chat checks it against the tools)."""
     if choice is None or isinstance(choice, str):
         return choice
-    if not isinstance(choice, Mapping):
+    if not isinstance(choice, dict):
         raise _bad("'tool_choice' must be 'auto', 'none', 'required' or a tool object", "tool_choice")
     if choice.get("type") == "function":
         return {"type": "function", "function": {"name": choice.get("name")}}
@@ -348,12 +351,12 @@ def _text_format(text: Any) -> dict[str, Any] | None:
     """``text.format`` as chat's ``response_format`` (``text.verbosity`` is a hint to OpenAI's models: ignored)."""
     if text is None:
         return None
-    if not isinstance(text, Mapping):
+    if not isinstance(text, dict):
         raise _bad("'text' must be an object", "text")
     fmt = text.get("format")
     if fmt is None:
         return None
-    if not isinstance(fmt, Mapping) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
         raise _bad("'text.format' must be {'type': 'text' | 'json_object' | 'json_schema', ...}", "text")
     if fmt["type"] != "json_schema":
         return {"type": fmt["type"]}
