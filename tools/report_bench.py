@@ -40,7 +40,7 @@ def measure(trace: Path, results: Path | None, output: Path, tokenizer: Any = No
 async def paint_times(page: Path, repeat: int) -> dict[str, float]:
     """Median first contentful paint (-1 when no load timed it) and time to ready over ``repeat`` loads, each in a
     fresh Chromium."""
-    from fsm_rollout.report.chromium import Chromium
+    from tools.chromium import Chromium
 
     paints, readies = [], []
     for _ in range(repeat):

@@ -27,7 +27,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "report": ("fsm_rollout.cli.report", "write a recorded run as one self-contained web page"),
     "diagram": (
         "fsm_rollout.cli.diagram",
-        "write the lifecycle diagrams and the generated sections of README.md and docs/cli.md",
+        "write the lifecycle diagrams (diagrams/) from the transition tables",
     ),
     "serve": ("fsm_rollout.cli.serve", "run the embedded CPU engine speaking vLLM's token-in/token-out API"),
     "bench": ("fsm_rollout.cli.bench", "measure the machine and the client against plain alternatives"),

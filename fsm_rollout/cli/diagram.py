@@ -1,20 +1,18 @@
-"""``fsm-rollout diagram``: the checked-in lifecycle diagrams and the documents' generated sections, kept in step.
+"""``fsm-rollout diagram``: the lifecycle diagrams, drawn from the transition tables and kept in step with them.
 
-The command writes three files from :mod:`fsm_rollout.machine.lifecycle` with :mod:`fsm_rollout.machine.diagrams`:
+The command writes, into ``diagrams/``, from :mod:`fsm_rollout.machine.lifecycle` with
+:mod:`fsm_rollout.machine.diagrams`:
 
-``lifecycle.mmd``  the Mermaid ``stateDiagram-v2`` (the README embeds the same text);
+``lifecycle.mmd``  the Mermaid ``stateDiagram-v2``;
 ``lifecycle.dot``  the Graphviz source;
-``lifecycle.svg``  ``dot -Tsvg`` of that source (and ``gateway_session.mmd``/``.dot`` of the gateway's table);
+``lifecycle.svg``  ``dot -Tsvg`` of that source;
 
-and rewrites the generated sections of the checkout's documents (:data:`SECTIONS`, each naming the file it lives in:
-the README's lifecycle diagram, lifecycle table and layout map, and ``docs/cli.md``'s command-line reference), each
-between its own ``BEGIN GENERATED`` and ``END GENERATED`` marker lines. The documents are those of the fsm-rollout
-checkout the command runs in (the working directory or one above it); outside a checkout none is touched, since a
-library installed elsewhere has no business writing one. ``--readme PATH`` and ``--no-readme`` choose the README
-only: ``docs/cli.md`` is always the checkout's, so pointing the README elsewhere still keeps the reference in step.
+and ``gateway_session.mmd``/``.dot`` from the gateway session's table. It writes nothing else: the README's and
+``docs/cli.md``'s generated sections and the README's screenshot are the maintainers' ``python -m tools.docs``, which
+is not installed with the package.
 
-Staleness: the Mermaid text, the DOT text and the README sections are compared byte for byte, but an SVG's bytes
-depend on the graphviz version and the installed fonts. So an SVG counts as up to date when the DOT hash it records
+Staleness: the Mermaid and DOT texts are compared byte for byte, but an SVG's bytes depend on the graphviz version
+and the installed fonts. So an SVG counts as up to date when the DOT hash it records
 (:data:`fsm_rollout.machine.diagrams.PROVENANCE`) is the hash of the DOT text the table gives now and it draws that
 text's nodes and edges. Neither writing nor checking re-renders an up-to-date SVG, so neither needs ``dot`` then; delete
 the SVG to force a re-render (after a graphviz upgrade, say).
@@ -29,11 +27,8 @@ import re
 import sys
 import tomllib
 from collections import Counter
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 
-from fsm_rollout.cli import docs
 from fsm_rollout.gateway.session_table import diagram_files as session_diagram_files
 from fsm_rollout.machine.diagrams import (
     PROVENANCE,
@@ -50,6 +45,9 @@ from fsm_rollout.machine.diagrams import (
 COMMAND = "fsm-rollout diagram"
 """The command that regenerates the checked-in diagrams (named in staleness messages)."""
 
+DOCS_COMMAND = "python -m tools.docs"
+"""The maintainers' command that writes the documents' generated sections (from a checkout; not installed)."""
+
 MERMAID_FILE = "lifecycle.mmd"
 DOT_FILE = "lifecycle.dot"
 SVG_FILE = "lifecycle.svg"
@@ -61,11 +59,9 @@ OVERLAY_FORMATS = (".mmd", ".dot", ".gv", ".svg")
 
 EPILOG = """\
 Without --trace it writes lifecycle.mmd, lifecycle.dot and lifecycle.svg from the table in
-fsm_rollout/machine/lifecycle.py (the SVG needs Graphviz's `dot`, and only when it is out of date), and the generated
-sections of the checkout's README.md (the lifecycle diagram, the lifecycle table and the layout map) and
-docs/cli.md (this command-line reference). --readme PATH and --no-readme choose the README only; docs/cli.md is
-always the checkout's. Outside a checkout neither is touched. --check writes nothing and exits 1 when anything is
-stale.
+fsm_rollout/machine/lifecycle.py, and gateway_session.mmd and gateway_session.dot from the gateway session's table,
+into diagrams/ of the checkout (of the working directory outside one; --out DIR elsewhere). The SVG needs Graphviz's
+`dot`, and only when it is out of date. --check writes nothing and exits 1 when any of them is stale.
 
 With --trace TRACE -o FILE it draws one recorded run on the lifecycle instead: each edge with the transitions that
 took it and the share of samples that did, each state with the samples that entered it and the median of their
@@ -73,97 +69,7 @@ dwell times; --sample ID highlights one sample's path. The ending of FILE picks 
 .svg).
 
 Exit codes: 0 written (or up to date); 1 stale, under --check; 2 an error (no `dot` for an SVG, an unreadable
-trace, a README or docs/cli.md without its generated sections)."""
-
-
-# ---------------------------------------------------------------------------------------------- generated sections
-
-README = "README.md"
-CLI_DOC = "docs/cli.md"
-"""The documents holding generated sections, relative to the checkout."""
-
-
-@dataclass(frozen=True)
-class GeneratedSection:
-    """A part of a document generated from the code, between its BEGIN and END marker lines."""
-
-    name: str
-    render: Callable[[], str]
-    """What lies between the markers."""
-    required: bool = False
-    """Whether a document without this section is an error (the others are rewritten where present)."""
-    file: str = README
-    """The document the section lives in, relative to the checkout."""
-
-    @property
-    def begin(self) -> str:
-        return f"<!-- BEGIN GENERATED: {self.name} -->"
-
-    @property
-    def end(self) -> str:
-        return f"<!-- END GENERATED: {self.name} -->"
-
-
-def readme_block(mermaid_text: str) -> str:
-    """What lies between the lifecycle diagram's markers: the Mermaid text in a fenced block."""
-    return f"\n```mermaid\n{mermaid_text}```\n"
-
-
-SECTIONS: tuple[GeneratedSection, ...] = (
-    GeneratedSection("lifecycle diagram", lambda: readme_block(mermaid()), required=True),
-    GeneratedSection("lifecycle table", lambda: "\n" + docs.lifecycle_table()),
-    GeneratedSection("command line", lambda: "\n" + docs.command_line(), required=True, file=CLI_DOC),
-    GeneratedSection("layout", lambda: "\n" + docs.layout_map()),
-)
-"""Every generated section, in the order each document holds them."""
-README_SECTIONS = tuple(section for section in SECTIONS if section.file == README)
-README_BEGIN = README_SECTIONS[0].begin
-README_END = README_SECTIONS[0].end
-
-
-def replace_section(readme_text: str, section: GeneratedSection, content: str, *, name: str = "README") -> str:
-    """The document's text with ``section``'s content replaced.
-
-    Raises :class:`DiagramError` when a required section is missing, or any section is there twice or unclosed.
-    """
-    begin = readme_text.find(section.begin)
-    if begin < 0 and not section.required:
-        return readme_text
-    end = readme_text.find(section.end, begin + len(section.begin)) if begin >= 0 else -1
-    if begin < 0 or end < 0 or readme_text.count(section.begin) != 1:
-        raise DiagramError(
-            f"{name} must hold exactly one generated section: a line {section.begin} followed later by {section.end}"
-        )
-    start = begin + len(section.begin)
-    return readme_text[:start] + content + readme_text[end:]
-
-
-def replace_readme_section(readme_text: str, mermaid_text: str, *, name: str = "README") -> str:
-    """The README text with the lifecycle diagram section replaced by ``mermaid_text``."""
-    return replace_section(readme_text, README_SECTIONS[0], readme_block(mermaid_text), name=name)
-
-
-def regenerate_document(text: str, file: str, *, name: str | None = None) -> str:
-    """The text of document ``file`` (:data:`README`, :data:`CLI_DOC`) with its generated sections rewritten.
-
-    A section that lives in another document is an error rather than left to go stale where it no longer belongs
-    (a README from before the command-line reference moved to ``docs/cli.md``, say).
-    """
-    name = name or file
-    for section in SECTIONS:
-        if section.file == file:
-            text = replace_section(text, section, section.render(), name=name)
-        elif section.begin in text:
-            raise DiagramError(
-                f"{name} holds the generated {section.name} section, which lives in {section.file} now: "
-                f"delete the lines from {section.begin} to {section.end}"
-            )
-    return text
-
-
-def regenerate_readme(readme_text: str, *, name: str = "README") -> str:
-    """The README text with every generated section present rewritten from the code."""
-    return regenerate_document(readme_text, README, name=name)
+trace)."""
 
 
 # -------------------------------------------------------------------------------------------- SVG provenance
@@ -207,43 +113,9 @@ def svg_problem(svg_text: str, dot_text: str) -> str | None:
 # ------------------------------------------------------------------------------------------------------ files
 
 
-@dataclass(frozen=True)
-class _Plan:
-    """The text files and documents the code gives now, and what the SVG must be rendered from."""
-
-    texts: Mapping[str, str]
-    dot_text: str
-    documents: Mapping[Path, tuple[str, str]]
-    """Each document's path: its name in the checkout (:data:`README`, :data:`CLI_DOC`) and its regenerated text."""
-
-
-def _documents(readme: Path | None, documents: Mapping[str, Path] | None) -> dict[str, Path]:
-    """Each document to rewrite, by its name in the checkout: ``documents`` and ``readme`` (which wins)."""
-    targets = dict(documents or {})
-    unknown = sorted(set(targets) - {section.file for section in SECTIONS})
-    if unknown:
-        raise DiagramError(f"no generated sections live in {', '.join(unknown)}")
-    if readme is not None:
-        targets[README] = readme
-    return targets
-
-
-def _plan(readme: Path | None, documents: Mapping[str, Path] | None) -> _Plan:
-    dot_text = dot()
-    regenerated = {}
-    for file, path in _documents(readme, documents).items():
-        what = "README" if file == README else file
-        regenerated[path] = (file, regenerate_document(_read_text(path, what), file, name=str(path)))
-    return _Plan({MERMAID_FILE: mermaid(), DOT_FILE: dot_text, **session_diagram_files()}, dot_text, regenerated)
-
-
-def _read_text(path: Path, what: str) -> str:
-    try:
-        return path.read_bytes().decode()
-    except FileNotFoundError as exc:
-        raise DiagramError(f"{what} {path} does not exist") from exc
-    except (OSError, UnicodeDecodeError) as exc:
-        raise DiagramError(f"cannot read {what} {path}: {exc}") from exc
+def diagram_texts() -> dict[str, str]:
+    """The text files of ``diagrams/`` as the tables give them now, by file name (the SVG aside)."""
+    return {MERMAID_FILE: mermaid(), DOT_FILE: dot(), **session_diagram_files()}
 
 
 def _current(path: Path) -> str | None:
@@ -253,18 +125,16 @@ def _current(path: Path) -> str | None:
         return None
 
 
-def stale_diagrams(out_dir: Path, readme: Path | None, documents: Mapping[str, Path] | None = None) -> list[str]:
-    """What differs between the files in ``out_dir`` (and the documents' sections) and what the code gives now.
+def stale_diagrams(out_dir: Path) -> list[str]:
+    """What differs between the files in ``out_dir`` and what the tables give now: one line per stale file, empty
+    when everything is up to date.
 
-    ``readme`` is the README whose sections are checked (None: none); ``documents`` the other documents holding
-    generated sections, by their name in the checkout (``{CLI_DOC: path}``). Returns one line per stale file or
-    section, empty when everything is up to date. The Mermaid and DOT files and the sections must match byte for
-    byte; the SVG must be a rendering of the current DOT text (:func:`svg_problem`), which is checked without
-    running ``dot``.
+    The Mermaid and DOT files must match byte for byte; the SVG must be a rendering of the current DOT text
+    (:func:`svg_problem`), which is checked without running ``dot``.
     """
-    plan = _plan(readme, documents)
+    texts = diagram_texts()
     problems = []
-    for name, text in plan.texts.items():
+    for name, text in texts.items():
         current = _current(out_dir / name)
         if current is None:
             problems.append(f"{out_dir / name} is missing")
@@ -274,31 +144,24 @@ def stale_diagrams(out_dir: Path, readme: Path | None, documents: Mapping[str, P
     if svg is None:
         problems.append(f"{out_dir / SVG_FILE} is missing")
     else:
-        problem = svg_problem(svg, plan.dot_text)
+        problem = svg_problem(svg, texts[DOT_FILE])
         if problem:
             problems.append(f"{out_dir / SVG_FILE} {problem}")
-    for path, (file, _text) in plan.documents.items():
-        current_text = _current(path) or ""
-        for section in SECTIONS:
-            if section.file == file and replace_section(current_text, section, section.render()) != current_text:
-                problems.append(f"{path}: the generated {section.name} section differs from the code")
     return problems
 
 
-def write_diagrams(out_dir: Path, readme: Path | None, documents: Mapping[str, Path] | None = None) -> list[Path]:
-    """Write the diagrams into ``out_dir`` and the documents' generated sections; returns the files changed.
+def write_diagrams(out_dir: Path) -> list[Path]:
+    """Write the diagrams into ``out_dir``; returns the files changed.
 
-    ``readme`` and ``documents`` are as for :func:`stale_diagrams`. Files already up to date are left alone, so
-    regenerating an unchanged table changes nothing; the SVG is re-rendered (which needs ``dot``) only when it does
-    not match the current DOT text. Everything is computed before anything is written: a missing ``dot`` or marker
-    leaves all files as they were.
+    Files already up to date are left alone, so regenerating an unchanged table changes nothing; the SVG is
+    re-rendered (which needs ``dot``) only when it does not match the current DOT text. Everything is computed
+    before anything is written: a missing ``dot`` leaves all files as they were.
     """
-    plan = _plan(readme, documents)
-    writes: dict[Path, str] = {out_dir / name: text for name, text in plan.texts.items()}
+    texts = diagram_texts()
+    writes: dict[Path, str] = {out_dir / name: text for name, text in texts.items()}
     svg = _current(out_dir / SVG_FILE)
-    if svg is None or svg_problem(svg, plan.dot_text) is not None:
-        writes[out_dir / SVG_FILE] = render_svg(plan.dot_text)
-    writes.update({path: text for path, (_file, text) in plan.documents.items()})
+    if svg is None or svg_problem(svg, texts[DOT_FILE]) is not None:
+        writes[out_dir / SVG_FILE] = render_svg(texts[DOT_FILE])
     changed = [path for path, text in writes.items() if _current(path) != text]
     for path in changed:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -359,22 +222,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"where {MERMAID_FILE}, {DOT_FILE} and {SVG_FILE} go (default: diagrams/ of the checkout, or of the "
         "working directory outside one)",
     )
-    readme = parser.add_mutually_exclusive_group()
-    readme.add_argument(
-        "--readme",
-        type=Path,
-        metavar="PATH",
-        help="README whose generated sections are rewritten (default: the checkout's README.md; none outside one); "
-        "docs/cli.md is the checkout's either way",
-    )
-    readme.add_argument(
-        "--no-readme", action="store_true", help="leave the README alone (docs/cli.md is still rewritten)"
-    )
-    parser.add_argument(
-        "--check",
-        action="store_true",
-        help="write nothing; exit 1 if any generated file or section (README.md, docs/cli.md) is stale",
-    )
+    parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if any diagram is stale")
+    # The command used to rewrite the README too: --no-readme is still accepted (it is what the command does now),
+    # and --readme PATH says where that moved.
+    parser.add_argument("--no-readme", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--readme", type=Path, help=argparse.SUPPRESS)
     overlay = parser.add_argument_group("overlay of a recorded run")
     overlay.add_argument(
         "--trace", type=Path, metavar="TRACE", help="a transition trace (JSON lines) to draw on the lifecycle instead"
@@ -389,36 +241,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     overlay.add_argument("--sample", metavar="ID", help="highlight this sample's path (its sample_id)")
 
 
-def _targets(args: argparse.Namespace) -> tuple[Path, Path | None, dict[str, Path]]:
-    """The diagram directory, the README (None: none) and the other documents the options and working directory give.
-
-    ``--readme`` and ``--no-readme`` choose the README only; the other documents are the checkout's (none outside
-    one).
-    """
+def _out_dir(args: argparse.Namespace) -> Path:
+    """``--out``, else ``diagrams/`` of the checkout the working directory is in, else of the working directory."""
+    if args.out is not None:
+        return Path(args.out)
     root = checkout_root()
-    base = Path(os.path.relpath(root)) if root is not None else Path()
-    out = args.out if args.out is not None else base / DEFAULT_OUT_DIR
-    documents = {CLI_DOC: base / CLI_DOC} if root is not None else {}
-    if args.no_readme:
-        return out, None, documents
-    if args.readme is not None:
-        return out, args.readme, documents
-    return out, (base / README if root is not None else None), documents
+    return (Path(os.path.relpath(root)) if root is not None else Path()) / DEFAULT_OUT_DIR
 
 
 def _regenerate_command(args: argparse.Namespace) -> str:
-    command = COMMAND
-    if args.out is not None:
-        command += f" --out {args.out}"
-    if args.no_readme:
-        command += " --no-readme"
-    elif args.readme is not None:
-        command += f" --readme {args.readme}"
-    return command
+    return COMMAND + (f" --out {args.out}" if args.out is not None else "")
 
 
 def main(args: argparse.Namespace) -> int:
     """Run ``fsm-rollout diagram``: 0 done (or up to date), 1 stale under ``--check``, 2 on errors."""
+    if args.readme is not None:
+        print(
+            "fsm-rollout diagram: --readme is gone: the command writes only the diagrams; a checkout's README and "
+            f"docs/cli.md sections are written by `{DOCS_COMMAND}` there",
+            file=sys.stderr,
+        )
+        return 2
     if args.trace is None and (args.output is not None or args.sample is not None):
         print("fsm-rollout diagram: -o/--output and --sample need --trace", file=sys.stderr)
         return 2
@@ -430,60 +273,26 @@ def main(args: argparse.Namespace) -> int:
     try:
         if args.trace is not None:
             return _main_overlay(args)
-        out, readme, documents = _targets(args)
-        shot_root = _screenshot_root(args)
+        out = _out_dir(args)
         if args.check:
-            problems = stale_diagrams(out, readme, documents)
-            if shot_root is not None:
-                problems += [problem for problem in [_screenshot_problem(shot_root)] if problem is not None]
+            problems = stale_diagrams(out)
             if problems:
-                print("The lifecycle diagrams or generated sections are stale:", file=sys.stderr)
+                print("The lifecycle diagrams are stale:", file=sys.stderr)
                 for problem in problems:
                     print(f"  {problem}", file=sys.stderr)
                 print(f"Run `{_regenerate_command(args)}` and commit the result.", file=sys.stderr)
                 return 1
-            print("lifecycle diagrams and generated sections are up to date")
+            print("lifecycle diagrams are up to date")
             return 0
-        changed = write_diagrams(out, readme, documents)
-        if shot_root is not None and _screenshot_problem(shot_root) is not None:
-            changed.append(_write_screenshot(shot_root))
+        changed = write_diagrams(out)
     except DiagramError as exc:
         print(f"fsm-rollout diagram: {exc}", file=sys.stderr)
         return 2
     for path in changed:
         print(f"wrote {path}")
     if not changed:
-        print("lifecycle diagrams and generated sections are up to date")
-    if readme is None and not args.no_readme:
-        print(
-            f"note: not inside an fsm-rollout checkout, so no README was rewritten, nor {CLI_DOC} "
-            "(--readme PATH rewrites a README)",
-            file=sys.stderr,
-        )
+        print("lifecycle diagrams are up to date")
     return 0
-
-
-def _screenshot_root(args: argparse.Namespace) -> Path | None:
-    """The checkout whose docs/report.png this run keeps current (the default targets only), or None."""
-    from fsm_rollout.report.screenshot import kept_by
-
-    return None if args.out is not None or args.readme is not None or args.no_readme else kept_by(checkout_root())
-
-
-def _screenshot_problem(root: Path) -> str | None:
-    from fsm_rollout.report.screenshot import screenshot_problem
-
-    return screenshot_problem(root)
-
-
-def _write_screenshot(root: Path) -> Path:
-    from fsm_rollout.report.chromium import ChromiumError
-    from fsm_rollout.report.screenshot import write_screenshot
-
-    try:
-        return Path(os.path.relpath(write_screenshot(root)))
-    except ChromiumError as error:  # say what to install
-        raise DiagramError(f"docs/report.png is stale and cannot be shot again: {error}") from error
 
 
 def _main_overlay(args: argparse.Namespace) -> int:

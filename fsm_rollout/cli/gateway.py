@@ -27,7 +27,11 @@ on 127.0.0.1 unless --host says otherwise, and prints its URL. A trainer opens a
 agent's chat calls are the session's turns; POST /sessions/<id>/reward sets the reward, and POST
 /sessions/<id>/close ends the session and answers {"samples": [...]}: its training sequences, token-exact, more than
 one when the agent rewrote its history; a repeated close answers the same samples for --closed-session-ttl seconds,
-and a chat call on a closed session answers 409. GET /sessions/<id> shows the session's state.
+and a chat call on a closed session answers 409. GET /sessions/<id> shows the session's state, GET /sessions lists the
+open ones. Agents speak Chat Completions (<base_url>/chat/completions) or Responses (<base_url>/responses, as Codex
+does). With --auto-sessions a harness needs no set-up call: its requests to the root paths (/v1/chat/completions,
+/v1/responses, /v1/models) open a session on first sight, keyed by its own session header (x-session-id, or the
+session_id in Codex's x-codex-turn-metadata), and reuse it after; close them as any session.
 
 --api-key is sent to the engine, as `run` sends it, and the gateway's control endpoints (opening, rewarding, closing
 and reading sessions) then need it as `Authorization: Bearer KEY`; --agent-api-key makes the agent endpoints
@@ -75,6 +79,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=600.0,
         metavar="S",
         help="answer a repeated close of a session with the same samples for S seconds (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--auto-sessions",
+        action="store_true",
+        help="open a session on a root path's first request with a new client session key (x-session-id, Codex's "
+        "session id) and reuse it for that key",
     )
     serve.add_argument("--trace", metavar="FILE", help="write the sessions' transition trace (JSONL) here")
     serve.add_argument(
@@ -147,6 +157,7 @@ async def serve(args: argparse.Namespace, *, ready: Callable[[str], None] | None
                 session_idle_timeout_s=args.session_idle_timeout,
                 closed_session_ttl_s=args.closed_session_ttl,
                 disconnect_grace_s=args.disconnect_grace,
+                auto_sessions=args.auto_sessions,
             ) as gateway:
                 print(f"gateway listening on {gateway.url} (model {choice.model})", flush=True)
                 print(f"open a session: curl -X POST {gateway.url}/sessions", flush=True)

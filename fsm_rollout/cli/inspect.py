@@ -110,11 +110,15 @@ class BatchSummary:
     """``fork`` edges taken: training sequences closed because the history was rewritten."""
     forked_runs: int = 0
     """Sample runs that forked at least once."""
+    lineages: list[dict[str, Any]] | None = None
+    """Gateway sessions with several lineages, each lineage's sequences and fork reasons (``lineage_groups``)."""
 
 
 def summarize(paths: Sequence[TracedPath]) -> BatchSummary:
     """Aggregate the paths of a trace (see :class:`BatchSummary`)."""
-    summary = BatchSummary(runs=len(paths))
+    from fsm_rollout.replay.paths import lineage_groups
+
+    summary = BatchSummary(runs=len(paths), lineages=lineage_groups(paths))
     for path in paths:
         summary.transitions += len(path.events)
         if path.status is None:
@@ -189,6 +193,13 @@ def render_summary(name: str, summary: BatchSummary, problems: Sequence[LineProb
             f"  {'queued for a slot':<18}{len(values):>7}{percentile(values, 0.5):>10.2f}"
             f"{percentile(values, 0.95):>10.2f}   (before pending: waiting for a concurrency slot)"
         )
+    for group in summary.lineages or ():
+        shown = "; ".join(
+            f"lineage {each['lineage']} {each['sequences']} sequence(s)"
+            + (f" ({', '.join(f'{reason} {n}' for reason, n in each['forks'].items())})" if each["forks"] else "")
+            for each in group["lineages"]
+        )
+        lines += ["", f"gateway session {group['session']}: {shown}"]
     if orphans:
         lines += [
             "",
@@ -290,7 +301,11 @@ def render_timeline(
         f"{len(path.events)} transitions ({where})"
     ]
     if path.session_id:
-        lines.append(f"  session {path.session_id}")
+        from fsm_rollout.replay.paths import lineage_of
+
+        run, lineage = lineage_of(path.sample_id)
+        of = f", lineage {lineage} of {run} (lineage l0)" if run != str(path.sample_id) else ""
+        lines.append(f"  session {path.session_id}{of}")
     first_ts = path.events[0].get("ts") if path.events else None
     for event in path.events:
         ts = event.get("ts")

@@ -4,8 +4,9 @@
   of ``fsm-rollout run`` with the built-in Geo3K environment.
 * :mod:`fsm_rollout.data.figures`: the Pillow drawings of the demo's figures.
 * :mod:`fsm_rollout.data.practice`: practice questions of the demo's kinds with fresh numbers, never demo items.
-* :mod:`fsm_rollout.data.default_model_data`: the embedded engine's default model's training conversations, about
-  practice questions, which the engine ships a copy of.
+
+The embedded engine's default model is trained on conversations about practice questions, which the engine ships a
+copy of; the maintainers' ``tools/default_model_data.py`` writes that copy.
 
 Its modules are internal, except :mod:`~fsm_rollout.data.demo` and :mod:`~fsm_rollout.data.practice`, which
 examples and tests import by name.

@@ -38,11 +38,13 @@ class EndReason(enum.StrEnum):
 @dataclass(frozen=True)
 class Rewrite:
     """An agent's call that rewrote the history the model saw: the whole conversation it sent, its tools (None:
-    none) and where it first differs (``detail``, kept on the closed branch as ``history_rewritten``)."""
+    none) and where it first differs (``detail``, kept on the closed branch as ``history_rewritten``, or as
+    ``compacted`` when ``compacted``: the agent replaced earlier turns by a summary, and the fork's reason says so)."""
 
     messages: tuple[Mapping[str, Any], ...]
     tools: tuple[Mapping[str, Any], ...] | None = None
     detail: str = ""
+    compacted: bool = False
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,8 @@ def _call_to_json(call: NextCall) -> dict[str, Any]:
             "messages": [dict(message) for message in rewrite.messages],
             "tools": None if rewrite.tools is None else [dict(tool) for tool in rewrite.tools],
             "detail": rewrite.detail,
+            # written only when set: the tapes of sessions without compactions read as before
+            **({"compacted": True} if rewrite.compacted else {}),
         },
     }
 
@@ -130,6 +134,7 @@ def _call_from_json(data: Mapping[str, Any]) -> NextCall:
             messages=tuple(dict(message) for message in rewrite["messages"]),
             tools=None if rewrite.get("tools") is None else tuple(dict(tool) for tool in rewrite["tools"]),
             detail=str(rewrite.get("detail") or ""),
+            compacted=bool(rewrite.get("compacted")),
         ),
     )
 

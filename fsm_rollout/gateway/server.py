@@ -6,17 +6,30 @@ Paths (the agent is given ``base_url`` = ``<gateway>/sessions/<id>/v1`` and uses
 * ``POST /sessions/{id}/v1/chat/completions`` (agent): OpenAI Chat Completions, streamed or not. A retry of the
   call in flight or of the last one (the same body, or the same ``Idempotency-Key`` header) gets that call's answer:
   a client's retry after a timeout or a disconnect generates nothing twice
+* ``POST /sessions/{id}/v1/responses`` (agent): OpenAI Responses, streamed or not
+  (:mod:`fsm_rollout.gateway.responses_wire`); ``store`` keeps a session's responses for ``previous_response_id``
 * ``GET /sessions/{id}/v1/models`` (agent)
 * ``POST /sessions/{id}/v1/messages`` and ``.../v1/messages/count_tokens`` (agent): the Anthropic Messages API
   (:mod:`fsm_rollout.gateway.messages_wire`) on the same session, for clients given ``<gateway>/sessions/<id>``
   as their Anthropic base URL; its errors are in Anthropic's shape, and its key may come as ``x-api-key``
+* ``GET /sessions`` (control): the open sessions (each as ``GET /sessions/{id}`` answers, with ``created`` and
+  ``base_url``), so a trainer can close and reward them after a harness exits
+* with ``auto_sessions``, ``POST /v1/chat/completions``, ``POST /v1/responses``, ``POST /v1/messages`` (and its
+  ``count_tokens``) and ``GET /v1/models`` at the root (agent): the first request with a client session key
+  (:mod:`fsm_rollout.gateway.hints`: ``x-session-id``, or a harness's own header) opens a session, later ones with
+  that key use it
 * ``POST /sessions/{id}/reward`` (control) ``{"reward": float}``
 * ``POST /sessions/{id}/close`` (control), optional ``{"reward": ...}`` → ``{"samples": [Sample.to_dict(), ...]}``
 * ``GET /sessions/{id}`` (control): the machine's state, turns and status
 
 With ``api_key`` the control endpoints need ``Authorization: Bearer <api_key>``; with ``agent_api_key`` the agent
 endpoints need that key. Session ids are 256 random bits: a session's data is reachable only through its id.
-Every error is OpenAI's body ``{"error": {"message", "type", "code"}}``.
+Every error is OpenAI's body ``{"error": {"message", "type", "code"}}``, except on the Messages paths, whose errors
+are Anthropic's.
+
+Why this module is long: it is the gateway's whole HTTP surface, one short handler per route for three agent dialects
+and the control API, sharing the authorization, body reading and session resolution; the dialects' own work lives
+in their wire modules.
 """
 
 from __future__ import annotations
@@ -26,7 +39,9 @@ import dataclasses
 import hmac
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+import time
+import weakref
+from collections.abc import Awaitable, Callable, Mapping
 from types import TracebackType
 from typing import Any, cast
 
@@ -37,6 +52,8 @@ from aiohttp import web
 from fsm_rollout.envs.protocol import EnvFactory
 from fsm_rollout.errors import ConfigError, EngineError, EngineHTTPError
 from fsm_rollout.gateway.answers import TokenText
+from fsm_rollout.gateway.chat_answers import chat_completion, stream_chunks
+from fsm_rollout.gateway.hints import header_hints
 from fsm_rollout.gateway.messages_wire import (
     is_messages_path,
     message_events,
@@ -48,14 +65,14 @@ from fsm_rollout.gateway.messages_wire import (
 )
 from fsm_rollout.gateway.openai_wire import (
     GatewayError,
-    chat_completion,
     error_body,
     parse_chat_request,
     public_error,
     render_message,
-    stream_chunks,
     without_stop_string,
 )
+from fsm_rollout.gateway.responses_events import sse_bytes, stream_events
+from fsm_rollout.gateway.responses_wire import StoredResponses, parse_responses_request, response_object
 from fsm_rollout.gateway.session import GatewaySession, SessionEnvironment
 from fsm_rollout.runtime.pacing import LoopPacer, pacer_for
 from fsm_rollout.runtime.runner import RolloutRunner
@@ -97,6 +114,7 @@ class AgentGateway:
         session_idle_timeout_s: float | None = 3600.0,
         closed_session_ttl_s: float = 600.0,
         disconnect_grace_s: float = 30.0,
+        auto_sessions: bool = False,
     ) -> None:
         if runner.env_factory is not None:
             raise ConfigError(
@@ -116,6 +134,11 @@ class AgentGateway:
         self.session_idle_timeout_s = session_idle_timeout_s
         self.closed_session_ttl_s = closed_session_ttl_s
         self.disconnect_grace_s = disconnect_grace_s
+        self.auto_sessions = auto_sessions
+        self._auto: dict[str, str] = {}  # a client's session key -> the session it opened (auto_sessions)
+        self._created: dict[str, float] = {}  # open sessions' wall-clock opening times, for GET /sessions
+        # each session's stored responses (store: true), gone with the session
+        self._stored: weakref.WeakKeyDictionary[GatewaySession, StoredResponses] = weakref.WeakKeyDictionary()
         self._sessions: dict[str, GatewaySession] = {}
         # closed sessions kept for a repeated close (a lost close response must not lose the samples), each with
         # the loop time it is forgotten at; insertion order is expiry order, the TTL being one for all
@@ -141,6 +164,14 @@ class AgentGateway:
             app.router.add_get("/sessions/{sid}/v1/models", self._models)
             app.router.add_post("/sessions/{sid}/v1/messages", self._messages)
             app.router.add_post("/sessions/{sid}/v1/messages/count_tokens", self._count_tokens)
+            app.router.add_post("/sessions/{sid}/v1/responses", self._responses)
+            app.router.add_get("/sessions", self._list)
+            if self.auto_sessions:  # the same handlers: a path without {sid} resolves the session by the client's key
+                app.router.add_post("/v1/chat/completions", self._chat)
+                app.router.add_post("/v1/responses", self._responses)
+                app.router.add_post("/v1/messages", self._messages)
+                app.router.add_post("/v1/messages/count_tokens", self._count_tokens)
+                app.router.add_get("/v1/models", self._models)
             app.router.add_post("/sessions/{sid}/reward", self._reward)
             app.router.add_post("/sessions/{sid}/close", self._close)
             app.router.add_get("/sessions/{sid}", self._status)
@@ -198,6 +229,7 @@ class AgentGateway:
         )
         self._opened += 1
         self._sessions[session_id] = session
+        self._created[session_id] = time.time()
         self.runner.counters.session_opened()
         return session
 
@@ -224,6 +256,10 @@ class AgentGateway:
         return len(self._sessions)
 
     def _forget(self, session: GatewaySession) -> None:
+        self._created.pop(session.session_id, None)
+        key = session.metadata.get("session_key")
+        if isinstance(key, str) and self._auto.get(key) == session.session_id:
+            del self._auto[key]
         if self._sessions.pop(session.session_id, None) is not None:
             self.runner.counters.session_closed()
             self._drop_expired()
@@ -246,7 +282,7 @@ class AgentGateway:
         session = self._sessions.get(sample.session_id or "")
         if session is None:
             raise ConfigError(f"no gateway session {sample.session_id!r} for this sample")
-        return SessionEnvironment(session)
+        return session.environment(sample)
 
     # ------------------------------------------------------------------ HTTP
 
@@ -310,8 +346,10 @@ class AgentGateway:
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
         self._authorize(request, self.agent_api_key)
-        session = self.session(request.match_info["sid"])
+        self._known_session(request)  # an unknown session is a 404 before the body is read
         call = parse_chat_request(await self._body(request, optional=False))
+        call = dataclasses.replace(call, hints=header_hints(request.headers))
+        session = await self._agent_session(request, call.hints)
         answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
         runner_stop = self.runner.sampling_params.get("stop") or ()
         stops = [*(call.sampling.get("stop") or ()), *([runner_stop] if isinstance(runner_stop, str) else runner_stop)]
@@ -342,9 +380,10 @@ class AgentGateway:
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         self._authorize(request, self.agent_api_key, x_api_key=True)
-        session = self.session(request.match_info["sid"])
+        self._known_session(request)
         read = parse_messages_request(await self._body(request, optional=False), request.headers)
-        call = read.call
+        call = dataclasses.replace(read.call, hints={**read.call.hints, **header_hints(request.headers)})
+        session = await self._agent_session(request, call.hints)
         if read.dropped_tools:  # Anthropic's typed tools the prompt leaves out, named where the trainer reads
             listed = session.metadata.setdefault("dropped_tools", [])
             listed.extend(name for name in read.dropped_tools if name not in listed)
@@ -366,8 +405,9 @@ class AgentGateway:
     async def _count_tokens(self, request: web.Request) -> web.Response:
         """``{"input_tokens"}``: the engine's render of the request as a session's first call (or a fork) sends it."""
         self._authorize(request, self.agent_api_key, x_api_key=True)
-        session = self.session(request.match_info["sid"])
+        self._known_session(request)
         call = parse_messages_request(await self._body(request, optional=True), count_only=True).call
+        session = await self._agent_session(request, header_hints(request.headers))
         config = self.runner.config
         payload: dict[str, Any] = {"model": config.model, "messages": [render_message(m) for m in call.messages]}
         if call.tools:
@@ -387,7 +427,7 @@ class AgentGateway:
 
     async def _models(self, request: web.Request) -> web.Response:
         self._authorize(request, self.agent_api_key)
-        self.session(request.match_info["sid"])
+        self._known_session(request)
         model = self.runner.config.model
         return _json(
             {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "fsm-rollout"}]}
@@ -416,3 +456,66 @@ class AgentGateway:
     async def _status(self, request: web.Request) -> web.Response:
         self._authorize(request, self.api_key)
         return _json(self.session(request.match_info["sid"]).status())
+
+    async def _list(self, request: web.Request) -> web.Response:
+        self._authorize(request, self.api_key)
+        listed = [
+            {**session.status(), "created": self._created.get(sid), "base_url": session.base_url}
+            for sid, session in self._sessions.items()
+        ]
+        return _json({"sessions": listed})
+
+    def _known_session(self, request: web.Request) -> None:
+        """A path naming a session must name a known one (404); a root path's session is resolved by the call."""
+        if "sid" in request.match_info:
+            self.session(request.match_info["sid"])
+
+    async def _agent_session(self, request: web.Request, hints: Mapping[str, Any]) -> GatewaySession:
+        """The session an agent's call is for: the path's, or (a root path, ``auto_sessions``) the one keyed by the
+        client's ``session_key`` hint, opened on first sight."""
+        sid = request.match_info.get("sid")
+        if sid is not None:
+            return self.session(sid)
+        key = hints.get("session_key")
+        if not isinstance(key, str) or not key:
+            raise GatewayError(
+                400,
+                "a call on a root path needs a session key: send the 'x-session-id' header (Codex sends its own in "
+                "'x-codex-turn-metadata', Claude Code in 'X-Claude-Code-Session-Id'), or use the base URL "
+                "<gateway>/sessions/<id>/v1 of a session opened with "
+                "POST /sessions",
+                code="session_key_missing",
+            )
+        session = self._sessions.get(self._auto.get(key, ""))
+        if session is None:
+            session = await self.open_session(metadata={"session_key": key})
+            self._auto[key] = session.session_id
+        return session
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        self._authorize(request, self.agent_api_key)
+        self._known_session(request)
+        parsed = parse_responses_request(await self._body(request, optional=False))
+        hints = header_hints(request.headers)
+        session = await self._agent_session(request, hints)
+        stored = self._stored.setdefault(session, StoredResponses())
+        prior = stored.conversation(parsed.previous_response_id)
+        call = parsed.chat_call(prior, hints)
+        if parsed.dropped_tools:  # listed in the session's metadata (the samples' "gateway_session")
+            dropped = session.metadata.setdefault("dropped_tools", [])
+            dropped.extend(tool for tool in parsed.dropped_tools if tool not in dropped)
+        answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
+        runner_stop = self.runner.sampling_params.get("stop") or ()
+        stops = [*(call.sampling.get("stop") or ()), *([runner_stop] if isinstance(runner_stop, str) else runner_stop)]
+        answer = without_stop_string(answer, stops)
+        response_id = f"resp_{secrets.token_hex(16)}"
+        body = response_object(answer, parsed, response_id=response_id, model=self.runner.config.model)
+        if parsed.store:
+            stored.put(response_id, parsed.conversation(prior, answer))
+        if not parsed.stream:
+            return _json(body)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        await response.write(sse_bytes(stream_events(body)))
+        await response.write_eof()
+        return response

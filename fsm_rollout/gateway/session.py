@@ -1,4 +1,4 @@
-"""One gateway session: an agent's conversation, run as a rollout whose environment is the agent.
+"""One gateway session: an agent's calls, run as rollouts whose environment is the agent, one per lineage.
 
 The first chat call's messages (and tools) are the prompt of a rollout. When the model has answered, the rollout
 steps its environment, :class:`SessionEnvironment`, which accepts turns: its ``step(turn)`` hands the
@@ -7,15 +7,27 @@ messages are the observation, encoded like any other (boundary tokens, mask 0), 
 continues the same token sequence. Nothing the model generated is ever re-tokenized: the answer is read from the
 turn's own tokens, and later calls are only checked against it by meaning (:mod:`fsm_rollout.gateway.conversation`).
 
-How a session ends is an edge of the lifecycle table, chosen by the step's typed ``end``
+A session may hold several chains of calls, **lineages** (a subagent, a title or summary side request, a second
+agent: a call that continues no chain and whose system prompt or tools differ from every chain's, or that its
+harness names so): each runs as its own rollout (:mod:`fsm_rollout.gateway.lineage`), calls to different lineages may
+be in flight at once, and calls of one lineage are answered one at a time. Which lineage a call belongs to, and
+whether a rewrite is a compaction, is :mod:`fsm_rollout.gateway.lineages`'s choice.
+
+How a lineage's rollout ends is an edge of the lifecycle table, chosen by the step's typed ``end``
 (:class:`~fsm_rollout.envs.step.EndReason`): the agent closed the session (``completed``, ``session_closed``) or
-went idle past the limit (``truncated``, ``agent_timeout``). An agent that rewrote the history (edited, dropped or
-compacted messages, changed tools) sends the whole conversation as the observation, and the rollout takes the
-history policies' ``fork`` edge (reason ``history_rewritten``, :func:`fsm_rollout.rollout.history.rewrite_history`):
-the sequence so far closes into ``sample.branches`` and the engine's render of the conversation as sent is the
-next sequence's prompt, so each generated token is trained in exactly one sequence and no sequence holds a token
-the model did not see. ``close`` returns the session's training sequences, oldest first
-(:func:`fsm_rollout.sample.branches.training_sequences`).
+went idle past the limit (``truncated``, ``agent_timeout``). An agent that rewrote a lineage's history (edited,
+dropped or compacted messages, changed tools) sends the whole conversation as the observation, and the rollout takes
+the ``fork`` edge (reason ``history_rewritten``, or ``compacted`` when a summary replaced earlier turns): the sequence
+so far closes into ``sample.branches`` and the engine's render of the conversation as sent is the next sequence's
+prompt, so each generated token is trained in exactly one sequence and no sequence holds a token the model did not
+see.
+
+``close`` returns the session's training sequences: the main lineage's (``l0``) last sequence is the session's
+sample and comes last; every other sequence (the main lineage's earlier ones, then each other lineage's, oldest
+first) is one of its ``branches`` (:func:`fsm_rollout.sample.branches.training_sequences`), so every lineage shares
+the session's rollout id, reward and group. Each sequence's ``metadata["lineage"]`` and ``["parent_lineage"]`` say
+which chain it is; ``metadata["compaction_summary"]`` (with ``["compaction_summary_spans"]``) marks a sequence
+holding a compaction's summary call.
 
 The agent's per-call sampling settings reach that call's generate request as the step's ``next_call`` (the first
 call's as the environment's ``reset`` result), so a tape holds them and a replay sends them; its ``max_tokens``
@@ -25,15 +37,16 @@ bounds the turn without ending the sequence.
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from fsm_rollout.envs.step import EndReason, NextCall, Rewrite, StepResult, Turn
+from fsm_rollout.envs.step import EndReason, NextCall, StepResult, Turn
 from fsm_rollout.gateway import session_table
-from fsm_rollout.gateway.answers import TokenText, read_answer
-from fsm_rollout.gateway.conversation import Extension, compare_history
-from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer, render_message, without_stop_string
+from fsm_rollout.gateway.answers import TokenText
+from fsm_rollout.gateway.lineage import DISCONNECTED, Lineage, LineageSettings
+from fsm_rollout.gateway.lineages import hint, is_compaction, is_summary_request, route
+from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer
 from fsm_rollout.sample import Sample
 from fsm_rollout.sample.branches import training_sequences
 
@@ -41,30 +54,23 @@ if TYPE_CHECKING:
     from fsm_rollout.rollout.handle import RolloutHandle
     from fsm_rollout.runtime.runner import RolloutRunner
 
-__all__ = ["GatewaySession", "SessionEnvironment", "TokenText"]
-
-DISCONNECTED = "agent_disconnected"
-"""The abort reason of a sequence whose agent went away mid-call and did not retry within the disconnect grace."""
-
-_CallIdentity = tuple[str | None, tuple[Any, ...]]
-"""What makes two calls the same call: the ``Idempotency-Key`` (None when not sent) and the call's messages,
-tools, sampling settings and tool choice."""
+__all__ = ["DISCONNECTED", "GatewaySession", "SessionEnvironment", "TokenText"]
 
 
 class SessionEnvironment:
-    """The environment a session's rollout steps: the agent on the other side of the HTTP calls."""
+    """The environment a lineage's rollout steps: the agent on the other side of the HTTP calls."""
 
     accepts_turn = True
 
-    def __init__(self, session: GatewaySession) -> None:
-        self._session = session
+    def __init__(self, session: GatewaySession, lineage: Lineage | None = None) -> None:
+        self._lineage = lineage if lineage is not None else session.main
 
     def reset(self) -> StepResult:
         """The first call's sampling settings, for the first generate request (no call has come since)."""
-        return StepResult(None, next_call=NextCall(sampling=dict(self._session.call_sampling)))
+        return StepResult(None, next_call=NextCall(sampling=dict(self._lineage.call_sampling)))
 
     async def step(self, turn: Turn) -> StepResult:
-        return await self._session.hand_over(turn)
+        return await self._lineage.hand_over(turn)
 
     def format_observation(self, observation: Any) -> list[dict[str, Any]]:
         messages: list[dict[str, Any]] = list(observation)
@@ -76,9 +82,8 @@ class SessionEnvironment:
 
 class GatewaySession:
     """One agent session (see the module docstring). ``session_id`` and ``base_url`` are what the agent is given;
-    :meth:`close` ends it and returns its training sequences. Its lifecycle is the table in
-    :mod:`fsm_rollout.gateway.session_table`: the methods below fire its triggers, and its actions are the
-    ``_act_*`` methods, by name."""
+    :meth:`close` ends it and returns its training sequences. Each lineage's lifecycle is the table in
+    :mod:`fsm_rollout.gateway.session_table`; the session's own state is its main lineage's."""
 
     def __init__(
         self,
@@ -103,291 +108,98 @@ class GatewaySession:
         self.disconnect_grace_s = disconnect_grace_s
         self.reward: Any = None
         self.calls = 0
-        self.call_sampling: dict[str, Any] = {}
-        self._tool_choice = "auto"
         self._runner = runner
         self._text = token_text or TokenText(runner.tokenizer, runner.sampling_params)
+        self._settings = LineageSettings(session_id, index, label, self.metadata, idle_timeout_s, disconnect_grace_s)
         self._on_closed = on_closed
         self._ended = asyncio.Event()
         self._closed_samples: list[Sample] | None = None
-        self._sample: Sample | None = None
-        self._rollout: RolloutHandle | None = None
-        self._held: list[dict[str, Any]] = []
-        self._tools: list[dict[str, Any]] | None = None
-        self._answer: asyncio.Future[TurnAnswer] | None = None
-        self._agent: asyncio.Future[tuple[str, Any]] | None = None
-        self._last_answer: TurnAnswer | None = None
-        self._handed: Turn | None = None
-        # what the trigger being fired carries, for its guards and actions
-        self._call: ChatCall | None = None
-        self._found: Extension | None = None
-        self._identity: _CallIdentity | None = None
-        # the call being answered and the last one answered, for a client's retry of either
-        self._answering: _CallIdentity | None = None
-        self._answered: _CallIdentity | None = None
-        self._waiters = 0  # HTTP calls waiting for the answer in flight
-        self._grace: asyncio.TimerHandle | None = None
-        self._delivering: TurnAnswer | None = None
-        self._close_reward: Any = None
-        self._abort_reason = "cancelled"
-        tracer = runner.tracer
-        self._machine = session_table.SessionMachine(
-            {"is_retry": self._is_retry, "history_rewritten": lambda: self._found_kind("rewritten")},
-            {name: getattr(self, f"_act_{name}") for name in session_table.action_names()},
-            fields={"session_id": session_id},
-            emit=(lambda fields: tracer.other_event(session_table.SESSION_EVENT, fields)) if tracer.enabled else None,
-        )
+        self._shut = False  # closed or shut down: calls are refused
+        self._lineages: list[Lineage] = [self._new_lineage(0, None, None)]
         self._reaper: asyncio.TimerHandle | None = None
         if idle_timeout_s is not None:  # a session never called has no rollout to time it out: a timer does
             self._reaper = asyncio.get_running_loop().call_later(idle_timeout_s, self._expire_if_never_called)
 
+    def _new_lineage(self, number: int, key: str | None, parent: str | None) -> Lineage:
+        return Lineage(
+            self._runner, self._settings, number, text=self._text, on_forget=self._forget, key=key, parent=parent
+        )
+
+    @property
+    def main(self) -> Lineage:
+        """The session's first lineage (``l0``): the session's own state, rollout and sample are its."""
+        return self._lineages[0]
+
+    @property
+    def lineages(self) -> tuple[Lineage, ...]:
+        return tuple(self._lineages)
+
     @property
     def state(self) -> str:
-        """The session's state in :mod:`fsm_rollout.gateway.session_table`."""
-        return self._machine.state
+        """The main lineage's state in :mod:`fsm_rollout.gateway.session_table`."""
+        return self.main.state
+
+    @property
+    def call_sampling(self) -> dict[str, Any]:
+        return self.main.call_sampling
 
     @property
     def waiting_calls(self) -> int:
-        """HTTP calls waiting for the answer in flight now (a call and its clients' retries attached to it)."""
-        return self._waiters
+        """HTTP calls waiting for an answer in flight now (calls and their clients' retries attached to them)."""
+        return sum(lineage.waiting_calls for lineage in self._lineages)
 
     @property
     def rollout(self) -> RolloutHandle | None:
-        """The handle of the session's rollout (None before the first call)."""
-        return self._rollout
+        """The handle of the main lineage's rollout (None before the first call)."""
+        return self.main.rollout
 
     @property
     def closed(self) -> bool:
         """Closed, or expired before any call (an agent idle after calls leaves the session to be closed)."""
-        return self._machine.state == "closed" or (self._machine.state == "expired" and self._sample is None)
+        return self._shut or (self.main.state == "expired" and not self.main.started)
 
-    def _found_kind(self, kind: str) -> bool:
-        return self._found is not None and self._found.kind == kind
-
-    def _is_retry(self) -> bool:
-        """The call repeats the one in flight (``answering``) or the last one answered: the same
-        ``Idempotency-Key``, or the same messages, tools and sampling (after an answer: the held conversation
-        without that answer, as :func:`~fsm_rollout.gateway.conversation.compare_history` says)."""
-        this = self._identity
-        other = self._answering if self._machine.state == "answering" else self._answered
-        if this is None or other is None:
-            return False
-        if this[0] is not None and this[0] == other[0]:
-            return True
-        return this[1] == other[1] if self._machine.state == "answering" else self._found_kind("retry")
+    def environment(self, sample: Sample) -> SessionEnvironment:
+        """The environment of the rollout of ``sample`` (one of the session's lineages')."""
+        lineage = next((each for each in self._lineages if each.sample is sample), self.main)
+        return SessionEnvironment(self, lineage)
 
     # ------------------------------------------------------------------ what the agent's calls do
 
     async def chat(self, call: ChatCall, *, idempotency_key: str | None = None) -> TurnAnswer:
-        """Answer one chat call. A retry of the call in flight (or of the last one answered) is that call: it gets
-        the same answer, nothing is generated twice. 409 when another call of the chain is in flight or the
-        session has ended."""
-        state = self._machine.state
+        """Answer one chat call on the lineage it belongs to (:mod:`fsm_rollout.gateway.lineages`). A retry of the
+        call in flight (or of the last one answered) is that call: it gets the same answer, nothing is generated
+        twice. 409 when another call of the same lineage is in flight or the session has ended."""
         if self.closed:
-            why = "expired before its first call (agent_timeout)" if state == "expired" else "closed"
+            why = "expired before its first call (agent_timeout)" if self.main.state == "expired" else "closed"
             raise GatewayError(409, f"the session is {why}", code="session_closed")
-        self._identity = (idempotency_key, (call.messages, call.tools, call.sampling, call.tool_choice))
-        self._call, self._found = call, None
-        if state == "answering":
-            if not self._machine.fire("call"):
-                raise GatewayError(409, "another call of this session is in flight", code="concurrent_call")
-            self.calls += 1
-            return await self._wait_for_answer()
+        where = route(call, self._lineages)
+        lineage = where.lineage
+        if lineage is None:
+            parent_key = hint(call, "parent_lineage_key") or hint(call, "parent_lineage")
+            parent_key = None if parent_key is None else str(parent_key)
+            parent = next(
+                (each.id for each in self._lineages if parent_key is not None and each.key == parent_key), None
+            )
+            lineage = self._new_lineage(len(self._lineages), where.key, parent)
+            self._lineages.append(lineage)
         self.calls += 1
-        self._tool_choice = call.tool_choice
-        if state != session_table.INITIAL:
-            self._found = compare_history(
-                self._held, self._tools, call.messages, call.tools, last_answered=self._last_answer is not None
-            )
-            if state == "waiting_for_agent" and self._found.kind == "extends" and not self._found.new:
-                raise GatewayError(
-                    400, "the call adds no message after the assistant's last answer", code="no_new_messages"
-                )
-        if not self._machine.fire("call"):
-            reason = self._sample.metadata.get("rollout_reason") if self._sample is not None else None
-            raise GatewayError(
-                409, f"the session's rollout has ended ({reason or 'not waiting'})", code="session_ended"
-            )
-        self._cancel_grace()
-        if self._machine.state != "answering":  # answer_again
-            assert self._last_answer is not None
-            return self._last_answer
-        self._answering = self._identity
-        return await self._wait_for_answer()
-
-    def _act_answer_again(self) -> None:
-        """A retry of the previous call: answered again (by :meth:`chat`), nothing generated."""
-
-    def _act_attach(self) -> None:
-        """A retry of the call in flight: it waits for the same answer (by :meth:`chat`)."""
-        self._cancel_grace()
-
-    def _act_hand_messages(self) -> None:
-        """Hand the call's new messages to the waiting rollout (its observation)."""
-        call, found, waiting = self._call, self._found, self._agent
-        assert call is not None and found is not None and waiting is not None
-        self.call_sampling = dict(call.sampling)
-        self._answer = asyncio.get_running_loop().create_future()
-        self._held.extend(found.new)
-        waiting.set_result(("messages", [render_message(message) for message in found.new]))
-
-    def _act_hand_rewrite(self) -> None:
-        """The agent rewrote the history: the whole conversation as sent is the observation, and the rollout forks
-        (the sequence so far closes into ``sample.branches``; the engine's render of the call is the next prompt)."""
-        call, found, waiting = self._call, self._found, self._agent
-        assert call is not None and found is not None and waiting is not None
-        self._held = [dict(message) for message in call.messages]
-        self._tools = [dict(tool) for tool in call.tools] if call.tools else None
-        self._last_answer = None
-        self._answered = None
-        self.call_sampling = dict(call.sampling)
-        self._answer = asyncio.get_running_loop().create_future()
-        messages = [render_message(message) for message in call.messages]
-        rewrite = Rewrite(tuple(messages), None if self._tools is None else tuple(self._tools), found.detail or "")
-        waiting.set_result(("rewritten", (messages, rewrite)))
-
-    def _act_start_sequence(self) -> None:
-        call = self._call
-        assert call is not None
-        metadata: dict[str, Any] = {"gateway_session": dict(self.metadata)}
-        if call.tools:
-            metadata["tools"] = [dict(tool) for tool in call.tools]
-        sample = Sample(
-            prompt=[render_message(message) for message in call.messages],
-            index=self.index,
-            label=self.label,
-            session_id=self.session_id,
-            metadata=metadata,
+        lineage.last_called = self.calls
+        compacted = False
+        found = where.found
+        if found is not None and found.kind == "rewritten" and lineage.state == "waiting_for_agent":
+            compacted, summary = is_compaction(call, lineage, self._lineages)
+            if compacted and summary is not None:
+                summary[1].summary = True
+        window = hint(call, "window")
+        if window is not None:
+            lineage.window = window
+        return await lineage.chat(
+            call,
+            found,
+            idempotency_key=idempotency_key,
+            compacted=compacted,
+            summary_call=is_summary_request(call),
         )
-        self._held = [dict(message) for message in call.messages]
-        self._tools = [dict(tool) for tool in call.tools] if call.tools else None
-        self._last_answer = None
-        self._answered = None
-        self.call_sampling = dict(call.sampling)
-        self._answer = asyncio.get_running_loop().create_future()
-        self._agent = None
-        self._handed = None
-        self._sample = sample
-        if self._reaper is not None:  # from now on the rollout's step bounds the agent's silence
-            self._reaper.cancel()
-            self._reaper = None
-        # the runner's own rollout path (metrics, tape, trace, weight-update gate) with the handle kept, so an agent
-        # that goes away can abort it with a reason of its own
-        self._rollout = self._runner.start(sample, sample_id=f"{self.index}.0")
-        self._rollout.add_done_callback(self._sequence_ended)
-
-    async def _wait_for_answer(self) -> TurnAnswer:
-        answer = self._answer
-        assert answer is not None
-        self._waiters += 1
-        try:
-            return await asyncio.shield(answer)
-        except asyncio.CancelledError:
-            # the agent went away mid-call: its client retries a timed-out call, so the answer goes on and waits
-            # for the retry, for the grace; none came: the rollout is aborted (``agent_gone``)
-            if self._waiters == 1 and self._grace is None:
-                self._grace = asyncio.get_running_loop().call_later(self.disconnect_grace_s, self._agent_gone)
-            raise
-        finally:
-            self._waiters -= 1
-
-    def _agent_gone(self) -> None:
-        self._grace = None
-        self._machine.fire("agent_gone")
-
-    def _act_abort_disconnected(self) -> None:
-        """The disconnected call's retry did not come: the rollout ends ``aborted`` (``agent_disconnected``); what
-        was generated before stays."""
-        if self._rollout is not None and not self._rollout.terminal:
-            self._rollout.abort(DISCONNECTED)
-
-    def _cancel_grace(self) -> None:
-        if self._grace is not None:
-            self._grace.cancel()
-            self._grace = None
-
-    # ------------------------------------------------------------------ what the rollout's environment does
-
-    async def hand_over(self, turn: Turn) -> StepResult:
-        """``step(turn)``: answer the waiting call, then wait for the agent's next call, close or silence."""
-        self._delivering = self._read_answer(turn)
-        self._handed = turn
-        self._agent = waiting = asyncio.get_running_loop().create_future()
-        self._machine.fire("answered")
-        try:
-            kind, payload = await asyncio.wait_for(waiting, self.idle_timeout_s)
-        except TimeoutError:
-            self._machine.fire("idle")
-            return StepResult(None, done=True, end=EndReason.AGENT_TIMEOUT)
-        if kind == "messages":
-            return StepResult(payload, next_call=NextCall(sampling=dict(self.call_sampling)))
-        if kind == "rewritten":
-            messages, rewrite = payload
-            return StepResult(messages, next_call=NextCall(sampling=dict(self.call_sampling), rewrite=rewrite))
-        return StepResult(None, done=True, reward=payload, end=EndReason.SESSION_CLOSED)
-
-    def _act_deliver_answer(self) -> None:
-        answer, self._delivering = self._delivering, None
-        assert answer is not None
-        self._settle(answer)
-
-    def _settle(self, answer: TurnAnswer) -> None:
-        """The waiting call gets ``answer``; the conversation held for the next call's comparison holds it."""
-        pending, self._answer = self._answer, None
-        self._held.append(answer.message())
-        self._last_answer = answer
-        self._answered, self._answering = self._answering, None
-        if pending is not None and not pending.done():
-            pending.set_result(answer)
-
-    def _read_answer(self, turn: Turn, *, finish: str | None = None) -> TurnAnswer:
-        """The answer to the waiting call: the turn's own tokens, its text without the end tokens, its tool calls;
-        its content as the agent gets it, without the stop string (the agent sends it back so; the tokens keep it)."""
-        spans = (self._sample.metadata.get("weight_version_spans") if self._sample is not None else None) or []
-        stop = self._runner.sampling_params.get("stop") or ()
-        stops = [*(self.call_sampling.get("stop") or ()), *([stop] if isinstance(stop, str) else stop)]
-        answer = read_answer(
-            turn,
-            self._text,
-            parse_calls=self._tool_choice != "none",
-            max_tokens=self.call_sampling.get("max_tokens"),
-            with_top_logprobs=bool(self.call_sampling.get("top_logprobs")),
-            weight_version=spans[-1]["version"] if spans else None,
-            finish=finish,
-        )
-        return without_stop_string(answer, stops)
-
-    def _sequence_ended(self, handle: RolloutHandle) -> None:
-        """A sequence's rollout ended (``rollout_end``; after a close, abort or expiry the call is settled all the
-        same)."""
-        if not self._machine.fire("rollout_end"):
-            self._act_settle_call()
-
-    def _act_settle_call(self) -> None:
-        """A call still waiting gets the turn the rollout's end cut short, or the reason it ended."""
-        if self._agent is not None and not self._agent.done():
-            self._agent.cancel()
-        pending = self._answer
-        if pending is None or pending.done():
-            self._answer = None
-            return
-        sample = self._sample
-        turn = self._rollout.last_turn if self._rollout is not None else None
-        unanswered = turn is not None and turn is not self._handed and bool(turn.token_ids)
-        if sample is not None and turn is not None and unanswered and sample.status.value == "truncated":
-            self._settle(self._read_answer(turn, finish="length"))  # appended, never stepped: the budget's cut
-            return
-        self._answer = None
-        reason = sample.metadata.get("rollout_reason") if sample is not None else None
-        error = sample.metadata.get("rollout_error") if sample is not None else None
-        if error:
-            message = f"the session's rollout failed: {error.get('type')}: {error.get('message')}"
-            pending.set_exception(GatewayError(500, message, code="rollout_failed", type="server_error"))
-        else:
-            pending.set_exception(
-                GatewayError(409, f"the session's rollout ended ({reason}) before answering", code="session_ended")
-            )
-        pending.exception()  # retrieved here too: the caller may have gone away
 
     # ------------------------------------------------------------------ reward, expiry, close, abort, status
 
@@ -400,10 +212,10 @@ class GatewaySession:
         """The idle limit passed and the agent never called: ``idle`` (the session expires with no training
         sequence, and the gateway forgets it)."""
         self._reaper = None
-        if self._machine.state == session_table.INITIAL:
-            self._machine.fire("idle")
+        if self.main.state == session_table.INITIAL:
+            self.main.fire("idle")
 
-    def _act_forget(self) -> None:
+    def _forget(self) -> None:
         self._closed_samples = []
         self._ended.set()
         if self._on_closed is not None:
@@ -414,20 +226,18 @@ class GatewaySession:
         await self._ended.wait()
 
     async def close(self, reward: Any = None) -> list[Sample]:
-        """End the session: its training sequences, oldest first (the last ends ``completed``, ``session_closed``,
-        unless it ended otherwise before). ``reward`` (else the one set before) is every sequence's reward."""
+        """End the session: its training sequences (see the module docstring; the last ends ``completed``,
+        ``session_closed``, unless it ended otherwise before). ``reward`` (else the one set before) is every
+        sequence's reward."""
         if self._closed_samples is not None:
             return self._closed_samples
-        if self._machine.state == "answering":
+        if any(lineage.state == "answering" for lineage in self._lineages):
             raise GatewayError(409, "a call of this session is in flight; close it after the answer", code="busy")
         self._cancel_reaper()
-        self._cancel_grace()
-        self._close_reward = reward = reward if reward is not None else self.reward
-        if not self._machine.terminal:
-            self._machine.fire("close")
-        if self._rollout is not None:
-            await asyncio.shield(self._ended_rollout(self._rollout))
-        sample = self._sample
+        self._shut = True
+        reward = reward if reward is not None else self.reward
+        await asyncio.gather(*(lineage.close(reward) for lineage in self._lineages))
+        sample = self._session_sample()
         if sample is not None and reward is not None:
             sample.reward = reward
         samples = training_sequences([sample]) if sample is not None else []
@@ -437,62 +247,68 @@ class GatewaySession:
             self._on_closed(self)
         return samples
 
-    def _act_hand_close(self) -> None:
-        """The rollout's waiting step gets the close (its reward, if any): the sample ends ``completed``."""
-        if self._agent is not None and not self._agent.done():
-            self._agent.set_result(("close", self._close_reward))
+    def _session_sample(self) -> Sample | None:
+        """The main lineage's last sequence, holding every other sequence of the session as its ``branches`` (the
+        main lineage's earlier ones, then each other lineage's), each summary call's sequence marked."""
+        main = self.main.sample
+        if main is None:
+            return None
+        by_lineage: list[list[Sample]] = []
+        for lineage in self._lineages:
+            sample = lineage.sample
+            if sample is None:
+                continue
+            # another lineage's last sequence joins the session's branches as a sequence of its own
+            last = sample if lineage is self.main else dataclasses.replace(sample, branches=[])
+            sequences = [*sample.branches, last]
+            for answered in lineage.answered_calls:
+                if answered.summary and answered.sequence < len(sequences):
+                    held = sequences[answered.sequence]
+                    held.metadata["compaction_summary"] = True
+                    spans = held.metadata.setdefault("compaction_summary_spans", [])
+                    span = {"start": answered.start, "end": answered.end}
+                    if span not in spans:
+                        spans.append(span)
+            by_lineage.append(sequences)
+        main_sequences, others = by_lineage[0], by_lineage[1:]
+        main.branches = [*main_sequences[:-1], *(each for sequences in others for each in sequences)]
+        return main
 
     async def abort(self, reason: str = "shutdown") -> None:
-        """The gateway stops: the table's ``shutdown`` edge; the session's rollout ends ``aborted`` with ``reason``."""
+        """The gateway stops: each lineage's table takes its ``shutdown`` edge; its rollout ends ``aborted`` with
+        ``reason``."""
         self._cancel_reaper()
-        self._cancel_grace()
-        self._abort_reason = reason
-        if not self._machine.terminal:
-            self._machine.fire("shutdown")
-        if self._rollout is not None:
-            if not self._rollout.terminal:  # expired: its rollout may still be ending
-                self._rollout.abort(reason)
-            await self._ended_rollout(self._rollout)
-
-    def _act_abort_rollout(self) -> None:
-        if self._rollout is not None and not self._rollout.terminal:
-            self._rollout.abort(self._abort_reason)
+        self._shut = True
+        for lineage in self._lineages:
+            await lineage.abort(reason)
 
     def _cancel_reaper(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()
             self._reaper = None
 
-    @staticmethod
-    async def _ended_rollout(handle: RolloutHandle) -> None:
-        """Wait for the rollout to end; its error, if any, is the sample's (``metadata["rollout_error"]``)."""
-        with contextlib.suppress(Exception):
-            await handle
-
     def status(self) -> dict[str, Any]:
-        """What ``GET /sessions/{id}`` answers: the session's and the rollout's states, turns and status."""
-        sample = self._sample
-        rollout = self._rollout
-        never_called = self._machine.state == "expired" and sample is None
+        """What ``GET /sessions/{id}`` answers: the main lineage's states, turns and status, the session's calls and
+        sequences, and each lineage's own (``lineages``)."""
+        main = self.main
+        lineages = [lineage.status() for lineage in self._lineages if lineage.started or lineage is main]
+        sample = main.sample
+        never_called = main.state == "expired" and sample is None
+        shown = lineages[0]
         return {
             "session_id": self.session_id,
             "closed": self.closed,
             "calls": self.calls,
-            "sequences": len(sample.branches) + 1 if sample is not None else 0,
-            "session_state": self._machine.state,
-            "state": rollout.state if rollout is not None else "waiting_for_first_call",
-            "turns": (rollout.turn_index + (rollout.state not in ("pending", "rendered", "generating")))
-            if rollout is not None
-            else 0,
-            # the sample's status once its rollout has ended; while it runs, the session's own state (a sample not
-            # yet ended reads "truncated" or "completed", which an open session is not)
-            "status": sample.status.value
-            if sample is not None and rollout is not None and rollout.terminal
-            else ("truncated" if never_called else self._machine.state),
-            "reason": sample.metadata.get("rollout_reason")
+            "sequences": sum(each["sequences"] for each in lineages),
+            "session_state": main.state,
+            "state": shown["state"],
+            "turns": shown["turns"],
+            "status": "truncated" if never_called else shown["status"],
+            "reason": shown["reason"]
             if sample is not None
             else (EndReason.AGENT_TIMEOUT.value if never_called else None),
             "reward": self.reward,
             "metadata": self.metadata,
             "label": self.label,
+            "lineages": lineages,
         }

@@ -1,8 +1,9 @@
 """A gateway session's lifecycle as data: its states, triggers, guards and actions by name, and the machine.
 
 Read it like the rollout's table (:mod:`fsm_rollout.machine.lifecycle`): each trigger's edges from a state are tried in
-order, the first whose guard holds is taken, and its actions run as part of the transition. The session
-(:class:`~fsm_rollout.gateway.session.GatewaySession`) fires ``call`` for each chat call of the agent,
+order, the first whose guard holds is taken, and its actions run as part of the transition. Each lineage of a session
+(:class:`~fsm_rollout.gateway.lineage.Lineage`) runs one machine of this table, the main lineage's being the session's
+own; it fires ``call`` for each chat call of the agent on that lineage,
 ``answered`` when the rollout hands a turn to its environment, ``idle`` when the agent stays silent past the
 session's limit, ``agent_gone`` when a call's client went away and no retry came within the disconnect grace,
 ``rollout_end`` when the session's rollout ended on its own, ``close`` when the session is closed

@@ -20,10 +20,10 @@ machine, and ``mermaid(overlay)`` / ``dot(overlay)`` draw it: each edge with the
 share of samples that did, each state with the samples that entered it and the median of their dwell times there;
 a chosen sample's path is highlighted. Edges no sample took stay on the picture, faint.
 
-Writing files (the checked-in diagrams, the README's generated sections, an overlay's output file) is the
-``fsm-rollout diagram`` command's job (:mod:`fsm_rollout.cli.diagram`). Nothing here runs during a rollout, and
-``transitions``' ``GraphMachine`` is not used at all: its output depends on which optional packages are installed,
-and it restyles a graph on every transition.
+Writing files (the checked-in diagrams, an overlay's output file) is the ``fsm-rollout diagram`` command's job
+(:mod:`fsm_rollout.cli.diagram`; the README's copies are the maintainers' ``tools/docs.py``). Nothing here runs
+during a rollout, and ``transitions``' ``GraphMachine`` is not used at all: its output depends on which optional
+packages are installed, and it restyles a graph on every transition.
 
 Why this module is long: drawing, overlays and their labels sit together because Mermaid and DOT share the label
 and usage texts, and splitting them would leave each half reaching into the other.

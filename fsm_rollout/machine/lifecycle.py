@@ -14,7 +14,8 @@ on it which trigger follows: ``generating`` fires ``suspend`` when ``suspension_
 policies (:mod:`fsm_rollout.rollout.history`): the engine's re-render of the conversation does not extend the
 tokens so far (``per_turn``: always), so the sequence so far closes into ``sample.branches`` and the re-render is
 the prompt of the next one; from ``rendered`` the ``generate`` edges apply as after the first render. A gateway
-agent that rewrote the history takes it too, under any policy (:func:`fsm_rollout.rollout.history.rewrite_history`).
+agent that rewrote the history takes it too, under any policy (:func:`fsm_rollout.rollout.history.rewrite_history`),
+with the reason ``compacted`` instead when its call replaced earlier turns by a summary (guard ``compacted``).
 
 ``suspend`` is an outcome of ``generating``: a weight update closed the rollout's gate while it was generating, or
 as it was about to. ``env_timeout`` and ``rollout_timeout`` (a limit of the config ran out), ``abort`` and ``fail``
@@ -192,6 +193,16 @@ TRANSITIONS: tuple[Edge, ...] = (
         reason="insufficient_budget_for_next_turn",
         actions=("note_fork_truncation",),
         work="the re-render leaves no budget for another turn; nothing forked",
+    ),
+    Edge(
+        "fork",
+        "observing",
+        "rendered",
+        guard="compacted",
+        reason="compacted",
+        actions=("fork_history",),
+        work="a gateway agent compacted its history (a summary replaced earlier turns): the sequence so far closes "
+        "into `sample.branches`; the engine's render of the call is the new prompt",
     ),
     Edge(
         "fork",

@@ -24,8 +24,8 @@ class DiagramError(RolloutError, RuntimeError):
 _GUARD_EVIDENCE: Mapping[str, str] = {"stop_eos_due": "eos_inserted"}
 """Guard → the trace field that is true exactly when that guard's edge was taken.
 
-A trace event names its trigger, source, destination and (on terminal edges) reason, but not the guard. That
-identifies the table edge, except where two edges share all four; those are told apart by these fields.
+A trace event names its trigger, source, destination and (on terminal and fork edges) reason, but not the guard.
+That identifies the table edge, except where two edges share all four; those are told apart by these fields.
 """
 
 
@@ -98,8 +98,9 @@ def read_trace(path: Path) -> list[dict[str, Any]]:
 def match_edge(event: Mapping[str, Any], transitions: Sequence[lifecycle.Edge]) -> int | None:
     """The index in ``transitions`` of the edge a transition event took, or None if the table has no such edge.
 
-    Candidates share the event's trigger, source and destination; a ``reason`` picks among terminal edges, and the
-    fields in :data:`_GUARD_EVIDENCE` among the rest. If that still leaves several, the last (most general) wins.
+    Candidates share the event's trigger, source and destination; a ``reason`` picks among terminal and fork edges,
+    and the fields in :data:`_GUARD_EVIDENCE` among the rest. If that still leaves several, the last (most general)
+    wins.
     For many events, build an :class:`EdgeIndex` once and call its :meth:`~EdgeIndex.match`.
     """
     return EdgeIndex(transitions).match(event)

@@ -244,4 +244,54 @@ def arrow(src: Any, trigger: Any, dst: Any) -> str:
     return f"{src} --{trigger}--> {dst}"
 
 
-__all__ = ["CheckVerdict", "TraceFile", "TracedPath", "arrow", "check_path", "paths_from_tape", "read_trace"]
+__all__ = [
+    "CheckVerdict",
+    "TraceFile",
+    "TracedPath",
+    "arrow",
+    "check_path",
+    "lineage_groups",
+    "lineage_of",
+    "paths_from_tape",
+    "read_trace",
+]
+
+
+def lineage_of(sample_id: Any) -> tuple[str, str]:
+    """``(session run, lineage)`` of a sample id: a gateway session's lineage ``l1`` runs as ``7.0.l1`` beside its main
+    lineage ``7.0`` (``l0``); any other id is its own main lineage."""
+    head, dot, member = str(sample_id).rpartition(".")
+    if dot and head and member[:1] == "l" and member[1:].isdigit():
+        return head, member
+    return str(sample_id), "l0"
+
+
+def lineage_groups(paths: Sequence[Any]) -> list[dict[str, Any]] | None:
+    """Per gateway session with more than one lineage: each lineage's runs, training sequences (a fork starts one)
+    and the reasons of its forks; None when no session has more than one."""
+    sessions: dict[str, dict[str, dict[str, Any]]] = {}
+    for path in paths:
+        session, lineage = lineage_of(path.sample_id)
+        entry = sessions.setdefault(session, {}).setdefault(
+            lineage, {"lineage": lineage, "runs": 0, "sequences": 0, "forks": Counter()}
+        )
+        forks = [
+            str(event.get("reason"))
+            for event in path.events
+            if event.get("trigger") == "fork" and event.get("dst") == "rendered"
+        ]
+        entry["runs"] += 1
+        entry["sequences"] += 1 + len(forks)
+        entry["forks"].update(forks)
+    groups = [
+        {
+            "session": session,
+            "lineages": [
+                {**entry, "forks": dict(entry["forks"])}
+                for _, entry in sorted(lineages.items(), key=lambda item: int(item[0][1:]))
+            ],
+        }
+        for session, lineages in sessions.items()
+        if len(lineages) > 1
+    ]
+    return groups or None

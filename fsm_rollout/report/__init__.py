@@ -13,14 +13,12 @@ It scales: each sample's page data is its own JSON element, parsed only when the
 
 * :mod:`~fsm_rollout.report.model`: reading the inputs, the run summary, the lifecycle usage, the rows;
 * :mod:`~fsm_rollout.report.detail`: one sample's timeline, conversation and token strip;
-* :mod:`~fsm_rollout.report.page`: the HTML writer; :mod:`~fsm_rollout.report.assets`: the page's CSS and script;
-* :mod:`~fsm_rollout.report.chromium`: headless Chromium over the DevTools protocol (tests, screenshots, timing);
-* :mod:`~fsm_rollout.report.screenshot`: the README's screenshot (docs/report.png) and whether it is current.
+* :mod:`~fsm_rollout.report.page`: the HTML writer; :mod:`~fsm_rollout.report.assets`: the page's CSS and script.
 
 Its modules are internal: use the names this package exports.
 
-The benchmark of its figures, and the synthetic runs it and the scale test use, are maintainers' tools outside
-the package: `python -m tools.report_bench` from a checkout.
+The benchmark of its figures, the synthetic runs it and the scale test use, the headless Chromium the browser tests
+drive and the README's screenshot are maintainers' tools outside the package (``tools/`` of a checkout).
 """
 
 from __future__ import annotations

@@ -207,9 +207,11 @@ def turn_events(transitions: Sequence[Mapping[str, Any]]) -> dict[int, list[str]
         if not isinstance(turn, int):
             continue
         if trigger == "fork" and event.get("dst") == "rendered":
+            why = "the agent replaced earlier turns by a summary" if event.get("reason") == "compacted" else ""
+            why = why or "the template wrote the history back differently"
             text = (
-                f"fork ({event.get('reason')}): the template wrote the history back differently, so the conversation "
-                f"was rendered again ({event.get('prompt_tokens')} prompt tokens) and this turn starts training "
+                f"fork ({event.get('reason')}): {why}, so the conversation was rendered again "
+                f"({event.get('prompt_tokens')} prompt tokens) and this turn starts training "
                 f"sequence {event.get('branch')}; the tokens before it are kept as an earlier sequence (a branch)"
             )
         elif trigger == "suspend":

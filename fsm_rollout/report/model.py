@@ -22,6 +22,7 @@ import orjson
 
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.machine import lifecycle
+from fsm_rollout.replay.paths import lineage_groups, lineage_of
 
 ROW_COLUMNS = (
     "label",
@@ -39,6 +40,8 @@ ROW_COLUMNS = (
 
 FORK_REASON = "history_rewritten"
 """The reason a non-terminal edge carries when a rollout rewrote its history (a fork: a new training sequence)."""
+COMPACTION_REASON = "compacted"
+"""The reason of the fork a gateway agent's compaction takes (a summary replaced earlier turns)."""
 SUSPEND_TRIGGERS = ("suspend", "resume", "hand_back")
 _QUEUED_SHOWN_MS = 50.0
 """A sample is flagged as queued when it waited at least this long for a slot (shown as at least 0.1 s)."""
@@ -261,6 +264,8 @@ def run_summary(inputs: Inputs, rows: Sequence[Mapping[str, Any] | None]) -> dic
         "queued": stats(summary.queued_ms),
         "groups": group_rewards(paths, rows),
         "forks": _edge_reason_usage(paths, FORK_REASON),
+        "compactions": _edge_reason_usage(paths, COMPACTION_REASON),
+        "lineages": lineage_groups(paths),
         "suspensions": _suspensions(paths),
         "problems": [str(problem) for problem in problems],
     }
@@ -384,6 +389,11 @@ def sample_row(path: Any, row: Mapping[str, Any] | None, replayed: Mapping[str, 
     flags = []
     if any(event.get("reason") == FORK_REASON for event in path.events):
         flags.append("fork")
+    if any(event.get("reason") == COMPACTION_REASON for event in path.events):
+        flags.append("compacted")
+    session, lineage = lineage_of(path.sample_id)
+    if session != str(path.sample_id):
+        flags.append(f"lineage {lineage} of {session}")
     if any(event.get("trigger") in SUSPEND_TRIGGERS for event in path.events):
         flags.append("suspended")
     if any(event.get("trigger") == "fail" for event in path.events):

@@ -6,6 +6,7 @@ from typing import Any
 
 from fsm_rollout.machine import lifecycle
 from fsm_rollout.rollout.context import RolloutContext
+from fsm_rollout.rollout.history import fork_reason
 
 
 def event_fields(
@@ -35,7 +36,7 @@ def event_fields(
         if ctx.observation_image_hashes:
             fields["observation_image_hashes"] = list(ctx.observation_image_hashes)
     elif trigger == "fork" and ctx.state == "rendered":
-        fields["reason"] = "history_rewritten"
+        fields["reason"] = fork_reason(ctx)
         fields["branch"] = len(ctx.sample.branches)
         fields["prompt_tokens"] = ctx.prompt_length
     elif trigger == "suspend":

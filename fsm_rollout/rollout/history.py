@@ -271,6 +271,17 @@ def note_fork_truncation(ctx: RolloutContext) -> None:
     ctx.fork_prompt = None
 
 
+def fork_reason(ctx: RolloutContext) -> str:
+    """The reason of the fork the step's call asks for: ``compacted`` for a gateway agent's compaction, else
+    ``history_rewritten``."""
+    call = ctx.step.next_call if ctx.step is not None else None
+    return (
+        "compacted"
+        if call is not None and call.rewrite is not None and call.rewrite.compacted
+        else ("history_rewritten")
+    )
+
+
 def fork_history(ctx: RolloutContext) -> None:
     """Close the sequence so far into ``sample.branches``; the re-render is the prompt of the next sequence."""
     prompt = ctx.fork_prompt
@@ -284,7 +295,7 @@ def fork_history(ctx: RolloutContext) -> None:
     )
     call = ctx.step.next_call if ctx.step is not None else None
     if call is not None and call.rewrite is not None:  # the agent's: the closed branch says why, the next has its tools
-        branch.metadata["history_rewritten"] = call.rewrite.detail
+        branch.metadata[fork_reason(ctx)] = call.rewrite.detail
         _set_tools(ctx, _tool_list(call.rewrite.tools))
     sample.tokens = list(prompt.token_ids)
     ctx.branch_start = len(ctx.response_token_ids)
@@ -313,6 +324,7 @@ __all__ = [
     "fork_budget",
     "fork_exceeds_budget",
     "fork_history",
+    "fork_reason",
     "keeps_history",
     "note_fork_truncation",
     "reconcile",

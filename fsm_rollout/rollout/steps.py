@@ -17,7 +17,7 @@ from fsm_rollout.envs.step import EndReason
 from fsm_rollout.machine import lifecycle
 from fsm_rollout.multimodal import decode_train_features, validate_image_tokens
 from fsm_rollout.rollout.context import RolloutContext
-from fsm_rollout.rollout.history import fork_exceeds_budget, fork_history, note_fork_truncation
+from fsm_rollout.rollout.history import fork_exceeds_budget, fork_history, fork_reason, note_fork_truncation
 from fsm_rollout.rollout.observation_images import with_observation_features
 from fsm_rollout.sample import Status
 from fsm_rollout.sample.branches import share_outcome
@@ -99,6 +99,12 @@ def history_rewritten(ctx: RolloutContext) -> bool:
     """The observation's re-render does not extend the tokens so far (fork / per_turn, or a gateway agent's
     rewrite): the sequence so far closes and the re-render opens the next one."""
     return ctx.fork_prompt is not None
+
+
+def compacted(ctx: RolloutContext) -> bool:
+    """The fork is a gateway agent's compaction (its call replaced earlier turns by a summary): the fork's reason
+    is ``compacted``."""
+    return ctx.fork_prompt is not None and fork_reason(ctx) == "compacted"
 
 
 def observation_exceeds_budget(ctx: RolloutContext) -> bool:

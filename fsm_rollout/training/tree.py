@@ -226,9 +226,7 @@ def _leaf(number: int, owner: int, sample: Sample, rollout: Sample, path: list[i
         sample=owner,
         index=sample.index,
         branch=metadata.get("branch"),
-        lineage=metadata.get(
-            "lineage", ended.get("lineage")
-        ),  # None until the gateway's lineages are recorded on samples
+        lineage=metadata.get("lineage", ended.get("lineage")),  # a gateway session's chain ("l0", ...); else None
         group_index=sample.group_index,
         reward=sample.reward,
         status=str(getattr(status, "value", status)),

@@ -12,7 +12,6 @@ from typing import Any
 import pytest
 
 from fsm_rollout import RolloutConfig, RolloutRunner
-from fsm_rollout.data.default_model_data import training_conversations
 from fsm_rollout.data.figures import FIGURE_SIZE
 from fsm_rollout.data.practice import practice_samples
 from fsm_rollout.engine.local import LocalEngine
@@ -32,6 +31,7 @@ from fsm_rollout.engine.local.default_model import (
 )
 from fsm_rollout.engine.local.tiny import BUILD_MARKER, TINY_MODEL_NAME
 from fsm_rollout.envs.geo3k import CORRECT_FEEDBACK, INCORRECT_FEEDBACK
+from tools.default_model_data import training_conversations
 
 SAMPLING = {"max_new_tokens": 192, "temperature": 1.0, "top_p": 1.0, "stop": ["</tool_call>"], "no_stop_trim": True,
             "seed": 17}  # fmt: skip

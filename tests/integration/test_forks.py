@@ -656,10 +656,12 @@ async def test_the_runner_counts_forks_and_sequences_per_rollout_and_the_overlay
     assert (metrics.forks, metrics.sequences, metrics.samples_done) == (4, 6, 2)
     assert (metrics.forks_per_rollout, metrics.sequences_per_rollout) == (2.0, 3.0)
     overlay = build_overlay(events)
-    (fork_edge,) = [
-        index for index, edge in enumerate(lifecycle.TRANSITIONS) if (edge.trigger, edge.dest) == ("fork", "rendered")
-    ]
+    fork_edge, compaction_edge = (
+        next(index for index, edge in enumerate(lifecycle.TRANSITIONS) if (edge.trigger, edge.reason) == ("fork", why))
+        for why in ("history_rewritten", "compacted")
+    )
     assert (overlay.edges[fork_edge].transitions, overlay.edges[fork_edge].samples) == (4, 2)
+    assert overlay.edges[compaction_edge].transitions == 0  # the event's reason tells the two fork edges apart
     assert not overlay.unmatched
 
 
@@ -762,8 +764,8 @@ def test_the_canned_bench_server_renders_a_conversation_so_fork_rollouts_extend_
 ) -> None:
     """The forks benchmark's CPU figure is fork's own cost only if the canned server's re-render is the template's
     (a canned first prompt for every render would fork every observation)."""
-    from fsm_rollout.cli.bench.forks import canned_run
     from fsm_rollout.cli.bench.server import Server
+    from tools.bench_forks import canned_run
 
     server = Server(0.0)
     try:

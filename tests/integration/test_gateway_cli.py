@@ -24,7 +24,7 @@ async def test_the_gateway_command_serves_a_session_and_stops_on_sigterm(
         sys.executable, "-m", "fsm_rollout.cli", "gateway", "--engine-url", fake_vllm.url, "--model", "fake-model",
         "--tokenizer", str(qwen_tokenizer_dir()), "--port", "0", "--trace", str(trace), "--record",
         "--api-key", "k", "--loop-slice-ms", "0", "--no-tune-gc", "--history-policy", "append",
-        "--chat-template-kwargs", '{"enable_thinking": false}',
+        "--chat-template-kwargs", '{"enable_thinking": false}', "--auto-sessions",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip
     assert process.stdout is not None and process.stderr is not None
@@ -43,6 +43,8 @@ async def test_the_gateway_command_serves_a_session_and_stops_on_sigterm(
         assert answer.choices[0].message.content == "Hi!"
         async with http.post(f"{url}/sessions/{opened['session_id']}/close", json={"reward": 1}) as response:
             samples = (await response.json())["samples"]
+        async with http.get(f"{url}/v1/models") as response:  # --auto-sessions serves the root paths
+            assert (await response.json())["data"][0]["id"] == "fake-model"
     assert samples[0]["metadata"]["rollout_reason"] == "session_closed"
     # the chat template switches (an option shared with `run`) reach the engine's render
     renders = fake_vllm.requests_to(RENDER_PATH)

@@ -20,11 +20,11 @@ from fsm_rollout.cli.run_report import write_results
 from fsm_rollout.recording import TapeWriter, recorded_rollout, tape_path_for
 from fsm_rollout.replay import replay
 from fsm_rollout.report import build_report, write_report
-from fsm_rollout.report.chromium import Chromium, find_chromium
 from fsm_rollout.report.page import json_for_script, render_page
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
 from fsm_rollout.trace import Tracer
+from tools.chromium import Chromium, find_chromium
 from tools.report_synthetic import write_synthetic_run
 
 EOS = "<|im_end|>"
@@ -462,37 +462,6 @@ async def test_an_error_today_is_shown_once_with_what_the_recording_did_and_what
         assert box[3].startswith("what followed: today's rollout calls env.close()")
         assert sum(text.count(divergence["actual"]["message"]) for text in box) == 1
         assert browser.console_errors() == []
-
-
-# ---------------------------------------------------------------------------------------------------- the screenshot
-
-REPO = Path(__file__).resolve().parents[2]
-
-
-def test_the_readme_screenshot_is_of_todays_report() -> None:
-    """docs/report.png carries the fingerprint of the page it shows; `fsm-rollout diagram` shoots it again."""
-    from fsm_rollout.report.screenshot import screenshot_problem
-
-    assert screenshot_problem(REPO) is None, "run `fsm-rollout diagram` and commit docs/report.png"
-
-
-def test_a_screenshot_of_another_page_is_stale(tmp_path: Path) -> None:
-    import shutil
-
-    from fsm_rollout.report.screenshot import SCREENSHOT, SOURCE_DIR, screenshot_problem, text_chunk, with_text_chunk
-
-    shutil.copytree(REPO / SOURCE_DIR, tmp_path / SOURCE_DIR)
-    assert screenshot_problem(tmp_path) == f"{SCREENSHOT} is missing"
-    png = (REPO / SCREENSHOT).read_bytes()
-    stripped = png.replace(b"fsm-rollout-report\0", b"fsm-rollout-other!\0")
-    (tmp_path / SCREENSHOT).write_bytes(with_text_chunk(stripped, "0" * 64))
-    assert text_chunk((tmp_path / SCREENSHOT).read_bytes()) == "0" * 64
-    assert "shows another report" in str(screenshot_problem(tmp_path))
-    (tmp_path / SCREENSHOT).write_bytes(png)
-    assert screenshot_problem(tmp_path) is None
-    results = tmp_path / SOURCE_DIR / "results.jsonl"  # a changed reward changes the page
-    results.write_text(results.read_text().replace('"reward":1.0', '"reward":0.5', 1))
-    assert "shows another report" in str(screenshot_problem(tmp_path))
 
 
 # ---------------------------------------------------------------------------------------------------- the strip

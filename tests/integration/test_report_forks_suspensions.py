@@ -19,10 +19,10 @@ from fsm_rollout.cli.run_report import write_results
 from fsm_rollout.recording import tape_path_for
 from fsm_rollout.replay import replay
 from fsm_rollout.report import build_report, write_report
-from fsm_rollout.report.chromium import Chromium, find_chromium
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.templates import THINK_STRIPPING_CHAT_TEMPLATE, qwen_tokenizer_with_template
+from tools.chromium import Chromium, find_chromium
 
 EOS = "<|im_end|>"
 THINKING = [

@@ -6,7 +6,6 @@ import ast
 import pathlib
 
 import fsm_rollout
-from fsm_rollout.data.default_model_data import recipe_training_data
 from fsm_rollout.engine.local.default_model import (
     RECIPE,
     SHIPPED_DATA,
@@ -14,12 +13,13 @@ from fsm_rollout.engine.local.default_model import (
     read_training_data,
     write_training_data,
 )
+from tools.default_model_data import recipe_training_data
 
 
 def test_the_shipped_data_is_what_the_recipe_writes_today(tmp_path: pathlib.Path) -> None:
     fresh = recipe_training_data()
     assert len(fresh.conversations) == RECIPE["conversations"]
-    # on failure: python -m fsm_rollout.data.default_model_data
+    # on failure: python -m tools.default_model_data
     assert fresh.to_json() == read_training_data().to_json()
     assert write_training_data(fresh, tmp_path / "data.json.gz").read_bytes() == SHIPPED_DATA.read_bytes()
 

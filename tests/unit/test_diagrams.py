@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
 import json
 import os
 import re
@@ -14,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from fsm_rollout.cli import build_parser, docs
 from fsm_rollout.cli import diagram as diagram_cli
 from fsm_rollout.cli import main as cli_main
 from fsm_rollout.machine import diagrams, lifecycle, overlays
@@ -44,18 +41,9 @@ def expected_guard_labels() -> dict[int, str]:
     return labels
 
 
-def readme_with_markers(tmp_path: Path) -> Path:
-    readme = tmp_path / "README.md"
-    readme.write_text(f"# Title\n\nbefore\n\n{diagram_cli.README_BEGIN}\nold text\n{diagram_cli.README_END}\n\nafter\n")
-    return readme
-
-
 def add_fake_transition(monkeypatch: pytest.MonkeyPatch) -> None:
     extra = lifecycle.Edge("retry", "generating", "rendered", guard="retry_allowed")
     monkeypatch.setattr(lifecycle, "TRANSITIONS", (*lifecycle.TRANSITIONS, extra))
-
-
-CHECKED_IN_DOCUMENTS = {diagram_cli.CLI_DOC: REPO / diagram_cli.CLI_DOC}
 
 
 def fake_checkout(tmp_path: Path) -> Path:
@@ -65,7 +53,7 @@ def fake_checkout(tmp_path: Path) -> Path:
     (tmp_path / "fsm_rollout" / "machine" / "lifecycle.py").write_text("")
     for name in (
         "README.md",
-        diagram_cli.CLI_DOC,
+        "docs/cli.md",
         "diagrams/lifecycle.mmd",
         "diagrams/lifecycle.dot",
         "diagrams/lifecycle.svg",
@@ -207,26 +195,23 @@ def test_missing_graphviz_is_a_clear_error_for_svg(monkeypatch: pytest.MonkeyPat
 
 def test_missing_graphviz_leaves_every_file_unwritten(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     hide_graphviz(monkeypatch)
-    readme = readme_with_markers(tmp_path)
-    before = readme.read_text()
     with pytest.raises(diagrams.GraphvizNotFoundError):
-        diagram_cli.write_diagrams(tmp_path / "out", readme)
+        diagram_cli.write_diagrams(tmp_path / "out")
     assert not (tmp_path / "out").exists()
-    assert readme.read_text() == before
 
 
 # ---------------------------------------------------------------------------------------------- staleness check
 
 
-def test_checked_in_diagrams_and_readme_section_are_up_to_date() -> None:
-    problems = diagram_cli.stale_diagrams(REPO / "diagrams", REPO / "README.md", CHECKED_IN_DOCUMENTS)
+def test_checked_in_diagrams_are_up_to_date() -> None:
+    problems = diagram_cli.stale_diagrams(REPO / "diagrams")
     assert not problems, "\n".join([*problems, f"Run `{diagram_cli.COMMAND}` from the repository root and commit."])
 
 
 def test_an_added_transition_makes_the_checked_in_diagrams_stale(monkeypatch: pytest.MonkeyPatch) -> None:
     add_fake_transition(monkeypatch)
-    problems = "\n".join(diagram_cli.stale_diagrams(REPO / "diagrams", REPO / "README.md"))
-    for name in ("lifecycle.mmd", "lifecycle.dot", "lifecycle.svg", "README.md"):
+    problems = "\n".join(diagram_cli.stale_diagrams(REPO / "diagrams"))
+    for name in ("lifecycle.mmd", "lifecycle.dot", "lifecycle.svg"):
         assert name in problems
 
 
@@ -234,72 +219,61 @@ def test_check_command_names_the_command_to_run_when_stale(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     add_fake_transition(monkeypatch)
-    code = cli_main(["diagram", "--check", "--out", str(REPO / "diagrams"), "--readme", str(REPO / "README.md")])
+    code = cli_main(["diagram", "--check", "--out", str(REPO / "diagrams")])
     assert code == 1
     assert "fsm-rollout diagram" in capsys.readouterr().err
 
 
-def test_readme_section_is_rewritten_between_the_markers_only(tmp_path: Path) -> None:
-    readme = readme_with_markers(tmp_path)
-    text = diagram_cli.replace_readme_section(readme.read_text(), diagrams.mermaid())
-    begin, end = text.index(diagram_cli.README_BEGIN), text.index(diagram_cli.README_END)
-    assert text[:begin] == "# Title\n\nbefore\n\n"
-    assert text[end:] == f"{diagram_cli.README_END}\n\nafter\n"
-    assert text[begin + len(diagram_cli.README_BEGIN) : end] == f"\n```mermaid\n{diagrams.mermaid()}```\n"
-
-
-def test_readme_without_markers_is_an_error(tmp_path: Path) -> None:
+def test_the_readme_options_are_gone_from_the_command_it_names_where_they_went(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     readme = tmp_path / "README.md"
-    readme.write_text("# no markers\n")
-    with pytest.raises(diagrams.DiagramError, match="BEGIN GENERATED: lifecycle diagram"):
-        diagram_cli.stale_diagrams(tmp_path, readme)
+    readme.write_text("# untouched\n")
     assert cli_main(["diagram", "--out", str(tmp_path / "out"), "--readme", str(readme)]) == 2
+    assert "python -m tools.docs" in capsys.readouterr().err
+    assert readme.read_text() == "# untouched\n" and not (tmp_path / "out").exists()
 
 
 @needs_dot
 def test_write_then_check_is_clean_and_rewriting_changes_nothing(tmp_path: Path) -> None:
-    readme = readme_with_markers(tmp_path)
     out = tmp_path / "diagrams"
-    written = diagram_cli.write_diagrams(out, readme)
+    written = diagram_cli.write_diagrams(out)
     assert sorted(path.name for path in written) == [
-        "README.md",
         "gateway_session.dot",  # the gateway session's table, drawn beside the lifecycle's
         "gateway_session.mmd",
         "lifecycle.dot",
         "lifecycle.mmd",
         "lifecycle.svg",
     ]
-    assert diagram_cli.stale_diagrams(out, readme) == []
-    assert diagram_cli.write_diagrams(out, readme) == []
-    assert (out / "lifecycle.mmd").read_text() in readme.read_text()
+    assert diagram_cli.stale_diagrams(out) == []
+    assert diagram_cli.write_diagrams(out) == []
 
 
 @needs_dot
 def test_svg_from_another_graphviz_version_is_not_stale(tmp_path: Path) -> None:
     out = tmp_path / "diagrams"
-    diagram_cli.write_diagrams(out, None)
+    diagram_cli.write_diagrams(out)
     svg = out / "lifecycle.svg"
     svg.write_text(re.sub(r"with graphviz [^>]*-->", "with graphviz 99.0.0 (0) -->", svg.read_text(), count=1))
-    assert diagram_cli.stale_diagrams(out, None) == []
-    assert diagram_cli.write_diagrams(out, None) == []
+    assert diagram_cli.stale_diagrams(out) == []
+    assert diagram_cli.write_diagrams(out) == []
 
 
 @needs_dot
 def test_svg_of_an_edited_table_is_stale_even_without_graphviz(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "diagrams"
     add_fake_transition(monkeypatch)
-    diagram_cli.write_diagrams(out, None)
+    diagram_cli.write_diagrams(out)
     monkeypatch.undo()
     (out / "lifecycle.mmd").write_text(diagrams.mermaid())
     (out / "lifecycle.dot").write_text(diagrams.dot())
     hide_graphviz(monkeypatch)
-    assert diagram_cli.stale_diagrams(out, None) == [f"{out / 'lifecycle.svg'} was rendered from a different DOT text"]
+    assert diagram_cli.stale_diagrams(out) == [f"{out / 'lifecycle.svg'} was rendered from a different DOT text"]
 
 
 @needs_dot
 def test_check_command_exits_zero_when_up_to_date(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    readme = readme_with_markers(tmp_path)
-    args = ["diagram", "--out", str(tmp_path / "d"), "--readme", str(readme)]
+    args = ["diagram", "--out", str(tmp_path / "d")]
     assert cli_main(args) == 0
     assert cli_main([*args, "--check"]) == 0
     assert "up to date" in capsys.readouterr().out
@@ -483,119 +457,25 @@ def test_overlay_usage_errors_exit_2(
     assert capsys.readouterr().err.startswith("fsm-rollout diagram: ")
 
 
-# ----------------------------------------------------------------------------------- the README's other sections
+# ------------------------------------------------------------------------------------------------ the checkout
 
 
-def test_the_readme_holds_every_generated_section_once() -> None:
-    text = (REPO / "README.md").read_text()
-    for section in diagram_cli.README_SECTIONS:
-        assert text.count(section.begin) == 1 and text.count(section.end) == 1, section.name
-        assert text.index(section.begin) < text.index(section.end), section.name
-
-
-def test_each_document_holds_its_own_generated_sections_once_and_no_others() -> None:
-    assert {section.file for section in diagram_cli.SECTIONS} == {"README.md", "docs/cli.md"}
-    assert [s.name for s in diagram_cli.SECTIONS if s.file == "docs/cli.md"] == ["command line"]
-    for file in {section.file for section in diagram_cli.SECTIONS}:
-        text = (REPO / file).read_text()
-        for section in diagram_cli.SECTIONS:
-            count = 1 if section.file == file else 0
-            assert text.count(section.begin) == count and text.count(section.end) == count, (file, section.name)
-
-
-def test_the_lifecycle_table_has_one_row_per_edge_in_table_order() -> None:
-    rows = [row.split(" | ") for row in docs.lifecycle_table().splitlines()[3:]]
-    grouped = {index for group in diagrams.catch_all_groups(lifecycle.TRANSITIONS) for index in group[1:]}
-    edges = [edge for index, edge in enumerate(lifecycle.TRANSITIONS) if index not in grouped]
-    assert len(rows) == len(edges)
-    for row, edge in zip(rows, edges, strict=True):
-        source, trigger, guard, dest, reason = row[0].lstrip("| "), row[1], row[2], row[3], row[4]
-        assert source in (edge.source, "any non-terminal")
-        assert (trigger, dest) == (edge.trigger, edge.dest)
-        assert guard == (f"`{edge.guard}`" if edge.guard else "—")
-        assert reason == (f"`{edge.reason}`" if edge.reason else "—")
-
-
-def test_an_edited_edge_description_makes_the_readme_table_stale(monkeypatch: pytest.MonkeyPatch) -> None:
-    first = dataclasses.replace(lifecycle.TRANSITIONS[0], work="something else entirely")
-    monkeypatch.setattr(lifecycle, "TRANSITIONS", (first, *lifecycle.TRANSITIONS[1:]))
-    problems = diagram_cli.stale_diagrams(REPO / "diagrams", REPO / "README.md")
-    assert problems == [f"{REPO / 'README.md'}: the generated lifecycle table section differs from the code"]
-
-
-def test_an_added_option_makes_the_docs_command_line_stale(monkeypatch: pytest.MonkeyPatch) -> None:
-    from fsm_rollout.cli import serve
-
-    original = serve.add_arguments
-
-    def with_extra_option(parser: argparse.ArgumentParser) -> None:
-        original(parser)
-        parser.add_argument("--brand-new", help="an option the README does not list")
-
-    monkeypatch.setattr(serve, "add_arguments", with_extra_option)
-    problems = diagram_cli.stale_diagrams(REPO / "diagrams", REPO / "README.md", CHECKED_IN_DOCUMENTS)
-    assert problems == [f"{REPO / 'docs/cli.md'}: the generated command line section differs from the code"]
-
-
-def test_an_edited_docs_cli_makes_check_report_it_and_writing_restores_it(
+def test_in_a_checkout_the_command_writes_the_diagrams_and_nothing_else(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     root = fake_checkout(tmp_path)
     monkeypatch.chdir(root / "docs")  # the checkout is found from a subdirectory too
+    for name in ("README.md", "docs/cli.md"):  # stale documents are the maintainers' tool's business
+        (root / name).write_text("# edited, no markers\n")
+    (root / "diagrams" / "lifecycle.mmd").write_text("stale\n")
+    assert cli_main(["diagram", "--check", "--no-readme"]) == 1  # --no-readme: still accepted, now what it always does
+    err = capsys.readouterr().err
+    assert "lifecycle.mmd differs from the transition table" in err
+    assert "README" not in err and "cli.md" not in err
+    assert cli_main(["diagram"]) == 0  # the SVG is current, so no `dot` is needed
+    assert capsys.readouterr().out.split() == ["wrote", os.path.join("..", "diagrams", "lifecycle.mmd")]
     assert cli_main(["diagram", "--check"]) == 0
-    cli_doc = root / "docs" / "cli.md"
-    original = cli_doc.read_text()
-    cli_doc.write_text(original.replace("### `fsm-rollout serve`", "### `fsm-rollout serve-it`"))
-    capsys.readouterr()
-    assert cli_main(["diagram", "--check"]) == 1
-    err = capsys.readouterr().err
-    assert "cli.md: the generated command line section differs from the code" in err
-    assert "README" not in err
-    assert cli_main(["diagram"]) == 0  # the diagrams are current, so no `dot` is needed
-    assert "cli.md" in capsys.readouterr().out
-    assert cli_doc.read_text() == original
-
-
-def test_no_readme_and_readme_path_leave_docs_cli_the_checkouts(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    root = fake_checkout(tmp_path)
-    monkeypatch.chdir(root)
-    (root / "README.md").write_text("# edited, no markers\n")
-    cli_doc = root / "docs" / "cli.md"
-    cli_doc.write_text(cli_doc.read_text().replace("### `fsm-rollout run`", "### `fsm-rollout walk`"))
-    assert cli_main(["diagram", "--check", "--no-readme"]) == 1
-    err = capsys.readouterr().err
-    assert "cli.md: the generated command line section differs" in err and "README" not in err
-    other = readme_with_markers(tmp_path / "diagrams")
-    assert cli_main(["diagram", "--check", "--readme", str(other)]) == 1
-    err = capsys.readouterr().err
-    assert "cli.md: the generated command line section differs" in err and str(other) in err
-
-
-def test_a_section_in_the_wrong_document_is_an_error_naming_where_it_lives(tmp_path: Path) -> None:
-    readme = readme_with_markers(tmp_path)
-    section = next(section for section in diagram_cli.SECTIONS if section.name == "command line")
-    readme.write_text(readme.read_text() + f"{section.begin}\nold reference\n{section.end}\n")
-    with pytest.raises(diagrams.DiagramError, match=re.escape("lives in docs/cli.md now")):
-        diagram_cli.stale_diagrams(tmp_path, readme)
-    cli_doc = tmp_path / "cli.md"
-    cli_doc.write_text("# no markers\n")
-    with pytest.raises(diagrams.DiagramError, match="BEGIN GENERATED: command line"):
-        diagram_cli.stale_diagrams(tmp_path, None, {diagram_cli.CLI_DOC: cli_doc})
-    with pytest.raises(diagrams.DiagramError, match=re.escape("no generated sections live in notes.md")):
-        diagram_cli.stale_diagrams(tmp_path, None, {"notes.md": cli_doc})
-
-
-def test_the_command_line_reference_lists_every_command_and_option() -> None:
-    text = docs.command_line()
-    parser = build_parser()
-    subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-    for name, subparser in subcommands.items():
-        assert f"### `fsm-rollout {name}`" in text
-        for action in subparser._actions:
-            if action.help != argparse.SUPPRESS and action.option_strings and "--help" not in action.option_strings:
-                assert f"`{action.option_strings[-1]}" in text or f", {action.option_strings[-1]}" in text, action
+    assert (root / "README.md").read_text() == (root / "docs" / "cli.md").read_text() == "# edited, no markers\n"
 
 
 def test_diagram_finds_the_checkout_from_a_subdirectory_and_nothing_outside_one(tmp_path: Path) -> None:
@@ -612,6 +492,7 @@ def test_check_outside_a_checkout_looks_at_no_readme(
     assert cli_main(["diagram", "--check"]) == 1
     err = capsys.readouterr().err
     assert "diagrams/lifecycle.mmd is missing" in err and "README" not in err
+    assert (tmp_path / "README.md").read_text() == "# another project, no markers\n"
 
 
 @needs_dot
@@ -629,7 +510,6 @@ def test_writing_outside_a_checkout_leaves_any_readme_alone(
         "lifecycle.svg",
     ]
     assert (tmp_path / "README.md").read_text() == "# another project, no markers\n"
-    assert "no README was rewritten" in capsys.readouterr().err
 
 
 def test_the_gateway_session_diagram_is_generated_and_checked(tmp_path: Path) -> None:
@@ -642,7 +522,7 @@ def test_the_gateway_session_diagram_is_generated_and_checked(tmp_path: Path) ->
         assert f"{edge.source} --> {edge.dest} : {edge.trigger}" in session_table.mermaid()
     (out / "gateway_session.mmd").unlink()
     (out / "gateway_session.dot").write_text("digraph stale {}\n")
-    assert sorted(diagram_cli.stale_diagrams(out, None)) == [
+    assert sorted(diagram_cli.stale_diagrams(out)) == [
         f"{out / 'gateway_session.dot'} differs from the transition table",
         f"{out / 'gateway_session.mmd'} is missing",
     ]

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from fsm_rollout.gateway.answers import split_reasoning
-from fsm_rollout.gateway.openai_wire import TurnAnswer, chat_completion, stream_chunks
+from fsm_rollout.gateway.chat_answers import chat_completion, stream_chunks
+from fsm_rollout.gateway.openai_wire import TurnAnswer
 
 
 @pytest.mark.parametrize(

@@ -108,12 +108,19 @@ def test_building_with_a_missing_implementation_names_it() -> None:
         lifecycle.build_machine({}, {})
 
 
-def test_the_fork_edge_is_the_one_non_terminal_edge_with_a_reason() -> None:
-    """A rewritten history is a named edge of the table: observing --fork--> rendered, reason history_rewritten;
-    a re-render too long for another turn ends the rollout instead, before the fork."""
+def test_the_fork_edges_are_the_only_non_terminal_edges_with_a_reason() -> None:
+    """A rewritten history is a named edge of the table: observing --fork--> rendered, reason history_rewritten, or
+    compacted when a gateway agent's summary replaced earlier turns; a re-render too long for another turn ends the
+    rollout instead, before either fork."""
     named = [edge for edge in lifecycle.TRANSITIONS if edge.reason and edge.dest not in lifecycle.TERMINAL]
     assert [(edge.source, edge.trigger, edge.dest, edge.reason) for edge in named] == [
-        ("observing", "fork", "rendered", "history_rewritten")
+        ("observing", "fork", "rendered", "compacted"),
+        ("observing", "fork", "rendered", "history_rewritten"),
     ]
     forks = [edge for edge in lifecycle.TRANSITIONS if edge.trigger == "fork"]
-    assert [(edge.dest, edge.guard) for edge in forks] == [("truncated", "fork_exceeds_budget"), ("rendered", None)]
+    assert [(edge.dest, edge.guard) for edge in forks] == [
+        ("truncated", "fork_exceeds_budget"),
+        ("rendered", "compacted"),
+        ("rendered", None),
+    ]
+    assert len({edge.actions for edge in forks[1:]}) == 1  # both close the sequence alike; only the reason differs

@@ -80,6 +80,8 @@
     if (mean !== null) list.push([mean.toFixed(3), "mean reward (" + rewards.length + ")"]);
     if (spread) list.push([zero + "/" + spread, "groups with zero reward variance"]);
     if (S.forks) list.push([fmt(S.forks.transitions), "forks in " + fmt(S.forks.samples) + " samples"]);
+    if (S.compactions) list.push([fmt(S.compactions.transitions), "compactions in " + fmt(S.compactions.samples) +
+      " samples"]);
     if (S.suspensions) list.push([fmt(S.suspensions.samples), "samples suspended"]);
     return h("div", { class: "cards" }, list.map(([v, k]) => h("div", { class: "card" },
       h("div", { class: "v" }, v), h("div", { class: "k" }, k))));
@@ -158,6 +160,11 @@
     const items = [];
     if (S.forks) items.push(h("p", null, "forks (edges with reason " + S.forks.reason + "): " + S.forks.transitions +
       " in " + S.forks.samples + " sample(s)"));
+    if (S.compactions) items.push(h("p", null, "compactions (forks with reason " + S.compactions.reason + "): " +
+      S.compactions.transitions + " in " + S.compactions.samples + " sample(s)"));
+    for (const g of S.lineages || []) items.push(h("p", null, "session " + g.session + " lineages: " +
+      g.lineages.map((l) => l.lineage + " " + l.sequences + " sequence(s)" + (Object.keys(l.forks).length ? " (" +
+        Object.keys(l.forks).map((k) => k + " " + l.forks[k]).join(", ") + ")" : "")).join("; ")));
     if (S.suspensions) {
       const c = S.suspensions.counts;
       items.push(h("p", null, "suspensions: " + Object.keys(c).map((k) => k + " " + c[k]).join(", ") + " in " +

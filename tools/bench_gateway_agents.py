@@ -1,4 +1,4 @@
-"""The gateway benchmark's agents, in a process of their own: ``python -m fsm_rollout.cli.bench.gateway_agents URL N``.
+"""The gateway benchmark's agents, in a process of their own: ``python -m tools.bench_gateway_agents URL N``.
 
 Opens ``N`` sessions on the gateway at ``URL`` at once over HTTP, makes each one's calls (the messages grow as an
 agent's do), closes it, and prints one JSON line: the wall time and the calls made. Agents are separate programs
@@ -52,7 +52,7 @@ async def run(url: str, sessions: int, calls: int = CALLS) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 2:
-        print("usage: python -m fsm_rollout.cli.bench.gateway_agents URL SESSIONS", file=sys.stderr)
+        print("usage: python -m tools.bench_gateway_agents URL SESSIONS", file=sys.stderr)
         return 2
     print(json.dumps(asyncio.run(run(args[0], int(args[1])))), flush=True)
     return 0

@@ -2,8 +2,8 @@
 
 The embedded engine trains its default model (:mod:`fsm_rollout.engine.local.default_model`) on the data it is given,
 and ships one copy of this module's output beside itself, so that the engine needs neither the questions nor the
-environment. This module writes that copy (``python -m fsm_rollout.data.default_model_data``), and a test checks that
-the shipped copy is what it would write today.
+environment. This module writes that copy (``python -m tools.default_model_data`` from a checkout), and a test checks
+that the shipped copy is what it would write today.
 
 Each conversation is about a practice question of the demo's kinds (:mod:`fsm_rollout.data.practice`), never a demo
 item: a short reason and a ``calc_score`` tool call with an answer, the built-in Geo3K environment's feedback

@@ -20,12 +20,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from fsm_rollout.errors import RolloutError
-
 CANDIDATES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 
 
-class ChromiumError(RolloutError, RuntimeError):
+class ChromiumError(RuntimeError):
     """Chromium is missing, did not start, or a protocol call failed."""
 
 

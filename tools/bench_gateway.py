@@ -1,16 +1,18 @@
 """The agent gateway's figures: client CPU and added latency per call, 1,000 concurrent sessions, re-tokenization.
 
-Run it with ``python -m fsm_rollout.cli.bench.gateway`` (``--quick``: fewer sessions; ``--json FILE``). Workloads:
+Run it from a checkout with ``python -m tools.bench_gateway`` (``--quick``: fewer sessions; ``--json FILE``).
+Workloads:
 
 * ``per_call``: sessions of three calls each, one at a time, through the gateway against the canned loopback server
-  (:mod:`.server`, no delay, in a child process so its CPU is not counted). The gateway's CPU per call is this
-  process's CPU per call minus the time spent in the chat template (the observation encoder, timed around each
-  call) and minus the agent's own HTTP client, measured alone against the gateway's models endpoint, which does no
-  rollout work. Beside it, the wall time per call through the gateway against a direct generate request with the
-  same tokens to the same server: the difference is what the gateway adds.
+  (:mod:`fsm_rollout.cli.bench.server`, no delay, in a child process so its CPU is not counted). The gateway's CPU
+  per call is this process's CPU per call minus the time spent in the chat template (the observation encoder, timed
+  around each call) and minus the agent's own HTTP client, measured alone against the gateway's models endpoint,
+  which does no rollout work. Beside it, the wall time per call through the gateway against a direct generate
+  request with the same tokens to the same server: the difference is what the gateway adds.
 * ``concurrent``: 1,000 sessions (``--quick``: 200) of three calls each, all opened at once over HTTP by agents in a
-  child process (:mod:`.gateway_agents`; agents are other programs in front of a real gateway), against the canned
-  server with its 50 ms delay: wall, the gateway process's CPU per call and its event-loop lag (p99, max).
+  child process (:mod:`tools.bench_gateway_agents`; agents are other programs in front of a real gateway), against
+  the canned server with its 50 ms delay: wall, the gateway process's CPU per call and its event-loop lag (p99,
+  max).
 * ``retokenization``: 200 scripted sessions against the fake vLLM server whose model calls a tool with arguments
   such as ``false``, ``1.0`` and non-ASCII text, and whose agent re-serialises those arguments its own way (key
   order, spacing, escapes) before sending the history back. A break is a session that forked: the gateway found
@@ -35,6 +37,9 @@ from typing import Any
 from fsm_rollout.cli.bench.params import LATENCY_S, PROMPT
 from fsm_rollout.cli.bench.rollouts import LoopMonitor
 from fsm_rollout.tokens.parity import template_token_ids
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+"""Where the agents' process starts, so that ``tools`` is importable there."""
 
 CALLS = 3
 GOALS = {"gateway_cpu_ms_per_call": 1.0, "loop_lag_p99_ms": 50.0, "retokenization_breaks": 0}
@@ -147,7 +152,8 @@ async def bench_per_call(url: str, tokenizer: Any, sessions: int) -> dict[str, f
 
 
 async def bench_concurrent(url: str, tokenizer: Any, sessions: int, *, paced: bool = True) -> dict[str, float]:
-    """``sessions`` agents at once, in a child process (:mod:`.gateway_agents`), against a gateway in this one."""
+    """``sessions`` agents at once, in a child process (:mod:`tools.bench_gateway_agents`), against a gateway in this
+    one."""
     async with _gateway(url, tokenizer, paced=paced) as gateway:
         monitor = LoopMonitor()
         monitor.start()
@@ -155,10 +161,11 @@ async def bench_concurrent(url: str, tokenizer: Any, sessions: int, *, paced: bo
         agents = await asyncio.create_subprocess_exec(
             sys.executable,
             "-m",
-            "fsm_rollout.cli.bench.gateway_agents",
+            "tools.bench_gateway_agents",
             gateway.url,
             str(sessions),
             stdout=asyncio.subprocess.PIPE,
+            cwd=CHECKOUT,
         )
         out, _ = await agents.communicate()
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
@@ -273,7 +280,7 @@ async def bench_retokenization(tokenizer: Any, sessions: int) -> dict[str, float
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsm_rollout.cli.bench.gateway", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.bench_gateway", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sessions")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON here")
     args = parser.parse_args(argv)

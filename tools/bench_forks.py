@@ -1,4 +1,5 @@
-"""The history policies' costs: ``python -m fsm_rollout.cli.bench.forks [--samples N] [--repeats N]``.
+"""The history policies' costs: ``python -m tools.bench_forks [--samples N] [--repeats N]``
+(from a checkout).
 
 Prints three figures of each policy:
 
@@ -141,7 +142,7 @@ def run(samples: int, repeats: int) -> dict[str, dict[str, float]]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fsm_rollout.cli.bench.forks", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.bench_forks", description=__doc__.split("\n")[0])
     parser.add_argument("--samples", type=int, default=200, metavar="N", help="rollouts in flight per run")
     parser.add_argument("--repeats", type=int, default=3, metavar="N", help="runs of each policy (median CPU)")
     args = parser.parse_args(argv)

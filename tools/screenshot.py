@@ -6,7 +6,7 @@ A PNG's pixels depend on the machine's fonts, so it is not compared byte for byt
 chunk, the fingerprint of the page it shows (the SHA-256 of the page, with the lifecycle picture, which depends on
 the Graphviz version, standing in as the SHA-256 of its DOT text). :func:`screenshot_problem` rebuilds the page
 and compares fingerprints, so a change to the report's data, script or style makes the screenshot stale until
-``fsm-rollout diagram`` shoots it again.
+``python -m tools.docs`` shoots it again.
 """
 
 from __future__ import annotations
@@ -90,7 +90,7 @@ def screenshot_problem(root: Path) -> str | None:
 
 
 async def _shoot(page: Path, output: Path) -> None:
-    from fsm_rollout.report.chromium import Chromium
+    from tools.chromium import Chromium
 
     async with Chromium(width=VIEWPORT[0], height=VIEWPORT[1]) as browser:
         await browser.open(page.as_uri())

@@ -1,10 +1,11 @@
 """The generated reference texts: the README's lifecycle table and layout map, and docs/cli.md's command line.
 
 All are made from what the code runs (the transition table in :mod:`fsm_rollout.machine.lifecycle`, the parsers of
-:mod:`fsm_rollout.cli`, the package's modules and their docstrings), and ``fsm-rollout diagram`` writes them between
+:mod:`fsm_rollout.cli`, the package's modules and their docstrings), and ``python -m tools.docs`` writes them between
 their markers, so the documents cannot describe a table, an option or a module that is not there. The output
 depends on nothing but the code (not on the terminal width or the Python version's help layout), so a check on
-another machine compares equal.
+another machine compares equal. argparse has no public API for its actions, groups and help formatting, so the
+command-line reference reads its private names.
 """
 
 from __future__ import annotations
