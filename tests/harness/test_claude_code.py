@@ -66,6 +66,11 @@ async def test_claude_code_runs_the_models_bash_call_and_the_session_is_token_ex
     sequence = sequences[0]
     assert sequence.reward == 1.0
     assert sequence.metadata["rollout_reason"] == "session_closed"
+    # only the new block, the tool result, was encoded as observation tokens: nothing Claude Code echoed back
+    [observation] = sequence.metadata["observations"]
+    assert [message["role"] for message in observation["messages"]] == ["tool"]
+    assert observation["messages"][0]["content"] == "(Bash completed with no output)"
+    assert sequence.metadata["lineage"] is not None and sequence.metadata["parent_lineage"] is None
     first_prompt = tokenizer.decode(generates[0].body["token_ids"])
     assert TASK in first_prompt
     # its system blocks and the mid-conversation system message (the environment) reached the engine

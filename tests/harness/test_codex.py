@@ -76,6 +76,14 @@ async def test_codex_exec_runs_the_models_shell_call_and_the_session_is_token_ex
     sequence = sequences[0]
     assert sequence.reward == 1.0
     assert sequence.metadata["rollout_reason"] == "session_closed"
+    # only the new item, the shell's output, was encoded as observation tokens: nothing Codex echoed back
+    [observation] = sequence.metadata["observations"]
+    assert [message["role"] for message in observation["messages"]] == ["tool"]
+    assert "Process exited with code 0" in observation["messages"][0]["content"]
+    # one chain (Codex's root thread), and the tools the prompt cannot hold are named, not silently lost
+    assert sequence.metadata["lineage"] is not None and sequence.metadata["parent_lineage"] is None
+    dropped = sequence.metadata["gateway_session"]["dropped_tools"]
+    assert {"type": "namespace", "name": "multi_agent_v1"} in dropped and {"type": "web_search"} in dropped
     # what Codex put first, its developer instructions and the task, is what the engine was first sent
     first_prompt = tokenizer.decode(generates[0].body["token_ids"])
     assert "You are a coding agent running in the Codex CLI" in first_prompt
