@@ -24,11 +24,16 @@ API_KEY_VAR = "FSM_ROLLOUT_GATEWAY_KEY"
 
 
 def codex_home(path: pathlib.Path, base_url: str) -> pathlib.Path:
-    """A ``CODEX_HOME`` whose only provider is the session; no retries, so a refused call shows at once."""
+    """A ``CODEX_HOME`` whose only provider is the session; no retries, so a refused call shows at once; no
+    analytics and no update check (the test talks to the gateway only)."""
     path.mkdir(parents=True, exist_ok=True)
     (path / "config.toml").write_text(
         'model = "fake-model"\n'
         'model_provider = "gateway"\n'
+        "check_for_update_on_startup = false\n"
+        "\n"
+        "[analytics]\n"
+        "enabled = false\n"
         "\n"
         "[model_providers.gateway]\n"
         'name = "fsm-rollout gateway"\n'
