@@ -109,6 +109,12 @@ class RolloutConfig:
     many share a loop (:mod:`fsm_rollout.runtime.pacing`; ``None``, the default, turns pacing off), and ``tune_gc``
     tunes Python's garbage collector while rollouts run: small, cache-warm young collections, and full ones deferred
     (:mod:`fsm_rollout.runtime.gc_policy`).
+
+    ``admission`` says what a runner's batch, group or stream admits (:mod:`fsm_rollout.runtime.admission`):
+    ``"fixed"`` (the default) keeps ``concurrency`` samples in flight; ``"adaptive"`` admits generate requests
+    instead, from the engine's load on ``GET /metrics``: new samples and next turns go while its waiting queue stays
+    at most ``admission_max_waiting`` and its KV-cache use under ``admission_kv_target``, oldest sample first, and
+    a sample stepping its environment holds no slot. A server without ``/metrics`` gets fixed admission.
     """
 
     engine_url: str
@@ -148,6 +154,9 @@ class RolloutConfig:
     servers_behind_router: tuple[str, ...] = ()
     trust_remote_code: bool = False
     history_policy: str = "auto"
+    admission: str = "fixed"
+    admission_kv_target: float = 0.9
+    admission_max_waiting: int = 8
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_turns) or self.max_turns <= 0:
@@ -224,6 +233,15 @@ class RolloutConfig:
             raise ConfigError(f"trust_remote_code must be True or False, got {self.trust_remote_code!r}")
         if self.reward_fn is not None and not callable(self.reward_fn):
             raise ConfigError(f"reward_fn must be callable (sample) -> float, got {type(self.reward_fn).__name__}")
+        if self.admission not in ("fixed", "adaptive"):
+            raise ConfigError(f"admission must be 'fixed' or 'adaptive', got {self.admission!r}")
+        target = self.admission_kv_target
+        if not isinstance(target, int | float) or isinstance(target, bool) or not 0 < target <= 1:
+            raise ConfigError(f"admission_kv_target must be a fraction in (0, 1], got {target!r}")
+        if not _is_int(self.admission_max_waiting) or self.admission_max_waiting < 0:
+            raise ConfigError(
+                f"admission_max_waiting must be a non-negative integer, got {self.admission_max_waiting!r}"
+            )
         if self.history_policy not in HISTORY_POLICIES:
             raise ConfigError(
                 f"history_policy must be one of {', '.join(map(repr, HISTORY_POLICIES))}, got {self.history_policy!r}"

@@ -106,6 +106,9 @@ class BatchSummary:
     queued_ms: list[float] = field(default_factory=list)
     """How long samples waited for a concurrency slot before their rollout started (``queued_ms`` of their first
     transition): apart from the ``pending`` dwell, which is the rollout's own work."""
+    admission_ms: list[float] = field(default_factory=list)
+    """How long each admission wait of adaptive admission took (``admission_ms`` of the transition it delayed: a
+    new sample's first, or an edge into ``generating``), apart from ``queued_ms`` and included in the dwell."""
     forks: int = 0
     """``fork`` edges taken: training sequences closed because the history was rewritten."""
     forked_runs: int = 0
@@ -142,6 +145,9 @@ def summarize(paths: Sequence[TracedPath]) -> BatchSummary:
             queued = event.get("queued_ms")
             if isinstance(queued, int | float) and not isinstance(queued, bool):
                 summary.queued_ms.append(float(queued))
+            admitted = event.get("admission_ms")
+            if isinstance(admitted, int | float) and not isinstance(admitted, bool):
+                summary.admission_ms.append(float(admitted))
         summary.generated_tokens.append(generated)
         if path.events and isinstance(path.events[-1].get("response_length"), int):
             summary.response_tokens.append(path.events[-1]["response_length"])
@@ -192,6 +198,12 @@ def render_summary(name: str, summary: BatchSummary, problems: Sequence[LineProb
         lines.append(
             f"  {'queued for a slot':<18}{len(values):>7}{percentile(values, 0.5):>10.2f}"
             f"{percentile(values, 0.95):>10.2f}   (before pending: waiting for a concurrency slot)"
+        )
+    if summary.admission_ms:
+        values = summary.admission_ms
+        lines.append(
+            f"  {'admission wait':<18}{len(values):>7}{percentile(values, 0.5):>10.2f}"
+            f"{percentile(values, 0.95):>10.2f}   (adaptive admission: waiting for the engine to take a request)"
         )
     for group in summary.lineages or ():
         shown = "; ".join(

@@ -167,6 +167,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rollout.add_argument("--max-new-tokens", type=int, default=176, metavar="N", help="response budget over all turns")
     rollout.add_argument("--max-context-len", type=int, metavar="N", help="context limit (prompt + response)")
     rollout.add_argument("--concurrency", type=int, default=16, metavar="N", help="samples in flight at once")
+    rollout.add_argument(
+        "--admission",
+        choices=("fixed", "adaptive"),
+        default="fixed",
+        help="fixed: --concurrency samples in flight; adaptive: generate requests admitted from the engine's load "
+        "(GET /metrics), a sample stepping its environment holding no slot",
+    )
     rollout.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature")
     rollout.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: top-p")
     rollout.add_argument(
@@ -315,6 +322,7 @@ def build_config(
         trust_remote_code=args.trust_remote_code,
         history_policy=args.history_policy,
         apply_chat_template_kwargs=args.chat_template_kwargs,
+        admission=args.admission,
     )
 
 

@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import orjson
 from aiohttp import web
 
+from fsm_rollout.engine.load import METRICS_PATH, EngineLoad, format_metrics
 from fsm_rollout.engine.schema import (
     ABORT_PATH,
     GENERATE_PATH,
@@ -201,6 +202,7 @@ async def serve_backend(
     middlewares: Iterable[Any] = (),
     shutdown_timeout: float = 5.0,
     unavailable: tuple[type[Exception], ...] = (),
+    load: Callable[[], EngineLoad] | None = None,
 ) -> tuple[web.AppRunner, str]:
     """Serve every endpoint of the frame over ``backend`` on ``host:port`` (0: a free port); returns the runner (to
     clean up) and the base URL.
@@ -209,6 +211,7 @@ async def serve_backend(
     ``unavailable`` exceptions are answered 503 (a server shutting down), any other exception 500.
     Handler cancellation is on: since aiohttp 3.8.2 a client disconnect no longer cancels its handler unless asked,
     and that cancellation is how a long generation learns its client went away.
+    ``load`` (when given) is published on ``GET /metrics`` as vLLM publishes it (:mod:`fsm_rollout.engine.load`).
     """
     frame = _Frame(backend)
     app = web.Application(client_max_size=client_max_size, middlewares=[*middlewares, _errors_as_vllm(unavailable)])
@@ -223,6 +226,8 @@ async def serve_backend(
     app.router.add_post(UPDATE_WEIGHT_VERSION_PATH, frame.update_weight_version)
     app.router.add_get(WEIGHT_INFO_PATH, frame.weight_info)
     app.router.add_post(UPDATE_WEIGHTS_PATH, frame.update_weights)
+    if load is not None:
+        app.router.add_get(METRICS_PATH, _metrics_handler(load, backend))
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=shutdown_timeout)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -237,6 +242,14 @@ async def serve_backend(
     bound_port = sockets[0].getsockname()[1]
     bracketed = f"[{host}]" if ":" in host else host
     return runner, f"http://{bracketed}:{bound_port}"
+
+
+def _metrics_handler(load: Callable[[], EngineLoad], backend: ServingBackend) -> Handler:
+    async def metrics(request: web.Request) -> web.StreamResponse:
+        text = format_metrics(load(), model_name=backend.served_model_name)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8")
+
+    return metrics
 
 
 def error_response(status: int, message: str, param: str | None = None) -> web.Response:

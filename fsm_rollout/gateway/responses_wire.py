@@ -9,16 +9,14 @@ A Responses request is converted into the Chat Completions form the session mach
   as chat ``image_url`` parts;
 * consecutive assistant ``message`` and ``function_call`` items form one assistant message (its content and tool
   calls), and a ``function_call_output`` is a tool message answering its ``call_id``;
-* ``reasoning`` items are dropped: they echo the model's own thinking, which the session holds in its tokens, and
-  the history is compared without it (:mod:`fsm_rollout.gateway.conversation`), so an echoed reasoning item is no
-  fork;
+* ``reasoning`` items are dropped: they echo the model's thinking, which the session holds in its tokens, so an
+  echoed reasoning item is no fork;
 * ``tools`` of type ``function`` (Responses' flat form) become chat's nested form; other tool types (hosted tools,
   ``custom`` freeform tools, ``local_shell``) cannot be called through chat markup, so they are dropped from the
   prompt and reported (:attr:`ResponsesRequest.dropped_tools`, the session's ``metadata["dropped_tools"]``).
 
-The answer becomes a ``response`` object (:func:`response_object`) and, streamed, the event list of
-:mod:`fsm_rollout.gateway.responses_events`. Errors are :class:`GatewayError` in OpenAI's shape, naming the field.
-"""
+The answer becomes a ``response`` object (:func:`response_object`) and, streamed, the events of
+:mod:`fsm_rollout.gateway.responses_events`; errors are OpenAI's, naming the field."""
 
 from __future__ import annotations
 

@@ -25,10 +25,12 @@ resume; it ends ``aborted`` with the reason ``handed_back``, its resume state in
 its environment closed (a resume rebuilds it from its snapshot).
 
 A state may name activities awaited on the way in (``awaits``): ``completed`` and ``truncated`` are scored
-(``score``: ``RolloutConfig.reward_fn``, sync or async, sets ``sample.reward``). On every edge into such a state the
+(``score``: ``RolloutConfig.reward_fn``, sync or async, sets ``sample.reward``), and every edge into
+``generating`` waits for the engine's admission of its request (``admit_request``: under ``admission="adaptive"``,
+:mod:`fsm_rollout.runtime.admission`; at once otherwise). On every edge into such a state the
 machine tries the guards once, runs the edge's actions and notes the edge (``entering``) without leaving the source;
 the driver awaits the activities, then fires :data:`ENTER`, which completes that same edge. An error in them fails
-the rollout from the source state, its data so far kept.
+the rollout from the source state, its data so far kept; a stop while awaiting them leaves from the source state.
 
 Every edge into a terminal state runs the edge's actions, then records the outcome (the state as the sample's
 status, and the edge's ``reason``; ``abort`` takes the caller's reason, ``fail`` the reason ``error``), then the
@@ -128,6 +130,7 @@ STATES: tuple[StateSpec, ...] = (
         activity=("request_turn",),
         trigger="step",
         outcomes=(("suspension_due", "suspend"),),
+        awaits=("admit_request",),
         doc="one generate request in flight, its answer parsed and validated",
     ),
     StateSpec(

@@ -29,6 +29,7 @@ EVENT_DETAIL_KEYS = (
     "response_length",
     "remaining_budget",
     "queued_ms",
+    "admission_ms",
     "suspend_reason",
     "suspended_ms",
     "weight_version",

@@ -193,9 +193,23 @@ class Activities:
         rendered: RenderedPrompt = await self.scope.run(self.client.render(payload, headers=self.headers))
         return rendered
 
+    async def admit_request(self) -> None:
+        """On the way into ``generating``: wait for the engine's admission of the request (adaptive admission;
+        else nothing). A stop meanwhile cuts the wait off, and the rollout leaves from where it was."""
+        admission = self.ctx.deps.admission
+        if admission is not None and not admission.held:
+            await self.scope.run(admission.acquire())
+
     async def request_turn(self) -> None:
         """Send the turn's generate request (or its continuation after a suspension); the one place the
-        weight-update gate is met while running."""
+        weight-update gate is met while running. The admission slot is given back once the answer is in."""
+        try:
+            await self._request_turn()
+        finally:
+            if self.ctx.deps.admission is not None:
+                self.ctx.deps.admission.release()
+
+    async def _request_turn(self) -> None:
         ctx = self.ctx
         assert ctx.rendered is not None
         point = ctx.deps.gate

@@ -20,6 +20,7 @@ from fsm_rollout.config import RolloutConfig
 from fsm_rollout.envs.step import StepResult, Turn
 from fsm_rollout.errors import ResumeError
 from fsm_rollout.rollout.gating import GatePoint
+from fsm_rollout.runtime.admission import AdmissionPoint
 from fsm_rollout.sample import Sample
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt, TokenIds
 from fsm_rollout.weights.partial_turn import Span, turn_from_json, turn_to_json
@@ -56,6 +57,8 @@ class Deps:
     processor: Any
     gate: GatePoint
     """The rollout's side of its weight-update gate."""
+    admission: AdmissionPoint | None = None
+    """The rollout's side of its server's adaptive admission (None: fixed admission, nothing to wait for)."""
 
     def decode(self, token_ids: TokenIds) -> str:
         text: str = self.tokenizer.decode(token_ids, skip_special_tokens=False)

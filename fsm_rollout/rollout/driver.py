@@ -39,6 +39,7 @@ from fsm_rollout.rollout.setup import (
 )
 from fsm_rollout.rollout.view import View
 from fsm_rollout.runtime import gc_policy
+from fsm_rollout.runtime.admission import AdmissionPoint
 from fsm_rollout.runtime.pacing import pacer_for
 from fsm_rollout.sample import Sample
 from fsm_rollout.tokens.chat import ObservationEncoder
@@ -69,6 +70,9 @@ class Rollout:
 
     The rollout knows nothing of recording or replay: those plug in as the client's transport, the environment
     factory and ``hooks`` (:mod:`fsm_rollout.recording`, :mod:`fsm_rollout.replay`).
+
+    ``admission`` is the rollout's side of adaptive admission (:mod:`fsm_rollout.runtime.admission`): each edge into
+    ``generating`` waits for a slot at its server, given back when the answer is in.
 
     ``suspender`` is the gate a weight update closes (:mod:`fsm_rollout.weights.suspension`): the rollout then suspends
     when it is generating or next about to (the request in flight aborted, its tokens kept as the partial turn) and
@@ -107,6 +111,7 @@ class Rollout:
         sample_id: str | None = None,
         request_prefix: str | None = None,
         suspender: SuspensionGate | None = None,
+        admission: AdmissionPoint | None = None,
     ) -> None:
         check_startable(sample)
         if config.record and (hooks is None or not hooks.records_io):
@@ -142,6 +147,7 @@ class Rollout:
             tokenizer=tokenizer,
             processor=processor,
             gate=self._gate,
+            admission=admission,
         )
         name = sample_id if sample_id is not None else default_sample_id(sample)
         resume_state = sample.metadata.get(RESUME_STATE_KEY)
@@ -365,6 +371,8 @@ class Rollout:
             await self._drive()
         finally:
             self._clock.stop()
+            if self.ctx.deps.admission is not None:  # an admission slot held when the rollout ended is given back
+                self.ctx.deps.admission.finish()
             closing, self.ctx.closing = self.ctx.closing, None
             if closing is not None:
                 try:
@@ -400,6 +408,8 @@ class Rollout:
             self._end_now()
         finally:
             reset_contextvars(**context)
+            if self.ctx.deps.admission is not None:
+                self.ctx.deps.admission.finish()
         self._done.set()
         self.tracer.flush()
         if self._start_waiter is not None and not self._start_waiter.done():

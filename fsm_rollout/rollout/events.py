@@ -24,6 +24,9 @@ def event_fields(
     }
     if ctx.state in lifecycle.TERMINAL:
         fields["reason"] = ctx.reason
+    admission = ctx.deps.admission
+    if admission is not None and admission.waited_ms is not None:  # this edge waited for the engine's admission
+        fields["admission_ms"] = admission.take_waited()
     if trigger == "render":
         fields["prompt_tokens"] = ctx.prompt_length
         fields["image_hashes"] = list(ctx.image_hashes)

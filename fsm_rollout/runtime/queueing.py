@@ -4,6 +4,7 @@ made, and :class:`QueueNotingTracer` puts the wait on the rollout's first transi
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +23,8 @@ class Waiting:
     since: float
     ended: Sample | None = None
     """The sample, once it ended without a slot (an abort)."""
+    cancel_wait: Callable[[], object] | None = None
+    """Ends its wait for adaptive admission (it was ended meanwhile)."""
 
     def waited_ms(self) -> float:
         return (time.perf_counter() - self.since) * 1000.0

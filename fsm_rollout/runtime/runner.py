@@ -38,6 +38,7 @@ from fsm_rollout.rollout import Rollout
 from fsm_rollout.rollout.handle import RolloutHandle
 from fsm_rollout.rollout.unbuilt import UnbuiltRollout
 from fsm_rollout.runtime import gc_policy
+from fsm_rollout.runtime.admission import Admission, start_admission
 from fsm_rollout.runtime.engine_check import check_engines
 from fsm_rollout.runtime.groups import group_members as group_members
 from fsm_rollout.runtime.groups import group_seeds as group_seeds
@@ -128,6 +129,8 @@ class RolloutRunner:
         """The history policy of samples without tools, resolved from the template probe on entering."""
         self._hooks = combine_hooks(self._metrics, hooks)
         self._entered = False
+        self._admission: Admission | None = None
+        """Adaptive admission, once entered with ``config.admission="adaptive"`` and every server's load read."""
         self.suspender = Suspender(
             lambda: self._clients.values(),
             strategy=config.weight_update_strategy,
@@ -166,6 +169,7 @@ class RolloutRunner:
             # loading a tokenizer and rendering the probe's conversations take long enough to stall every other
             # task of the loop (a trainer's heartbeat): they run in a thread of their own
             self.tokenizer, self._encoder = await _in_own_thread(lambda: self._tokenizer_and_encoder(source))
+            self._admission = await start_admission(self.config, self.engine_urls)
         except BaseException:
             await self._close_clients()
             await self._release_sinks()
@@ -196,6 +200,9 @@ class RolloutRunner:
             self._entered = False
 
     async def _close_clients(self) -> None:
+        if self._admission is not None:
+            admission, self._admission = self._admission, None
+            await admission.close()
         for client in [*self._clients.values(), *self._server_clients.values()]:
             await client.close()
         self._clients.clear()
@@ -210,8 +217,15 @@ class RolloutRunner:
             config = self._configs[policy] = replace(self.config, history_policy=policy)
         return config
 
+    def _url_for(self, sample: Sample) -> str:
+        if len(self._clients) > 1 and not sample.session_id:
+            sample.session_id = str(uuid.uuid4())
+        if len(self._clients) == 1:
+            return next(iter(self._clients))
+        return self._ring.url_for(sample.session_id or "")
+
     def _client_for(self, sample: Sample) -> VLLMClient:
-        return self._client_at(sample.session_id)
+        return self._clients[self._url_for(sample)]
 
     def _client_at(self, session_id: str | None) -> VLLMClient:
         if len(self._clients) == 1:
@@ -227,19 +241,24 @@ class RolloutRunner:
         return await self._client_at(session_id).render(payload, headers=headers)
 
     def _rollout(
-        self, sample: Sample, *, sample_id: str | None = None, seed: int | None = None, queued_ms: float | None = None
+        self,
+        sample: Sample,
+        *,
+        sample_id: str | None = None,
+        seed: int | None = None,
+        queued_ms: float | None = None,
+        admitted_ms: float | None = None,
     ) -> Rollout:
         if not self._entered:
             raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
-        if len(self._clients) > 1 and not sample.session_id:
-            sample.session_id = str(uuid.uuid4())
+        url = self._url_for(sample)
         tools = sample.metadata.get("tools") if isinstance(sample.metadata, Mapping) else None
         # a tool set not seen yet is probed once (AppendRefused fails the sample); the rollout runs the policy chosen
         policy = self._history.resolve(self.tokenizer, tools) if tools else self.history_policy
         options: dict[str, Any] = {
             "config": self._config_under(policy or self.config.history_policy),
             "sampling_params": self.sampling_params if seed is None else {**self.sampling_params, "seed": seed},
-            "client": self._client_for(sample),
+            "client": self._clients[url],
             "tokenizer": self.tokenizer,
             "encoder": self._encoder,
             "env_factory": self.env_factory,
@@ -248,10 +267,13 @@ class RolloutRunner:
             "sample_id": sample_id,
             "suspender": self.suspender,
         }
+        point = options["admission"] = None if self._admission is None else self._admission.point(url)
         if self.tape is not None:
             rollout = recorded_rollout(sample, tape=self.tape, hooks=self._hooks, **options)
         else:
             rollout = Rollout(sample, hooks=self._hooks, **options)
+        if point is not None and admitted_ms is not None:  # a new sample's slot, held up to its first answer
+            point.hold(admitted_ms)
         self._active.add(rollout)
         self._metrics.occupancy[rollout.state] += 1
         return rollout
@@ -306,13 +328,19 @@ class RolloutRunner:
         self._waiting.update(prepared)
         return prepared
 
-    def _build(self, waiting: Waiting, *, raising: bool) -> Rollout | Sample:
+    def _build(self, waiting: Waiting, *, raising: bool, admitted_ms: float | None = None) -> Rollout | Sample:
         """The rollout of a sample that leaves the queue, or the sample ended ``failed`` when none can be built."""
         self._waiting.discard(waiting)
-        waited_ms = waiting.waited_ms()
+        waited_ms = max(0.0, waiting.waited_ms() - (admitted_ms or 0.0))  # queued: the wait before admission's
         self._metrics.queue_left(waited_ms)
         try:
-            return self._rollout(waiting.sample, sample_id=waiting.sample_id, seed=waiting.seed, queued_ms=waited_ms)
+            return self._rollout(
+                waiting.sample,
+                sample_id=waiting.sample_id,
+                seed=waiting.seed,
+                queued_ms=waited_ms,
+                admitted_ms=admitted_ms,
+            )
         except Exception as error:
             if raising:
                 raise
@@ -328,6 +356,8 @@ class RolloutRunner:
             built.request_abort(NOT_STARTED)
             built = built.sample
         waiting.ended = built
+        if waiting.cancel_wait is not None:
+            waiting.cancel_wait()
 
     def _end_all_unstarted(self, waiting: Iterable[Waiting]) -> None:
         for queued in list(waiting):
@@ -365,6 +395,8 @@ class RolloutRunner:
         return unbuilt.fail()
 
     async def _bounded(self, waiting: Waiting, semaphore: asyncio.Semaphore) -> Sample:
+        if self._admission is not None:
+            return await self._admitted(waiting, self._admission)
         try:
             async with semaphore:
                 if waiting.ended is not None:
@@ -376,6 +408,26 @@ class RolloutRunner:
         except asyncio.CancelledError:
             self._end_unstarted(waiting)  # cancelled while waiting for its slot (a no-op once it had one)
             raise
+
+    async def _admitted(self, waiting: Waiting, admission: Admission) -> Sample:
+        """:meth:`_bounded` under adaptive admission: the sample starts when its server admits a new sample."""
+        wait = asyncio.ensure_future(admission.admit_new(self._url_for(waiting.sample)))
+        waiting.cancel_wait = wait.cancel  # an abort that ends the sample unstarted ends the wait too
+        try:
+            admitted_ms = await wait
+        except asyncio.CancelledError:
+            if waiting.ended is not None:
+                return waiting.ended
+            self._end_unstarted(waiting)
+            raise
+        if waiting.ended is not None:  # ended as it was admitted: the slot goes back
+            admission.controllers[self._url_for(waiting.sample)].release()
+            return waiting.ended
+        built = self._build(waiting, raising=self.raise_on_error, admitted_ms=admitted_ms)
+        if isinstance(built, Sample):
+            admission.controllers[self._url_for(waiting.sample)].release()
+            return built
+        return await self._drive(built)
 
     async def run_batch(
         self,
@@ -478,6 +530,11 @@ class RolloutRunner:
     def metrics(self) -> MetricsSnapshot:
         """A consistent snapshot of occupancy, dwell times, outcomes and throughput."""
         return self._metrics.snapshot()
+
+    @property
+    def admission(self) -> Admission | None:
+        """Adaptive admission, when ``config.admission`` asks for it and every server publishes its load."""
+        return self._admission
 
     @property
     def in_flight(self) -> int:

@@ -1080,3 +1080,32 @@ async def test_render_answers_while_the_worker_is_busy_between_decode_steps(
     finally:
         release.set()
         await holding
+
+
+async def test_metrics_publish_the_running_batch_the_queue_and_the_kv_use_as_vllm_names_them(
+    engine: LocalEngine, http: aiohttp.ClientSession, prompt: list[int]
+) -> None:
+    from fsm_rollout.engine.load import EngineLoad, parse_metrics
+
+    ids = ["load-1", "load-2", "load-3"]  # two decode, the third waits
+    tasks = []
+    for rid in ids:
+        tasks.append(asyncio.create_task(generate(http, engine, prompt, request_id=rid, max_tokens=450)))
+        await wait_until(lambda rid=rid: rid in engine.live_request_ids())
+    await wait_until(lambda: all(engine.live_token_counts().get(rid, 0) >= 1 for rid in ids[:2]), within=60.0)
+    await engine.pause("keep")  # frozen: the counts hold still while they are read
+    try:
+        counts = engine.live_token_counts()
+        async with http.get(engine.url + "/metrics") as response:
+            assert response.status == 200
+            page = await response.text()
+    finally:
+        await post(http, engine, ABORT, {"request_ids": ids})
+        await engine.resume()
+    await asyncio.gather(*tasks)
+    assert f'vllm:num_requests_running{{engine="0",model_name="{TINY_MODEL_NAME}"}} 2.0' in page.splitlines()
+    held = sum(len(prompt) + counts[rid] for rid in ids[:2])
+    assert parse_metrics(page) == EngineLoad(
+        running=2, waiting=1, kv_cache_usage=held / (2 * MAX_MODEL_LEN), preemptions=0
+    )
+    assert engine.load() == EngineLoad(running=0, waiting=0, kv_cache_usage=0.0, preemptions=0)

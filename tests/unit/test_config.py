@@ -253,6 +253,9 @@ def every_field_set() -> RolloutConfig:
         servers_behind_router=("http://a:1", "http://b:2"),
         trust_remote_code=True,
         history_policy="per_turn",
+        admission="adaptive",
+        admission_kv_target=0.75,
+        admission_max_waiting=3,
     )
 
 
@@ -339,3 +342,15 @@ def test_trust_remote_code_is_off_by_default_and_must_be_a_bool() -> None:
     assert config().trust_remote_code is False
     with pytest.raises(ConfigError, match="trust_remote_code"):
         config(trust_remote_code="yes")
+
+
+def test_admission_defaults_to_fixed_and_checks_its_targets() -> None:
+    config = RolloutConfig(engine_url="http://x", model="m", max_turns=1)
+    assert (config.admission, config.admission_kv_target) == ("fixed", 0.9)
+    with pytest.raises(ConfigError, match="admission must be 'fixed' or 'adaptive'"):
+        RolloutConfig(engine_url="http://x", model="m", max_turns=1, admission="auto")
+    for target in (0, 1.5, True, float("nan")):
+        with pytest.raises(ConfigError, match="admission_kv_target"):
+            RolloutConfig(engine_url="http://x", model="m", max_turns=1, admission_kv_target=target)
+    with pytest.raises(ConfigError, match="admission_max_waiting"):
+        RolloutConfig(engine_url="http://x", model="m", max_turns=1, admission_max_waiting=-1)

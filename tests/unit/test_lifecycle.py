@@ -86,8 +86,8 @@ def test_every_terminal_edge_carries_a_reason_except_abort_and_fail() -> None:
 
 
 def test_built_machine_mirrors_the_table() -> None:
-    """An edge into a state that awaits activities (scoring) is its trigger without a state change, then the
-    machine's own ENTER along the same edge; every other edge is itself."""
+    """An edge into a state that awaits activities (scoring, admission) is its trigger without a state change,
+    then the machine's own ENTER along the same edge; every other edge is itself."""
     built = {
         (source, name, transition.dest)
         for name, event in MACHINE.events.items()
@@ -95,7 +95,7 @@ def test_built_machine_mirrors_the_table() -> None:
         for transition in transitions
     }
     awaited = {edge for edge in lifecycle.TRANSITIONS if lifecycle.STATE_BY_NAME[edge.dest].awaits}
-    assert {edge.dest for edge in awaited} == {"completed", "truncated"}
+    assert {edge.dest for edge in awaited} == {"completed", "truncated", "generating"}
     assert built == {
         *((edge.source, edge.trigger, edge.dest) for edge in lifecycle.TRANSITIONS if edge not in awaited),
         *((edge.source, edge.trigger, None) for edge in awaited),

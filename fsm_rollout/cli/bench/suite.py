@@ -117,6 +117,20 @@ def run_images(quick: bool) -> dict[str, dict[str, Any]]:
     return {"images": figures, "goals": _image_goals(figures)}
 
 
+def run_admission(quick: bool, settings: Settings) -> dict[str, dict[str, Any]]:
+    """The admission workload alone (``--only admission``): fixed at the default, the best of a sweep, adaptive."""
+    from fsm_rollout.cli.bench.admission import bench_admission
+
+    figures = bench_admission(quick, settings)
+    vs_default, vs_best = figures["adaptive_vs_default_fixed"], figures["adaptive_vs_best_fixed"]
+    goals = {
+        "admission_adaptive_vs_default_fixed": _goal(vs_default, 1.5, at_most=False, unit="x"),
+        "admission_adaptive_vs_best_fixed": _goal(vs_best, 0.95, at_most=False, unit="x"),
+        "admission_adaptive_busy_fraction": _goal(figures["adaptive_busy_fraction"], 0.85, at_most=False, unit=""),
+    }
+    return {"admission": figures, "goals": goals}
+
+
 def run_engine(quick: bool) -> dict[str, dict[str, Any]]:
     """The embedded engine's workload alone (``--only engine``): one request at a time against batching, the
     decoding alone, then the demo before batching and now; the goal is the demo's ratio, greedy tokens identical."""

@@ -87,6 +87,8 @@ class GenerateJob:
         self._spans: list[WeightVersionSpan] = []
         self._token_count = 0
         self.generation: Generation | None = None
+        self.started = False
+        """Set by the worker when the job joins the running batch (before: it waits)."""
 
     @property
     def cancelled(self) -> bool:
@@ -243,6 +245,14 @@ class Scheduler:
                 counts.setdefault(job.request_id, job.token_count)
         return counts
 
+    def load(self) -> tuple[int, int, int]:
+        """``(running, waiting, tokens)``: live jobs in the running batch and not yet (queued, or held by a pause),
+        and the prompt and output tokens the running ones hold (their KV cache)."""
+        with self._live_lock:
+            running = [job for job in self._live if job.started]
+            waiting = len(self._live) - len(running)
+        return len(running), waiting, sum(len(job.prompt) + job.token_count for job in running)
+
     @property
     def paused(self) -> bool:
         """Whether a pause is in effect (from the moment the worker applied it until resume)."""
@@ -292,6 +302,7 @@ class Scheduler:
                     if not self._frozen:
                         while self._waiting and len(self._running) < self._max_num_seqs:
                             self._running.append(self._waiting.popleft())
+                            self._running[-1].started = True
                         if self._batch is not None:
                             self._step_all(self._batch, Generation)
                         elif self._running:

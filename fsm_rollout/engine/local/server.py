@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 
 from fsm_rollout.engine.endpoints import json_response, serve_backend
+from fsm_rollout.engine.load import EngineLoad
 from fsm_rollout.engine.local.errors import LocalEngineError, WeightLoadError
 from fsm_rollout.engine.local.frontend import Frontend
 from fsm_rollout.engine.local.images import IMAGE_MERGE_SIZE, IMAGE_PAD_TOKEN
@@ -224,6 +225,15 @@ class LocalEngine:
         """Generate requests queued or running on the worker, in arrival order (empty when idle)."""
         return [] if self._scheduler is None else self._scheduler.live_request_ids()
 
+    def load(self) -> EngineLoad:
+        """What ``GET /metrics`` publishes: running and waiting requests, and the tokens the running ones hold
+        against the KV budget of a full batch (``max_num_seqs`` sequences of ``max_model_len``); no preemptions."""
+        if self._scheduler is None or self._loaded is None:
+            return EngineLoad(running=0, waiting=0, kv_cache_usage=0.0, preemptions=0)
+        running, waiting, tokens = self._scheduler.load()
+        usage = min(1.0, tokens / (self._max_num_seqs * self._loaded.max_model_len))
+        return EngineLoad(running=running, waiting=waiting, kv_cache_usage=usage, preemptions=0)
+
     def live_token_counts(self) -> dict[str, int]:
         """The output tokens sampled so far by each generate request queued (0), running or frozen, by request id
         in arrival order (of requests sent with the same id, the earliest's)."""
@@ -298,6 +308,7 @@ class LocalEngine:
                 middlewares=[self._check_api_key],
                 shutdown_timeout=2.0,
                 unavailable=(LocalEngineError,),
+                load=self.load,
             )
         except BaseException:
             await asyncio.to_thread(scheduler.stop)

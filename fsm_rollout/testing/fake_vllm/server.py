@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from aiohttp import web
 
 from fsm_rollout.engine.endpoints import error_response, json_response, serve_backend
+from fsm_rollout.engine.load import EngineLoad
 from fsm_rollout.engine.schema import (
     DEFAULT_WEIGHT_VERSION,
     Finish,
@@ -104,6 +105,8 @@ class FakeVLLMServer:
         weight_version_spans: bool = True,
         routed_experts: ExpertDims | None = None,
         routes_on_abort: bool = False,
+        publish_metrics: bool = True,
+        kv_cache_tokens: int | None = None,
     ) -> None:
         if logprob_entry_style not in ("token_id", "token"):
             raise ValueError(f"logprob_entry_style must be 'token_id' or 'token', got {logprob_entry_style!r}")
@@ -132,6 +135,15 @@ class FakeVLLMServer:
         self._faults: dict[str, deque[Fault]] = {}
         self._room = WaitingRoom(on_disconnect=self.disconnected_request_ids.append)
         self._in_flight = 0
+        self._in_flight_tokens = 0
+        self.publish_metrics = publish_metrics
+        """Whether ``GET /metrics`` is served (False: a 404, as from a server that publishes no load)."""
+        self.kv_cache_tokens = kv_cache_tokens or 16 * max_model_len
+        """The KV cache the fake counts its in-flight prompts against (``vllm:kv_cache_usage_perc``)."""
+        self.metrics_reads = 0
+        """How often ``GET /metrics`` was answered (:meth:`wait_until` sees it change)."""
+        self.reported_load: dict[str, float] = {}
+        """What :meth:`report_load` set: published over the fake's own counts."""
         self._weight_version: str = DEFAULT_WEIGHT_VERSION
         self._runner: web.AppRunner | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -156,6 +168,7 @@ class FakeVLLMServer:
             port=self.port,
             client_max_size=_CLIENT_MAX_SIZE,
             middlewares=[self._record_and_inject],
+            load=self.load if self.publish_metrics else None,
         )
         self._runner = runner
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fake-vllm-tokenizer")
@@ -217,6 +230,31 @@ class FakeVLLMServer:
     def clear_faults(self) -> None:
         """Drop every queued fault that no request has met yet."""
         self._faults.clear()
+
+    def load(self) -> EngineLoad:
+        """The load ``GET /metrics`` publishes: generate requests being answered (``running``), those held by a
+        pause (``waiting``), their prompts' share of :attr:`kv_cache_tokens`; what :meth:`report_load` set wins."""
+        reported = self.reported_load
+        kv_usage = min(1.0, self._in_flight_tokens / self.kv_cache_tokens)
+        self.metrics_reads += 1
+        self._room.changed()
+        return EngineLoad(
+            running=int(reported.get("running", self._in_flight)),
+            waiting=int(reported.get("waiting", sum(not waiter.held for waiter in self._room.waiters))),
+            kv_cache_usage=float(reported.get("kv_cache_usage", kv_usage)),
+            preemptions=int(reported.get("preemptions", 0)),
+        )
+
+    def report_load(self, **fields: float | None) -> None:
+        """Publish these load fields (``running``, ``waiting``, ``kv_cache_usage``, ``preemptions``) over the fake's
+        own counts, as a loaded engine would; None gives a field back to the counts."""
+        for name, value in fields.items():
+            if name not in ("running", "waiting", "kv_cache_usage", "preemptions"):
+                raise ValueError(f"report_load: unknown load field {name!r}")
+            if value is None:
+                self.reported_load.pop(name, None)
+            else:
+                self.reported_load[name] = value
 
     def requests_to(self, path: str) -> list[RecordedRequest]:
         """The recorded requests to ``path``, in arrival order."""
@@ -329,10 +367,12 @@ class FakeVLLMServer:
                 self.interrupted_request_ids.append(params.request_id)
                 return json_response(self._generate_answer(params, job, [], "abort", []))
         self._in_flight += 1
+        self._in_flight_tokens += params.prompt_len
         try:
             return await self._answer(session, params, job)
         finally:
             self._in_flight -= 1
+            self._in_flight_tokens -= params.prompt_len
             self._room.changed()
 
     # ---------------------------------------------------------------- generate helpers
