@@ -56,6 +56,9 @@ Workloads, one module each:
 * ``tree`` (:mod:`.tree`, ``--only tree``, runs only so): the token tree against flat rows: tokens processed per
   trained token on a synthetic agent batch (groups of 8 sharing a 4,096-token prompt, 3 forks per rollout), the
   tree's build and pack time for 10,000 samples, and the default model's forward+backward on both in one run.
+* ``mismatch`` (:mod:`.mismatch`, ``--only mismatch``, runs only so): the certification run (the demo's groups on
+  the embedded engine, the logprobs recomputed with the default model in torch, :func:`fsm_rollout.mismatch`'s
+  event table printed), without and with a weight update mid-run; and ``mismatch()`` on 10,000 x 1,000 tokens.
 * ``goals`` (:mod:`.suite`, which runs everything): each goal with its figure, target and met/missed.
 
 The rollouts run with pacing and the tuned collector on, as ``fsm-rollout run`` does (``--loop-slice-ms 0`` and
@@ -78,10 +81,10 @@ from fsm_rollout.cli.common import add_process_settings
 EPILOG = """\
 Prints each workload's figures, then each goal with its figure, target and met/missed; --json FILE writes them too.
 --quick is a smoke run (fewer samples and repeats) whose goals are checked against the quick profile's own targets,
-named before the goals; --only weight-update, --only slow-env, --only scale-out, --only images, --only engine or
---only tree runs that workload alone (scale-out, a Ray pool of two workers against one runner, runs only so). The
-rollouts run with pacing and the tuned collector, as `fsm-rollout run` does, unless --loop-slice-ms 0 or
---no-tune-gc turn them off.
+named before the goals; --only weight-update, --only slow-env, --only scale-out, --only images, --only engine,
+--only tree or --only mismatch runs that workload alone (scale-out, a Ray pool of two workers against one runner,
+runs only so). The rollouts run with pacing and the tuned collector, as `fsm-rollout run` does, unless
+--loop-slice-ms 0 or --no-tune-gc turn them off.
 
 Exit codes: 0 the workloads ran (goals met or missed, unless --check); 1 with --check, a goal missed (each is named
 on stderr)."""
@@ -96,9 +99,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--only",
         choices=WORKLOADS,
         metavar="WORKLOAD",
-        help="run only this workload and its goals: weight-update, slow-env, scale-out, images, engine or tree "
-        "(scale-out needs Ray, engine and tree the default model; these run only so; the others share interleaved "
-        "runs and always run together)",
+        help="run only this workload and its goals: weight-update, slow-env, scale-out, images, engine, tree or "
+        "mismatch (scale-out needs Ray, engine, tree and mismatch the default model; these run only so; the others "
+        "share interleaved runs and always run together)",
     )
     parser.add_argument(
         "--check",
@@ -134,6 +137,7 @@ def main(args: argparse.Namespace) -> int:
         run_all,
         run_engine,
         run_images,
+        run_mismatch,
         run_scale_out,
         run_slow_env,
         run_tree,
@@ -152,6 +156,8 @@ def main(args: argparse.Namespace) -> int:
         results = run_images(bool(args.quick))
     elif args.only == "tree":
         results = run_tree(bool(args.quick))
+    elif args.only == "mismatch":
+        results = run_mismatch(bool(args.quick))
     else:
         results = run_all(bool(args.quick), settings(args), weight_update_samples=args.weight_update_samples)
     print_table(results, quick=bool(args.quick))
