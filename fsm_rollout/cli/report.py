@@ -21,7 +21,10 @@ state's own work), the lifecycle diagram with the run's counts, and a table of s
 click opens a sample: its timeline and the edge that ended it, its conversation, and its token strip (trained and
 masked tokens, logprobs, weight versions, inserted EOS, images; hover a token for its id and text). The tape beside
 the trace gives the conversation and tokens; the trace alone gives timelines, reasons and counts. --replay adds
-the verdicts and first divergences of `fsm-rollout replay --json > replay.json`.
+the verdicts and first divergences of `fsm-rollout replay --json > replay.json`. With --results the page shows
+each group's token tree (node spans and the sequences sharing them); --mismatch FILE (trainer logprobs, one JSON
+line per training sequence: a list, or {"logprobs": [...], "step": N}) adds K3 per step and per rollout event, the
+worst sequences first, and each sample's tokens coloured by |Δlogprob|.
 
 Exit codes: 0 written; 2 unusable input (missing file, not a trace, another schema version, a bad results or
 replay file)."""
@@ -35,6 +38,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--results", type=Path, metavar="R", help="the results file `run` wrote (rewards, groups)")
     parser.add_argument(
         "--replay", type=Path, metavar="REPLAY.json", help="the output of `fsm-rollout replay --json` for this run"
+    )
+    parser.add_argument(
+        "--mismatch",
+        type=Path,
+        metavar="FILE",
+        help="trainer logprobs (JSONL, one line per training sequence of --results): adds the mismatch section",
     )
     parser.add_argument(
         "--tokenizer", metavar="PATH", help="tokenizer for token texts (default: the one the recording used)"
@@ -57,7 +66,12 @@ def main(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         data = build_report(
-            args.trace, tape=args.tape, results=args.results, replay=args.replay, tokenizer=args.tokenizer
+            args.trace,
+            tape=args.tape,
+            results=args.results,
+            replay=args.replay,
+            tokenizer=args.tokenizer,
+            mismatch=args.mismatch,
         )
     except RolloutError as error:
         print(f"error: {error}", file=sys.stderr)

@@ -9,7 +9,9 @@ each step every trainable token's logprob is recomputed with the weights that sa
 weight-version spans): the gap to the engine's number is the train/inference mismatch a shifted token, a wrong mask
 or a re-tokenised turn would show; it should be float32 noise. It is measured as a :class:`~fsm_rollout.MismatchReport`
 (:func:`fsm_rollout.mismatch`): each step prints its K3 and its worst event group, and ``--correction tis|icepop``
-weighs each token's loss with the report's TIS or IcePop weight (``none``: no correction). ``--async``
+weighs each token's loss with the report's TIS or IcePop weight (``none``: no correction). ``--tree``
+trains from the step's token tree (:mod:`fsm_rollout.examples.grpo_tree`): a group's shared prompt goes through
+the model once, not once per sample, with the same logprobs. ``--async``
 starts the next step's rollouts before this one trains, so the update lands while they are in flight (the runner
 suspends and resumes them) and their older tokens are recomputed with a kept copy of the older weights.
 
@@ -48,6 +50,7 @@ from fsm_rollout.engine.local.default_model import default_model_dir
 from fsm_rollout.examples.grpo_cli import GRPOOptions, GRPORun, StepReport, parse_args
 from fsm_rollout.examples.grpo_cli import summary as summarize
 from fsm_rollout.examples.grpo_tiny import LiveVocabulary, build_env, screen
+from fsm_rollout.examples.grpo_tree import TreeTokens, tree_logprobs
 
 __all__ = [
     "GRPOOptions", "GRPORun", "TrainableTokens", "Trainer", "clipped_loss", "main", "parse_args", "token_logprobs",
@@ -165,6 +168,7 @@ class Trainer:
             else torch.optim.AdamW(self.trainable, lr=options.learning_rate, weight_decay=0.0)
         )  # fmt: skip
         self.version, self.history = "0", ["0"]
+        self.processed = (0, 0)  # the last step's tokens in the forward pass: flat rows, and what it ran
         self._old: dict[str, tuple[Any, LiveVocabulary]] = {}  # version -> frozen copies with that version's weights
 
     def weights(self) -> dict[str, torch.Tensor]:
@@ -183,17 +187,26 @@ class Trainer:
         none forked); returns the mismatch between the engine's logprobs and the recomputed ones, and the stale
         tokens."""
         tokens = TrainableTokens.of(samples, advantages)
+        tree = TreeTokens.of(samples, rollouts, self.options.tree_max_tokens) if self.options.tree else None
+        ran = tree.tree_tokens if tree is not None else int(tokens.inputs.numel())
+        self.processed = (sum(len(sample.tokens) for sample in samples), ran)
+
+        def logprobs(policy: Any, vocabulary: LiveVocabulary, which: torch.Tensor | None = None) -> torch.Tensor:
+            if tree is None:  # the right-padded rows
+                return token_logprobs(policy, vocabulary, tokens, which)
+            return tree_logprobs(policy, vocabulary, tree, which)  # shared prefixes computed once
+
         learns = bool(tokens.advantage.ne(0).any())  # else no gradient, and the optimizer moves nothing
         self.optimizer.zero_grad(set_to_none=True)
         with torch.set_grad_enabled(learns):
-            current = token_logprobs(self.policy, self.vocabulary, tokens)
+            current = logprobs(self.policy, self.vocabulary)
         # the gap is taken with the weights that sampled each token: older versions from their frozen copies
         recomputed = current.detach().clone()
         behind = [index for index, version in enumerate(tokens.version) if version != self.version]
         for version in sorted({tokens.version[index] for index in behind}):
             which = torch.tensor([index for index in behind if tokens.version[index] == version])
             with torch.no_grad():
-                recomputed[which] = token_logprobs(*self._frozen(version), tokens, which)
+                recomputed[which] = logprobs(*self._frozen(version), which)
         report = mismatch(rollouts if rollouts is not None else samples, trained_values(samples, recomputed),
                           trainer_version=self.version, engine="embedded")  # fmt: skip
         correction = self.options.correction

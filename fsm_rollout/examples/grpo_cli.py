@@ -33,6 +33,8 @@ class GRPOOptions:
     clip: float = 0.2
     max_staleness: int = 1
     correction: str = "none"  # the mismatch correction in the loss: "tis", "icepop" or "none"
+    tree: bool = False  # the forward pass on the step's token tree (shared prefixes once) instead of padded rows
+    tree_max_tokens: int = 8_192
     seed: int = 0
     question_seed: int = 2_024
     candidates: int = 16
@@ -56,10 +58,11 @@ FLAGS: dict[str, tuple[str, str]] = {  # option -> (flag, help)
     "candidates": ("--candidates", "practice questions screened for the pool (0: no screen)"),
     "screen_samples": ("--screen-samples", "samples per screened question"),
     "screen_finalists": ("--screen-finalists", "best screened questions that get 2 x --screen-samples more (0: none)"),
+    "tree_max_tokens": ("--tree-max-tokens", "with --tree: tokens per packed batch (one forward pass each)"),
     "seed": ("--seed", "seed of torch and of every group's sampling"),
 }
 CORRECTIONS = ("none", "tis", "icepop")
-AT_LEAST_ONE = ("steps", "groups", "group_size", "max_turns", "max_new_tokens", "screen_samples")
+AT_LEAST_ONE = ("tree_max_tokens", "steps", "groups", "group_size", "max_turns", "max_new_tokens", "screen_samples")
 
 
 def parse_args(argv: Sequence[str] | None = None) -> GRPOOptions:
@@ -74,6 +77,8 @@ def parse_args(argv: Sequence[str] | None = None) -> GRPOOptions:
     parser.add_argument("--optimizer", choices=["adamw", "sgd"], default=defaults.optimizer, help="optimizer")
     parser.add_argument("--correction", choices=list(CORRECTIONS), default=defaults.correction,
                         help="weigh each token's loss by its train/inference mismatch weight")  # fmt: skip
+    parser.add_argument("--tree", action="store_true",
+                        help="train from the token tree: a group's shared prompt is computed once")  # fmt: skip
     parser.add_argument("--kinds", default=",".join(defaults.kinds), help="practice question kinds screened")
     parser.add_argument("--model", type=Path, default=None, metavar="DIR",
                         help="policy and served model (None: the embedded engine's default model)")  # fmt: skip

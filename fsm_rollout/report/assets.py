@@ -1,7 +1,7 @@
 """The report page's CSS and script, inline in every report (a report is one file that needs nothing else).
 
-They are package data files (``static/report.css`` and ``static/report.js``), so they are edited and checked as
-what they are (``node --check`` parses the script in the tests), and read once, at import.
+They are package data files (``static/report.css``, ``static/report.js`` and ``static/report_views.js``), so they
+are edited and checked as what they are (``node --check`` parses the script in the tests), and read once, at import.
 
 The script reads the JSON elements :mod:`fsm_rollout.report.page` writes and builds the page with DOM calls.
 Every text from the run reaches the page through ``textContent`` (the ``h`` helper turns strings into text nodes),
@@ -19,3 +19,5 @@ STATIC = resources.files("fsm_rollout.report") / "static"
 
 CSS = "\n" + (STATIC / "report.css").read_text(encoding="utf-8")
 SCRIPT = "\n" + (STATIC / "report.js").read_text(encoding="utf-8")
+VIEWS_SCRIPT = "\n" + (STATIC / "report_views.js").read_text(encoding="utf-8")
+"""The training views (token trees, mismatch), a script of their own that runs before :data:`SCRIPT` calls it."""

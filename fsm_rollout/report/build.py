@@ -19,6 +19,7 @@ from fsm_rollout.report.model import (
     run_summary,
     sample_row,
 )
+from fsm_rollout.report.training_views import mismatch_view, tree_views
 
 
 @dataclass
@@ -39,17 +40,21 @@ def build_report(
     results: str | Path | None = None,
     replay: str | Path | None = None,
     tokenizer: Any = None,
+    mismatch: str | Path | None = None,
 ) -> ReportData:
     """Read a recorded run and build its page's data.
 
     ``trace`` is a transition trace (its tape is read from beside it, or from ``tape``) or a tape alone;
     ``results`` the results file ``fsm-rollout run`` wrote; ``replay`` the output of ``fsm-rollout replay --json``;
     ``tokenizer`` a tokenizer object or a path/name (default: the one the tape recorded) for the decoded token
-    texts. Raises :class:`~fsm_rollout.recording.RecordingFormatError` or
+    texts; ``mismatch`` a file of trainer logprobs, one JSON line per training sequence of the results rows (the
+    mismatch section, and each sample's tokens coloured by ``|Δ logprob|``). Raises
+    :class:`~fsm_rollout.recording.RecordingFormatError` or
     :class:`~fsm_rollout.report.ReportInputError` for unusable input.
     """
     inputs = load_inputs(trace, tape=tape, results=results, replay=replay)
     notes: list[str] = []
+    section, strips = mismatch_view(inputs.results, Path(mismatch)) if mismatch is not None else (None, {})
     inputs.tokenizer = _tokenizer(inputs, tokenizer, notes)
     rows = match_results(inputs.paths, inputs.results) if inputs.results else [None] * len(inputs.paths)
     replays = match_replay(inputs.paths, inputs.replay)
@@ -79,11 +84,16 @@ def build_report(
         "columns": list(ROW_COLUMNS),
         "rows": [sample_row(path, row, rep) for path, row, rep in zip(inputs.paths, rows, replays, strict=True)],
         "replay": _replay_summary(inputs.replay),
+        "trees": tree_views(inputs.results, notes) if inputs.results else [],
+        "mismatch": section,
     }
     details = [
         sample_detail(inputs, path, record, row, rep)
         for path, record, row, rep in zip(inputs.paths, records, rows, replays, strict=True)
     ]
+    position = {id(row): number for number, row in enumerate(inputs.results)}
+    for page, row in zip(details, rows, strict=True):
+        page["mismatch"] = strips.get(position.get(id(row), -1)) if row is not None else None
     return ReportData(index=index, details=details, notes=notes)
 
 

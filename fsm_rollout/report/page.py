@@ -13,7 +13,7 @@ from typing import Any
 
 import orjson
 
-from fsm_rollout.report.assets import CSS, SCRIPT
+from fsm_rollout.report.assets import CSS, SCRIPT, VIEWS_SCRIPT
 
 
 def json_for_script(value: Any) -> str:
@@ -36,7 +36,7 @@ def render_page(index: dict[str, Any], details: Sequence[dict[str, Any]], *, tit
         f'<script type="application/json" id="report-index">{json_for_script(index)}</script>\n',
     ]
     # the script comes before the samples' data: the page is drawn while the parser still reads that data
-    parts.append(f"<script>{SCRIPT}</script>\n")
+    parts.append(f"<script>{VIEWS_SCRIPT}</script>\n<script>{SCRIPT}</script>\n")
     parts.extend(
         f'<script type="application/json" id="d{position}">{json_for_script(page)}</script>\n'
         for position, page in enumerate(details)

@@ -44,8 +44,9 @@ class TrieNode:
 def first_difference(node: Tokens, rest: Tokens, length: int) -> tuple[int, str | None]:
     """Where, within the first ``length`` tokens, ``rest`` stops agreeing with ``node``, and the provenance cause
     (None when the token ids differ there, or when they agree throughout and the index is ``length``)."""
-    differ = np.flatnonzero(node.ids[:length] != rest.ids[:length])
-    limit = int(differ[0]) if differ.size else length
+    # argmax finds the first True in one reduction (flatnonzero would list them all)
+    differ = node.ids[:length] != rest.ids[:length]
+    limit = int(differ.argmax()) if length and differ[differ.argmax()] else length
     if limit == 0:
         return 0, None
     am, bm = node.mask[:limit], rest.mask[:limit]
@@ -54,10 +55,9 @@ def first_difference(node: Tokens, rest: Tokens, length: int) -> tuple[int, str 
     bad |= node.data[2, :limit] != rest.data[2, :limit]  # the logprobs' bits
     bad |= (ar != br) & (ar >= 0) & (br >= 0)  # routing is compared where both recorded it
     bad |= node.mm[:limit] != rest.mm[:limit]
-    where = np.flatnonzero(bad)
-    if not where.size:
+    at = int(bad.argmax())
+    if not bad[at]:
         return limit, None
-    at = int(where[0])
     return at, _cause(node, rest, at)
 
 
@@ -122,6 +122,8 @@ class Trie:
 
 def _fill_routing(node: Tokens, rest: Tokens, matched: int) -> None:
     """Where only the incoming sequence recorded routing for a shared token, the node keeps its reference."""
+    if not matched or int(rest.routed[:matched].max()) < 0:  # the usual case: the sequence recorded no routing
+        return
     fill = np.flatnonzero((node.routed[:matched] < 0) & (rest.routed[:matched] >= 0))
     if fill.size:
         rows = np.asarray([FIELDS.index(name) for name in ("routed", "routed_seq", "routed_row")])

@@ -20,7 +20,7 @@ import numpy as np
 import numpy.typing as npt
 
 from fsm_rollout.sample import Sample, training_sequences
-from fsm_rollout.training.mismatch_events import DIMENSIONS, label_sequences, staleness_of
+from fsm_rollout.training.mismatch_events import DIMENSIONS, PER_SEQUENCE, label_sequences, staleness_of
 
 Floats = npt.NDArray[np.float64]
 WeightKind = Literal["tis", "mis", "icepop"]
@@ -147,8 +147,11 @@ def _sequence_values(trainer_logprobs: Any, count: int) -> list[Any]:
     return values
 
 
-def _check_finite(flat: Floats, offsets: npt.NDArray[np.int64], what: str) -> None:
-    bad = np.flatnonzero(~np.isfinite(flat))
+def _check_finite(flat: Floats, trained: npt.NDArray[np.bool_], offsets: npt.NDArray[np.int64], what: str) -> None:
+    """Raise naming the first trained position whose value is not finite."""
+    if np.isfinite(flat.sum(where=trained)):  # one pass when all is well: a NaN or an infinity makes the sum so
+        return
+    bad = np.flatnonzero(trained & ~np.isfinite(flat))
     if bad.size:
         position = int(bad[0])
         number = int(np.searchsorted(offsets, position, side="right")) - 1
@@ -204,8 +207,8 @@ def mismatch(
     train_flat = np.concatenate(trainer_parts) if trainer_parts else empty
     rollout_flat = np.concatenate(rollout_parts) if rollout_parts else empty
     trained = (np.concatenate(mask_parts) if mask_parts else empty.astype(np.int8)) == 1
-    _check_finite(np.where(trained, train_flat, 0.0), offsets, "the trainer logprob")
-    _check_finite(np.where(trained, rollout_flat, 0.0), offsets, "the rollout logprob")
+    _check_finite(train_flat, trained, offsets, "the trainer logprob")
+    _check_finite(rollout_flat, trained, offsets, "the rollout logprob")
     # untrained positions count as Δ = 0, so every figure below is 0 there
     delta = np.where(trained, train_flat - rollout_flat, 0.0)
     ratio = np.exp(delta)
@@ -214,13 +217,14 @@ def mismatch(
     low, high = icepop
     clipped = trained & (ratio > tis_cap)
     masked = trained & ((ratio < low) | (ratio > high))
+    per_sequence = _per_sequence_sums(offsets, trained, delta, k3, absolute, clipped, masked)
     report = MismatchReport(
         tis_cap=tis_cap,
         icepop=(low, high),
         offsets=offsets,
         log_ratio=delta,
         trained=trained,
-        samples=_per_sample(sequences, offsets, trained, delta, k3, absolute, clipped, masked),
+        samples=_per_sample(sequences, per_sequence),
         events=[],
         _ratio=ratio,
         **_totals(trained, delta, k3, absolute, clipped, masked),
@@ -228,15 +232,20 @@ def mismatch(
     labels = label_sequences(
         sequences,
         offsets,
+        trained,
         trainer_version=trainer_version,
         image_window=image_window,
         history_policy=history_policy,
         engine=engine,
     )
+    weight = trained.astype(np.float64)
     for dimension in DIMENSIONS:
-        report.events.extend(
-            _groups(dimension, labels[dimension].names, labels[dimension].codes, trained, k3, absolute)
-        )
+        names, codes = labels[dimension].names, labels[dimension].codes
+        if dimension in PER_SEQUENCE:  # from the sequences' sums: no pass over the tokens
+            figures = _label_figures(names, codes, per_sequence["tokens"], per_sequence["k3"], per_sequence["max"])
+        else:
+            figures = _run_figures(names, codes, weight, k3, absolute)
+        report.events.extend(_groups(dimension, names, *figures))
     return report
 
 
@@ -256,62 +265,77 @@ def _totals(trained: Any, delta: Floats, k3: Floats, absolute: Floats, clipped: 
     }
 
 
-def _per_sample(
-    sequences: Sequence[Sample],
-    offsets: npt.NDArray[np.int64],
-    trained: Any,
-    delta: Floats,
-    k3: Floats,
-    absolute: Floats,
-    clipped: Any,
-    masked: Any,
-) -> list[SampleMismatch]:
+def _per_sequence_sums(
+    offsets: npt.NDArray[np.int64], trained: Any, delta: Floats, k3: Floats, absolute: Floats, clipped: Any, masked: Any
+) -> dict[str, Floats]:
+    """Each sequence's sums (trained tokens, Δ, K3 terms, clipped, masked) and max ``|Δ|``."""
+    count = len(offsets) - 1
     starts = offsets[:-1]
     nonempty = offsets[1:] > starts
 
     def sums(values: Any) -> Floats:
-        out = np.zeros(len(sequences))
+        out = np.zeros(count)
         if values.size:
-            out[nonempty] = np.add.reduceat(values.astype(np.float64), starts[nonempty])
+            out[nonempty] = np.add.reduceat(values, starts[nonempty], dtype=np.float64)
         return out
 
-    counts, k1s, k3s, clips, masks = (sums(v) for v in (trained, delta, k3, clipped, masked))
-    maxima = np.zeros(len(sequences))
+    maxima = np.zeros(count)
     if absolute.size:
         maxima[nonempty] = np.maximum.reduceat(absolute, starts[nonempty])
+    return {"tokens": sums(trained), "k1": sums(delta), "k3": sums(k3), "clipped": sums(clipped),
+            "masked": sums(masked), "max": maxima}  # fmt: skip
+
+
+def _per_sample(sequences: Sequence[Sample], sums: Mapping[str, Floats]) -> list[SampleMismatch]:
+    counts = sums["tokens"].astype(np.int64).tolist()
+    k1s, k3s, clips, masks, maxima = (sums[name].tolist() for name in ("k1", "k3", "clipped", "masked", "max"))
     out = []
     for number, sample in enumerate(sequences):
-        count = int(counts[number])
+        count = counts[number]
+        metadata = sample.metadata
         out.append(
             SampleMismatch(
                 sequence=number,
                 index=sample.index,
-                branch=int(sample.metadata.get("branch", 0)) if isinstance(sample.metadata, dict) else 0,
+                branch=int(metadata.get("branch", 0)) if isinstance(metadata, dict) else 0,
                 tokens=count,
-                k1=_mean(float(k1s[number]), count),
-                k3=_mean(float(k3s[number]), count),
-                max_abs_delta=float(maxima[number]),
-                tis_clipped_fraction=_mean(float(clips[number]), count),
-                icepop_masked_fraction=_mean(float(masks[number]), count),
+                k1=_mean(k1s[number], count),
+                k3=_mean(k3s[number], count),
+                max_abs_delta=maxima[number],
+                tis_clipped_fraction=_mean(clips[number], count),
+                icepop_masked_fraction=_mean(masks[number], count),
             )
         )
     return out
 
 
-def _groups(
-    dimension: str, names: list[str], codes: Any, trained: Any, k3: Floats, absolute: Floats
-) -> list[EventGroup]:
-    """Each label's figures. Labels come in runs (spans, windows, turns), so the sums and maxima are taken per run,
-    then per label: a few passes over the batch whatever the number of labels. ``k3`` and ``absolute`` are 0 at
-    untrained positions."""
+def _label_figures(
+    names: list[str], codes: Any, counts: Floats, k3_sums: Floats, maxima: Floats
+) -> tuple[Any, Any, Any]:
+    """Each label's token count, K3 sum and max ``|Δ|`` from the same figures per item (sequence or run)."""
+    size = len(names)
+    label_counts = np.bincount(codes, weights=counts, minlength=size)
+    label_k3 = np.bincount(codes, weights=k3_sums, minlength=size)
+    label_max = np.zeros(size)
+    np.maximum.at(label_max, codes, maxima)
+    return label_counts, label_k3, label_max
+
+
+def _run_figures(names: list[str], codes: Any, weight: Floats, k3: Floats, absolute: Floats) -> tuple[Any, Any, Any]:
+    """Each label's figures over per-token ``codes``. Labels come in runs (spans, windows, turns), so the sums and
+    maxima are taken per run, then per label: a few passes over the batch whatever the number of labels. ``k3``
+    and ``absolute`` are 0 at untrained positions."""
     if not codes.size:
-        return []
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(codes)) + 1))
-    run_codes = codes[starts]
-    counts = np.bincount(run_codes, weights=np.add.reduceat(trained.astype(np.float64), starts), minlength=len(names))
-    k3_sums = np.bincount(run_codes, weights=np.add.reduceat(k3, starts), minlength=len(names))
-    maxima = np.zeros(len(names))
-    np.maximum.at(maxima, run_codes, np.maximum.reduceat(absolute, starts))
+        return np.zeros(len(names)), np.zeros(len(names)), np.zeros(len(names))
+    starts = np.concatenate(([0], np.flatnonzero(codes[1:] != codes[:-1]) + 1))
+    return _label_figures(
+        names, codes[starts], np.add.reduceat(weight, starts), np.add.reduceat(k3, starts),
+        np.maximum.reduceat(absolute, starts),
+    )  # fmt: skip
+
+
+def _groups(dimension: str, names: list[str], counts: Floats, k3_sums: Floats, maxima: Floats) -> list[EventGroup]:
+    """The event groups of the labels that have trained tokens."""
     groups = []
     for code, name in enumerate(names):
         count = int(counts[code])

@@ -26,9 +26,14 @@ import numpy.typing as npt
 DIMENSIONS = ("version", "resume", "sequence", "image", "routes", "history_policy", "engine")
 
 
+PER_SEQUENCE = ("sequence", "history_policy", "engine")
+"""The dimensions whose label is the same over a whole sequence: labelled per sequence, not per token."""
+
+
 @dataclass
 class Labels:
-    """One dimension's label per response token of the batch: ``codes`` index ``names``."""
+    """One dimension's label per response token of the batch (per sequence for :data:`PER_SEQUENCE`): ``codes``
+    index ``names``."""
 
     names: list[str]
     codes: npt.NDArray[np.int32]
@@ -71,74 +76,94 @@ def _has_image(messages: Any) -> bool:
     return False
 
 
-def _turns(mask: Sequence[int]) -> list[tuple[int, int]]:
-    """The runs of loss mask 1 (generated turns) as response positions ``[start, end)``."""
-    runs: list[tuple[int, int]] = []
-    start = None
-    for position, value in enumerate(mask):
-        if value == 1 and start is None:
-            start = position
-        elif value != 1 and start is not None:
-            runs.append((start, position))
-            start = None
-    if start is not None:
-        runs.append((start, len(mask)))
-    return runs
+def _turns(offsets: npt.NDArray[np.int64], trained: npt.NDArray[np.bool_]) -> list[list[tuple[int, int]]]:
+    """Each sequence's runs of loss mask 1 (generated turns) as response positions ``[start, end)``: one pass over
+    the batch, the runs cut at the sequences' ends."""
+    count = len(offsets) - 1
+    if not trained.size:
+        return [[] for _ in range(count)]
+    first = np.zeros(trained.size, dtype=bool)
+    last = np.zeros(trained.size, dtype=bool)
+    nonempty = offsets[1:] > offsets[:-1]
+    first[offsets[:-1][nonempty]] = True
+    last[offsets[1:][nonempty] - 1] = True
+    first[1:] |= ~trained[:-1]
+    first[0] = True
+    last[:-1] |= ~trained[1:]
+    last[-1] = True
+    starts = np.flatnonzero(trained & first)
+    ends = np.flatnonzero(trained & last) + 1
+    cut = np.searchsorted(starts, offsets).tolist()
+    starts_list, ends_list, lows = starts.tolist(), ends.tolist(), offsets.tolist()
+    return [
+        [(a - lows[n], b - lows[n]) for a, b in zip(starts_list[cut[n] : cut[n + 1]], ends_list[cut[n] : cut[n + 1]],
+                                                   strict=True)]
+        for n in range(count)
+    ]  # fmt: skip
 
 
 def label_sequences(
     sequences: Sequence[Any],
     offsets: npt.NDArray[np.int64],
+    trained: npt.NDArray[np.bool_],
     *,
     trainer_version: Any,
     image_window: int,
     history_policy: str | None,
     engine: str | None,
 ) -> dict[str, Labels]:
-    """Each dimension's labels over the batch's response tokens (``offsets`` delimit each sequence's)."""
+    """Each dimension's labels over the batch's response tokens (``offsets`` delimit each sequence's; ``trained``
+    marks the tokens of loss mask 1), per sequence for :data:`PER_SEQUENCE`."""
     total = int(offsets[-1])
-    labels = {name: Labels([], np.zeros(total, dtype=np.int32)) for name in DIMENSIONS}
+    # code 0 of a dimension is the label a token has unless something says otherwise: written by the zeros
+    defaults = {"resume": ["before_resume"], "image": ["no_image"], "routes": ["routes_unknown"]}
+    labels = {
+        name: Labels(list(defaults.get(name, [])), np.zeros(len(sequences) if name in PER_SEQUENCE else total,
+                                                          dtype=np.int32))
+        for name in DIMENSIONS
+    }  # fmt: skip
+    turns = _turns(offsets, trained)
+    bounds = offsets.tolist()
+    versions: dict[str, int] = {}  # sampled version -> its label's code
     for number, sample in enumerate(sequences):
-        lo, hi = int(offsets[number]), int(offsets[number + 1])
+        lo, hi = bounds[number], bounds[number + 1]
         metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
         start_version = str(metadata.get("start_weight_version", ""))
         version = labels["version"]
         resume = labels["resume"]
-        resume.codes[lo:hi] = resume.code("before_resume")
         spans = metadata.get("weight_version_spans") or []
-        if not spans:
-            version.codes[lo:hi] = version.code(version_label("unknown", trainer_version))
-        for span in spans:
-            sampled = str(span["version"])
-            start, end = lo + int(span["start"]), lo + int(span["end"])
-            version.codes[start:end] = version.code(version_label(sampled, trainer_version))
-            if start_version and sampled != start_version:
+        for sampled, start, end in [(str(span["version"]), lo + int(span["start"]), lo + int(span["end"]))
+                                    for span in spans] or [("unknown", lo, hi)]:  # fmt: skip
+            if sampled not in versions:
+                versions[sampled] = version.code(version_label(sampled, trainer_version))
+            version.codes[start:end] = versions[sampled]
+            if start_version and spans and sampled != start_version:
                 resume.codes[start:end] = resume.code("after_resume")
         sequence = labels["sequence"]
-        sequence.codes[lo:hi] = sequence.code("first" if int(metadata.get("branch", 0)) == 0 else "branch")
+        sequence.codes[number] = sequence.code("first" if int(metadata.get("branch", 0)) == 0 else "branch")
         image = labels["image"]
-        image.codes[lo:hi] = image.code("no_image")
         observations = metadata.get("observations") or []
         windows = [int(seen["end"]) for seen in observations if _has_image(seen.get("messages"))]
         if (getattr(sample, "multimodal_inputs", None) or {}).get("images"):
             windows.append(0)
         for end in windows:
             image.codes[lo + min(end, hi - lo) : lo + min(end + image_window, hi - lo)] = image.code("near_image")
-        _label_routes(labels["routes"], sample, metadata, lo, hi)
+        _label_routes(labels["routes"], sample, metadata, lo, hi, turns[number])
         for name, given in (("history_policy", history_policy), ("engine", engine)):
             value = metadata.get(name, given)
-            labels[name].codes[lo:hi] = labels[name].code("unknown" if value is None else str(value))
+            labels[name].codes[number] = labels[name].code("unknown" if value is None else str(value))
     return labels
 
 
-def _label_routes(routes: Labels, sample: Any, metadata: Mapping[str, Any], lo: int, hi: int) -> None:
+def _label_routes(
+    routes: Labels, sample: Any, metadata: Mapping[str, Any], lo: int, hi: int, turns: list[tuple[int, int]]
+) -> None:
     spans = metadata.get("routed_expert_spans") or []
     if not spans:
-        routes.codes[lo:hi] = routes.code("routes_unknown")
-        return
+        return  # code 0: routes_unknown
     prompt = len(sample.tokens) - (hi - lo)
     routes.codes[lo:hi] = routes.code("routes_kept")
-    for start, end in _turns(sample.loss_mask or []):
+    for start, end in turns:
         # response token p was produced by row prompt + p - 1
         first, last = prompt + start - 1, prompt + end - 1
         requests = {span["request_id"] for span in spans if span["start"] < last and span["end"] > first}
@@ -146,4 +171,4 @@ def _label_routes(routes: Labels, sample: Any, metadata: Mapping[str, Any], lo: 
             routes.codes[lo + start : lo + end] = routes.code("routes_changed")
 
 
-__all__ = ["DIMENSIONS", "Labels", "label_sequences", "staleness_of", "version_label"]
+__all__ = ["DIMENSIONS", "PER_SEQUENCE", "Labels", "label_sequences", "staleness_of", "version_label"]

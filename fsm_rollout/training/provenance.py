@@ -214,7 +214,14 @@ def _place_multimodal(out: Tokens, sample: Sample, number: int, image_token_id: 
     if not features:
         return
     arrays = {key: _array(value) for key, value in features.items() if value is not None}
-    images = _image_hashes(arrays, sample, number)
+    if any(isinstance(value, Mapping | str) for value in features.values()):
+        # a results file's summaries (dtype and shape) say nothing of the pixels: the images themselves stand for
+        # them, and the features bind the whole sequence
+        shown = (sample.multimodal_inputs or {}).get("images") if isinstance(sample.multimodal_inputs, dict) else None
+        arrays["images"] = np.frombuffer(json.dumps(shown, sort_keys=True, default=str).encode(), dtype=np.uint8)
+        images = None
+    else:
+        images = _image_hashes(arrays, sample, number)
     other = {key: value for key, value in arrays.items() if key not in IMAGE_FEATURES}
     if image_token_id is None or images is None:
         out.mm[:] = intern.mm(("features", _digest(arrays)))  # nothing finer is known: the features as a whole

@@ -17,7 +17,7 @@ import numpy.typing as npt
 from fsm_rollout.sample import Sample, training_sequences
 from fsm_rollout.training.build import SPLIT_CAUSES, Trie, TrieNode
 from fsm_rollout.training.nodes import ImageRef, TreeData, TreeLeaf, TreeNode
-from fsm_rollout.training.provenance import Intern, Interner, TreeBuildError, sequence_tokens
+from fsm_rollout.training.provenance import FIELDS, Intern, Interner, TreeBuildError, sequence_tokens
 from fsm_rollout.training.tree_format import tree_from_dict, tree_to_dict
 from fsm_rollout.training.tree_pack import PackedBatch, pack_tree
 from fsm_rollout.training.tree_text import render_tree
@@ -145,12 +145,13 @@ def _finish(
     depth: dict[int, int] = {}
     end: dict[int, TrieNode | None] = {number: None for number in range(len(sequences))}  # None: no tokens
     nodes: list[TreeNode] = []
+    names = [None, *(str(key) for key in intern.versions.keys)]  # a version code -1 (none) reads names[0]
     for number, node in enumerate(order):
         parent = ids.get(id(node.parent), -1)
         depth[number] = 0 if parent < 0 else depth[parent] + len(nodes[parent])
         for sequence in node.ending:
             end[sequence] = node
-        nodes.append(_tree_node(number, parent, depth[number], node, intern))
+        nodes.append(_tree_node(number, parent, depth[number], node, intern, names))
     leaves: list[TreeLeaf] = []
     for number, sample in enumerate(sequences):
         path: list[int] = []
@@ -178,20 +179,31 @@ def tree_stats(nodes: Sequence[TreeNode], leaves: Sequence[TreeLeaf], splits: Ma
     }
 
 
-def _tree_node(number: int, parent: int, depth: int, node: TrieNode, intern: Intern) -> TreeNode:
+KEPT = np.array([FIELDS.index(name) for name in ("ids", "mask", "logprob", "routed_seq", "routed_row")])
+"""The per-token rows a node keeps (copied in one step)."""
+
+
+def _tree_node(
+    number: int, parent: int, depth: int, node: TrieNode, intern: Intern, names: list[str | None]
+) -> TreeNode:
     tokens = node.tokens
-    versions = [None if v < 0 else str(intern.versions.keys[v]) for v in tokens.version.tolist()]
+    kept = tokens.data.take(KEPT, axis=0)  # a copy of the rows the node keeps
+    version = tokens.version
+    if len(version) and bool((version == version[0]).all()):  # the usual case: one version (or none) throughout
+        versions = [names[int(version[0]) + 1]] * len(version)
+    else:
+        versions = [names[v + 1] for v in version.tolist()]
     return TreeNode(
         id=number,
         parent=parent,
         depth=depth,
-        token_ids=tokens.ids.copy(),
-        loss_mask=tokens.mask.copy(),
-        rollout_log_probs=tokens.logprob.copy(),
+        token_ids=kept[0],
+        loss_mask=kept[1],
+        rollout_log_probs=kept[2].view(np.float64),
         weight_versions=versions,
         images=_images(tokens.img, tokens.img_k, tokens.img_seq, tokens.img_index, intern.images),
-        routed_sequence=tokens.routed_seq.copy(),
-        routed_row=tokens.routed_row.copy(),
+        routed_sequence=kept[3],
+        routed_row=kept[4],
         sequences=[],
     )
 

@@ -122,42 +122,38 @@ def pack_tree(tree: TreeData, max_tokens: int) -> list[PackedBatch]:
 
 
 def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int]) -> PackedBatch:
-    """One batch of ``nodes`` (sorted: the tree numbers parents before children); ``seen`` were in earlier ones."""
-    start: dict[int, int] = {}
-    offset = 0
-    for node_id in nodes:
-        start[node_id] = offset
-        offset += len(tree.nodes[node_id])
+    """One batch of ``nodes`` (sorted: the tree numbers parents before children); ``seen`` were in earlier ones.
+
+    The per-token arrays are built per node in one step each (a node's id, owner and depth repeated over its
+    tokens), not token by token."""
+    parts = [tree.nodes[node_id] for node_id in nodes]
+    counts = np.fromiter((len(node) for node in parts), dtype=np.int64, count=len(parts))
+    starts = np.zeros(len(parts), dtype=np.int64)
+    np.cumsum(counts[:-1], out=starts[1:])
+    total = int(counts.sum())
+    start = dict(zip(nodes, starts.tolist(), strict=True))
     local = {node: number for number, node in enumerate(nodes)}
     ancestors = np.zeros((len(nodes), len(nodes)), dtype=bool)
-    parts: dict[str, list[Any]] = {name: [] for name in ("ids", "parent", "node", "mask", "logprob", "owner", "local")}
-    positions: list[IntArray] = []
-    versions: list[str | None] = []
-    images: list[tuple[int, ImageRef]] = []
-    for node_id in nodes:
-        node = tree.nodes[node_id]
-        here, count = local[node_id], len(node)
+    heads = np.full(len(parts), -1, dtype=np.int64)  # each node's first token's parent (-1 for a root)
+    for here, node in enumerate(parts):
         if node.parent >= 0:
             ancestors[here] = ancestors[local[node.parent]]
+            heads[here] = start[node.parent] + len(tree.nodes[node.parent]) - 1
         ancestors[here, here] = True
-        begin = start[node_id]
-        parents = np.arange(begin - 1, begin + count - 1, dtype=np.int64)
-        if node.parent < 0:
-            parents[0] = -1
-        else:
-            parent = tree.nodes[node.parent]
-            parents[0] = start[parent.id] + len(parent) - 1
-        parts["ids"].append(node.token_ids)
-        parts["parent"].append(parents)
-        parts["node"].append(np.full(count, node_id, dtype=np.int64))
-        parts["mask"].append(node.loss_mask if node_id not in seen else np.zeros(count, dtype=np.int64))
-        parts["logprob"].append(node.rollout_log_probs)
-        owner = node.sequences[0] if len(node.sequences) == 1 else -1
-        parts["owner"].append(np.full(count, owner, dtype=np.int64))
-        parts["local"].append(np.full(count, here, dtype=np.int64))
-        positions.append(np.arange(node.depth, node.depth + count, dtype=np.int64))
-        versions.extend(node.weight_versions)
-        images.extend((begin + ref.offset, ref) for ref in node.images)
+    order = np.arange(total, dtype=np.int64)
+    begin = np.repeat(starts, counts)
+    parent = order - 1
+    parent[starts[counts > 0]] = heads[counts > 0]
+    owners = np.fromiter((node.sequences[0] if len(node.sequences) == 1 else -1 for node in parts), dtype=np.int64,
+                         count=len(parts))  # fmt: skip
+    fresh = np.fromiter((node.id not in seen for node in parts), dtype=bool, count=len(parts))
+    depths = np.fromiter((node.depth for node in parts), dtype=np.int64, count=len(parts))
+
+    def joined(name: str, dtype: Any) -> Any:
+        arrays = [getattr(node, name) for node in parts]
+        return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
+
+    images = [(start[node.id] + ref.offset, ref) for node in parts for ref in node.images]
     index = {
         number: np.concatenate(
             [np.arange(start[n], start[n] + len(tree.nodes[n]), dtype=np.int64) for n in tree.leaves[number].nodes]
@@ -165,24 +161,20 @@ def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int
         )
         for number in sorted(sequences)
     }
-
-    def flat(name: str, dtype: Any) -> Any:
-        return np.concatenate(parts[name]).astype(dtype) if parts[name] else np.zeros(0, dtype=dtype)
-
     return PackedBatch(
-        token_ids=flat("ids", np.int64),
-        position_ids=np.concatenate(positions) if positions else np.zeros(0, dtype=np.int64),
-        parent=flat("parent", np.int64),
-        node_of_token=flat("node", np.int64),
-        loss_mask=flat("mask", np.int64),
-        rollout_log_probs=flat("logprob", np.float64),
-        weight_versions=versions,
-        sequence_of_token=flat("owner", np.int64),
+        token_ids=joined("token_ids", np.int64),
+        position_ids=np.repeat(depths, counts) + order - begin,
+        parent=parent,
+        node_of_token=np.repeat(np.asarray(nodes, dtype=np.int64), counts),
+        loss_mask=joined("loss_mask", np.int64) * np.repeat(fresh, counts),  # 0 on a repeated copy
+        rollout_log_probs=joined("rollout_log_probs", np.float64),
+        weight_versions=[v for node in parts for v in node.weight_versions],
+        sequence_of_token=np.repeat(owners, counts),
         leaf_token_index=index,
         nodes=list(nodes),
         images=images,
         ancestors=ancestors,
-        local_node=flat("local", np.int64),
+        local_node=np.repeat(np.arange(len(parts), dtype=np.int64), counts),
     )
 
 

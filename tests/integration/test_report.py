@@ -186,7 +186,7 @@ async def test_the_page_holds_no_markup_from_the_run(recorded: Recorded) -> None
     data = await asyncio.to_thread(build, recorded)
     html = render_page(data.index, data.details)
     assert "window.__pwned" in html  # the text is there, as data
-    assert len(re.findall(r"<script", html, re.IGNORECASE)) == 2 + len(data.details)
+    assert len(re.findall(r"<script", html, re.IGNORECASE)) == 3 + len(data.details)
     assert "<img" not in html and "<tool_call>" not in html and "<think>" not in html
     assert render_page(data.index, data.details) == html  # the same inputs give the same bytes
 
@@ -490,3 +490,97 @@ def test_image_spans_run_from_vision_start_to_vision_end() -> None:
 
     texts = {"1": "a", "2": "<|vision_start|>", "3": "<|image_pad|>", "4": "<|vision_end|>"}
     assert image_spans([1, 2, 3, 3, 4, 1, 2, 3, 4], texts) == [[1, 5], [6, 9]]
+
+
+# ---------------------------------------------------------------------------------------------- training views
+
+
+def trainer_logprobs(recorded: Recorded, path: Path, shift: float) -> list[Sample]:
+    """A trainer logprobs file for the results' training sequences: the rollout's logprobs, those of the first
+    sequence's trained tokens moved by ``shift``; step 3 on the first group's lines, 4 on the others."""
+    from fsm_rollout import training_sequences
+
+    rows = [Sample.from_dict(orjson.loads(line)) for line in recorded.results.read_bytes().splitlines()]
+    sequences = training_sequences(rows)
+    lines = []
+    for number, sequence in enumerate(sequences):
+        values = list(sequence.rollout_log_probs or [0.0] * sequence.response_length)
+        if number == 0:
+            values = [v + shift if bit else v for v, bit in zip(values, sequence.loss_mask or [], strict=True)]
+        lines.append(orjson.dumps({"logprobs": values, "step": 3 if sequence.group_index == 0 else 4}))
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return sequences
+
+
+async def test_the_page_holds_each_group_s_token_tree(recorded: Recorded) -> None:
+    trees = (await asyncio.to_thread(build, recorded)).index["trees"]
+    assert [tree["name"] for tree in trees] == ["group 0", "group 1"]
+    colours = trees[1]  # two samples of one prompt: the prompt's node is shared by both
+    assert colours["stats"]["tree_tokens"] < colours["stats"]["flat_tokens"]
+    shared = [node for node in colours["nodes"] if node[5] == 2]
+    assert shared and shared[0][1] == -1 and shared[0][4] == 0  # a root, nothing generated in it
+    assert sum(node[4] for node in colours["nodes"]) == colours["stats"]["generated_tokens"] > 0
+    assert [leaf[4] for leaf in colours["leaves"]] == ["completed", "completed"]
+
+
+async def test_the_mismatch_section_lists_the_shifted_sequence_first(recorded: Recorded, tmp_path: Path) -> None:
+    import math
+
+    sequences = trainer_logprobs(recorded, tmp_path / "trainer.jsonl", 0.5)
+    data = await asyncio.to_thread(build, recorded, mismatch=tmp_path / "trainer.jsonl")
+    section = data.index["mismatch"]
+    k3 = math.exp(-0.5) - 1 + 0.5
+    worst = section["worst"][0]
+    assert (worst["sequence"], worst["row"]) == (0, 0)
+    assert worst["k3"] == pytest.approx(k3) and worst["max_abs_delta"] == pytest.approx(0.5)
+    assert all(other["k3"] == 0.0 for other in section["worst"][1:])
+    steps = {step: (value, count) for step, value, count in section["steps"]}
+    assert steps["4"] == (0.0, sum(sum(s.loss_mask or []) for s in sequences if s.group_index == 1))
+    assert steps["3"][0] == pytest.approx(k3 * sum(sequences[0].loss_mask or []) / steps["3"][1])
+    assert {group["dimension"] for group in section["events"]} >= {"version", "resume", "sequence", "engine"}
+    [strip] = data.details[0]["mismatch"]  # sample 0.0 is results row 0
+    mask = sequences[0].loss_mask or []
+    assert strip["prompt"] == len(sequences[0].tokens) - sequences[0].response_length
+    assert strip["delta"] == [pytest.approx(0.5) if bit else -1 for bit in mask]
+    assert data.details[3]["mismatch"][0]["delta"] == [0.0 if bit else -1 for bit in sequences[3].loss_mask or []]
+
+
+async def test_the_command_refuses_a_mismatch_file_that_does_not_fit(
+    recorded: Recorded, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    short = tmp_path / "short.jsonl"
+    short.write_text("[-1.0]\n")
+    args = ["report", str(recorded.trace), "--results", str(recorded.results), "--mismatch", str(short)]
+    assert await asyncio.to_thread(cli_main, args) == 2
+    assert "does not fit the results file" in capsys.readouterr().err
+    trainer_logprobs(recorded, tmp_path / "trainer.jsonl", 0.5)
+    alone = ["report", str(recorded.trace), "--mismatch", str(tmp_path / "trainer.jsonl")]
+    assert await asyncio.to_thread(cli_main, alone) == 2
+    assert "needs the results file" in capsys.readouterr().err
+    output = tmp_path / "page.html"
+    good = [*args[:-1], str(tmp_path / "trainer.jsonl"), "-o", str(output)]
+    assert await asyncio.to_thread(cli_main, good) == 0
+
+
+@needs_chromium
+async def test_the_trees_the_mismatch_and_the_coloured_strip_are_drawn(recorded: Recorded, tmp_path: Path) -> None:
+    trainer_logprobs(recorded, tmp_path / "trainer.jsonl", 0.5)
+    data = await asyncio.to_thread(build, recorded, mismatch=tmp_path / "trainer.jsonl")
+    page = write_report(data, tmp_path / "report.html")
+    async with Chromium() as browser:
+        await open_report(browser, page)
+        assert await browser.evaluate("document.querySelectorAll('#trees details.tree').length") == 2
+        assert await browser.evaluate("document.querySelectorAll('#mismatch table').length") == 3
+        await browser.evaluate("document.querySelector('#mismatch a[href=\"#s0\"]').click()")
+        await browser.wait_for("document.getElementById('tokens')")
+        tinted = await browser.evaluate(
+            "[...document.querySelectorAll('.tok.trained')].filter((e) => e.style.background).length"
+        )
+        assert tinted == sum(recorded.samples[0].loss_mask or [])
+        hovered = await browser.evaluate(
+            "(() => { const el = document.querySelector('.tok.trained');"
+            " el.dispatchEvent(new MouseEvent('mouseover', {bubbles: true}));"
+            " return document.querySelector('.tokinfo').textContent; })()"
+        )
+        assert "|\u0394logprob| 0.5" in hovered
+        assert browser.console_errors() == []

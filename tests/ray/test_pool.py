@@ -162,3 +162,30 @@ async def test_the_pool_gives_the_same_results_as_one_runner(pool: RayRolloutPoo
         assert one_data.pop("session_id") == f"runner{one.index}"
         assert other_data.pop("session_id") == f"pooled{other.index}"
         assert one_data == other_data
+
+
+async def test_the_pool_s_samples_build_the_same_token_tree_as_one_runner_s(
+    pool: RayRolloutPool, server: FakeVLLMServer
+) -> None:
+    """Two groups of three two-turn rollouts: the pool's samples (back from the workers, serialised) give the token
+    tree the runner's give, node for node and leaf for leaf, with each group's prompt shared."""
+    from fsm_rollout import training_tree
+
+    two_turns = {"scripted_env": {"steps": [["go on", False], ["ok", True]]}}
+    questions = [Sample(prompt=f"tree question {g}", index=g, metadata=dict(two_turns)) for g in range(2)]
+
+    async def groups(run_group: Any) -> list[Sample]:
+        # members take the unnamed scripted turns in any order: every turn answers the same text
+        server.script([ScriptedTurn(text="the same answer") for _ in range(2 * 3 * 2)])
+        made: list[Sample] = []
+        for question in questions:
+            made.extend(await run_group(question, 3))
+        return made
+
+    async with RolloutRunner(pool.config, sampling_params=SAMPLING, tokenizer=load_qwen_tokenizer()) as runner:
+        alone = await groups(runner.run_group)
+    pooled = await groups(pool.run_group)
+    assert all(sample.status == Status.COMPLETED for sample in [*alone, *pooled])
+    mine, theirs = training_tree(pooled), training_tree(alone)
+    assert mine.stats["tree_tokens"] < mine.stats["flat_tokens"]
+    assert mine.to_dict() == theirs.to_dict()

@@ -17,24 +17,27 @@ REQUIRED_IN_CI = os.environ.get("CI", "").lower() not in ("", "0", "false", "no"
 def test_the_page_inlines_the_package_files_verbatim() -> None:
     css = (assets.STATIC / "report.css").read_text(encoding="utf-8")
     script = (assets.STATIC / "report.js").read_text(encoding="utf-8")
+    views = (assets.STATIC / "report_views.js").read_text(encoding="utf-8")
     assert assets.CSS.strip() == css.strip()
     assert assets.SCRIPT.strip() == script.strip()
+    assert assets.VIEWS_SCRIPT.strip() == views.strip()
 
 
-def test_the_script_parses_as_javascript(tmp_path: pytest.TempPathFactory) -> None:
+@pytest.mark.parametrize("name", ["report.js", "report_views.js"])
+def test_the_script_parses_as_javascript(tmp_path: pytest.TempPathFactory, name: str) -> None:
     node = shutil.which("node")
     if node is None:
         if REQUIRED_IN_CI:
             pytest.fail("node is needed in CI to check the report's script")
         pytest.skip("node is not installed")
-    script = assets.STATIC / "report.js"
+    script = assets.STATIC / name
     result = subprocess.run([node, "--check", str(script)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
 
 
-def test_the_script_stays_strict_and_never_writes_markup() -> None:
+@pytest.mark.parametrize("script", [assets.SCRIPT, assets.VIEWS_SCRIPT], ids=["report", "views"])
+def test_the_script_stays_strict_and_never_writes_markup(script: str) -> None:
     # the page's safety rests on these: every text reaches the DOM as a text node
-    script = assets.SCRIPT
     assert script.lstrip().startswith('"use strict";')
     assert "innerHTML" not in script and "outerHTML" not in script
     assert re.search(r"\beval\s*\(", script) is None

@@ -353,3 +353,24 @@ def test_feature_summaries_from_a_results_file_compare_by_their_text() -> None:
     tree = training_tree([json.loads(json.dumps(sample.to_dict())) for sample in rows])
     assert [node.sequences for node in tree.nodes] == [[0, 1], [0], [1], [2]]
     assert tree.stats["provenance_splits"]["multimodal"] == 1
+
+
+def test_rows_with_summarised_features_share_only_when_their_images_are_equal() -> None:
+    """A results file writes image features as summaries (dtype and shape): the tree builds, and the rows' images
+    (data URLs) decide what may share."""
+    summary = {"pixel_values": {"dtype": "float32", "shape": [4, 8]}, "image_grid_thw": {"dtype": "int64",
+               "shape": [1, 3]}}  # fmt: skip
+
+    def row(image: str, answer: int) -> dict[str, object]:
+        made = Sample(group_index=0, index=answer, tokens=[5, 6, 7, 8])
+        made.append_response_tokens([answer, answer + 1], [-1.0, -1.0])
+        data = made.to_dict()
+        data["multimodal_train_inputs"] = summary
+        data["multimodal_inputs"] = {"images": [image]}
+        return data
+
+    same = training_tree([row("data:image/png;base64,AAAA", 10), row("data:image/png;base64,AAAA", 20)])
+    apart = training_tree([row("data:image/png;base64,AAAA", 10), row("data:image/png;base64,BBBB", 20)])
+    assert same.stats["tree_tokens"] == 4 + 2 + 2 < same.stats["flat_tokens"]
+    assert apart.stats["tree_tokens"] == apart.stats["flat_tokens"] == 12
+    assert apart.stats["provenance_splits"]["multimodal"] == 1

@@ -157,6 +157,21 @@ def run_tree(quick: bool) -> dict[str, dict[str, Any]]:
     }
 
 
+def run_mismatch(quick: bool) -> dict[str, dict[str, Any]]:
+    """The mismatch workload alone (``--only mismatch``): the certification run and mismatch()'s speed."""
+    from fsm_rollout.cli.bench.mismatch import bench_mismatch
+
+    figures = bench_mismatch(quick)
+    return {
+        "mismatch": figures,
+        "goals": {
+            "mismatch_k3_without_resume": _goal(figures["update_no_resume_k3"], 1e-6, at_most=True, unit=""),
+            "mismatch_k3_no_update": _goal(figures["plain_k3"], 1e-6, at_most=True, unit=""),
+            "mismatch_10k_x_1k_s": _goal(figures["speed_mismatch_s"], 2, at_most=True, unit="s"),
+        },
+    }
+
+
 def _batch_size(quick: bool, samples: int | None) -> int:
     """The weight-update workload's batch size: as asked, else 1,000 (200 with ``--quick``)."""
     return samples if samples is not None else 200 if quick else 1_000

@@ -5,6 +5,7 @@
   const C = Object.fromEntries(COLS.map((name, i) => [name, i]));
   const ROWS = INDEX.rows.map((row, i) => ({ i: i, v: row }));
   const app = document.getElementById("app");
+  const VIEWS = window.fsmReportViews || { overview: [], stripDeltas: () => null, deltaColour: () => null };
   const cache = new Map();
   const STATE_COLOURS = { pending: "#90a4ae", rendered: "#b0bec5", generating: "#42a5f5", stepping: "#66bb6a",
     observing: "#ab47bc", suspended: "#f0b35a" };
@@ -435,6 +436,7 @@
     if (div && at !== null && at !== undefined && at < n) {
       mark(at, "div", "\u2716 replay diverges here");
     }
+    const deltas = VIEWS.stripDeltas(d, T, n);  // |Δ logprob| per token with --mismatch
     const info = h("div", { class: "tokinfo" },
       "hover a token: its position, id, decoded text, mask, logprob and weight version");
     const strip = h("div", { class: "strip" });
@@ -447,7 +449,7 @@
         "  " + (prompt[k] ? "prompt" : mask[k] ? "trained" : "masked") + (eos[k] ? "  inserted EOS" : "") +
           (image[k] ? "  image" : "") +
         (T.logprobs && !prompt[k] ? "  logprob " + T.logprobs[k] : "") + (version[k] !== null ? "  weights " +
-          version[k] : "");
+          version[k] : "") + (deltas && deltas[k] >= 0 ? "  |\u0394logprob| " + deltas[k] : "");
     }
     function fill() {
       strip.textContent = "";
@@ -467,6 +469,8 @@
         const el = document.createElement("span");
         el.className = cls;
         el.dataset.k = k;
+        const tint = deltas ? VIEWS.deltaColour(deltas[k]) : null;
+        if (tint) el.style.background = tint;
         el.textContent = text === undefined ? String(T.ids[k]) + " " : showText(text);
         frag.appendChild(el);
       }
@@ -490,6 +494,8 @@
           { style: "background:var(--prompt);border:1px solid #ddd" }), "prompt"),
         h("span", null, h("i", { style: "outline:2px solid var(--eos)" }), "inserted EOS"), h("span", null, h("i",
           { style: "background:var(--img)" }), "image"),
+        deltas ? h("span", null, h("i", { style: "background:linear-gradient(90deg," + VIEWS.deltaColour(0) + "," +
+          VIEWS.deltaColour(1) + ")" }), "trained, by |\u0394logprob| (0 to \u2265 1)") : null,
         h("label", null, showPrompt, " show prompt tokens")),
       info, strip);
   }
@@ -562,7 +568,7 @@
     if (m) { app.appendChild(samplePage(Number(m[1]))); window.scrollTo(0, 0); return; }
     if (!overview) overview = h("main", null, cards(), h("div", { class: "grid" }, statuses(), turnsAndTokens(),
       timeSection()),
-      groupsSection(), extrasSection(), replaySection(), samplesSection(), lifecycleSection());
+      groupsSection(), VIEWS.overview.map((view) => view(h, INDEX)), extrasSection(), replaySection(), samplesSection(), lifecycleSection());
     app.appendChild(overview);
     if (table) requestAnimationFrame(() => table.refresh(false));
   }
