@@ -83,9 +83,15 @@ async def test_a_responses_session_with_the_whole_input_each_call_is_token_exact
                 temperature=0.0,
                 store=False,
             )
-            if number % 2:  # streamed, as Codex calls it
+            if number % 2:  # streamed, as Codex calls it; cut by the token limit, it ends `response.incomplete`
                 async with client.responses.stream(**request) as stream:
-                    response = await stream.get_final_response()
+                    ends = [
+                        event.response
+                        async for event in stream
+                        if event.type in ("response.completed", "response.incomplete")
+                    ]
+                assert len(ends) == 1
+                response = ends[0]
             else:
                 response = await client.responses.create(**request)
             texts.append(response.output_text)
@@ -109,8 +115,7 @@ async def test_a_messages_session_is_token_exact(proxy: Any, vllm_tokenizer: Any
                 model=SERVED_MODEL,
                 system=[{"type": "text", "text": "You are a calculator.", "cache_control": {"type": "ephemeral"}}],
                 messages=messages,
-                max_tokens=LIMIT,
-                temperature=0.0,
+                max_tokens=LIMIT,  # greedy: the runner's temperature (this SDK no longer takes one)
             )
             if number % 2:  # streamed, as Claude Code calls it
                 async with client.messages.stream(**request) as stream:
