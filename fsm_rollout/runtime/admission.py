@@ -1,5 +1,5 @@
-"""Adaptive admission (``RolloutConfig.admission = "adaptive"``): generate requests, not samples, are admitted, from
-the engine's load as it publishes it (:mod:`fsm_rollout.engine.load`).
+"""Internal: adaptive admission (``RolloutConfig.admission = "adaptive"``): generate requests, not samples, are
+admitted, from the engine's load as it publishes it (:mod:`fsm_rollout.engine.load`).
 
 Fixed admission keeps ``concurrency`` samples in flight, and a sample waiting on its environment or agent holds its
 slot while the engine has nothing to do for it. Here a slot is one generate request at one server: a rollout asks

@@ -21,6 +21,7 @@ PUBLIC_MODULES = frozenset({
     "fsm_rollout.envs.grid", "fsm_rollout.envs.protocol", "fsm_rollout.envs.step", "fsm_rollout.errors",
     "fsm_rollout.examples", "fsm_rollout.examples.agent_gateway", "fsm_rollout.examples.embed_local",
     "fsm_rollout.examples.grpo", "fsm_rollout.examples.grpo_cli", "fsm_rollout.examples.grpo_tiny",
+    "fsm_rollout.examples.grpo_tree",
     "fsm_rollout.gateway", "fsm_rollout.hooks", "fsm_rollout.machine", "fsm_rollout.machine.diagrams",
     "fsm_rollout.machine.lifecycle", "fsm_rollout.multimodal", "fsm_rollout.multimodal.codec",
     "fsm_rollout.recording", "fsm_rollout.replay", "fsm_rollout.report", "fsm_rollout.rollout", "fsm_rollout.runner",

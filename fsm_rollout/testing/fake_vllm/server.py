@@ -3,6 +3,9 @@ the serving frame.
 
 Which turn a request answers is :mod:`~fsm_rollout.testing.fake_vllm.turns`'s; how requests wait (holds, pauses,
 aborts, releases) is :mod:`~fsm_rollout.testing.fake_vllm.waiting`'s.
+
+Why this module is long: it is one class whose methods share the server's state (its script, recorded requests,
+load and weight version), the handles tests reach the fake by; what can stand alone already lives beside it.
 """
 
 from __future__ import annotations
