@@ -14,13 +14,18 @@ the conversation as sent is the next sequence's prompt.
 
 Its lifecycle is the table in :mod:`fsm_rollout.gateway.session_table`, one machine per lineage: the methods below
 fire its triggers, and its actions are the ``_act_*`` methods, by name. Which lineage a call goes to, and whether a
-rewrite is a compaction, is the session's choice (:mod:`fsm_rollout.gateway.lineages`).
+rewrite is a compaction, is the session's choice (:mod:`fsm_rollout.gateway.lineages`). A sequence that ended over
+the model's context leaves the chain usable (:mod:`fsm_rollout.gateway.context_overflow`).
+
+Why this module is long: it is one class, a chain's machine with its guards and actions, which all share the chain's
+state (its rollout, the held conversation, the call in flight and the last answer for retries).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -28,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from fsm_rollout.envs.step import EndReason, NextCall, Rewrite, StepResult, Turn
 from fsm_rollout.gateway import session_table
 from fsm_rollout.gateway.answers import TokenText, read_answer
+from fsm_rollout.gateway.context_overflow import ended_over_context, overflow_error
 from fsm_rollout.gateway.conversation import Extension
 from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer, render_message, without_stop_string
 from fsm_rollout.sample import Sample
@@ -104,6 +110,7 @@ class Lineage:
         self._tool_choice = "auto"
         self._summary_call = False
         self._sample: Sample | None = None
+        self._ended: list[Sample] = []  # sequences of earlier rollouts of the chain (ended over the context)
         self._rollout: RolloutHandle | None = None
         self._held: list[dict[str, Any]] = []
         self._tools: list[dict[str, Any]] | None = None
@@ -126,7 +133,11 @@ class Lineage:
         self._abort_reason = "cancelled"
         tracer = runner.tracer
         self._machine = session_table.SessionMachine(
-            {"is_retry": self._is_retry, "history_rewritten": lambda: self._found_kind("rewritten")},
+            {
+                "is_retry": self._is_retry,
+                "history_rewritten": lambda: self._found_kind("rewritten"),
+                "over_context": lambda: ended_over_context(self._sample),
+            },
             {name: getattr(self, f"_act_{name}") for name in session_table.action_names()},
             fields={"session_id": settings.session_id, "lineage": self.id},
             emit=(lambda fields: tracer.other_event(session_table.SESSION_EVENT, fields)) if tracer.enabled else None,
@@ -150,6 +161,11 @@ class Lineage:
     def sample(self) -> Sample | None:
         """The lineage's sample (its current sequence; earlier ones in ``branches``), None before its first call."""
         return self._sample
+
+    @property
+    def earlier_sequences(self) -> list[Sample]:
+        """The chain's sequences before its current one, oldest first."""
+        return [*self._ended, *(self._sample.branches if self._sample is not None else ())]
 
     @property
     def rollout(self) -> RolloutHandle | None:
@@ -301,6 +317,14 @@ class Lineage:
         self._rollout = self._runner.start(sample, sample_id=sample_id)
         self._rollout.add_done_callback(self._sequence_ended)
 
+    def _act_restart_sequence(self) -> None:
+        """After a context overflow, the agent's trimmed call starts a new rollout of the chain; the ended sequence
+        is kept when it holds tokens (one whose first call was over the context holds none)."""
+        ended = self._sample
+        assert ended is not None
+        self._ended += [*ended.branches, *([dataclasses.replace(ended, branches=[])] if ended.tokens else [])]
+        self._act_start_sequence()
+
     async def _wait_for_answer(self) -> TurnAnswer:
         answer = self._answer
         assert answer is not None
@@ -366,7 +390,7 @@ class Lineage:
             end -= 1
         self.answered_calls.append(
             AnsweredCall(
-                len(sample.branches),
+                len(self._ended) + len(sample.branches),
                 end - count,
                 end,
                 (answer.content or "").strip(),
@@ -430,7 +454,9 @@ class Lineage:
         self._answer = None
         reason = sample.metadata.get("rollout_reason") if sample is not None else None
         error = sample.metadata.get("rollout_error") if sample is not None else None
-        if error:
+        if sample is not None and ended_over_context(sample):  # the agent may trim and call again
+            pending.set_exception(overflow_error(sample))
+        elif error:
             message = f"the session's rollout failed: {error.get('type')}: {error.get('message')}"
             pending.set_exception(GatewayError(500, message, code="rollout_failed", type="server_error"))
         else:
@@ -487,7 +513,7 @@ class Lineage:
             "parent_lineage": self.parent,
             "lineage_key": self.key,
             "calls": self.calls,
-            "sequences": len(sample.branches) + 1 if sample is not None else 0,
+            "sequences": len(self.earlier_sequences) + 1 if sample is not None else 0,
             "session_state": self._machine.state,
             "state": rollout.state if rollout is not None else "waiting_for_first_call",
             "turns": (rollout.turn_index + (rollout.state not in ("pending", "rendered", "generating")))

@@ -34,6 +34,7 @@ __all__ = [
     "ChatCall",
     "GatewayError",
     "TurnAnswer",
+    "context_overflow",
     "error_body",
     "parse_chat_request",
     "public_error",
@@ -68,6 +69,12 @@ _URL = re.compile(r"\b[a-z][a-z0-9+.-]*://[^\s'\"<>)]+", re.IGNORECASE)
 _CONTEXT = re.compile(r"maximum context length is (\d+) tokens[^.]*\.(?:\s*However,[^.]*\.)?", re.IGNORECASE)
 
 
+def context_overflow(message: str) -> str | None:
+    """The engine's "maximum context length" sentence in an error message, None when it is not an overflow."""
+    found = _CONTEXT.search(message)
+    return None if found is None else found.group(0)
+
+
 def public_error(error: GatewayError) -> GatewayError:
     """The error as the agent may see it: no internal URL, no traceback (the caller traces the original).
 
@@ -77,9 +84,9 @@ def public_error(error: GatewayError) -> GatewayError:
     """
     if error.status < 500:
         return error
-    found = _CONTEXT.search(error.message)
+    found = context_overflow(error.message)
     if error.code == "rollout_failed" and found is not None:
-        message = f"the conversation is over the model's context length: {found.group(0)}"
+        message = f"the conversation is over the model's context length: {found}"
         return GatewayError(400, message, code="context_length_exceeded")
     first_line = error.message.strip().splitlines()[0] if error.message.strip() else "internal error"
     message = _URL.sub("<engine>", first_line)

@@ -260,7 +260,7 @@ class GatewaySession:
                 continue
             # another lineage's last sequence joins the session's branches as a sequence of its own
             last = sample if lineage is self.main else dataclasses.replace(sample, branches=[])
-            sequences = [*sample.branches, last]
+            sequences = [*lineage.earlier_sequences, last]
             for answered in lineage.answered_calls:
                 if answered.summary and answered.sequence < len(sequences):
                     held = sequences[answered.sequence]

@@ -42,7 +42,11 @@ STATES: tuple[StateSpec, ...] = (
     StateSpec("waiting_for_first_call", doc="opened; no call yet (the idle limit runs)"),
     StateSpec("answering", doc="a call in flight: the rollout generates its answer"),
     StateSpec("waiting_for_agent", doc="answered; the rollout's step waits for the agent's next call"),
-    StateSpec("rollout_ended", doc="the rollout ended on its own (budget, abort, error); calls are refused"),
+    StateSpec(
+        "rollout_ended",
+        doc="the rollout ended on its own (budget, abort, error); calls are refused, but after a context overflow a "
+        "trimmed call starts a new sequence",
+    ),
     StateSpec("closed", terminal=True, doc="closed by the agent or the trainer, or the gateway shut down"),
     StateSpec("expired", terminal=True, doc="the agent was silent past the idle limit"),
 )
@@ -84,6 +88,14 @@ TRANSITIONS: tuple[Edge, ...] = (
         guard="is_retry",
         actions=("answer_again",),
         work="a retry of the last call is still answered",
+    ),
+    Edge(
+        "call",
+        "rollout_ended",
+        "answering",
+        guard="over_context",
+        actions=("restart_sequence",),
+        work="the sequence ended over the context: the agent's trimmed call starts a new one (the old one is kept)",
     ),
     Edge("answered", "answering", "waiting_for_agent", actions=("deliver_answer",), work="the call gets the turn"),
     Edge(
