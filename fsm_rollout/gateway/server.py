@@ -69,7 +69,6 @@ from fsm_rollout.gateway.openai_wire import (
     parse_chat_request,
     public_error,
     render_message,
-    without_stop_string,
 )
 from fsm_rollout.gateway.responses_events import sse_bytes, stream_events
 from fsm_rollout.gateway.responses_wire import StoredResponses, parse_responses_request, response_object
@@ -351,9 +350,6 @@ class AgentGateway:
         call = dataclasses.replace(call, hints=header_hints(request.headers))
         session = await self._agent_session(request, call.hints)
         answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
-        runner_stop = self.runner.sampling_params.get("stop") or ()
-        stops = [*(call.sampling.get("stop") or ()), *([runner_stop] if isinstance(runner_stop, str) else runner_stop)]
-        answer = without_stop_string(answer, stops)
         model = self.runner.config.model
         completion_id = f"chatcmpl-{secrets.token_hex(12)}"
         decode = self.runner.tokenizer.decode
@@ -388,9 +384,6 @@ class AgentGateway:
             listed = session.metadata.setdefault("dropped_tools", [])
             listed.extend(name for name in read.dropped_tools if name not in listed)
         answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
-        runner_stop = self.runner.sampling_params.get("stop") or ()
-        stops = [*(call.sampling.get("stop") or ()), *([runner_stop] if isinstance(runner_stop, str) else runner_stop)]
-        answer = without_stop_string(answer, stops)
         message_id, model = new_message_id(), self.runner.config.model
         if not call.stream:
             return _json(message_object(answer, message_id=message_id, model=model, stop_sequences=read.stop_sequences))
@@ -505,9 +498,6 @@ class AgentGateway:
             dropped = session.metadata.setdefault("dropped_tools", [])
             dropped.extend(tool for tool in parsed.dropped_tools if tool not in dropped)
         answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
-        runner_stop = self.runner.sampling_params.get("stop") or ()
-        stops = [*(call.sampling.get("stop") or ()), *([runner_stop] if isinstance(runner_stop, str) else runner_stop)]
-        answer = without_stop_string(answer, stops)
         response_id = f"resp_{secrets.token_hex(16)}"
         body = response_object(answer, parsed, response_id=response_id, model=self.runner.config.model)
         if parsed.store:
