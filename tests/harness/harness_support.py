@@ -79,11 +79,20 @@ def tool_call(name: str, arguments: dict[str, Any]) -> str:
 
 
 @asynccontextmanager
-async def gateway_over(tokenizer: Any) -> AsyncIterator[tuple[AgentGateway, FakeVLLMServer]]:
+async def gateway_over(
+    tokenizer: Any, *, trace: str | None = None
+) -> AsyncIterator[tuple[AgentGateway, FakeVLLMServer]]:
     """An :class:`AgentGateway` whose runner's engine is a scripted fake vLLM server with room for a harness's
-    prompt."""
+    prompt (with ``trace``, the run is traced and recorded there, for ``fsm-rollout replay``)."""
     async with FakeVLLMServer(tokenizer, model="fake-model", max_model_len=MAX_MODEL_LEN) as server:
-        config = RolloutConfig(engine_url=server.url, model="fake-model", max_turns=50, check_invariants=True)
+        config = RolloutConfig(
+            engine_url=server.url,
+            model="fake-model",
+            max_turns=50,
+            check_invariants=True,
+            trace=trace,
+            record=trace is not None,
+        )
         runner = RolloutRunner(config, sampling_params=dict(SAMPLING), tokenizer=tokenizer)
         async with AgentGateway(runner) as gateway:
             yield gateway, server

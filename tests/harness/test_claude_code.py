@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
+import subprocess
+import sys
 
 from harness_install import Harnesses
 from harness_support import (
@@ -47,7 +50,8 @@ async def test_claude_code_runs_the_models_bash_call_and_the_session_is_token_ex
     ]
     workdir = tmp_path / "work"
     workdir.mkdir()
-    async with gateway_over(tokenizer) as (gateway, server):
+    trace = tmp_path / "gateway.jsonl"
+    async with gateway_over(tokenizer, trace=str(trace)) as (gateway, server):
         session = await gateway.open_session(metadata={"harness": "claude-code"})
         server.script([ScriptedTurn(text=text) for text in scripted], session=session.session_id)
         # --dangerously-skip-permissions refuses to run as root; allowing the Bash tool is enough. The prompt goes
@@ -76,3 +80,13 @@ async def test_claude_code_runs_the_models_bash_call_and_the_session_is_token_ex
     # its system blocks and the mid-conversation system message (the environment) reached the engine
     assert "You are a Claude agent, built on Anthropic's Claude Agent SDK." in first_prompt
     assert "Primary working directory" in first_prompt
+    # the harness session replays offline, turn for turn, from its tape alone
+    replayed = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "fsm_rollout.cli", "replay", str(trace)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert "identical 1" in replayed.stdout, replayed.stdout

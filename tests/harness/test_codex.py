@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import pathlib
+import subprocess
+import sys
 
 from harness_install import Harnesses
 from harness_support import (
@@ -57,7 +60,8 @@ async def test_codex_exec_runs_the_models_shell_call_and_the_session_is_token_ex
     ]
     workdir = tmp_path / "work"
     workdir.mkdir()
-    async with gateway_over(tokenizer) as (gateway, server):
+    trace = tmp_path / "gateway.jsonl"
+    async with gateway_over(tokenizer, trace=str(trace)) as (gateway, server):
         session = await gateway.open_session(metadata={"harness": "codex"})
         server.script([ScriptedTurn(text=text) for text in scripted], session=session.session_id)
         env = {
@@ -93,3 +97,13 @@ async def test_codex_exec_runs_the_models_shell_call_and_the_session_is_token_ex
     first_prompt = tokenizer.decode(generates[0].body["token_ids"])
     assert "You are a coding agent running in the Codex CLI" in first_prompt
     assert TASK in first_prompt
+    # the harness session replays offline, turn for turn, from its tape alone
+    replayed = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "fsm_rollout.cli", "replay", str(trace)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert "identical 1" in replayed.stdout, replayed.stdout
