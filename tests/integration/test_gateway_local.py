@@ -7,7 +7,9 @@ import copy
 from collections.abc import Mapping
 from typing import Any
 
+import anthropic
 import openai
+import pytest
 
 from fsm_rollout import RolloutConfig
 from fsm_rollout.engine.local import LocalEngine, tiny_model_dir
@@ -102,3 +104,61 @@ async def test_an_sdk_session_on_the_embedded_engine_is_token_exact() -> None:
     assert last.tokens[: len(final_payload["token_ids"])] == final_payload["token_ids"]
     assert last.tokens[len(final_payload["token_ids"]) :][: len(generated[-1])] == generated[-1]
     assert last.metadata["rollout_reason"] == "session_closed" and last.reward == 0.5
+
+
+async def _responses_turns(base_url: str) -> None:
+    """Two Responses calls as Codex makes them: the whole input each time, the second streamed."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    items: list[Any] = [{"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi."}]}]
+    for step in range(2):
+        request: dict[str, Any] = dict(model="policy", input=items, max_output_tokens=24, store=False)
+        if step:
+            stream = await client.responses.create(**request, stream=True)
+            ends = [e.response async for e in stream if e.type in ("response.completed", "response.incomplete")]
+            response = ends[-1]
+        else:
+            response = await client.responses.create(**request)
+        items += [item.model_dump(exclude_none=True) for item in response.output]
+        items.append({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "More."}]})
+
+
+async def _messages_turns(base_url: str) -> None:
+    """Two Messages calls as Claude Code makes them: the whole history each time, the second streamed."""
+    client = anthropic.AsyncAnthropic(base_url=base_url.removesuffix("/v1"), api_key="unused", max_retries=0)
+    messages: list[Any] = [{"role": "user", "content": "Hi."}]
+    for step in range(2):
+        if step:
+            async with client.messages.stream(model="policy", messages=messages, max_tokens=24) as stream:
+                message = await stream.get_final_message()
+        else:
+            message = await client.messages.create(model="policy", messages=messages, max_tokens=24)
+        content = [block.model_dump(exclude_none=True) for block in message.content] or [{"type": "text", "text": ""}]
+        messages += [{"role": "assistant", "content": content}, {"role": "user", "content": "More."}]
+
+
+@pytest.mark.parametrize("dialect", ["responses", "messages"])
+async def test_a_responses_or_messages_session_on_the_embedded_engine_is_token_exact(dialect: str) -> None:
+    async with LocalEngine(tiny_model_dir(), served_model_name="policy") as engine:
+        config = RolloutConfig(
+            engine_url=engine.url, model="policy", tokenizer_path=str(engine.model_dir), max_turns=10,
+            check_invariants=True,
+        )  # fmt: skip
+        runner = RolloutRunner(config, sampling_params={"max_new_tokens": 400, "temperature": 1.0, "top_p": 1.0})
+        async with AgentGateway(runner) as gateway:
+            spy = Spy(runner._clients[engine.url].transport)
+            runner._clients[engine.url].transport = spy
+            session = await gateway.open_session()
+            await (_responses_turns if dialect == "responses" else _messages_turns)(session.base_url)
+            samples = await session.close(reward=1.0)
+    assert len(spy.generates) == 2
+    generated = [answer["choices"][0]["token_ids"] for _, answer, _ in spy.generates]
+    trained = [
+        t
+        for s in samples
+        for t, bit in zip(s.tokens[len(s.tokens) - s.response_length :], s.loss_mask or [], strict=True)
+        if bit
+    ]
+    assert trained == [t for run in generated for t in run]  # every generated token trained once, in order
+    for payload, _, _ in spy.generates:  # each request continued a sequence the session exports
+        assert any(s.tokens[: len(payload["token_ids"])] == payload["token_ids"] for s in samples)
+    assert len(samples) == 1, [s.metadata.get("rollout_reason") for s in samples]  # the echoed answers: no fork
