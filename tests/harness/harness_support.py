@@ -154,3 +154,16 @@ def check_token_exact(
     prompt_length = len(sequence.tokens) - sequence.response_length
     assert prompt_length == len(requests[0].body["token_ids"])
     assert sequence.loss_mask == mask[prompt_length:]
+
+
+async def check_replays_identically(trace: pathlib.Path) -> None:
+    """``fsm-rollout replay`` re-executes the recorded session (one sample) identically."""
+    replayed = await asyncio.to_thread(
+        subprocess.run,
+        [sys.executable, "-m", "fsm_rollout.cli", "replay", str(trace)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
+    assert "identical 1" in replayed.stdout, replayed.stdout

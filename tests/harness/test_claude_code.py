@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import pathlib
-import subprocess
-import sys
 
 from harness_install import Harnesses
 from harness_support import (
@@ -14,6 +11,7 @@ from harness_support import (
     WRITTEN,
     ModelCase,
     base_env,
+    check_replays_identically,
     check_token_exact,
     gateway_over,
     run_harness,
@@ -80,13 +78,4 @@ async def test_claude_code_runs_the_models_bash_call_and_the_session_is_token_ex
     # its system blocks and the mid-conversation system message (the environment) reached the engine
     assert "You are a Claude agent, built on Anthropic's Claude Agent SDK." in first_prompt
     assert "Primary working directory" in first_prompt
-    # the harness session replays offline, turn for turn, from its tape alone
-    replayed = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "fsm_rollout.cli", "replay", str(trace)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    assert "identical 1" in replayed.stdout, replayed.stdout
+    await check_replays_identically(trace)  # offline, turn for turn, from the session's tape alone

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import pathlib
-import subprocess
-import sys
 
 from harness_install import Harnesses
 from harness_support import (
@@ -14,6 +11,7 @@ from harness_support import (
     WRITTEN,
     ModelCase,
     base_env,
+    check_replays_identically,
     check_token_exact,
     gateway_over,
     run_harness,
@@ -97,13 +95,4 @@ async def test_codex_exec_runs_the_models_shell_call_and_the_session_is_token_ex
     first_prompt = tokenizer.decode(generates[0].body["token_ids"])
     assert "You are a coding agent running in the Codex CLI" in first_prompt
     assert TASK in first_prompt
-    # the harness session replays offline, turn for turn, from its tape alone
-    replayed = await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "fsm_rollout.cli", "replay", str(trace)],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    assert replayed.returncode == 0, replayed.stdout + replayed.stderr
-    assert "identical 1" in replayed.stdout, replayed.stdout
+    await check_replays_identically(trace)  # offline, turn for turn, from the session's tape alone
