@@ -127,12 +127,15 @@ def test_restored_when_the_block_raises() -> None:
     assert gc.get_threshold() == (700, 10, 10)
 
 
-def test_a_process_freeze_is_left_alone() -> None:
+def test_a_process_freeze_is_left_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the policy never unfreezes (the frozen count itself may drop in a long run: a frozen object freed by another
+    # test's leftover thread leaves the permanent generation, so it is no measure of the policy)
+    unfrozen: list[bool] = []
+    monkeypatch.setattr(gc, "unfreeze", lambda: unfrozen.append(True))
     gc.freeze()
-    frozen = gc.get_freeze_count()
     with gc_policy.rollouts_in_flight():
-        assert gc.get_freeze_count() == frozen
-    assert gc.get_freeze_count() == frozen  # not unfrozen by the policy
+        assert gc.get_freeze_count() > 0
+    assert unfrozen == [] and gc.get_freeze_count() > 0
 
 
 def test_rollouts_on_several_threads_share_one_count() -> None:
