@@ -15,7 +15,7 @@ from typing import Any
 import anthropic
 import openai
 import pytest
-from vllm_helpers import GENERATE_PATH, SERVED_MODEL
+from vllm_helpers import GENERATE_PATH, SERVED_MODEL, check_exported_as_generated
 
 from fsm_rollout import RolloutConfig
 from fsm_rollout.gateway import AgentGateway
@@ -40,25 +40,7 @@ def _runner(proxy: Any, tokenizer: Any) -> RolloutRunner:
 def _check_token_exact(proxy: Any, samples: Sequence[Sample], texts: Sequence[str], tokenizer: Any) -> None:
     generates = [exchange for exchange in proxy.to(GENERATE_PATH) if exchange.status == 200]
     assert len(generates) == len(texts)
-    generated = [list(exchange.response["choices"][0]["token_ids"]) for exchange in generates]
-    assert all(generated)
-    for exchange, tokens in zip(generates, generated, strict=True):  # each request continues an exported sequence
-        sent = list(exchange.body["token_ids"])
-        holders = [sample for sample in samples if sample.tokens[: len(sent) + len(tokens)] == sent + tokens]
-        assert len(holders) == 1, "no exported sequence continues this request with vLLM's tokens"
-        sample = holders[0]
-        assert sample.loss_mask is not None
-        start = len(sent) - (len(sample.tokens) - sample.response_length)
-        assert sample.loss_mask[start : start + len(tokens)] == [1] * len(tokens)
-    trained = [
-        token
-        for sample in samples
-        for token, bit in zip(
-            sample.tokens[len(sample.tokens) - sample.response_length :], sample.loss_mask or [], strict=True
-        )
-        if bit == 1
-    ]
-    assert trained == [token for tokens in generated for token in tokens]  # every generated token trained once
+    generated = check_exported_as_generated(generates, samples)
     for text, tokens in zip(texts, generated, strict=True):  # the client read vLLM's tokens, never re-tokenized
         eos = tokenizer.eos_token_id
         text_ids = tokens[:-1] if tokens[-1] == eos else tokens

@@ -12,7 +12,7 @@ from typing import Any
 
 import openai
 import pytest
-from vllm_helpers import GENERATE_PATH, RENDER_PATH, SERVED_MODEL
+from vllm_helpers import GENERATE_PATH, RENDER_PATH, SERVED_MODEL, check_exported_as_generated
 
 from fsm_rollout import RolloutConfig
 from fsm_rollout.gateway import AgentGateway
@@ -57,31 +57,11 @@ async def test_an_sdk_session_exports_exactly_what_vllm_was_sent_and_generated(p
     # the requests carried the agent's settings
     assert all(exchange.body["sampling_params"]["max_tokens"] <= 8 for exchange in generates)
     assert all(exchange.body["sampling_params"]["temperature"] == 0.0 for exchange in generates)
-    generated = [list(exchange.response["choices"][0]["token_ids"]) for exchange in generates]
-    assert all(generated)
-
     assert samples[-1].metadata["rollout_reason"] == "session_closed"
     assert samples[-1].branches == samples[:-1]
     assert all(sample.reward == 1.0 for sample in samples)
-    # each request continued an exported sequence: what it sent is a prefix, what vLLM generated follows (mask 1)
-    for exchange, tokens in zip(generates, generated, strict=True):
-        sent = list(exchange.body["token_ids"])
-        holders = [sample for sample in samples if sample.tokens[: len(sent) + len(tokens)] == sent + tokens]
-        assert len(holders) == 1, "no exported sequence continues this request with vLLM's tokens"
-        sample = holders[0]
-        assert sample.loss_mask is not None
-        start = len(sent) - (len(sample.tokens) - sample.response_length)
-        assert sample.loss_mask[start : start + len(tokens)] == [1] * len(tokens)
-    # every trained token is one vLLM generated, each exactly once, in order; nothing else is trained
-    trained = [
-        token
-        for sample in samples
-        for token, bit in zip(
-            sample.tokens[len(sample.tokens) - sample.response_length :], sample.loss_mask or [], strict=True
-        )
-        if bit == 1
-    ]
-    assert trained == [token for tokens in generated for token in tokens]
+    # each request continued an exported sequence with vLLM's tokens, each trained exactly once, in order
+    generated = check_exported_as_generated(generates, samples)
     # each sequence's prompt is a render vLLM answered, and the first is the first call's
     renders = [list(exchange.response["token_ids"]) for exchange in proxy.to(RENDER_PATH)]
     for sample in samples:

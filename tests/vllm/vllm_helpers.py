@@ -259,3 +259,29 @@ async def generated_alongside(base_url: str) -> float:
     )  # fmt: skip
     assert len(answer["choices"][0]["token_ids"]) == SENTINEL_TOKENS, answer
     return await generation_tokens(base_url) - before - SENTINEL_TOKENS
+
+
+def check_exported_as_generated(generates: Sequence[Any], samples: Sequence[Any]) -> list[list[int]]:
+    """Each generate request (the proxy's exchanges, in order) continued an exported sequence: what it sent is a
+    prefix and what vLLM generated follows with mask 1; every trained token is one vLLM generated, exactly once, in
+    order, and nothing else is trained. Returns each request's generated tokens."""
+    generated = [list(exchange.response["choices"][0]["token_ids"]) for exchange in generates]
+    assert all(generated)
+    for exchange, tokens in zip(generates, generated, strict=True):
+        sent = list(exchange.body["token_ids"])
+        holders = [sample for sample in samples if sample.tokens[: len(sent) + len(tokens)] == sent + tokens]
+        assert len(holders) == 1, "no exported sequence continues this request with vLLM's tokens"
+        sample = holders[0]
+        assert sample.loss_mask is not None
+        start = len(sent) - (len(sample.tokens) - sample.response_length)
+        assert sample.loss_mask[start : start + len(tokens)] == [1] * len(tokens)
+    trained = [
+        token
+        for sample in samples
+        for token, bit in zip(
+            sample.tokens[len(sample.tokens) - sample.response_length :], sample.loss_mask or [], strict=True
+        )
+        if bit == 1
+    ]
+    assert trained == [token for tokens in generated for token in tokens]
+    return generated
