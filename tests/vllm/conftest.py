@@ -292,6 +292,13 @@ class Exchange:
     upstream_error: str | None = None
     #: Set once the upstream call is over: vLLM answered, the call failed, or it was dropped with its client.
     upstream_done: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
+    #: Set once the proxy has seen the client drop this request (``client_gone``): wait on it, never read the flag
+    #: right after the client gave up (the proxy learns of the disconnect a moment later).
+    client_left: asyncio.Event = field(default_factory=asyncio.Event, repr=False, compare=False)
+
+    def note_client_gone(self) -> None:
+        self.client_gone = True
+        self.client_left.set()
 
     @property
     def request_id(self) -> str | None:
@@ -352,7 +359,9 @@ class RecordingProxy:
         )
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.router.add_route("*", "/{tail:.*}", self._handle)
-        self._runner = web.AppRunner(app, handler_cancellation=self.forward_disconnects)
+        # Handlers are cancelled when their client goes away, so the proxy sees every disconnect as it happens; the
+        # upstream call is shielded and only cancelled with forward_disconnects.
+        self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
@@ -450,9 +459,10 @@ class RecordingProxy:
                 answer_hold.held.set_result(exchange)
                 await answer_hold.released.wait()
                 self._note_client_gone(request, exchange)
-        except asyncio.CancelledError:  # only with forward_disconnects=True: the client went away
-            exchange.client_gone = True
-            forward.cancel()  # closes the upstream connection: vLLM sees the disconnect
+        except asyncio.CancelledError:  # the client went away
+            exchange.note_client_gone()
+            if self.forward_disconnects:
+                forward.cancel()  # closes the upstream connection: vLLM sees the disconnect
             raise
         return web.Response(status=status, body=payload, content_type=content_type)
 
@@ -465,7 +475,7 @@ class RecordingProxy:
     @staticmethod
     def _note_client_gone(request: web.Request, exchange: Exchange) -> None:
         if request.transport is None or request.transport.is_closing():
-            exchange.client_gone = True
+            exchange.note_client_gone()
 
     async def _forward(self, request: web.Request, raw: bytes, exchange: Exchange) -> tuple[int, bytes, str]:
         try:
@@ -499,6 +509,16 @@ class RecordingProxy:
     @property
     def paths(self) -> list[str]:
         return [exchange.path for exchange in self.exchanges]
+
+    async def client_left(self, exchange: Exchange, limit_s: float = 60.0) -> None:
+        """Wait until the proxy has seen ``exchange``'s client drop it (the limit turns a hang into a failure)."""
+        try:
+            await asyncio.wait_for(exchange.client_left.wait(), limit_s)
+        except TimeoutError:
+            raise AssertionError(
+                f"timed out after {limit_s} s waiting for the client of {exchange.path} "
+                f"({exchange.request_id}) to drop it"
+            ) from None
 
     async def settle(self, limit_s: float = 60.0) -> None:
         """Wait until every forwarded request has vLLM's answer (or was dropped with its client)."""

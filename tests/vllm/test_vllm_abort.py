@@ -3,15 +3,15 @@
 The tests wait on events, never on time. Each starts on a quiet server and takes its own baseline of vLLM's
 generated-token count (``quiet_server``), so the first token counted after it is its own request's. The proxy keeps
 vLLM's answer to the generate request until the test is over, so the rollout can only see the abort, however fast
-vLLM is; and the tests that check vLLM's side abort while its scheduler is frozen (``frozen``), so the generation
-cannot finish before the abort lands. After ``/resume`` a short sentinel request shows whether anything else still
-generates (``generated_alongside``).
+vLLM is. vLLM's scheduler is frozen (``frozen``) before the rollout sends its request, and runs only in short
+windows until that request has a token (``step_until``), so the request is registered and running, a few tokens
+into a long generation, and cannot finish before the abort lands, however loaded the machine. After ``/resume`` a
+short sentinel request shows whether anything else still generates (``generated_alongside``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import pytest
@@ -22,10 +22,11 @@ from vllm_helpers import (
     SERVED_MODEL,
     frozen,
     generated_alongside,
-    generation_started,
+    generated_since,
     generation_tokens,
     quiet_server,
     server_idle,
+    step_until,
     wait_until,
 )
 
@@ -35,9 +36,12 @@ from fsm_rollout.testing.envs import ScriptedEnvFactory
 pytestmark = pytest.mark.vllm
 
 PROMPT = "Write a very long story."
-#: A generation that would run for many seconds (the tiny model makes ~55-75 tokens/s on 2 cores); the tests do
-#: not rely on that: they freeze the scheduler or hold vLLM's answer at the proxy while the abort is on its way.
-LONG = {"max_new_tokens": 900, "temperature": 1.0, "top_p": 1.0, "seed": 7}
+#: The limit of a wait on an event (it only turns a hang into a failure).
+WAIT_S = 120.0
+#: A generation that would run for many seconds (the tiny model makes ~55-75 tokens/s on 2 cores), and cannot end
+#: early on a sampled end token (``min_new_tokens``); the tests do not rely on its length: they freeze the
+#: scheduler or hold vLLM's answer at the proxy while the abort is on its way.
+LONG = {"max_new_tokens": 900, "min_new_tokens": 900, "temperature": 1.0, "top_p": 1.0, "seed": 7}
 
 
 async def test_abort_of_a_long_generation_stops_it_at_the_server_and_sends_nothing_after(
@@ -46,16 +50,14 @@ async def test_abort_of_a_long_generation_stops_it_at_the_server_and_sends_nothi
     tokens_before = await quiet_server(vllm_server.url)
     rollout, envs = make_real_rollout(Sample(prompt=PROMPT, index=0, session_id="abort-1"), sampling=dict(LONG))
     proxy.hold_answers(GENERATE_PATH)
-    task = asyncio.create_task(rollout.run())
-    generate = await proxy.arrival(GENERATE_PATH)
-    await generation_started(vllm_server.url, tokens_before)
-
-    async with frozen(vllm_server.url):
-        started = time.monotonic()
+    async with frozen(vllm_server.url):  # the generation waits at vLLM and runs only in the test's short windows
+        task = asyncio.create_task(rollout.run())
+        generate = await proxy.arrival(GENERATE_PATH)
+        await step_until(vllm_server.url, generated_since(vllm_server.url, tokens_before), "the first token")
         await rollout.abort("weight_update")
-        assert time.monotonic() - started < 5.0
-        assert await task is rollout.sample
-        # the rollout ended while its generation was still going at the server: it did not wait for the answer
+        # the rollout ends while its generation cannot (the server is frozen, its answer held at the proxy): it did
+        # not wait for the answer (the limit only turns a hang into a failure)
+        assert await asyncio.wait_for(task, WAIT_S) is rollout.sample
         assert not generate.answered
 
     sample = rollout.sample
@@ -69,7 +71,7 @@ async def test_abort_of_a_long_generation_stops_it_at_the_server_and_sends_nothi
     assert generate.body["request_id"] == "abort-1-turn0"
     assert abort.body == {"request_ids": ["abort-1-turn0", "generate-tokens-abort-1-turn0"]}
     assert abort.status == 200
-    assert generate.client_gone
+    await proxy.client_left(generate)  # the rollout dropped its request: the proxy saw the disconnect
     # the aborted turn left nothing behind
     assert sample.tokens == generate.body["token_ids"]
     assert sample.response_length == 0 and sample.loss_mask == [] and sample.rollout_log_probs == []
@@ -77,7 +79,7 @@ async def test_abort_of_a_long_generation_stops_it_at_the_server_and_sends_nothi
     assert envs.last.close_count == 1
     # the server dropped the request: after /resume it generates nothing beside a sentinel request
     assert await generated_alongside(vllm_server.url) == 0
-    await wait_until(lambda: server_idle(vllm_server.url), "vLLM to drop the request", limit_s=5.0)
+    await wait_until(lambda: server_idle(vllm_server.url), "vLLM to drop the request")
     settled = await generation_tokens(vllm_server.url)
     assert settled - tokens_before < LONG["max_new_tokens"]
     # no request follows the abort (the rollout's task is over, so nothing of it can still send one)
@@ -91,17 +93,18 @@ async def test_cancelling_the_rollout_task_aborts_with_reason_cancelled(
     tokens_before = await quiet_server(vllm_server.url)
     rollout, envs = make_real_rollout(Sample(prompt=PROMPT, index=1, session_id="cancel-1"), sampling=dict(LONG))
     proxy.hold_answers(GENERATE_PATH)  # the turn is in flight when the task is cancelled, whatever vLLM's speed
-    task = asyncio.create_task(rollout.run())
-    await proxy.arrival(GENERATE_PATH)
-    await generation_started(vllm_server.url, tokens_before)
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
+    async with frozen(vllm_server.url):  # the generation waits at vLLM and runs only in the test's short windows
+        task = asyncio.create_task(rollout.run())
+        await proxy.arrival(GENERATE_PATH)
+        await step_until(vllm_server.url, generated_since(vllm_server.url, tokens_before), "the first token")
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(task, WAIT_S)
     assert rollout.state == "aborted" and rollout.reason == "cancelled"
     assert proxy.paths == [RENDER_PATH, GENERATE_PATH, ABORT_PATH]
     assert proxy.to(ABORT_PATH)[0].body == {"request_ids": ["cancel-1-turn0", "generate-tokens-cancel-1-turn0"]}
     assert envs.last.close_count == 1
-    await wait_until(lambda: server_idle(vllm_server.url), "vLLM to drop the request", limit_s=5.0)
+    await wait_until(lambda: server_idle(vllm_server.url), "vLLM to drop the request")
     assert await generated_alongside(vllm_server.url) == 0
 
 
@@ -116,24 +119,25 @@ async def test_abort_notice_alone_stops_the_request_at_the_server(
         rollout = Rollout(
             Sample(prompt=PROMPT, index=2, session_id="held-1"),
             config=config,
-            sampling_params={**LONG, "max_new_tokens": 600},
+            sampling_params={**LONG, "max_new_tokens": 600, "min_new_tokens": 600},
             client=client,
             tokenizer=vllm_tokenizer,
             env_factory=ScriptedEnvFactory(),
         )
-        task = asyncio.create_task(rollout.run())
-        generate = await holding_proxy.arrival(GENERATE_PATH)
-        await generation_started(vllm_server.url, tokens_before)
-        async with frozen(vllm_server.url):
+        async with frozen(vllm_server.url):  # the generation waits at vLLM and runs only in the test's windows
+            task = asyncio.create_task(rollout.run())
+            generate = await holding_proxy.arrival(GENERATE_PATH)
+            await step_until(vllm_server.url, generated_since(vllm_server.url, tokens_before), "the first token")
             await rollout.abort("weight_update")
-            await task
+            await asyncio.wait_for(task, WAIT_S)
+            # the client dropped its request, and the proxy saw it go
+            await holding_proxy.client_left(generate)
             # the proxy kept the upstream request going: only the abort notice can end it, and vLLM answers it
-            await asyncio.wait_for(generate.upstream_done.wait(), 60.0)
+            await asyncio.wait_for(generate.upstream_done.wait(), WAIT_S)
     assert rollout.sample.status == Status.ABORTED
     assert holding_proxy.to(ABORT_PATH)[0].body == {"request_ids": ["held-1-turn0", "generate-tokens-held-1-turn0"]}
     await holding_proxy.settle(60.0)
     (generate,) = holding_proxy.to(GENERATE_PATH)
-    assert generate.client_gone
     answer = generate.response["choices"][0]
     assert answer["finish_reason"] == "abort", (
         f"vLLM finished the abandoned request with {answer['finish_reason']!r} after {len(answer['token_ids'])} "

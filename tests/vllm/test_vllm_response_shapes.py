@@ -29,9 +29,10 @@ from vllm_helpers import (
     RENDER_PATH,
     SERVED_MODEL,
     frozen,
-    generation_started,
+    generated_since,
     quiet_server,
     server_session,
+    step_until,
 )
 
 from fsm_rollout.engine.schema import error_message, parse_generate_response, parse_render_response
@@ -141,9 +142,11 @@ async def generate_abort(session: aiohttp.ClientSession, base_url: str) -> Answe
     request = generate_request(prompt, max_tokens=900, temperature=1.0, seed=5)
     request["request_id"] = "shape-abort"
     tokens_before = await quiet_server(base_url)
-    pending = asyncio.ensure_future(call(session, base_url, GENERATE_PATH, request))
-    await generation_started(base_url, tokens_before)  # registered and running, with at least one token
-    async with frozen(base_url):  # it cannot finish before the abort lands
+    # Frozen before it is sent: the request only runs in short windows until it has a token (registered and
+    # running), so it cannot finish before the abort lands.
+    async with frozen(base_url):
+        pending = asyncio.ensure_future(call(session, base_url, GENERATE_PATH, request))
+        await step_until(base_url, generated_since(base_url, tokens_before), "vLLM to generate the first token")
         async with session.post(base_url + ABORT_PATH, json={"request_ids": ["generate-tokens-shape-abort"]}) as abort:
             abort_status, abort_body = abort.status, await abort.text()
         answer = await pending

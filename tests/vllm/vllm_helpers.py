@@ -25,9 +25,10 @@ __all__ = [
     "SERVED_MODEL",
     "GreedyProbe",
     "assert_logprobs_aligned",
+    "freeze",
     "frozen",
     "generated_alongside",
-    "generation_started",
+    "generated_since",
     "generation_tokens",
     "greedy_probe",
     "metrics",
@@ -37,6 +38,8 @@ __all__ = [
     "quiet_server",
     "server_idle",
     "server_session",
+    "step_until",
+    "thaw",
     "wait_until",
 ]
 
@@ -204,36 +207,71 @@ async def quiet_server(base_url: str) -> float:
     return await generation_tokens(base_url)
 
 
-async def generation_started(base_url: str, baseline: float) -> None:
-    """Wait until vLLM has generated a token since ``baseline``: the test's request is registered and running."""
+def generated_since(base_url: str, baseline: float) -> Callable[[], Awaitable[bool]]:
+    """A predicate for :func:`step_until`: vLLM has generated a token since ``baseline`` (its counter), so the test's
+    request (the only one since the baseline) is registered, running, and has a token."""
 
-    async def started() -> bool:
+    async def moved() -> bool:
         return await generation_tokens(base_url) > baseline
 
-    await wait_until(started, "vLLM to generate the first token of the request")
+    return moved
+
+
+async def freeze(base_url: str) -> None:
+    """Freeze vLLM's scheduler (``/pause?mode=keep``): no engine step runs until :func:`thaw`.
+
+    Running requests keep their place and requests that arrive meanwhile queue, so no generation can advance or
+    finish, whatever the time the test's next move takes; vLLM still answers an aborted request
+    (``finish_reason: "abort"``, with the tokens made before the freeze). The call returns once the engine core has
+    stopped and sent out its last step's outputs. Needs ``VLLM_SERVER_DEV_MODE=1`` on the server
+    (``conftest.SERVE_ENV``); freezing a frozen server is a no-op.
+    """
+    params = {"mode": "keep", "clear_cache": "false"}
+    async with server_session() as session, session.post(base_url + "/pause", params=params) as answer:
+        if answer.status != 200:
+            raise AssertionError(
+                f"POST /pause?mode=keep answered HTTP {answer.status}: {await answer.text()!r}; the tier's server "
+                "must run with VLLM_SERVER_DEV_MODE=1"
+            )
+
+
+async def thaw(base_url: str) -> None:
+    """Let a frozen vLLM run again (``/resume``; a no-op on a running server)."""
+    async with server_session() as session, session.post(base_url + "/resume") as answer:
+        answer.raise_for_status()
 
 
 @contextlib.asynccontextmanager
 async def frozen(base_url: str) -> AsyncIterator[None]:
-    """Freeze vLLM's scheduler (``/pause?mode=keep``) for the block, then ``/resume``.
+    """vLLM frozen (:func:`freeze`) for the block, then let go (:func:`thaw`): a request not aborted carries on."""
+    await freeze(base_url)
+    try:
+        yield
+    finally:
+        await thaw(base_url)
 
-    While frozen, running requests keep their place but no step runs, so a generation cannot finish whatever the
-    time an abort takes to land; vLLM still answers an aborted request (``finish_reason: "abort"``, with the tokens
-    made before the freeze). A request not aborted would carry on after ``/resume``. Needs
-    ``VLLM_SERVER_DEV_MODE=1`` on the server (``conftest.SERVE_ENV``).
+
+async def step_until(base_url: str, predicate: Callable[[], Awaitable[bool]], what: str,
+                     limit_s: float = 120.0) -> int:  # fmt: skip
+    """On a frozen vLLM, let the engine run in short windows until ``predicate`` holds; returns the windows used.
+
+    A window is :func:`thaw` followed at once by :func:`freeze`: the engine runs from the one to the other, a few
+    steps (a step is one token for every running request), so requests held at vLLM move on by a few tokens, never
+    to the end of a long turn. ``predicate`` is a question about vLLM (its generated-token count, its running
+    gauge), asked while frozen after each window, never about time: the freeze returns once the engine core has
+    stopped and sent its last step's outputs, which vLLM's front end counts on receipt, so the answer describes
+    the frozen engine (one lagging a little only costs another window). The limit only turns a hang into a failure
+    that names ``what``.
     """
-    async with server_session() as session:
-        async with session.post(base_url + "/pause", params={"mode": "keep", "clear_cache": "false"}) as answer:
-            if answer.status != 200:
-                raise AssertionError(
-                    f"POST /pause?mode=keep answered HTTP {answer.status}: {await answer.text()!r}; the tier's "
-                    "server must run with VLLM_SERVER_DEV_MODE=1"
-                )
-        try:
-            yield
-        finally:
-            async with session.post(base_url + "/resume") as answer:
-                answer.raise_for_status()
+    deadline = time.monotonic() + limit_s
+    windows = 0
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {limit_s} s of engine windows waiting for {what}")
+        await thaw(base_url)
+        await freeze(base_url)
+        windows += 1
+    return windows
 
 
 #: The sentinel of :func:`generated_alongside`: a short prompt ("Hello, world!") and a fixed number of tokens.
