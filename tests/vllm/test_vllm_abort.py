@@ -104,8 +104,9 @@ async def test_cancelling_the_rollout_task_aborts_with_reason_cancelled(
     assert proxy.paths == [RENDER_PATH, GENERATE_PATH, ABORT_PATH]
     assert proxy.to(ABORT_PATH)[0].body == {"request_ids": ["cancel-1-turn0", "generate-tokens-cancel-1-turn0"]}
     assert envs.last.close_count == 1
-    await wait_until(lambda: server_idle(vllm_server.url), "vLLM to drop the request")
+    # the sentinel runs engine steps, which refresh the request gauges the idle check reads
     assert await generated_alongside(vllm_server.url) == 0
+    await wait_until(lambda: server_idle(vllm_server.url), "vLLM to drop the request")
 
 
 async def test_abort_notice_alone_stops_the_request_at_the_server(
