@@ -87,12 +87,13 @@ async def test_codex_exec_runs_the_models_shell_call_and_the_session_is_token_ex
     [observation] = sequence.metadata["observations"]
     assert [message["role"] for message in observation["messages"]] == ["tool"]
     assert "Process exited with code 0" in observation["messages"][0]["content"]
-    # one chain (Codex's root thread), and the tools the prompt cannot hold are named, not silently lost
+    # one chain (Codex's root thread), and the tools the prompt cannot hold are named, not silently lost; the
+    # subagent tools of Codex's multi_agent_v1 namespace are offered as flat functions
     assert sequence.metadata["lineage"] is not None and sequence.metadata["parent_lineage"] is None
-    dropped = sequence.metadata["gateway_session"]["dropped_tools"]
-    assert {"type": "namespace", "name": "multi_agent_v1"} in dropped and {"type": "web_search"} in dropped
+    assert sequence.metadata["gateway_session"]["dropped_tools"] == [{"type": "web_search"}]
     # what Codex put first, its developer instructions and the task, is what the engine was first sent
     first_prompt = tokenizer.decode(generates[0].body["token_ids"])
     assert "You are a coding agent running in the Codex CLI" in first_prompt
     assert TASK in first_prompt
+    assert "multi_agent_v1__spawn_agent" in first_prompt
     await check_replays_identically(trace)  # offline, turn for turn, from the session's tape alone
