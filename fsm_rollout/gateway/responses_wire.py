@@ -426,8 +426,7 @@ def response_object(
             "input_tokens": answer.prompt_tokens,
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": answer.completion_tokens,
-            # the thinking's share is not counted apart (the tokens are the model's, read whole)
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": answer.reasoning_tokens},
             "total_tokens": answer.prompt_tokens + answer.completion_tokens,
         },
         "user": body.get("user"),
