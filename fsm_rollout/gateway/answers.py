@@ -31,6 +31,21 @@ class TokenText:
     def decode(self, token_ids: list[int]) -> str:
         return self._decode(token_ids, skip_special_tokens=False) if token_ids else ""
 
+    def thinking_length(self, text_ids: list[int], text: str | None = None) -> int:
+        """How many of a turn's tokens (end tokens cut) its thinking takes: the shortest prefix whose text holds
+        ``</think>``, found by bisection (a prefix's text only grows, so holding the tag is monotone), each probe
+        one decode; none closes it: the whole turn (cut inside its thinking). ``text`` is the turn's, decoded."""
+        if THINK_CLOSE not in (self.decode(text_ids) if text is None else text):
+            return len(text_ids)
+        low, high = 1, len(text_ids)  # the answer lies in [low, high]
+        while low < high:
+            middle = (low + high) // 2
+            if THINK_CLOSE in self.decode(text_ids[:middle]):
+                high = middle
+            else:
+                low = middle + 1
+        return low
+
 
 def read_answer(
     turn: Turn,
@@ -79,6 +94,7 @@ def read_answer(
         weight_version=weight_version,
         top_logprobs=None if top is None else [list(candidates) for candidates in top],
         reasoning=reasoning,
+        reasoning_tokens=0 if reasoning is None else text_of.thinking_length(text_ids, text),
     )
 
 

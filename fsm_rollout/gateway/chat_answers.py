@@ -28,12 +28,15 @@ def _wire_calls(calls: Sequence[Mapping[str, Any]], *, with_index: bool = False)
     return out
 
 
-def _usage(answer: TurnAnswer) -> dict[str, int]:
-    return {
+def _usage(answer: TurnAnswer) -> dict[str, Any]:
+    usage: dict[str, Any] = {
         "prompt_tokens": answer.prompt_tokens,
         "completion_tokens": answer.completion_tokens,
         "total_tokens": answer.prompt_tokens + answer.completion_tokens,
     }
+    if answer.reasoning is not None:  # a thinking template's turn: OpenAI's count of its thinking tokens
+        usage["completion_tokens_details"] = {"reasoning_tokens": answer.reasoning_tokens}
+    return usage
 
 
 def _logprobs(answer: TurnAnswer, decode: Any) -> dict[str, Any]:

@@ -373,6 +373,9 @@ class TurnAnswer:
     """Each token's top candidates ``(token_id, logprob)`` in the engine's order, when the call asked for them."""
     reasoning: str | None = None
     """The model's thinking (the text before ``</think>`` when its template thinks), kept out of ``content``."""
+    reasoning_tokens: int = 0
+    """How many of the generated tokens are the thinking: its opening and closing tags included, up to the token
+    that completes ``</think>`` (all of the turn's text tokens when it was cut inside its thinking)."""
 
     def message(self) -> dict[str, Any]:
         """The assistant message as the session holds it (checked form)."""

@@ -11,7 +11,9 @@ A Responses request is converted into the Chat Completions form the session mach
   calls), and a ``function_call_output`` is a tool message answering its ``call_id``;
 * ``reasoning`` items are dropped: they echo the model's thinking, which the session holds in its tokens, so an
   echoed reasoning item is no fork;
-* ``tools`` of type ``function`` (Responses' flat form) become chat's nested form; other tool types (hosted tools,
+* ``tools`` of type ``function`` (Responses' flat form) become chat's nested form, and the functions of a
+  ``namespace`` tool (Codex's subagent tools) flat functions named ``<namespace>__<name>``, whose calls go back
+  with their ``namespace`` (:mod:`fsm_rollout.gateway.responses_tools`); other tool types (hosted tools,
   ``custom`` freeform tools, ``local_shell``) cannot be called through chat markup, so they are dropped from the
   prompt and reported (:attr:`ResponsesRequest.dropped_tools`, the session's ``metadata["dropped_tools"]``).
 
@@ -31,6 +33,7 @@ from typing import Any
 import orjson
 
 from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer, parse_chat_request
+from fsm_rollout.gateway.responses_tools import Toolset, call_name, parse_tools, tool_choice
 
 __all__ = [
     "RESPONSES_FIELDS",
@@ -97,10 +100,8 @@ class ResponsesRequest:
     instructions: str | None
     messages: list[dict[str, Any]]
     """The ``input`` as chat messages (without ``instructions``)."""
-    tools: list[dict[str, Any]] | None
-    """The ``function`` tools in chat's nested form."""
-    dropped_tools: list[dict[str, Any]]
-    """``{"type", "name"?}`` of each tool left out of the prompt."""
+    toolset: Toolset
+    """The tools as the prompt holds them (``function`` tools and the functions of ``namespace`` tools)."""
     chat_fields: dict[str, Any]
     stream: bool
     store: bool
@@ -114,8 +115,8 @@ class ResponsesRequest:
         if not messages:
             raise _bad("the request has no 'input' (and no 'instructions')", "input")
         body: dict[str, Any] = {"messages": messages, **self.chat_fields}
-        if self.tools:
-            body["tools"] = self.tools
+        if self.toolset.tools:
+            body["tools"] = self.toolset.tools
         call = parse_chat_request(body)
         return replace(call, stream=self.stream, hints=dict(hints or {}), raw=self.body)
 
@@ -123,6 +124,11 @@ class ResponsesRequest:
         """What a stored response continues: ``prior``, this request's ``input`` and the answer (no instructions:
         a request that continues it states its own, as OpenAI's ``previous_response_id`` does)."""
         return [*(dict(message) for message in prior), *self.messages, assistant_message(answer)]
+
+    @property
+    def dropped_tools(self) -> list[dict[str, Any]]:
+        """``{"type", "name"?, "namespace"?}`` of each tool left out of the prompt."""
+        return self.toolset.dropped
 
 
 def parse_responses_request(body: Any) -> ResponsesRequest:
@@ -139,7 +145,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
     instructions = body.get("instructions")
     if instructions is not None and not isinstance(instructions, str):
         raise _bad("'instructions' must be a string", "instructions")
-    tools, dropped = _tools(body.get("tools"))
+    toolset = parse_tools(body.get("tools"))
     chat: dict[str, Any] = {}
     for key in ("temperature", "top_p"):
         if body.get(key) is not None:
@@ -149,7 +155,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
             raise _bad("'max_output_tokens' must be a positive integer", "max_output_tokens")
         chat["max_tokens"] = limit
-    choice = _tool_choice(body.get("tool_choice"), dropped)
+    choice = tool_choice(body.get("tool_choice"), toolset)
     if choice is not None:
         chat["tool_choice"] = choice
     parallel = body.get("parallel_tool_calls")
@@ -178,8 +184,7 @@ def parse_responses_request(body: Any) -> ResponsesRequest:
         body=body,
         instructions=instructions or None,
         messages=_input(body.get("input")),
-        tools=tools,
-        dropped_tools=dropped,
+        toolset=toolset,
         chat_fields=chat,
         stream=bool(body.get("stream")),
         store=body.get("store") is not False,  # OpenAI's default is to store
@@ -251,6 +256,7 @@ def _function_call(where: str, item: Mapping[str, Any]) -> dict[str, Any]:
     name, call_id, arguments = item.get("name"), item.get("call_id"), item.get("arguments", "{}")
     if not isinstance(name, str) or not isinstance(call_id, str):
         raise _bad(f"{where} is a function_call without 'name' and 'call_id' strings", "input")
+    name = call_name(where, item, "input")  # a namespaced function's call: the flat name the model wrote
     if not isinstance(arguments, str):
         raise _bad(f"{where}.arguments must be a JSON string", "input")
     try:
@@ -296,55 +302,6 @@ def _content(where: str, content: Any, role: str) -> str | list[dict[str, Any]]:
     return "".join(part["text"] for part in parts)
 
 
-# ---------------------------------------------------------------------------------------------------- tools
-
-
-def _tools(value: Any) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]]]:
-    if value is None:
-        return None, []
-    if not isinstance(value, list):
-        raise _bad("'tools' must be a list of tools", "tools")
-    tools: list[dict[str, Any]] = []
-    dropped: list[dict[str, Any]] = []
-    for index, tool in enumerate(value):
-        if not isinstance(tool, dict) or not isinstance(tool.get("type"), str):
-            raise _bad(f"tools[{index}] must be an object with a 'type'", "tools")
-        if tool["type"] != "function":
-            name = tool.get("name")
-            dropped.append({"type": tool["type"], **({"name": name} if isinstance(name, str) else {})})
-            continue
-        nested = tool.get("function")
-        spec = nested if isinstance(nested, dict) and "name" not in tool else tool  # chat's form, sent by mistake
-        if not isinstance(spec.get("name"), str) or not spec["name"]:
-            raise _bad(f"tools[{index}] is a function without a 'name'", "tools")
-        function: dict[str, Any] = {"name": spec["name"]}
-        for key in ("description", "parameters", "strict"):
-            if spec.get(key) is not None:
-                function[key] = spec[key]
-        if "parameters" in function and not isinstance(function["parameters"], dict):
-            raise _bad(f"tools[{index}].parameters must be a JSON schema object", "tools")
-        tools.append({"type": "function", "function": function})
-    return tools or None, dropped
-
-
-def _tool_choice(choice: Any, dropped: Sequence[Mapping[str, Any]]) -> Any:
-    """Responses' ``tool_choice`` in chat's form (chat checks it against the tools)."""
-    if choice is None or isinstance(choice, str):
-        return choice
-    if not isinstance(choice, dict):
-        raise _bad("'tool_choice' must be 'auto', 'none', 'required' or a tool object", "tool_choice")
-    if choice.get("type") == "function":
-        return {"type": "function", "function": {"name": choice.get("name")}}
-    if choice.get("type") == "allowed_tools":
-        raise _bad("an 'allowed_tools' 'tool_choice' is not supported", "tool_choice")
-    names = [tool.get("name", tool["type"]) for tool in dropped]
-    raise _bad(
-        f"'tool_choice' forces a {choice.get('type')!r} tool, which the gateway drops from the prompt ({names}): "
-        "only function tools can be called",
-        "tool_choice",
-    )
-
-
 def _text_format(text: Any) -> dict[str, Any] | None:
     """``text.format`` as chat's ``response_format`` (``text.verbosity`` is a hint to OpenAI's models: ignored)."""
     if text is None:
@@ -385,8 +342,11 @@ def _item_id(prefix: str, response_id: str, index: int) -> str:
     return f"{prefix}_{response_id.removeprefix('resp_')}_{index}"
 
 
-def output_items(answer: TurnAnswer, *, response_id: str, encrypted: bool) -> list[dict[str, Any]]:
-    """The response's ``output``: the reasoning, the message (when there is text, or nothing else) and the calls."""
+def output_items(
+    answer: TurnAnswer, *, response_id: str, encrypted: bool, toolset: Toolset | None = None
+) -> list[dict[str, Any]]:
+    """The response's ``output``: the reasoning, the message (when there is text, or nothing else) and the calls
+    (a namespaced function's call by its ``name`` and ``namespace``, as the request's ``toolset`` offered it)."""
     incomplete = answer.finish_reason == "length"
     status = "incomplete" if incomplete else "completed"
     items: list[dict[str, Any]] = []
@@ -417,7 +377,7 @@ def output_items(answer: TurnAnswer, *, response_id: str, encrypted: bool) -> li
                 "type": "function_call",
                 "id": _item_id("fc", response_id, len(items)),
                 "call_id": call["id"],  # what the client sends back in its function_call_output
-                "name": call["name"],
+                **(toolset.wire_name(call["name"]) if toolset is not None else {"name": call["name"]}),
                 "arguments": json.dumps(call["arguments"], ensure_ascii=False),
                 "status": "completed",
             }
@@ -448,7 +408,9 @@ def response_object(
         "instructions": request.instructions,
         "max_output_tokens": body.get("max_output_tokens"),
         "model": model,
-        "output": output_items(answer, response_id=response_id, encrypted=request.encrypted_reasoning),
+        "output": output_items(
+            answer, response_id=response_id, encrypted=request.encrypted_reasoning, toolset=request.toolset
+        ),
         "parallel_tool_calls": body.get("parallel_tool_calls") is not False,
         "previous_response_id": request.previous_response_id,
         "prompt_cache_key": body.get("prompt_cache_key"),
@@ -464,8 +426,7 @@ def response_object(
             "input_tokens": answer.prompt_tokens,
             "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": answer.completion_tokens,
-            # the thinking's share is not counted apart (the tokens are the model's, read whole)
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": answer.reasoning_tokens},
             "total_tokens": answer.prompt_tokens + answer.completion_tokens,
         },
         "user": body.get("user"),

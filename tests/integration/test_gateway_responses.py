@@ -99,6 +99,11 @@ async def test_sdk_tool_session_with_reasoning_is_token_exact_and_no_fork(
     assert call.name == "add" and json.loads(call.arguments) == {"a": 2, "b": 3}
     assert call.call_id.startswith("call_") and call.status == "completed"
     assert first.usage is not None and first.usage.output_tokens == len(tokenizer.encode(THINKING + CALL))
+    # the thinking's share: the generated tokens through the one whose text completes </think>
+    generated = tokenizer.encode(THINKING + CALL)
+    thinking = next(n for n in range(len(generated)) if "</think>" in tokenizer.decode(generated[:n]))
+    assert first.usage.output_tokens_details.reasoning_tokens == thinking
+    assert 0 < thinking < first.usage.output_tokens and "<tool_call>" not in tokenizer.decode(generated[:thinking])
     assert first.parallel_tool_calls is False and first.prompt_cache_key == "conversation-1"
     # the hosted and freeform tools never reached the engine's render; the session lists them
     rendered = fake_vllm.requests_to(RENDER_PATH)[0].body

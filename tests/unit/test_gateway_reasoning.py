@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from fsm_rollout.gateway.answers import split_reasoning
+from fsm_rollout.gateway.answers import THINK_CLOSE, TokenText, split_reasoning
 from fsm_rollout.gateway.chat_answers import chat_completion, stream_chunks
 from fsm_rollout.gateway.openai_wire import TurnAnswer
 
@@ -50,3 +52,25 @@ def test_chat_answers_carry_the_reasoning_apart_only_when_there_is_some() -> Non
     ]
     assert {"reasoning_content": "add them"} in deltas
     assert [delta.get("content") for delta in deltas if "content" in delta] == ["", "4"]
+
+
+@pytest.mark.parametrize("vocabulary", ["qwen2", "qwen3_6"])
+def test_the_thinking_is_counted_in_generated_tokens_up_to_the_one_that_closes_it(vocabulary: str) -> None:
+    """``reasoning_tokens``: the turn's tokens through the one that completes ``</think>`` (Qwen2's vocabulary
+    spells the tag in pieces, Qwen3.6's has it as one token); a turn cut inside its thinking is all thinking."""
+    from fsm_rollout.testing.qwen3_6_tokenizer import load_qwen3_6_tokenizer
+    from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
+
+    tokenizer = load_qwen_tokenizer() if vocabulary == "qwen2" else load_qwen3_6_tokenizer()
+    text_of = TokenText(tokenizer, {})
+    ids = tokenizer.encode("<think>\nAdd 2 and 3: that is 5.\n</think>\n\nThe sum is 5.", add_special_tokens=False)
+    count = text_of.thinking_length(ids)
+    assert THINK_CLOSE in tokenizer.decode(ids[:count]) and THINK_CLOSE not in tokenizer.decode(ids[: count - 1])
+    assert "The sum" not in tokenizer.decode(ids[:count])
+    if vocabulary == "qwen3_6":  # one token for the tag: the count is its position, plus one
+        assert count == ids.index(tokenizer.convert_tokens_to_ids(THINK_CLOSE)) + 1
+    cut = tokenizer.encode("<think>\nAdd 2 and", add_special_tokens=False)
+    assert text_of.thinking_length(cut) == len(cut)
+    usage = chat_completion(replace(_answer("add them"), reasoning_tokens=count), completion_id="c", model="m")["usage"]
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": count}
+    assert "completion_tokens_details" not in chat_completion(_answer(None), completion_id="c", model="m")["usage"]

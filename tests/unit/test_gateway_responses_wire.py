@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import pathlib
 from typing import Any
 
 import pydantic
@@ -107,6 +108,72 @@ def test_an_echoed_reasoning_item_matches_the_held_answer() -> None:
     again = parse_responses_request({"input": [{"role": "user", "content": "List files"}, *items, output]})
     found = compare_history(held, first.tools, again.chat_call().messages, first.tools, last_answered=True)
     assert found.kind == "extends" and found.new == [{"role": "tool", "content": "a.txt", "tool_call_id": "call_1"}]
+
+
+def codex_tools() -> list[dict[str, Any]]:
+    """The tools Codex 0.169.0 really sent (captured): functions, its ``multi_agent_v1`` namespace, web search."""
+    fixture = pathlib.Path(__file__).parent.parent / "fixtures" / "harness" / "codex-request-1.json"
+    tools: list[dict[str, Any]] = json.loads(fixture.read_text(encoding="utf-8"))["body"]["tools"]
+    return tools
+
+
+def test_codex_namespace_tools_are_offered_flat_and_a_call_goes_back_namespaced() -> None:
+    tools = codex_tools()
+    [namespace] = [tool for tool in tools if tool["type"] == "namespace"]
+    members = [member["name"] for member in namespace["tools"]]
+    assert "spawn_agent" in members and namespace["name"] == "multi_agent_v1"
+    request = parse_responses_request({"input": "Delegate.", "tools": tools})
+    offered = [tool["function"]["name"] for tool in request.chat_call().tools or ()]
+    in_place: list[str] = []  # each namespace's functions where the namespace stood
+    for tool in tools:
+        if tool["type"] == "function":
+            in_place.append(tool["name"])
+        elif tool["type"] == "namespace":
+            in_place += [f"multi_agent_v1__{name}" for name in members]
+    assert offered == in_place and len(offered) == len(tools) - 2 + len(members)
+    spawn = next(
+        t["function"] for t in request.chat_call().tools or () if t["function"]["name"].endswith("spawn_agent")
+    )
+    assert spawn["parameters"] == next(m for m in namespace["tools"] if m["name"] == "spawn_agent")["parameters"]
+    assert request.dropped_tools == [{"type": "web_search"}]  # the namespace is no longer dropped
+    # the model's call of the flat name comes back as OpenAI's API returns a namespaced call
+    call = {"id": "call_5", "name": "multi_agent_v1__spawn_agent", "arguments": {"message": "Count the files."}}
+    said = answer(None, [call])
+    body = response_object(said, request, response_id="resp_n", model="m")
+    [item] = Response.model_validate(body).output
+    assert item.type == "function_call" and (item.name, item.namespace) == ("spawn_agent", "multi_agent_v1")
+    events = [EVENTS.validate_python(event) for event in stream_events(body)]
+    [done] = [event for event in events if event.type == "response.output_item.done"]
+    assert done.item.type == "function_call" and done.item.namespace == "multi_agent_v1"
+    # echoed back as Codex does (with its namespace), it is the call the session holds: no fork
+    first = request.chat_call()
+    held = [*first.messages, said.message()]
+    output = {"type": "function_call_output", "call_id": "call_5", "output": "agent 7 started"}
+    echo = {**body["output"][0], "status": "completed"}
+    again = parse_responses_request({"input": [{"role": "user", "content": "Delegate."}, echo, output], "tools": tools})
+    assert again.chat_call().messages[1]["tool_calls"][0]["name"] == "multi_agent_v1__spawn_agent"
+    found = compare_history(held, first.tools, again.chat_call().messages, first.tools, last_answered=True)
+    assert found.kind == "extends" and [message["role"] for message in found.new] == ["tool"]
+
+
+def test_a_namespaced_function_can_be_forced_and_names_must_stay_unique() -> None:
+    lookup = {"type": "function", "name": "lookup", "parameters": {"type": "object"}}
+    crm = {"type": "namespace", "name": "crm", "description": "CRM tools.", "tools": [lookup]}
+    for choice in (
+        {"type": "function", "name": "lookup", "namespace": "crm"},
+        {"type": "function", "name": "crm__lookup"},
+        {"type": "function", "name": "lookup"},  # unambiguous: the one function of that name
+    ):
+        forced = parse_responses_request({"input": "x", "tools": [SHELL, crm], "tool_choice": choice})
+        assert forced.chat_call().tool_name == "crm__lookup"
+    clash = {"type": "function", "name": "crm__lookup", "parameters": {"type": "object"}}
+    with pytest.raises(GatewayError) as twice:
+        parse_responses_request({"input": "x", "tools": [clash, crm]})
+    assert twice.value.code == "tools" and "crm__lookup" in twice.value.message
+    freeform = {"type": "namespace", "name": "ed", "description": "", "tools": [{"type": "custom", "name": "patch"}]}
+    assert parse_responses_request({"input": "x", "tools": [freeform]}).dropped_tools == [
+        {"type": "custom", "name": "patch", "namespace": "ed"}
+    ]
 
 
 def test_the_response_object_and_its_events_are_the_sdks_types() -> None:
