@@ -1,7 +1,10 @@
 """The train/inference mismatch of a batch: per token, per sample and per rollout event.
 
-``trainer_logprobs`` holds one list per training sequence (:func:`fsm_rollout.training_sequences` order), one
-value per response token, as ``sample.rollout_log_probs`` does; values at loss-mask-0 positions are not read. With
+``trainer_logprobs`` holds one list (or array, or tensor) per training sequence (:func:`fsm_rollout.training_sequences`
+order), one value per response token, as ``sample.rollout_log_probs`` does; or a 2-D array with one row per sequence;
+or one flat array of the batch's response tokens, sequence after sequence (``TokenTree.unpack(values,
+response_only=True)`` gives the per-sequence arrays from a packed tree). Values at loss-mask-0 positions are not read.
+With
 ``Δ = log p_train - log p_rollout`` per trained token:
 
 - the TIS weight is ``min(exp(Δ), tis_cap)``; the MIS weight is ``exp(Δ)``, or 0 where ``exp(Δ) > tis_cap``; the
@@ -13,7 +16,7 @@ value per response token, as ``sample.rollout_log_probs`` does; values at loss-m
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import numpy as np
@@ -21,19 +24,16 @@ import numpy.typing as npt
 
 from fsm_rollout.sample import Sample, training_sequences
 from fsm_rollout.training.mismatch_events import DIMENSIONS, PER_SEQUENCE, label_sequences, staleness_of
+from fsm_rollout.training.mismatch_inputs import MismatchInputError, flat_inputs
 
 Floats = npt.NDArray[np.float64]
 WeightKind = Literal["tis", "mis", "icepop"]
 
 
-class MismatchInputError(ValueError):
-    """Trainer logprobs that do not fit the samples: a wrong length, a value that is not finite, an unknown
-    sample or sequence. The message names the sequence and position."""
-
-
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SampleMismatch:
-    """One training sequence's statistics over its trained tokens."""
+    """One training sequence's statistics over its trained tokens (slotted: a batch makes one per sequence, and
+    fewer, smaller objects leave the garbage collector less to do while the batch's lists are alive)."""
 
     sequence: int
     index: int | None
@@ -44,6 +44,9 @@ class SampleMismatch:
     max_abs_delta: float
     tis_clipped_fraction: float
     icepop_masked_fraction: float
+
+
+SAMPLE_FIELDS = tuple(item.name for item in fields(SampleMismatch))
 
 
 @dataclass(frozen=True)
@@ -114,37 +117,9 @@ class MismatchReport:
             "icepop_masked_fraction": self.icepop_masked_fraction,
             "tis_cap": self.tis_cap,
             "icepop": list(self.icepop),
-            "samples": [vars(sample) for sample in self.samples],
+            "samples": [{name: getattr(sample, name) for name in SAMPLE_FIELDS} for sample in self.samples],
             "events": [vars(group) for group in self.events],
         }
-
-
-def _as_floats(values: Any, number: int) -> Floats:
-    try:
-        array = np.asarray(values, dtype=np.float64)
-    except (TypeError, ValueError) as error:
-        raise MismatchInputError(f"sequence {number}: trainer logprobs are not numbers: {error}") from error
-    if array.ndim != 1:
-        raise MismatchInputError(f"sequence {number}: trainer logprobs must be a flat list, got shape {array.shape}")
-    return array
-
-
-def _sequence_values(trainer_logprobs: Any, count: int) -> list[Any]:
-    if isinstance(trainer_logprobs, Mapping):
-        unknown = sorted(set(trainer_logprobs) - set(range(count)), key=str)
-        if unknown:
-            raise MismatchInputError(f"sequence {unknown[0]!r}: no such training sequence (there are {count})")
-        missing = [number for number in range(count) if number not in trainer_logprobs]
-        if missing:
-            raise MismatchInputError(f"sequence {missing[0]}: no trainer logprobs given")
-        return [trainer_logprobs[number] for number in range(count)]
-    values = list(trainer_logprobs)
-    if len(values) != count:
-        raise MismatchInputError(
-            f"sequence {min(len(values), count)}: got trainer logprobs for {len(values)} sequences, "
-            f"training_sequences has {count}"
-        )
-    return values
 
 
 def _check_finite(flat: Floats, trained: npt.NDArray[np.bool_], offsets: npt.NDArray[np.int64], what: str) -> None:
@@ -162,7 +137,7 @@ def _check_finite(flat: Floats, trained: npt.NDArray[np.bool_], offsets: npt.NDA
 
 def mismatch(
     samples: Iterable[Sample],
-    trainer_logprobs: Sequence[Sequence[float]] | Mapping[int, Sequence[float]],
+    trainer_logprobs: Sequence[Any] | Mapping[int, Any] | npt.NDArray[Any],
     *,
     tis_cap: float = 2.0,
     icepop: tuple[float, float] = (0.5, 2.0),
@@ -183,40 +158,27 @@ def mismatch(
         sequences = training_sequences(samples)
     except TypeError as error:
         raise MismatchInputError(str(error)) from error
-    given = _sequence_values(trainer_logprobs, len(sequences))
     lengths = np.fromiter((sample.response_length for sample in sequences), dtype=np.int64, count=len(sequences))
     offsets = np.zeros(len(sequences) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
-    trainer_parts, rollout_parts, mask_parts = [], [], []
-    for number, (sample, values) in enumerate(zip(sequences, given, strict=True)):
-        length = int(lengths[number])
-        train = _as_floats(values, number)
-        if train.shape[0] != length:
-            raise MismatchInputError(
-                f"sequence {number}, position {min(train.shape[0], length)}: got {train.shape[0]} trainer "
-                f"logprobs for {length} response tokens"
-            )
-        rollout = sample.rollout_log_probs or [0.0] * length
-        mask = sample.loss_mask if sample.loss_mask is not None else [1] * length
-        if len(rollout) != length or len(mask) != length:
-            raise MismatchInputError(f"sequence {number}: the sample's logprobs or loss mask do not cover its response")
-        trainer_parts.append(train)
-        rollout_parts.append(np.asarray(rollout, dtype=np.float64))
-        mask_parts.append(np.asarray(mask, dtype=np.int8))
-    empty = np.zeros(0)
-    train_flat = np.concatenate(trainer_parts) if trainer_parts else empty
-    rollout_flat = np.concatenate(rollout_parts) if rollout_parts else empty
-    trained = (np.concatenate(mask_parts) if mask_parts else empty.astype(np.int8)) == 1
+    train_flat, rollout_flat, trained = flat_inputs(sequences, trainer_logprobs, lengths)
     _check_finite(train_flat, trained, offsets, "the trainer logprob")
     _check_finite(rollout_flat, trained, offsets, "the rollout logprob")
     # untrained positions count as Δ = 0, so every figure below is 0 there
-    delta = np.where(trained, train_flat - rollout_flat, 0.0)
+    # in place where the result is the same: each fresh batch-sized array costs as much as the arithmetic on it
+    delta = np.subtract(train_flat, rollout_flat, out=train_flat)  # flat_inputs' arrays are this call's own
+    np.copyto(delta, 0.0, where=~trained)
     ratio = np.exp(delta)
-    k3 = np.expm1(-delta) + delta  # r - 1 - log r with r = exp(-delta), exact for tiny delta
+    k3 = np.negative(delta)
+    np.expm1(k3, out=k3)
+    k3 += delta  # r - 1 - log r with r = exp(-delta), exact for tiny delta
     absolute = np.abs(delta)
     low, high = icepop
-    clipped = trained & (ratio > tis_cap)
-    masked = trained & ((ratio < low) | (ratio > high))
+    clipped = ratio > tis_cap
+    clipped &= trained
+    masked = ratio < low
+    masked |= ratio > high
+    masked &= trained
     per_sequence = _per_sequence_sums(offsets, trained, delta, k3, absolute, clipped, masked)
     report = MismatchReport(
         tis_cap=tis_cap,
