@@ -219,3 +219,36 @@ async def test_a_vllm_url_refuses_the_chat_template_before_anything_starts(tmp_p
     _, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
     assert process.returncode == 2
     assert "--chat-template qwen3_6 picks the embedded engine's thinking model" in one_error_line(stderr.decode())
+
+
+async def test_serve_with_the_thinking_template_serves_the_thinking_model() -> None:
+    import aiohttp
+
+    command = [sys.executable, "-m", "fsm_rollout.cli", "serve", "--chat-template", "qwen3_6", "--port", "0",
+               "--stop-on-stdin-eof"]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        *command, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        env=cli_env(None),
+    )  # fmt: skip
+    assert process.stdin is not None and process.stdout is not None
+    try:
+        url = (await asyncio.wait_for(process.stdout.readline(), timeout=300)).decode().strip()
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/v1/models") as response:
+            models = await response.json()
+        [model] = models["data"]
+        assert model["id"] == thinking_model_name() and model["root"] == str(thinking_model_dir())
+    finally:
+        process.stdin.close()  # --stop-on-stdin-eof: the engine stops
+        await asyncio.wait_for(process.wait(), timeout=60)
+    assert process.returncode == 0
+
+
+async def test_serve_refuses_the_thinking_template_with_a_model_directory(tmp_path: Path) -> None:
+    command = [sys.executable, "-m", "fsm_rollout.cli", "serve", "--chat-template", "qwen3_6", "--model",
+               str(tmp_path)]  # fmt: skip
+    process = await asyncio.create_subprocess_exec(
+        *command, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=cli_env(None)
+    )
+    _, stderr = await asyncio.wait_for(process.communicate(), timeout=120)
+    assert process.returncode == 1
+    assert "--model DIR serves the directory's own template" in stderr.decode()
