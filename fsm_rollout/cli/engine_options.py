@@ -14,7 +14,12 @@ from typing import Any
 from fsm_rollout.cli.preflight import API_KEY_ENV_VAR
 from fsm_rollout.config import HISTORY_POLICIES
 
-__all__ = ["add_engine_options", "add_history_options", "json_object"]
+__all__ = ["CHAT_TEMPLATE_HELP", "add_chat_template_option", "add_engine_options", "add_history_options", "json_object"]
+
+CHAT_TEMPLATE_HELP = (
+    "serve the default model retrained for this shipped thinking chat template: it reasons in <think>...</think>, "
+    "then answers (trained once on first use, then cached, as the default model is)"
+)
 
 
 def add_engine_options(group: argparse._ActionsContainer, *, several_urls: str, api_key: str) -> None:
@@ -45,6 +50,15 @@ def add_engine_options(group: argparse._ActionsContainer, *, several_urls: str, 
         "type should not run code from that repository)",
     )
     group.add_argument("--api-key", metavar="KEY", help=f"{api_key} (default: ${API_KEY_ENV_VAR})")
+    add_chat_template_option(group, help=CHAT_TEMPLATE_HELP + "; embedded engine only")
+
+
+def add_chat_template_option(group: argparse._ActionsContainer, *, help: str) -> None:
+    """``--chat-template NAME``: the embedded engine's thinking model for a shipped template."""
+    from fsm_rollout.engine.local.thinking_model import THINKING_TEMPLATES
+
+    group.add_argument("--chat-template", choices=THINKING_TEMPLATES, metavar="NAME", default=None,
+                       help=f"{help} (choices: {', '.join(THINKING_TEMPLATES)})")  # fmt: skip
 
 
 def json_object(text: str) -> dict[str, Any]:

@@ -28,7 +28,13 @@ async def engine_for(
     which needs no API key, when no URL is given: ``in_process`` or in a child process, which starts while this
     process loads the tokenizer; ``batched`` False decodes one request at a time.
     """
+    template = getattr(args, "chat_template", None)
     if args.engine_url:
+        if template is not None:
+            raise PreflightError(
+                f"--chat-template {template} picks the embedded engine's thinking model; a vLLM server renders with "
+                "its own template (vllm serve --chat-template)"
+            )
         urls = list(args.engine_url)
         choice = await discover_engine(
             urls,
@@ -42,6 +48,9 @@ async def engine_for(
     from fsm_rollout.cli.build_progress import BuildProgressLine
     from fsm_rollout.engine.local import LocalEngine
     from fsm_rollout.engine.local.default_model import DEFAULT_MODEL_NAME, default_model_dir
+    from fsm_rollout.engine.local.thinking_model import thinking_model_dir, thinking_model_name
+
+    served = DEFAULT_MODEL_NAME if template is None else thinking_model_name(template)
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -50,7 +59,11 @@ async def engine_for(
     # built here, not inside the engine, so that a first run's training shows its progress line
     progress = None if args.quiet else BuildProgressLine(sys.stderr)
     stop = threading.Event()
-    building = in_daemon_thread(lambda: default_model_dir(log=say, progress=progress, stop=stop))
+    building = in_daemon_thread(
+        (lambda: default_model_dir(log=say, progress=progress, stop=stop))
+        if template is None
+        else lambda: thinking_model_dir(template, log=say, progress=progress, stop=stop)
+    )
     try:
         model_dir = await asyncio.shield(building)
     except asyncio.CancelledError:  # Ctrl-C: the build kills its child and removes what it staged
@@ -59,8 +72,8 @@ async def engine_for(
         await asyncio.wait({building}, timeout=BUILD_STOP_WAIT_S)
         raise
     if not in_process:
-        if args.model and args.model != DEFAULT_MODEL_NAME:
-            raise PreflightError(f"--model {args.model!r}: the embedded engine serves {DEFAULT_MODEL_NAME!r}")
+        if args.model and args.model != served:
+            raise PreflightError(f"--model {args.model!r}: the embedded engine serves {served!r}")
         from fsm_rollout.cli.engine_process import engine_process
         from fsm_rollout.engine.local.images import IMAGE_MERGE_SIZE
 
@@ -72,13 +85,13 @@ async def engine_for(
         loading = asyncio.ensure_future(load_tokenizer(args, tokenizer, named_by))
         try:
             options = [] if batched else ["--no-batching"]
-            async with engine_process(model_dir, DEFAULT_MODEL_NAME, *options) as url:
+            async with engine_process(model_dir, served, *options) as url:
                 merge_size = args.image_merge_size or IMAGE_MERGE_SIZE
-                yield [url], EngineChoice(DEFAULT_MODEL_NAME, tokenizer, named_by, merge_size), await loading
+                yield [url], EngineChoice(served, tokenizer, named_by, merge_size), await loading
         finally:
             loading.cancel()
         return
-    async with LocalEngine(model_dir, served_model_name=DEFAULT_MODEL_NAME, log=say, batched=batched) as engine:
+    async with LocalEngine(model_dir, served_model_name=served, log=say, batched=batched) as engine:
         if args.model and args.model != engine.served_model_name:
             raise PreflightError(f"--model {args.model!r}: the embedded engine serves {engine.served_model_name!r}")
         tokenizer, named_by = (

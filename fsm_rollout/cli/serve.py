@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="a local Hugging Face causal-LM directory (default: the tiny random Qwen2, built on first use)",
     )
+    from fsm_rollout.cli.engine_options import CHAT_TEMPLATE_HELP, add_chat_template_option
+
+    add_chat_template_option(parser, help=CHAT_TEMPLATE_HELP + "; not with --model")
     parser.add_argument("--served-model-name", metavar="NAME", default=None, help="the model name requests must use")
     parser.add_argument(
         "--max-model-len", type=int, metavar="N", default=None, help="context length (default: the model config's)"
@@ -85,15 +88,23 @@ async def _serve(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     try:
         model, served = args.model, args.served_model_name
+        if model is not None and args.chat_template is not None:
+            raise ValueError(
+                f"--chat-template {args.chat_template} serves the default model's thinking variant; --model DIR "
+                "serves the directory's own template"
+            )
         if model is None:  # built here so that a first start shows the training's progress line
             from fsm_rollout.cli.build_progress import BuildProgressLine
             from fsm_rollout.engine.local.default_model import DEFAULT_MODEL_NAME, default_model_dir
+            from fsm_rollout.engine.local.thinking_model import thinking_model_dir, thinking_model_name
 
-            model = await asyncio.to_thread(
-                default_model_dir, log=lambda line: print(line, file=sys.stderr, flush=True),
-                progress=BuildProgressLine(sys.stderr),
-            )  # fmt: skip
-            served = served or DEFAULT_MODEL_NAME
+            say, line = (lambda text: print(text, file=sys.stderr, flush=True)), BuildProgressLine(sys.stderr)
+            if args.chat_template is None:
+                model = await asyncio.to_thread(default_model_dir, log=say, progress=line)
+                served = served or DEFAULT_MODEL_NAME
+            else:
+                model = await asyncio.to_thread(thinking_model_dir, args.chat_template, log=say, progress=line)
+                served = served or thinking_model_name(args.chat_template)
         engine = LocalEngine(
             model,
             served_model_name=served,
