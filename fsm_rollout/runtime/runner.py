@@ -438,6 +438,11 @@ class RolloutRunner:
             waiting.append(rollout.abort(reason))
         await asyncio.gather(*waiting)
 
+    async def abort_samples(self, samples: Iterable[Sample], reason: str) -> None:
+        """End these samples of the runner's batches, groups or streams ``aborted`` with ``reason`` (queued ones
+        without sending anything); the others go on. A Ray pool's over-sampling ends its surplus this way."""
+        await self._queue.end_samples(samples, reason)
+
     def consumed(self, version: int | str) -> None:
         """The trainer has consumed the samples of weight version ``version`` (and older): under
         ``config.max_staleness`` new groups start while the weights are at most that many versions ahead of it

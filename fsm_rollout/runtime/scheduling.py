@@ -163,6 +163,15 @@ class SampleQueue:
             return built
         return await self._drive(built)
 
+    async def end_samples(self, samples: Iterable[Sample], reason: str) -> None:
+        """End these samples ``aborted`` with ``reason``: those still queued without sending anything, those in
+        flight with their request cancelled; finished ones stay as they are."""
+        members = {id(sample) for sample in samples}
+        for item in [item for item in self._waiting if id(item.sample) in members]:
+            self.end_unstarted(item, reason)
+        await asyncio.gather(*(rollout.abort(reason) for rollout in list(self._active)
+                               if id(rollout.sample) in members and not rollout.terminal))  # fmt: skip
+
     def sampling(
         self,
         samples: Iterable[Sample],
@@ -187,11 +196,7 @@ class SampleQueue:
             return [self.bounded(item, semaphore) for item in prepared]
 
         async def end(positions: list[int], reason: str) -> None:
-            members = {id(listed[p]) for p in positions}
-            for item in [item for item in started if id(item.sample) in members]:
-                self.end_unstarted(item, reason)  # those still queued (a no-op for the others)
-            await asyncio.gather(*(rollout.abort(reason) for rollout in list(self._active)
-                                   if id(rollout.sample) in members and not rollout.terminal))  # fmt: skip
+            await self.end_samples([listed[p] for p in positions], reason)
 
         groups = split_groups(list(range(len(listed))), keys)
         sampling = GroupSampling(groups, target, start=start, end=end, stopped=lambda: self.aborts != aborts,
