@@ -115,6 +115,11 @@ class RolloutConfig:
     instead, from the engine's load on ``GET /metrics``: new samples and next turns go while its waiting queue stays
     at most ``admission_max_waiting`` and its KV-cache use under ``admission_kv_target``, oldest sample first, and
     a sample stepping its environment holds no slot. A server without ``/metrics`` gets fixed admission.
+
+    ``max_staleness`` paces a runner's batches, groups and streams for an asynchronous trainer
+    (:mod:`fsm_rollout.runtime.staleness`): no group starts more than this many weight versions ahead of what the
+    trainer has reported consumed (``runner.consumed(version)``); new groups wait, finished ones are never dropped.
+    ``None`` (the default) paces nothing.
     """
 
     engine_url: str
@@ -157,6 +162,7 @@ class RolloutConfig:
     admission: str = "fixed"
     admission_kv_target: float = 0.9
     admission_max_waiting: int = 8
+    max_staleness: int | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_turns) or self.max_turns <= 0:
@@ -242,6 +248,8 @@ class RolloutConfig:
             raise ConfigError(
                 f"admission_max_waiting must be a non-negative integer, got {self.admission_max_waiting!r}"
             )
+        if self.max_staleness is not None and (not _is_int(self.max_staleness) or self.max_staleness < 0):
+            raise ConfigError(f"max_staleness must be a non-negative integer or None, got {self.max_staleness!r}")
         if self.history_policy not in HISTORY_POLICIES:
             raise ConfigError(
                 f"history_policy must be one of {', '.join(map(repr, HISTORY_POLICIES))}, got {self.history_policy!r}"

@@ -109,6 +109,8 @@ class BatchSummary:
     admission_ms: list[float] = field(default_factory=list)
     """How long each admission wait of adaptive admission took (``admission_ms`` of the transition it delayed: a
     new sample's first, or an edge into ``generating``), apart from ``queued_ms`` and included in the dwell."""
+    staleness_ms: list[float] = field(default_factory=list)
+    """How long staleness pacing (``max_staleness``) held samples back before they queued (first transition's)."""
     forks: int = 0
     """``fork`` edges taken: training sequences closed because the history was rewritten."""
     forked_runs: int = 0
@@ -148,6 +150,9 @@ def summarize(paths: Sequence[TracedPath]) -> BatchSummary:
             admitted = event.get("admission_ms")
             if isinstance(admitted, int | float) and not isinstance(admitted, bool):
                 summary.admission_ms.append(float(admitted))
+            paced = event.get("staleness_ms")
+            if isinstance(paced, int | float) and not isinstance(paced, bool):
+                summary.staleness_ms.append(float(paced))
         summary.generated_tokens.append(generated)
         if path.events and isinstance(path.events[-1].get("response_length"), int):
             summary.response_tokens.append(path.events[-1]["response_length"])
@@ -199,12 +204,13 @@ def render_summary(name: str, summary: BatchSummary, problems: Sequence[LineProb
             f"  {'queued for a slot':<18}{len(values):>7}{percentile(values, 0.5):>10.2f}"
             f"{percentile(values, 0.95):>10.2f}   (before pending: waiting for a concurrency slot)"
         )
-    if summary.admission_ms:
-        values = summary.admission_ms
-        lines.append(
-            f"  {'admission wait':<18}{len(values):>7}{percentile(values, 0.5):>10.2f}"
-            f"{percentile(values, 0.95):>10.2f}   (adaptive admission: waiting for the engine to take a request)"
-        )
+    for name, values, why in (
+        ("admission wait", summary.admission_ms, "adaptive admission: waiting for the engine to take a request"),
+        ("staleness wait", summary.staleness_ms, "max_staleness: waiting for the trainer to consume"),
+    ):
+        if values:
+            lines.append(f"  {name:<18}{len(values):>7}{percentile(values, 0.5):>10.2f}"
+                         f"{percentile(values, 0.95):>10.2f}   ({why})")  # fmt: skip
     for group in summary.lineages or ():
         shown = "; ".join(
             f"lineage {each['lineage']} {each['sequences']} sequence(s)"

@@ -1,4 +1,10 @@
-"""RayRolloutPool: the runner's surface over rollout workers that are Ray actors, each hosting one RolloutRunner."""
+"""RayRolloutPool: the runner's surface over rollout workers that are Ray actors, each hosting one RolloutRunner.
+
+Why this module is long: it is one class, the runner's whole surface (runs, batches, streams, groups with their
+over-sampling, aborts, suspensions, weight updates, staleness reports, metrics) over workers that may die; what is
+not the pool's own state lives beside it (:mod:`~fsm_rollout.distributed.worker`,
+:mod:`~fsm_rollout.distributed.oversampling`, :mod:`~fsm_rollout.runtime.metrics`).
+"""
 
 from __future__ import annotations
 
@@ -14,10 +20,13 @@ from types import TracebackType
 from typing import Any
 
 from fsm_rollout.config import RolloutConfig, build_inference_sampling_params
+from fsm_rollout.distributed.oversampling import pool_sampling
 from fsm_rollout.distributed.worker import RolloutWorker, config_to_data, worker_trace_path
 from fsm_rollout.errors import ConfigError, PoolError, RolloutError
 from fsm_rollout.runtime.metrics import MetricsSnapshot, PoolMetricsSnapshot, combine_metrics, combine_suspensions
 from fsm_rollout.runtime.runner import group_members, group_seeds
+from fsm_rollout.runtime.sampling import GroupSampling, GroupStream, GroupTarget, KeepGroup
+from fsm_rollout.runtime.staleness import version_number
 from fsm_rollout.sample import Sample, Status
 from fsm_rollout.weights.suspension import SuspendStats
 
@@ -144,6 +153,7 @@ class RayRolloutPool:
         self._started_ray = False
         self._started_at = time.perf_counter()
         self._batches = 0
+        self._aborts = 0
         self._next_worker = 0
         self._failed_here: Counter[str] = Counter()
         """Reasons of the samples the pool itself ended ``failed`` (their worker died, or its call failed)."""
@@ -241,12 +251,39 @@ class RayRolloutPool:
         concurrency: int = 64,
         sample_ids: Sequence[str | None] = (),
         seeds: Sequence[int | None] = (),
+        target_groups: int | None = None,
+        oversample: int = 0,
+        keep_group: KeepGroup | None = None,
     ) -> list[Sample]:
         """Run samples over the workers (at most ``concurrency`` in flight on each); returns them in input order.
-        ``sample_ids`` and ``seeds`` name and seed them by position, as :meth:`RolloutRunner.run_batch
-        <fsm_rollout.runtime.runner.RolloutRunner.run_batch>` does."""
+        ``sample_ids`` and ``seeds`` name and seed them by position, and ``target_groups``, ``oversample`` and
+        ``keep_group`` sample groups (``keep_group`` runs in this process; each group goes out as a batch of its
+        own), as :meth:`RolloutRunner.run_batch <fsm_rollout.runtime.runner.RolloutRunner.run_batch>` does."""
+        target = GroupTarget.of(target_groups, oversample, keep_group)
+        if target is not None:
+            sampling, finished = self._sampling(list(samples), sample_ids, seeds, concurrency, target)
+            await sampling.run()
+            return sampling.batch([finished[position] for position in sorted(finished)])
         batch = self._dispatch(list(samples), sample_ids, seeds, concurrency)
         return await _in_order(batch)
+
+    def _sampling(
+        self,
+        samples: list[Sample],
+        sample_ids: Sequence[str | None],
+        seeds: Sequence[int | None],
+        concurrency: int,
+        target: GroupTarget,
+    ) -> tuple[GroupSampling[int], dict[int, Sample]]:
+        aborts = self._aborts
+
+        async def end_batch(number: int, reason: str) -> None:
+            for worker, metrics in await self._on_every_worker("abort_batch", number, reason):
+                self._note_metrics(worker, metrics)
+
+        return pool_sampling(samples, sample_ids, seeds, target, end_batch=end_batch,
+                             dispatch=lambda group, ids, seeds_: self._dispatch(group, ids, seeds_, concurrency),
+                             stopped=lambda: self._aborts != aborts)  # fmt: skip
 
     def stream(
         self,
@@ -255,9 +292,18 @@ class RayRolloutPool:
         concurrency: int = 64,
         sample_ids: Sequence[str | None] = (),
         seeds: Sequence[int | None] = (),
+        target_groups: int | None = None,
+        oversample: int = 0,
+        keep_group: KeepGroup | None = None,
     ) -> AsyncIterator[Sample]:
         """Yield samples as they finish (at most ``concurrency`` in flight on each worker). The samples are sent
-        when this is called, so :meth:`abort` reaches them before the first is awaited."""
+        when this is called, so :meth:`abort` reaches them before the first is awaited. With ``target_groups`` a
+        group's members come together once its fate is known, as from :meth:`RolloutRunner.stream
+        <fsm_rollout.runtime.runner.RolloutRunner.stream>`."""
+        target = GroupTarget.of(target_groups, oversample, keep_group)
+        if target is not None:
+            sampling, _ = self._sampling(list(samples), sample_ids, seeds, concurrency, target)
+            return GroupStream(sampling, lambda: None)
         batch = self._dispatch(list(samples), sample_ids, seeds, concurrency)
         return _as_finished(batch)
 
@@ -361,8 +407,16 @@ class RayRolloutPool:
         """End every sample the pool has sent and not finished ``aborted`` with ``reason`` (samples not started
         end without sending anything, reason ``not_started``); when this returns, no request of those samples
         reaches a server."""
+        self._aborts += 1  # no group of an over-sampled batch starts after this
         for worker, metrics in await self._on_every_worker("abort", reason, self._batches):
             self._note_metrics(worker, metrics)
+
+    async def consumed(self, version: int | str) -> None:
+        """The trainer has consumed weight version ``version``: every worker's staleness pacing
+        (``config.max_staleness``) hears it, as :meth:`RolloutRunner.consumed
+        <fsm_rollout.runtime.runner.RolloutRunner.consumed>` (awaited here: the workers are other processes)."""
+        version_number(version, "consumed(version)")  # a bad version fails here, not in every worker
+        await self._on_every_worker("consumed", version)
 
     async def suspend(self, reason: str = "weight_update") -> None:
         """Suspend every worker's rollouts (see :meth:`RolloutRunner.suspend

@@ -66,6 +66,8 @@ class RolloutWorker:
         self._runner: RolloutRunner | None = None
         self._aborted_through = -1
         self._abort_reason = "cancelled"
+        self._batches: dict[int, list[Sample]] = {}
+        """Each running batch's samples, by number (:meth:`abort_batch` ends them)."""
 
     @property
     def runner(self) -> RolloutRunner:
@@ -98,6 +100,7 @@ class RolloutWorker:
         position; yields the finished ones as they finish (every sample that finished since the last yield, so a
         busy worker sends few messages), each time with the worker's metrics (:meth:`metrics`)."""
         records = [Sample.from_dict(data) for data in samples]
+        self._batches[number] = records
         # the runner returns the very objects it was given: their identity tells each one's position
         positions = {id(sample): position for position, sample in enumerate(records)}
         stream = self.runner.stream(records, concurrency=concurrency, sample_ids=sample_ids, seeds=seeds)
@@ -128,6 +131,7 @@ class RolloutWorker:
             await collector  # raises what the collector raised
         finally:
             collector.cancel()
+            self._batches.pop(number, None)
 
     async def abort(self, reason: str, through: int) -> dict[str, Any]:
         """End every unfinished sample of batches up to ``through`` ``aborted`` with ``reason``; the metrics
@@ -136,6 +140,16 @@ class RolloutWorker:
             self._aborted_through, self._abort_reason = through, reason
         await self.runner.abort(reason)
         return self.metrics()
+
+    async def abort_batch(self, number: int, reason: str) -> dict[str, Any]:
+        """End batch ``number``'s unfinished samples ``aborted`` with ``reason`` (a pool's surplus group); the
+        metrics after."""
+        await self.runner.abort_samples(self._batches.get(number, ()), reason)
+        return self.metrics()
+
+    def consumed(self, version: int | str) -> None:
+        """The trainer consumed weight version ``version`` (the runner's staleness pacing)."""
+        self.runner.consumed(version)
 
     async def suspend(self, reason: str) -> dict[str, Any]:
         """Suspend the runner's rollouts; what it cost (``SuspendStats`` as a dict) and the metrics after."""

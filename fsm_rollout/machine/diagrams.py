@@ -107,14 +107,15 @@ def edge_label(edge: lifecycle.Edge, guard_label: str) -> str:
 def catch_all_groups(transitions: Sequence[lifecycle.Edge]) -> list[tuple[int, ...]]:
     """Edges that exist alike from every non-terminal state (``abort``, ``fail``), grouped; indices in table order.
 
-    A group is one trigger with the same destination, actions and reason, unguarded, out of each non-terminal
-    state. Graphviz draws a group as one edge leaving the box around the non-terminal states; should one state
+    A group is one trigger with the same guard, destination, actions and reason out of each non-terminal state
+    (``abort``'s edge guarded ``oversampled`` is one group, its unguarded edge another). Graphviz draws a group as
+    one edge leaving the box around the non-terminal states; should one state
     lose its edge, the group dissolves and its edges are drawn one by one.
     """
     groups: dict[tuple[Any, ...], list[int]] = {}
     for index, edge in enumerate(transitions):
-        if edge.guard is None and edge.source in lifecycle.NON_TERMINAL:
-            groups.setdefault((edge.trigger, edge.dest, edge.actions, edge.reason), []).append(index)
+        if edge.source in lifecycle.NON_TERMINAL:
+            groups.setdefault((edge.trigger, edge.guard, edge.dest, edge.actions, edge.reason), []).append(index)
     everywhere = set(lifecycle.NON_TERMINAL)
     return [
         tuple(indices)
@@ -333,7 +334,7 @@ def _group_attributes(edge: lifecycle.Edge, group: Sequence[int], overlay: Overl
         )
     colour = {"aborted": _ABORT, "failed": _FAIL}.get(edge.dest, _INK)
     attributes = _edge_attributes(
-        f"{edge.trigger} (from any state in the box)",
+        f"{edge.trigger}{f' [{edge.guard}]' if edge.guard else ''} (from any state in the box)",
         edge.reason,
         usage,
         overlay,

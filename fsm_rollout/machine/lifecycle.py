@@ -22,7 +22,8 @@ as it was about to. ``env_timeout`` and ``rollout_timeout`` (a limit of the conf
 are the driver's, and interrupt the state's own trigger. ``hand_back`` (an outcome of ``suspended``) is the gate's
 choice: a suspended sample goes back to its caller (slime/vime's ``partial_rollout``) instead of waiting for the
 resume; it ends ``aborted`` with the reason ``handed_back``, its resume state in ``metadata["resume_state"]`` and
-its environment closed (a resume rebuilds it from its snapshot).
+its environment closed (a resume rebuilds it from its snapshot). An abort by a runner's over-sampling
+(``target_groups``/``oversample``) takes ``abort``'s guarded edge, with the typed reason ``oversampled``.
 
 A state may name activities awaited on the way in (``awaits``): ``completed`` and ``truncated`` are scored
 (``score``: ``RolloutConfig.reward_fn``, sync or async, sets ``sample.reward``), and every edge into
@@ -54,6 +55,7 @@ __all__ = [  # the lean classes are re-exported: they used to live here
     "ENTER",
     "INITIAL",
     "NON_TERMINAL",
+    "OVERSAMPLED",
     "STATES",
     "STATE_BY_NAME",
     "TERMINAL",
@@ -112,6 +114,10 @@ class Edge:
 
 
 INITIAL = "pending"
+
+OVERSAMPLED = "oversampled"
+"""The typed reason of a surplus group's samples, ended once a runner's over-sampled batch has its target of
+groups (``run_batch(..., target_groups=N, oversample=M)``): an abort with this reason takes its own edge."""
 
 ENTER = "enter"
 """The machine's own trigger that completes an edge whose destination awaits activities (not a trigger of the
@@ -324,6 +330,19 @@ TRANSITIONS: tuple[Edge, ...] = (
             reason="rollout_timeout",
             actions=("note_timeout",),
             work="the rollout ran past `rollout_timeout_s` (time suspended excluded); the data so far is kept",
+        )
+        for state in NON_TERMINAL
+    ),
+    *(
+        Edge(
+            "abort",
+            state,
+            "aborted",
+            guard="oversampled",
+            reason="oversampled",
+            actions=("note_abort",),
+            work="a surplus group of an over-sampled batch, ended once its target of groups was complete; the data so "
+            "far is kept",
         )
         for state in NON_TERMINAL
     ),

@@ -263,6 +263,7 @@ def run_summary(inputs: Inputs, rows: Sequence[Mapping[str, Any] | None]) -> dic
         "dwell": dwell,
         "queued": stats(summary.queued_ms),
         "admission": stats(summary.admission_ms),
+        "staleness": stats(summary.staleness_ms),
         "groups": group_rewards(paths, rows),
         "forks": _edge_reason_usage(paths, FORK_REASON),
         "compactions": _edge_reason_usage(paths, COMPACTION_REASON),

@@ -107,6 +107,12 @@ def compacted(ctx: RolloutContext) -> bool:
     return ctx.fork_prompt is not None and fork_reason(ctx) == "compacted"
 
 
+def oversampled(ctx: RolloutContext) -> bool:
+    """The abort is a runner's over-sampling ending a surplus group (reason
+    :data:`~fsm_rollout.machine.lifecycle.OVERSAMPLED`)."""
+    return ctx.stop_reason == lifecycle.OVERSAMPLED
+
+
 def observation_exceeds_budget(ctx: RolloutContext) -> bool:
     """The observation tokens would leave no budget for another turn."""
     remaining = ctx.remaining_budget

@@ -9,17 +9,17 @@ sink and the machine definition (module-level, shared by every rollout). Use it 
 Several engine URLs are spread over with session-sticky consistent hashing: a sample's requests always go to the
 same server, and adding a server moves only about 1/N of the sessions.
 
-Why this module is long: it is one class whose methods share the run's state (clients, tokenizer and encoder, the
-concurrency slots and the queue of waiting samples, the suspension gate, the trace and tape it holds); what is not
-that state lives beside it (:mod:`~fsm_rollout.runtime.queueing`, :mod:`~fsm_rollout.runtime.metrics`,
-:mod:`~fsm_rollout.runtime.groups`, :mod:`~fsm_rollout.runtime.engine_check`, :mod:`~fsm_rollout.runtime.hashring`).
+Why this module is long: it is one class whose methods share the run's state (the tokenizer and encoder, the
+suspension gate, the trace and tape it holds, the rollouts in flight); what is not that state lives beside it: the
+engine clients (:mod:`~fsm_rollout.runtime.clients`), the samples waiting for a slot and the group sampling of a
+batch (:mod:`~fsm_rollout.runtime.scheduling`, :mod:`~fsm_rollout.runtime.sampling`), staleness pacing
+(:mod:`~fsm_rollout.runtime.staleness`), :mod:`~fsm_rollout.runtime.queueing`, :mod:`~fsm_rollout.runtime.metrics`,
+:mod:`~fsm_rollout.runtime.groups` and :mod:`~fsm_rollout.runtime.engine_check`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
@@ -28,7 +28,6 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig, build_inference_sampling_params
-from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.envs.protocol import EnvFactory, load_env_factory
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.hooks import RolloutHooks, combine_hooks
@@ -39,13 +38,16 @@ from fsm_rollout.rollout.handle import RolloutHandle
 from fsm_rollout.rollout.unbuilt import UnbuiltRollout
 from fsm_rollout.runtime import gc_policy
 from fsm_rollout.runtime.admission import Admission, start_admission
+from fsm_rollout.runtime.clients import EngineClients
 from fsm_rollout.runtime.engine_check import check_engines
 from fsm_rollout.runtime.groups import group_members as group_members
 from fsm_rollout.runtime.groups import group_seeds as group_seeds
 from fsm_rollout.runtime.groups import positive_count
-from fsm_rollout.runtime.hashring import ConsistentHashRing
 from fsm_rollout.runtime.metrics import MetricsSnapshot, RunnerMetrics
 from fsm_rollout.runtime.queueing import QueueNotingTracer, Waiting
+from fsm_rollout.runtime.sampling import GroupStream, GroupTarget, KeepGroup
+from fsm_rollout.runtime.scheduling import NOT_STARTED, SampleQueue, as_finished
+from fsm_rollout.runtime.staleness import StalenessGate
 from fsm_rollout.sample import Sample, Status
 from fsm_rollout.tokens.chat import ObservationEncoder
 from fsm_rollout.tokens.template_probe import HistoryPolicyChooser
@@ -53,10 +55,6 @@ from fsm_rollout.tokens.tokenizers import TokenizerSource, listed_tokenizer_sour
 from fsm_rollout.trace import NULL_TRACER, Tracer, hold_tracer, release_tracer
 from fsm_rollout.types import RenderedPrompt
 from fsm_rollout.weights.suspension import Suspender, SuspendStats
-
-NOT_STARTED = "not_started"
-"""The reason of a sample that an abort (or a cancelled batch) ended while it waited for a concurrency slot: it
-never started, so it holds nothing but its input."""
 
 _T = TypeVar("_T")
 
@@ -115,10 +113,8 @@ class RolloutRunner:
         self._owns_sinks, self._holding_sinks = (tracer is None, tape is None), False
         self.tracer, self.tape = tracer or NULL_TRACER, tape
         self._hold_sinks()
-        self._ring = ConsistentHashRing(self.engine_urls)
-        self._clients: dict[str, VLLMClient] = {}
-        self._server_clients: dict[str, VLLMClient] = {}
-        """The servers behind a router (``config.servers_behind_router``), which weight updates reach directly."""
+        self._engines = EngineClients(config, self.engine_urls)
+        self._clients = self._engines.clients
         self._metrics = RunnerMetrics()
         self._active = self._metrics.active
         self._waiting = self._metrics.waiting
@@ -132,11 +128,28 @@ class RolloutRunner:
         self._admission: Admission | None = None
         """Adaptive admission, once entered with ``config.admission="adaptive"`` and every server's load read."""
         self.suspender = Suspender(
-            lambda: self._clients.values(),
+            lambda: self._engines.clients.values(),
             strategy=config.weight_update_strategy,
-            servers=(lambda: self._server_clients.values()) if config.servers_behind_router else None,
+            servers=(lambda: self._engines.servers.values()) if config.servers_behind_router else None,
         )
         """The gate every rollout of this runner consults (:mod:`fsm_rollout.weights.suspension`)."""
+        self._staleness = StalenessGate(
+            config.max_staleness,
+            lambda: next(reversed(self.suspender.version_history), None),  # set by weight updates, not an engine's own
+            lambda: self.tracer,
+        )
+        self._queue = SampleQueue(
+            metrics=self._metrics,
+            staleness=self._staleness,
+            make=self._rollout,
+            drive=self._drive,
+            unbuildable=self._unbuildable,
+            url_for=self._engines.url_for,
+            admission=lambda: self._admission,
+            entered=lambda: self._entered,
+            raising=lambda: self.raise_on_error,
+            tracer=lambda: self.tracer,
+        )
 
     def _hold_sinks(self) -> None:
         owns_tracer, owns_tape = self._owns_sinks
@@ -155,10 +168,7 @@ class RolloutRunner:
 
     async def __aenter__(self) -> RolloutRunner:
         self._hold_sinks()  # again, when entered after an exit
-        for url in self.engine_urls:
-            self._clients[url] = VLLMClient.from_config(self.config, base_url=url)
-        for url in self.config.servers_behind_router:
-            self._server_clients[url] = VLLMClient.from_config(self.config, base_url=url)
+        self._engines.open()
         try:
             if self.env_factory is None:  # a configuration error, found before anything is asked of an engine
                 self.env_factory = load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
@@ -203,10 +213,7 @@ class RolloutRunner:
         if self._admission is not None:
             admission, self._admission = self._admission, None
             await admission.close()
-        for client in [*self._clients.values(), *self._server_clients.values()]:
-            await client.close()
-        self._clients.clear()
-        self._server_clients.clear()
+        await self._engines.close()
 
     # ------------------------------------------------------------------ building rollouts
 
@@ -217,28 +224,13 @@ class RolloutRunner:
             config = self._configs[policy] = replace(self.config, history_policy=policy)
         return config
 
-    def _url_for(self, sample: Sample) -> str:
-        if len(self._clients) > 1 and not sample.session_id:
-            sample.session_id = str(uuid.uuid4())
-        if len(self._clients) == 1:
-            return next(iter(self._clients))
-        return self._ring.url_for(sample.session_id or "")
-
-    def _client_for(self, sample: Sample) -> VLLMClient:
-        return self._clients[self._url_for(sample)]
-
-    def _client_at(self, session_id: str | None) -> VLLMClient:
-        if len(self._clients) == 1:
-            return next(iter(self._clients.values()))
-        return self._clients[self._ring.url_for(session_id or "")]
-
     async def render(self, payload: Mapping[str, Any], *, session_id: str | None = None) -> RenderedPrompt:
         """The engine's render of a chat request outside any rollout (not on the tape), on the engine a sample of
         ``session_id`` is pinned to: what a rollout's first render of the same payload answers."""
         if not self._entered:
             raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
         headers = {"x-session-id": session_id} if session_id else None
-        return await self._client_at(session_id).render(payload, headers=headers)
+        return await self._engines.at(session_id).render(payload, headers=headers)
 
     def _rollout(
         self,
@@ -248,10 +240,11 @@ class RolloutRunner:
         seed: int | None = None,
         queued_ms: float | None = None,
         admitted_ms: float | None = None,
+        staleness_ms: float | None = None,
     ) -> Rollout:
         if not self._entered:
             raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
-        url = self._url_for(sample)
+        url = self._engines.url_for(sample)
         tools = sample.metadata.get("tools") if isinstance(sample.metadata, Mapping) else None
         # a tool set not seen yet is probed once (AppendRefused fails the sample); the rollout runs the policy chosen
         policy = self._history.resolve(self.tokenizer, tools) if tools else self.history_policy
@@ -263,7 +256,7 @@ class RolloutRunner:
             "encoder": self._encoder,
             "env_factory": self.env_factory,
             "processor": self.processor,
-            "tracer": self.tracer if queued_ms is None else QueueNotingTracer(self.tracer, queued_ms),
+            "tracer": self.tracer if queued_ms is None else QueueNotingTracer(self.tracer, queued_ms, staleness_ms),
             "sample_id": sample_id,
             "suspender": self.suspender,
         }
@@ -313,56 +306,6 @@ class RolloutRunner:
         """The runner's live counters, which :meth:`metrics` snapshots (a gateway counts its sessions there)."""
         return self._metrics
 
-    def _prepare(
-        self, samples: Iterable[Sample], sample_ids: Sequence[str | None] = (), seeds: Sequence[int | None] = ()
-    ) -> list[Waiting]:
-        """The samples as waiting for a slot (from now on :meth:`abort` reaches them); their rollouts are made
-        when they get one."""
-        if not self._entered:
-            raise RolloutError("use the RolloutRunner as `async with RolloutRunner(...) as runner:`")
-        prepared: list[Waiting] = []
-        for position, sample in enumerate(samples):
-            sample_id = sample_ids[position] if position < len(sample_ids) else None
-            seed = seeds[position] if position < len(seeds) else None
-            prepared.append(Waiting(sample, sample_id, seed, time.perf_counter()))
-        self._waiting.update(prepared)
-        return prepared
-
-    def _build(self, waiting: Waiting, *, raising: bool, admitted_ms: float | None = None) -> Rollout | Sample:
-        """The rollout of a sample that leaves the queue, or the sample ended ``failed`` when none can be built."""
-        self._waiting.discard(waiting)
-        waited_ms = max(0.0, waiting.waited_ms() - (admitted_ms or 0.0))  # queued: the wait before admission's
-        self._metrics.queue_left(waited_ms)
-        try:
-            return self._rollout(
-                waiting.sample,
-                sample_id=waiting.sample_id,
-                seed=waiting.seed,
-                queued_ms=waited_ms,
-                admitted_ms=admitted_ms,
-            )
-        except Exception as error:
-            if raising:
-                raise
-            return self._unbuildable(waiting, error)
-
-    def _end_unstarted(self, waiting: Waiting) -> None:
-        """End a sample that never got a slot ``aborted`` with reason :data:`NOT_STARTED`: its rollout is made and
-        aborted before it starts (traced and recorded as any abort before a start; nothing is sent)."""
-        if waiting.ended is not None or waiting not in self._waiting:
-            return
-        built = self._build(waiting, raising=False)
-        if isinstance(built, Rollout):
-            built.request_abort(NOT_STARTED)
-            built = built.sample
-        waiting.ended = built
-        if waiting.cancel_wait is not None:
-            waiting.cancel_wait()
-
-    def _end_all_unstarted(self, waiting: Iterable[Waiting]) -> None:
-        for queued in list(waiting):
-            self._end_unstarted(queued)
-
     def _unbuildable(self, waiting: Waiting, error: Exception) -> Sample:
         """A pending sample whose rollout could not be built leaves ``pending`` by the table's ``fail`` edge
         (:class:`~fsm_rollout.rollout.unbuilt.UnbuiltRollout`): the error recorded, its data kept, the transition
@@ -394,41 +337,6 @@ class RolloutRunner:
         self._metrics.occupancy[lifecycle.INITIAL] += 1  # as a built rollout is counted, until its transition
         return unbuilt.fail()
 
-    async def _bounded(self, waiting: Waiting, semaphore: asyncio.Semaphore) -> Sample:
-        if self._admission is not None:
-            return await self._admitted(waiting, self._admission)
-        try:
-            async with semaphore:
-                if waiting.ended is not None:
-                    return waiting.ended
-                built = self._build(waiting, raising=self.raise_on_error)
-                if isinstance(built, Sample):
-                    return built
-                return await self._drive(built)
-        except asyncio.CancelledError:
-            self._end_unstarted(waiting)  # cancelled while waiting for its slot (a no-op once it had one)
-            raise
-
-    async def _admitted(self, waiting: Waiting, admission: Admission) -> Sample:
-        """:meth:`_bounded` under adaptive admission: the sample starts when its server admits a new sample."""
-        wait = asyncio.ensure_future(admission.admit_new(self._url_for(waiting.sample)))
-        waiting.cancel_wait = wait.cancel  # an abort that ends the sample unstarted ends the wait too
-        try:
-            admitted_ms = await wait
-        except asyncio.CancelledError:
-            if waiting.ended is not None:
-                return waiting.ended
-            self._end_unstarted(waiting)
-            raise
-        if waiting.ended is not None:  # ended as it was admitted: the slot goes back
-            admission.controllers[self._url_for(waiting.sample)].release()
-            return waiting.ended
-        built = self._build(waiting, raising=self.raise_on_error, admitted_ms=admitted_ms)
-        if isinstance(built, Sample):
-            admission.controllers[self._url_for(waiting.sample)].release()
-            return built
-        return await self._drive(built)
-
     async def run_batch(
         self,
         samples: Iterable[Sample],
@@ -436,6 +344,9 @@ class RolloutRunner:
         concurrency: int = 64,
         sample_ids: Sequence[str | None] = (),
         seeds: Sequence[int | None] = (),
+        target_groups: int | None = None,
+        oversample: int = 0,
+        keep_group: KeepGroup | None = None,
     ) -> list[Sample]:
         """Run samples with at most ``concurrency`` in flight; returns them in input order.
 
@@ -443,11 +354,22 @@ class RolloutRunner:
         (as :meth:`run_group` names and seeds its members; :func:`group_members` makes such copies for many groups
         under one concurrency limit). A sample's rollout is made when it gets a slot: the time it waited is its
         first transition's ``queued_ms`` and :attr:`MetricsSnapshot.queued_ms_mean`, not ``pending`` dwell.
+
+        Over-sampling and dynamic sampling (:mod:`fsm_rollout.runtime.sampling`): with ``target_groups=N`` the
+        samples are groups (by ``group_index``), the first N + ``oversample`` start, and the batch ends once N are
+        complete and kept by ``keep_group`` (default: all); the surplus ends ``aborted`` with reason
+        ``oversampled``. The answer is then a :class:`~fsm_rollout.runtime.sampling.SampledBatch`: the samples of
+        the groups started (``metadata["group_kept"]``), with ``prompts_exhausted`` set when the groups ran out.
         """
+        target = GroupTarget.of(target_groups, oversample, keep_group)
         semaphore = asyncio.Semaphore(positive_count(concurrency))
         with self._gc_tuned():  # from before the samples' tasks are made, not from the first start
-            prepared = self._prepare(samples, sample_ids, seeds)
-            return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
+            if target is not None:
+                sampling, started = self._queue.sampling(samples, sample_ids, seeds, target, semaphore)
+                await sampling.run()
+                return sampling.batch([item.sample for item in sorted(started, key=started.__getitem__)])
+            prepared = self._queue.prepare(samples, sample_ids, seeds)
+            return list(await asyncio.gather(*(self._queue.bounded(item, semaphore) for item in prepared)))
 
     def stream(
         self,
@@ -456,6 +378,9 @@ class RolloutRunner:
         concurrency: int = 64,
         sample_ids: Sequence[str | None] = (),
         seeds: Sequence[int | None] = (),
+        target_groups: int | None = None,
+        oversample: int = 0,
+        keep_group: KeepGroup | None = None,
     ) -> AsyncIterator[Sample]:
         """Yield samples as they finish (at most ``concurrency`` in flight), for asynchronous RL trainers.
 
@@ -463,16 +388,24 @@ class RolloutRunner:
         every one of them from then on, also before the first is awaited. ``sample_ids`` and ``seeds`` name and
         seed the samples by position (as in :meth:`run_batch`). Closing the iterator early cancels the samples
         still running and ends those still queued (reason :data:`NOT_STARTED`).
+
+        ``target_groups``, ``oversample`` and ``keep_group`` sample groups as in :meth:`run_batch`; a group's
+        members are then yielded together once its fate is known, and the iterator (a
+        :class:`~fsm_rollout.runtime.sampling.GroupStream`) has ``prompts_exhausted``.
         """
+        target = GroupTarget.of(target_groups, oversample, keep_group)
         semaphore = asyncio.Semaphore(positive_count(concurrency))
+        if target is not None:
+            sampling, started = self._queue.sampling(samples, sample_ids, seeds, target, semaphore)
+            return GroupStream(sampling, lambda: self._queue.end_all_unstarted(started))
         with self._gc_tuned():
-            prepared = self._prepare(samples, sample_ids, seeds)
-            tasks = [asyncio.ensure_future(self._bounded(item, semaphore)) for item in prepared]
+            prepared = self._queue.prepare(samples, sample_ids, seeds)
+            tasks = [asyncio.ensure_future(self._queue.bounded(item, semaphore)) for item in prepared]
             if self.config.tune_gc:  # held on until the last task is done: tied to the tasks, not to the iterator,
                 gc_policy.rollout_started()  # which its consumer may never finish
                 asyncio.gather(*tasks, return_exceptions=True).add_done_callback(lambda _: gc_policy.rollout_ended())
         # closed early: the samples still queued end at once (not when their cancelled tasks next run)
-        return _as_finished(tasks, lambda: self._end_all_unstarted(prepared))
+        return as_finished(tasks, lambda: self._queue.end_all_unstarted(prepared))
 
     async def run_group(
         self, sample: Sample, n: int, *, concurrency: int | None = None, seed: int | None = None
@@ -486,8 +419,8 @@ class RolloutRunner:
         semaphore = asyncio.Semaphore(positive_count(concurrency or n))
         seeds = group_seeds(seed, len(copies))
         with self._gc_tuned():
-            prepared = self._prepare(copies, ids, seeds)
-            return list(await asyncio.gather(*(self._bounded(item, semaphore) for item in prepared)))
+            prepared = self._queue.prepare(copies, ids, seeds)
+            return list(await asyncio.gather(*(self._queue.bounded(item, semaphore) for item in prepared)))
 
     async def abort(self, reason: str = "cancelled") -> None:
         """End every sample this runner has not finished ``aborted`` with ``reason``.
@@ -496,13 +429,25 @@ class RolloutRunner:
         concurrency slot end without sending anything, with reason :data:`NOT_STARTED` (they hold nothing but
         their input). When this returns, no request of those samples reaches a server any more.
         """
-        self._end_all_unstarted(self._waiting)
+        self._queue.aborts += 1  # no group of an over-sampled batch starts after this
+        self._queue.end_all_unstarted(self._waiting)
         waiting = []
         for rollout in list(self._active):
             if rollout.terminal:
                 continue
             waiting.append(rollout.abort(reason))
         await asyncio.gather(*waiting)
+
+    async def abort_samples(self, samples: Iterable[Sample], reason: str) -> None:
+        """End these samples of the runner's batches, groups or streams ``aborted`` with ``reason`` (queued ones
+        without sending anything); the others go on. A Ray pool's over-sampling ends its surplus this way."""
+        await self._queue.end_samples(samples, reason)
+
+    def consumed(self, version: int | str) -> None:
+        """The trainer has consumed the samples of weight version ``version`` (and older): under
+        ``config.max_staleness`` new groups start while the weights are at most that many versions ahead of it
+        (:mod:`fsm_rollout.runtime.staleness`); the groups held back start now if they may."""
+        self._staleness.consumed(version)
 
     async def suspend(self, reason: str = "weight_update") -> None:
         """Suspend every rollout of this runner; returns once no generate request of the runner is in flight at any
@@ -532,6 +477,11 @@ class RolloutRunner:
         return self._metrics.snapshot()
 
     @property
+    def pacing(self) -> StalenessGate:
+        """Staleness pacing (``config.max_staleness``): the version consumed, the groups that waited, those waiting."""
+        return self._staleness
+
+    @property
     def admission(self) -> Admission | None:
         """Adaptive admission, when ``config.admission`` asks for it and every server publishes its load."""
         return self._admission
@@ -558,19 +508,6 @@ async def _in_own_thread(work: Callable[[], _T]) -> _T:
         raise
     executor.shutdown(wait=True)  # the work is done: this only joins the idle thread
     return result
-
-
-async def _as_finished(
-    tasks: Sequence[asyncio.Future[Sample]], on_close: Callable[[], None] | None = None
-) -> AsyncIterator[Sample]:
-    try:
-        for finished in asyncio.as_completed(tasks):
-            yield await finished
-    finally:
-        if on_close is not None:
-            on_close()
-        for task in tasks:
-            task.cancel()
 
 
 __all__ = [

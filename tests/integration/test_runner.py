@@ -19,6 +19,7 @@ from fsm_rollout.replay import replay
 from fsm_rollout.runtime import gc_policy
 from fsm_rollout.runtime.hashring import ConsistentHashRing
 from fsm_rollout.runtime.runner import RolloutRunner, group_members
+from fsm_rollout.runtime.scheduling import SampleQueue
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import ABORT_PATH, GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.trace import TRANSITION_EVENT
@@ -302,18 +303,18 @@ async def test_batches_groups_and_streams_tune_the_collector_from_before_their_r
     assert (expected != before) == tune_gc
     seen_while_making: list[tuple[int, int, int]] = []
     released: list[int] = []
-    prepare, ended = RolloutRunner._prepare, gc_policy.rollout_ended
+    prepare, ended = SampleQueue.prepare, gc_policy.rollout_ended
 
-    def noting_prepare(runner: RolloutRunner, batch: Any, *ids: Any) -> Any:
+    def noting_prepare(queue: SampleQueue, batch: Any, *ids: Any) -> Any:
         seen_while_making.append(gc.get_threshold())
-        return prepare(runner, batch, *ids)
+        return prepare(queue, batch, *ids)
 
     def noting_end() -> None:
         ended()
         if not gc_policy._running:
             released.append(1)
 
-    monkeypatch.setattr(RolloutRunner, "_prepare", noting_prepare)
+    monkeypatch.setattr(SampleQueue, "prepare", noting_prepare)
     monkeypatch.setattr(gc_policy, "rollout_ended", noting_end)
     fake_vllm.script([ScriptedTurn(text="answer", delay=0.02 * (i % 3)) for i in range(9)])
     envs = ScriptedEnvFactory(steps=[("ok", True)])

@@ -102,6 +102,34 @@ async def test_abort_ends_running_and_unstarted_samples_and_sends_nothing_after(
     assert not [r for r in server.waiting_request_ids if "abort" in r]
 
 
+async def test_an_oversampled_batch_drops_a_group_without_signal_and_ends_its_surplus_oversampled(
+    pool: RayRolloutPool, server: FakeVLLMServer
+) -> None:
+    server.script([ScriptedTurn(text="answer A", hang=True)], session="over0")  # group 0: signal, held
+    server.script([ScriptedTurn(text="answer B")], session="over1")
+    for i in (2, 3):  # group 1: no signal (dropped)
+        server.script([ScriptedTurn(text="same")], session=f"over{i}")
+    for i in (4, 5):  # group 2 starts in group 1's place, then is the surplus
+        server.script([ScriptedTurn(text="never", hang=True)], session=f"over{i}")
+    batch = samples("over", 8)
+    for position, sample in enumerate(batch):
+        sample.group_index = position // 2
+    distinct = lambda group: len({sample.response for sample in group}) > 1  # noqa: E731
+    running = asyncio.ensure_future(pool.run_batch(batch, concurrency=4, target_groups=1, oversample=1,
+                                                   keep_group=distinct))  # fmt: skip
+    await server.wait_until(lambda: len([r for r in server.waiting_request_ids if "over" in r]) == 3)
+    [held] = [rid for rid in server.held_request_ids if "over0" in rid]
+    server.release(held)
+    done = await running
+    assert [s.group_index for s in done] == [0, 0, 1, 1, 2, 2]  # group 3 never started
+    assert (done.kept_groups, done.dropped_groups, done.surplus_groups) == (1, 1, 1)  # type: ignore[attr-defined]
+    assert [s.metadata["group_kept"] for s in done] == [True, True, False, False, False, False]
+    assert [s.status for s in done[:4]] == [Status.COMPLETED] * 4
+    assert [(s.status, s.metadata["rollout_reason"]) for s in done[4:]] == [(Status.ABORTED, "oversampled")] * 2
+    assert not [r for r in server.waiting_request_ids if "over" in r]
+    assert not sessions_seen(server, "over6")
+
+
 async def test_a_weight_update_suspends_every_worker_and_loses_no_token(
     pool: RayRolloutPool, server: FakeVLLMServer
 ) -> None:

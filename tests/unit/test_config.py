@@ -256,6 +256,7 @@ def every_field_set() -> RolloutConfig:
         admission="adaptive",
         admission_kv_target=0.75,
         admission_max_waiting=3,
+        max_staleness=2,
     )
 
 

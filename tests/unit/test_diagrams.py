@@ -167,8 +167,9 @@ def test_a_state_that_loses_its_abort_edge_gets_its_abort_edges_drawn_one_by_one
     table = tuple(edge for edge in lifecycle.TRANSITIONS if (edge.trigger, edge.source) != ("abort", "rendered"))
     monkeypatch.setattr(lifecycle, "TRANSITIONS", table)
     assert [table[group[0]].trigger for group in diagrams.catch_all_groups(table)] == ["rollout_timeout", "fail"]
-    abort_edges = re.findall(r"^    (\w+) -> aborted \[label=<abort>", diagrams.dot(), re.MULTILINE)
-    assert sorted(abort_edges) == sorted(set(lifecycle.NON_TERMINAL) - {"rendered"})
+    for label in (r"abort \[1\. oversampled\]", r"abort \[else\]"):  # the typed reason's edge, then the caller's
+        abort_edges = re.findall(rf"^    (\w+) -> aborted \[label=<{label}[<>]", diagrams.dot(), re.MULTILINE)
+        assert sorted(abort_edges) == sorted(set(lifecycle.NON_TERMINAL) - {"rendered"})
 
 
 def test_generated_text_is_deterministic() -> None:

@@ -57,6 +57,7 @@ def test_the_seed_outcomes_are_all_reachable_in_the_normal_flow() -> None:
         # an agent gateway session: the agent closed it or went idle
         "session_closed",
         "agent_timeout",
+        "oversampled",  # a surplus group of an over-sampled batch, ended once the target was reached
     }
     # a rewritten history (a fork policy's re-render, or a gateway agent's call) closes a sequence, not the rollout
     rewritten = [edge for edge in lifecycle.TRANSITIONS if edge.reason == "history_rewritten"]

@@ -60,6 +60,9 @@ Workloads, one module each:
   engine (tool calls of 0-2 s, turns of 16-256 tokens, 4 samples per prompt) under fixed concurrency at the
   default, at each value of a sweep, and under adaptive admission: samples per second, the engine's busy fraction,
   and adaptive's ratios to the default and to the best fixed value.
+* ``oversample`` (:mod:`.oversample`, ``--only oversample``, runs only so): wall time to N complete groups with
+  25 % over-sampling against none, on the embedded engine, a long-tail agent workload (seeded stragglers), both in
+  one run, and their ratio.
 * ``mismatch`` (:mod:`.mismatch`, ``--only mismatch``, runs only so): the certification run (the demo's groups on
   the embedded engine, the logprobs recomputed with the default model in torch, :func:`fsm_rollout.mismatch`'s
   event table printed), without and with a weight update mid-run; and ``mismatch()`` on 10,000 x 1,000 tokens.
@@ -86,10 +89,11 @@ EPILOG = """\
 Prints each workload's figures, then each goal with its figure, target and met/missed; --json FILE writes them too.
 --quick is a smoke run (fewer samples and repeats) whose goals are checked against the quick profile's own targets,
 named before the goals; --only weight-update, --only slow-env, --only scale-out, --only images, --only engine,
---only tree, --only admission or --only mismatch runs that workload alone (scale-out, a Ray pool of two
-workers against one runner; admission, fixed against adaptive admission on the embedded engine; mismatch, the
-certification run; these run only so). The rollouts run with pacing and the tuned collector, as `fsm-rollout
-run` does, unless --loop-slice-ms 0 or --no-tune-gc turn them off.
+--only tree, --only admission, --only oversample or --only mismatch runs that workload alone (scale-out, a Ray
+pool of two workers against one runner; admission, fixed against adaptive admission on the embedded engine;
+oversample, 25 % over-sampling against none; mismatch, the certification run; these run only so). The rollouts
+run with pacing and the tuned collector, as `fsm-rollout run` does, unless --loop-slice-ms 0 or --no-tune-gc turn
+them off.
 
 Exit codes: 0 the workloads ran (goals met or missed, unless --check); 1 with --check, a goal missed (each is named
 on stderr)."""
@@ -105,8 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=WORKLOADS,
         metavar="WORKLOAD",
         help="run only this workload and its goals: weight-update, slow-env, scale-out, images, engine, tree, "
-        "admission or mismatch (scale-out needs Ray; engine, tree, admission and mismatch the default model; these run "
-        "only so; the others share interleaved runs and always run together)",
+        "admission, oversample or mismatch (scale-out needs Ray; engine, tree, admission, oversample and mismatch the "
+        "default model; these run only so; the others share interleaved runs and always run together)",
     )
     parser.add_argument(
         "--check",
@@ -144,6 +148,7 @@ def main(args: argparse.Namespace) -> int:
         run_engine,
         run_images,
         run_mismatch,
+        run_oversample,
         run_scale_out,
         run_slow_env,
         run_tree,
@@ -164,6 +169,8 @@ def main(args: argparse.Namespace) -> int:
         results = run_tree(bool(args.quick))
     elif args.only == "admission":
         results = run_admission(bool(args.quick), settings(args))
+    elif args.only == "oversample":
+        results = run_oversample(bool(args.quick), settings(args))
     elif args.only == "mismatch":
         results = run_mismatch(bool(args.quick))
     else:

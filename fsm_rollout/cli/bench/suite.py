@@ -131,6 +131,14 @@ def run_admission(quick: bool, settings: Settings) -> dict[str, dict[str, Any]]:
     return {"admission": figures, "goals": goals}
 
 
+def run_oversample(quick: bool, settings: Settings) -> dict[str, dict[str, Any]]:
+    """The over-sampling workload alone (``--only oversample``): wall time to N complete groups with 25 %
+    over-sampling against none (the issue names the figure, not a target: no goal)."""
+    from fsm_rollout.cli.bench.oversample import bench_oversample
+
+    return {"oversample": bench_oversample(quick, settings), "goals": {}}
+
+
 def run_engine(quick: bool) -> dict[str, dict[str, Any]]:
     """The embedded engine's workload alone (``--only engine``): one request at a time against batching, the
     decoding alone, then the demo before batching and now; the goal is the demo's ratio, greedy tokens identical."""

@@ -135,6 +135,8 @@
           "waiting for a concurrency slot before the rollout starts: not part of pending's own work") : null,
         S.admission ? line("admission wait", S.admission, "queue",
           "adaptive admission: waiting for the engine to take a request (part of the dwell of the state left)") : null,
+        S.staleness ? line("staleness wait", S.staleness, "queue",
+          "max_staleness: a new group waiting for the trainer to consume, before it queues") : null,
         rows.map((d) => line(d.state, d, "",
           d.state === "pending" ? "the rollout's own start-up (render request)" : null))),
       h("p", { class: "note" }, "dwell: time in a state per transition out of it (trace field dwell_ms). Totals " +
