@@ -105,6 +105,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="response budget of a session, over all its training sequences (default: unbounded)",
     )
+    rollout.add_argument(
+        "--max-call-tokens",
+        type=int,
+        metavar="N",
+        help="answer tokens of one call at most: min(the client's max_tokens / max_output_tokens, N) "
+        "(default: the client's, or the session's budget)",
+    )
     rollout.add_argument("--max-context-len", type=int, metavar="N", help="context limit (prompt + response)")
     rollout.add_argument("--temperature", type=float, default=1.0, metavar="T", help="default sampling temperature")
     rollout.add_argument("--top-p", type=float, default=1.0, metavar="P", help="default top-p")
@@ -158,6 +165,7 @@ async def serve(args: argparse.Namespace, *, ready: Callable[[str], None] | None
                 closed_session_ttl_s=args.closed_session_ttl,
                 disconnect_grace_s=args.disconnect_grace,
                 auto_sessions=args.auto_sessions,
+                max_call_tokens=args.max_call_tokens,
             ) as gateway:
                 print(f"gateway listening on {gateway.url} (model {choice.model})", flush=True)
                 print(f"open a session: curl -X POST {gateway.url}/sessions", flush=True)
@@ -182,6 +190,9 @@ def main(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     if args.session_idle_timeout is not None and args.session_idle_timeout <= 0:
         print("error: --session-idle-timeout must be positive", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    if args.max_call_tokens is not None and args.max_call_tokens < 1:
+        print("error: --max-call-tokens must be at least 1", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.closed_session_ttl < 0 or args.disconnect_grace < 0:
         print("error: --closed-session-ttl and --disconnect-grace must be >= 0", file=sys.stderr)

@@ -16,6 +16,7 @@ __all__ = [
     "TOOL_CALL_CLOSE",
     "TOOL_CALL_OPEN",
     "FieldError",
+    "capped_sampling",
     "check_fields",
     "check_parallel_tool_calls",
     "check_penalties",
@@ -203,3 +204,15 @@ def check_parallel_tool_calls(value: Any, tool_choice: str) -> None:
             "function: one call); with 'auto' the model may answer several",
             "parallel_tool_calls",
         )
+
+
+def capped_sampling(sampling: Mapping[str, Any], cap: int | None) -> dict[str, Any]:
+    """A call's sampling with its ``max_tokens`` bounded by the gateway's per-call cap: ``min(client's, cap)``, the
+    cap when the client sets none (Codex sends no ``max_output_tokens``). The answer then reports the cut as its
+    dialect does (``length``, ``max_tokens``, an incomplete response), so a small model on CPU cannot spend one
+    call on thousands of tokens. ``cap`` None leaves the sampling as the client asked."""
+    out = dict(sampling)
+    if cap is not None:
+        asked = out.get("max_tokens")
+        out["max_tokens"] = cap if asked is None else min(int(asked), cap)
+    return out

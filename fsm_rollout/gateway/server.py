@@ -99,7 +99,9 @@ class AgentGateway:
     with ``router_policy="consistent_hash"`` (every request carries ``x-session-id``) and without an environment
     step limit (an agent's pause between calls is bounded by ``session_idle_timeout_s`` instead). Under the
     config's ``loop_slice_ms`` the HTTP handlers share the rollouts' pacer (:mod:`fsm_rollout.runtime.pacing`): a burst
-    of agents' calls starts a few per loop iteration, so the loop stays responsive.
+    of agents' calls starts a few per loop iteration, so the loop stays responsive. ``max_call_tokens`` bounds every
+    call's answer (the client's ``max_tokens`` / ``max_output_tokens`` or, when it sets none, the cap itself), apart
+    from the session's whole budget (the runner's ``max_new_tokens``).
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class AgentGateway:
         closed_session_ttl_s: float = 600.0,
         disconnect_grace_s: float = 30.0,
         auto_sessions: bool = False,
+        max_call_tokens: int | None = None,
     ) -> None:
         if runner.env_factory is not None:
             raise ConfigError(
@@ -125,6 +128,8 @@ class AgentGateway:
             raise ConfigError(f"disconnect_grace_s must be >= 0, got {disconnect_grace_s!r}")
         if closed_session_ttl_s < 0:
             raise ConfigError(f"closed_session_ttl_s must be >= 0, got {closed_session_ttl_s!r}")
+        if max_call_tokens is not None and (isinstance(max_call_tokens, bool) or max_call_tokens < 1):
+            raise ConfigError(f"max_call_tokens must be at least 1, got {max_call_tokens!r}")
         self.runner = runner
         self.host = host
         self.port = port
@@ -134,6 +139,7 @@ class AgentGateway:
         self.closed_session_ttl_s = closed_session_ttl_s
         self.disconnect_grace_s = disconnect_grace_s
         self.auto_sessions = auto_sessions
+        self.max_call_tokens = max_call_tokens
         self._auto: dict[str, str] = {}  # a client's session key -> the session it opened (auto_sessions)
         self._created: dict[str, float] = {}  # open sessions' wall-clock opening times, for GET /sessions
         # each session's stored responses (store: true), gone with the session
@@ -225,6 +231,7 @@ class AgentGateway:
             disconnect_grace_s=self.disconnect_grace_s,
             on_closed=self._forget,
             token_text=self._token_text(),
+            max_call_tokens=self.max_call_tokens,
         )
         self._opened += 1
         self._sessions[session_id] = session

@@ -47,6 +47,7 @@ from fsm_rollout.gateway.answers import TokenText
 from fsm_rollout.gateway.lineage import DISCONNECTED, Lineage, LineageSettings
 from fsm_rollout.gateway.lineages import hint, is_compaction, is_summary_request, route
 from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer
+from fsm_rollout.gateway.request_fields import capped_sampling
 from fsm_rollout.sample import Sample
 from fsm_rollout.sample.branches import training_sequences
 
@@ -98,6 +99,7 @@ class GatewaySession:
         disconnect_grace_s: float = 30.0,
         on_closed: Callable[[GatewaySession], None] | None = None,
         token_text: TokenText | None = None,
+        max_call_tokens: int | None = None,
     ) -> None:
         self.session_id = session_id
         self.base_url = base_url
@@ -106,6 +108,7 @@ class GatewaySession:
         self.label = label
         self.idle_timeout_s = idle_timeout_s
         self.disconnect_grace_s = disconnect_grace_s
+        self.max_call_tokens = max_call_tokens
         self.reward: Any = None
         self.calls = 0
         self._runner = runner
@@ -172,6 +175,8 @@ class GatewaySession:
         if self.closed:
             why = "expired before its first call (agent_timeout)" if self.main.state == "expired" else "closed"
             raise GatewayError(409, f"the session is {why}", code="session_closed")
+        if self.max_call_tokens is not None:  # every dialect's call: its max tokens are resolved by now
+            call = dataclasses.replace(call, sampling=capped_sampling(call.sampling, self.max_call_tokens))
         where = route(call, self._lineages)
         lineage = where.lineage
         if lineage is None:
