@@ -52,8 +52,9 @@ from aiohttp import web
 from fsm_rollout.envs.protocol import EnvFactory
 from fsm_rollout.errors import ConfigError, EngineError, EngineHTTPError
 from fsm_rollout.gateway.answers import TokenText
-from fsm_rollout.gateway.chat_answers import chat_completion, stream_chunks
+from fsm_rollout.gateway.chat_answers import ChatChunks, ChatEvents, chat_completion
 from fsm_rollout.gateway.hints import header_hints
+from fsm_rollout.gateway.live_stream import stream_answer
 from fsm_rollout.gateway.messages_wire import (
     is_messages_path,
     message_events,
@@ -64,6 +65,7 @@ from fsm_rollout.gateway.messages_wire import (
     sse,
 )
 from fsm_rollout.gateway.openai_wire import (
+    ChatCall,
     GatewayError,
     error_body,
     parse_chat_request,
@@ -73,6 +75,7 @@ from fsm_rollout.gateway.openai_wire import (
 from fsm_rollout.gateway.responses_events import sse_bytes, stream_events
 from fsm_rollout.gateway.responses_wire import StoredResponses, parse_responses_request, response_object
 from fsm_rollout.gateway.session import GatewaySession, SessionEnvironment
+from fsm_rollout.gateway.stream_text import AnswerStream
 from fsm_rollout.runtime.pacing import LoopPacer, pacer_for
 from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.sample import Sample
@@ -232,6 +235,11 @@ class AgentGateway:
         self.runner.counters.session_opened()
         return session
 
+    def _answer_stream(self, call: ChatCall) -> AnswerStream:
+        stop = self.runner.sampling_params.get("stop") or ()
+        stops = [*(call.sampling.get("stop") or ()), *([stop] if isinstance(stop, str) else stop)]
+        return AnswerStream(self._token_text(), parse_calls=call.tool_choice != "none", stops=stops)
+
     def _token_text(self) -> TokenText:
         if self._text is None:
             self._text = TokenText(self.runner.tokenizer, self.runner.sampling_params)
@@ -349,30 +357,30 @@ class AgentGateway:
         call = parse_chat_request(await self._body(request, optional=False))
         call = dataclasses.replace(call, hints=header_hints(request.headers))
         session = await self._agent_session(request, call.hints)
-        answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
         model = self.runner.config.model
         completion_id = f"chatcmpl-{secrets.token_hex(12)}"
         decode = self.runner.tokenizer.decode
-        if not call.stream:
-            return _json(
-                chat_completion(
-                    answer, completion_id=completion_id, model=model, want_logprobs=call.logprobs, decode=decode
-                )
+        key = request.headers.get("Idempotency-Key")
+        if call.stream:  # sent as the engine generates it (:mod:`fsm_rollout.gateway.live_stream`)
+            chunks = ChatChunks(
+                completion_id=completion_id,
+                model=model,
+                include_usage=call.include_usage,
+                want_logprobs=call.logprobs,
+                decode=decode,
             )
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        for chunk in stream_chunks(
-            answer,
-            completion_id=completion_id,
-            model=model,
-            include_usage=call.include_usage,
-            want_logprobs=call.logprobs,
-            decode=decode,
-        ):
-            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+            return await stream_answer(
+                request,
+                lambda listener: session.chat(call, idempotency_key=key, listener=listener),
+                self._answer_stream(call),
+                ChatEvents(chunks),
+            )
+        answer = await session.chat(call, idempotency_key=key)
+        return _json(
+            chat_completion(
+                answer, completion_id=completion_id, model=model, want_logprobs=call.logprobs, decode=decode
+            )
+        )
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         self._authorize(request, self.agent_api_key, x_api_key=True)
