@@ -166,7 +166,7 @@ class ChatEvents:
     def __init__(self, chunks: ChatChunks) -> None:
         self.chunks = chunks
 
-    def start(self) -> bytes:
+    def start(self, prompt_tokens: int) -> bytes:
         return _sse(self.chunks.start())
 
     def delta(self, kind: str, text: str) -> bytes:

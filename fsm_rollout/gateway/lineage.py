@@ -133,7 +133,7 @@ class Lineage:
         self._close_reward: Any = None
         self._abort_reason = "cancelled"
         self._streams = False  # the call being answered asked for a stream: its turn's tokens go out as they come
-        self.fanout = TokenFanout(self._prompt_tail)
+        self.fanout = TokenFanout(self._prompt)
         tracer = runner.tracer
         self._machine = session_table.SessionMachine(
             {
@@ -298,10 +298,12 @@ class Lineage:
         """What the next generate request carries: the call's sampling, and the token sink of a streamed call."""
         return NextCall(sampling=dict(self.call_sampling), token_sink=self.fanout.push if self._streams else None)
 
-    def _prompt_tail(self) -> str:
-        """The end of the prompt the turn continues (whether it opened a thinking block)."""
+    def _prompt(self) -> tuple[str, int]:
+        """The end of the prompt the turn continues (whether it opened a thinking block), and its length."""
         sample = self._sample
-        return self._text.decode(list(sample.tokens[-4:])) if sample is not None and sample.tokens else ""
+        if sample is None or not sample.tokens:
+            return "", 0
+        return self._text.decode(list(sample.tokens[-4:])), len(sample.tokens)
 
     def _act_start_sequence(self) -> None:
         call = self._call

@@ -27,7 +27,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 class EventWriter(Protocol):
     """A dialect's events, as bytes ready to write."""
 
-    def start(self) -> bytes: ...
+    def start(self, prompt_tokens: int) -> bytes: ...
 
     def delta(self, kind: str, text: str) -> bytes: ...
 
@@ -46,14 +46,14 @@ async def stream_answer(
 ) -> web.StreamResponse:
     """Answer ``request`` with the events of ``run(listener)``'s answer as it is generated (module docstring).
     ``on_answer`` sees the finished answer before its last events go out (e.g. to store it)."""
-    arrived: asyncio.Queue[tuple[list[int], bool]] = asyncio.Queue()
-    call = asyncio.ensure_future(run(lambda token_ids, opened: arrived.put_nowait((token_ids, opened))))
+    arrived: asyncio.Queue[tuple[list[int], bool, int]] = asyncio.Queue()
+    call = asyncio.ensure_future(run(lambda *tokens: arrived.put_nowait(tokens)))
     response: web.StreamResponse | None = None
 
-    async def begin() -> web.StreamResponse:
+    async def begin(prompt_tokens: int) -> web.StreamResponse:
         opened = web.StreamResponse(headers=SSE_HEADERS)
         await opened.prepare(request)
-        await opened.write(writer.start())
+        await opened.write(writer.start(prompt_tokens))
         return opened
 
     try:
@@ -65,11 +65,11 @@ async def stream_answer(
                 getter.cancel()
             if not getter.done() or getter.cancelled():
                 continue
-            token_ids, opened_thinking = getter.result()
+            token_ids, opened_thinking, prompt_tokens = getter.result()
             pieces = text.feed(token_ids, opened=opened_thinking)
             if pieces:
                 if response is None:
-                    response = await begin()
+                    response = await begin(prompt_tokens)
                 await response.write(b"".join(writer.delta(kind, piece) for kind, piece in pieces))
         try:
             answer = call.result()
@@ -82,7 +82,7 @@ async def stream_answer(
         if on_answer is not None:
             on_answer(answer)
         if response is None:
-            response = await begin()
+            response = await begin(answer.prompt_tokens)
         await response.write(writer.finish(answer, reasoning_sent=text.reasoning, content_sent=text.content))
         await response.write_eof()
         return response

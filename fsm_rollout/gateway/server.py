@@ -55,24 +55,24 @@ from fsm_rollout.gateway.answers import TokenText
 from fsm_rollout.gateway.chat_answers import ChatChunks, ChatEvents, chat_completion
 from fsm_rollout.gateway.hints import header_hints
 from fsm_rollout.gateway.live_stream import stream_answer
+from fsm_rollout.gateway.messages_stream import MessageEvents
 from fsm_rollout.gateway.messages_wire import (
     is_messages_path,
-    message_events,
     message_object,
     messages_error_body,
     new_message_id,
     parse_messages_request,
-    sse,
 )
 from fsm_rollout.gateway.openai_wire import (
     ChatCall,
     GatewayError,
+    TurnAnswer,
     error_body,
     parse_chat_request,
     public_error,
     render_message,
 )
-from fsm_rollout.gateway.responses_events import sse_bytes, stream_events
+from fsm_rollout.gateway.responses_stream import ResponseEvents
 from fsm_rollout.gateway.responses_wire import StoredResponses, parse_responses_request, response_object
 from fsm_rollout.gateway.session import GatewaySession, SessionEnvironment
 from fsm_rollout.gateway.stream_text import AnswerStream
@@ -391,17 +391,17 @@ class AgentGateway:
         if read.dropped_tools:  # Anthropic's typed tools the prompt leaves out, named where the trainer reads
             listed = session.metadata.setdefault("dropped_tools", [])
             listed.extend(name for name in read.dropped_tools if name not in listed)
-        answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
+        key = request.headers.get("Idempotency-Key")
         message_id, model = new_message_id(), self.runner.config.model
-        if not call.stream:
-            return _json(message_object(answer, message_id=message_id, model=model, stop_sequences=read.stop_sequences))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        await response.write(
-            sse(message_events(answer, message_id=message_id, model=model, stop_sequences=read.stop_sequences))
-        )
-        await response.write_eof()
-        return response
+        if call.stream:  # sent as the engine generates it (:mod:`fsm_rollout.gateway.live_stream`)
+            return await stream_answer(
+                request,
+                lambda listener: session.chat(call, idempotency_key=key, listener=listener),
+                self._answer_stream(call),
+                MessageEvents(message_id=message_id, model=model, stop_sequences=read.stop_sequences),
+            )
+        answer = await session.chat(call, idempotency_key=key)
+        return _json(message_object(answer, message_id=message_id, model=model, stop_sequences=read.stop_sequences))
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
         """``{"input_tokens"}``: the engine's render of the request as a session's first call (or a fork) sends it."""
@@ -505,15 +505,21 @@ class AgentGateway:
         if parsed.dropped_tools:  # listed in the session's metadata (the samples' "gateway_session")
             dropped = session.metadata.setdefault("dropped_tools", [])
             dropped.extend(tool for tool in parsed.dropped_tools if tool not in dropped)
-        answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
+        key = request.headers.get("Idempotency-Key")
         response_id = f"resp_{secrets.token_hex(16)}"
-        body = response_object(answer, parsed, response_id=response_id, model=self.runner.config.model)
-        if parsed.store:
-            stored.put(response_id, parsed.conversation(prior, answer))
-        if not parsed.stream:
-            return _json(body)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        await response.write(sse_bytes(stream_events(body)))
-        await response.write_eof()
-        return response
+
+        def store(answer: TurnAnswer) -> None:
+            if parsed.store:
+                stored.put(response_id, parsed.conversation(prior, answer))
+
+        if parsed.stream:  # sent as the engine generates it (:mod:`fsm_rollout.gateway.live_stream`)
+            return await stream_answer(
+                request,
+                lambda listener: session.chat(call, idempotency_key=key, listener=listener),
+                self._answer_stream(call),
+                ResponseEvents(parsed, response_id=response_id, model=self.runner.config.model),
+                on_answer=store,
+            )
+        answer = await session.chat(call, idempotency_key=key)
+        store(answer)
+        return _json(response_object(answer, parsed, response_id=response_id, model=self.runner.config.model))

@@ -18,8 +18,8 @@ from fsm_rollout.tokens.tool_calls import OPEN_TAG
 
 __all__ = ["AnswerStream", "Listener", "TokenFanout", "opens_thinking"]
 
-Listener = Callable[[list[int], bool], None]
-"""Gets a streaming turn's new token ids and whether its prompt opened a thinking block."""
+Listener = Callable[[list[int], bool, int], None]
+"""Gets a streaming turn's new token ids, whether its prompt opened a thinking block, and the prompt's length."""
 
 
 def opens_thinking(prompt_tail: str) -> bool:
@@ -103,10 +103,11 @@ class TokenFanout:
     """The tokens of the turn being generated for a lineage's call, handed to every HTTP call waiting for it (the
     call and a retry attached to it); a listener that comes late gets the tokens so far first."""
 
-    def __init__(self, prompt_tail: Callable[[], str]) -> None:
-        self._prompt_tail = prompt_tail
+    def __init__(self, prompt: Callable[[], tuple[str, int]]) -> None:
+        self._prompt = prompt
         self._token_ids: list[int] = []
         self._opened: bool | None = None
+        self._prompt_tokens = 0
         self._listeners: list[Listener] = []
 
     def reset(self) -> None:
@@ -117,15 +118,16 @@ class TokenFanout:
     def push(self, token_ids: list[int], logprobs: list[float]) -> None:
         """The engine's sink: the turn's next tokens."""
         if self._opened is None:
-            self._opened = opens_thinking(self._prompt_tail())
+            tail, self._prompt_tokens = self._prompt()
+            self._opened = opens_thinking(tail)
         self._token_ids.extend(token_ids)
         for listener in list(self._listeners):
-            listener(list(token_ids), self._opened)
+            listener(list(token_ids), self._opened, self._prompt_tokens)
 
     def subscribe(self, listener: Listener) -> Callable[[], None]:
         """Listen from now on (after the tokens so far); returns the way to stop listening."""
         if self._token_ids:
-            listener(list(self._token_ids), bool(self._opened))
+            listener(list(self._token_ids), bool(self._opened), self._prompt_tokens)
         self._listeners.append(listener)
 
         def stop() -> None:
