@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -146,17 +147,20 @@ class VLLMClient:
 
     @property
     def streams(self) -> bool:
-        """Whether generate requests can stream through this client's transport (its ``post_sse``)."""
-        return callable(getattr(self.transport, "post_sse", None))
+        """Whether generate requests can stream through this client's transport (one that says ``streams`` and has
+        ``post_sse``: the aiohttp transport, and a recording one over it); else answers come whole."""
+        transport = self.transport
+        return bool(getattr(transport, "streams", False)) and callable(getattr(transport, "post_sse", None))
 
     async def _streamed(self, body: Mapping[str, Any], headers: Mapping[str, str] | None, sink: TokenSink) -> Any:
         assembly = StreamAssembly(sink)
         payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
         stream = self.transport.post_sse(GENERATE_PATH, payload, headers=headers)  # type: ignore[attr-defined]
-        async for data in stream:
-            assembly.feed(data)
-            if assembly.done:
-                break
+        async with contextlib.aclosing(stream):  # closed at once, not when collected: its connection goes back
+            async for data in stream:
+                assembly.feed(data)
+                if assembly.done:
+                    break
         return assembly.answer()
 
     async def abort(self, request_ids: Sequence[str], *, headers: Mapping[str, str] | None = None) -> None:

@@ -78,6 +78,9 @@ class AiohttpTransport:
     def base_url(self) -> str:
         return self._base_url
 
+    streams = True
+    """Generate requests can stream through this transport (:meth:`post_sse`)."""
+
     def session(self) -> aiohttp.ClientSession:
         """The pooled session (created on first use, inside the running event loop)."""
         if self._session is None or self._session.closed:

@@ -430,9 +430,10 @@ class AgentGateway:
         self._authorize(request, self.agent_api_key)
         self._known_session(request)
         model = self.runner.config.model
-        return _json(
-            {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "fsm-rollout"}]}
-        )
+        # how a streamed answer goes out: as the engine generates it, or whole when an engine cannot stream
+        metadata = {"streaming": "tokens" if self.runner.streams_tokens else "whole_answer"}
+        card = {"id": model, "object": "model", "created": 0, "owned_by": "fsm-rollout", "metadata": metadata}
+        return _json({"object": "list", "data": [card]})
 
     async def _reward(self, request: web.Request) -> web.Response:
         self._authorize(request, self.api_key)

@@ -224,6 +224,12 @@ class RolloutRunner:
             return next(iter(self._clients))
         return self._ring.url_for(sample.session_id or "")
 
+    @property
+    def streams_tokens(self) -> bool:
+        """Whether generate requests can stream from every engine (:attr:`VLLMClient.streams`): a gateway's streamed
+        answers then go out as they are generated, else whole."""
+        return bool(self._clients) and all(client.streams for client in self._clients.values())
+
     def _client_for(self, sample: Sample) -> VLLMClient:
         return self._clients[self._url_for(sample)]
 

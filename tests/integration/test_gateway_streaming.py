@@ -241,3 +241,21 @@ async def test_a_streamed_responses_or_messages_answer_starts_before_generation_
     sample = samples[0]
     assert sample.tokens[len(sample.tokens) - sample.response_length :] == generated
     assert sample.loss_mask == [1] * len(generated)
+
+
+async def test_the_models_list_says_whether_answers_stream_as_generated(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    async with gateway_for(fake_vllm, tokenizer) as gateway:
+        session = await gateway.open_session()
+        async with aiohttp.ClientSession() as http, http.get(f"{session.base_url}/models") as response:
+            streaming = (await response.json())["data"][0]["metadata"]["streaming"]
+        assert streaming == "tokens"
+        client = gateway.runner._clients[fake_vllm.url]  # a transport that cannot stream: whole answers
+        original = client.transport
+        client.transport = type("Plain", (), {"post_json": original.post_json, "base_url": fake_vllm.url})()
+        try:
+            async with aiohttp.ClientSession() as http, http.get(f"{session.base_url}/models") as response:
+                assert (await response.json())["data"][0]["metadata"]["streaming"] == "whole_answer"
+        finally:
+            client.transport = original
