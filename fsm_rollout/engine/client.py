@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -21,6 +22,7 @@ from fsm_rollout.engine.schema import (
     parse_render_response,
 )
 from fsm_rollout.engine.schema import server_request_ids as server_request_ids  # re-exported: callers import it here
+from fsm_rollout.engine.token_stream import StreamAssembly, TokenSink
 from fsm_rollout.engine.transport import AiohttpTransport, Transport
 from fsm_rollout.errors import ConfigError, GenerationError, RenderError
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt
@@ -126,13 +128,40 @@ class VLLMClient:
         request_id: str,
         headers: Mapping[str, str] | None = None,
         top_logprobs: bool = False,
+        sink: TokenSink | None = None,
     ) -> GeneratedTurn:
         """Generate one turn from token ids (``POST /inference/v1/generate``) and parse it strictly; with
-        ``top_logprobs`` (the body asks for top candidates), each token's candidates too."""
+        ``top_logprobs`` (the body asks for top candidates), each token's candidates too.
+
+        With a ``sink``, and a transport that can stream (:attr:`streams`), the request is sent with ``"stream":
+        true`` and each chunk's new tokens go to ``sink`` as they arrive (:mod:`fsm_rollout.engine.token_stream`);
+        the turn returned is the one the whole answer would have been. Without, nothing changes."""
+        if sink is not None and self.streams:
+            return parse_generate_response(
+                await self._streamed(body, headers, sink), request_id, top_logprobs=top_logprobs
+            )
         answer = await self.transport.post_json(GENERATE_PATH, body, headers=headers)
         if isinstance(answer, str):
             raise GenerationError(f"vLLM generate answer is not JSON: {answer[:200]!r}")
         return parse_generate_response(answer, request_id, top_logprobs=top_logprobs)
+
+    @property
+    def streams(self) -> bool:
+        """Whether generate requests can stream through this client's transport (one that says ``streams`` and has
+        ``post_sse``: the aiohttp transport, and a recording one over it); else answers come whole."""
+        transport = self.transport
+        return bool(getattr(transport, "streams", False)) and callable(getattr(transport, "post_sse", None))
+
+    async def _streamed(self, body: Mapping[str, Any], headers: Mapping[str, str] | None, sink: TokenSink) -> Any:
+        assembly = StreamAssembly(sink)
+        payload = {**body, "stream": True, "stream_options": {"include_usage": True}}
+        stream = self.transport.post_sse(GENERATE_PATH, payload, headers=headers)  # type: ignore[attr-defined]
+        async with contextlib.aclosing(stream):  # closed at once, not when collected: its connection goes back
+            async for data in stream:
+                assembly.feed(data)
+                if assembly.done:
+                    break
+        return assembly.answer()
 
     async def abort(self, request_ids: Sequence[str], *, headers: Mapping[str, str] | None = None) -> None:
         """Ask the server to abort requests by id (``POST /inference/v1/abort_requests``).

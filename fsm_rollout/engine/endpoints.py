@@ -50,8 +50,9 @@ from fsm_rollout.engine.serving import (
     weight_info_answer,
     weight_version_of,
 )
+from fsm_rollout.engine.token_stream import stream_flags
 
-__all__ = ["ServingBackend", "error_response", "json_response", "serve_backend"]
+__all__ = ["ServingBackend", "error_response", "json_response", "open_event_stream", "send_event", "serve_backend"]
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -134,6 +135,7 @@ class _Frame:
             max_model_len=backend.max_model_len,
             vocab_size=backend.vocab_size,
         )
+        stream_flags(parsed.body)  # checked for every backend before it starts generating
         outcome = await backend.generate(parsed, request)
         if isinstance(outcome, web.StreamResponse):
             return outcome
@@ -260,3 +262,16 @@ def error_response(status: int, message: str, param: str | None = None) -> web.R
 def json_response(body: Any, *, status: int = 200) -> web.Response:
     """A JSON answer serialised with orjson."""
     return web.Response(status=status, body=orjson.dumps(body), content_type="application/json")
+
+
+async def open_event_stream(http: web.Request) -> web.StreamResponse:
+    """Start a Server-Sent Events answer (``text/event-stream``, as vLLM's ``StreamingResponse``)."""
+    response = web.StreamResponse(status=200, headers={"Content-Type": "text/event-stream; charset=utf-8"})
+    await response.prepare(http)
+    return response
+
+
+async def send_event(response: web.StreamResponse, data: Any) -> None:
+    """One ``data:`` event: ``data`` as JSON, or as it is when it is a string (``[DONE]``)."""
+    text = data.encode() if isinstance(data, str) else orjson.dumps(data)
+    await response.write(b"data: " + text + b"\n\n")

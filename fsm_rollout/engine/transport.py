@@ -10,7 +10,7 @@ JSON); errors are :class:`~fsm_rollout.errors.EngineError` subclasses.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import aiohttp
@@ -78,6 +78,9 @@ class AiohttpTransport:
     def base_url(self) -> str:
         return self._base_url
 
+    streams = True
+    """Generate requests can stream through this transport (:meth:`post_sse`)."""
+
     def session(self) -> aiohttp.ClientSession:
         """The pooled session (created on first use, inside the running event loop)."""
         if self._session is None or self._session.closed:
@@ -140,6 +143,41 @@ class AiohttpTransport:
                     )
             await asyncio.sleep(self.retry.delay(attempt))
             attempt += 1
+
+    async def post_sse(
+        self, path: str, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[Any]:
+        """POST ``payload`` and yield each Server-Sent Event's ``data`` as it arrives (decoded JSON, or the text when
+        it is not JSON, e.g. ``[DONE]``). Not retried: a stream may have delivered tokens already. Leaving the
+        iteration early closes the connection, which a vLLM server reads as the client going away."""
+        url = self._base_url + path
+        send_headers = {**self._headers, **headers} if headers else self._headers
+        try:
+            async with self.session().post(url, data=orjson.dumps(payload), headers=send_headers) as response:
+                if response.status >= 400:
+                    raw = await response.read()
+                    try:
+                        message = error_message(orjson.loads(raw))
+                    except orjson.JSONDecodeError:
+                        message = raw.decode("utf-8", errors="replace")[:500]
+                    raise EngineHTTPError(
+                        f"POST {url} answered HTTP {response.status}: {message}",
+                        status=response.status,
+                        url=url,
+                        body=raw.decode("utf-8", errors="replace"),
+                    )
+                async for line in response.content:
+                    if not line.startswith(b"data:"):
+                        continue  # blank separators, comments
+                    data = line[5:].strip()
+                    try:
+                        yield orjson.loads(data)
+                    except orjson.JSONDecodeError:
+                        yield data.decode("utf-8", errors="replace")
+        except TimeoutError as error:
+            raise EngineTimeoutError(f"POST {url} timed out: {error or 'no answer in time'}") from error
+        except aiohttp.ClientConnectionError as error:
+            raise EngineConnectionError(f"POST {url} failed: {type(error).__name__}: {error}") from error
 
 
 def _dumps(value: Any) -> str:

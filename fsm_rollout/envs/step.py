@@ -56,6 +56,9 @@ class NextCall:
 
     sampling: Mapping[str, Any] = field(default_factory=dict)
     rewrite: Rewrite | None = None
+    token_sink: Callable[[list[int], list[float]], None] | None = field(default=None, compare=False, repr=False)
+    """Called with the turn's tokens (and their logprobs) as the engine streams them; the turn itself is the same
+    with or without it. Never recorded: a replay sends the call without streaming."""
 
 
 @dataclass(frozen=True)

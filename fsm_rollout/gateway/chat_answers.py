@@ -9,9 +9,11 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from fsm_rollout.gateway.openai_wire import TurnAnswer
+import orjson
 
-__all__ = ["chat_completion", "stream_chunks"]
+from fsm_rollout.gateway.openai_wire import GatewayError, TurnAnswer
+
+__all__ = ["ChatChunks", "ChatEvents", "chat_completion", "stream_chunks"]
 
 
 def _wire_calls(calls: Sequence[Mapping[str, Any]], *, with_index: bool = False) -> list[dict[str, Any]]:
@@ -83,6 +85,106 @@ def chat_completion(
     }
 
 
+class ChatChunks:
+    """The ``chat.completion.chunk`` objects of one streamed answer, in order: :meth:`start` (the role),
+    :meth:`delta` for each piece of reasoning or content sent as it is generated, then :meth:`finish` (what was
+    held back, the tool calls, the finish reason and, with ``include_usage``, a last chunk with no choices and the
+    usage). The logprobs ride on the first chunk of :meth:`finish` that carries the answer: the rest of the content,
+    else the tool calls, else an empty content delta."""
+
+    def __init__(
+        self,
+        *,
+        completion_id: str,
+        model: str,
+        include_usage: bool,
+        want_logprobs: bool = False,
+        decode: Any = None,
+    ) -> None:
+        self.completion_id = completion_id
+        self.model = model
+        self.include_usage = include_usage
+        self.want_logprobs = want_logprobs and decode is not None
+        self.decode = decode
+        self.created = int(time.time())
+
+    def _chunk(self, delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
+        item: dict[str, Any] = {
+            "id": self.completion_id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.model,
+            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
+        }
+        if self.include_usage:
+            item["usage"] = None
+        return item
+
+    def start(self) -> list[dict[str, Any]]:
+        return [self._chunk({"role": "assistant", "content": ""})]
+
+    def delta(self, kind: str, text: str) -> list[dict[str, Any]]:
+        return [self._chunk({"reasoning_content" if kind == "reasoning" else "content": text})]
+
+    def finish(self, answer: TurnAnswer, *, reasoning_sent: str = "", content_sent: str = "") -> list[dict[str, Any]]:
+        chunks = []
+        reasoning = answer.reasoning or ""
+        if reasoning.startswith(reasoning_sent) and len(reasoning) > len(reasoning_sent):
+            chunks.append(self._chunk({"reasoning_content": reasoning[len(reasoning_sent) :]}))
+        logprobs = _logprobs(answer, self.decode) if self.want_logprobs else None
+        content = answer.content or ""
+        if content.startswith(content_sent) and len(content) > len(content_sent):
+            chunks.append(self._chunk({"content": content[len(content_sent) :]}, logprobs=logprobs))
+            logprobs = None
+        if answer.tool_calls:
+            chunks.append(
+                self._chunk({"tool_calls": _wire_calls(answer.tool_calls, with_index=True)}, logprobs=logprobs)
+            )
+            logprobs = None
+        if logprobs is not None and content_sent:  # the content went out as it came: the logprobs need a chunk
+            chunks.append(self._chunk({"content": ""}, logprobs=logprobs))
+        chunks.append(self._chunk({}, answer.finish_reason))
+        if self.include_usage:
+            chunks.append(
+                {
+                    "id": self.completion_id,
+                    "object": "chat.completion.chunk",
+                    "created": self.created,
+                    "model": self.model,
+                    "choices": [],
+                    "usage": _usage(answer),
+                }
+            )
+        return chunks
+
+
+def _sse(chunks: list[dict[str, Any]]) -> bytes:
+    return b"".join(b"data: " + orjson.dumps(chunk) + b"\n\n" for chunk in chunks)
+
+
+class ChatEvents:
+    """:class:`ChatChunks` as Server-Sent Events (an :class:`~fsm_rollout.gateway.live_stream.EventWriter`); the
+    stream ends with ``data: [DONE]``, after an error too (OpenAI's error body as an event)."""
+
+    def __init__(self, chunks: ChatChunks) -> None:
+        self.chunks = chunks
+
+    def start(self, prompt_tokens: int) -> bytes:
+        return _sse(self.chunks.start())
+
+    def delta(self, kind: str, text: str) -> bytes:
+        return _sse(self.chunks.delta(kind, text))
+
+    def finish(self, answer: TurnAnswer, *, reasoning_sent: str, content_sent: str) -> bytes:
+        return _sse(self.chunks.finish(answer, reasoning_sent=reasoning_sent, content_sent=content_sent)) + _DONE
+
+    def error(self, error: GatewayError) -> bytes:
+        return _sse([error.body()]) + _DONE
+
+
+_DONE = b"data: [DONE]\n\n"
+
+
 def stream_chunks(
     answer: TurnAnswer,
     *,
@@ -92,42 +194,13 @@ def stream_chunks(
     want_logprobs: bool = False,
     decode: Any = None,
 ) -> list[dict[str, Any]]:
-    """The ``chat.completion.chunk`` objects that stream an answer: the role, the content, the tool calls, the
-    finish reason and, with ``include_usage``, a last chunk with no choices and the usage."""
-    created = int(time.time())
-
-    def chunk(delta: dict[str, Any], finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-        item: dict[str, Any] = {
-            "id": completion_id,
-            "object": "chat.completion.chunk",
-            "created": created,
-            "model": model,
-            "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": logprobs}],
-        }
-        if include_usage:
-            item["usage"] = None
-        return item
-
-    chunks = [chunk({"role": "assistant", "content": ""})]
-    if answer.reasoning:
-        chunks.append(chunk({"reasoning_content": answer.reasoning}))
-    # the logprobs ride on the first chunk that carries the answer: the content, else the tool calls
-    logprobs = _logprobs(answer, decode) if want_logprobs and decode is not None else None
-    if answer.content:
-        chunks.append(chunk({"content": answer.content}, logprobs=logprobs))
-        logprobs = None
-    if answer.tool_calls:
-        chunks.append(chunk({"tool_calls": _wire_calls(answer.tool_calls, with_index=True)}, logprobs=logprobs))
-    chunks.append(chunk({}, answer.finish_reason))
-    if include_usage:
-        chunks.append(
-            {
-                "id": completion_id,
-                "object": "chat.completion.chunk",
-                "created": created,
-                "model": model,
-                "choices": [],
-                "usage": _usage(answer),
-            }
-        )
-    return chunks
+    """The ``chat.completion.chunk`` objects that stream a whole answer (:class:`ChatChunks` with nothing sent
+    before the answer was complete)."""
+    chunks = ChatChunks(
+        completion_id=completion_id,
+        model=model,
+        include_usage=include_usage,
+        want_logprobs=want_logprobs,
+        decode=decode,
+    )
+    return [*chunks.start(), *chunks.finish(answer)]

@@ -36,6 +36,7 @@ from fsm_rollout.gateway.answers import TokenText, read_answer
 from fsm_rollout.gateway.context_overflow import ended_over_context, overflow_error
 from fsm_rollout.gateway.conversation import Extension
 from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer, render_message, without_stop_string
+from fsm_rollout.gateway.stream_text import Listener, TokenFanout
 from fsm_rollout.sample import Sample
 
 if TYPE_CHECKING:
@@ -131,6 +132,8 @@ class Lineage:
         self._delivering: TurnAnswer | None = None
         self._close_reward: Any = None
         self._abort_reason = "cancelled"
+        self._streams = False  # the call being answered asked for a stream: its turn's tokens go out as they come
+        self.fanout = TokenFanout(self._prompt)
         tracer = runner.tracer
         self._machine = session_table.SessionMachine(
             {
@@ -216,8 +219,10 @@ class Lineage:
         idempotency_key: str | None = None,
         compacted: bool = False,
         summary_call: bool = False,
+        listener: Listener | None = None,
     ) -> TurnAnswer:
-        """Answer one call routed to this lineage; ``found`` is how it relates to the held conversation (None for
+        """Answer one call routed to this lineage (``listener``, when given, gets its turn's tokens as the engine
+        streams them); ``found`` is how it relates to the held conversation (None for
         the first call), ``compacted`` whether a rewrite is a compaction, ``summary_call`` whether the call asks for
         a compaction's summary (the harness says so). 409 when another call of the chain is in flight or the
         lineage's rollout has ended."""
@@ -228,7 +233,7 @@ class Lineage:
             if not self._machine.fire("call"):
                 raise GatewayError(409, "another call of this session is in flight", code="concurrent_call")
             self.calls += 1
-            return await self._wait_for_answer()
+            return await self._wait_for_answer(listener)
         self.calls += 1
         self._tool_choice = call.tool_choice
         if state != session_table.INITIAL:
@@ -248,7 +253,7 @@ class Lineage:
             return self._last_answer
         self._answering = self._identity
         self._summary_call = summary_call
-        return await self._wait_for_answer()
+        return await self._wait_for_answer(listener)
 
     def _act_answer_again(self) -> None:
         """A retry of the previous call: answered again (by :meth:`chat`), nothing generated."""
@@ -263,6 +268,7 @@ class Lineage:
         assert call is not None and found is not None and waiting is not None
         self.call_sampling = dict(call.sampling)
         self._answer = asyncio.get_running_loop().create_future()
+        self._begin_call(call)
         self._held.extend(found.new)
         waiting.set_result(("messages", [render_message(message) for message in found.new]))
 
@@ -277,10 +283,27 @@ class Lineage:
         self._answered = None
         self.call_sampling = dict(call.sampling)
         self._answer = asyncio.get_running_loop().create_future()
+        self._begin_call(call)
         messages = [render_message(message) for message in call.messages]
         tools = None if self._tools is None else tuple(self._tools)
         rewrite = Rewrite(tuple(messages), tools, found.detail or "", compacted=self._compacted)
         waiting.set_result(("rewritten", (messages, rewrite)))
+
+    def _begin_call(self, call: ChatCall) -> None:
+        """A call starts being answered: its turn's tokens stream to it when it asked for a stream."""
+        self._streams = call.stream
+        self.fanout.reset()
+
+    def next_call(self) -> NextCall:
+        """What the next generate request carries: the call's sampling, and the token sink of a streamed call."""
+        return NextCall(sampling=dict(self.call_sampling), token_sink=self.fanout.push if self._streams else None)
+
+    def _prompt(self) -> tuple[str, int]:
+        """The end of the prompt the turn continues (whether it opened a thinking block), and its length."""
+        sample = self._sample
+        if sample is None or not sample.tokens:
+            return "", 0
+        return self._text.decode(list(sample.tokens[-4:])), len(sample.tokens)
 
     def _act_start_sequence(self) -> None:
         call = self._call
@@ -308,6 +331,7 @@ class Lineage:
         self._answered = None
         self.call_sampling = dict(call.sampling)
         self._answer = asyncio.get_running_loop().create_future()
+        self._begin_call(call)
         self._agent = None
         self._handed = None
         self._sample = sample
@@ -325,10 +349,11 @@ class Lineage:
         self._ended += [*ended.branches, *([dataclasses.replace(ended, branches=[])] if ended.tokens else [])]
         self._act_start_sequence()
 
-    async def _wait_for_answer(self) -> TurnAnswer:
+    async def _wait_for_answer(self, listener: Listener | None = None) -> TurnAnswer:
         answer = self._answer
         assert answer is not None
         self._waiters += 1
+        stop_listening = self.fanout.subscribe(listener) if listener is not None else None
         try:
             return await asyncio.shield(answer)
         except asyncio.CancelledError:
@@ -340,6 +365,8 @@ class Lineage:
             raise
         finally:
             self._waiters -= 1
+            if stop_listening is not None:
+                stop_listening()
 
     def _agent_gone(self) -> None:
         self._grace = None
@@ -371,10 +398,10 @@ class Lineage:
             self._machine.fire("idle")
             return StepResult(None, done=True, end=EndReason.AGENT_TIMEOUT)
         if kind == "messages":
-            return StepResult(payload, next_call=NextCall(sampling=dict(self.call_sampling)))
+            return StepResult(payload, next_call=self.next_call())
         if kind == "rewritten":
             messages, rewrite = payload
-            return StepResult(messages, next_call=NextCall(sampling=dict(self.call_sampling), rewrite=rewrite))
+            return StepResult(messages, next_call=dataclasses.replace(self.next_call(), rewrite=rewrite))
         return StepResult(None, done=True, reward=payload, end=EndReason.SESSION_CLOSED)
 
     def _note_answered(self, turn: Turn, answer: TurnAnswer) -> None:

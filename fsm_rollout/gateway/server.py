@@ -52,27 +52,30 @@ from aiohttp import web
 from fsm_rollout.envs.protocol import EnvFactory
 from fsm_rollout.errors import ConfigError, EngineError, EngineHTTPError
 from fsm_rollout.gateway.answers import TokenText
-from fsm_rollout.gateway.chat_answers import chat_completion, stream_chunks
+from fsm_rollout.gateway.chat_answers import ChatChunks, ChatEvents, chat_completion
 from fsm_rollout.gateway.hints import header_hints
+from fsm_rollout.gateway.live_stream import stream_answer
+from fsm_rollout.gateway.messages_stream import MessageEvents
 from fsm_rollout.gateway.messages_wire import (
     is_messages_path,
-    message_events,
     message_object,
     messages_error_body,
     new_message_id,
     parse_messages_request,
-    sse,
 )
 from fsm_rollout.gateway.openai_wire import (
+    ChatCall,
     GatewayError,
+    TurnAnswer,
     error_body,
     parse_chat_request,
     public_error,
     render_message,
 )
-from fsm_rollout.gateway.responses_events import sse_bytes, stream_events
+from fsm_rollout.gateway.responses_stream import ResponseEvents
 from fsm_rollout.gateway.responses_wire import StoredResponses, parse_responses_request, response_object
 from fsm_rollout.gateway.session import GatewaySession, SessionEnvironment
+from fsm_rollout.gateway.stream_text import AnswerStream
 from fsm_rollout.runtime.pacing import LoopPacer, pacer_for
 from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.sample import Sample
@@ -239,6 +242,11 @@ class AgentGateway:
         self.runner.counters.session_opened()
         return session
 
+    def _answer_stream(self, call: ChatCall) -> AnswerStream:
+        stop = self.runner.sampling_params.get("stop") or ()
+        stops = [*(call.sampling.get("stop") or ()), *([stop] if isinstance(stop, str) else stop)]
+        return AnswerStream(self._token_text(), parse_calls=call.tool_choice != "none", stops=stops)
+
     def _token_text(self) -> TokenText:
         if self._text is None:
             self._text = TokenText(self.runner.tokenizer, self.runner.sampling_params)
@@ -356,30 +364,30 @@ class AgentGateway:
         call = parse_chat_request(await self._body(request, optional=False))
         call = dataclasses.replace(call, hints=header_hints(request.headers))
         session = await self._agent_session(request, call.hints)
-        answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
         model = self.runner.config.model
         completion_id = f"chatcmpl-{secrets.token_hex(12)}"
         decode = self.runner.tokenizer.decode
-        if not call.stream:
-            return _json(
-                chat_completion(
-                    answer, completion_id=completion_id, model=model, want_logprobs=call.logprobs, decode=decode
-                )
+        key = request.headers.get("Idempotency-Key")
+        if call.stream:  # sent as the engine generates it (:mod:`fsm_rollout.gateway.live_stream`)
+            chunks = ChatChunks(
+                completion_id=completion_id,
+                model=model,
+                include_usage=call.include_usage,
+                want_logprobs=call.logprobs,
+                decode=decode,
             )
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        for chunk in stream_chunks(
-            answer,
-            completion_id=completion_id,
-            model=model,
-            include_usage=call.include_usage,
-            want_logprobs=call.logprobs,
-            decode=decode,
-        ):
-            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
-        return response
+            return await stream_answer(
+                request,
+                lambda listener: session.chat(call, idempotency_key=key, listener=listener),
+                self._answer_stream(call),
+                ChatEvents(chunks),
+            )
+        answer = await session.chat(call, idempotency_key=key)
+        return _json(
+            chat_completion(
+                answer, completion_id=completion_id, model=model, want_logprobs=call.logprobs, decode=decode
+            )
+        )
 
     async def _messages(self, request: web.Request) -> web.StreamResponse:
         self._authorize(request, self.agent_api_key, x_api_key=True)
@@ -390,17 +398,17 @@ class AgentGateway:
         if read.dropped_tools:  # Anthropic's typed tools the prompt leaves out, named where the trainer reads
             listed = session.metadata.setdefault("dropped_tools", [])
             listed.extend(name for name in read.dropped_tools if name not in listed)
-        answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
+        key = request.headers.get("Idempotency-Key")
         message_id, model = new_message_id(), self.runner.config.model
-        if not call.stream:
-            return _json(message_object(answer, message_id=message_id, model=model, stop_sequences=read.stop_sequences))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        await response.write(
-            sse(message_events(answer, message_id=message_id, model=model, stop_sequences=read.stop_sequences))
-        )
-        await response.write_eof()
-        return response
+        if call.stream:  # sent as the engine generates it (:mod:`fsm_rollout.gateway.live_stream`)
+            return await stream_answer(
+                request,
+                lambda listener: session.chat(call, idempotency_key=key, listener=listener),
+                self._answer_stream(call),
+                MessageEvents(message_id=message_id, model=model, stop_sequences=read.stop_sequences),
+            )
+        answer = await session.chat(call, idempotency_key=key)
+        return _json(message_object(answer, message_id=message_id, model=model, stop_sequences=read.stop_sequences))
 
     async def _count_tokens(self, request: web.Request) -> web.Response:
         """``{"input_tokens"}``: the engine's render of the request as a session's first call (or a fork) sends it."""
@@ -429,9 +437,10 @@ class AgentGateway:
         self._authorize(request, self.agent_api_key)
         self._known_session(request)
         model = self.runner.config.model
-        return _json(
-            {"object": "list", "data": [{"id": model, "object": "model", "created": 0, "owned_by": "fsm-rollout"}]}
-        )
+        # how a streamed answer goes out: as the engine generates it, or whole when an engine cannot stream
+        metadata = {"streaming": "tokens" if self.runner.streams_tokens else "whole_answer"}
+        card = {"id": model, "object": "model", "created": 0, "owned_by": "fsm-rollout", "metadata": metadata}
+        return _json({"object": "list", "data": [card]})
 
     async def _reward(self, request: web.Request) -> web.Response:
         self._authorize(request, self.api_key)
@@ -504,15 +513,21 @@ class AgentGateway:
         if parsed.dropped_tools:  # listed in the session's metadata (the samples' "gateway_session")
             dropped = session.metadata.setdefault("dropped_tools", [])
             dropped.extend(tool for tool in parsed.dropped_tools if tool not in dropped)
-        answer = await session.chat(call, idempotency_key=request.headers.get("Idempotency-Key"))
+        key = request.headers.get("Idempotency-Key")
         response_id = f"resp_{secrets.token_hex(16)}"
-        body = response_object(answer, parsed, response_id=response_id, model=self.runner.config.model)
-        if parsed.store:
-            stored.put(response_id, parsed.conversation(prior, answer))
-        if not parsed.stream:
-            return _json(body)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await response.prepare(request)
-        await response.write(sse_bytes(stream_events(body)))
-        await response.write_eof()
-        return response
+
+        def store(answer: TurnAnswer) -> None:
+            if parsed.store:
+                stored.put(response_id, parsed.conversation(prior, answer))
+
+        if parsed.stream:  # sent as the engine generates it (:mod:`fsm_rollout.gateway.live_stream`)
+            return await stream_answer(
+                request,
+                lambda listener: session.chat(call, idempotency_key=key, listener=listener),
+                self._answer_stream(call),
+                ResponseEvents(parsed, response_id=response_id, model=self.runner.config.model),
+                on_answer=store,
+            )
+        answer = await session.chat(call, idempotency_key=key)
+        store(answer)
+        return _json(response_object(answer, parsed, response_id=response_id, model=self.runner.config.model))

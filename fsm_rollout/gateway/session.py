@@ -41,13 +41,14 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from fsm_rollout.envs.step import EndReason, NextCall, StepResult, Turn
+from fsm_rollout.envs.step import EndReason, StepResult, Turn
 from fsm_rollout.gateway import session_table
 from fsm_rollout.gateway.answers import TokenText
 from fsm_rollout.gateway.lineage import DISCONNECTED, Lineage, LineageSettings
 from fsm_rollout.gateway.lineages import hint, is_compaction, is_summary_request, route
 from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer
 from fsm_rollout.gateway.request_fields import capped_sampling
+from fsm_rollout.gateway.stream_text import Listener
 from fsm_rollout.sample import Sample
 from fsm_rollout.sample.branches import training_sequences
 
@@ -68,7 +69,7 @@ class SessionEnvironment:
 
     def reset(self) -> StepResult:
         """The first call's sampling settings, for the first generate request (no call has come since)."""
-        return StepResult(None, next_call=NextCall(sampling=dict(self._lineage.call_sampling)))
+        return StepResult(None, next_call=self._lineage.next_call())
 
     async def step(self, turn: Turn) -> StepResult:
         return await self._lineage.hand_over(turn)
@@ -168,7 +169,9 @@ class GatewaySession:
 
     # ------------------------------------------------------------------ what the agent's calls do
 
-    async def chat(self, call: ChatCall, *, idempotency_key: str | None = None) -> TurnAnswer:
+    async def chat(
+        self, call: ChatCall, *, idempotency_key: str | None = None, listener: Listener | None = None
+    ) -> TurnAnswer:
         """Answer one chat call on the lineage it belongs to (:mod:`fsm_rollout.gateway.lineages`). A retry of the
         call in flight (or of the last one answered) is that call: it gets the same answer, nothing is generated
         twice. 409 when another call of the same lineage is in flight or the session has ended."""
@@ -204,6 +207,7 @@ class GatewaySession:
             idempotency_key=idempotency_key,
             compacted=compacted,
             summary_call=is_summary_request(call),
+            listener=listener,
         )
 
     # ------------------------------------------------------------------ reward, expiry, close, abort, status

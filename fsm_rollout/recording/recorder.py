@@ -8,13 +8,15 @@ rollout's hooks. :func:`recorded_rollout` builds a rollout wired that way.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
+from fsm_rollout.engine.token_stream import StreamAssembly
 from fsm_rollout.engine.transport import Transport
 from fsm_rollout.envs.protocol import EnvFactory, load_env_factory
 from fsm_rollout.envs.step import StepResult, Turn, as_step_result
@@ -267,6 +269,40 @@ class RecordingTransport:
         finally:
             self._recorder.end_engine(entry)
         return answer
+
+    @property
+    def streams(self) -> bool:
+        """Whether the inner transport can stream a generate request."""
+        return bool(getattr(self._inner, "streams", False))
+
+    async def post_sse(
+        self, path: str, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
+    ) -> AsyncIterator[Any]:
+        """A streamed exchange, recorded as the whole exchange it amounts to (the request without its stream
+        fields, the answer its chunks add up to), so a replay, which never streams, sends and reads the same."""
+        recorded = {key: value for key, value in payload.items() if key not in ("stream", "stream_options")}
+        entry = self._recorder.begin_engine(path, recorded, headers)
+        assembly = StreamAssembly(None)
+        try:
+            inner = self._inner.post_sse(path, payload, headers=headers)  # type: ignore[attr-defined]
+            async with contextlib.aclosing(inner):
+                async for data in inner:
+                    assembly.feed(data)
+                    yield data
+                    if assembly.done:
+                        break
+        except (asyncio.CancelledError, GeneratorExit):  # the reader stopped: after [DONE], the exchange is whole
+            if not assembly.done:
+                entry["cancelled"] = True
+            raise
+        except Exception as error:
+            entry["error"] = describe_error(error)
+            raise
+        finally:
+            if assembly.done and "error" not in entry:
+                answer = assembly.answer()
+                entry["answer"] = compact_json(answer) if entry["op"] == "generate" else answer
+            self._recorder.end_engine(entry)
 
 
 class RecordingEnv:

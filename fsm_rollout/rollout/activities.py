@@ -251,10 +251,14 @@ class Activities:
             "request_id": request_id,
         }
 
+        # an agent's call that streams its answer: the engine's tokens go to it as they come (the turn is the same)
+        sink = next_call.token_sink if next_call is not None and not deps_replays_routes(ctx) else None
+
         def send(request_id: str) -> Any:
-            if top:
-                return self.client.generate(body, request_id=request_id, headers=self.headers, top_logprobs=True)
-            return self.client.generate(body, request_id=request_id, headers=self.headers)
+            options: dict[str, Any] = {"top_logprobs": True} if top else {}
+            if sink is not None:
+                options["sink"] = sink
+            return self.client.generate(body, request_id=request_id, headers=self.headers, **options)
 
         answer = await point.generate(self.scope, send, request_id, self.client)
         spans = answer.meta.weight_version_spans
@@ -393,6 +397,11 @@ def _call_params(asked: dict[str, Any]) -> dict[str, Any]:
     if unknown:
         raise ValueError(f"an agent call asks for sampling parameters {unknown}; allowed: {sorted(_CALL_PARAMS)}")
     return {key: value for key, value in asked.items() if value is not None}
+
+
+def deps_replays_routes(ctx: RolloutContext) -> bool:
+    """Routing replay needs each answer's routed experts whole: such a rollout's requests are never streamed."""
+    return bool(ctx.deps.config.use_rollout_routing_replay)
 
 
 def _length_finished(part: GeneratedTurn) -> GeneratedTurn:

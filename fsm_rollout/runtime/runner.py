@@ -224,6 +224,12 @@ class RolloutRunner:
             config = self._configs[policy] = replace(self.config, history_policy=policy)
         return config
 
+    @property
+    def streams_tokens(self) -> bool:
+        """Whether generate requests can stream from every engine (:attr:`VLLMClient.streams`): a gateway's streamed
+        answers then go out as they are generated, else whole."""
+        return bool(self._clients) and all(client.streams for client in self._clients.values())
+
     async def render(self, payload: Mapping[str, Any], *, session_id: str | None = None) -> RenderedPrompt:
         """The engine's render of a chat request outside any rollout (not on the tape), on the engine a sample of
         ``session_id`` is pinned to: what a rollout's first render of the same payload answers."""

@@ -529,7 +529,8 @@ async def test_concurrent_requests_all_get_their_own_answers(
         ({"token_ids": [1], "sampling_params": {"structured_outputs": {"json": "{", "regex": "a"}}}, "only one kind"),
         ({"token_ids": [1], "sampling_params": {"structured_outputs": {"json": "{"}}}, "not valid JSON"),
         ({"token_ids": [1], "sampling_params": {"structured_outputs": {"choice": "a"}}}, "list of strings"),
-        ({"token_ids": [1], "sampling_params": {}, "stream": True}, "stream"),
+        ({"token_ids": [1], "sampling_params": {}, "stream": "yes"}, "stream"),
+        ({"token_ids": [1], "sampling_params": {}, "stream": True, "stream_options": {"x": 1}}, "stream_options"),
     ],
 )
 async def test_bad_generate_requests_get_400_with_a_message(

@@ -151,6 +151,7 @@ def main(args: argparse.Namespace) -> int:
         run_oversample,
         run_scale_out,
         run_slow_env,
+        run_streaming,
         run_tree,
         run_weight_update,
     )
@@ -173,6 +174,8 @@ def main(args: argparse.Namespace) -> int:
         results = run_oversample(bool(args.quick), settings(args))
     elif args.only == "mismatch":
         results = run_mismatch(bool(args.quick))
+    elif args.only == "streaming":
+        results = run_streaming(bool(args.quick))
     else:
         results = run_all(bool(args.quick), settings(args), weight_update_samples=args.weight_update_samples)
     print_table(results, quick=bool(args.quick))

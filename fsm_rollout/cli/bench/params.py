@@ -14,6 +14,7 @@ ANSWER = "Let me compute the angle: x = 180 - 50 - 60 = 70."
 SAMPLING: dict[str, Any] = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}
 WORKLOADS = (
     *("weight-update", "slow-env", "scale-out", "images", "engine", "tree", "admission", "oversample", "mismatch"),
+    "streaming",
 )
 """The workloads ``--only`` can run alone; the others share interleaved runs and always run together."""
 

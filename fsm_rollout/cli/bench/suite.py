@@ -165,6 +165,16 @@ def run_tree(quick: bool) -> dict[str, dict[str, Any]]:
     }
 
 
+def run_streaming(quick: bool) -> dict[str, dict[str, Any]]:
+    """The gateway's streaming workload alone (``--only streaming``): the engine's first token to the agent's first
+    SSE event."""
+    from fsm_rollout.cli.bench.streaming import bench_streaming
+
+    figures = bench_streaming(quick)
+    first = _goal(figures["first_event_after_first_token_ms_median"], 20, at_most=True, unit="ms")
+    return {"streaming": figures, "goals": {"streaming_first_event_after_first_token_ms": first}}
+
+
 def run_mismatch(quick: bool) -> dict[str, dict[str, Any]]:
     """The mismatch workload alone (``--only mismatch``): the certification run and mismatch()'s speed."""
     from fsm_rollout.cli.bench.mismatch import bench_mismatch

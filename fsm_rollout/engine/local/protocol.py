@@ -136,7 +136,7 @@ def parse_update_weights(info: Any) -> UpdateWeightsInput:
 
 def check_generate(request: GenerateRequest) -> ImageFeatures | None:
     """Refuse what the embedded engine does not implement in a generate request the frame accepted (raw media,
-    streaming, text output, ``n > 1`` and the sampling features in ``_UNSUPPORTED_SAMPLING``); its image
+    text output, ``n > 1`` and the sampling features in ``_UNSUPPORTED_SAMPLING``); its image
     ``features`` placed inside the prompt (None for a text-only prompt)."""
     body = request.body
     if body.get("content_parts") is not None:
@@ -147,8 +147,6 @@ def check_generate(request: GenerateRequest) -> ImageFeatures | None:
             "content_parts",
         )
     features = parse_features(body.get("features"), prompt_len=request.prompt_len)
-    if body.get("stream"):
-        raise RequestError(400, "stream=true is not supported by the embedded engine; send stream=false", "stream")
     output_mode = body.get("output_mode", "tokens")
     if output_mode not in (None, "tokens"):
         raise RequestError(

@@ -76,8 +76,12 @@ class GenerateJob:
         prompt: list[int],
         settings: SamplingSettings,
         loop: asyncio.AbstractEventLoop,
+        on_token: Callable[[int, TokenLogprob], None] | None = None,
     ) -> None:
         self.request_id = request_id
+        self.on_token = on_token
+        """Called on the job's event loop with each sampled token and its logprob, in order, before the outcome
+        (a streamed request's chunks)."""
         self.prompt = prompt
         self.settings = settings
         self.future: asyncio.Future[GenerationOutcome] = loop.create_future()
@@ -118,6 +122,10 @@ class GenerateJob:
         else:
             spans.append({"version": version, "start": self._token_count, "end": self._token_count + 1})
         self._token_count += 1
+        generation = self.generation
+        if self.on_token is not None and generation is not None and generation.token_ids:
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening any more
+                self._loop.call_soon_threadsafe(self.on_token, generation.token_ids[-1], generation.logprobs[-1])
 
     def resolve(self, outcome: GenerationOutcome | BaseException) -> None:
         """Hand the result to the job's event loop (called from the worker thread)."""

@@ -6,7 +6,7 @@ Endpoints, with vLLM's request and response shapes (``vllm serve --enable-scale-
   URLs) are expanded into ``<|image_pad|>`` runs with Qwen2-VL ``features``, see
   :mod:`fsm_rollout.engine.local.images`;
 * ``POST /inference/v1/generate``: prompt token ids (and the ``features`` render returned, checked against them)
-  → generated token ids with processed logprobs (non-streaming);
+  → generated token ids with processed logprobs (with ``"stream": true``, vLLM's SSE chunks as tokens are sampled);
 * ``POST /inference/v1/abort_requests``: ``{"request_ids": [...]}`` ends those generations with
   ``finish_reason="abort"``;
 * ``GET /health`` and ``GET /v1/models`` (whose model card also names the tokenizer directory and the image
@@ -51,6 +51,7 @@ from fsm_rollout.engine.local.frontend import Frontend
 from fsm_rollout.engine.local.images import IMAGE_MERGE_SIZE, IMAGE_PAD_TOKEN
 from fsm_rollout.engine.local.protocol import RenderInput, check_generate, parse_update_weights, render_input
 from fsm_rollout.engine.local.scheduler import GenerateJob, GenerationOutcome, Scheduler
+from fsm_rollout.engine.local.streaming import TokenFeed, serve_stream
 from fsm_rollout.engine.schema import (
     HEALTH_PATH,
     PAUSE_MODES,
@@ -62,6 +63,7 @@ from fsm_rollout.engine.schema import (
     sent_request_id,
 )
 from fsm_rollout.engine.serving import GenerateOutcome, GenerateRequest, RenderRequest, models_answer
+from fsm_rollout.engine.token_stream import stream_flags
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -433,18 +435,36 @@ class _EngineBackend:
         images = engine._require_images()
         return await engine._require_frontend().run(lambda: _render_prompt(loaded.tokenizer, images, render))
 
-    async def generate(self, request: GenerateRequest, http: web.Request) -> GenerateOutcome:
+    async def generate(self, request: GenerateRequest, http: web.Request) -> GenerateOutcome | web.StreamResponse:
         engine = self._engine
         features = check_generate(request)
         scheduler = engine._require_scheduler()
         if features is not None:  # off the event loop: kwargs items can be megabytes of base64
             images = engine._require_images()
             await engine._require_frontend().run(lambda: images.check_features(features, request.token_ids))
-        job = GenerateJob(request.request_id, request.token_ids, request.settings, asyncio.get_running_loop())
+        stream, include_usage = stream_flags(request.body)
+        feed = TokenFeed() if stream else None
+        job = GenerateJob(
+            request.request_id,
+            request.token_ids,
+            request.settings,
+            asyncio.get_running_loop(),
+            on_token=None if feed is None else feed.push,
+        )
         jobs = engine._jobs
         jobs.setdefault(job.request_id, set()).add(job)
         try:
             scheduler.submit(job)
+            if feed is not None:
+                count = request.settings.logprobs
+                return await serve_stream(
+                    http,
+                    job,
+                    feed,
+                    prompt_len=request.prompt_len,
+                    include_usage=include_usage,
+                    entry=None if count is None else (lambda logprob: _logprob_entry(logprob, count)),
+                )
             outcome = await job.future
         except asyncio.CancelledError:
             job.cancel()  # the client went away: stop generating for nobody

@@ -34,6 +34,7 @@ from fsm_rollout.engine.schema import (
 )
 from fsm_rollout.engine.serving import GenerateRequest, RenderRequest, models_answer
 from fsm_rollout.engine.stop_strings import StopCut
+from fsm_rollout.engine.token_stream import stream_flags
 from fsm_rollout.testing.fake_vllm.faults import Fault, answer_fault, make_fault
 from fsm_rollout.testing.fake_vllm.generation import (
     LogprobEntryStyle,
@@ -44,6 +45,7 @@ from fsm_rollout.testing.fake_vllm.generation import (
 )
 from fsm_rollout.testing.fake_vllm.routes import ExpertDims, answer_routes, check_expert_dims
 from fsm_rollout.testing.fake_vllm.scripting import SESSION_HEADER, RecordedRequest, ScriptedTurn, recorded_body
+from fsm_rollout.testing.fake_vllm.streaming import send_tokens, stream_rest
 from fsm_rollout.testing.fake_vllm.turns import Job, TurnQueues
 from fsm_rollout.testing.fake_vllm.waiting import Waiter, WaitingRoom
 
@@ -368,11 +370,14 @@ class FakeVLLMServer:
             await self._room.wait_for_resume(params.request_id)
             if self._room.stopping:
                 self.interrupted_request_ids.append(params.request_id)
-                return json_response(self._generate_answer(params, job, [], "abort", []))
+                aborted = self._generate_answer(params, job, [], "abort", [])
+                if stream_flags(params.body)[0]:
+                    return await stream_rest(http, None, params.request_id, aborted)
+                return json_response(aborted)
         self._in_flight += 1
         self._in_flight_tokens += params.prompt_len
         try:
-            return await self._answer(session, params, job)
+            return await self._answer(session, params, job, http)
         finally:
             self._in_flight -= 1
             self._in_flight_tokens -= params.prompt_len
@@ -380,15 +385,30 @@ class FakeVLLMServer:
 
     # ---------------------------------------------------------------- generate helpers
 
-    async def _answer(self, session: str | None, params: GenerateRequest, job: Job) -> web.StreamResponse:
+    async def _answer(
+        self, session: str | None, params: GenerateRequest, job: Job, http: web.Request
+    ) -> web.StreamResponse:
         turn = job.turn
         version = self._weight_version
+        stream, include_usage = stream_flags(params.body)
         waiter: Waiter | None = None
+        opened: web.StreamResponse | None = None  # a streamed held turn's first tokens went out before its hold
+        sent = 0
         if job.waits:
             waiter = Waiter(params.request_id, held=True)
+            if stream and job.held_after and turn.raw is None and turn.status == 200:
+                cut = await self._output(job, params)
+                sent = min(job.held_after, len(cut.token_ids))
+                early = self._generate_answer(params, job, cut.token_ids, "stop", [])
+                opened = await send_tokens(http, None, params.request_id, early, sent)
             # A keep pause stops the delay's clock; a client gone meanwhile is recorded in disconnected_request_ids.
             if await self._room.hold(waiter, None if turn.hang else turn.delay):
-                return json_response(await self._aborted_answer(session, params, job, version))
+                aborted = await self._aborted_answer(session, params, job, version)
+                if stream:
+                    return await stream_rest(
+                        http, opened, params.request_id, aborted, start=sent, include_usage=include_usage
+                    )
+                return json_response(aborted)
         if turn.raw is not None:
             return json_response(turn.raw, status=turn.status)
         if turn.status != 200:
@@ -405,6 +425,8 @@ class FakeVLLMServer:
         answer = self._generate_answer(
             params, job, token_ids, finish, version_spans(runs), stop_reason=reason, routes=(version, runs)
         )
+        if stream:
+            return await stream_rest(http, opened, params.request_id, answer, start=sent, include_usage=include_usage)
         return json_response(answer)
 
     async def _aborted_answer(
