@@ -11,7 +11,9 @@ LoopTicker`), and the lag (each gap beyond 5 ms) is printed as p50/p99/max, for 
   imports, which run without ``.pyc`` files under ``PYTHONDONTWRITEBYTECODE``);
 * ``warm``: the same with transformers and torch imported before the loop started, as in a trainer's process;
 * ``prepared``: ``runner.prepare()`` ran before the loop started, so entering only checks the engine (its own
-  blocking time is printed beside).
+  blocking time is printed beside);
+* ``shared``: another runner on the same files was prepared before the loop; this one enters unprepared and gets
+  the tokenizer already loaded (the encoder and the template probe still run, in a thread).
 
 Every measurement is a fresh interpreter (nothing imported or loaded before, as in a trainer's first runner),
 against a small model-list server in another child process, so that only the runner's start is on the loop.
@@ -34,7 +36,7 @@ from typing import Any
 SAMPLING = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0}
 MODEL = "served-model"
 PROFILE_BOUND_MS = 20.0
-MODES = ("cold", "warm", "prepared")
+MODES = ("cold", "warm", "prepared", "shared")
 
 
 def _serve(tokenizer_dir: str) -> None:
@@ -77,9 +79,10 @@ def _measure(url: str, mode: str, profile: bool) -> None:
         import transformers
 
         assert transformers.PreTrainedTokenizerFast is not None  # the lazy module's import, done
-    if mode == "prepared":
+    if mode in ("prepared", "shared"):
         started = time.perf_counter()
-        runner.prepare()
+        first = RolloutRunner(config, sampling_params=SAMPLING, env_factory=ScriptedEnvFactory())
+        (runner if mode == "prepared" else first).prepare()
         prepare_ms = (time.perf_counter() - started) * 1000
     watch = NativeCallWatch(bound_ms=PROFILE_BOUND_MS)
 
