@@ -37,6 +37,7 @@ SAMPLING = {"max_new_tokens": 8, "temperature": 1.0, "top_p": 1.0}
 MODEL = "served-model"
 PROFILE_BOUND_MS = 20.0
 MODES = ("cold", "warm", "prepared", "shared")
+TOKENIZERS = ("qwen2", "engine")
 
 
 def _serve(tokenizer_dir: str) -> None:
@@ -115,16 +116,18 @@ def _run_case(url: str, mode: str, profile: bool) -> dict[str, Any]:
 
 
 def _tokenizer_dirs() -> dict[str, str]:
-    from fsm_rollout.engine.local.default_model import default_model_dir
+    from fsm_rollout.engine.local.default_model import default_model_dir  # the engine's: its model directory
     from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
 
-    return {"qwen2": str(qwen_tokenizer_dir()), "engine default model": str(default_model_dir())}
+    return {"qwen2": str(qwen_tokenizer_dir()), "engine": str(default_model_dir())}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.loop_lag", description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=1, help="runs of each case (the median p99's run is shown)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the cases to run")
+    parser.add_argument("--tokenizers", nargs="+", choices=TOKENIZERS, default=list(TOKENIZERS),
+                        help="the real Qwen2 one, the default engine's, or both")  # fmt: skip
     parser.add_argument("--profile", action="store_true", help="name the native calls that held the GIL")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--measure", nargs=2, help=argparse.SUPPRESS)
@@ -138,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"load average at the start: {os.getloadavg()[0]:.1f}")
     for name, directory in _tokenizer_dirs().items():
+        if name not in args.tokenizers:
+            continue
         server = subprocess.Popen(_child("--serve", directory), stdout=subprocess.PIPE, text=True)
         try:
             assert server.stdout is not None
@@ -151,12 +156,12 @@ def main(argv: list[str] | None = None) -> int:
                 prepared = (
                     "" if run["prepare_ms"] is None else f"; prepare() before the loop {run['prepare_ms']:.0f} ms"
                 )
-                print(f"{name:22s} {mode:9s} lag p50 {lag['p50']:6.1f}  p99 {lag['p99']:7.1f}  max {lag['max']:7.1f} ms"
+                print(f"{name:7s} {mode:9s} lag p50 {lag['p50']:6.1f}  p99 {lag['p99']:7.1f}  max {lag['max']:7.1f} ms"
                       f"  ({lag['ticks']} ticks in {lag['window_ms']:.0f} ms; enter {run['enter_ms']:.0f} ms"
                       f"{prepared}; p99 of the {len(runs)} runs: {p99s} ms)")  # fmt: skip
                 if args.profile:
                     calls = _run_case(url, mode, True)["long_calls"]
-                    print(f"{'':32s} native calls >= {PROFILE_BOUND_MS:.0f} ms CPU while entering "
+                    print(f"{'':17s} native calls >= {PROFILE_BOUND_MS:.0f} ms CPU while entering "
                           f"({len(calls)}, the longest): {'; '.join(calls[:6]) or 'none'}")  # fmt: skip
         finally:
             server.terminate()
