@@ -20,12 +20,11 @@ batch (:mod:`~fsm_rollout.runtime.scheduling`, :mod:`~fsm_rollout.runtime.sampli
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
 from contextlib import AbstractAsyncContextManager, AbstractContextManager, nullcontext
 from dataclasses import replace
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig, build_inference_sampling_params
 from fsm_rollout.envs.protocol import EnvFactory, load_env_factory
@@ -36,7 +35,7 @@ from fsm_rollout.recording import SampleRecorder, TapeWriter, recorded_rollout, 
 from fsm_rollout.rollout import Rollout
 from fsm_rollout.rollout.handle import RolloutHandle
 from fsm_rollout.rollout.unbuilt import UnbuiltRollout
-from fsm_rollout.runtime import gc_policy
+from fsm_rollout.runtime import gc_policy, start_up
 from fsm_rollout.runtime.admission import Admission, start_admission
 from fsm_rollout.runtime.clients import EngineClients
 from fsm_rollout.runtime.engine_check import check_engines
@@ -56,8 +55,6 @@ from fsm_rollout.trace import NULL_TRACER, Tracer, hold_tracer, release_tracer
 from fsm_rollout.types import RenderedPrompt
 from fsm_rollout.weights.suspension import Suspender, SuspendStats
 
-_T = TypeVar("_T")
-
 
 class RolloutRunner:
     """Runs samples through the lifecycle with shared resources (see the module docstring).
@@ -72,7 +69,11 @@ class RolloutRunner:
     Entering it loads the tokenizer unless ``tokenizer`` is given: from ``config.tokenizer_path``, else from what
     the first engine names in ``GET /v1/models``, from local files only (:mod:`fsm_rollout.tokens.tokenizers`; a
     :class:`~fsm_rollout.errors.TokenizerNotFoundError` naming ``tokenizer_path`` otherwise). That load and the
-    chat template's probe run in a thread of their own, so the event loop's other tasks keep running.
+    chat template's probe run in a thread of their own, but building a fast tokenizer holds the GIL for its whole
+    load, so the loop's other tasks wait for it. Call :meth:`prepare` before the loop starts to do that work
+    there: entering a prepared runner then only checks the engines. A
+    tokenizer loaded from a local directory is shared by the process's runners on the same unchanged files
+    (:func:`~fsm_rollout.tokens.tokenizers.shared_tokenizer`), so only the first load costs.
 
     A batch, group or stream queues its samples and makes each one's rollout when it gets a concurrency slot: the
     wait is ``queued_ms`` on its first transition and in :meth:`metrics`, apart from the ``pending`` dwell. An
@@ -125,6 +126,7 @@ class RolloutRunner:
         """The history policy of samples without tools, resolved from the template probe on entering."""
         self._hooks = combine_hooks(self._metrics, hooks)
         self._entered = False
+        self._prepared = False
         self._admission: Admission | None = None
         """Adaptive admission, once entered with ``config.admission="adaptive"`` and every server's load read."""
         self.suspender = Suspender(
@@ -166,6 +168,19 @@ class RolloutRunner:
             if self.tape is not None:
                 await asyncio.to_thread(release_tape_writer if owns_tape else TapeWriter.flush, self.tape)
 
+    def prepare(self) -> RolloutRunner:
+        """Do entering's blocking work now, before the event loop runs: load the environment module, the tokenizer
+        (asking the first engine which, without ``config.tokenizer_path``) and probe the chat template. Entering
+        the runner afterwards only checks the engines, so it keeps the loop's other tasks running. Blocking: it
+        refuses to run on a thread whose event loop is running; returns the runner."""
+        start_up.refuse_on_running_loop("RolloutRunner.prepare()")
+        if self.env_factory is None:
+            self.env_factory = load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
+        source = None if self.tokenizer is not None else start_up.tokenizer_source_now(self.config, self.engine_urls)
+        self.tokenizer, self._encoder = self._tokenizer_and_encoder(source)
+        self._prepared = True
+        return self
+
     async def __aenter__(self) -> RolloutRunner:
         self._hold_sinks()  # again, when entered after an exit
         self._engines.open()
@@ -174,11 +189,14 @@ class RolloutRunner:
                 self.env_factory = load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
             # an engine that does not answer fails the start, as the CLI's does, not every sample afterwards
             served = await check_engines(self.engine_urls, self.config)
-            source = None if self.tokenizer is not None else listed_tokenizer_source(self.config, self.engine_urls[0],
-                                                                                     served)  # fmt: skip
-            # loading a tokenizer and rendering the probe's conversations take long enough to stall every other
-            # task of the loop (a trainer's heartbeat): they run in a thread of their own
-            self.tokenizer, self._encoder = await _in_own_thread(lambda: self._tokenizer_and_encoder(source))
+            if not self._prepared:
+                source = None if self.tokenizer is not None else listed_tokenizer_source(
+                    self.config, self.engine_urls[0], served)  # fmt: skip
+                # a thread of its own lets the loop run the Python parts (the template probe); a tokenizer build
+                # still holds the GIL throughout (see the class docstring: prepare() takes it off the loop)
+                self.tokenizer, self._encoder = await start_up.in_own_thread(
+                    lambda: self._tokenizer_and_encoder(source)
+                )
             self._admission = await start_admission(self.config, self.engine_urls)
         except BaseException:
             await self._close_clients()
@@ -502,18 +520,6 @@ class RolloutRunner:
     def queued(self) -> int:
         """Samples of a batch, group or stream waiting for a concurrency slot."""
         return len(self._waiting)
-
-
-async def _in_own_thread(work: Callable[[], _T]) -> _T:
-    """``work()`` in a thread of its own that ends with it (the loop's default executor would keep its thread)."""
-    executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsm-rollout-runner-start")
-    try:
-        result = await asyncio.get_running_loop().run_in_executor(executor, work)
-    except BaseException:
-        executor.shutdown(wait=False)  # cancelled: the thread ends when the work does
-        raise
-    executor.shutdown(wait=True)  # the work is done: this only joins the idle thread
-    return result
 
 
 __all__ = [

@@ -9,10 +9,19 @@ tried.
 
 ``trust_remote_code`` is passed through as the config says (off unless asked for): a tokenizer that ships Python
 code runs it only when the user chose to.
+
+A tokenizer loaded from a local directory is kept for the process, keyed by the directory and the names, sizes and
+modification times of its files: a second runner on the same files gets the same object at no cost (building a
+fast tokenizer holds the GIL for its whole load, so every thread, the event loop's included, waits for it). The
+object is shared, so treat it as read-only. The most recently loaded one is held; the others as long as something
+else holds them.
 """
 
 from __future__ import annotations
 
+import os
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +41,49 @@ def load_tokenizer(path: str, *, trust_remote_code: bool = False, local_files_on
     return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code, local_files_only=local_files_only)
 
 
+_loaded: weakref.WeakValueDictionary[tuple[Any, ...], Any] = weakref.WeakValueDictionary()
+_latest: list[Any] = []
+"""The tokenizer loaded last, held so that runners made one after another (one per trainer step) share it."""
+_loading = threading.Lock()
+
+
+def shared_tokenizer(path: str, *, trust_remote_code: bool = False, local_files_only: bool = False) -> Any:
+    """:func:`load_tokenizer`, or the tokenizer already loaded from the same unchanged files (see the module
+    docstring); a path that is not a local directory is loaded each time. Blocking, as :func:`load_tokenizer`."""
+    key = _files_key(path, trust_remote_code)
+    if key is None:
+        return load_tokenizer(path, trust_remote_code=trust_remote_code, local_files_only=local_files_only)
+    with _loading:  # two runners starting together load once
+        tokenizer = _loaded.get(key)
+        if tokenizer is None:
+            tokenizer = load_tokenizer(path, trust_remote_code=trust_remote_code, local_files_only=local_files_only)
+            try:
+                _loaded[key] = tokenizer
+            except TypeError:  # an object that takes no weak reference is not shared
+                return tokenizer
+        _latest[:] = [tokenizer]
+        return tokenizer
+
+
+def forget_tokenizers() -> None:
+    """Let go of every tokenizer :func:`shared_tokenizer` keeps (the next load reads the files again)."""
+    with _loading:
+        _loaded.clear()
+        _latest.clear()
+
+
+def _files_key(path: str, trust_remote_code: bool) -> tuple[Any, ...] | None:
+    """What identifies a local tokenizer directory's contents; None for anything else (a hub name)."""
+    try:
+        real = os.path.realpath(path)
+        with os.scandir(real) as entries:
+            files = sorted((entry.name, entry.stat().st_size, entry.stat().st_mtime_ns)
+                           for entry in entries if entry.is_file())  # fmt: skip
+    except OSError:
+        return None
+    return (real, trust_remote_code, tuple(files))
+
+
 @dataclass(frozen=True)
 class TokenizerSource:
     """Where to load a runner's tokenizer from, in order, and why there (for the error message)."""
@@ -44,11 +96,11 @@ class TokenizerSource:
     def load(self, *, model: str, trust_remote_code: bool) -> Any:
         """The first candidate that loads; blocking (call it in a worker thread)."""
         if not self.local_only:
-            return load_tokenizer(self.candidates[0], trust_remote_code=trust_remote_code)
+            return shared_tokenizer(self.candidates[0], trust_remote_code=trust_remote_code)
         failures = []
         for candidate in self.candidates:
             try:
-                return load_tokenizer(candidate, trust_remote_code=trust_remote_code, local_files_only=True)
+                return shared_tokenizer(candidate, trust_remote_code=trust_remote_code, local_files_only=True)
             except Exception as error:  # transformers raises OSError, ValueError, ... for a place without one
                 failures.append(f"{candidate!r} ({type(error).__name__}: {_first_line(str(error))})")
         raise TokenizerNotFoundError(
@@ -102,4 +154,11 @@ def _first_line(text: str, limit: int = 160) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-__all__ = ["TokenizerSource", "listed_tokenizer_source", "load_tokenizer", "tokenizer_source"]
+__all__ = [
+    "TokenizerSource",
+    "forget_tokenizers",
+    "listed_tokenizer_source",
+    "load_tokenizer",
+    "shared_tokenizer",
+    "tokenizer_source",
+]

@@ -3,17 +3,27 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import pathlib
+import shutil
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import pytest
 
 from fsm_rollout import RolloutConfig, Sample, Status
-from fsm_rollout.errors import ConfigError, EngineConnectionError, SamplingParamsError, TokenizerNotFoundError
+from fsm_rollout.errors import (
+    ConfigError,
+    EngineConnectionError,
+    RolloutError,
+    SamplingParamsError,
+    TokenizerNotFoundError,
+)
 from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
+from fsm_rollout.testing.loop_lag import TICK_S, LagSummary, LoopTicker, NativeCallWatch
 from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
 from fsm_rollout.tokens import tokenizers as tokenizer_module
 
@@ -29,8 +39,8 @@ class NamingServer(FakeVLLMServer):
 
 
 @pytest.fixture
-def loads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
-    """Every tokenizer load as (path, options), done by transformers for real."""
+def loads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[tuple[str, dict[str, Any]]]]:
+    """Every tokenizer load as (path, options), done by transformers for real (none kept from earlier tests)."""
     import transformers
 
     calls: list[tuple[str, dict[str, Any]]] = []
@@ -41,7 +51,9 @@ def loads(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, dict[str, Any]]]:
         return real(path, **options)
 
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", from_pretrained)
-    return calls
+    tokenizer_module.forget_tokenizers()
+    yield calls
+    tokenizer_module.forget_tokenizers()
 
 
 @pytest.fixture
@@ -198,3 +210,105 @@ async def test_entering_loads_the_tokenizer_and_probes_the_template_while_the_lo
     assert loop_thread not in probed
     # the sample's rollout found the probe done: nothing of the probe was rendered on the loop
     assert renderings[len(probed) :].count(loop_thread) == 0
+
+
+# ---------------------------------------------------------------- the loop's lag while entering
+#
+# A 5 ms ticker measures the lag as the issue did, but its wall-clock gaps also hold the time a loaded machine did
+# not schedule the process, so the assertions count what the process did instead: the CPU time of the loop's own
+# thread in each gap, and every native call (any thread) that held the GIL for STALL_MS of CPU or more. Neither
+# grows with the machine's load; a tokenizer build is about a second of CPU, a health check a few milliseconds.
+
+STALL_MS = 100.0
+"""The issue's bound on the lag's p99, here on the CPU time a stall is made of."""
+
+
+def copied_tokenizer_dir(tmp_path: pathlib.Path) -> pathlib.Path:
+    """The Qwen2 tokenizer's files in a directory of this test's own: no tokenizer loaded earlier is shared."""
+    return shutil.copytree(qwen_tokenizer_dir(), tmp_path / "tokenizer")
+
+
+async def entered_under_watch(runner: RolloutRunner) -> tuple[LagSummary, NativeCallWatch]:
+    """``runner.__aenter__()`` under the ticker and the native-call watch, the collector held off meanwhile (a full
+    collection of the test process's heap is the test's own cost, not the runner's)."""
+    gc.disable()
+    try:
+        with NativeCallWatch(bound_ms=STALL_MS) as watch:
+            async with LoopTicker() as ticker:
+                await runner.__aenter__()
+    finally:
+        gc.enable()
+    return ticker.summary(), watch
+
+
+async def test_a_prepared_runner_enters_without_holding_the_loop(
+    fake_vllm: FakeVLLMServer, tmp_path: pathlib.Path, loads: list[tuple[str, dict[str, Any]]]
+) -> None:
+    config = config_for(fake_vllm.url, model="fake-model", tokenizer_path=str(copied_tokenizer_dir(tmp_path)))
+    runner = RolloutRunner(config, sampling_params=SAMPLING, env_factory=ScriptedEnvFactory(steps=[("ok", True)]))
+    await asyncio.to_thread(runner.prepare)  # as before the loop starts: the loop is not what it blocks
+    assert len(loads) == 1 and runner.history_policy is not None
+    try:
+        lag, watch = await entered_under_watch(runner)
+        fake_vllm.script([ScriptedTurn(text="42")])
+        done = await runner.run(Sample(prompt="q", index=0))
+    finally:
+        await runner.__aexit__(None, None, None)
+    assert watch.native_calls > 0  # the watch saw the start's work (it was installed where it ran)
+    assert watch.calls == [], f"native calls held the GIL while entering: {watch.calls}; {lag.line()}"
+    assert lag.ticks >= 1 and lag.loop_cpu_max_ms < STALL_MS, lag.line()
+    assert len(loads) == 1  # entering loaded nothing again
+    assert done.status == Status.COMPLETED and done.response == "42"
+
+
+async def test_the_ticker_sees_a_tokenizer_build_while_entering_an_unprepared_runner(
+    fake_vllm: FakeVLLMServer, tmp_path: pathlib.Path, loads: list[tuple[str, dict[str, Any]]]
+) -> None:
+    """What prepare() exists for, and that the measurement sees it: the build holds the GIL in the start's thread,
+    and the loop's gap around it is at least as long (no tick can happen while another thread holds the GIL)."""
+    config = config_for(fake_vllm.url, model="fake-model", tokenizer_path=str(copied_tokenizer_dir(tmp_path)))
+    runner = RolloutRunner(config, sampling_params=SAMPLING, env_factory=ScriptedEnvFactory())
+    try:
+        lag, watch = await entered_under_watch(runner)
+    finally:
+        await runner.__aexit__(None, None, None)
+    builds = [call for call in watch.calls if call.name.startswith("Tokenizer.")]
+    assert builds, f"no tokenizer build seen among {watch.calls}"
+    assert all(call.thread.startswith("fsm-rollout-runner-start") for call in builds)
+    assert lag.max + TICK_S * 1000 >= max(call.cpu_ms for call in builds), lag.line()
+
+
+async def test_runners_on_the_same_unchanged_files_share_one_tokenizer(
+    fake_vllm: FakeVLLMServer, tmp_path: pathlib.Path, loads: list[tuple[str, dict[str, Any]]]
+) -> None:
+    directory = copied_tokenizer_dir(tmp_path)
+    config = config_for(fake_vllm.url, model="fake-model", tokenizer_path=str(directory))
+    tokenizers = []
+    for _ in range(2):
+        async with RolloutRunner(config, sampling_params=SAMPLING, env_factory=ScriptedEnvFactory()) as runner:
+            tokenizers.append(runner.tokenizer)
+    assert tokenizers[0] is tokenizers[1] and len(loads) == 1
+    config_file = directory / "tokenizer_config.json"
+    config_file.write_text(config_file.read_text() + "\n")  # the files changed: they are read again
+    async with RolloutRunner(config, sampling_params=SAMPLING, env_factory=ScriptedEnvFactory()) as runner:
+        assert runner.tokenizer is not tokenizers[0]
+    assert len(loads) == 2
+
+
+async def test_prepare_asks_the_engine_which_tokenizer_and_refuses_to_block_a_running_loop(
+    naming_server: NamingServer, loads: list[tuple[str, dict[str, Any]]]
+) -> None:
+    runner = RolloutRunner(config_for(naming_server.url), sampling_params=SAMPLING, env_factory=ScriptedEnvFactory())
+    with pytest.raises(RolloutError, match=r"prepare\(\) blocks"):
+        runner.prepare()
+    assert loads == [] and runner.tokenizer is None
+
+    def prepare_in_a_thread() -> RolloutRunner:
+        prepared = runner.prepare()
+        with pytest.raises(RuntimeError, match="no current event loop"):  # its own loop was not left set
+            asyncio.get_event_loop_policy().get_event_loop()
+        return prepared
+
+    assert await asyncio.to_thread(prepare_in_a_thread) is runner
+    assert loads == [(str(qwen_tokenizer_dir()), {"trust_remote_code": False, "local_files_only": True})]
+    assert len(naming_server.requests_to("/v1/models")) == 1
