@@ -27,6 +27,8 @@ ECHO = '''"""A third-party Gymnasium package: importing it registers Echo-v0."""
 
 import gymnasium
 
+pytestmark = pytest.mark.own_process  # its framework's import stays out of the suite's process
+
 ACTIONS = []
 
 
