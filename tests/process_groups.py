@@ -12,10 +12,13 @@ killer, ``kill -9``, a crash):
   can ignore SIGTERM for tens of seconds).
 
 :func:`stop_group` is the normal teardown: the same SIGTERM-then-SIGKILL on the group, then the watchdog is let go.
+:func:`start_group_async` and :func:`stop_group_async` are the same for a test that talks to the process on its event
+loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import ctypes
 import os
@@ -79,25 +82,38 @@ def _parent_death_signal() -> Callable[[], None] | None:
     return set_signal
 
 
-def start_group(command: list[str], *, grace_s: float = GRACE_S, **popen: Any) -> subprocess.Popen[bytes]:
-    """Start ``command`` (``popen`` goes to :class:`subprocess.Popen`) as a process group that dies with this
-    process; stop it with :func:`stop_group`."""
+def _group_options() -> dict[str, Any]:
     on_main_thread = threading.current_thread() is threading.main_thread()
-    process: subprocess.Popen[bytes] = subprocess.Popen(
-        command,
-        start_new_session=True,
-        preexec_fn=_parent_death_signal() if on_main_thread else None,
-        **popen,
-    )
+    return {"start_new_session": True, "preexec_fn": _parent_death_signal() if on_main_thread else None}
+
+
+def _watch(group: int, grace_s: float) -> None:
     watchdog = subprocess.Popen(
-        [sys.executable, "-c", _WATCHDOG, str(process.pid), str(os.getpid()), str(grace_s)],
+        [sys.executable, "-c", _WATCHDOG, str(group), str(os.getpid()), str(grace_s)],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         start_new_session=True,
     )
     with _LOCK:
-        _WATCHDOGS[process.pid] = watchdog
+        _WATCHDOGS[group] = watchdog
+
+
+def start_group(command: list[str], *, grace_s: float = GRACE_S, **popen: Any) -> subprocess.Popen[bytes]:
+    """Start ``command`` (``popen`` goes to :class:`subprocess.Popen`) as a process group that dies with this
+    process; stop it with :func:`stop_group`."""
+    process: subprocess.Popen[bytes] = subprocess.Popen(command, **_group_options(), **popen)
+    _watch(process.pid, grace_s)
+    return process
+
+
+async def start_group_async(
+    command: list[str], *, grace_s: float = GRACE_S, **options: Any
+) -> asyncio.subprocess.Process:
+    """:func:`start_group` for a test that talks to the process on its event loop (``options`` go to
+    :func:`asyncio.create_subprocess_exec`); stop it with :func:`stop_group_async`."""
+    process = await asyncio.create_subprocess_exec(*command, **_group_options(), **options)
+    _watch(process.pid, grace_s)
     return process
 
 
@@ -123,21 +139,39 @@ def stop_group(process: subprocess.Popen[bytes], grace_s: float = GRACE_S) -> No
         with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
         process.wait()
-    # the group's other processes (vLLM's engine core) may outlive the leader: the same grace, then SIGKILL
+    _end_group(process.pid, grace_s)
+
+
+async def stop_group_async(process: asyncio.subprocess.Process, grace_s: float = GRACE_S) -> None:
+    """:func:`stop_group` for a group :func:`start_group_async` started."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
+    try:
+        await asyncio.wait_for(process.wait(), grace_s)
+    except TimeoutError:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        await process.wait()
+    await asyncio.to_thread(_end_group, process.pid, grace_s)
+
+
+def _end_group(group: int, grace_s: float) -> None:
+    """After the leader is reaped: the group's other processes (vLLM's engine core) may outlive it, so the same
+    grace, then SIGKILL; then the watchdog is let go."""
     deadline = time.monotonic() + grace_s
-    while group_alive(process.pid) and time.monotonic() < deadline:
+    while group_alive(group) and time.monotonic() < deadline:
         time.sleep(0.1)
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
+        os.killpg(group, signal.SIGKILL)
     with _LOCK:
-        watchdog = _WATCHDOGS.pop(process.pid, None)
+        watchdog = _WATCHDOGS.pop(group, None)
     if watchdog is not None:
         assert watchdog.stdin is not None
         watchdog.stdin.close()  # end of file: it finds the group gone and exits
         watchdog.wait()
 
 
-def watchdog_of(process: subprocess.Popen[bytes]) -> subprocess.Popen[bytes] | None:
+def watchdog_of(process: subprocess.Popen[bytes] | asyncio.subprocess.Process) -> subprocess.Popen[bytes] | None:
     """The watchdog of a group :func:`start_group` started and :func:`stop_group` has not stopped yet."""
     with _LOCK:
         return _WATCHDOGS.get(process.pid)

@@ -5,8 +5,10 @@
   a file, written there as one number of mebibytes (``.ci/run`` prints it after the run).
 * ``FSM_ROLLOUT_RESOURCE_LOG=<file>`` appends one tab-separated line after each test: its node id, resident and peak
   memory in MiB, the process's threads (Python's, then all of them), how many files it holds open under pytest's
-  temporary folders (where finished tests' tapes and logs live), the collector's thresholds and those files' names,
-  so what accumulates can be traced to the tests that left it.
+  temporary folders (where finished tests' tapes and logs live), the collector's thresholds, those files' names and
+  the top-level packages the test imported first (a framework's first import is a lasting step up) and which process
+  ran it (``main``, or ``own process`` for a module :mod:`own_process` runs in a child), so what accumulates can be
+  traced to the tests that left it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import pytest
 
 PEAK_FILE_ENV_VAR = "FSM_ROLLOUT_PEAK_RSS_FILE"
 LOG_ENV_VAR = "FSM_ROLLOUT_RESOURCE_LOG"
+#: Names the process in the log's last column (a child pytest sets it); ``main`` when unset.
+PROCESS_ENV_VAR = "FSM_ROLLOUT_RESOURCE_LOG_PROCESS"
 
 
 def peak_rss_mib() -> float:
@@ -60,10 +64,15 @@ def open_temporary_files() -> list[str]:
     return opened
 
 
+def top_level_packages() -> set[str]:
+    return {name.partition(".")[0] for name in list(sys.modules)}
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Any:
-    yield
     log = os.environ.get(LOG_ENV_VAR)
+    before = top_level_packages() if log else set()
+    yield
     if not log:
         return
     files = open_temporary_files()
@@ -77,6 +86,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: Any) -> Any:
             str(len(files)),
             ",".join(map(str, gc.get_threshold())),
             " ".join(sorted(set(Path(name).name for name in files))),
+            " ".join(sorted(top_level_packages() - before)),
+            os.environ.get(PROCESS_ENV_VAR, "main"),
         ]
     )
     with open(log, "a", encoding="utf-8") as out:

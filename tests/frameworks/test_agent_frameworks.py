@@ -21,6 +21,8 @@ from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.sample import Sample
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
 
+pytestmark = pytest.mark.own_process  # its framework's import stays out of the suite's process
+
 QUESTION = "What is 6 times 7? Use the multiply tool."
 ANSWER = "The product is 42."
 EOS = "<|im_end|>"

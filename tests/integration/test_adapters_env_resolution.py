@@ -21,6 +21,8 @@ from fsm_rollout.errors import EnvironmentNotFoundError
 from fsm_rollout.runtime.dataset import load_jsonl
 from fsm_rollout.testing.fake_vllm import FakeVLLMServer, ScriptedTurn
 
+pytestmark = pytest.mark.own_process  # its framework's import stays out of the suite's process
+
 PACKAGE = "fsm_third_party_gym"
 GAME = f"{PACKAGE}:Echo-v0"
 ECHO = '''"""A third-party Gymnasium package: importing it registers Echo-v0."""

@@ -20,6 +20,8 @@ from fsm_rollout.errors import AdapterProtocolError
 from fsm_rollout.replay import replay_async
 from fsm_rollout.testing.fake_vllm import ScriptedTurn
 
+pytestmark = pytest.mark.own_process  # its framework's import stays out of the suite's process
+
 GAME = "game:GuessTheNumber-v0-easy"
 
 

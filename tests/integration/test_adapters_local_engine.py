@@ -19,7 +19,8 @@ from fsm_rollout import RolloutConfig, RolloutRunner, Sample, get_tracer
 from fsm_rollout.adapters import gym_env, skyrl_env, trl_env, verifiers_env, verifiers_samples
 from fsm_rollout.engine.local import LocalEngine
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+# the frameworks' imports stay out of the suite's process
+pytestmark = [pytest.mark.asyncio(loop_scope="module"), pytest.mark.own_process]
 
 SAMPLING = {"max_new_tokens": 96, "temperature": 1.0, "top_p": 1.0, "seed": 11}
 

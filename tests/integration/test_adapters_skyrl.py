@@ -14,6 +14,8 @@ from fsm_rollout.adapters import skyrl_env
 from fsm_rollout.errors import AdapterProtocolError, EnvironmentNotFoundError
 from fsm_rollout.testing.fake_vllm import ScriptedTurn
 
+pytestmark = pytest.mark.own_process  # its framework's import stays out of the suite's process
+
 QUESTION = "Tom has 40 apples and buys 2 more. How many apples does he have?"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
 from adapters_support import inspect_text, replay_counts, run_recorded
 from trl_envs import HiddenNumberEnv
 
@@ -14,6 +15,8 @@ from fsm_rollout import Sample
 from fsm_rollout.adapters import trl_env
 from fsm_rollout.errors import AdapterProtocolError
 from fsm_rollout.testing.fake_vllm import ScriptedTurn
+
+pytestmark = pytest.mark.own_process  # its framework's import stays out of the suite's process
 
 
 def call(name: str, **arguments: Any) -> str:

@@ -20,6 +20,8 @@ from fsm_rollout.adapters.trl_rollout import trl_answer
 from fsm_rollout.engine.local import LocalEngine
 from fsm_rollout.engine.local.tiny import TINY_MODEL_NAME, tiny_model_dir
 
+pytestmark = pytest.mark.own_process  # its framework's import stays out of the suite's process
+
 QUESTION = "Tom has 40 apples and buys 2 more. How many apples does he have?"
 
 

@@ -17,6 +17,8 @@ from fsm_rollout.adapters import trl_rollout_func
 from fsm_rollout.errors import ConfigError, RolloutError
 from fsm_rollout.testing.fake_vllm import UPDATE_WEIGHTS_PATH, FakeVLLMServer, ScriptedTurn
 
+pytestmark = pytest.mark.own_process  # its framework's import stays out of the suite's process
+
 SAMPLING = {"max_new_tokens": 16, "temperature": 1.0, "top_p": 1.0}
 PROMPT = [{"role": "user", "content": "Say something."}]
 

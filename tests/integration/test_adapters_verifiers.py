@@ -16,6 +16,8 @@ from fsm_rollout.adapters import verifiers_env, verifiers_samples
 from fsm_rollout.errors import AdapterProtocolError, EnvironmentContractError
 from fsm_rollout.testing.fake_vllm import ScriptedTurn
 
+pytestmark = pytest.mark.own_process  # its framework's import stays out of the suite's process
+
 MULTIPLY = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
 
 

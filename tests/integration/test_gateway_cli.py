@@ -11,6 +11,7 @@ from typing import Any
 
 import openai
 import pytest
+from process_groups import start_group_async, stop_group_async
 
 from fsm_rollout.testing.fake_vllm import RENDER_PATH, FakeVLLMServer, ScriptedTurn
 from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
@@ -20,13 +21,20 @@ async def test_the_gateway_command_serves_a_session_and_stops_on_sigterm(
     fake_vllm: FakeVLLMServer, tmp_path: Path
 ) -> None:
     trace = tmp_path / "trace.jsonl"
-    process = await asyncio.create_subprocess_exec(
+    process = await start_group_async([
         sys.executable, "-m", "fsm_rollout.cli", "gateway", "--engine-url", fake_vllm.url, "--model", "fake-model",
         "--tokenizer", str(qwen_tokenizer_dir()), "--port", "0", "--trace", str(trace), "--record",
         "--api-key", "k", "--loop-slice-ms", "0", "--no-tune-gc", "--history-policy", "append",
         "--chat-template-kwargs", '{"enable_thinking": false}', "--auto-sessions",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-    )  # fmt: skip
+    ], stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+    try:
+        await serve_one_session(process, fake_vllm, tmp_path)
+    finally:
+        await stop_group_async(process)  # the gateway dies with the test, whatever failed
+
+
+async def serve_one_session(process: asyncio.subprocess.Process, fake_vllm: FakeVLLMServer, tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
     assert process.stdout is not None and process.stderr is not None
     line = (await asyncio.wait_for(process.stdout.readline(), 120)).decode()
     assert line.startswith("gateway listening on http://127.0.0.1:"), line + (await process.stderr.read()).decode()

@@ -26,6 +26,7 @@ import pytest_asyncio
 import torch
 from engine_http import GENERATE, generate, logprob_values, post
 from PIL import Image, ImageDraw
+from process_groups import start_group_async, stop_group_async
 
 from fsm_rollout import RetryPolicy, Rollout, RolloutConfig, Sample, Status, VLLMClient
 from fsm_rollout.engine.local import LocalEngine
@@ -613,15 +614,8 @@ async def test_two_turn_rollout_against_the_engine_keeps_the_sample_invariants(
 
 
 async def test_serve_command_prints_the_url_and_stops_on_sigterm() -> None:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "fsm_rollout.cli",
-        "serve",
-        "--port",
-        "0",
-        "--max-model-len",
-        "256",
+    process = await start_group_async(
+        [sys.executable, "-m", "fsm_rollout.cli", "serve", "--port", "0", "--max-model-len", "256"],
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
     )
@@ -634,9 +628,7 @@ async def test_serve_command_prints_the_url_and_stops_on_sigterm() -> None:
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 120.0) == 0
     finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+        await stop_group_async(process)  # the server dies with the test, whatever failed
 
 
 # -------------------------------------------------------------------- API key

@@ -16,6 +16,7 @@ from typing import Any
 
 import orjson
 import pytest
+from process_groups import start_group, stop_group
 
 from fsm_rollout.cli.run import DEMO_SAMPLES_PER_PROMPT
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMServer, ScriptedTurn
@@ -424,21 +425,19 @@ async def test_the_api_key_is_sent_but_never_printed_or_written(fake_vllm: FakeV
 @pytest.fixture(scope="module")
 def keyed_serve() -> Iterator[str]:
     """``fsm-rollout serve`` with an API key (from VLLM_API_KEY, as vLLM reads it); yields its URL."""
-    process = subprocess.Popen(
+    process = start_group(
         [sys.executable, "-m", "fsm_rollout.cli", "serve", "--port", "0", "--max-model-len", "2048"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         env=cli_env({"VLLM_API_KEY": SECRET}),
-        text=True,
-    )
+    )  # it dies with the test process, however that ends
     try:
         assert process.stdout is not None
-        url = process.stdout.readline().strip()  # printed once the engine answers; empty if it died
-        assert url.startswith("http://"), process.stderr.read() if process.stderr else ""
+        url = process.stdout.readline().decode().strip()  # printed once the engine answers; empty if it died
+        assert url.startswith("http://"), process.stderr.read().decode() if process.stderr else ""
         yield url
     finally:
-        process.terminate()
-        process.wait(timeout=30)
+        stop_group(process, grace_s=30)
 
 
 async def test_run_against_a_keyed_serve_needs_only_the_url_and_the_key(keyed_serve: str, tmp_path: Path) -> None:

@@ -37,6 +37,7 @@ from typing import Final
 sys.path.insert(0, str(pathlib.Path(__file__).parent.parent))
 
 import venv_support
+from resource_watch import PEAK_FILE_ENV_VAR, PROCESS_ENV_VAR
 from venv_support import BuildError, output, pip_env, run
 
 from fsm_rollout.engine.local.cache import cache_dir
@@ -169,7 +170,9 @@ def run_cases(python: str, report: pathlib.Path, *, cwd: pathlib.Path, cases_dir
         raise FileNotFoundError(f"no verl_case_*.py in {cases_dir}")
     command = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={report}", *cases]
     started = time.perf_counter()
-    result = subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=layered_env(), check=False)
+    env = {**layered_env(), PROCESS_ENV_VAR: "verl venv"}  # its lines in a resource log are the child's
+    env.pop(PEAK_FILE_ENV_VAR, None)  # the peak .ci/run prints is the suite process's own
+    result = subprocess.run(command, capture_output=True, text=True, cwd=cwd, env=env, check=False)
     seconds = time.perf_counter() - started
     counts = {"tests": 0, "failures": 0, "errors": 0, "skipped": 0}
     if report.is_file():

@@ -3,6 +3,7 @@ even when the tree ignores SIGTERM."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -37,6 +38,19 @@ start_group([sys.executable, "-c", sys.argv[2], sys.argv[3]], grace_s=1.0)
 time.sleep(600)
 """
 
+#: The same with start_group_async, from an event loop that is still running when the process is killed.
+PARENT_ASYNC = r"""
+import asyncio, sys
+sys.path.insert(0, sys.argv[1])
+from process_groups import start_group_async
+
+async def main():
+    await start_group_async([sys.executable, "-c", sys.argv[2], sys.argv[3]], grace_s=1.0)
+    await asyncio.sleep(600)
+
+asyncio.run(main())
+"""
+
 
 def gone(pid: int) -> bool:
     """The process has ended (a zombie not yet reaped by whoever adopted it counts as ended)."""
@@ -63,9 +77,10 @@ def tree_pids(pids_file: Path) -> list[int]:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc are Linux's here")
-def test_a_tree_that_ignores_sigterm_dies_when_its_test_process_is_killed(tmp_path: Path) -> None:
+@pytest.mark.parametrize("parent_program", [PARENT, PARENT_ASYNC], ids=["start_group", "start_group_async"])
+def test_a_tree_that_ignores_sigterm_dies_when_its_test_process_is_killed(tmp_path: Path, parent_program: str) -> None:
     pids_file = tmp_path / "pids.json"
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(TESTS), TREE, str(pids_file)])
+    parent = subprocess.Popen([sys.executable, "-c", parent_program, str(TESTS), TREE, str(pids_file)])
     try:
         leader, child = tree_pids(pids_file)
         assert os.getpgid(child) == leader  # the child joined the leader's group
@@ -99,4 +114,24 @@ def test_stopping_a_group_kills_a_tree_that_ignores_sigterm_and_lets_its_watchdo
     assert process.returncode == -signal.SIGKILL  # SIGTERM was ignored
     wait_for(lambda: gone(child), "the leader's child to die")
     assert watchdog.returncode == 0  # it exited once the group was gone
+    assert watchdog_of(process) is None
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc are Linux's here")
+async def test_stopping_a_group_from_the_event_loop_kills_a_tree_that_ignores_sigterm(tmp_path: Path) -> None:
+    sys.path.insert(0, str(TESTS))
+    try:
+        from process_groups import start_group_async, stop_group_async, watchdog_of
+    finally:
+        sys.path.remove(str(TESTS))
+    pids_file = tmp_path / "pids.json"
+    process = await start_group_async([sys.executable, "-c", TREE, str(pids_file)], grace_s=1.0)
+    watchdog = watchdog_of(process)
+    assert watchdog is not None
+    leader, child = await asyncio.to_thread(tree_pids, pids_file)
+    assert os.getpgid(child) == leader
+    await stop_group_async(process, grace_s=1.0)
+    assert process.returncode == -signal.SIGKILL  # SIGTERM was ignored
+    await asyncio.to_thread(wait_for, lambda: gone(child), "the leader's child to die")
+    assert watchdog.returncode == 0
     assert watchdog_of(process) is None
