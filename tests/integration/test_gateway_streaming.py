@@ -314,3 +314,45 @@ async def test_the_models_list_says_whether_answers_stream_as_generated(
                 assert (await response.json())["data"][0]["metadata"]["streaming"] == "whole_answer"
         finally:
             client.transport = original
+
+
+@pytest.mark.parametrize("refusal", ["rejected", "ignored"])
+async def test_an_engine_that_cannot_stream_gets_whole_answer_requests_from_then_on(
+    tokenizer: Any, refusal: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An older vLLM answers a streamed generate with 400 (``rejected``) or with its whole
+    JSON answer (``ignored``): the call is answered all the same, token-exact, and the engine gets whole-answer
+    requests from then on, with one warning and ``GET /v1/models`` saying so."""
+    server = FakeVLLMServer(tokenizer, model="fake-model", generate_stream=refusal)
+    async with server, gateway_for(server, tokenizer) as gateway:
+        session = await gateway.open_session()
+        server.script([ScriptedTurn(text="First.<|im_end|>"), ScriptedTurn(text=TEXT)], session=session.session_id)
+        models = f"{session.base_url}/models"
+        messages: list[Any] = [{"role": "user", "content": "Hi"}]
+        answers: list[str] = []
+        async with aiohttp.ClientSession() as http:
+            async with http.get(models) as response:
+                assert (await response.json())["data"][0]["metadata"]["streaming"] == "tokens"
+            for follow_up in ("Again", None):  # a call, then its follow-up
+                body = {"messages": messages, "stream": True}
+                async with http.post(f"{session.base_url}/chat/completions", json=body) as response:
+                    assert response.status == 200
+                    received = [event async for event in events(response)]
+                assert received[-1] == "[DONE]" and received[-2]["choices"][0]["finish_reason"] == "stop"
+                answers.append("".join(content_of(event) for event in received))
+                if follow_up is not None:
+                    messages += [{"role": "assistant", "content": answers[-1]}, {"role": "user", "content": "Again"}]
+            async with http.get(models) as response:
+                assert (await response.json())["data"][0]["metadata"]["streaming"] == "whole_answer"
+        samples = await session.close()
+    assert answers == ["First.", TEXT.removesuffix("<|im_end|>")]
+    asked = [bool(request.body.get("stream")) for request in server.requests_to(GENERATE_PATH)]
+    # rejected: the refused request, then the same call whole; ignored: answered whole at once. Then whole only.
+    assert asked == ([True, False, False] if refusal == "rejected" else [True, False])
+    warnings = [record for record in caplog.records if "come whole from now on" in record.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
+    sample = samples[0]
+    first, second = tokenizer.encode("First.<|im_end|>"), tokenizer.encode(TEXT)
+    prompt = len(sample.tokens) - sample.response_length
+    assert sample.tokens[prompt : prompt + len(first)] == first and sample.tokens[-len(second) :] == second
+    assert sum(sample.loss_mask or []) == len(first) + len(second)
