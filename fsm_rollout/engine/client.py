@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping, Sequence
 from types import TracebackType
 from typing import Any
@@ -22,10 +23,19 @@ from fsm_rollout.engine.schema import (
     parse_render_response,
 )
 from fsm_rollout.engine.schema import server_request_ids as server_request_ids  # re-exported: callers import it here
-from fsm_rollout.engine.token_stream import StreamAssembly, TokenSink
+from fsm_rollout.engine.token_stream import StreamAssembly, StreamRefused, TokenSink
 from fsm_rollout.engine.transport import AiohttpTransport, Transport
-from fsm_rollout.errors import ConfigError, GenerationError, RenderError
+from fsm_rollout.errors import ConfigError, EngineHTTPError, GenerationError, RenderError
 from fsm_rollout.types import GeneratedTurn, RenderedPrompt
+
+_log = logging.getLogger(__name__)
+
+
+def refuses_stream_field(error: EngineHTTPError) -> bool:
+    """Whether an HTTP error refuses a streamed generate's ``stream``/``stream_options`` fields (an older vLLM: 400
+    or 422 naming the field, unknown or not supported)."""
+    return error.status in (400, 422) and "stream" in error.body
+
 
 _HTTP_DEFAULTS: dict[str, Any] = {
     "connect_timeout_s": 10.0,
@@ -78,6 +88,8 @@ class VLLMClient:
                     f"VLLMClient(transport=...) takes no HTTP options ({', '.join(given)}): give them to the transport"
                 )
         self.transport: Transport = transport
+        self.stream_refused = False
+        """The server met a streamed generate as one that cannot stream: answers come whole from then on."""
 
     @classmethod
     def from_config(cls, config: RolloutConfig, *, base_url: str | None = None) -> VLLMClient:
@@ -136,11 +148,21 @@ class VLLMClient:
         With a ``sink``, and a transport that can stream (:attr:`streams`), the request is sent with ``"stream":
         true`` and each chunk's new tokens go to ``sink`` as they arrive (:mod:`fsm_rollout.engine.token_stream`);
         the turn returned is the one the whole answer would have been. Without, nothing changes."""
+        answer: Any = None
         if sink is not None and self.streams:
-            return parse_generate_response(
-                await self._streamed(body, headers, sink), request_id, top_logprobs=top_logprobs
-            )
-        answer = await self.transport.post_json(GENERATE_PATH, body, headers=headers)
+            try:
+                return parse_generate_response(
+                    await self._streamed(body, headers, sink), request_id, top_logprobs=top_logprobs
+                )
+            except StreamRefused as refused:  # answered whole: the turn is the same, nothing is sent again
+                self._whole_answers_from_now("answered a streamed generate with a plain JSON body")
+                answer = refused.answer
+            except EngineHTTPError as error:
+                if not refuses_stream_field(error):
+                    raise
+                self._whole_answers_from_now(f"refused the stream field (HTTP {error.status})")
+        if answer is None:
+            answer = await self.transport.post_json(GENERATE_PATH, body, headers=headers)
         if isinstance(answer, str):
             raise GenerationError(f"vLLM generate answer is not JSON: {answer[:200]!r}")
         return parse_generate_response(answer, request_id, top_logprobs=top_logprobs)
@@ -150,7 +172,19 @@ class VLLMClient:
         """Whether generate requests can stream through this client's transport (one that says ``streams`` and has
         ``post_sse``: the aiohttp transport, and a recording one over it); else answers come whole."""
         transport = self.transport
+        if self.stream_refused:
+            return False
         return bool(getattr(transport, "streams", False)) and callable(getattr(transport, "post_sse", None))
+
+    def _whole_answers_from_now(self, what: str) -> None:
+        """The server cannot stream a generate (an older vLLM): its answers come whole from now on (one warning)."""
+        if not self.stream_refused:
+            _log.warning(
+                "vLLM generate at %s %s: answers from this engine come whole from now on (no streaming)",
+                getattr(self.transport, "base_url", "?"),
+                what,
+            )
+        self.stream_refused = True
 
     async def _streamed(self, body: Mapping[str, Any], headers: Mapping[str, str] | None, sink: TokenSink) -> Any:
         assembly = StreamAssembly(sink)

@@ -27,12 +27,22 @@ from fsm_rollout.engine.schema import (
 )
 from fsm_rollout.errors import GenerationError
 
-__all__ = ["DONE", "StreamAssembly", "TokenSink", "stream_chunk", "stream_flags", "usage_chunk"]
+__all__ = ["DONE", "StreamAssembly", "StreamRefused", "TokenSink", "stream_chunk", "stream_flags", "usage_chunk"]
 
 TokenSink = Callable[[list[int], list[float]], None]
 """Called with each streamed chunk's new token ids and their logprobs, in order, as they arrive."""
 
 DONE = "[DONE]"
+
+
+class StreamRefused(Exception):
+    """Internal: the server met a streamed generate with its whole answer (``answer``: a plain JSON body, not
+    Server-Sent Events), as a server that does not read ``stream`` does; the request is answered, nothing is to be
+    sent again."""
+
+    def __init__(self, answer: Any) -> None:
+        super().__init__("the server answered a streamed generate with a plain JSON body")
+        self.answer = answer
 
 
 def stream_flags(body: Mapping[str, Any]) -> tuple[bool, bool]:

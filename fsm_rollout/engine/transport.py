@@ -19,6 +19,7 @@ import orjson
 from fsm_rollout.config import RetryPolicy
 from fsm_rollout.engine.schema import error_message
 from fsm_rollout.engine.schema.large_answers import loads_answer
+from fsm_rollout.engine.token_stream import StreamRefused
 from fsm_rollout.errors import EngineConnectionError, EngineHTTPError, EngineTimeoutError
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
@@ -166,6 +167,13 @@ class AiohttpTransport:
                         url=url,
                         body=raw.decode("utf-8", errors="replace"),
                     )
+                if response.content_type == "application/json":  # the whole answer: a server that does not stream
+                    raw = await response.read()
+                    try:
+                        answer: Any = loads_answer(raw)
+                    except orjson.JSONDecodeError:
+                        answer = raw.decode("utf-8", errors="replace")
+                    raise StreamRefused(answer)
                 async for line in response.content:
                     if not line.startswith(b"data:"):
                         continue  # blank separators, comments

@@ -37,6 +37,7 @@ from fsm_rollout.gateway.context_overflow import ended_over_context, overflow_er
 from fsm_rollout.gateway.conversation import Extension
 from fsm_rollout.gateway.openai_wire import ChatCall, GatewayError, TurnAnswer, render_message, without_stop_string
 from fsm_rollout.gateway.stream_text import Listener, TokenFanout
+from fsm_rollout.machine import lifecycle
 from fsm_rollout.sample import Sample
 
 if TYPE_CHECKING:
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 
 __all__ = ["DISCONNECTED", "AnsweredCall", "Lineage"]
 
-DISCONNECTED = "agent_disconnected"
+DISCONNECTED = lifecycle.AGENT_DISCONNECTED
 """The abort reason of a sequence whose agent went away mid-call and did not retry within the disconnect grace."""
 
 _CallIdentity = tuple[str | None, tuple[Any, ...]]

@@ -23,7 +23,8 @@ are the driver's, and interrupt the state's own trigger. ``hand_back`` (an outco
 choice: a suspended sample goes back to its caller (slime/vime's ``partial_rollout``) instead of waiting for the
 resume; it ends ``aborted`` with the reason ``handed_back``, its resume state in ``metadata["resume_state"]`` and
 its environment closed (a resume rebuilds it from its snapshot). An abort by a runner's over-sampling
-(``target_groups``/``oversample``) takes ``abort``'s guarded edge, with the typed reason ``oversampled``.
+(``target_groups``/``oversample``) takes ``abort``'s guarded edge, with the typed reason ``oversampled``; so does a
+gateway agent's disconnect (reason ``agent_disconnected``), whose edge keeps the cut turn's tokens generated so far.
 
 A state may name activities awaited on the way in (``awaits``): ``completed`` and ``truncated`` are scored
 (``score``: ``RolloutConfig.reward_fn``, sync or async, sets ``sample.reward``), and every edge into
@@ -52,6 +53,7 @@ from fsm_rollout.machine import lean_machine
 from fsm_rollout.machine.lean_machine import LeanCondition, LeanEvent, LeanState, LeanTransition, LifecycleMachine
 
 __all__ = [  # the lean classes are re-exported: they used to live here
+    "AGENT_DISCONNECTED",
     "ENTER",
     "INITIAL",
     "NON_TERMINAL",
@@ -118,6 +120,11 @@ INITIAL = "pending"
 OVERSAMPLED = "oversampled"
 """The typed reason of a surplus group's samples, ended once a runner's over-sampled batch has its target of
 groups (``run_batch(..., target_groups=N, oversample=M)``): an abort with this reason takes its own edge."""
+
+AGENT_DISCONNECTED = "agent_disconnected"
+"""The typed reason of a gateway sequence whose agent went away mid-call and did not retry within the disconnect
+grace: an abort with this reason while generating (or suspended) takes its own edge, which keeps the tokens of the
+cut turn that were already streamed to the agent (they were sampled by the policy and seen: loss mask 1)."""
 
 ENTER = "enter"
 """The machine's own trigger that completes an edge whose destination awaits activities (not a trigger of the
@@ -332,6 +339,19 @@ TRANSITIONS: tuple[Edge, ...] = (
             work="the rollout ran past `rollout_timeout_s` (time suspended excluded); the data so far is kept",
         )
         for state in NON_TERMINAL
+    ),
+    *(
+        Edge(
+            "abort",
+            state,
+            "aborted",
+            guard="agent_disconnected",
+            reason="agent_disconnected",
+            actions=("keep_streamed_turn", "note_abort"),
+            work="a gateway agent went away mid-call (no retry within the disconnect grace): the engine request is "
+            "aborted; the turn's tokens generated so far (streamed, or held by a suspension) are kept, loss mask 1",
+        )
+        for state in ("generating", "suspended")
     ),
     *(
         Edge(

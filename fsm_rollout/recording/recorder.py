@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig
 from fsm_rollout.engine.client import VLLMClient
-from fsm_rollout.engine.token_stream import StreamAssembly
+from fsm_rollout.engine.token_stream import StreamAssembly, StreamRefused
 from fsm_rollout.engine.transport import Transport
 from fsm_rollout.envs.protocol import EnvFactory, load_env_factory
 from fsm_rollout.envs.step import StepResult, Turn, as_step_result
@@ -291,6 +291,9 @@ class RecordingTransport:
                     yield data
                     if assembly.done:
                         break
+        except StreamRefused as refused:  # answered whole (a server that cannot stream): that is the exchange
+            entry["answer"] = compact_json(refused.answer) if entry["op"] == "generate" else refused.answer
+            raise
         except (asyncio.CancelledError, GeneratorExit):  # the reader stopped: after [DONE], the exchange is whole
             if not assembly.done:
                 entry["cancelled"] = True

@@ -253,14 +253,23 @@ class Activities:
 
         # an agent's call that streams its answer: the engine's tokens go to it as they come (the turn is the same)
         sink = next_call.token_sink if next_call is not None and not deps_replays_routes(ctx) else None
+        streamed_ids, streamed_logprobs = ctx.streamed = ([], [])
+
+        def seen(token_ids: list[int], logprobs: list[float]) -> None:
+            # what the agent has seen of the turn: kept if it goes away before the turn ends (agent_disconnected)
+            streamed_ids.extend(token_ids)
+            streamed_logprobs.extend(logprobs)
+            assert sink is not None
+            sink(token_ids, logprobs)
 
         def send(request_id: str) -> Any:
             options: dict[str, Any] = {"top_logprobs": True} if top else {}
             if sink is not None:
-                options["sink"] = sink
+                options["sink"] = seen
             return self.client.generate(body, request_id=request_id, headers=self.headers, **options)
 
         answer = await point.generate(self.scope, send, request_id, self.client)
+        ctx.streamed = ([], [])  # the answer holds them now (the turn, or a suspension's partial turn)
         spans = answer.meta.weight_version_spans
         first = spans[0][0] if spans else answer.meta.weight_version
         if first is not None and "start_weight_version" not in ctx.sample.metadata:

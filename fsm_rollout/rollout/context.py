@@ -113,6 +113,9 @@ class RolloutContext:
     """The per-call ``max_tokens`` the environment asked for the turn in progress (a gateway agent's), if any."""
     partial_turn: list[GeneratedTurn] = field(default_factory=list)
     """The answers of the turn in progress that a suspension cut off (their tokens are the partial turn)."""
+    streamed: tuple[list[int], list[float]] = field(default_factory=lambda: ([], []), metadata=LIVE)
+    """The token ids and logprobs the generate request in flight has streamed so far (an agent saw them): an
+    abort because the agent went away keeps them (guard ``agent_disconnected``)."""
     suspensions: int = 0
     suspend_reason: str | None = None
     suspend_cut_request: bool = False

@@ -56,6 +56,9 @@ def event_fields(
     elif trigger == "hand_back":
         fields["suspend_reason"] = ctx.suspend_reason
         fields["partial_tokens"] = sum(len(part.token_ids) for part in ctx.partial_turn)
+    elif trigger == "abort" and ctx.reason == lifecycle.AGENT_DISCONNECTED:
+        kept = ctx.sample.metadata.get("disconnected_turn") or {}
+        fields["kept_tokens"] = kept.get("end", 0) - kept.get("start", 0)
     elif trigger == "fail":
         fields["failed_trigger"] = ctx.failed_trigger
         fields["error_type"] = type(ctx.error).__name__

@@ -113,6 +113,12 @@ def oversampled(ctx: RolloutContext) -> bool:
     return ctx.stop_reason == lifecycle.OVERSAMPLED
 
 
+def agent_disconnected(ctx: RolloutContext) -> bool:
+    """The abort is a gateway agent's disconnect (reason :data:`~fsm_rollout.machine.lifecycle.AGENT_DISCONNECTED`):
+    the cut turn's tokens generated so far are kept."""
+    return ctx.stop_reason == lifecycle.AGENT_DISCONNECTED
+
+
 def observation_exceeds_budget(ctx: RolloutContext) -> bool:
     """The observation tokens would leave no budget for another turn."""
     remaining = ctx.remaining_budget
@@ -221,6 +227,35 @@ def next_turn(ctx: RolloutContext) -> None:
 def note_abort(ctx: RolloutContext) -> None:
     """Nothing to undo: an aborted turn's tokens were never appended; the partial turn is dropped."""
     ctx.partial_turn = []
+
+
+def keep_streamed_turn(ctx: RolloutContext) -> None:
+    """The agent went away mid-turn: the tokens the policy sampled for it so far (a suspension's partial turn, then
+    what the request in flight streamed before its abort) are appended as generated (loss mask 1, their logprobs),
+    and noted in ``metadata["disconnected_turn"]``. The turn is not stepped: the environment never sees it."""
+    token_ids = [token for part in ctx.partial_turn for token in part.token_ids]
+    logprobs = [value for part in ctx.partial_turn for value in part.logprobs]
+    streamed_ids, streamed_logprobs = ctx.streamed
+    if len(streamed_logprobs) == len(streamed_ids):  # a stream without logprobs cannot be trained on: left out
+        token_ids += streamed_ids
+        logprobs += streamed_logprobs
+    ctx.streamed = ([], [])
+    remaining = ctx.remaining_budget
+    if remaining is not None:  # never over the budget (a suspension's parts were within it already)
+        token_ids, logprobs = token_ids[: max(remaining, 0)], logprobs[: max(remaining, 0)]
+    start = ctx.sample.response_length
+    if token_ids:
+        ctx.sample.append_response_tokens(token_ids, logprobs, trainable=True)
+        ctx.response_token_ids.extend(token_ids)
+        version = ctx.deps.gate.weight_version
+        if version is not None and "weight_version_spans" in ctx.sample.metadata:
+            spans = ctx.sample.metadata["weight_version_spans"]
+            joined = join_spans(
+                [(span["version"], span["start"], span["end"]) for span in spans[-1:]],
+                [(version, start, start + len(token_ids))],
+            )
+            spans[-1:] = [{"version": v, "start": s, "end": e} for v, s, e in joined]
+    ctx.sample.metadata["disconnected_turn"] = {"start": start, "end": start + len(token_ids), "turn": ctx.turn_index}
 
 
 def note_timeout(ctx: RolloutContext) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -18,6 +19,7 @@ from fsm_rollout.engine.local import LocalEngine, tiny_model_dir
 from fsm_rollout.engine.local.scheduler import GenerateJob
 from fsm_rollout.gateway import AgentGateway
 from fsm_rollout.gateway.answers import TokenText
+from fsm_rollout.gateway.session import SessionEnvironment
 from fsm_rollout.gateway.stream_text import AnswerStream
 from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.testing.fake_vllm import ABORT_PATH, GENERATE_PATH, FakeVLLMServer, ScriptedTurn
@@ -26,8 +28,8 @@ SAMPLING = {"max_new_tokens": 256, "temperature": 1.0, "top_p": 1.0}
 TEXT = "Streaming answers arrive piece by piece, long before the end.<|im_end|>"
 
 
-def gateway_for(server: FakeVLLMServer, tokenizer: Any, **options: Any) -> AgentGateway:
-    config = RolloutConfig(engine_url=server.url, model="fake-model", max_turns=20, check_invariants=True)
+def gateway_for(server: FakeVLLMServer, tokenizer: Any, trace: str | None = None, **options: Any) -> AgentGateway:
+    config = RolloutConfig(engine_url=server.url, model="fake-model", max_turns=20, check_invariants=True, trace=trace)
     return AgentGateway(RolloutRunner(config, sampling_params=SAMPLING, tokenizer=tokenizer), **options)
 
 
@@ -90,26 +92,36 @@ async def test_a_streamed_chat_answer_starts_before_generation_ends_and_is_token
     assert request.body["stream"] is True
 
 
+HELD_AFTER = 6
+
+
 async def test_a_client_gone_mid_stream_aborts_the_engine_request_and_keeps_what_was_generated(
-    fake_vllm: FakeVLLMServer, tokenizer: Any
+    fake_vllm: FakeVLLMServer, tokenizer: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with gateway_for(fake_vllm, tokenizer, disconnect_grace_s=0.0) as gateway:
+    closes: list[SessionEnvironment] = []
+    monkeypatch.setattr(SessionEnvironment, "close", lambda env: closes.append(env))
+    trace = tmp_path / "trace.jsonl"
+    async with gateway_for(fake_vllm, tokenizer, disconnect_grace_s=0.0, trace=str(trace)) as gateway:
         session = await gateway.open_session()
         fake_vllm.script(
-            [ScriptedTurn(text="First.<|im_end|>"), ScriptedTurn(text=TEXT, hang=True, held_after=6)],
+            [ScriptedTurn(text="First.<|im_end|>"), ScriptedTurn(text=TEXT, hang=True, held_after=HELD_AFTER)],
             session=session.session_id,
         )
+        generated = tokenizer.encode(TEXT)
+        shown = tokenizer.decode(generated[:HELD_AFTER])
         messages: list[Any] = [{"role": "user", "content": "Hi"}]
         async with aiohttp.ClientSession() as http:
             async with http.post(f"{session.base_url}/chat/completions", json={"messages": messages}) as answer:
                 assert answer.status == 200
             messages += [{"role": "assistant", "content": "First."}, {"role": "user", "content": "Again"}]
             response = await http.post(
-                f"{session.base_url}/chat/completions", json={"messages": messages, "stream": True}
+                f"{session.base_url}/chat/completions", json={"messages": messages, "stream": True, "logprobs": True}
             )
+            seen = ""
             async for event in events(response):
-                if content_of(event):
-                    break  # the agent saw the first piece, and goes away
+                seen += content_of(event)
+                if seen == shown:
+                    break  # the agent saw every token the engine streamed before it held the rest, and goes away
             response.close()
             assert session.rollout is not None
             await asyncio.wait_for(asyncio.shield(session.rollout), 30)  # the sequence's rollout ends
@@ -121,9 +133,52 @@ async def test_a_client_gone_mid_stream_aborts_the_engine_request_and_keeps_what
     first = tokenizer.encode("First.<|im_end|>")
     prompt = len(sample.tokens) - sample.response_length
     assert sample.tokens[prompt : prompt + len(first)] == first
-    assert sum(sample.loss_mask or []) == len(first)
+    # the cut turn's streamed tokens are kept as generated: after the second call's observation (mask 0)
+    assert sample.tokens[-HELD_AFTER:] == generated[:HELD_AFTER]
+    assert sample.loss_mask is not None and sample.loss_mask[-HELD_AFTER:] == [1] * HELD_AFTER
+    assert sum(sample.loss_mask) == len(first) + HELD_AFTER
+    assert sample.rollout_log_probs is not None
+    assert sample.rollout_log_probs[-HELD_AFTER:] == [-0.01 * (i + 1) for i in range(HELD_AFTER)]
+    assert sample.metadata["disconnected_turn"]["end"] == sample.response_length
     (generate,) = [r for r in fake_vllm.requests_to(GENERATE_PATH) if r.body.get("stream")]
     assert generate.body["request_id"] in fake_vllm.disconnected_request_ids  # its stream was closed too
+    assert len(closes) == 1  # the session's environment, closed once
+    rows = [orjson.loads(line) for line in trace.read_text().splitlines()]
+    (abort,) = [row for row in rows if row.get("trigger") == "abort"]
+    assert abort["src"] == "generating" and abort["reason"] == "agent_disconnected"
+    assert abort["kept_tokens"] == HELD_AFTER
+
+
+async def test_a_streamed_retry_within_the_grace_gets_the_whole_answer_generated_once(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    async with gateway_for(fake_vllm, tokenizer, disconnect_grace_s=3600.0) as gateway:
+        session = await gateway.open_session()
+        fake_vllm.script([ScriptedTurn(text=TEXT, hang=True, held_after=HELD_AFTER)], session=session.session_id)
+        body = {"messages": [{"role": "user", "content": "Hi"}], "stream": True}
+        headers = {"Idempotency-Key": "call-1"}
+        async with aiohttp.ClientSession() as http:
+            response = await http.post(f"{session.base_url}/chat/completions", json=body, headers=headers)
+            async for event in events(response):
+                if content_of(event):
+                    break  # the agent saw the first piece, and goes away; its client retries the call
+            response.close()
+            retried = ""
+            async with http.post(f"{session.base_url}/chat/completions", json=body, headers=headers) as retry:
+                assert retry.status == 200
+                async for event in events(retry):
+                    retried += content_of(event)
+                    if retried == tokenizer.decode(tokenizer.encode(TEXT)[:HELD_AFTER]):
+                        (held,) = fake_vllm.held_request_ids  # the retry has caught up: let the rest come
+                        assert fake_vllm.release(held) == 1
+        samples = await session.close()
+    assert retried == TEXT.removesuffix("<|im_end|>")  # the whole answer, the pieces before the retry included
+    assert len(fake_vllm.requests_to(GENERATE_PATH)) == 1  # generated once
+    assert not fake_vllm.requests_to(ABORT_PATH)
+    sample = samples[0]
+    generated = tokenizer.encode(TEXT)
+    assert sample.status.value == "completed"
+    assert sample.tokens[len(sample.tokens) - sample.response_length :] == generated
 
 
 async def test_a_streamed_chat_answer_on_the_embedded_engine_starts_before_generation_ends(
@@ -259,3 +314,45 @@ async def test_the_models_list_says_whether_answers_stream_as_generated(
                 assert (await response.json())["data"][0]["metadata"]["streaming"] == "whole_answer"
         finally:
             client.transport = original
+
+
+@pytest.mark.parametrize("refusal", ["rejected", "ignored"])
+async def test_an_engine_that_cannot_stream_gets_whole_answer_requests_from_then_on(
+    tokenizer: Any, refusal: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An older vLLM answers a streamed generate with 400 (``rejected``) or with its whole
+    JSON answer (``ignored``): the call is answered all the same, token-exact, and the engine gets whole-answer
+    requests from then on, with one warning and ``GET /v1/models`` saying so."""
+    server = FakeVLLMServer(tokenizer, model="fake-model", generate_stream=refusal)
+    async with server, gateway_for(server, tokenizer) as gateway:
+        session = await gateway.open_session()
+        server.script([ScriptedTurn(text="First.<|im_end|>"), ScriptedTurn(text=TEXT)], session=session.session_id)
+        models = f"{session.base_url}/models"
+        messages: list[Any] = [{"role": "user", "content": "Hi"}]
+        answers: list[str] = []
+        async with aiohttp.ClientSession() as http:
+            async with http.get(models) as response:
+                assert (await response.json())["data"][0]["metadata"]["streaming"] == "tokens"
+            for follow_up in ("Again", None):  # a call, then its follow-up
+                body = {"messages": messages, "stream": True}
+                async with http.post(f"{session.base_url}/chat/completions", json=body) as response:
+                    assert response.status == 200
+                    received = [event async for event in events(response)]
+                assert received[-1] == "[DONE]" and received[-2]["choices"][0]["finish_reason"] == "stop"
+                answers.append("".join(content_of(event) for event in received))
+                if follow_up is not None:
+                    messages += [{"role": "assistant", "content": answers[-1]}, {"role": "user", "content": "Again"}]
+            async with http.get(models) as response:
+                assert (await response.json())["data"][0]["metadata"]["streaming"] == "whole_answer"
+        samples = await session.close()
+    assert answers == ["First.", TEXT.removesuffix("<|im_end|>")]
+    asked = [bool(request.body.get("stream")) for request in server.requests_to(GENERATE_PATH)]
+    # rejected: the refused request, then the same call whole; ignored: answered whole at once. Then whole only.
+    assert asked == ([True, False, False] if refusal == "rejected" else [True, False])
+    warnings = [record for record in caplog.records if "come whole from now on" in record.getMessage()]
+    assert len(warnings) == 1 and warnings[0].levelname == "WARNING"
+    sample = samples[0]
+    first, second = tokenizer.encode("First.<|im_end|>"), tokenizer.encode(TEXT)
+    prompt = len(sample.tokens) - sample.response_length
+    assert sample.tokens[prompt : prompt + len(first)] == first and sample.tokens[-len(second) :] == second
+    assert sum(sample.loss_mask or []) == len(first) + len(second)

@@ -58,6 +58,7 @@ def test_the_seed_outcomes_are_all_reachable_in_the_normal_flow() -> None:
         "session_closed",
         "agent_timeout",
         "oversampled",  # a surplus group of an over-sampled batch, ended once the target was reached
+        "agent_disconnected",  # a gateway agent gone mid-call past the disconnect grace: the cut turn is kept
     }
     # a rewritten history (a fork policy's re-render, or a gateway agent's call) closes a sequence, not the rollout
     rewritten = [edge for edge in lifecycle.TRANSITIONS if edge.reason == "history_rewritten"]
@@ -125,3 +126,14 @@ def test_the_fork_edges_are_the_only_non_terminal_edges_with_a_reason() -> None:
         ("rendered", None),
     ]
     assert len({edge.actions for edge in forks[1:]}) == 1  # both close the sequence alike; only the reason differs
+
+
+def test_only_a_turn_in_progress_has_a_disconnect_edge_and_it_comes_before_the_other_aborts() -> None:
+    for state in lifecycle.NON_TERMINAL:
+        aborts = [edge for edge in lifecycle.TRANSITIONS if edge.trigger == "abort" and edge.source == state]
+        guards = [edge.guard for edge in aborts]
+        if state in ("generating", "suspended"):
+            assert guards == ["agent_disconnected", "oversampled", None]
+            assert aborts[0].actions[0] == "keep_streamed_turn" and aborts[0].reason == lifecycle.AGENT_DISCONNECTED
+        else:  # no turn in progress: nothing to keep, the caller's edge records the reason
+            assert guards == ["oversampled", None]

@@ -97,7 +97,8 @@ def test_the_json_keys_are_the_data_fields() -> None:
 
 def test_only_process_objects_are_left_out_of_the_json() -> None:
     live = {item.name for item in dataclasses.fields(RolloutContext)} - {item.name for item in data_fields()}
-    assert live == {"sample", "deps", "env", "step", "last_turn", "error", "closing"}
+    # ``streamed``: the request in flight's tokens, empty whenever a resume state can be taken (suspended)
+    assert live == {"sample", "deps", "env", "step", "last_turn", "error", "closing", "streamed"}
 
 
 def test_a_state_missing_a_field_is_damaged() -> None:

@@ -95,6 +95,10 @@ class FakeVLLMServer:
     the ids the chat template rendered; it returns the prompt ids to answer with (e.g. with image placeholders
     expanded) and the ``features`` to send (see :func:`fsm_rollout.multimodal.codec.render_features`). An exception
     from it answers 400. Without it, render answers the template's ids and ``features: null``.
+
+    ``generate_stream`` is how a ``"stream": true`` generate is met: ``"sse"`` streams it as vLLM 0.32 does;
+    ``"rejected"`` answers 400 for ``"stream": true``, as an older server that does not stream this endpoint;
+    ``"ignored"`` answers the whole JSON body, as a server that does not read the field.
     """
 
     def __init__(
@@ -112,7 +116,11 @@ class FakeVLLMServer:
         routes_on_abort: bool = False,
         publish_metrics: bool = True,
         kv_cache_tokens: int | None = None,
+        generate_stream: str = "sse",
     ) -> None:
+        if generate_stream not in ("sse", "rejected", "ignored"):
+            raise ValueError(f"generate_stream must be 'sse', 'rejected' or 'ignored', got {generate_stream!r}")
+        self.generate_stream = generate_stream
         if logprob_entry_style not in ("token_id", "token"):
             raise ValueError(f"logprob_entry_style must be 'token_id' or 'token', got {logprob_entry_style!r}")
         if max_model_len < 1:
@@ -361,8 +369,18 @@ class FakeVLLMServer:
                 raise RequestError(400, f"multimodal processing failed: {error}") from error
         return token_ids, features
 
+    def _stream_flags(self, params: GenerateRequest) -> tuple[bool, bool]:
+        """``(stream, include_usage)`` as this server meets them (``generate_stream``)."""
+        flags = stream_flags(params.body)
+        if self.generate_stream == "sse":
+            return flags
+        if self.generate_stream == "rejected" and flags[0]:  # the field is known (its render sends it false)
+            raise RequestError(400, "stream: streaming is not supported on this endpoint", "stream")
+        return False, False
+
     async def _generate(self, params: GenerateRequest, http: web.Request) -> web.StreamResponse:
         session = http.headers.get(SESSION_HEADER)
+        self._stream_flags(params)  # an older server refuses the field before it draws a turn
         job = self._turns.next_job(session, params.token_ids)
         if job.continued:
             self.continuation_request_ids.append(params.request_id)
@@ -371,7 +389,7 @@ class FakeVLLMServer:
             if self._room.stopping:
                 self.interrupted_request_ids.append(params.request_id)
                 aborted = self._generate_answer(params, job, [], "abort", [])
-                if stream_flags(params.body)[0]:
+                if self._stream_flags(params)[0]:
                     return await stream_rest(http, None, params.request_id, aborted)
                 return json_response(aborted)
         self._in_flight += 1
@@ -390,7 +408,7 @@ class FakeVLLMServer:
     ) -> web.StreamResponse:
         turn = job.turn
         version = self._weight_version
-        stream, include_usage = stream_flags(params.body)
+        stream, include_usage = self._stream_flags(params)
         waiter: Waiter | None = None
         opened: web.StreamResponse | None = None  # a streamed held turn's first tokens went out before its hold
         sent = 0
