@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from fsm_rollout.training.provenance import FIELDS, Tokens
+from fsm_rollout.training.provenance import FIELDS, KEPT_ROWS, Tokens
 
 SPLIT_CAUSES: tuple[str, ...] = ("generated", "loss_mask", "log_probs", "routed_experts", "images", "multimodal")
 """The provenance causes ``tree.stats["provenance_splits"]`` counts, in the order they are checked."""
@@ -50,11 +50,12 @@ def first_difference(node: Tokens, rest: Tokens, length: int) -> tuple[int, str 
     if limit == 0:
         return 0, None
     am, bm = node.mask[:limit], rest.mask[:limit]
-    ar, br = node.routed[:limit], rest.routed[:limit]
     bad = (am == 1) | (am != bm)  # a generated token agrees with nothing
     bad |= node.data[2, :limit] != rest.data[2, :limit]  # the logprobs' bits
-    bad |= (ar != br) & (ar >= 0) & (br >= 0)  # routing is compared where both recorded it
-    bad |= node.mm[:limit] != rest.mm[:limit]
+    if node.extra is not None or rest.extra is not None:  # else neither recorded routing or features: all -1
+        ar, br = node.routed[:limit], rest.routed[:limit]
+        bad |= (ar != br) & (ar >= 0) & (br >= 0)  # routing is compared where both recorded it
+        bad |= node.mm[:limit] != rest.mm[:limit]
     at = int(bad.argmax())
     if not bad[at]:
         return limit, None
@@ -122,12 +123,12 @@ class Trie:
 
 def _fill_routing(node: Tokens, rest: Tokens, matched: int) -> None:
     """Where only the incoming sequence recorded routing for a shared token, the node keeps its reference."""
-    if not matched or int(rest.routed[:matched].max()) < 0:  # the usual case: the sequence recorded no routing
+    if not matched or rest.extra is None or int(rest.routed[:matched].max()) < 0:  # the usual case: no routing
         return
     fill = np.flatnonzero((node.routed[:matched] < 0) & (rest.routed[:matched] >= 0))
     if fill.size:
-        rows = np.asarray([FIELDS.index(name) for name in ("routed", "routed_seq", "routed_row")])
-        node.data[np.ix_(rows, fill)] = rest.data[np.ix_(rows, fill)]
+        rows = np.asarray([FIELDS.index(name) - KEPT_ROWS for name in ("routed", "routed_seq", "routed_row")])
+        node.recorded()[np.ix_(rows, fill)] = rest.recorded()[np.ix_(rows, fill)]
 
 
 def _split(node: TrieNode, at: int) -> None:

@@ -17,7 +17,7 @@ import numpy.typing as npt
 from fsm_rollout.sample import Sample, training_sequences
 from fsm_rollout.training.build import SPLIT_CAUSES, Trie, TrieNode
 from fsm_rollout.training.nodes import ImageRef, TreeData, TreeLeaf, TreeNode
-from fsm_rollout.training.provenance import FIELDS, Intern, Interner, TreeBuildError, sequence_tokens
+from fsm_rollout.training.provenance import Intern, Interner, TreeBuildError, sequence_tokens
 from fsm_rollout.training.tree_format import tree_from_dict, tree_to_dict
 from fsm_rollout.training.tree_pack import PackedBatch, pack_tree
 from fsm_rollout.training.tree_text import render_tree
@@ -112,11 +112,27 @@ def training_tree(
         raise TreeBuildError(f"share must be 'group', 'all' or 'none'; got {share!r}")
     rollouts = [item if isinstance(item, Sample) else _from_row(item, number) for number, item in enumerate(samples)]
     owners = [number for number, rollout in enumerate(rollouts) for _ in range(len(rollout.branches) + 1)]
+    return _build(rollouts, owners, share, image_token_id, stored=False)
+
+
+def reference_tree(
+    samples: Iterable[Sample | Mapping[str, Any]], *, share: Share = "group", image_token_id: int | None = None
+) -> TokenTree:
+    """The tree built the original way, which the tests hold :func:`training_tree` to: every per-token row stored
+    for every token, routed or not."""
+    rollouts = [item if isinstance(item, Sample) else _from_row(item, number) for number, item in enumerate(samples)]
+    owners = [number for number, rollout in enumerate(rollouts) for _ in range(len(rollout.branches) + 1)]
+    return _build(rollouts, owners, share, image_token_id, stored=True)
+
+
+def _build(
+    rollouts: list[Sample], owners: list[int], share: str, image_token_id: int | None, *, stored: bool
+) -> TokenTree:
     sequences = training_sequences(rollouts)
     intern = Intern(Interner(), Interner(), Interner(), Interner())
     trie = Trie()
     for number, sequence in enumerate(sequences):
-        tokens = sequence_tokens(sequence, number, image_token_id, intern)
+        tokens = sequence_tokens(sequence, number, image_token_id, intern, stored=stored)
         trie.insert(_scope(share, sequence, owners[number], number), tokens, number)
     return _finish(trie, sequences, [rollouts[owner] for owner in owners], owners, share, intern)
 
@@ -179,15 +195,12 @@ def tree_stats(nodes: Sequence[TreeNode], leaves: Sequence[TreeLeaf], splits: Ma
     }
 
 
-KEPT = np.array([FIELDS.index(name) for name in ("ids", "mask", "logprob", "routed_seq", "routed_row")])
-"""The per-token rows a node keeps (copied in one step)."""
-
-
 def _tree_node(
     number: int, parent: int, depth: int, node: TrieNode, intern: Intern, names: list[str | None]
 ) -> TreeNode:
     tokens = node.tokens
-    kept = tokens.data.take(KEPT, axis=0)  # a copy of the rows the node keeps
+    kept = tokens.data[:3].copy()  # ids, mask, logprob: a copy of the rows the node keeps
+    routed = tokens.extra[1:3].copy() if tokens.extra is not None else np.full((2, len(tokens)), -1, dtype=np.int64)
     version = tokens.version
     if len(version) and bool((version == version[0]).all()):  # the usual case: one version (or none) throughout
         versions = [names[int(version[0]) + 1]] * len(version)
@@ -201,9 +214,11 @@ def _tree_node(
         loss_mask=kept[1],
         rollout_log_probs=kept[2].view(np.float64),
         weight_versions=versions,
-        images=_images(tokens.img, tokens.img_k, tokens.img_seq, tokens.img_index, intern.images),
-        routed_sequence=kept[3],
-        routed_row=kept[4],
+        images=[]
+        if tokens.extra is None
+        else _images(tokens.img, tokens.img_k, tokens.img_seq, tokens.img_index, intern.images),
+        routed_sequence=routed[0],
+        routed_row=routed[1],
         sequences=[],
     )
 
