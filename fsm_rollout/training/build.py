@@ -99,7 +99,7 @@ class Trie:
             if chosen is None:
                 if cause is not None:
                     self.splits[cause] += 1
-                fresh = TrieNode(rest.copy(), None)
+                fresh = TrieNode(rest, None)  # the sequence's own arrays: each build reads them afresh
                 node.adopt(fresh)
                 node = fresh
                 break

@@ -10,6 +10,7 @@ counted twice either way).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -154,13 +155,7 @@ def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int
         return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
 
     images = [(start[node.id] + ref.offset, ref) for node in parts for ref in node.images]
-    index = {
-        number: np.concatenate(
-            [np.arange(start[n], start[n] + len(tree.nodes[n]), dtype=np.int64) for n in tree.leaves[number].nodes]
-            or [np.zeros(0, dtype=np.int64)]
-        )
-        for number in sorted(sequences)
-    }
+    index = {number: _path_index(tree, start, number) for number in sorted(sequences)}
     return PackedBatch(
         token_ids=joined("token_ids", np.int64),
         position_ids=np.repeat(depths, counts) + order - begin,
@@ -168,7 +163,7 @@ def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int
         node_of_token=np.repeat(np.asarray(nodes, dtype=np.int64), counts),
         loss_mask=joined("loss_mask", np.int64) * np.repeat(fresh, counts),  # 0 on a repeated copy
         rollout_log_probs=joined("rollout_log_probs", np.float64),
-        weight_versions=[v for node in parts for v in node.weight_versions],
+        weight_versions=list(chain.from_iterable(node.weight_versions for node in parts)),
         sequence_of_token=np.repeat(owners, counts),
         leaf_token_index=index,
         nodes=list(nodes),
@@ -176,6 +171,19 @@ def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int
         ancestors=ancestors,
         local_node=np.repeat(np.arange(len(parts), dtype=np.int64), counts),
     )
+
+
+def _path_index(tree: TreeData, start: dict[int, int], number: int) -> IntArray:
+    """The batch indices of sequence ``number``'s tokens, its path's nodes' spans one after another."""
+    path = tree.leaves[number].nodes
+    if len(path) == 1:  # one span (a flat row, say)
+        first = start[path[0]]
+        return np.arange(first, first + len(tree.nodes[path[0]].token_ids), dtype=np.int64)
+    counts = np.fromiter((len(tree.nodes[n].token_ids) for n in path), dtype=np.int64, count=len(path))
+    firsts = np.fromiter((start[n] for n in path), dtype=np.int64, count=len(path))
+    before = np.cumsum(counts) - counts  # the path's tokens before each node
+    out: IntArray = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(firsts - before, counts)
+    return out
 
 
 __all__ = ["PackedBatch", "pack_tree"]
