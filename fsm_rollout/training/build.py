@@ -45,13 +45,16 @@ def first_difference(node: Tokens, rest: Tokens, length: int) -> tuple[int, str 
     """Where, within the first ``length`` tokens, ``rest`` stops agreeing with ``node``, and the provenance cause
     (None when the token ids differ there, or when they agree throughout and the index is ``length``)."""
     # argmax finds the first True in one reduction (flatnonzero would list them all)
-    differ = node.ids[:length] != rest.ids[:length]
-    limit = int(differ.argmax()) if length and differ[differ.argmax()] else length
+    if length == 0:
+        return 0, None
+    head = node.data[:3, :length]
+    differ = head != rest.data[:3, :length]  # token ids, loss masks and logprobs' bits in one comparison
+    first = int(differ[0].argmax())
+    limit = first if differ[0, first] else length
     if limit == 0:
         return 0, None
-    am, bm = node.mask[:limit], rest.mask[:limit]
-    bad = (am == 1) | (am != bm)  # a generated token agrees with nothing
-    bad |= node.data[2, :limit] != rest.data[2, :limit]  # the logprobs' bits
+    bad = differ[1:, :limit].any(axis=0)
+    bad |= head[1, :limit] == 1  # a generated token agrees with nothing
     if node.extra is not None or rest.extra is not None:  # else neither recorded routing or features: all -1
         ar, br = node.routed[:limit], rest.routed[:limit]
         bad |= (ar != br) & (ar >= 0) & (br >= 0)  # routing is compared where both recorded it

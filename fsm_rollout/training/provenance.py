@@ -200,7 +200,7 @@ def sequence_tokens(
         raise TreeBuildError(f"{_name(sample, number)}: response_length {response} exceeds its {size} tokens")
     mask = np.zeros(size, dtype=np.int64)
     mask[prompt:] = (
-        1 if sample.loss_mask is None else _response(sample.loss_mask, response, "loss_mask", sample, number)
+        1 if sample.loss_mask is None else _flags(_response(sample.loss_mask, response, "loss_mask", sample, number))
     )
     logprob = np.zeros(size, dtype=np.float64)
     if sample.rollout_log_probs is not None:
@@ -213,6 +213,17 @@ def sequence_tokens(
     _place_routing(out, sample, number, intern.routing)
     _place_multimodal(out, sample, number, image_token_id, intern)
     return out
+
+
+def _flags(values: Any) -> Any:
+    """A list of small non-negative ints (a loss mask) read through ``bytes``, several times faster than numpy
+    reads a list; anything else as it is, for numpy to convert."""
+    if isinstance(values, list):
+        try:
+            return np.frombuffer(bytes(values), dtype=np.uint8)
+        except (TypeError, ValueError):
+            pass
+    return values
 
 
 def _response(values: Any, response: int, name: str, sample: Sample, number: int) -> Any:

@@ -86,8 +86,9 @@ def pack_tree(tree: TreeData, max_tokens: int) -> list[PackedBatch]:
     """The batches :meth:`TokenTree.pack` returns."""
     if max_tokens <= 0:
         raise TreeBuildError(f"max_tokens must be positive; got {max_tokens}")
+    sizes = [len(node.token_ids) for node in tree.nodes]  # read once: packing asks for them per sequence
     for node in tree.nodes:
-        if len(node) > max_tokens:
+        if sizes[node.id] > max_tokens:
             raise TreeBuildError(
                 f"tree node {node.id} (depth {node.depth}, sequences {node.sequences[:8]}) holds {len(node)} tokens, "
                 f"more than max_tokens={max_tokens}; packing never splits a node"
@@ -104,7 +105,7 @@ def pack_tree(tree: TreeData, max_tokens: int) -> list[PackedBatch]:
                 f"training sequence {number} (sample {leaf.sample}, branch {leaf.branch}) holds {leaf.length} tokens, "
                 f"more than max_tokens={max_tokens}; each sequence's whole path goes in one batch"
             )
-        extra = sum(len(tree.nodes[node]) for node in leaf.nodes if node not in held)
+        extra = sum(sizes[node] for node in leaf.nodes if node not in held)
         if current and size + extra > max_tokens:
             groups.append((current, held))
             current, held, size = [], set(), 0
@@ -117,18 +118,18 @@ def pack_tree(tree: TreeData, max_tokens: int) -> list[PackedBatch]:
     seen: set[int] = set()
     batches = []
     for sequences, nodes in groups:
-        batches.append(_batch(tree, sequences, sorted(nodes), seen))
+        batches.append(_batch(tree, sizes, sequences, sorted(nodes), seen))
         seen.update(nodes)
     return batches
 
 
-def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int]) -> PackedBatch:
+def _batch(tree: TreeData, sizes: list[int], sequences: list[int], nodes: list[int], seen: set[int]) -> PackedBatch:
     """One batch of ``nodes`` (sorted: the tree numbers parents before children); ``seen`` were in earlier ones.
 
     The per-token arrays are built per node in one step each (a node's id, owner and depth repeated over its
     tokens), not token by token."""
     parts = [tree.nodes[node_id] for node_id in nodes]
-    counts = np.fromiter((len(node) for node in parts), dtype=np.int64, count=len(parts))
+    counts = np.fromiter((sizes[node_id] for node_id in nodes), dtype=np.int64, count=len(parts))
     starts = np.zeros(len(parts), dtype=np.int64)
     np.cumsum(counts[:-1], out=starts[1:])
     total = int(counts.sum())
@@ -139,7 +140,7 @@ def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int
     for here, node in enumerate(parts):
         if node.parent >= 0:
             ancestors[here] = ancestors[local[node.parent]]
-            heads[here] = start[node.parent] + len(tree.nodes[node.parent]) - 1
+            heads[here] = start[node.parent] + sizes[node.parent] - 1
         ancestors[here, here] = True
     order = np.arange(total, dtype=np.int64)
     begin = np.repeat(starts, counts)
@@ -155,7 +156,7 @@ def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int
         return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
 
     images = [(start[node.id] + ref.offset, ref) for node in parts for ref in node.images]
-    index = {number: _path_index(tree, start, number) for number in sorted(sequences)}
+    index = {number: _path_index(tree, sizes, start, number) for number in sorted(sequences)}
     return PackedBatch(
         token_ids=joined("token_ids", np.int64),
         position_ids=np.repeat(depths, counts) + order - begin,
@@ -173,13 +174,13 @@ def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int
     )
 
 
-def _path_index(tree: TreeData, start: dict[int, int], number: int) -> IntArray:
+def _path_index(tree: TreeData, sizes: list[int], start: dict[int, int], number: int) -> IntArray:
     """The batch indices of sequence ``number``'s tokens, its path's nodes' spans one after another."""
     path = tree.leaves[number].nodes
     if len(path) == 1:  # one span (a flat row, say)
         first = start[path[0]]
-        return np.arange(first, first + len(tree.nodes[path[0]].token_ids), dtype=np.int64)
-    counts = np.fromiter((len(tree.nodes[n].token_ids) for n in path), dtype=np.int64, count=len(path))
+        return np.arange(first, first + sizes[path[0]], dtype=np.int64)
+    counts = np.fromiter((sizes[n] for n in path), dtype=np.int64, count=len(path))
     firsts = np.fromiter((start[n] for n in path), dtype=np.int64, count=len(path))
     before = np.cumsum(counts) - counts  # the path's tokens before each node
     out: IntArray = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(firsts - before, counts)
