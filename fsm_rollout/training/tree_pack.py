@@ -175,15 +175,14 @@ def _batch(tree: TreeData, sizes: list[int], sequences: list[int], nodes: list[i
 
 
 def _path_index(tree: TreeData, sizes: list[int], start: dict[int, int], number: int) -> IntArray:
-    """The batch indices of sequence ``number``'s tokens, its path's nodes' spans one after another."""
+    """The batch indices of sequence ``number``'s tokens, its path's nodes' spans one after another (paths are
+    short: one range per node is cheaper than a vectorised gather)."""
     path = tree.leaves[number].nodes
-    if len(path) == 1:  # one span (a flat row, say)
-        first = start[path[0]]
-        return np.arange(first, first + sizes[path[0]], dtype=np.int64)
-    counts = np.fromiter((sizes[n] for n in path), dtype=np.int64, count=len(path))
-    firsts = np.fromiter((start[n] for n in path), dtype=np.int64, count=len(path))
-    before = np.cumsum(counts) - counts  # the path's tokens before each node
-    out: IntArray = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(firsts - before, counts)
+    if len(path) == 1:
+        return np.arange(start[path[0]], start[path[0]] + sizes[path[0]], dtype=np.int64)
+    out: IntArray = np.concatenate(
+        [np.arange(start[n], start[n] + sizes[n], dtype=np.int64) for n in path] or [np.zeros(0, dtype=np.int64)]
+    )
     return out
 
 
