@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from fsm_rollout.training.provenance import FIELDS, Tokens
+from fsm_rollout.training.provenance import FIELDS, KEPT_ROWS, Tokens
 
 SPLIT_CAUSES: tuple[str, ...] = ("generated", "loss_mask", "log_probs", "routed_experts", "images", "multimodal")
 """The provenance causes ``tree.stats["provenance_splits"]`` counts, in the order they are checked."""
@@ -45,16 +45,20 @@ def first_difference(node: Tokens, rest: Tokens, length: int) -> tuple[int, str 
     """Where, within the first ``length`` tokens, ``rest`` stops agreeing with ``node``, and the provenance cause
     (None when the token ids differ there, or when they agree throughout and the index is ``length``)."""
     # argmax finds the first True in one reduction (flatnonzero would list them all)
-    differ = node.ids[:length] != rest.ids[:length]
-    limit = int(differ.argmax()) if length and differ[differ.argmax()] else length
+    if length == 0:
+        return 0, None
+    head = node.data[:3, :length]
+    differ = head != rest.data[:3, :length]  # token ids, loss masks and logprobs' bits in one comparison
+    first = int(differ[0].argmax())
+    limit = first if differ[0, first] else length
     if limit == 0:
         return 0, None
-    am, bm = node.mask[:limit], rest.mask[:limit]
-    ar, br = node.routed[:limit], rest.routed[:limit]
-    bad = (am == 1) | (am != bm)  # a generated token agrees with nothing
-    bad |= node.data[2, :limit] != rest.data[2, :limit]  # the logprobs' bits
-    bad |= (ar != br) & (ar >= 0) & (br >= 0)  # routing is compared where both recorded it
-    bad |= node.mm[:limit] != rest.mm[:limit]
+    bad = differ[1:, :limit].any(axis=0)
+    bad |= head[1, :limit] == 1  # a generated token agrees with nothing
+    if node.extra is not None or rest.extra is not None:  # else neither recorded routing or features: all -1
+        ar, br = node.routed[:limit], rest.routed[:limit]
+        bad |= (ar != br) & (ar >= 0) & (br >= 0)  # routing is compared where both recorded it
+        bad |= node.mm[:limit] != rest.mm[:limit]
     at = int(bad.argmax())
     if not bad[at]:
         return limit, None
@@ -98,7 +102,7 @@ class Trie:
             if chosen is None:
                 if cause is not None:
                     self.splits[cause] += 1
-                fresh = TrieNode(rest.copy(), None)
+                fresh = TrieNode(rest, None)  # the sequence's own arrays: each build reads them afresh
                 node.adopt(fresh)
                 node = fresh
                 break
@@ -122,12 +126,12 @@ class Trie:
 
 def _fill_routing(node: Tokens, rest: Tokens, matched: int) -> None:
     """Where only the incoming sequence recorded routing for a shared token, the node keeps its reference."""
-    if not matched or int(rest.routed[:matched].max()) < 0:  # the usual case: the sequence recorded no routing
+    if not matched or rest.extra is None or int(rest.routed[:matched].max()) < 0:  # the usual case: no routing
         return
     fill = np.flatnonzero((node.routed[:matched] < 0) & (rest.routed[:matched] >= 0))
     if fill.size:
-        rows = np.asarray([FIELDS.index(name) for name in ("routed", "routed_seq", "routed_row")])
-        node.data[np.ix_(rows, fill)] = rest.data[np.ix_(rows, fill)]
+        rows = np.asarray([FIELDS.index(name) - KEPT_ROWS for name in ("routed", "routed_seq", "routed_row")])
+        node.recorded()[np.ix_(rows, fill)] = rest.recorded()[np.ix_(rows, fill)]
 
 
 def _split(node: TrieNode, at: int) -> None:

@@ -70,27 +70,63 @@ class Interner:
         return found
 
 
+KEPT_ROWS = 4
+"""``ids``, ``mask``, ``logprob`` and ``version``: the rows every token has, the first of :data:`FIELDS`."""
+
+_ABSENT: list[IntArray] = [np.full(0, -1, dtype=np.int64)]
+"""A read-only run of -1 the sequences without routing or images read their absent rows from (grown on demand)."""
+
+
+def absent(size: int) -> IntArray:
+    """``size`` read-only -1 entries (a view: nothing is allocated per call)."""
+    if len(_ABSENT[0]) < size:
+        grown = np.full(max(size, 2 * len(_ABSENT[0]), 4096), -1, dtype=np.int64)
+        grown.flags.writeable = False
+        _ABSENT[0] = grown
+    return _ABSENT[0][:size]
+
+
 class Tokens:
-    """A run of tokens' arrays (a whole sequence, or a node's span): one int64 row per name in :data:`FIELDS` of a
-    single 2-D array, so a node's span is cut or copied in one step; ``logprob`` is its row's bits as float64."""
+    """A run of tokens' arrays (a whole sequence, or a node's span), one int64 row per name in :data:`FIELDS`.
 
-    __slots__ = ("data",)
+    ``data`` holds the first :data:`KEPT_ROWS` (``logprob`` is its row's bits as float64); ``extra`` the routing and
+    multimodal rows, or None when the run recorded none (most sequences): then those rows read as -1 without being
+    stored, so a batch's memory holds only what was recorded."""
 
-    def __init__(self, data: IntArray) -> None:
+    __slots__ = ("data", "extra")
+
+    def __init__(self, data: IntArray, extra: IntArray | None = None) -> None:
         self.data = data
+        self.extra = extra
 
     def __len__(self) -> int:
         return int(self.data.shape[1])
 
     def _row(self, number: int) -> IntArray:
-        row: IntArray = self.data[number]
-        return row
+        if number < KEPT_ROWS:
+            row: IntArray = self.data[number]
+            return row
+        if self.extra is None:
+            return absent(len(self))
+        extra: IntArray = self.extra[number - KEPT_ROWS]
+        return extra
+
+    def recorded(self) -> IntArray:
+        """The routing and multimodal rows, stored from now on (all -1 where nothing was recorded yet)."""
+        if self.extra is None:
+            self.extra = np.full((len(FIELDS) - KEPT_ROWS, len(self)), -1, dtype=np.int64)
+        return self.extra
 
     def cut(self, start: int, end: int | None = None) -> Tokens:
-        return Tokens(self.data[:, start:end])
+        return Tokens(self.data[:, start:end], None if self.extra is None else self.extra[:, start:end])
 
     def copy(self) -> Tokens:
-        return Tokens(self.data.copy())
+        return Tokens(self.data.copy(), None if self.extra is None else self.extra.copy())
+
+    def rows(self) -> IntArray:
+        """All of :data:`FIELDS` as one array (a copy)."""
+        extra = self.extra if self.extra is not None else np.full((len(FIELDS) - KEPT_ROWS, len(self)), -1)
+        return np.concatenate((self.data, extra))
 
     @property
     def logprob(self) -> npt.NDArray[np.float64]:
@@ -151,8 +187,11 @@ class Intern:
     images: Interner
 
 
-def sequence_tokens(sample: Sample, number: int, image_token_id: int | None, intern: Intern) -> Tokens:
-    """The arrays of training sequence ``number`` (its place in :func:`training_sequences` order)."""
+def sequence_tokens(
+    sample: Sample, number: int, image_token_id: int | None, intern: Intern, *, stored: bool = False
+) -> Tokens:
+    """The arrays of training sequence ``number`` (its place in :func:`training_sequences` order); with ``stored``
+    every row is stored even where nothing was recorded (the reference build's layout)."""
     tokens = np.asarray(sample.tokens, dtype=np.int64).reshape(-1)
     size = len(tokens)
     response = int(sample.response_length)
@@ -161,17 +200,30 @@ def sequence_tokens(sample: Sample, number: int, image_token_id: int | None, int
         raise TreeBuildError(f"{_name(sample, number)}: response_length {response} exceeds its {size} tokens")
     mask = np.zeros(size, dtype=np.int64)
     mask[prompt:] = (
-        1 if sample.loss_mask is None else _response(sample.loss_mask, response, "loss_mask", sample, number)
+        1 if sample.loss_mask is None else _flags(_response(sample.loss_mask, response, "loss_mask", sample, number))
     )
     logprob = np.zeros(size, dtype=np.float64)
     if sample.rollout_log_probs is not None:
         logprob[prompt:] = _response(sample.rollout_log_probs, response, "rollout_log_probs", sample, number)
-    out = Tokens(np.full((len(FIELDS), size), -1, dtype=np.int64))
-    out.data[0], out.data[1], out.data[2] = tokens, mask, logprob.view(np.int64)
+    out = Tokens(np.empty((KEPT_ROWS, size), dtype=np.int64))
+    out.data[0], out.data[1], out.data[2], out.data[3] = tokens, mask, logprob.view(np.int64), -1
+    if stored:
+        out.recorded()
     _place_versions(out, sample, prompt, intern.versions)
     _place_routing(out, sample, number, intern.routing)
     _place_multimodal(out, sample, number, image_token_id, intern)
     return out
+
+
+def _flags(values: Any) -> Any:
+    """A list of small non-negative ints (a loss mask) read through ``bytes``, several times faster than numpy
+    reads a list; anything else as it is, for numpy to convert."""
+    if isinstance(values, list):
+        try:
+            return np.frombuffer(bytes(values), dtype=np.uint8)
+        except (TypeError, ValueError):
+            pass
+    return values
 
 
 def _response(values: Any, response: int, name: str, sample: Sample, number: int) -> Any:
@@ -203,6 +255,7 @@ def _place_routing(out: Tokens, sample: Sample, number: int, routing: Interner) 
     if rows.shape[0] == 0:
         return
     flat = np.ascontiguousarray(rows.reshape(rows.shape[0], -1), dtype=np.int32)
+    out.recorded()
     for row in range(flat.shape[0]):
         out.routed[row] = routing(flat[row].tobytes())
     out.routed_seq[: flat.shape[0]] = number
@@ -223,6 +276,7 @@ def _place_multimodal(out: Tokens, sample: Sample, number: int, image_token_id: 
     else:
         images = _image_hashes(arrays, sample, number)
     other = {key: value for key, value in arrays.items() if key not in IMAGE_FEATURES}
+    out.recorded()
     if image_token_id is None or images is None:
         out.mm[:] = intern.mm(("features", _digest(arrays)))  # nothing finer is known: the features as a whole
         return
@@ -292,4 +346,4 @@ def _name(sample: Sample, number: int) -> str:
     return f"training sequence {number} (sample index={sample.index}, branch={sample.metadata.get('branch')})"
 
 
-__all__ = ["FIELDS", "Intern", "Interner", "Tokens", "TreeBuildError", "sequence_tokens"]
+__all__ = ["FIELDS", "KEPT_ROWS", "Intern", "Interner", "Tokens", "TreeBuildError", "absent", "sequence_tokens"]

@@ -17,7 +17,7 @@ import numpy.typing as npt
 from fsm_rollout.sample import Sample, training_sequences
 from fsm_rollout.training.build import SPLIT_CAUSES, Trie, TrieNode
 from fsm_rollout.training.nodes import ImageRef, TreeData, TreeLeaf, TreeNode
-from fsm_rollout.training.provenance import FIELDS, Intern, Interner, TreeBuildError, sequence_tokens
+from fsm_rollout.training.provenance import KEPT_ROWS, Intern, Interner, TreeBuildError, sequence_tokens
 from fsm_rollout.training.tree_format import tree_from_dict, tree_to_dict
 from fsm_rollout.training.tree_pack import PackedBatch, pack_tree
 from fsm_rollout.training.tree_text import render_tree
@@ -112,11 +112,27 @@ def training_tree(
         raise TreeBuildError(f"share must be 'group', 'all' or 'none'; got {share!r}")
     rollouts = [item if isinstance(item, Sample) else _from_row(item, number) for number, item in enumerate(samples)]
     owners = [number for number, rollout in enumerate(rollouts) for _ in range(len(rollout.branches) + 1)]
+    return _build(rollouts, owners, share, image_token_id, stored=False)
+
+
+def reference_tree(
+    samples: Iterable[Sample | Mapping[str, Any]], *, share: Share = "group", image_token_id: int | None = None
+) -> TokenTree:
+    """The tree built the original way, which the tests hold :func:`training_tree` to: every per-token row stored
+    for every token, routed or not."""
+    rollouts = [item if isinstance(item, Sample) else _from_row(item, number) for number, item in enumerate(samples)]
+    owners = [number for number, rollout in enumerate(rollouts) for _ in range(len(rollout.branches) + 1)]
+    return _build(rollouts, owners, share, image_token_id, stored=True)
+
+
+def _build(
+    rollouts: list[Sample], owners: list[int], share: str, image_token_id: int | None, *, stored: bool
+) -> TokenTree:
     sequences = training_sequences(rollouts)
     intern = Intern(Interner(), Interner(), Interner(), Interner())
     trie = Trie()
     for number, sequence in enumerate(sequences):
-        tokens = sequence_tokens(sequence, number, image_token_id, intern)
+        tokens = sequence_tokens(sequence, number, image_token_id, intern, stored=stored)
         trie.insert(_scope(share, sequence, owners[number], number), tokens, number)
     return _finish(trie, sequences, [rollouts[owner] for owner in owners], owners, share, intern)
 
@@ -142,16 +158,11 @@ def _finish(
 ) -> TokenTree:
     order = trie.walk()
     ids = {id(node): number for number, node in enumerate(order)}
-    depth: dict[int, int] = {}
     end: dict[int, TrieNode | None] = {number: None for number in range(len(sequences))}  # None: no tokens
-    nodes: list[TreeNode] = []
-    names = [None, *(str(key) for key in intern.versions.keys)]  # a version code -1 (none) reads names[0]
-    for number, node in enumerate(order):
-        parent = ids.get(id(node.parent), -1)
-        depth[number] = 0 if parent < 0 else depth[parent] + len(nodes[parent])
+    for node in order:
         for sequence in node.ending:
             end[sequence] = node
-        nodes.append(_tree_node(number, parent, depth[number], node, intern, names))
+    nodes = _tree_nodes(order, ids, intern)
     leaves: list[TreeLeaf] = []
     for number, sample in enumerate(sequences):
         path: list[int] = []
@@ -160,9 +171,10 @@ def _finish(
             path.append(ids[id(last)])
             last = last.parent
         path.reverse()
+        length = 0
         for step in path:
             nodes[step].sequences.append(number)
-        length = sum(len(nodes[step]) for step in path)
+            length += len(nodes[step].token_ids)
         leaves.append(_leaf(number, owners[number], sample, rollouts[number], path, length))
     return TokenTree(nodes, leaves, share, tree_stats(nodes, leaves, dict(trie.splits)))
 
@@ -179,33 +191,57 @@ def tree_stats(nodes: Sequence[TreeNode], leaves: Sequence[TreeLeaf], splits: Ma
     }
 
 
-KEPT = np.array([FIELDS.index(name) for name in ("ids", "mask", "logprob", "routed_seq", "routed_row")])
-"""The per-token rows a node keeps (copied in one step)."""
-
-
-def _tree_node(
-    number: int, parent: int, depth: int, node: TrieNode, intern: Intern, names: list[str | None]
-) -> TreeNode:
-    tokens = node.tokens
-    kept = tokens.data.take(KEPT, axis=0)  # a copy of the rows the node keeps
-    version = tokens.version
-    if len(version) and bool((version == version[0]).all()):  # the usual case: one version (or none) throughout
-        versions = [names[int(version[0]) + 1]] * len(version)
-    else:
-        versions = [names[v + 1] for v in version.tolist()]
-    return TreeNode(
-        id=number,
-        parent=parent,
-        depth=depth,
-        token_ids=kept[0],
-        loss_mask=kept[1],
-        rollout_log_probs=kept[2].view(np.float64),
-        weight_versions=versions,
-        images=_images(tokens.img, tokens.img_k, tokens.img_seq, tokens.img_index, intern.images),
-        routed_sequence=kept[3],
-        routed_row=kept[4],
-        sequences=[],
+def _tree_nodes(order: list[TrieNode], ids: dict[int, int], intern: Intern) -> list[TreeNode]:
+    """The tree's nodes, in walk order. Their arrays are gathered for the whole tree in one copy of the rows they
+    keep (each node's are views of it), not one small copy per node; the routing rows exist only where recorded."""
+    sizes = [len(node.tokens) for node in order]
+    bounds = [0] * (len(order) + 1)
+    for number, size in enumerate(sizes):
+        bounds[number + 1] = bounds[number] + size
+    total = bounds[-1]
+    data = (
+        np.concatenate([node.tokens.data for node in order], axis=1)
+        if order
+        else np.zeros((KEPT_ROWS, 0), dtype=np.int64)
     )
+    routed = np.full((2, total), -1, dtype=np.int64)
+    for number, node in enumerate(order):
+        if node.tokens.extra is not None:
+            routed[:, bounds[number] : bounds[number + 1]] = node.tokens.extra[1:3]
+    logprob = data[2].view(np.float64)
+    names = [None, *(str(key) for key in intern.versions.keys)]  # a version code -1 (none) reads names[0]
+    version = data[3]
+    steady = [False] * len(order)  # nodes whose tokens share one version (or none): the usual case
+    if order and min(sizes) > 0:
+        starts = np.asarray(bounds[:-1], dtype=np.int64)
+        steady = (np.minimum.reduceat(version, starts) == np.maximum.reduceat(version, starts)).tolist()
+    nodes: list[TreeNode] = []
+    for number, node in enumerate(order):
+        start, stop = bounds[number], bounds[number + 1]
+        parent = ids.get(id(node.parent), -1)
+        tokens = node.tokens
+        if steady[number]:
+            versions = [names[int(version[start]) + 1]] * (stop - start)
+        else:
+            versions = [names[v + 1] for v in version[start:stop].tolist()]
+        nodes.append(
+            TreeNode(
+                id=number,
+                parent=parent,
+                depth=0 if parent < 0 else nodes[parent].depth + sizes[parent],
+                token_ids=data[0, start:stop],
+                loss_mask=data[1, start:stop],
+                rollout_log_probs=logprob[start:stop],
+                weight_versions=versions,
+                images=[]
+                if tokens.extra is None
+                else _images(tokens.img, tokens.img_k, tokens.img_seq, tokens.img_index, intern.images),
+                routed_sequence=routed[0, start:stop],
+                routed_row=routed[1, start:stop],
+                sequences=[],
+            )
+        )
+    return nodes
 
 
 def _images(img: Any, k: Any, seq: Any, index: Any, hashes: Interner) -> list[ImageRef]:

@@ -10,6 +10,7 @@ counted twice either way).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -85,8 +86,9 @@ def pack_tree(tree: TreeData, max_tokens: int) -> list[PackedBatch]:
     """The batches :meth:`TokenTree.pack` returns."""
     if max_tokens <= 0:
         raise TreeBuildError(f"max_tokens must be positive; got {max_tokens}")
+    sizes = [len(node.token_ids) for node in tree.nodes]  # read once: packing asks for them per sequence
     for node in tree.nodes:
-        if len(node) > max_tokens:
+        if sizes[node.id] > max_tokens:
             raise TreeBuildError(
                 f"tree node {node.id} (depth {node.depth}, sequences {node.sequences[:8]}) holds {len(node)} tokens, "
                 f"more than max_tokens={max_tokens}; packing never splits a node"
@@ -103,7 +105,7 @@ def pack_tree(tree: TreeData, max_tokens: int) -> list[PackedBatch]:
                 f"training sequence {number} (sample {leaf.sample}, branch {leaf.branch}) holds {leaf.length} tokens, "
                 f"more than max_tokens={max_tokens}; each sequence's whole path goes in one batch"
             )
-        extra = sum(len(tree.nodes[node]) for node in leaf.nodes if node not in held)
+        extra = sum(sizes[node] for node in leaf.nodes if node not in held)
         if current and size + extra > max_tokens:
             groups.append((current, held))
             current, held, size = [], set(), 0
@@ -116,18 +118,18 @@ def pack_tree(tree: TreeData, max_tokens: int) -> list[PackedBatch]:
     seen: set[int] = set()
     batches = []
     for sequences, nodes in groups:
-        batches.append(_batch(tree, sequences, sorted(nodes), seen))
+        batches.append(_batch(tree, sizes, sequences, sorted(nodes), seen))
         seen.update(nodes)
     return batches
 
 
-def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int]) -> PackedBatch:
+def _batch(tree: TreeData, sizes: list[int], sequences: list[int], nodes: list[int], seen: set[int]) -> PackedBatch:
     """One batch of ``nodes`` (sorted: the tree numbers parents before children); ``seen`` were in earlier ones.
 
     The per-token arrays are built per node in one step each (a node's id, owner and depth repeated over its
     tokens), not token by token."""
     parts = [tree.nodes[node_id] for node_id in nodes]
-    counts = np.fromiter((len(node) for node in parts), dtype=np.int64, count=len(parts))
+    counts = np.fromiter((sizes[node_id] for node_id in nodes), dtype=np.int64, count=len(parts))
     starts = np.zeros(len(parts), dtype=np.int64)
     np.cumsum(counts[:-1], out=starts[1:])
     total = int(counts.sum())
@@ -138,7 +140,7 @@ def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int
     for here, node in enumerate(parts):
         if node.parent >= 0:
             ancestors[here] = ancestors[local[node.parent]]
-            heads[here] = start[node.parent] + len(tree.nodes[node.parent]) - 1
+            heads[here] = start[node.parent] + sizes[node.parent] - 1
         ancestors[here, here] = True
     order = np.arange(total, dtype=np.int64)
     begin = np.repeat(starts, counts)
@@ -154,13 +156,7 @@ def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int
         return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
 
     images = [(start[node.id] + ref.offset, ref) for node in parts for ref in node.images]
-    index = {
-        number: np.concatenate(
-            [np.arange(start[n], start[n] + len(tree.nodes[n]), dtype=np.int64) for n in tree.leaves[number].nodes]
-            or [np.zeros(0, dtype=np.int64)]
-        )
-        for number in sorted(sequences)
-    }
+    index = {number: _path_index(tree, sizes, start, number) for number in sorted(sequences)}
     return PackedBatch(
         token_ids=joined("token_ids", np.int64),
         position_ids=np.repeat(depths, counts) + order - begin,
@@ -168,7 +164,7 @@ def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int
         node_of_token=np.repeat(np.asarray(nodes, dtype=np.int64), counts),
         loss_mask=joined("loss_mask", np.int64) * np.repeat(fresh, counts),  # 0 on a repeated copy
         rollout_log_probs=joined("rollout_log_probs", np.float64),
-        weight_versions=[v for node in parts for v in node.weight_versions],
+        weight_versions=list(chain.from_iterable(node.weight_versions for node in parts)),
         sequence_of_token=np.repeat(owners, counts),
         leaf_token_index=index,
         nodes=list(nodes),
@@ -176,6 +172,18 @@ def _batch(tree: TreeData, sequences: list[int], nodes: list[int], seen: set[int
         ancestors=ancestors,
         local_node=np.repeat(np.arange(len(parts), dtype=np.int64), counts),
     )
+
+
+def _path_index(tree: TreeData, sizes: list[int], start: dict[int, int], number: int) -> IntArray:
+    """The batch indices of sequence ``number``'s tokens, its path's nodes' spans one after another (paths are
+    short: one range per node is cheaper than a vectorised gather)."""
+    path = tree.leaves[number].nodes
+    if len(path) == 1:
+        return np.arange(start[path[0]], start[path[0]] + sizes[path[0]], dtype=np.int64)
+    out: IntArray = np.concatenate(
+        [np.arange(start[n], start[n] + sizes[n], dtype=np.int64) for n in path] or [np.zeros(0, dtype=np.int64)]
+    )
+    return out
 
 
 __all__ = ["PackedBatch", "pack_tree"]
