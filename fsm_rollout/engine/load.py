@@ -9,11 +9,17 @@ the counts are summed over them and the KV use is the fullest one's. vLLM before
 :func:`parse_metrics` reads the text, :func:`format_metrics` writes it as vLLM does (the embedded engine and the
 fake server publish their load with it), and :class:`LoadReader` fetches it from a server: ``None`` when the
 server has no ``/metrics`` (a 404, or a page without these series), so its caller can fall back.
+
+An engine running in this very process (the embedded one) can be read without HTTP: :func:`register_local` names
+the function that gives its load for its URL, and :class:`LoadReader` calls it instead. Reading ``/metrics`` over
+loopback costs the engine's own process a request on its front-end and the reader's event loop a round trip each
+time, which a reader polling often takes from decoding.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
@@ -111,8 +117,32 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+_local: dict[str, Callable[[], EngineLoad]] = {}
+
+
+def _key(base_url: str) -> str:
+    return base_url.rstrip("/")
+
+
+def register_local(base_url: str, source: Callable[[], EngineLoad]) -> None:
+    """Read the load of the engine at ``base_url`` by calling ``source`` (it runs in this process) instead of over
+    HTTP; until :func:`unregister_local`."""
+    _local[_key(base_url)] = source
+
+
+def unregister_local(base_url: str) -> None:
+    """``base_url`` is read over HTTP again (its engine stopped)."""
+    _local.pop(_key(base_url), None)
+
+
+def local_source(base_url: str) -> Callable[[], EngineLoad] | None:
+    """The in-process load of the engine at ``base_url``, when one was registered."""
+    return _local.get(_key(base_url))
+
+
 class LoadReader:
-    """Reads servers' ``/metrics`` over one pooled session of its own (never recorded: it is not rollout I/O)."""
+    """Reads servers' ``/metrics`` over one pooled session of its own (never recorded: it is not rollout I/O), or
+    in process for an engine registered with :func:`register_local`."""
 
     def __init__(self, *, timeout_s: float = 5.0, api_key: str | None = None) -> None:
         self._timeout = aiohttp.ClientTimeout(total=timeout_s)
@@ -121,6 +151,9 @@ class LoadReader:
 
     async def read(self, base_url: str) -> EngineLoad | None:
         """The server's load; None when it publishes none (404, or no vLLM series). Network errors raise."""
+        source = local_source(base_url)
+        if source is not None:
+            return source()
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=self._timeout)
         async with self._session.get(base_url.rstrip("/") + METRICS_PATH, headers=self._headers) as answer:
@@ -144,5 +177,8 @@ __all__ = [
     "EngineLoad",
     "LoadReader",
     "format_metrics",
+    "local_source",
     "parse_metrics",
+    "register_local",
+    "unregister_local",
 ]

@@ -13,8 +13,13 @@ keeps a window of requests in flight and reads the server's ``/metrics`` while i
 * the engine's waiting queue above ``admission_max_waiting`` or its KV use at ``admission_kv_target`` or more:
   nothing is admitted, and the window shrinks to what is in flight;
 * new preemptions: the window halves (vLLM is recomputing KV it dropped: it was flooded);
-* else, when the window is what holds requests back, it grows by the room left in the waiting queue, so that the
-  engine always has the next requests queued, and no more.
+* else, when the window is what holds requests back, it grows by the room left in the waiting queue (less the
+  requests admitted that the engine has not seen yet), so that the engine always has the next requests queued, and
+  no more.
+
+An engine in this process (registered with :func:`~fsm_rollout.engine.load.register_local`, as the embedded one
+can be) is read in process, on every admission and every answer as well as on the timer, so the controller sees
+the queue it just changed without an HTTP round trip through the engine's own process.
 
 Waiters are served oldest sample first: a started sample's turns go before any new sample, and among them the one
 admitted first goes first, so turns already started are never starved by new work. The time each wait took is on
@@ -32,10 +37,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from fsm_rollout.config import RolloutConfig
-from fsm_rollout.engine.load import EngineLoad, LoadReader
+from fsm_rollout.engine.load import EngineLoad, LoadReader, local_source
 
-POLL_S = 0.02
-"""How often a server with work in flight has its ``/metrics`` read."""
+POLL_S = 0.05
+"""How often a server with work in flight has its load read (its ``/metrics`` over HTTP, or in process)."""
 
 MIN_WINDOW = 1
 """A window never shrinks below this: a server always gets work."""
@@ -87,6 +92,7 @@ class AdmissionController:
         self._preemptions: int | None = None
         self._waiters: list[_Waiter] = []
         self._poller: asyncio.Task[None] | None = None
+        self._local = local_source(url)
         if load is not None:
             self.observe(load)
 
@@ -95,9 +101,15 @@ class AdmissionController:
     def _may_admit(self) -> bool:
         return not self.over_target and self.in_flight < self.window
 
+    def _refresh(self) -> None:
+        """Read an in-process engine's load now (a no-op for one read over HTTP: its poller reads it)."""
+        if self._local is not None:
+            self.observe(self._local())
+
     async def acquire(self, priority: Priority) -> float:
         """Wait for a slot (in ``priority`` order); returns the milliseconds waited. Cancelled while waiting, the
         slot is not taken (or is given back, when it was granted as the cancellation came)."""
+        self._refresh()
         if not self._waiters and self._may_admit():
             self.in_flight += 1
             self._ensure_polling()
@@ -118,7 +130,10 @@ class AdmissionController:
     def release(self) -> None:
         """A slot is given back (its answer is in, or its rollout ended)."""
         self.in_flight = max(0, self.in_flight - 1)
-        self._wake()
+        if self._local is not None:
+            self._refresh()  # observes, then wakes
+        else:
+            self._wake()
 
     def _wake(self) -> None:
         waiters = self._waiters
@@ -146,7 +161,10 @@ class AdmissionController:
         elif self.over_target:
             self.window = max(MIN_WINDOW, min(self.window, self.in_flight))
         elif self.in_flight >= self.window and self.waiting:
-            self.window += max(1, self.max_waiting - load.waiting)
+            # Requests admitted but not yet at the engine (rendering, in transit) will join its queue: count them,
+            # or a reading taken just after a burst of admissions lets the window overshoot.
+            unseen = max(0, self.in_flight - load.running - load.waiting)
+            self.window += max(1, self.max_waiting - load.waiting - unseen)
         self._wake()
 
     def _ensure_polling(self) -> None:

@@ -229,3 +229,44 @@ def paths_of(events: list[dict[str, Any]]) -> list[TracedPath]:
     ids = sorted({str(event["sample_id"]) for event in events})
     return [TracedPath(sample_id=key, session_id=None, events=[e for e in events if str(e["sample_id"]) == key])
             for key in ids]  # fmt: skip
+
+
+async def test_an_in_process_engine_is_read_on_each_admission_and_answer_without_a_poll() -> None:
+    from fsm_rollout.engine.load import register_local, unregister_local
+
+    calm = EngineLoad(running=0, waiting=0, kv_cache_usage=0.0, preemptions=0)
+    over = EngineLoad(running=1, waiting=20, kv_cache_usage=0.5, preemptions=0)
+    current = [calm]
+    register_local("http://in-process", lambda: current[0])
+    try:  # the stub never answers: only in-process reads can move the controller
+        controller = AdmissionController(
+            "http://in-process", StubReader(calm, silent=True), kv_target=0.9, max_waiting=8, load=calm
+        )
+        await controller.acquire((1, 0.0, 0))
+        current[0] = over
+        second = asyncio.ensure_future(controller.acquire((1, 1.0, 0)))
+        await asyncio.sleep(0)  # it asks: the engine's queue read at that moment is over target
+        assert controller.over_target and controller.waiting == 1 and not second.done()
+        current[0] = calm
+        controller.release()  # the first answer is in: read again, under target, the second goes
+        await second
+        assert controller.in_flight == 1 and not controller.over_target
+        await controller.close()
+    finally:
+        unregister_local("http://in-process")
+
+
+async def test_the_window_grows_by_the_queue_room_less_requests_the_engine_has_not_seen() -> None:
+    calm = EngineLoad(running=0, waiting=0, kv_cache_usage=0.0, preemptions=0)
+    controller = AdmissionController("http://x", StubReader(calm, silent=True), kv_target=0.9, max_waiting=8, load=calm)
+    controller.window = 2
+    await controller.acquire((1, 0.0, 0))
+    await controller.acquire((1, 1.0, 0))
+    third = asyncio.ensure_future(controller.acquire((1, 2.0, 0)))
+    await asyncio.sleep(0)
+    assert controller.waiting == 1
+    # Both admitted requests are still on their way (the engine shows none): room 8, less those 2.
+    controller.observe(EngineLoad(running=0, waiting=0, kv_cache_usage=0.0, preemptions=0))
+    await third
+    assert controller.window == 2 + 6
+    await controller.close()

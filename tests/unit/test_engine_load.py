@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import aiohttp
 import pytest
 
 from fsm_rollout.engine.load import EngineLoad, format_metrics, parse_metrics
@@ -63,3 +64,21 @@ def test_written_as_vllm_writes_it_and_read_back() -> None:
     assert "# TYPE vllm:num_preemptions_total counter" in text.splitlines()
     assert 'vllm:num_requests_waiting{engine="0",model_name="odd \\"name\\""} 9.0' in text.splitlines()
     assert parse_metrics(text) == load
+
+
+async def test_an_engine_registered_in_process_is_read_without_http_until_unregistered() -> None:
+    from fsm_rollout.engine.load import LoadReader, local_source, register_local, unregister_local
+
+    url = "http://127.0.0.1:9/"  # nothing listens: a read over HTTP fails
+    load = EngineLoad(running=3, waiting=2, kv_cache_usage=0.25, preemptions=1)
+    reader = LoadReader(timeout_s=2.0)
+    register_local(url, lambda: load)
+    try:
+        assert local_source("http://127.0.0.1:9") is not None  # the trailing slash does not matter
+        assert await reader.read(url) == load
+    finally:
+        unregister_local(url)
+    assert local_source(url) is None
+    with pytest.raises(aiohttp.ClientError):  # refused: the read went over HTTP
+        await reader.read(url)
+    await reader.close()
