@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any, Final
 from aiohttp import web
 
 from fsm_rollout.engine.endpoints import json_response, serve_backend
-from fsm_rollout.engine.load import EngineLoad
+from fsm_rollout.engine.load import EngineLoad, register_local, unregister_local
 from fsm_rollout.engine.local.errors import LocalEngineError, WeightLoadError
 from fsm_rollout.engine.local.frontend import Frontend
 from fsm_rollout.engine.local.images import IMAGE_MERGE_SIZE, IMAGE_PAD_TOKEN
@@ -323,6 +323,7 @@ class LocalEngine:
         self._runner = runner
         self._model_name = served_name
         self._url = url
+        register_local(url, self.load)  # a runner in this process reads the load without an HTTP poll
 
     async def stop(self) -> None:
         """Answer every queued and running generation with "abort", close the server and end the worker."""
@@ -335,6 +336,8 @@ class LocalEngine:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self._url is not None:
+            unregister_local(self._url)
         self._url = None
         # The model goes with the engine's stop, not with the engine object: aiohttp keeps the middleware chains of
         # apps it served in a module-level cache, which holds this object long after its user let go of it.
