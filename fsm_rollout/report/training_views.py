@@ -12,6 +12,7 @@ response token, which colours its token strip.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,7 @@ def mismatch_view(
         "totals": {key: value for key, value in report.to_dict().items() if key not in ("samples", "events")},
         "steps": [[step, total / count if count else 0.0, int(count)] for step, (total, count) in per_step.items()],
         "events": [vars(group) for group in report.events],
-        "worst": [{**vars(sample), "row": owners[sample.sequence]} for sample in worst],
+        "worst": [{**asdict(sample), "row": owners[sample.sequence]} for sample in worst],  # slotted: no vars()
     }
     strips: dict[int, list[dict[str, Any]]] = {}
     absolute = np.where(report.trained, np.round(np.abs(report.log_ratio), 6), -1.0)  # -1: not trained (no Δ)

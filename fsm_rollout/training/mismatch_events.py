@@ -16,8 +16,8 @@ Every dimension labels every trained token of a batch once:
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,11 +37,17 @@ class Labels:
 
     names: list[str]
     codes: npt.NDArray[np.int32]
+    known: dict[str, int] = field(default_factory=dict, repr=False)  # name -> code: one look-up per use
+
+    def __post_init__(self) -> None:
+        self.known = {name: code for code, name in enumerate(self.names)}
 
     def code(self, name: str) -> int:
-        if name not in self.names:
+        found = self.known.get(name)
+        if found is None:
+            found = self.known[name] = len(self.names)
             self.names.append(name)
-        return self.names.index(name)
+        return found
 
 
 def _staleness(sampled: str, trained: Any) -> int | None:
@@ -76,12 +82,15 @@ def _has_image(messages: Any) -> bool:
     return False
 
 
-def _turns(offsets: npt.NDArray[np.int64], trained: npt.NDArray[np.bool_]) -> list[list[tuple[int, int]]]:
-    """Each sequence's runs of loss mask 1 (generated turns) as response positions ``[start, end)``: one pass over
-    the batch, the runs cut at the sequences' ends."""
-    count = len(offsets) - 1
+Turns = tuple[list[int], list[int], list[int]]
+
+
+def _turns(offsets: npt.NDArray[np.int64], trained: npt.NDArray[np.bool_]) -> Turns:
+    """The batch's runs of loss mask 1 (generated turns) as flat positions, starts and ends (exclusive), cut at the
+    sequences' ends, and where each sequence's runs begin in them (sequence ``n``'s are
+    ``cut[n]:cut[n + 1]``): one pass over the batch, and no object per run or per sequence."""
     if not trained.size:
-        return [[] for _ in range(count)]
+        return [], [], [0] * len(offsets)
     first = np.zeros(trained.size, dtype=bool)
     last = np.zeros(trained.size, dtype=bool)
     nonempty = offsets[1:] > offsets[:-1]
@@ -91,15 +100,10 @@ def _turns(offsets: npt.NDArray[np.int64], trained: npt.NDArray[np.bool_]) -> li
     first[0] = True
     last[:-1] |= ~trained[1:]
     last[-1] = True
-    starts = np.flatnonzero(trained & first)
-    ends = np.flatnonzero(trained & last) + 1
-    cut = np.searchsorted(starts, offsets).tolist()
-    starts_list, ends_list, lows = starts.tolist(), ends.tolist(), offsets.tolist()
-    return [
-        [(a - lows[n], b - lows[n]) for a, b in zip(starts_list[cut[n] : cut[n + 1]], ends_list[cut[n] : cut[n + 1]],
-                                                   strict=True)]
-        for n in range(count)
-    ]  # fmt: skip
+    first &= trained
+    last &= trained
+    starts = np.flatnonzero(first)
+    return starts.tolist(), (np.flatnonzero(last) + 1).tolist(), np.searchsorted(starts, offsets).tolist()
 
 
 def label_sequences(
@@ -122,53 +126,64 @@ def label_sequences(
                                                           dtype=np.int32))
         for name in DIMENSIONS
     }  # fmt: skip
-    turns = _turns(offsets, trained)
+    turn_starts, turn_ends, cut = _turns(offsets, trained)
     bounds = offsets.tolist()
+    version, resume, image, routes = labels["version"], labels["resume"], labels["image"], labels["routes"]
+    version_codes, resume_codes, image_codes = version.codes, resume.codes, image.codes
     versions: dict[str, int] = {}  # sampled version -> its label's code
+    per_sequence: dict[str, list[int]] = {name: [] for name in PER_SEQUENCE}
+    sequence_codes, policy_codes, engine_codes = (per_sequence[name] for name in PER_SEQUENCE)
+    policy_given, engine_given = history_policy, engine
+    sequence_label: dict[bool, int] = {}  # first sequence or not -> its code, made when first seen (names' order)
     for number, sample in enumerate(sequences):
         lo, hi = bounds[number], bounds[number + 1]
         metadata = sample.metadata if isinstance(sample.metadata, dict) else {}
         start_version = str(metadata.get("start_weight_version", ""))
-        version = labels["version"]
-        resume = labels["resume"]
         spans = metadata.get("weight_version_spans") or []
         for sampled, start, end in [(str(span["version"]), lo + int(span["start"]), lo + int(span["end"]))
                                     for span in spans] or [("unknown", lo, hi)]:  # fmt: skip
-            if sampled not in versions:
-                versions[sampled] = version.code(version_label(sampled, trainer_version))
-            version.codes[start:end] = versions[sampled]
+            code = versions.get(sampled)
+            if code is None:
+                code = versions[sampled] = version.code(version_label(sampled, trainer_version))
+            version_codes[start:end] = code
             if start_version and spans and sampled != start_version:
-                resume.codes[start:end] = resume.code("after_resume")
-        sequence = labels["sequence"]
-        sequence.codes[number] = sequence.code("first" if int(metadata.get("branch", 0)) == 0 else "branch")
-        image = labels["image"]
-        observations = metadata.get("observations") or []
-        windows = [int(seen["end"]) for seen in observations if _has_image(seen.get("messages"))]
+                resume_codes[start:end] = resume.code("after_resume")
+        first = int(metadata.get("branch", 0)) == 0
+        if first not in sequence_label:
+            sequence_label[first] = labels["sequence"].code("first" if first else "branch")
+        sequence_codes.append(sequence_label[first])
+        observations = metadata.get("observations")
+        windows = [int(seen["end"]) for seen in observations or () if _has_image(seen.get("messages"))]
         if (getattr(sample, "multimodal_inputs", None) or {}).get("images"):
             windows.append(0)
         for end in windows:
-            image.codes[lo + min(end, hi - lo) : lo + min(end + image_window, hi - lo)] = image.code("near_image")
-        _label_routes(labels["routes"], sample, metadata, lo, hi, turns[number])
-        for name, given in (("history_policy", history_policy), ("engine", engine)):
-            value = metadata.get(name, given)
-            labels[name].codes[number] = labels[name].code("unknown" if value is None else str(value))
+            image_codes[lo + min(end, hi - lo) : lo + min(end + image_window, hi - lo)] = image.code("near_image")
+        route_spans = metadata.get("routed_expert_spans")
+        if route_spans:
+            runs = slice(cut[number], cut[number + 1])
+            turns = zip(turn_starts[runs], turn_ends[runs], strict=True)
+            _label_routes(routes, route_spans, len(sample.tokens) - (hi - lo), lo, hi, turns)
+        policy = metadata.get("history_policy", policy_given)
+        policy_codes.append(labels["history_policy"].code("unknown" if policy is None else str(policy)))
+        served = metadata.get("engine", engine_given)
+        engine_codes.append(labels["engine"].code("unknown" if served is None else str(served)))
+    for name, codes in per_sequence.items():
+        labels[name].codes[:] = codes
     return labels
 
 
 def _label_routes(
-    routes: Labels, sample: Any, metadata: Mapping[str, Any], lo: int, hi: int, turns: list[tuple[int, int]]
+    routes: Labels, spans: Sequence[Mapping[str, Any]], prompt: int, lo: int, hi: int, turns: Iterable[tuple[int, int]]
 ) -> None:
-    spans = metadata.get("routed_expert_spans") or []
-    if not spans:
-        return  # code 0: routes_unknown
-    prompt = len(sample.tokens) - (hi - lo)
+    """``routes_kept`` over the sequence, ``routes_changed`` over its turns (flat ``[start, end)``) whose routes
+    came from more than one request."""
     routes.codes[lo:hi] = routes.code("routes_kept")
     for start, end in turns:
         # response token p was produced by row prompt + p - 1
-        first, last = prompt + start - 1, prompt + end - 1
+        first, last = prompt + start - lo - 1, prompt + end - lo - 1
         requests = {span["request_id"] for span in spans if span["start"] < last and span["end"] > first}
         if len(requests) > 1:
-            routes.codes[lo + start : lo + end] = routes.code("routes_changed")
+            routes.codes[start:end] = routes.code("routes_changed")
 
 
 __all__ = ["DIMENSIONS", "PER_SEQUENCE", "Labels", "label_sequences", "staleness_of", "version_label"]
