@@ -171,17 +171,16 @@ def mismatch(
     delta = np.subtract(train_flat, rollout_flat, out=train_flat)  # flat_inputs' arrays are this call's own
     np.copyto(delta, 0.0, where=~trained)
     ratio = np.exp(delta)
-    k3 = np.negative(delta)
+    k3 = np.negative(delta, out=rollout_flat)  # the rollout's values are read: their array holds K3's terms
     np.expm1(k3, out=k3)
     k3 += delta  # r - 1 - log r with r = exp(-delta), exact for tiny delta
-    absolute = np.abs(delta)
     low, high = icepop
     clipped = ratio > tis_cap
     clipped &= trained
     masked = ratio < low
     masked |= ratio > high
     masked &= trained
-    per_sequence = _per_sequence_sums(offsets, trained, delta, k3, absolute, clipped, masked)
+    per_sequence = _per_sequence_sums(offsets, trained, delta, k3, clipped, masked)
     report = MismatchReport(
         tis_cap=tis_cap,
         icepop=(low, high),
@@ -191,7 +190,7 @@ def mismatch(
         samples=_per_sample(sequences, per_sequence),
         events=[],
         _ratio=ratio,
-        **_totals(trained, delta, k3, absolute, clipped, masked),
+        **_totals(trained, delta, k3, per_sequence["max"], clipped, masked),
     )
     labels = label_sequences(
         sequences,
@@ -202,13 +201,12 @@ def mismatch(
         history_policy=history_policy,
         engine=engine,
     )
-    weight = trained.astype(np.float64)
     for dimension in DIMENSIONS:
         names, codes = labels[dimension].names, labels[dimension].codes
         if dimension in PER_SEQUENCE:  # from the sequences' sums: no pass over the tokens
             figures = _label_figures(names, codes, per_sequence["tokens"], per_sequence["k3"], per_sequence["max"])
         else:
-            figures = _run_figures(names, codes, weight, k3, absolute)
+            figures = _run_figures(names, codes, trained, k3, delta)
         report.events.extend(_groups(dimension, names, *figures))
     return report
 
@@ -217,37 +215,51 @@ def _mean(total: float, count: int) -> float:
     return total / count if count else 0.0
 
 
-def _totals(trained: Any, delta: Floats, k3: Floats, absolute: Floats, clipped: Any, masked: Any) -> dict[str, Any]:
-    count = int(trained.sum())
+def _totals(trained: Any, delta: Floats, k3: Floats, maxima: Floats, clipped: Any, masked: Any) -> dict[str, Any]:
+    count = int(np.count_nonzero(trained))
     return {
         "tokens": count,
         "k1": _mean(float(delta.sum()), count),
         "k3": _mean(float(k3.sum()), count),
-        "max_abs_delta": float(absolute.max()) if absolute.size else 0.0,
-        "tis_clipped_fraction": _mean(float(clipped.sum()), count),
-        "icepop_masked_fraction": _mean(float(masked.sum()), count),
+        "max_abs_delta": float(maxima.max()) if delta.size else 0.0,  # the sequences' maxima, 0 or more each
+        "tis_clipped_fraction": _mean(float(np.count_nonzero(clipped)), count),
+        "icepop_masked_fraction": _mean(float(np.count_nonzero(masked)), count),
     }
 
 
+def _counts(flags: npt.NDArray[np.bool_], starts: npt.NDArray[np.int64]) -> Floats:
+    """The True flags from each start to the next (or the end), as floats: integer sums of the flags' bytes cost
+    half what float sums of the booleans do, and are exact."""
+    wide = np.int32 if flags.size < 2**31 else np.int64
+    return np.add.reduceat(flags.view(np.uint8), starts, dtype=wide).astype(np.float64)
+
+
+def _max_abs(delta: Floats, starts: npt.NDArray[np.int64]) -> Floats:
+    """The max ``|Δ|`` from each start to the next: max(max Δ, -min Δ), exactly the max of ``abs(Δ)`` without a
+    batch-sized array of it (+ 0.0 turns a -0.0 into the 0.0 ``abs`` gives)."""
+    return np.maximum(np.maximum.reduceat(delta, starts), -np.minimum.reduceat(delta, starts)) + 0.0
+
+
 def _per_sequence_sums(
-    offsets: npt.NDArray[np.int64], trained: Any, delta: Floats, k3: Floats, absolute: Floats, clipped: Any, masked: Any
+    offsets: npt.NDArray[np.int64], trained: Any, delta: Floats, k3: Floats, clipped: Any, masked: Any
 ) -> dict[str, Floats]:
     """Each sequence's sums (trained tokens, Δ, K3 terms, clipped, masked) and max ``|Δ|``."""
     count = len(offsets) - 1
     starts = offsets[:-1]
     nonempty = offsets[1:] > starts
+    firsts = starts[nonempty]
 
-    def sums(values: Any) -> Floats:
+    def spread(values: Floats) -> Floats:
         out = np.zeros(count)
-        if values.size:
-            out[nonempty] = np.add.reduceat(values, starts[nonempty], dtype=np.float64)
+        out[nonempty] = values
         return out
 
-    maxima = np.zeros(count)
-    if absolute.size:
-        maxima[nonempty] = np.maximum.reduceat(absolute, starts[nonempty])
-    return {"tokens": sums(trained), "k1": sums(delta), "k3": sums(k3), "clipped": sums(clipped),
-            "masked": sums(masked), "max": maxima}  # fmt: skip
+    if not delta.size:
+        zeros = np.zeros(count)
+        return {name: zeros for name in ("tokens", "k1", "k3", "clipped", "masked", "max")}
+    return {"tokens": spread(_counts(trained, firsts)), "k1": spread(np.add.reduceat(delta, firsts)),
+            "k3": spread(np.add.reduceat(k3, firsts)), "clipped": spread(_counts(clipped, firsts)),
+            "masked": spread(_counts(masked, firsts)), "max": spread(_max_abs(delta, firsts))}  # fmt: skip
 
 
 def _per_sample(sequences: Sequence[Sample], sums: Mapping[str, Floats]) -> list[SampleMismatch]:
@@ -285,17 +297,18 @@ def _label_figures(
     return label_counts, label_k3, label_max
 
 
-def _run_figures(names: list[str], codes: Any, weight: Floats, k3: Floats, absolute: Floats) -> tuple[Any, Any, Any]:
+def _run_figures(
+    names: list[str], codes: Any, trained: npt.NDArray[np.bool_], k3: Floats, delta: Floats
+) -> tuple[Any, Any, Any]:
     """Each label's figures over per-token ``codes``. Labels come in runs (spans, windows, turns), so the sums and
     maxima are taken per run, then per label: a few passes over the batch whatever the number of labels. ``k3``
-    and ``absolute`` are 0 at untrained positions."""
+    and ``delta`` are 0 at untrained positions."""
     if not codes.size:
         return np.zeros(len(names)), np.zeros(len(names)), np.zeros(len(names))
     starts = np.concatenate(([0], np.flatnonzero(codes[1:] != codes[:-1]) + 1))
     return _label_figures(
-        names, codes[starts], np.add.reduceat(weight, starts), np.add.reduceat(k3, starts),
-        np.maximum.reduceat(absolute, starts),
-    )  # fmt: skip
+        names, codes[starts], _counts(trained, starts), np.add.reduceat(k3, starts), _max_abs(delta, starts)
+    )
 
 
 def _groups(dimension: str, names: list[str], counts: Floats, k3_sums: Floats, maxima: Floats) -> list[EventGroup]:
