@@ -110,7 +110,7 @@ def _rollout_and_mask(
             if mask is not None and (not isinstance(mask, LISTS) or len(mask) != size):
                 return None
             rollouts.append(rollout if rollout else None)  # None: no logprobs, read as 0.0
-            masks.append(b"\x01" * size if mask is None else _mask_bytes(mask, size))
+            masks.append(b"\x01" * size if mask is None else bytes(mask))
     except (TypeError, ValueError):  # a mask value that is not an integer within a byte, or an ambiguous truth
         return None
     if not _pack_floats(rollout_flat, rollouts, lengths.tolist()):
@@ -119,29 +119,6 @@ def _rollout_and_mask(
     if mask_flat.size and int(mask_flat.max()) > 127:  # the per-sequence reading refuses these as int8
         return None
     return rollout_flat, mask_flat == 1
-
-
-def _mask_bytes(mask: Sequence[Any], size: int) -> bytes:
-    """A loss mask as bytes (``bytes(mask)``). A mask of 0s and 1s is a few runs (turns and observations), found by
-    ``list.count`` and ``list.index``, which compare in C without making an object per value."""
-    ones = mask.count(1)
-    if ones == size:
-        return b"\x01" * size
-    if ones + mask.count(0) != size:
-        return bytes(mask)  # other values: as before, refused or read for what they are
-    runs = []
-    position, value = 0, int(mask[0] == 1)
-    while position < size:
-        try:
-            end = mask.index(1 - value, position)
-        except ValueError:
-            end = size
-        runs.append(RUN_BYTES[value] * (end - position))
-        position, value = end, 1 - value
-    return b"".join(runs)
-
-
-RUN_BYTES = (b"\x00", b"\x01")
 
 
 def _pack_floats(out: Floats, parts: Sequence[Sequence[Any] | None], sizes: Sequence[int]) -> bool:
