@@ -36,7 +36,7 @@ class Labels:
     index ``names``."""
 
     names: list[str]
-    codes: npt.NDArray[np.int32]
+    codes: npt.NDArray[np.integer[Any]]
     known: dict[str, int] = field(default_factory=dict, repr=False)  # name -> code: one look-up per use
 
     def __post_init__(self) -> None:
@@ -121,9 +121,10 @@ def label_sequences(
     total = int(offsets[-1])
     # code 0 of a dimension is the label a token has unless something says otherwise: written by the zeros
     defaults = {"resume": ["before_resume"], "image": ["no_image"], "routes": ["routes_unknown"]}
+    # the dimensions with a fixed set of labels (defaults plus one or two) take a byte per token, not four
     labels = {
         name: Labels(list(defaults.get(name, [])), np.zeros(len(sequences) if name in PER_SEQUENCE else total,
-                                                          dtype=np.int32))
+                                                          dtype=np.uint8 if name in defaults else np.int32))
         for name in DIMENSIONS
     }  # fmt: skip
     turn_starts, turn_ends, cut = _turns(offsets, trained)
