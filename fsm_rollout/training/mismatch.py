@@ -79,11 +79,13 @@ class MismatchReport:
     max_abs_delta: float
     tis_clipped_fraction: float
     icepop_masked_fraction: float
-    _ratio: Floats = field(repr=False, default_factory=lambda: np.zeros(0))
+    _ratio: Floats | None = field(repr=False, default=None)  # exp(log_ratio), made when weights are first asked for
 
     def weights(self, kind: WeightKind = "tis") -> list[Floats]:
         """Per-token weights in ``training_sequences`` order, one array per sequence over its response tokens
         (0 at untrained positions)."""
+        if self._ratio is None:
+            self._ratio = np.exp(self.log_ratio)
         ratio = self._ratio
         if kind == "tis":
             flat = np.minimum(ratio, self.tis_cap)
@@ -170,16 +172,11 @@ def mismatch(
     # in place where the result is the same: each fresh batch-sized array costs as much as the arithmetic on it
     delta = np.subtract(train_flat, rollout_flat, out=train_flat)  # flat_inputs' arrays are this call's own
     np.copyto(delta, 0.0, where=~trained)
-    ratio = np.exp(delta)
     k3 = np.negative(delta, out=rollout_flat)  # the rollout's values are read: their array holds K3's terms
     np.expm1(k3, out=k3)
     k3 += delta  # r - 1 - log r with r = exp(-delta), exact for tiny delta
     low, high = icepop
-    clipped = ratio > tis_cap
-    clipped &= trained
-    masked = ratio < low
-    masked |= ratio > high
-    masked &= trained
+    clipped, masked = _clipped_and_masked(delta, trained, tis_cap, low, high)
     per_sequence = _per_sequence_sums(offsets, trained, delta, k3, clipped, masked)
     report = MismatchReport(
         tis_cap=tis_cap,
@@ -189,7 +186,6 @@ def mismatch(
         trained=trained,
         samples=_per_sample(sequences, per_sequence),
         events=[],
-        _ratio=ratio,
         **_totals(trained, delta, k3, per_sequence["max"], clipped, masked),
     )
     labels = label_sequences(
@@ -209,6 +205,30 @@ def mismatch(
             figures = _run_figures(names, codes, trained, k3, delta)
         report.events.extend(_groups(dimension, names, *figures))
     return report
+
+
+RATIO_CHUNK = 1 << 16
+"""Tokens per chunk of ratios: a cache-sized buffer instead of a batch-sized array the report may never need."""
+
+
+def _clipped_and_masked(
+    delta: Floats, trained: npt.NDArray[np.bool_], tis_cap: float, low: float, high: float
+) -> tuple[npt.NDArray[np.bool_], npt.NDArray[np.bool_]]:
+    """The trained tokens whose ratio ``exp(Δ)`` is over ``tis_cap`` (TIS clips them), and those outside ``[low,
+    high]`` (IcePop masks them), with the ratios made a chunk at a time."""
+    clipped = np.empty(delta.size, dtype=bool)
+    masked = np.empty(delta.size, dtype=bool)
+    buffer = np.empty(min(delta.size, RATIO_CHUNK))
+    for start in range(0, delta.size, RATIO_CHUNK):
+        part = slice(start, start + RATIO_CHUNK)
+        ratio = np.exp(delta[part], out=buffer[: len(delta[part])])
+        np.greater(ratio, tis_cap, out=clipped[part])
+        outside = masked[part]
+        np.less(ratio, low, out=outside)
+        outside |= ratio > high
+    clipped &= trained
+    masked &= trained
+    return clipped, masked
 
 
 def _mean(total: float, count: int) -> float:
