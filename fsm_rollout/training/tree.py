@@ -17,7 +17,14 @@ import numpy.typing as npt
 from fsm_rollout.sample import Sample, training_sequences
 from fsm_rollout.training.build import SPLIT_CAUSES, Trie, TrieNode
 from fsm_rollout.training.nodes import ImageRef, TreeData, TreeLeaf, TreeNode
-from fsm_rollout.training.provenance import KEPT_ROWS, Intern, Interner, TreeBuildError, sequence_tokens
+from fsm_rollout.training.provenance import (
+    KEPT_ROWS,
+    Intern,
+    Interner,
+    TreeBuildError,
+    batch_tokens,
+    sequence_tokens,
+)
 from fsm_rollout.training.tree_format import tree_from_dict, tree_to_dict
 from fsm_rollout.training.tree_pack import PackedBatch, pack_tree
 from fsm_rollout.training.tree_text import render_tree
@@ -131,8 +138,13 @@ def _build(
     sequences = training_sequences(rollouts)
     intern = Intern(Interner(), Interner(), Interner(), Interner())
     trie = Trie()
-    for number, sequence in enumerate(sequences):
-        tokens = sequence_tokens(sequence, number, image_token_id, intern, stored=stored)
+    if stored:
+        read = [
+            sequence_tokens(sequence, n, image_token_id, intern, stored=True) for n, sequence in enumerate(sequences)
+        ]
+    else:
+        read = batch_tokens(sequences, image_token_id, intern)
+    for number, (sequence, tokens) in enumerate(zip(sequences, read, strict=True)):
         trie.insert(_scope(share, sequence, owners[number], number), tokens, number)
     return _finish(trie, sequences, [rollouts[owner] for owner in owners], owners, share, intern)
 
