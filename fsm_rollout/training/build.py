@@ -15,7 +15,6 @@ differ, in the order ``generated``, ``loss_mask``, ``log_probs``, ``routed_exper
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,19 +25,44 @@ SPLIT_CAUSES: tuple[str, ...] = ("generated", "loss_mask", "log_probs", "routed_
 """The provenance causes ``tree.stats["provenance_splits"]`` counts, in the order they are checked."""
 
 
-@dataclass(eq=False)
 class TrieNode:
-    """A span of tokens under ``parent``; ``children`` by their first token id (several when provenance split
-    them); ``ending`` the sequences whose path ends here."""
+    """A span of tokens under ``parent``; ``children`` by their first token id (a list when provenance split
+    several apart); ``ending`` the sequences whose path ends here. Both stay None until needed, and a lone child is
+    held as it is: a batch's trie has a node per sequence, and most nodes are leaves with no siblings."""
 
-    tokens: Tokens
-    parent: TrieNode | None
-    children: dict[int, list[TrieNode]] = field(default_factory=dict)
-    ending: list[int] = field(default_factory=list)
+    __slots__ = ("children", "ending", "parent", "tokens")
+
+    def __init__(self, tokens: Tokens, parent: TrieNode | None) -> None:
+        self.tokens = tokens
+        self.parent = parent
+        self.children: dict[int, TrieNode | list[TrieNode]] | None = None
+        self.ending: list[int] | None = None
 
     def adopt(self, child: TrieNode) -> None:
         child.parent = self
-        self.children.setdefault(int(child.tokens.ids[0]), []).append(child)
+        if self.children is None:
+            self.children = {}
+        first = int(child.tokens.ids[0])
+        held = self.children.get(first)
+        if held is None:
+            self.children[first] = child
+        elif isinstance(held, list):
+            held.append(child)
+        else:
+            self.children[first] = [held, child]
+
+    def kids(self) -> list[TrieNode]:
+        """The children, by first token id, then in the order they were adopted."""
+        if self.children is None:
+            return []
+        return [child for held in self.children.values() for child in (held if isinstance(held, list) else (held,))]
+
+    def candidates(self, first: int) -> tuple[TrieNode, ...] | list[TrieNode]:
+        """The children whose first token id is ``first``."""
+        held = None if self.children is None else self.children.get(first)
+        if held is None:
+            return ()
+        return held if isinstance(held, list) else (held,)
 
 
 def first_difference(node: Tokens, rest: Tokens, length: int) -> tuple[int, str | None]:
@@ -93,7 +117,7 @@ class Trie:
         while position < size:
             rest = sequence.cut(position)
             chosen, matched, cause = None, 0, None
-            for child in node.children.get(int(rest.ids[0]), ()):
+            for child in node.candidates(int(rest.ids[0])):
                 reach, why = first_difference(child.tokens, rest, min(len(child.tokens), len(rest)))
                 if reach > 0:  # at most one child agrees on its first token: the others were split from it
                     chosen, matched = child, reach
@@ -110,17 +134,21 @@ class Trie:
             if matched < len(chosen.tokens):
                 _split(chosen, matched)
             node, position = chosen, position + matched
-        node.ending.append(number)
+        if node.ending is None:
+            node.ending = [number]
+        else:
+            node.ending.append(number)
 
     def walk(self) -> list[TrieNode]:
         """Every real node, depth first, parents before children, scopes and children in insertion order."""
         out: list[TrieNode] = []
         for root in self.roots.values():
-            stack = [child for group in reversed(root.children.values()) for child in reversed(group)]
+            stack = root.kids()[::-1]
             while stack:
                 node = stack.pop()
                 out.append(node)
-                stack.extend(child for group in reversed(node.children.values()) for child in reversed(group))
+                if node.children is not None:
+                    stack.extend(reversed(node.kids()))
         return out
 
 
@@ -138,11 +166,10 @@ def _split(node: TrieNode, at: int) -> None:
     """Cut ``node`` after ``at`` tokens: it keeps the head, a new child takes the tail, its children and endings."""
     tail = TrieNode(node.tokens.cut(at), node)
     tail.children, tail.ending = node.children, node.ending
-    for group in tail.children.values():
-        for child in group:
-            child.parent = tail
+    for child in tail.kids():
+        child.parent = tail
     node.tokens = node.tokens.cut(0, at)
-    node.children, node.ending = {}, []
+    node.children, node.ending = None, None
     node.adopt(tail)
 
 

@@ -172,7 +172,7 @@ def _finish(
     ids = {id(node): number for number, node in enumerate(order)}
     end: dict[int, TrieNode | None] = {number: None for number in range(len(sequences))}  # None: no tokens
     for node in order:
-        for sequence in node.ending:
+        for sequence in node.ending or ():
             end[sequence] = node
     nodes = _tree_nodes(order, ids, intern)
     leaves: list[TreeLeaf] = []
