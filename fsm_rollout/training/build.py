@@ -25,24 +25,39 @@ SPLIT_CAUSES: tuple[str, ...] = ("generated", "loss_mask", "log_probs", "routed_
 """The provenance causes ``tree.stats["provenance_splits"]`` counts, in the order they are checked."""
 
 
-class TrieNode:
-    """A span of tokens under ``parent``; ``children`` by their first token id (a list when provenance split
-    several apart); ``ending`` the sequences whose path ends here. Both stay None until needed, and a lone child is
-    held as it is: a batch's trie has a node per sequence, and most nodes are leaves with no siblings."""
+class TrieNode(Tokens):
+    """A span of tokens (its own :class:`Tokens` arrays) under ``parent``; ``children`` by their first token id (a
+    list when provenance split several apart); ``ending`` the sequences whose path ends here (one number, or a list
+    of them). Both stay None until needed, and a lone child is held as it is: a batch's trie has a node per
+    sequence, most of them leaves with no siblings, and every object it allocates is one more for the garbage
+    collector to visit."""
 
-    __slots__ = ("children", "ending", "parent", "tokens")
+    __slots__ = ("children", "ending", "parent")
 
     def __init__(self, tokens: Tokens, parent: TrieNode | None) -> None:
-        self.tokens = tokens
+        super().__init__(tokens.data, tokens.extra)
         self.parent = parent
         self.children: dict[int, TrieNode | list[TrieNode]] | None = None
-        self.ending: list[int] | None = None
+        self.ending: int | list[int] | None = None
+
+    def end(self, number: int) -> None:
+        """Sequence ``number``'s path ends here."""
+        if self.ending is None:
+            self.ending = number
+        elif isinstance(self.ending, list):
+            self.ending.append(number)
+        else:
+            self.ending = [self.ending, number]
+
+    def endings(self) -> list[int]:
+        ending = self.ending
+        return [] if ending is None else ending if isinstance(ending, list) else [ending]
 
     def adopt(self, child: TrieNode) -> None:
         child.parent = self
         if self.children is None:
             self.children = {}
-        first = int(child.tokens.ids[0])
+        first = int(child.ids[0])
         held = self.children.get(first)
         if held is None:
             self.children[first] = child
@@ -118,7 +133,7 @@ class Trie:
             rest = sequence.cut(position)
             chosen, matched, cause = None, 0, None
             for child in node.candidates(int(rest.ids[0])):
-                reach, why = first_difference(child.tokens, rest, min(len(child.tokens), len(rest)))
+                reach, why = first_difference(child, rest, min(len(child), len(rest)))
                 if reach > 0:  # at most one child agrees on its first token: the others were split from it
                     chosen, matched = child, reach
                     break
@@ -130,14 +145,11 @@ class Trie:
                 node.adopt(fresh)
                 node = fresh
                 break
-            _fill_routing(chosen.tokens, rest, matched)
-            if matched < len(chosen.tokens):
+            _fill_routing(chosen, rest, matched)
+            if matched < len(chosen):
                 _split(chosen, matched)
             node, position = chosen, position + matched
-        if node.ending is None:
-            node.ending = [number]
-        else:
-            node.ending.append(number)
+        node.end(number)
 
     def walk(self) -> list[TrieNode]:
         """Every real node, depth first, parents before children, scopes and children in insertion order."""
@@ -164,11 +176,12 @@ def _fill_routing(node: Tokens, rest: Tokens, matched: int) -> None:
 
 def _split(node: TrieNode, at: int) -> None:
     """Cut ``node`` after ``at`` tokens: it keeps the head, a new child takes the tail, its children and endings."""
-    tail = TrieNode(node.tokens.cut(at), node)
+    tail = TrieNode(node.cut(at), node)
     tail.children, tail.ending = node.children, node.ending
     for child in tail.kids():
         child.parent = tail
-    node.tokens = node.tokens.cut(0, at)
+    node.data = node.data[:, :at]
+    node.extra = None if node.extra is None else node.extra[:, :at]
     node.children, node.ending = None, None
     node.adopt(tail)
 

@@ -172,7 +172,7 @@ def _finish(
     ids = {id(node): number for number, node in enumerate(order)}
     end: dict[int, TrieNode | None] = {number: None for number in range(len(sequences))}  # None: no tokens
     for node in order:
-        for sequence in node.ending or ():
+        for sequence in node.endings():
             end[sequence] = node
     nodes = _tree_nodes(order, ids, intern)
     leaves: list[TreeLeaf] = []
@@ -206,20 +206,16 @@ def tree_stats(nodes: Sequence[TreeNode], leaves: Sequence[TreeLeaf], splits: Ma
 def _tree_nodes(order: list[TrieNode], ids: dict[int, int], intern: Intern) -> list[TreeNode]:
     """The tree's nodes, in walk order. Their arrays are gathered for the whole tree in one copy of the rows they
     keep (each node's are views of it), not one small copy per node; the routing rows exist only where recorded."""
-    sizes = [len(node.tokens) for node in order]
+    sizes = [len(node) for node in order]
     bounds = [0] * (len(order) + 1)
     for number, size in enumerate(sizes):
         bounds[number + 1] = bounds[number] + size
     total = bounds[-1]
-    data = (
-        np.concatenate([node.tokens.data for node in order], axis=1)
-        if order
-        else np.zeros((KEPT_ROWS, 0), dtype=np.int64)
-    )
+    data = np.concatenate([node.data for node in order], axis=1) if order else np.zeros((KEPT_ROWS, 0), dtype=np.int64)
     routed = np.full((2, total), -1, dtype=np.int64)
     for number, node in enumerate(order):
-        if node.tokens.extra is not None:
-            routed[:, bounds[number] : bounds[number + 1]] = node.tokens.extra[1:3]
+        if node.extra is not None:
+            routed[:, bounds[number] : bounds[number + 1]] = node.extra[1:3]
     logprob = data[2].view(np.float64)
     names = [None, *(str(key) for key in intern.versions.keys)]  # a version code -1 (none) reads names[0]
     version = data[3]
@@ -231,7 +227,7 @@ def _tree_nodes(order: list[TrieNode], ids: dict[int, int], intern: Intern) -> l
     for number, node in enumerate(order):
         start, stop = bounds[number], bounds[number + 1]
         parent = ids.get(id(node.parent), -1)
-        tokens = node.tokens
+        tokens = node
         if steady[number]:
             versions = [names[int(version[start]) + 1]] * (stop - start)
         else:
