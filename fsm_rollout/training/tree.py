@@ -170,23 +170,27 @@ def _finish(
 ) -> TokenTree:
     order = trie.walk()
     ids = {id(node): number for number, node in enumerate(order)}
-    end: dict[int, TrieNode | None] = {number: None for number in range(len(sequences))}  # None: no tokens
-    for node in order:
+    end = [-1] * len(sequences)  # -1: no tokens
+    for number, node in enumerate(order):
         for sequence in node.endings():
-            end[sequence] = node
+            end[sequence] = number
     nodes = _tree_nodes(order, ids, intern)
+    for node in order:  # the trie's parent/child cycles would keep it (and the batch's arrays) until a GC pass
+        node.parent = node.children = None
+    del order, ids
+    parents = [node.parent for node in nodes]
+    sizes = [len(node.token_ids) for node in nodes]
     leaves: list[TreeLeaf] = []
     for number, sample in enumerate(sequences):
         path: list[int] = []
         last = end[number]
-        while last is not None and id(last) in ids:
-            path.append(ids[id(last)])
-            last = last.parent
-        path.reverse()
         length = 0
-        for step in path:
-            nodes[step].sequences.append(number)
-            length += len(nodes[step].token_ids)
+        while last >= 0:
+            path.append(last)
+            nodes[last].sequences.append(number)
+            length += sizes[last]
+            last = parents[last]
+        path.reverse()
         leaves.append(_leaf(number, owners[number], sample, rollouts[number], path, length))
     return TokenTree(nodes, leaves, share, tree_stats(nodes, leaves, dict(trie.splits)))
 
