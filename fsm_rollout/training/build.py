@@ -15,7 +15,6 @@ differ, in the order ``generated``, ``loss_mask``, ``log_probs``, ``routed_exper
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -26,19 +25,59 @@ SPLIT_CAUSES: tuple[str, ...] = ("generated", "loss_mask", "log_probs", "routed_
 """The provenance causes ``tree.stats["provenance_splits"]`` counts, in the order they are checked."""
 
 
-@dataclass(eq=False)
-class TrieNode:
-    """A span of tokens under ``parent``; ``children`` by their first token id (several when provenance split
-    them); ``ending`` the sequences whose path ends here."""
+class TrieNode(Tokens):
+    """A span of tokens (its own :class:`Tokens` arrays) under ``parent``; ``children`` by their first token id (a
+    list when provenance split several apart); ``ending`` the sequences whose path ends here (one number, or a list
+    of them). Both stay None until needed, and a lone child is held as it is: a batch's trie has a node per
+    sequence, most of them leaves with no siblings, and every object it allocates is one more for the garbage
+    collector to visit."""
 
-    tokens: Tokens
-    parent: TrieNode | None
-    children: dict[int, list[TrieNode]] = field(default_factory=dict)
-    ending: list[int] = field(default_factory=list)
+    __slots__ = ("children", "ending", "parent")
+
+    def __init__(self, tokens: Tokens, parent: TrieNode | None) -> None:
+        super().__init__(tokens.data, tokens.extra)
+        self.parent = parent
+        self.children: dict[int, TrieNode | list[TrieNode]] | None = None
+        self.ending: int | list[int] | None = None
+
+    def end(self, number: int) -> None:
+        """Sequence ``number``'s path ends here."""
+        if self.ending is None:
+            self.ending = number
+        elif isinstance(self.ending, list):
+            self.ending.append(number)
+        else:
+            self.ending = [self.ending, number]
+
+    def endings(self) -> list[int]:
+        ending = self.ending
+        return [] if ending is None else ending if isinstance(ending, list) else [ending]
 
     def adopt(self, child: TrieNode) -> None:
         child.parent = self
-        self.children.setdefault(int(child.tokens.ids[0]), []).append(child)
+        if self.children is None:
+            self.children = {}
+        first = int(child.ids[0])
+        held = self.children.get(first)
+        if held is None:
+            self.children[first] = child
+        elif isinstance(held, list):
+            held.append(child)
+        else:
+            self.children[first] = [held, child]
+
+    def kids(self) -> list[TrieNode]:
+        """The children, by first token id, then in the order they were adopted."""
+        if self.children is None:
+            return []
+        return [child for held in self.children.values() for child in (held if isinstance(held, list) else (held,))]
+
+    def candidates(self, first: int) -> tuple[TrieNode, ...] | list[TrieNode]:
+        """The children whose first token id is ``first``."""
+        held = None if self.children is None else self.children.get(first)
+        if held is None:
+            return ()
+        return held if isinstance(held, list) else (held,)
 
 
 def first_difference(node: Tokens, rest: Tokens, length: int) -> tuple[int, str | None]:
@@ -93,8 +132,8 @@ class Trie:
         while position < size:
             rest = sequence.cut(position)
             chosen, matched, cause = None, 0, None
-            for child in node.children.get(int(rest.ids[0]), ()):
-                reach, why = first_difference(child.tokens, rest, min(len(child.tokens), len(rest)))
+            for child in node.candidates(int(rest.ids[0])):
+                reach, why = first_difference(child, rest, min(len(child), len(rest)))
                 if reach > 0:  # at most one child agrees on its first token: the others were split from it
                     chosen, matched = child, reach
                     break
@@ -106,21 +145,22 @@ class Trie:
                 node.adopt(fresh)
                 node = fresh
                 break
-            _fill_routing(chosen.tokens, rest, matched)
-            if matched < len(chosen.tokens):
+            _fill_routing(chosen, rest, matched)
+            if matched < len(chosen):
                 _split(chosen, matched)
             node, position = chosen, position + matched
-        node.ending.append(number)
+        node.end(number)
 
     def walk(self) -> list[TrieNode]:
         """Every real node, depth first, parents before children, scopes and children in insertion order."""
         out: list[TrieNode] = []
         for root in self.roots.values():
-            stack = [child for group in reversed(root.children.values()) for child in reversed(group)]
+            stack = root.kids()[::-1]
             while stack:
                 node = stack.pop()
                 out.append(node)
-                stack.extend(child for group in reversed(node.children.values()) for child in reversed(group))
+                if node.children is not None:
+                    stack.extend(reversed(node.kids()))
         return out
 
 
@@ -136,13 +176,13 @@ def _fill_routing(node: Tokens, rest: Tokens, matched: int) -> None:
 
 def _split(node: TrieNode, at: int) -> None:
     """Cut ``node`` after ``at`` tokens: it keeps the head, a new child takes the tail, its children and endings."""
-    tail = TrieNode(node.tokens.cut(at), node)
+    tail = TrieNode(node.cut(at), node)
     tail.children, tail.ending = node.children, node.ending
-    for group in tail.children.values():
-        for child in group:
-            child.parent = tail
-    node.tokens = node.tokens.cut(0, at)
-    node.children, node.ending = {}, []
+    for child in tail.kids():
+        child.parent = tail
+    node.data = node.data[:, :at]
+    node.extra = None if node.extra is None else node.extra[:, :at]
+    node.children, node.ending = None, None
     node.adopt(tail)
 
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
+import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -215,6 +216,65 @@ def sequence_tokens(
     return out
 
 
+def batch_tokens(sequences: Sequence[Sample], image_token_id: int | None, intern: Intern) -> list[Tokens]:
+    """What :func:`sequence_tokens` gives for each of ``sequences``, their kept rows read into one array for the
+    whole batch: token ids and logprobs written straight from their lists into it by ``struct`` (several times
+    faster than numpy reads a list, and one allocation instead of several per sequence). A sequence whose lists
+    ``struct`` refuses (not plain numbers, not lists) is read by :func:`sequence_tokens`, which converts it (or
+    raises) as it always does."""
+    sizes = [len(sample.tokens) if type(sample.tokens) is list else 0 for sample in sequences]
+    data = np.empty((KEPT_ROWS, sum(sizes)), dtype=np.int64)
+    data[1:3] = 0
+    data[3] = -1
+    ids = data[0]
+    layouts: dict[tuple[int, str], struct.Struct] = {}
+    out: list[Tokens] = []
+    start = 0
+    for number, (sample, size) in enumerate(zip(sequences, sizes, strict=True)):
+        tokens = _fast_tokens(sample, data, start, size, layouts) if size else None
+        if tokens is None:
+            ids[start : start + size] = -1  # unused: this sequence's arrays are its own
+            tokens = sequence_tokens(sample, number, image_token_id, intern)
+        else:
+            prompt = size - int(sample.response_length)
+            _place_versions(tokens, sample, prompt, intern.versions)
+            _place_routing(tokens, sample, number, intern.routing)
+            _place_multimodal(tokens, sample, number, image_token_id, intern)
+        out.append(tokens)
+        start += size
+    return out
+
+
+def _fast_tokens(
+    sample: Sample, data: IntArray, start: int, size: int, layouts: dict[tuple[int, str], struct.Struct]
+) -> Tokens | None:
+    """A sequence's kept rows written into ``data`` from ``start``; None (nothing raised) for anything
+    but plain lists of the right lengths, which :func:`sequence_tokens` then reads, converts or names."""
+    response = int(sample.response_length)
+    prompt = size - response
+    logprobs, mask = sample.rollout_log_probs, sample.loss_mask
+    if prompt < 0 or not (logprobs is None or (type(logprobs) is list and len(logprobs) == response)):
+        return None
+    if not (mask is None or (type(mask) is list and len(mask) == response)):
+        return None
+    try:
+        _layout(layouts, size, "q").pack_into(data[0].data, 8 * start, *sample.tokens)
+        if logprobs:
+            _layout(layouts, response, "d").pack_into(data[2].data, 8 * (start + prompt), *logprobs)
+    except (struct.error, TypeError, ValueError, OverflowError):
+        return None
+    stop = start + size
+    data[1, start + prompt : stop] = 1 if mask is None else _flags(mask)
+    return Tokens(data[:, start:stop])
+
+
+def _layout(layouts: dict[tuple[int, str], struct.Struct], size: int, code: str) -> struct.Struct:
+    layout = layouts.get((size, code))
+    if layout is None:
+        layout = layouts[size, code] = struct.Struct(f"={size}{code}")
+    return layout
+
+
 def _flags(values: Any) -> Any:
     """A list of small non-negative ints (a loss mask) read through ``bytes``, several times faster than numpy
     reads a list; anything else as it is, for numpy to convert."""
@@ -346,4 +406,14 @@ def _name(sample: Sample, number: int) -> str:
     return f"training sequence {number} (sample index={sample.index}, branch={sample.metadata.get('branch')})"
 
 
-__all__ = ["FIELDS", "KEPT_ROWS", "Intern", "Interner", "Tokens", "TreeBuildError", "absent", "sequence_tokens"]
+__all__ = [
+    "FIELDS",
+    "KEPT_ROWS",
+    "Intern",
+    "Interner",
+    "Tokens",
+    "TreeBuildError",
+    "absent",
+    "batch_tokens",
+    "sequence_tokens",
+]

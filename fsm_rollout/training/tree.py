@@ -17,7 +17,14 @@ import numpy.typing as npt
 from fsm_rollout.sample import Sample, training_sequences
 from fsm_rollout.training.build import SPLIT_CAUSES, Trie, TrieNode
 from fsm_rollout.training.nodes import ImageRef, TreeData, TreeLeaf, TreeNode
-from fsm_rollout.training.provenance import KEPT_ROWS, Intern, Interner, TreeBuildError, sequence_tokens
+from fsm_rollout.training.provenance import (
+    KEPT_ROWS,
+    Intern,
+    Interner,
+    TreeBuildError,
+    batch_tokens,
+    sequence_tokens,
+)
 from fsm_rollout.training.tree_format import tree_from_dict, tree_to_dict
 from fsm_rollout.training.tree_pack import PackedBatch, pack_tree
 from fsm_rollout.training.tree_text import render_tree
@@ -131,8 +138,13 @@ def _build(
     sequences = training_sequences(rollouts)
     intern = Intern(Interner(), Interner(), Interner(), Interner())
     trie = Trie()
-    for number, sequence in enumerate(sequences):
-        tokens = sequence_tokens(sequence, number, image_token_id, intern, stored=stored)
+    if stored:
+        read = [
+            sequence_tokens(sequence, n, image_token_id, intern, stored=True) for n, sequence in enumerate(sequences)
+        ]
+    else:
+        read = batch_tokens(sequences, image_token_id, intern)
+    for number, (sequence, tokens) in enumerate(zip(sequences, read, strict=True)):
         trie.insert(_scope(share, sequence, owners[number], number), tokens, number)
     return _finish(trie, sequences, [rollouts[owner] for owner in owners], owners, share, intern)
 
@@ -158,23 +170,27 @@ def _finish(
 ) -> TokenTree:
     order = trie.walk()
     ids = {id(node): number for number, node in enumerate(order)}
-    end: dict[int, TrieNode | None] = {number: None for number in range(len(sequences))}  # None: no tokens
-    for node in order:
-        for sequence in node.ending:
-            end[sequence] = node
+    end = [-1] * len(sequences)  # -1: no tokens
+    for number, node in enumerate(order):
+        for sequence in node.endings():
+            end[sequence] = number
     nodes = _tree_nodes(order, ids, intern)
+    for node in order:  # the trie's parent/child cycles would keep it (and the batch's arrays) until a GC pass
+        node.parent = node.children = None
+    del order, ids
+    parents = [node.parent for node in nodes]
+    sizes = [len(node.token_ids) for node in nodes]
     leaves: list[TreeLeaf] = []
     for number, sample in enumerate(sequences):
         path: list[int] = []
         last = end[number]
-        while last is not None and id(last) in ids:
-            path.append(ids[id(last)])
-            last = last.parent
-        path.reverse()
         length = 0
-        for step in path:
-            nodes[step].sequences.append(number)
-            length += len(nodes[step].token_ids)
+        while last >= 0:
+            path.append(last)
+            nodes[last].sequences.append(number)
+            length += sizes[last]
+            last = parents[last]
+        path.reverse()
         leaves.append(_leaf(number, owners[number], sample, rollouts[number], path, length))
     return TokenTree(nodes, leaves, share, tree_stats(nodes, leaves, dict(trie.splits)))
 
@@ -194,20 +210,16 @@ def tree_stats(nodes: Sequence[TreeNode], leaves: Sequence[TreeLeaf], splits: Ma
 def _tree_nodes(order: list[TrieNode], ids: dict[int, int], intern: Intern) -> list[TreeNode]:
     """The tree's nodes, in walk order. Their arrays are gathered for the whole tree in one copy of the rows they
     keep (each node's are views of it), not one small copy per node; the routing rows exist only where recorded."""
-    sizes = [len(node.tokens) for node in order]
+    sizes = [len(node) for node in order]
     bounds = [0] * (len(order) + 1)
     for number, size in enumerate(sizes):
         bounds[number + 1] = bounds[number] + size
     total = bounds[-1]
-    data = (
-        np.concatenate([node.tokens.data for node in order], axis=1)
-        if order
-        else np.zeros((KEPT_ROWS, 0), dtype=np.int64)
-    )
+    data = np.concatenate([node.data for node in order], axis=1) if order else np.zeros((KEPT_ROWS, 0), dtype=np.int64)
     routed = np.full((2, total), -1, dtype=np.int64)
     for number, node in enumerate(order):
-        if node.tokens.extra is not None:
-            routed[:, bounds[number] : bounds[number + 1]] = node.tokens.extra[1:3]
+        if node.extra is not None:
+            routed[:, bounds[number] : bounds[number + 1]] = node.extra[1:3]
     logprob = data[2].view(np.float64)
     names = [None, *(str(key) for key in intern.versions.keys)]  # a version code -1 (none) reads names[0]
     version = data[3]
@@ -219,7 +231,7 @@ def _tree_nodes(order: list[TrieNode], ids: dict[int, int], intern: Intern) -> l
     for number, node in enumerate(order):
         start, stop = bounds[number], bounds[number + 1]
         parent = ids.get(id(node.parent), -1)
-        tokens = node.tokens
+        tokens = node
         if steady[number]:
             versions = [names[int(version[start]) + 1]] * (stop - start)
         else:

@@ -93,7 +93,8 @@ def pack_tree(tree: TreeData, max_tokens: int) -> list[PackedBatch]:
                 f"tree node {node.id} (depth {node.depth}, sequences {node.sequences[:8]}) holds {len(node)} tokens, "
                 f"more than max_tokens={max_tokens}; packing never splits a node"
             )
-    ends = sorted(range(len(tree.leaves)), key=lambda n: (tree.leaves[n].nodes[-1:] or [-1], n))
+    last = np.fromiter((leaf.nodes[-1] if leaf.nodes else -1 for leaf in tree.leaves), np.int64, len(tree.leaves))
+    ends = np.argsort(last, kind="stable").tolist()  # by last node, then by number
     groups: list[tuple[list[int], set[int]]] = []
     current: list[int] = []
     held: set[int] = set()
@@ -105,7 +106,10 @@ def pack_tree(tree: TreeData, max_tokens: int) -> list[PackedBatch]:
                 f"training sequence {number} (sample {leaf.sample}, branch {leaf.branch}) holds {leaf.length} tokens, "
                 f"more than max_tokens={max_tokens}; each sequence's whole path goes in one batch"
             )
-        extra = sum(sizes[node] for node in leaf.nodes if node not in held)
+        extra = 0
+        for node in leaf.nodes:
+            if node not in held:
+                extra += sizes[node]
         if current and size + extra > max_tokens:
             groups.append((current, held))
             current, held, size = [], set(), 0
@@ -156,7 +160,7 @@ def _batch(tree: TreeData, sizes: list[int], sequences: list[int], nodes: list[i
         return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype=dtype)
 
     images = [(start[node.id] + ref.offset, ref) for node in parts for ref in node.images]
-    index = {number: _path_index(tree, sizes, start, number) for number in sorted(sequences)}
+    index = _path_indices(tree, sizes, start, sorted(sequences))
     return PackedBatch(
         token_ids=joined("token_ids", np.int64),
         position_ids=np.repeat(depths, counts) + order - begin,
@@ -174,16 +178,18 @@ def _batch(tree: TreeData, sizes: list[int], sequences: list[int], nodes: list[i
     )
 
 
-def _path_index(tree: TreeData, sizes: list[int], start: dict[int, int], number: int) -> IntArray:
-    """The batch indices of sequence ``number``'s tokens, its path's nodes' spans one after another (paths are
-    short: one range per node is cheaper than a vectorised gather)."""
-    path = tree.leaves[number].nodes
-    if len(path) == 1:
-        return np.arange(start[path[0]], start[path[0]] + sizes[path[0]], dtype=np.int64)
-    out: IntArray = np.concatenate(
-        [np.arange(start[n], start[n] + sizes[n], dtype=np.int64) for n in path] or [np.zeros(0, dtype=np.int64)]
-    )
-    return out
+def _path_indices(tree: TreeData, sizes: list[int], start: dict[int, int], numbers: list[int]) -> dict[int, IntArray]:
+    """The batch indices of each sequence's tokens, its path's nodes' spans one after another: computed for all of
+    the batch's sequences in one gather, then split per sequence (views of one array)."""
+    paths = [tree.leaves[number].nodes for number in numbers]
+    steps = list(chain.from_iterable(paths))
+    counts = np.fromiter((sizes[node] for node in steps), np.int64, len(steps))
+    firsts = np.fromiter((start[node] for node in steps), np.int64, len(steps))
+    ends = np.cumsum(counts)
+    flat = np.arange(int(ends[-1]) if len(ends) else 0, dtype=np.int64)
+    flat += np.repeat(firsts - (ends - counts), counts)  # each span shifted from its place in flat to the batch's
+    edges = np.concatenate(([0], ends))[np.cumsum([len(path) for path in paths])]
+    return dict(zip(numbers, np.split(flat, edges[:-1]), strict=True))
 
 
 __all__ = ["PackedBatch", "pack_tree"]

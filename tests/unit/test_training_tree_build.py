@@ -43,3 +43,20 @@ def test_images_and_features_build_the_same_tree(share: Any) -> None:
     for image_token_id in (None, 99):
         expected = reference_tree(samples, share=share, image_token_id=image_token_id)
         same_trees(training_tree(samples, share=share, image_token_id=image_token_id), expected, 10_000)
+
+
+@pytest.mark.parametrize("share", ["group", "all"])
+def test_lists_struct_refuses_build_the_same_tree(share: Any) -> None:
+    """Sequences whose arrays are not plain lists (numpy arrays, tuples, numpy numbers) are read one by one, next
+    to plain lists read in one pass: the tree is the same either way."""
+    samples = []
+    for index in range(6):
+        sample = Sample(index=index, group_index=0, tokens=[5, 6, 7])
+        sample.append_response_tokens([8 + index % 2, 9], [-0.5, -0.25])
+        samples.append(sample)
+    samples[1].tokens = np.asarray(samples[1].tokens, dtype=np.int32)  # type: ignore[assignment]
+    samples[2].rollout_log_probs = tuple(samples[2].rollout_log_probs or ())  # type: ignore[assignment]
+    samples[3].tokens = [np.int64(token) for token in samples[3].tokens]  # type: ignore[misc]
+    samples[4].rollout_log_probs = [-1, -2]  # ints: read as floats
+    samples[5].loss_mask = None
+    same_trees(training_tree(samples, share=share), reference_tree(samples, share=share), 100)
