@@ -20,6 +20,7 @@ import random
 import time
 from typing import Any
 
+from fsm_rollout.cli.bench.admission import PROMPTS
 from fsm_rollout.cli.bench.params import Settings
 from fsm_rollout.envs.step import NextCall, StepResult
 
@@ -28,12 +29,6 @@ TURN_TOKENS = (4, 16)
 QUICK_TOOL_S = (0.0, 0.3)
 SLOW_TOOL_S = (4.0, 8.0)
 TAIL_ONE_IN = 16
-PROMPTS = (
-    "Find x in the triangle with angles 50 and 60 degrees.",
-    "A rectangle is 7 by 3. What is its area?",
-    "Find the hypotenuse of a right triangle with legs 6 and 8.",
-    "What is the measure of each angle of a regular hexagon?",
-)
 
 
 class TailEnv:
