@@ -1,7 +1,7 @@
 """The embedded engine's thinking model: the default model's recipe, trained on the same conversations written in a
 shipped thinking chat template's format, and served with that template.
 
-A thinking template (Qwen3.6's, :mod:`fsm_rollout.testing.chat_templates`) opens every assistant turn with
+A thinking template (Qwen3.6's, :mod:`fsm_rollout.tokens.chat_templates`) opens every assistant turn with
 ``<think>\\n`` in its generation prompt, expects the model to reason, close the block with ``</think>`` and then
 answer, and drops the reasoning of turns before the last user message when it renders a history. The default model
 was trained on another template, so it never closes a think block. This module rewrites the default model's shipped
@@ -103,7 +103,7 @@ def thinking_recipe(template: str = "qwen3_6") -> dict[str, Any]:
     """The default recipe plus what else decides the weights: the template's text and the switch the training
     template sets (the thinking turns are in the data, which the key hashes too; this module's source is not hashed,
     so a change to it that changes the weights must change one of these)."""
-    from fsm_rollout.testing.chat_templates import chat_template
+    from fsm_rollout.tokens.chat_templates import chat_template
 
     _check(template)
     return {
@@ -134,7 +134,7 @@ def thinking_model_dir(
         ModelLoadError: If a build fails, or a target path exists but is not a complete build.
         BuildInterrupted: If ``stop`` was set during the build.
     """
-    from fsm_rollout.testing.chat_templates import chat_template
+    from fsm_rollout.tokens.chat_templates import chat_template
 
     name = thinking_model_name(template)
     root = cache if cache is not None else cache_dir()
@@ -208,7 +208,7 @@ def _marker(directory: pathlib.Path, fields: Mapping[str, Any]) -> None:
 
 def _training_base(directory: pathlib.Path, tiny: pathlib.Path, template: str) -> None:
     """The tiny random model wearing the template with ``preserve_thinking`` set (see the module docstring)."""
-    from fsm_rollout.testing.chat_templates import chat_template
+    from fsm_rollout.tokens.chat_templates import chat_template
 
     _copy_with_template(tiny, directory, _PRESERVE_THINKING + chat_template(template))
     base = json.loads((tiny / BUILD_MARKER).read_text(encoding="utf-8"))
