@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
 import string
 import time
@@ -299,11 +300,25 @@ async def generated_alongside(base_url: str) -> float:
     return await generation_tokens(base_url) - before - SENTINEL_TOKENS
 
 
+def generated_tokens(response: Any) -> list[int]:
+    """The tokens of one generate answer: a JSON body's, or, for a streamed request (the gateway streams its
+    agents' calls), the tokens of every SSE chunk in order."""
+    if not isinstance(response, str):
+        return list(response["choices"][0]["token_ids"])
+    tokens: list[int] = []
+    for line in response.splitlines():
+        data = line.removeprefix("data:").strip() if line.startswith("data:") else ""
+        if data and data != "[DONE]":
+            for choice in json.loads(data).get("choices") or []:
+                tokens += choice.get("token_ids") or []
+    return tokens
+
+
 def check_exported_as_generated(generates: Sequence[Any], samples: Sequence[Any]) -> list[list[int]]:
     """Each generate request (the proxy's exchanges, in order) continued an exported sequence: what it sent is a
     prefix and what vLLM generated follows with mask 1; every trained token is one vLLM generated, exactly once, in
     order, and nothing else is trained. Returns each request's generated tokens."""
-    generated = [list(exchange.response["choices"][0]["token_ids"]) for exchange in generates]
+    generated = [generated_tokens(exchange.response) for exchange in generates]
     assert all(generated)
     for exchange, tokens in zip(generates, generated, strict=True):
         sent = list(exchange.body["token_ids"])
