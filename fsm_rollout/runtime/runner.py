@@ -27,6 +27,7 @@ from types import TracebackType
 from typing import Any
 
 from fsm_rollout.config import DEFAULT_ENV_MODULE, RolloutConfig, build_inference_sampling_params
+from fsm_rollout.engine.client import VLLMClient
 from fsm_rollout.envs.protocol import EnvFactory, load_env_factory
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.hooks import RolloutHooks, combine_hooks
@@ -241,6 +242,10 @@ class RolloutRunner:
         if config is None:
             config = self._configs[policy] = replace(self.config, history_policy=policy)
         return config
+
+    def engine_client(self, url: str) -> VLLMClient:
+        """The client this runner sends the engine at ``url`` through (while entered), e.g. to wrap its transport."""
+        return self._clients[url]
 
     @property
     def streams_tokens(self) -> bool:

@@ -68,8 +68,8 @@ async def test_an_sdk_session_on_the_embedded_engine_is_token_exact() -> None:
         )
         runner = RolloutRunner(config, sampling_params={"max_new_tokens": 400, "temperature": 1.0, "top_p": 1.0})
         async with AgentGateway(runner) as gateway:
-            spy = Spy(runner._clients[engine.url].transport)
-            runner._clients[engine.url].transport = spy
+            spy = Spy(runner.engine_client(engine.url).transport)
+            runner.engine_client(engine.url).transport = spy
             session = await gateway.open_session()
             client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
             messages: list[Any] = [{"role": "user", "content": "Say something."}]
@@ -145,8 +145,8 @@ async def test_a_responses_or_messages_session_on_the_embedded_engine_is_token_e
         )  # fmt: skip
         runner = RolloutRunner(config, sampling_params={"max_new_tokens": 400, "temperature": 1.0, "top_p": 1.0})
         async with AgentGateway(runner) as gateway:
-            spy = Spy(runner._clients[engine.url].transport)
-            runner._clients[engine.url].transport = spy
+            spy = Spy(runner.engine_client(engine.url).transport)
+            runner.engine_client(engine.url).transport = spy
             session = await gateway.open_session()
             await (_responses_turns if dialect == "responses" else _messages_turns)(session.base_url)
             samples = await session.close(reward=1.0)

@@ -306,7 +306,7 @@ async def test_the_models_list_says_whether_answers_stream_as_generated(
         async with aiohttp.ClientSession() as http, http.get(f"{session.base_url}/models") as response:
             streaming = (await response.json())["data"][0]["metadata"]["streaming"]
         assert streaming == "tokens"
-        client = gateway.runner._clients[fake_vllm.url]  # a transport that cannot stream: whole answers
+        client = gateway.runner.engine_client(fake_vllm.url)  # a transport that cannot stream: whole answers
         original = client.transport
         client.transport = type("Plain", (), {"post_json": original.post_json, "base_url": fake_vllm.url})()
         try:

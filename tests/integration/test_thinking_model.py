@@ -137,7 +137,7 @@ async def test_rollouts_reason_fork_at_each_observation_and_are_token_exact() ->
                                max_turns=3, env_path="fsm_rollout.envs.geo3k", check_invariants=True)  # fmt: skip
         async with RolloutRunner(config, sampling_params=SAMPLING) as runner:
             assert runner.history_policy == "fork"  # auto: the template drops the reasoning of earlier turns
-            client = runner._clients[engine.url]
+            client = runner.engine_client(engine.url)
             spy = Spy(client.transport)
             client.transport = spy
             results = await runner.run_batch(samples, concurrency=len(samples), seeds=list(range(len(samples))))
@@ -172,7 +172,7 @@ async def test_the_gateway_hands_the_reasoning_back_apart_from_the_answer() -> N
                                tokenizer_path=str(engine.model_dir), max_turns=10, check_invariants=True)  # fmt: skip
         runner = RolloutRunner(config, sampling_params={**SAMPLING, "max_new_tokens": 400})
         async with AgentGateway(runner) as gateway:
-            client_of_engine = runner._clients[engine.url]
+            client_of_engine = runner.engine_client(engine.url)
             spy = Spy(client_of_engine.transport)
             client_of_engine.transport = spy
             answers = []
