@@ -1,7 +1,7 @@
 """The agent gateway's figures: client CPU and added latency per call, 1,000 concurrent sessions, re-tokenization.
 
-Run it from a checkout with ``python -m tools.bench_gateway`` (``--quick``: fewer sessions; ``--json FILE``).
-Workloads:
+Run it from a checkout with ``python -m tools.bench_gateway`` (``--quick``: fewer sessions; ``--json FILE``;
+``--only WORKLOAD``, repeatable: just these). Workloads:
 
 * ``per_call``: sessions of three calls each, one at a time, through the gateway against the canned loopback server
   (:mod:`fsm_rollout.cli.bench.server`, no delay, in a child process so its CPU is not counted). The gateway's CPU
@@ -18,6 +18,9 @@ Workloads:
   order, spacing, escapes) before sending the history back. A break is a session that forked: the gateway found
   the history rewritten. Beside it, the breaks a proxy that re-renders the agent's history would have: the
   template's rendering of the conversation as the agent sent it, compared with the tokens the model saw.
+* ``dialects`` and ``lineage_forks`` (:mod:`tools.bench_gateway_dialects`): ``per_call``'s CPU figure for the
+  Messages and Responses dialects on Claude Code's and Codex's recorded requests, each beside chat on the same
+  conversation; and the forks of a Claude Code session with one subagent and one compaction.
 
 Figures vary with the machine's load; nothing here is asserted by the test suite.
 """
@@ -42,14 +45,26 @@ CHECKOUT = Path(__file__).resolve().parents[1]
 """Where the agents' process starts, so that ``tools`` is importable there."""
 
 CALLS = 3
-GOALS = {"gateway_cpu_ms_per_call": 1.0, "loop_lag_p99_ms": 50.0, "retokenization_breaks": 0}
+GOALS = {
+    "gateway_cpu_ms_per_call": 1.0,
+    "loop_lag_p99_ms": 50.0,
+    "retokenization_breaks": 0,
+    **{f"{name}_cpu_ms_per_call": 1.0 for name in ("messages", "chat_messages", "responses", "chat_responses")},
+    "history_rewritten": 0,
+}
 SUMMARY: tuple[tuple[str, str, str, float | None], ...] = (
     ("gateway CPU per call, template excluded (ms)", "per_call", "gateway_cpu_ms_per_call", 1.0),
     ("added latency per call vs a direct generate (ms)", "per_call", "added_latency_ms_per_call", None),
     ("loop lag p99, concurrent sessions (ms)", "concurrent", "loop_lag_p99_ms", 50.0),
     ("re-tokenization breaks (sessions)", "retokenization", "retokenization_breaks", 0.0),
+    ("Messages CPU per call, Claude Code's request (ms)", "dialects", "messages_cpu_ms_per_call", 1.0),
+    ("  chat on the same conversation (ms)", "dialects", "chat_messages_cpu_ms_per_call", 1.0),
+    ("Responses CPU per call, Codex's request (ms)", "dialects", "responses_cpu_ms_per_call", 1.0),
+    ("  chat on the same conversation (ms)", "dialects", "chat_responses_cpu_ms_per_call", 1.0),
+    ("history_rewritten forks, a subagent and a compaction", "lineage_forks", "history_rewritten", 0.0),
 )
-"""The issue's four figures: label, workload, figure and goal (None: reported only)."""
+"""The issues' figures (#39's four, #42's): label, workload, figure and goal (None: reported only)."""
+WORKLOADS = ("per_call", "concurrent", "retokenization", "dialects", "lineage_forks")
 
 
 def _gateway(url: str, tokenizer: Any, *, max_turns: int = 16, paced: bool = True) -> Any:
@@ -283,35 +298,54 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tools.bench_gateway", description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="fewer sessions")
     parser.add_argument("--json", type=Path, metavar="FILE", help="also write the figures as JSON here")
+    parser.add_argument(
+        "--only", choices=WORKLOADS, action="append", metavar="WORKLOAD", help=f"run only these: {', '.join(WORKLOADS)}"
+    )
     args = parser.parse_args(argv)
     from fsm_rollout.cli.bench.server import Server
     from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
+    from tools.bench_gateway_dialects import bench_dialects, bench_lineage_forks, dialect_table
 
     tokenizer = load_qwen_tokenizer()
     figures: dict[str, dict[str, float]] = {}
-    server = Server(0.0)
-    try:
-        figures["per_call"] = asyncio.run(bench_per_call(server.url(), tokenizer, 30 if args.quick else 200))
-    finally:
-        server.stop()
-    server = Server(LATENCY_S)
-    try:
-        figures["concurrent"] = asyncio.run(bench_concurrent(server.url(), tokenizer, 200 if args.quick else 1_000))
-    finally:
-        server.stop()
-    figures["retokenization"] = asyncio.run(bench_retokenization(tokenizer, 50 if args.quick else 200))
+    run = set(args.only or WORKLOADS)
+    if "per_call" in run:
+        server = Server(0.0)
+        try:
+            figures["per_call"] = asyncio.run(bench_per_call(server.url(), tokenizer, 30 if args.quick else 200))
+        finally:
+            server.stop()
+    if "concurrent" in run:
+        server = Server(LATENCY_S)
+        try:
+            sessions = 200 if args.quick else 1_000
+            figures["concurrent"] = asyncio.run(bench_concurrent(server.url(), tokenizer, sessions))
+        finally:
+            server.stop()
+    if "retokenization" in run:
+        figures["retokenization"] = asyncio.run(bench_retokenization(tokenizer, 50 if args.quick else 200))
+    if "dialects" in run:
+        sessions, repeats = (4, 3) if args.quick else (20, 7)
+        figures["dialects"] = asyncio.run(bench_dialects(tokenizer, sessions, repeats))
+    if "lineage_forks" in run:
+        figures["lineage_forks"] = asyncio.run(bench_lineage_forks(tokenizer))
     for workload, values in figures.items():
         print(workload)
         for name, value in values.items():
             goal = GOALS.get(name)
             met = "" if goal is None else f"  (goal <= {goal:g}: {'met' if value <= goal else 'missed'})"
             print(f"  {name:34s} {value:10.3f}{met}")
-    print("\nthe issue's figures, side by side")
+    if "dialects" in figures:
+        print("\neach dialect beside chat on the same conversation (medians of the repeats)")
+        print("\n".join(dialect_table(figures["dialects"])))
+    print("\nthe issues' figures, side by side")
     for label, workload, name, goal in SUMMARY:
+        if workload not in figures:
+            continue
         value = figures[workload][name]
         verdict = "" if goal is None else ("met" if value <= goal else "missed")
         goal_text = "" if goal is None else f"<= {goal:g}"
-        print(f"  {label:46s} {value:10.3f}  {goal_text:8s} {verdict}")
+        print(f"  {label:52s} {value:10.3f}  {goal_text:8s} {verdict}")
     if args.json is not None:
         args.json.write_text(json.dumps(figures, indent=2))
     return 0
