@@ -112,21 +112,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="answer tokens of one call at most: min(the client's max_tokens / max_output_tokens, N) "
         "(default: the client's, or the session's budget)",
     )
-    rollout.add_argument("--max-context-len", type=int, metavar="N", help="context limit (prompt + response)")
+    rollout.add_argument(
+        "--max-context-len",
+        type=int,
+        metavar="N",
+        help="context limit (prompt + response; default: the engine's max_model_len)",
+    )
     rollout.add_argument("--temperature", type=float, default=1.0, metavar="T", help="default sampling temperature")
     rollout.add_argument("--top-p", type=float, default=1.0, metavar="P", help="default top-p")
     add_process_settings(parser.add_argument_group("process-wide settings"))
     parser.set_defaults(image_merge_size=None)
 
 
-def build_config(args: argparse.Namespace, url: str, model: str, tokenizer_path: str | None) -> RolloutConfig:
-    """The sessions' rollout configuration from the options."""
+def build_config(
+    args: argparse.Namespace, url: str, model: str, tokenizer_path: str | None, *, served_context: int | None = None
+) -> RolloutConfig:
+    """The sessions' rollout configuration from the options. Without ``--max-context-len`` the context is the one the
+    engine serves (``served_context``), so a client's ``max_tokens`` larger than the room left (Claude Code asks for
+    128,000) is cut to that room, not refused by the engine's generate with a 400 the harness retries, then quits."""
     values: dict[str, Any] = {
         "engine_url": url,
         "model": model,
         "tokenizer_path": tokenizer_path,
         "max_turns": args.max_turns,
-        "rollout_max_context_len": args.max_context_len,
+        "rollout_max_context_len": args.max_context_len if args.max_context_len is not None else served_context,
         "router_policy": "consistent_hash",
         "trace": args.trace,
         "record": args.record,
@@ -152,7 +161,7 @@ async def serve(args: argparse.Namespace, *, ready: Callable[[str], None] | None
         loop.add_signal_handler(signum, stop.set)
     try:
         async with engine_for(args, in_process=True) as (urls, choice, tokenizer):
-            config = build_config(args, urls[0], choice.model, choice.tokenizer)
+            config = build_config(args, urls[0], choice.model, choice.tokenizer, served_context=choice.max_model_len)
             sampling = {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "top_p": args.top_p}
             runner = RolloutRunner(config, sampling_params=sampling, engine_urls=urls, tokenizer=tokenizer)
             async with AgentGateway(

@@ -92,12 +92,14 @@ def one_line(text: str, limit: int = 300) -> str:
 @dataclass(frozen=True)
 class EngineChoice:
     """What the run uses, from the flags or else from the engine: the served model name, where the tokenizer is
-    (and what named it, for messages), and the image merge size (None: unknown)."""
+    (and what named it, for messages), the image merge size and the context length the engines serve (the least of
+    their model cards' ``max_model_len``; None: unknown)."""
 
     model: str
     tokenizer: str
     tokenizer_named_by: str
     image_merge_size: int | None
+    max_model_len: int | None = None
 
 
 async def discover_engine(
@@ -131,7 +133,9 @@ async def discover_engine(
     else:
         location, named_by = chosen, "--model"
     merge = image_merge_size or (card.image_merge_size if card is not None else None)
-    return EngineChoice(chosen, location, named_by, merge)
+    lengths = [item.max_model_len for listing in listings for item in listing or () if item.name == chosen]
+    context = min((length for length in lengths if length is not None), default=None)
+    return EngineChoice(chosen, location, named_by, merge, context)
 
 
 async def _probe(url: str, key: str | None) -> list[ServedModel] | None:

@@ -100,7 +100,7 @@ async def engine_for(
             else (str(engine.model_dir), "the embedded engine's model directory")
         )
         merge_size = args.image_merge_size or engine.image_merge_size
-        choice = EngineChoice(engine.served_model_name, tokenizer, named_by, merge_size)
+        choice = EngineChoice(engine.served_model_name, tokenizer, named_by, merge_size, engine.max_model_len)
         yield [engine.url], choice, await load_tokenizer(args, tokenizer, named_by)
 
 

@@ -75,3 +75,38 @@ def test_bad_options_exit_2(capsys: Any) -> None:
         main(["gateway", "--chat-template-kwargs", "[1]"])
     assert exited.value.code == 2
     assert "must be a JSON object" in capsys.readouterr().err
+
+
+async def test_a_max_tokens_over_the_engines_context_is_cut_to_the_room_left(tokenizer: Any, tmp_path: Path) -> None:
+    """Claude Code asks every call for ``max_tokens: 128000``. Without ``--max-context-len`` the gateway takes the
+    context the engine lists (``max_model_len``), so the call gets the room left, not the engine's 400 on a generate
+    over its context (which the harness retries and then gives up on)."""
+    import anthropic
+
+    from fsm_rollout.testing.fake_vllm import GENERATE_PATH
+
+    async with FakeVLLMServer(tokenizer, model="fake-model", max_model_len=2048) as server:
+        process = await start_group_async([
+            sys.executable, "-m", "fsm_rollout.cli", "gateway", "--engine-url", server.url,
+            "--tokenizer", str(qwen_tokenizer_dir()), "--port", "0", "--loop-slice-ms", "0", "--no-tune-gc",
+            "--auto-sessions",
+        ], stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)  # fmt: skip
+        try:
+            assert process.stdout is not None and process.stderr is not None
+            line = (await asyncio.wait_for(process.stdout.readline(), 120)).decode()
+            assert line.startswith("gateway listening on http://"), line + (await process.stderr.read()).decode()
+            url = line.split()[3]
+            server.script([ScriptedTurn(text="Hi!<|im_end|>")])
+            agent = anthropic.AsyncAnthropic(
+                base_url=url, api_key="none", max_retries=0, default_headers={"X-Claude-Code-Session-Id": "s1"}
+            )
+            async with agent.messages.stream(  # the SDK streams a call this long, as Claude Code does
+                model="any", max_tokens=128_000, messages=[{"role": "user", "content": "Hey"}]
+            ) as stream:
+                answer = await stream.get_final_message()
+        finally:
+            await stop_group_async(process)
+        assert [block.text for block in answer.content if block.type == "text"] == ["Hi!"]
+        (generate,) = server.requests_to(GENERATE_PATH)
+        prompt = len(generate.body["token_ids"])
+        assert generate.body["sampling_params"]["max_tokens"] == 2048 - prompt
