@@ -33,6 +33,8 @@ from fsm_rollout.engine.local.tiny import BUILD_MARKER, TINY_MODEL_NAME
 from fsm_rollout.envs.geo3k import CORRECT_FEEDBACK, INCORRECT_FEEDBACK
 from tools.default_model_data import training_conversations
 
+pytestmark = pytest.mark.own_process  # its engines and model builds are a lasting step up in the suite's process
+
 SAMPLING = {"max_new_tokens": 192, "temperature": 1.0, "top_p": 1.0, "stop": ["</tool_call>"], "no_stop_trim": True,
             "seed": 17}  # fmt: skip
 

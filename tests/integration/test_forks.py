@@ -46,6 +46,8 @@ from fsm_rollout.tokens.parity import template_token_ids
 from fsm_rollout.trace import Tracer, capture_transitions
 from fsm_rollout.weights.suspension import HandBack, Suspender
 
+pytestmark = pytest.mark.own_process  # its embedded engines and tokenizers are a lasting step up in the suite's process
+
 MODEL = "fake-model"
 EOS = "<|im_end|>"
 PROMPT = "What is 6 * 7?"

@@ -24,6 +24,8 @@ from fsm_rollout.testing.qwen3_6_tokenizer import load_qwen3_6_tokenizer
 from fsm_rollout.tokens.parity import template_token_ids
 from fsm_rollout.trace import capture_transitions
 
+pytestmark = pytest.mark.own_process  # its real-vocabulary tokenizers are a lasting step up in the suite's process
+
 MODEL = "fake-model"
 EOS = "<|im_end|>"
 PROMPT = "What is 6 * 7?"

@@ -23,6 +23,8 @@ from fsm_rollout.engine.local.default_model import default_model_dir
 from fsm_rollout.examples.grpo import GRPOOptions, main, parse_args, runner_for, train
 from fsm_rollout.examples.grpo_tiny import NearMissEnv, screen
 
+pytestmark = pytest.mark.own_process  # its trainer's torch training is a lasting step up in the suite's process
+
 GAP_MEAN_BOUND = 1e-5
 
 

@@ -34,6 +34,8 @@ from fsm_rollout.testing.fake_vllm import GENERATE_PATH, RENDER_PATH, FakeVLLMSe
 from fsm_rollout.testing.tokenizer import qwen_tokenizer_dir
 from fsm_rollout.trace import Tracer
 
+pytestmark = pytest.mark.own_process  # its embedded engines and tokenizers are a lasting step up in the suite's process
+
 EOS = "<|im_end|>"
 SAMPLING = {"max_new_tokens": 64, "temperature": 1.0, "top_p": 1.0}
 STOP = {**SAMPLING, "stop": ["</answer>"], "no_stop_trim": True}
