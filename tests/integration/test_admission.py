@@ -118,6 +118,27 @@ async def test_new_samples_wait_while_the_engine_is_over_target_and_go_when_it_d
     assert next(line for line in summary.splitlines() if "admission wait" in line).split()[2] == "3"
 
 
+async def test_kv_headroom_holds_new_samples_at_admission_kv_target_and_releases_them_under_it(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    fake_vllm.report_load(kv_cache_usage=0.5)  # at the target: no headroom left
+    factory = ScriptedEnvFactory(steps=[("ok", True)])
+    async with RolloutRunner(
+        adaptive(fake_vllm, admission_kv_target=0.5), sampling_params=SAMPLING, tokenizer=tokenizer,
+        env_factory=factory,
+    ) as runner:  # fmt: skip
+        assert runner.admission is not None
+        controller = runner.admission.controllers[fake_vllm.url]
+        batch = asyncio.ensure_future(runner.run_batch(samples(2, fake_vllm)))
+        await reads_after(fake_vllm, 2)
+        assert controller.over_target and controller.waiting == 2
+        assert fake_vllm.requests_to(GENERATE_PATH) == []  # held: the queue is empty, only the KV rule holds them
+        fake_vllm.report_load(kv_cache_usage=0.45)  # headroom again
+        done = await batch
+    assert [sample.status for sample in done] == [Status.COMPLETED] * 2
+    assert len(fake_vllm.requests_to(GENERATE_PATH)) == 2
+
+
 async def test_a_next_turn_waits_while_kv_use_is_over_target_and_a_sample_stepping_holds_no_slot(
     fake_vllm: FakeVLLMServer, tokenizer: Any
 ) -> None:
