@@ -113,7 +113,7 @@ class RolloutConfig:
     ``admission`` says what a runner's batch, group or stream admits (:mod:`fsm_rollout.runtime.admission`):
     ``"fixed"`` (the default) keeps ``concurrency`` samples in flight; ``"adaptive"`` admits generate requests
     instead, from the engine's load on ``GET /metrics``: new samples and next turns go while its waiting queue stays
-    at most ``admission_max_waiting`` and its KV-cache use under ``admission_kv_target``, oldest sample first, and
+    at most ``admission_max_waiting`` and its KV-cache use under ``admission_kv_target``, oldest request first, and
     a sample stepping its environment holds no slot. A server without ``/metrics`` gets fixed admission.
 
     ``max_staleness`` paces a runner's batches, groups and streams for an asynchronous trainer

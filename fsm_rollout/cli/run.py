@@ -26,6 +26,7 @@ from fsm_rollout.cli.report import default_output as report_path_for
 from fsm_rollout.cli.run_engine import engine_for
 from fsm_rollout.cli.run_report import (
     error_lines,
+    groups_line,
     next_lines,
     nothing_generated,
     reward_lines,
@@ -36,6 +37,7 @@ from fsm_rollout.config import RolloutConfig
 from fsm_rollout.errors import RolloutError
 from fsm_rollout.recording import tape_path_for
 from fsm_rollout.runtime.runner import MetricsSnapshot, RolloutRunner, group_members
+from fsm_rollout.runtime.sampling import SampledBatch
 from fsm_rollout.sample import Sample
 
 DEMO_ENV = "fsm_rollout.envs.geo3k"
@@ -173,6 +175,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="fixed",
         help="fixed: --concurrency samples in flight; adaptive: generate requests admitted from the engine's load "
         "(GET /metrics), a sample stepping its environment holding no slot",
+    )
+    rollout.add_argument(
+        "--target-groups",
+        type=int,
+        metavar="N",
+        help="stop once N groups (a prompt's samples) are complete; the groups still running then end aborted "
+        "(reason oversampled) and the groups never started are not run or written (default: every group)",
+    )
+    rollout.add_argument(
+        "--oversample",
+        type=int,
+        default=0,
+        metavar="M",
+        help="with --target-groups N: start N + M groups, so that N complete sooner (the surplus is cut)",
+    )
+    rollout.add_argument(
+        "--max-staleness",
+        type=int,
+        metavar="K",
+        help="no group starts more than K weight versions ahead of what the trainer reported consumed (the "
+        "runner's weight updates; a run with none never waits)",
     )
     rollout.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature")
     rollout.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: top-p")
@@ -323,6 +346,7 @@ def build_config(
         history_policy=args.history_policy,
         apply_chat_template_kwargs=args.chat_template_kwargs,
         admission=args.admission,
+        max_staleness=args.max_staleness,
     )
 
 
@@ -372,19 +396,25 @@ async def _run(args: argparse.Namespace) -> int:
             rolling = True  # from here a Ctrl-C aborts the samples and writes what they have
             progress = None if args.quiet else asyncio.ensure_future(_show_progress(runner, len(samples), sys.stderr))
             batch = asyncio.ensure_future(
-                runner.run_batch(samples, concurrency=args.concurrency, sample_ids=sample_ids, seeds=seeds)
-            )
+                runner.run_batch(samples, concurrency=args.concurrency, sample_ids=sample_ids, seeds=seeds,
+                                 target_groups=args.target_groups, oversample=args.oversample)
+            )  # fmt: skip
             stop_waiter = asyncio.ensure_future(interrupted.wait())
             await asyncio.wait({batch, stop_waiter}, return_when=asyncio.FIRST_COMPLETED)
             if interrupted.is_set() and not batch.done():
                 print("\ninterrupted: aborting samples in flight ...", file=sys.stderr)
                 await runner.abort("cancelled")
-            await batch
+            done = await batch
             stop_waiter.cancel()
             if progress is not None:
                 progress.cancel()
                 print(file=sys.stderr)
             snapshot = runner.metrics()
+    if isinstance(done, SampledBatch):  # --target-groups: the groups never started are not results
+        ran = {id(sample) for sample in done}
+        kept = [position for position, sample in enumerate(samples) if id(sample) in ran]
+        samples = [samples[position] for position in kept]
+        sample_ids = [sample_ids[position] for position in kept if position < len(sample_ids)]
     write_results(samples, args.out, include_features=args.include_features)
     errors = [redacted(line, key) for line in error_lines(samples)]
     print(
@@ -398,6 +428,8 @@ async def _run(args: argparse.Namespace) -> int:
             errors=errors,
         )
     )
+    if isinstance(done, SampledBatch):
+        print(groups_line(done, args.target_groups))
     print(f"history: {snapshot.forks} fork(s), {snapshot.sequences} training sequence(s) from "
           f"{snapshot.samples_done} sample(s)")  # fmt: skip
     if args.record:
@@ -457,6 +489,8 @@ def main(args: argparse.Namespace) -> int:
         problem = (
             f"--data needs --env: the environment that runs and grades your dataset (the demo's is --env {DEMO_ENV})"
         )
+    if problem is None and args.oversample and args.target_groups is None:
+        problem = "--oversample needs --target-groups (the number of complete groups wanted)"
     if problem is None:
         try:  # what the library's config checks, before anything starts rather than once the engine runs
             build_config(

@@ -12,8 +12,10 @@ import orjson
 
 from fsm_rollout.cli.preflight import one_line
 from fsm_rollout.cli.report import default_output as report_path_for
+from fsm_rollout.machine.lifecycle import OVERSAMPLED
 from fsm_rollout.runtime.metrics import MetricsSnapshot
 from fsm_rollout.runtime.runner import NOT_STARTED
+from fsm_rollout.runtime.sampling import SampledBatch
 from fsm_rollout.sample import Sample, Status
 
 
@@ -65,13 +67,17 @@ def summary(
     # to its end, so the first count is of the samples that did
     never_started = snapshot.reasons.get(NOT_STARTED, 0)
     cut_off = snapshot.reasons.get("cancelled", 0)
+    surplus = snapshot.reasons.get(OVERSAMPLED, 0)  # --target-groups cut them once enough groups were complete
+    finished = snapshot.samples_done - cut_off - never_started - surplus
     lines = [
-        f"{snapshot.samples_done - cut_off - never_started}/{total} samples finished in {snapshot.elapsed_s:.1f}s "
+        f"{finished}/{total} samples finished in {snapshot.elapsed_s:.1f}s "
         f"({snapshot.samples_per_s:.2f} samples/s, {snapshot.turns} turns, "
         f"{snapshot.tokens_generated} tokens generated, {snapshot.tokens_per_s:.0f} tok/s)",
     ]
     if cut_off or never_started:
         lines.append(f"{cut_off} aborted mid-way, {never_started} never started")
+    if surplus:
+        lines.append(f"{surplus} cut as surplus (oversampled)")
     if skipped:
         lines.append(f"{skipped} bad dataset line(s) skipped")
     lines.append(f"{'status':<34}{'count':>6}")
@@ -82,6 +88,13 @@ def summary(
     lines.extend(errors)
     lines.append(f"results: {out}" + (f"   trace: {trace}" if trace else ""))
     return "\n".join(lines)
+
+
+def groups_line(batch: SampledBatch, target: int | None) -> str:
+    """``--target-groups``: how many groups were wanted and complete, how many were cut, whether the prompts ran
+    out first."""
+    line = f"groups: {batch.kept_groups}/{target} complete, {batch.surplus_groups} cut as surplus"
+    return line + (" (the prompts ran out first)" if batch.prompts_exhausted else "")
 
 
 def reward_lines(samples: Sequence[Sample]) -> list[str]:

@@ -21,8 +21,11 @@ An engine in this process (registered with :func:`~fsm_rollout.engine.load.regis
 can be) is read in process, on every admission and every answer as well as on the timer, so the controller sees
 the queue it just changed without an HTTP round trip through the engine's own process.
 
-Waiters are served oldest sample first: a started sample's turns go before any new sample, and among them the one
-admitted first goes first, so turns already started are never starved by new work. The time each wait took is on
+Waiters are served oldest request first: a started sample's turns go before any new sample, so turns already started
+are never starved by new work, and among them the turn that has waited longest goes first (first come, first served,
+as the engine serves its own queue). Ordering them by the sample's first admission instead kept the youngest samples
+waiting turn after turn while the batch was full; they then ran their last turns and tool calls almost alone, and
+the engine's under-full tail at the end of a batch was about twice as long. The time each wait took is on
 the transition it delayed (``admission_ms``), apart from ``queued_ms``.
 """
 
@@ -46,7 +49,7 @@ MIN_WINDOW = 1
 """A window never shrinks below this: a server always gets work."""
 
 Priority = tuple[int, float, int]
-"""``(0 started / 1 new, first admission time or arrival order, tie-break)``: lower goes first."""
+"""``(0 started / 1 new, the order the request asked in, tie-break)``: lower goes first."""
 
 _log = logging.getLogger(__name__)
 _order = itertools.count()
@@ -205,7 +208,6 @@ class AdmissionPoint:
         self.controller = controller
         self.held = False
         self.active = False
-        self.first_admitted: float | None = None
         self.waited_ms: float | None = None
         """The last wait's milliseconds, until the transition it delayed takes it (:meth:`take_waited`)."""
 
@@ -213,21 +215,17 @@ class AdmissionPoint:
         """Take over the slot a new sample was admitted with (after ``waited_ms``), up to its first answer."""
         self.held = self.active = True
         self.controller.active += 1
-        self.first_admitted = time.perf_counter()
         self.waited_ms = round(waited_ms, 3)
 
     async def acquire(self) -> None:
         """Hold a slot for the next generate request (at once when the rollout holds one already)."""
         if self.held:
             return
-        first = self.first_admitted
-        waited = await self.controller.acquire((0, first if first is not None else time.perf_counter(), 0))
+        waited = await self.controller.acquire((0, float(next(_order)), 0))  # the turn that asked first goes first
         self.held = True
         if not self.active:
             self.active = True
             self.controller.active += 1
-        if first is None:
-            self.first_admitted = time.perf_counter()
         self.waited_ms = round(waited, 3)
 
     def release(self) -> None:

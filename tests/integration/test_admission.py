@@ -1,7 +1,7 @@
 """Adaptive admission (``RolloutConfig.admission="adaptive"``) against the fake server's published load: generate
 requests are held while the engine is over its targets and released when it drops, a sample stepping its
-environment holds no slot, oldest samples go first, preemptions halve the window, and a server without
-``/metrics`` gets fixed admission with one warning."""
+environment holds no slot, started turns go first and in the order they asked, preemptions halve the window, and
+a server without ``/metrics`` gets fixed admission with one warning."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from fsm_rollout import RolloutConfig, Sample, Status
 from fsm_rollout.cli.inspect import render_summary, summarize
 from fsm_rollout.engine.load import EngineLoad, LoadReader, parse_metrics
 from fsm_rollout.replay.paths import TracedPath
-from fsm_rollout.runtime.admission import AdmissionController
+from fsm_rollout.runtime.admission import AdmissionController, AdmissionPoint
 from fsm_rollout.runtime.runner import NOT_STARTED, RolloutRunner
 from fsm_rollout.testing.envs import ScriptedEnvFactory
 from fsm_rollout.testing.fake_vllm import GENERATE_PATH, FakeVLLMServer, ScriptedTurn
@@ -118,6 +118,27 @@ async def test_new_samples_wait_while_the_engine_is_over_target_and_go_when_it_d
     assert next(line for line in summary.splitlines() if "admission wait" in line).split()[2] == "3"
 
 
+async def test_kv_headroom_holds_new_samples_at_admission_kv_target_and_releases_them_under_it(
+    fake_vllm: FakeVLLMServer, tokenizer: Any
+) -> None:
+    fake_vllm.report_load(kv_cache_usage=0.5)  # at the target: no headroom left
+    factory = ScriptedEnvFactory(steps=[("ok", True)])
+    async with RolloutRunner(
+        adaptive(fake_vllm, admission_kv_target=0.5), sampling_params=SAMPLING, tokenizer=tokenizer,
+        env_factory=factory,
+    ) as runner:  # fmt: skip
+        assert runner.admission is not None
+        controller = runner.admission.controllers[fake_vllm.url]
+        batch = asyncio.ensure_future(runner.run_batch(samples(2, fake_vllm)))
+        await reads_after(fake_vllm, 2)
+        assert controller.over_target and controller.waiting == 2
+        assert fake_vllm.requests_to(GENERATE_PATH) == []  # held: the queue is empty, only the KV rule holds them
+        fake_vllm.report_load(kv_cache_usage=0.45)  # headroom again
+        done = await batch
+    assert [sample.status for sample in done] == [Status.COMPLETED] * 2
+    assert len(fake_vllm.requests_to(GENERATE_PATH)) == 2
+
+
 async def test_a_next_turn_waits_while_kv_use_is_over_target_and_a_sample_stepping_holds_no_slot(
     fake_vllm: FakeVLLMServer, tokenizer: Any
 ) -> None:
@@ -209,6 +230,30 @@ async def test_the_oldest_sample_goes_first_and_new_samples_after_started_ones()
     controller.release()
     await waits["new"]
     assert controller.in_flight == 1
+    await controller.close()
+
+
+async def test_started_samples_turns_go_in_the_order_they_asked_not_by_the_samples_age() -> None:
+    over = EngineLoad(running=1, waiting=20, kv_cache_usage=0.5, preemptions=0)
+    controller = AdmissionController("http://x", StubReader(over, silent=True), kv_target=0.9, max_waiting=0, load=over)
+    older, younger = AdmissionPoint(controller), AdmissionPoint(controller)
+    for point in (older, younger):  # admitted as new samples in this order; their first answers are in
+        point.hold(0.0)
+        point.release()
+    new = asyncio.ensure_future(controller.acquire((1, 0.0, 0)))
+    younger_turn = asyncio.ensure_future(younger.acquire())
+    await asyncio.sleep(0)  # the younger sample's next turn asks first
+    older_turn = asyncio.ensure_future(older.acquire())
+    await asyncio.sleep(0)
+    assert controller.waiting == 3
+    controller.observe(EngineLoad(running=0, waiting=0, kv_cache_usage=0.0, preemptions=0))  # a window of one
+    first, _ = await asyncio.wait({younger_turn, older_turn, new}, return_when=asyncio.FIRST_COMPLETED)
+    assert first == {younger_turn}
+    younger.release()
+    first, _ = await asyncio.wait({older_turn, new}, return_when=asyncio.FIRST_COMPLETED)
+    assert first == {older_turn}  # a new sample goes after every started turn
+    older.release()
+    await new
     await controller.close()
 
 

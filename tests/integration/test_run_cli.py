@@ -131,6 +131,27 @@ async def test_run_writes_results_trace_and_a_summary(fake_vllm: FakeVLLMServer,
     assert "completed" in stdout
 
 
+async def test_target_groups_with_oversample_stop_at_the_complete_groups_and_cut_the_surplus(
+    fake_vllm: FakeVLLMServer, tmp_path: Path
+) -> None:
+    # one sample at a time: the first group takes the two answers; a surplus sample that starts before the first
+    # group is seen complete hangs, until the cut aborts it
+    fake_vllm.script([ScriptedTurn(text="one"), ScriptedTurn(text="two"), *[ScriptedTurn(text="x", hang=True)] * 2])
+    data = dataset(tmp_path / "d.jsonl", *(done_after_one_turn(f"q{i}") for i in range(3)))
+    options = ("--n-samples-per-prompt", "2", "--concurrency", "1", "--target-groups", "1", "--oversample", "1")
+    code, stdout, stderr = await run_cli(fake_vllm, tmp_path, "--data", str(data), "--quiet", *options)
+    assert code == 0, stderr
+    rows = results(tmp_path)  # the third prompt's group never started: it is not a result
+    assert [(row["index"], row["status"]) for row in rows] == [
+        (0, "completed"), (0, "completed"), (1, "aborted"), (1, "aborted")
+    ]  # fmt: skip
+    assert [row["metadata"]["rollout_reason"] for row in rows[2:]] == ["oversampled"] * 2
+    assert [row["metadata"]["group_kept"] for row in rows] == [True, True, False, False]
+    assert "2/4 samples finished" in stdout and "2 cut as surplus (oversampled)" in stdout
+    assert "groups: 1/1 complete, 1 cut as surplus" in stdout.splitlines()
+    assert len(fake_vllm.requests_to(GENERATE_PATH)) <= 3
+
+
 async def test_turns_stop_at_the_tool_call_with_the_geo3k_environment_unless_told_otherwise(
     fake_vllm: FakeVLLMServer, tmp_path: Path
 ) -> None:

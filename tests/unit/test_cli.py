@@ -58,6 +58,14 @@ def test_run_passes_the_history_policy_on_and_defaults_to_auto(argv: tuple[str, 
     assert build_config(args, "http://127.0.0.1:1", "m", None, None).history_policy == policy
 
 
+@pytest.mark.parametrize(
+    ("argv", "staleness"), [((), None), (("--max-staleness", "2"), 2), (("--max-staleness", "0"), 0)]
+)
+def test_run_passes_max_staleness_on_and_paces_nothing_by_default(argv: tuple[str, ...], staleness: int | None) -> None:
+    args = build_parser().parse_args(["run", *argv])
+    assert build_config(args, "http://127.0.0.1:1", "m", None, None).max_staleness == staleness
+
+
 def test_run_refuses_an_unknown_history_policy(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["run", "--history-policy", "branch"])
@@ -148,6 +156,16 @@ def test_help_shows_defaults_but_not_empty_ones(
         (("--n-samples-per-prompt", "0"), "--n-samples-per-prompt 0: n_samples_per_prompt must be at least 1"),
         (("--max-context-len", "-1"), "--max-context-len -1: max_context_len must be at least 1"),
         (("--concurrency", "0"), "--concurrency 0: concurrency must be at least 1"),
+        (("--target-groups", "0"), "--target-groups 0: target_groups must be at least 1"),
+        (("--target-groups", "2", "--oversample", "-1"), "--oversample -1: oversample must be 0 or more"),
+        (("--max-staleness", "-1"), "--max-staleness -1: max_staleness must be 0 or more"),
+        (
+            (
+                "--oversample",
+                "2",
+            ),
+            "--oversample needs --target-groups (the number of complete groups wanted)",
+        ),
         (("--limit", "-2"), "--limit -2: limit must be 0 or more"),
         (("--temperature", "-0.5"), "--temperature -0.5: temperature must be a number >= 0"),
         (("--temperature", "inf"), "--temperature inf: temperature must be a number >= 0"),
