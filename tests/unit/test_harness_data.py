@@ -6,6 +6,7 @@ import json
 
 from fsm_rollout.engine.local.harness_data import (
     HARNESSES,
+    copy_drills,
     HELD_OUT,
     PLACEHOLDERS,
     harness_conversations,
@@ -37,3 +38,14 @@ def test_conversations_fill_every_placeholder_and_never_ask_the_held_out_task() 
         assert task.endswith(task_text(name, text_))
     counts = {"codex": 5, "claude": 3}
     assert harness_conversations(counts, seed=3, environments=2) == harness_conversations(counts, 3, 2)
+
+
+def test_copy_drills_train_only_the_command_of_a_task_they_ask() -> None:
+    from fsm_rollout.testing.tokenizer import load_qwen_tokenizer
+
+    tokenizer = load_qwen_tokenizer()
+    for drill in copy_drills(20, seed=5, tokenizer=tokenizer):
+        trained = tokenizer.decode([t for t, bit in zip(drill.token_ids, drill.trainable, strict=True) if bit])
+        text, name = trained.removeprefix("echo ").split(" > ")
+        assert (name, text) != HELD_OUT
+        assert task_text(name, text) in tokenizer.decode(drill.token_ids[: drill.prompt_length])

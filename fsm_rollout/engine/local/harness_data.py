@@ -9,6 +9,10 @@ dates drawn from a seeded generator) and adds the turns: one call of the harness
 format, the tool's report as the harness sends it back, and a short final answer. :func:`encode_conversation` turns
 one into token ids exactly as a gateway session on the embedded engine sees them: the prompt as the engine renders
 it, each answer then ``<|im_end|>``, the report as the library's observation encoder encodes it.
+
+:func:`copy_drills` are short conversations beside them, the task alone and the call, trained only on the command's
+tokens: in the long prompts copying the name and the text is learned too slowly for a short build (the model first
+learns the format and the commonest command), and a short drill teaches the attention that copies them cheaply.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ __all__ = [
     "EncodedConversation",
     "HarnessConversation",
     "HarnessTemplate",
+    "copy_drills",
     "encode_conversation",
     "harness_conversations",
     "read_templates",
@@ -224,3 +229,32 @@ def encode_conversation(conversation: HarnessConversation, tokenizer: Any, encod
             ids += suffix
             trainable += [False] * len(suffix)
     return EncodedConversation(ids, trainable, len(prompt))
+
+
+def copy_drills(count: int, seed: int, tokenizer: Any) -> list[EncodedConversation]:
+    """``count`` short conversations (the task as the only message, then the call of a harness's shell tool) whose
+    only trained tokens are the command's: what the model must copy from the task. Never the :data:`HELD_OUT`
+    pair."""
+    from fsm_rollout.tokens.chat import template_token_ids
+
+    rng = random.Random(seed)
+    pairs = [(name, text) for name in NAMES for text in TEXTS if (name, text) != HELD_OUT]
+    drills = []
+    for _ in range(count):
+        name, text = rng.choice(pairs)
+        harness = rng.choice(HARNESSES)
+        prompt = template_token_ids(
+            tokenizer.apply_chat_template(
+                [{"role": "user", "content": task_text(name, text)}], add_generation_prompt=True, tokenize=True,
+                return_dict=False,
+            ),
+            what="copy drill prompt",
+        )  # fmt: skip
+        command = shell_command(name, text)
+        call = tool_call_text(harness, command)
+        start = call.index(command)
+        encoded = tokenizer(call, add_special_tokens=False, return_offsets_mapping=True)
+        trained = [begin < start + len(command) and end > start for begin, end in encoded["offset_mapping"]]
+        ids = [*prompt, *encoded["input_ids"]]
+        drills.append(EncodedConversation(ids, [False] * len(prompt) + trained, len(prompt)))
+    return drills

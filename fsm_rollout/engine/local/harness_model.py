@@ -59,6 +59,8 @@ HARNESS_RECIPE: Final[dict[str, Any]] = {
     "warmup_steps": 10,
     "refresh_at": [1, 50, 200, 420],
     "prompt_tail": 64,
+    "drills": 2000,
+    "drills_per_step": 4,
 }
 """Everything the weights depend on besides the code and the shipped templates (``conversations``: per harness;
 a Claude Code conversation costs more, since its task is followed by a long system message that each refresh
@@ -185,10 +187,13 @@ def _train_into(directory: pathlib.Path, base: pathlib.Path, key: str) -> None:
         recipe["conversations"], recipe["data_seed"], recipe["environments"]
     )
     examples = [harness_data.encode_conversation(each, tokenizer, encoder) for each in conversations]
+    drills = harness_data.copy_drills(recipe["drills"], recipe["data_seed"] + 2, tokenizer)
     _say(step=0, steps=recipe["steps"], loss=None)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(recipe["torch_seed"])
-        losses = _fit(model, examples, recipe, lambda step, loss: _say(step=step, steps=recipe["steps"], loss=loss))
+        losses = _fit(
+            model, examples, drills, recipe, lambda step, loss: _say(step=step, steps=recipe["steps"], loss=loss)
+        )
     model.eval()
     with quiet_progress_bars():
         model.save_pretrained(str(directory))
@@ -214,6 +219,7 @@ def _train_into(directory: pathlib.Path, base: pathlib.Path, key: str) -> None:
 def _fit(
     model: Any,
     examples: list[harness_data.EncodedConversation],
+    drills: list[harness_data.EncodedConversation],
     recipe: dict[str, Any],
     on_step: Callable[[int, float], None],
 ) -> list[float]:
@@ -223,7 +229,7 @@ def _fit(
 
     embeddings = model.get_input_embeddings().weight
     vocab = int(embeddings.shape[0])
-    used = sorted({token for example in examples for token in example.token_ids})
+    used = sorted({token for example in [*examples, *drills] for token in example.token_ids})
     used_ids = torch.tensor(used, dtype=torch.long)
     column = torch.full((vocab,), -1, dtype=torch.long)
     column[used_ids] = torch.arange(len(used))
@@ -242,6 +248,7 @@ def _fit(
     caches: list[list[tuple[Any, Any]]] = []
     order = random.Random(recipe["data_seed"] + 1)
     pending: list[int] = []
+    next_drill = 0
     losses: list[float] = []
     model.train()
     for step in range(1, recipe["steps"] + 1):
@@ -257,6 +264,11 @@ def _fit(
             loss = _ending_loss(model, compact, zero_rows, caches, local, cut, examples, pending.pop())
             (loss / recipe["batch_size"]).backward()
             total += float(loss.detach()) / recipe["batch_size"]
+        for _ in range(recipe["drills_per_step"]):  # whole, with gradients: they are short
+            drill = drills[next_drill % len(drills)]
+            next_drill += 1
+            ids = column[torch.tensor(drill.token_ids)].unsqueeze(0)
+            (_loss(model, compact, zero_rows, ids, drill.trainable[1:], None) / recipe["drills_per_step"]).backward()
         optimizer.step()
         schedule.step()
         losses.append(total)
@@ -270,19 +282,26 @@ def _fit(
 def _ending_loss(model: Any, compact: Any, zero_rows: float, caches: list[list[tuple[Any, Any]]], local: list[Any],
                  cut: list[int], examples: list[harness_data.EncodedConversation], index: int) -> Any:  # fmt: skip
     """One conversation's mean cross-entropy on its trained tokens, its tail run over its cached prompt."""
-    import torch
     from transformers import DynamicCache
 
     cache = DynamicCache()
     for layer, (keys, values) in enumerate(caches[index]):
         cache.update(keys.clone(), values.clone(), layer)
     at, ids = cut[index], local[index]
-    hidden = model.model(inputs_embeds=compact[ids[:, at:]], past_key_values=cache, use_cache=True)
-    chosen = torch.tensor(examples[index].trainable[at + 1 :])
+    return _loss(model, compact, zero_rows, ids[:, at:], examples[index].trainable[at + 1 :], cache)
+
+
+def _loss(model: Any, compact: Any, zero_rows: float, ids: Any, targets: list[bool], cache: Any) -> Any:
+    """Mean next-token cross-entropy of ``ids`` (compact ids, after ``cache``) where ``targets`` (from the second
+    token on) is set."""
+    import torch
+
+    hidden = model.model(inputs_embeds=compact[ids], past_key_values=cache, use_cache=cache is not None)
+    chosen = torch.tensor(targets)
     logits = hidden.last_hidden_state[0, :-1][chosen] @ compact.T
     constant = torch.full((logits.shape[0], 1), zero_rows)
     normaliser = torch.logsumexp(torch.cat([logits, constant], dim=1), dim=1)
-    picked = logits.gather(1, ids[0, at + 1 :][chosen].unsqueeze(1)).squeeze(1)
+    picked = logits.gather(1, ids[0, 1:][chosen].unsqueeze(1)).squeeze(1)
     return (normaliser - picked).mean()
 
 
