@@ -6,9 +6,9 @@ import json
 
 from fsm_rollout.engine.local.harness_data import (
     HARNESSES,
-    copy_drills,
     HELD_OUT,
     PLACEHOLDERS,
+    copy_drills,
     harness_conversations,
     read_templates,
     shell_command,
