@@ -14,11 +14,24 @@ from typing import Any
 from fsm_rollout.cli.preflight import API_KEY_ENV_VAR
 from fsm_rollout.config import HISTORY_POLICIES
 
-__all__ = ["CHAT_TEMPLATE_HELP", "add_chat_template_option", "add_engine_options", "add_history_options", "json_object"]
+__all__ = [
+    "CHAT_TEMPLATE_HELP",
+    "HARNESS_MODEL_HELP",
+    "add_chat_template_option",
+    "add_engine_options",
+    "add_history_options",
+    "json_object",
+]
 
 CHAT_TEMPLATE_HELP = (
     "serve the default model retrained for this shipped thinking chat template: it reasons in <think>...</think>, "
     "then answers (trained once on first use, then cached, as the default model is)"
+)
+
+HARNESS_MODEL_HELP = (
+    "serve the harness model: the tiny model trained on Codex CLI's and Claude Code's real prompts to run a shell "
+    'command that creates a file ("create a file named NAME containing TEXT") and then answer (trained once on '
+    "first use, then cached)"
 )
 
 
@@ -51,6 +64,7 @@ def add_engine_options(group: argparse._ActionsContainer, *, several_urls: str, 
     )
     group.add_argument("--api-key", metavar="KEY", help=f"{api_key} (default: ${API_KEY_ENV_VAR})")
     add_chat_template_option(group, help=CHAT_TEMPLATE_HELP + "; embedded engine only")
+    group.add_argument("--harness-model", action="store_true", help=HARNESS_MODEL_HELP + "; embedded engine only")
 
 
 def add_chat_template_option(group: argparse._ActionsContainer, *, help: str) -> None:

@@ -29,7 +29,14 @@ async def engine_for(
     process loads the tokenizer; ``batched`` False decodes one request at a time.
     """
     template = getattr(args, "chat_template", None)
+    harness = bool(getattr(args, "harness_model", False))
+    if harness and template is not None:
+        raise PreflightError(f"--harness-model and --chat-template {template} pick two different embedded models")
     if args.engine_url:
+        if harness:
+            raise PreflightError(
+                "--harness-model picks the embedded engine's harness model; a vLLM server serves its own model"
+            )
         if template is not None:
             raise PreflightError(
                 f"--chat-template {template} picks the embedded engine's thinking model; a vLLM server renders with "
@@ -48,9 +55,11 @@ async def engine_for(
     from fsm_rollout.cli.build_progress import BuildProgressLine
     from fsm_rollout.engine.local import LocalEngine
     from fsm_rollout.engine.local.default_model import DEFAULT_MODEL_NAME, default_model_dir
+    from fsm_rollout.engine.local.harness_model import HARNESS_MODEL_NAME, harness_model_dir
     from fsm_rollout.engine.local.thinking_model import thinking_model_dir, thinking_model_name
 
     served = DEFAULT_MODEL_NAME if template is None else thinking_model_name(template)
+    served = HARNESS_MODEL_NAME if harness else served
 
     def say(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
@@ -60,7 +69,9 @@ async def engine_for(
     progress = None if args.quiet else BuildProgressLine(sys.stderr)
     stop = threading.Event()
     building = in_daemon_thread(
-        (lambda: default_model_dir(log=say, progress=progress, stop=stop))
+        (lambda: harness_model_dir(log=say, progress=progress, stop=stop))
+        if harness
+        else (lambda: default_model_dir(log=say, progress=progress, stop=stop))
         if template is None
         else lambda: thinking_model_dir(template, log=say, progress=progress, stop=stop)
     )

@@ -142,17 +142,24 @@ def check_token_exact(
     sent exactly the sequence's tokens up to it."""
     requests = [r for r in server.requests_to(GENERATE_PATH) if r.headers.get("x-session-id") == session_id]
     assert len(requests) == len(scripted), f"{len(requests)} generate requests for {len(scripted)} scripted turns"
+    generated = [tokenizer.encode(text, add_special_tokens=False) for text in scripted]
+    check_sequence_exact([request.body["token_ids"] for request in requests], generated, sequences)
+
+
+def check_sequence_exact(
+    sent: Sequence[list[int]], generated: Sequence[list[int]], sequences: Sequence[Sample]
+) -> None:
+    """The session is one training sequence: the first prompt ``sent``, then each answer ``generated`` (mask 1)
+    and what the harness sent in between (mask 0); every request sent exactly the sequence's tokens up to it."""
     assert len(sequences) == 1, [s.metadata.get("history_rewritten") for s in sequences]
     sequence = sequences[0]
-    generated = [tokenizer.encode(text, add_special_tokens=False) for text in scripted]
-    assert sequence.tokens == requests[-1].body["token_ids"] + generated[-1]
+    assert sequence.tokens == list(sent[-1]) + list(generated[-1])
     mask = [0] * len(sequence.tokens)
-    for request, output in zip(requests, generated, strict=True):
-        sent = request.body["token_ids"]
-        assert sequence.tokens[: len(sent) + len(output)] == sent + output
-        mask[len(sent) : len(sent) + len(output)] = [1] * len(output)
+    for prompt, output in zip(sent, generated, strict=True):
+        assert sequence.tokens[: len(prompt) + len(output)] == list(prompt) + list(output)
+        mask[len(prompt) : len(prompt) + len(output)] = [1] * len(output)
     prompt_length = len(sequence.tokens) - sequence.response_length
-    assert prompt_length == len(requests[0].body["token_ids"])
+    assert prompt_length == len(sent[0])
     assert sequence.loss_mask == mask[prompt_length:]
 
 

@@ -17,7 +17,7 @@ PUBLIC_MODULES = frozenset({
     "fsm_rollout.cli", "fsm_rollout.compat", "fsm_rollout.config", "fsm_rollout.data", "fsm_rollout.data.demo",
     "fsm_rollout.data.practice", "fsm_rollout.distributed", "fsm_rollout.engine", "fsm_rollout.engine.client",
     "fsm_rollout.engine.local", "fsm_rollout.engine.local.default_model",
-    "fsm_rollout.engine.local.thinking_model", "fsm_rollout.engine.probe",
+    "fsm_rollout.engine.local.harness_model", "fsm_rollout.engine.local.thinking_model", "fsm_rollout.engine.probe",
     "fsm_rollout.engine.transport", "fsm_rollout.envs", "fsm_rollout.envs.calculator", "fsm_rollout.envs.geo3k",
     "fsm_rollout.envs.grid", "fsm_rollout.envs.protocol", "fsm_rollout.envs.step", "fsm_rollout.errors",
     "fsm_rollout.examples", "fsm_rollout.examples.agent_gateway", "fsm_rollout.examples.embed_local",
