@@ -152,7 +152,9 @@ class StreamAssembly:
             content = logprobs.get("content") if isinstance(logprobs, Mapping) else None
             if content is not None:
                 values = parse_logprobs({"logprobs": logprobs}, token_ids)
-                self._logprobs = [*(self._logprobs or []), *content]
+                if self._logprobs is None:
+                    self._logprobs = []
+                self._logprobs.extend(content)  # in place: a copy per chunk is quadratic in the answer's length
             elif self._logprobs is not None:
                 raise GenerationError("vLLM generate stream: a chunk without logprobs after chunks with them")
             self._token_ids.extend(token_ids)
