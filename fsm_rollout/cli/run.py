@@ -16,6 +16,7 @@ from typing import Any, TextIO
 
 from fsm_rollout.cli.common import add_process_settings
 from fsm_rollout.cli.engine_options import add_engine_options, add_history_options
+from fsm_rollout.cli.group_options import add_group_options
 from fsm_rollout.cli.preflight import (
     PreflightError,
     api_key,
@@ -176,27 +177,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="fixed: --concurrency samples in flight; adaptive: generate requests admitted from the engine's load "
         "(GET /metrics), a sample stepping its environment holding no slot",
     )
-    rollout.add_argument(
-        "--target-groups",
-        type=int,
-        metavar="N",
-        help="stop once N groups (a prompt's samples) are complete; the groups still running then end aborted "
-        "(reason oversampled) and the groups never started are not run or written (default: every group)",
-    )
-    rollout.add_argument(
-        "--oversample",
-        type=int,
-        default=0,
-        metavar="M",
-        help="with --target-groups N: start N + M groups, so that N complete sooner (the surplus is cut)",
-    )
-    rollout.add_argument(
-        "--max-staleness",
-        type=int,
-        metavar="K",
-        help="no group starts more than K weight versions ahead of what the trainer reported consumed (the "
-        "runner's weight updates; a run with none never waits)",
-    )
+    add_group_options(rollout)
     rollout.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature")
     rollout.add_argument("--top-p", type=float, default=1.0, metavar="P", help="nucleus sampling: top-p")
     rollout.add_argument(
