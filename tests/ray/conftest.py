@@ -10,9 +10,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import shutil
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +30,9 @@ ENV_PATH = "fsm_rollout.testing.envs"
 ONE_TURN = {"scripted_env": {"steps": [["ok", True]]}}
 """Sample metadata whose scripted environment ends the episode after the first turn."""
 RAY_INIT = {"num_cpus": 2, "include_dashboard": False, "log_to_driver": False}
+#: Ray waits a fixed 30 s (not configurable) for its raylet to register; on a loaded 2-core machine a cold start can
+#: take longer, so a start that timed out is tried again, up to this many starts in all.
+RAY_STARTS = 3
 
 
 def _truthy(name: str) -> bool:
@@ -64,11 +69,34 @@ def ray_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
     if ray.is_initialized():
         pytest.fail("a Ray cluster is already initialised in the test process: a test left one running")
-    ray.init(address="local", _temp_dir=str(tmp_path_factory.mktemp("ray")), **RAY_INIT)
+    for start in range(1, RAY_STARTS + 1):
+        temp_dir = str(tmp_path_factory.mktemp("ray"))
+        try:
+            ray.init(address="local", _temp_dir=temp_dir, **RAY_INIT)
+            break
+        except Exception as error:  # Ray raises a bare Exception for this
+            ray.shutdown()
+            _kill_processes_under(temp_dir)  # the timed-out start's GCS and raylet, which no handle owns
+            if "timed out during startup" not in str(error) or start == RAY_STARTS:
+                raise
     try:
         yield ray
     finally:
         ray.shutdown()
+
+
+def _kill_processes_under(temp_dir: str) -> None:
+    """SIGKILL every process whose command line names ``temp_dir`` (a Ray start's own session folder)."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if temp_dir in command:
+            with contextlib.suppress(OSError):
+                os.kill(int(entry.name), signal.SIGKILL)
 
 
 def pool_config(url: str, tokenizer_path: str, **overrides: Any) -> RolloutConfig:
