@@ -46,8 +46,9 @@ from fsm_rollout.testing.envs import ScriptedEnvFactory
 pytestmark = pytest.mark.vllm
 
 PROMPTS = ["Question 0: tell me a long story.", "Question 1: explain the sky.", "Question 2: count to a hundred."]
-#: Tokens every turn makes before it may stop.
-TURN_MIN = 96
+#: Tokens every turn makes before it may stop: long, so that a step window stretched by a loaded machine (a window
+#: is two HTTP calls, resume then pause) moves a turn by a fraction of it, never to its end.
+TURN_MIN = 256
 MAX_TURNS = 3
 #: Tokens every turn makes in the keep test, which freezes its first turn a few tokens in and lets it go on after
 #: the weight update: long, so that it is still going when the runner's own pause lands.
@@ -55,7 +56,7 @@ KEEP_TURN_MIN = 400
 #: Room for the keep test's two turns and the observation between them (within the server's context length).
 KEEP_BUDGET = 900
 #: Room for MAX_TURNS turns of a little over TURN_MIN tokens and the observations between them.
-BUDGET = 420
+BUDGET = 900
 SAMPLING = {"max_new_tokens": BUDGET, "temperature": 0.0, "top_p": 1.0, "min_new_tokens": TURN_MIN,
             "stop": ASCII_STOPS}  # fmt: skip
 #: The weight version vLLM reports until one is set.
