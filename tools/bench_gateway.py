@@ -33,7 +33,6 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -99,30 +98,14 @@ async def _session(gateway: Any, http: Any, calls: int = CALLS) -> float:
     return spent
 
 
-def _timed_encoder(gateway: Any) -> Callable[[], float]:
-    """Time spent in the observation encoder (the chat template), read as a running total."""
-    encoder = gateway.runner.encoder
-    spent = [0.0]
-    encode = encoder.encode
-
-    def timed(*args: Any, **kwargs: Any) -> Any:
-        started = time.process_time()
-        try:
-            return encode(*args, **kwargs)
-        finally:
-            spent[0] += time.process_time() - started
-
-    encoder.encode = timed
-    return lambda: spent[0]
-
-
 async def bench_per_call(url: str, tokenizer: Any, sessions: int) -> dict[str, float]:
     import aiohttp
 
     from fsm_rollout.engine.client import VLLMClient
+    from tools.bench_gateway_dialects import timed_encoder
 
     async with _gateway(url, tokenizer) as gateway, aiohttp.ClientSession() as http:
-        template = _timed_encoder(gateway)
+        template = timed_encoder(gateway)
         await _session(gateway, http)  # warm up: imports, the connection pools, the encoder's prefixes
         cpu, template_before = time.process_time(), template()
         walls = [await _session(gateway, http) / CALLS for _ in range(sessions)]

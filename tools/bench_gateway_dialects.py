@@ -131,7 +131,7 @@ def _gateway(url: str, tokenizer: Any) -> Any:
     return AgentGateway(runner)
 
 
-def _template_clock(gateway: Any) -> Callable[[], float]:
+def timed_encoder(gateway: Any) -> Callable[[], float]:
     """CPU time spent in the observation encoder (the chat template), read as a running total."""
     encoder = gateway.runner.encoder
     spent = [0.0]
@@ -218,7 +218,7 @@ async def bench_dialects(tokenizer: Any, sessions: int, repeats: int) -> dict[st
     try:
         gateways = {dialect: _gateway(engine.url, tokenizer) for dialect, engine in engines.items()}
         async with gateways["messages"], gateways["responses"], aiohttp.ClientSession() as http:
-            clocks = {id(gateway): _template_clock(gateway) for gateway in gateways.values()}
+            clocks = {id(gateway): timed_encoder(gateway) for gateway in gateways.values()}
             runs = await _conversations(gateways, http)
             for gateway, conversation in runs:  # warm up: imports, connection pools, the encoders' prefixes
                 await _session(gateway, http, conversation)
