@@ -11,18 +11,18 @@ not yet do reliably (see the harness model's docs).
 
 from __future__ import annotations
 
-import copy
 import json
 import pathlib
 import re
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, Final
 
 import pytest
 from harness_install import Harnesses
 from harness_support import base_env, check_sequence_exact, run_harness
+from spy_transport import GenerateSpy
 from test_claude_code import claude_env
 from test_codex import API_KEY_VAR, codex_home
 
@@ -30,7 +30,6 @@ from fsm_rollout import RolloutConfig, Sample
 from fsm_rollout.engine.local import LocalEngine
 from fsm_rollout.engine.local.harness_data import FINAL_ANSWER, HELD_OUT, task_text
 from fsm_rollout.engine.local.harness_model import HARNESS_MODEL_NAME, harness_model_dir
-from fsm_rollout.engine.transport import Transport
 from fsm_rollout.gateway import AgentGateway
 from fsm_rollout.runtime.runner import RolloutRunner
 
@@ -50,28 +49,12 @@ def harness_model() -> pathlib.Path:
     return directory
 
 
-class Spy:
-    """A transport that passes everything through and keeps each generate request, its answer and its time."""
-
-    def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.generates: list[tuple[dict[str, Any], dict[str, Any], float]] = []
+class Spy(GenerateSpy):
+    """Each generate request, its answer and its time."""
 
     @property
-    def base_url(self) -> str:
-        return self.inner.base_url
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    async def post_json(
-        self, path: str, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
-    ) -> Any:
-        started = time.perf_counter()
-        answer = await self.inner.post_json(path, payload, headers=headers)
-        if path.endswith("/generate"):  # a deep copy: the request's token list is the sample's own, which grows
-            self.generates.append((copy.deepcopy(dict(payload)), answer, time.perf_counter() - started))
-        return answer
+    def generates(self) -> list[tuple[dict[str, Any], Any, float]]:
+        return [(each.payload, each.answer, each.seconds) for each in self.seen]
 
 
 @asynccontextmanager

@@ -3,44 +3,26 @@ session's exported tokens are exactly what the engine was sent and generated."""
 
 from __future__ import annotations
 
-import copy
-from collections.abc import Mapping
 from typing import Any
 
 import anthropic
 import openai
 import pytest
+from spy_transport import GenerateSpy
 
 from fsm_rollout import RolloutConfig
 from fsm_rollout.engine.local import LocalEngine, tiny_model_dir
-from fsm_rollout.engine.transport import Transport
 from fsm_rollout.examples import agent_gateway
 from fsm_rollout.gateway import AgentGateway
 from fsm_rollout.runtime.runner import RolloutRunner
 
 
-class Spy:
-    """A transport that passes everything through and keeps each generate request and its answer."""
-
-    def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.generates: list[tuple[dict[str, Any], dict[str, Any], dict[str, str]]] = []
+class Spy(GenerateSpy):
+    """Each generate request, its answer and its headers."""
 
     @property
-    def base_url(self) -> str:
-        return self.inner.base_url
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    async def post_json(
-        self, path: str, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
-    ) -> Any:
-        answer = await self.inner.post_json(path, payload, headers=headers)
-        if path.endswith("/generate"):
-            # a deep copy: the request's token list is the sample's own, which grows afterwards
-            self.generates.append((copy.deepcopy(dict(payload)), answer, dict(headers or {})))
-        return answer
+    def generates(self) -> list[tuple[dict[str, Any], Any, dict[str, str]]]:
+        return [(each.payload, each.answer, each.headers) for each in self.seen]
 
 
 async def test_the_example_runs_on_the_embedded_engine() -> None:

@@ -6,16 +6,16 @@ back apart from the content; every exported sequence is what the engine was sent
 from __future__ import annotations
 
 import asyncio
-import copy
 import json
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import openai
 import pytest
+from spy_transport import GenerateSpy
 from test_run_cli import cli_env, one_error_line  # pytest puts this directory on sys.path
 
 from fsm_rollout import RolloutConfig, Sample, training_sequences
@@ -39,7 +39,6 @@ from fsm_rollout.engine.local.thinking_model import (
     thinking_training_data,
 )
 from fsm_rollout.engine.local.tiny import BUILD_MARKER, TINY_MODEL_NAME
-from fsm_rollout.engine.transport import Transport
 from fsm_rollout.gateway import AgentGateway
 from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.testing.chat_templates import chat_template
@@ -49,27 +48,12 @@ SAMPLING = {"max_new_tokens": 192, "temperature": 1.0, "top_p": 1.0, "stop": ["<
 WELL_FORMED = re.compile(r"(?s)[^<]+\n</think>\n\n(<tool_call>\{.*\}</tool_call>|The answer is \\boxed\{.*\}\.)")
 
 
-class Spy:
-    """A transport that passes everything through and keeps each generate request and its answer."""
-
-    def __init__(self, inner: Transport) -> None:
-        self.inner = inner
-        self.generates: list[tuple[dict[str, Any], dict[str, Any]]] = []
+class Spy(GenerateSpy):
+    """Each generate request and its answer."""
 
     @property
-    def base_url(self) -> str:
-        return self.inner.base_url
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-    async def post_json(
-        self, path: str, payload: Mapping[str, Any], *, headers: Mapping[str, str] | None = None
-    ) -> Any:
-        answer = await self.inner.post_json(path, payload, headers=headers)
-        if path.endswith("/generate"):
-            self.generates.append((copy.deepcopy(dict(payload)), answer))  # the token list grows afterwards
-        return answer
+    def generates(self) -> list[tuple[dict[str, Any], Any]]:
+        return [(each.payload, each.answer) for each in self.seen]
 
 
 def check_token_exact(generates: Sequence[tuple[dict[str, Any], dict[str, Any]]], sequences: Sequence[Sample]) -> None:
