@@ -6,11 +6,11 @@
   same conversation (the dialect's own reading of the request, sent as a chat body). A session is the harness's two
   calls: the first request, then the continuation a harness sends (the first answer echoed, the recorded tool output
   after it), so the history comparison runs too; both streamed, as the harnesses stream. The engine (in a child
-  process, :mod:`tools.bench_gateway_engine`) answers every call with the harness's shell tool call. The method is
-  ``per_call``'s: this process's CPU over the sessions, less the time in the chat template (the observation encoder,
-  timed around each call) and less the agent's own HTTP client (as many requests to the gateway's models endpoint).
-  The request bodies are encoded before the clock starts; the agent's only work per call is to put the answer's ids
-  into the continuation. The four configurations run interleaved, ``repeats`` times: medians and ranges. A session
+  process, :mod:`tools.bench_gateway_engine`) answers every call with the harness's shell tool call, and the
+  harness's calls are made from another child process (:mod:`tools.bench_gateway_dialect_agent`), so the CPU read
+  here is the gateway's alone: this process's CPU over the sessions (opened and closed through the Python API, the
+  two calls each over HTTP), less the time in the chat template (the observation encoder, timed around each call).
+  The four configurations run interleaved, ``repeats`` times: medians and ranges. A session
   that forks counts in ``forks`` (the continuation did not continue the answer).
 * ``lineage_forks``: one Claude Code session through ``/v1/messages`` with one subagent (another system prompt and
   tool set, while the main chain goes on) and one compaction (a summary request, then the summary in place of the
@@ -165,16 +165,6 @@ async def _whole(http: Any, url: str, body: bytes) -> dict[str, Any]:
     return value
 
 
-async def _session(gateway: Any, http: Any, conversation: Conversation) -> int:
-    """One harness session of two calls; returns the sequences it exported (1: no fork)."""
-    session = await gateway.open_session()
-    url = f"{session.base_url}/{conversation.path}"
-    answer = await _post(http, url, conversation.first)
-    await _post(http, url, conversation.continuation(answer))
-    samples = await session.close()
-    return len(samples)
-
-
 async def _conversations(gateways: dict[str, Any], http: Any) -> list[tuple[Any, Conversation]]:
     from fsm_rollout.gateway.messages_wire import parse_messages_request
     from fsm_rollout.gateway.responses_wire import parse_responses_request
@@ -204,6 +194,55 @@ async def _conversations(gateways: dict[str, Any], http: Any) -> list[tuple[Any,
     return out
 
 
+class Agent:
+    """The harness side, in a child process (:mod:`tools.bench_gateway_dialect_agent`): it makes the calls of the
+    sessions it is given and says when it is done, so this process's CPU over a job is the gateway's."""
+
+    def __init__(self, process: Any) -> None:
+        self._process = process
+
+    @classmethod
+    async def start(cls) -> Agent:
+        import asyncio
+        import sys
+
+        process = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "tools.bench_gateway_dialect_agent",
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            cwd=CHECKOUT,
+        )
+        return cls(process)
+
+    async def run(self, conversation: Conversation, base_urls: list[str]) -> None:
+        job = {
+            "path": conversation.path,
+            "first": conversation.first.decode(),
+            "second": conversation.second.decode(),
+            "placeholders": [mark.decode() for mark in conversation.placeholders],
+            "base_urls": base_urls,
+        }
+        self._process.stdin.write(json.dumps(job).encode() + b"\n")
+        await self._process.stdin.drain()
+        line = await self._process.stdout.readline()
+        done = json.loads(line) if line else {"error": f"the agent's process exited ({self._process.returncode})"}
+        if "error" in done:
+            raise RuntimeError(f"bench: {conversation.label}: {done['error']}")
+
+    async def stop(self) -> None:
+        self._process.stdin.close()
+        await self._process.wait()
+
+
+async def _sessions(gateway: Any, agent: Agent, conversation: Conversation, count: int) -> int:
+    """``count`` harness sessions of two calls, made by ``agent``; returns the forks (sequences beyond one each)."""
+    sessions = [await gateway.open_session() for _ in range(count)]
+    await agent.run(conversation, [session.base_url for session in sessions])
+    return sum([len(await session.close()) - 1 for session in sessions])
+
+
 async def bench_dialects(tokenizer: Any, sessions: int, repeats: int) -> dict[str, float]:
     """Gateway CPU per call, template excluded, for each dialect and chat on the same conversation (see the module
     docstring); ``sessions`` sessions per configuration per repeat."""
@@ -215,31 +254,27 @@ async def bench_dialects(tokenizer: Any, sessions: int, repeats: int) -> dict[st
         "messages": Engine(_tool_text(json.dumps(CLAUDE_CALL)), CHECKOUT),
         "responses": Engine(_tool_text(json.dumps(CODEX_CALL)), CHECKOUT),
     }
+    agent: Agent | None = None
     try:
         gateways = {dialect: _gateway(engine.url, tokenizer) for dialect, engine in engines.items()}
         async with gateways["messages"], gateways["responses"], aiohttp.ClientSession() as http:
             clocks = {id(gateway): timed_encoder(gateway) for gateway in gateways.values()}
             runs = await _conversations(gateways, http)
+            agent = await Agent.start()
             for gateway, conversation in runs:  # warm up: imports, connection pools, the encoders' prefixes
-                await _session(gateway, http, conversation)
-            probe = await gateways["messages"].open_session()
+                await _sessions(gateway, agent, conversation, 1)
             per_call: dict[str, list[float]] = {conversation.label: [] for _, conversation in runs}
             forks = {conversation.label: 0 for _, conversation in runs}
             for repeat in range(repeats):
-                agent = time.process_time()
-                for _ in range(sessions * 2):
-                    async with http.get(f"{probe.base_url}/models") as response:
-                        await response.read()
-                agent = time.process_time() - agent
                 for gateway, conversation in runs if repeat % 2 == 0 else runs[::-1]:  # drift spread evenly
                     template = clocks[id(gateway)]
                     cpu, template_before = time.process_time(), template()
-                    for _ in range(sessions):
-                        forks[conversation.label] += await _session(gateway, http, conversation) - 1
-                    cpu = time.process_time() - cpu - (template() - template_before) - agent
+                    forks[conversation.label] += await _sessions(gateway, agent, conversation, sessions)
+                    cpu = time.process_time() - cpu - (template() - template_before)
                     per_call[conversation.label].append(max(0.0, cpu) / (sessions * 2) * 1e3)
-            await probe.close()
     finally:
+        if agent is not None:
+            await agent.stop()
         for engine in engines.values():
             engine.stop()
     figures: dict[str, float] = {

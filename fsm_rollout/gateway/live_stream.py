@@ -46,8 +46,21 @@ async def stream_answer(
 ) -> web.StreamResponse:
     """Answer ``request`` with the events of ``run(listener)``'s answer as it is generated (module docstring).
     ``on_answer`` sees the finished answer before its last events go out (e.g. to store it)."""
-    arrived: asyncio.Queue[tuple[list[int], bool, int]] = asyncio.Queue()
-    call = asyncio.ensure_future(run(lambda *tokens: arrived.put_nowait(tokens)))
+    # tokens as the listener hands them over, and the one future the loop sleeps on: a task and an asyncio.wait per
+    # token cost more than the rest of a token's way through the gateway
+    arrived: list[tuple[list[int], bool, int]] = []
+    waiter: asyncio.Future[None] | None = None
+
+    def wake(_: Any = None) -> None:
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def listen(token_ids: list[int], opened_thinking: bool, prompt_tokens: int) -> None:
+        arrived.append((token_ids, opened_thinking, prompt_tokens))
+        wake()
+
+    call = asyncio.ensure_future(run(listen))
+    call.add_done_callback(wake)
     response: web.StreamResponse | None = None
 
     async def begin(prompt_tokens: int) -> web.StreamResponse:
@@ -57,15 +70,19 @@ async def stream_answer(
         return opened
 
     try:
-        while not call.done():
-            getter = asyncio.ensure_future(arrived.get())
-            try:
-                await asyncio.wait({getter, call}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                getter.cancel()
-            if not getter.done() or getter.cancelled():
+        # every token handed over before the call ended is streamed, whatever the order the loop ran things in
+        while arrived or not call.done():
+            if not arrived:
+                waiter = asyncio.get_running_loop().create_future()
+                await waiter
+                waiter = None
                 continue
-            token_ids, opened_thinking, prompt_tokens = getter.result()
+            # what came since the last wake is read at once: one decode and one write however many chunks the
+            # engine sent meanwhile (a client sees fewer, longer deltas when the gateway is behind)
+            token_ids, opened_thinking, prompt_tokens = arrived[0]
+            if len(arrived) > 1:
+                token_ids = [token for handed, _, _ in arrived for token in handed]
+            arrived.clear()
             pieces = text.feed(token_ids, opened=opened_thinking)
             if pieces:
                 if response is None:

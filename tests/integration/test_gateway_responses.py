@@ -146,7 +146,12 @@ async def test_sdk_streams_the_responses_event_grammar(gateway: AgentGateway, fa
     client = openai.AsyncOpenAI(base_url=session.base_url, api_key="unused", max_retries=0)
     stream = await client.responses.create(model="m", input="Hi", tools=[ADD], stream=True)  # type: ignore[list-item]
     events = [event async for event in stream]
-    kinds = [event.type for event in events]
+    # how many deltas a text comes in depends on how far the engine is ahead of the gateway: one kind per run
+    kinds = [
+        kind
+        for index, kind in enumerate(event.type for event in events)
+        if index == 0 or kind != events[index - 1].type
+    ]
     assert kinds == [
         "response.created",
         "response.in_progress",
