@@ -76,6 +76,7 @@ from fsm_rollout.gateway.responses_stream import ResponseEvents
 from fsm_rollout.gateway.responses_wire import StoredResponses, parse_responses_request, response_object
 from fsm_rollout.gateway.session import GatewaySession, SessionEnvironment
 from fsm_rollout.gateway.stream_text import AnswerStream
+from fsm_rollout.runtime.engine_check import served_context_len
 from fsm_rollout.runtime.pacing import LoopPacer, pacer_for
 from fsm_rollout.runtime.runner import RolloutRunner
 from fsm_rollout.sample import Sample
@@ -163,6 +164,12 @@ class AgentGateway:
         runner.config = dataclasses.replace(runner.config, router_policy="consistent_hash", env_step_timeout_s=None)
         runner.env_factory = cast(EnvFactory, self._build_env)  # its step is a coroutine: the rollout awaits it
         await runner.__aenter__()
+        if runner.config.rollout_max_context_len is None:
+            # as `fsm-rollout gateway` does: an agent's max_tokens (Claude Code asks for 128000 each call) is cut to
+            # what the engine's context leaves, rather than refused by the engine call after call
+            served = served_context_len(runner.served_models, runner.config.model)
+            if served is not None:
+                runner.config = dataclasses.replace(runner.config, rollout_max_context_len=served)
         slice_ms = runner.config.loop_slice_ms
         self._pacer = pacer_for(asyncio.get_running_loop(), slice_ms) if slice_ms is not None else None
         try:

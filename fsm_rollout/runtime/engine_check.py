@@ -28,3 +28,14 @@ async def check_engines(urls: Sequence[str], config: RolloutConfig) -> list[Serv
     first = answers[0]
     assert not isinstance(first, BaseException) or isinstance(first, ModelListError)
     return first
+
+
+def served_context_len(served: Sequence[ServedModel] | None, model: str | None) -> int | None:
+    """The context length the engine gives ``model`` in its model list (the only model listed, when ``model`` is not
+    named), or None when the list does not say."""
+    if not served:
+        return None
+    cards = [card for card in served if card.name == model] if model else list(served)
+    if len(cards) != 1:
+        return None
+    return cards[0].max_model_len

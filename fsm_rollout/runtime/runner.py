@@ -53,7 +53,7 @@ from fsm_rollout.tokens.chat import ObservationEncoder
 from fsm_rollout.tokens.template_probe import HistoryPolicyChooser
 from fsm_rollout.tokens.tokenizers import TokenizerSource, listed_tokenizer_source, load_tokenizer
 from fsm_rollout.trace import NULL_TRACER, Tracer, hold_tracer, release_tracer
-from fsm_rollout.types import RenderedPrompt
+from fsm_rollout.types import RenderedPrompt, ServedModel
 from fsm_rollout.weights.suspension import Suspender, SuspendStats
 
 
@@ -123,8 +123,10 @@ class RolloutRunner:
         self._encoder: ObservationEncoder | None = None
         self._history = HistoryPolicyChooser(config.history_policy, config.apply_chat_template_kwargs)
         self.history_policy: str | None = None
-        self._configs: dict[str, RolloutConfig] = {}
+        self._configs: dict[str, tuple[RolloutConfig, RolloutConfig]] = {}
         """The history policy of samples without tools, resolved from the template probe on entering."""
+        self.served_models: list[ServedModel] | None = None
+        """The first engine's model list as it answered when the runner was entered (None: no list, or not yet)."""
         self._hooks = combine_hooks(self._metrics, hooks)
         self._entered = False
         self._prepared = False
@@ -190,6 +192,7 @@ class RolloutRunner:
                 self.env_factory = load_env_factory(self.config.env_path or DEFAULT_ENV_MODULE)
             # an engine that does not answer fails the start, as the CLI's does, not every sample afterwards
             served = await check_engines(self.engine_urls, self.config)
+            self.served_models = served if isinstance(served, list) else None
             if not self._prepared:
                 source = None if self.tokenizer is not None else listed_tokenizer_source(
                     self.config, self.engine_urls[0], served)  # fmt: skip
@@ -238,10 +241,10 @@ class RolloutRunner:
 
     def _config_under(self, policy: str) -> RolloutConfig:
         """The config with ``history_policy`` resolved to ``policy``, made once per policy."""
-        config = self._configs.get(policy)
-        if config is None:
-            config = self._configs[policy] = replace(self.config, history_policy=policy)
-        return config
+        made = self._configs.get(policy)
+        if made is None or made[0] is not self.config:  # made again when the config was replaced (the gateway does)
+            made = self._configs[policy] = (self.config, replace(self.config, history_policy=policy))
+        return made[1]
 
     def engine_client(self, url: str) -> VLLMClient:
         """The client this runner sends the engine at ``url`` through (while entered), e.g. to wrap its transport."""

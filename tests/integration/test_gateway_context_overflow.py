@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anthropic
 import openai
 import pytest
 
@@ -104,6 +105,32 @@ async def test_a_later_call_over_the_context_keeps_the_earlier_turns_and_the_tri
     texts = ["Forty-two.<|im_end|>", "Fifty-six.<|im_end|>"]
     assert _trained(samples) == _generated(server, texts, tokenizer)  # every generated token trained once, in order
     assert all(sample.reward == 1.0 for sample in samples)
+
+
+async def test_a_max_tokens_over_the_engines_context_is_cut_to_what_it_leaves(tokenizer: Any) -> None:
+    """Claude Code asks every call for max_tokens 128000. A runner with no context length and no response budget
+    takes the engine's context (its model list's max_model_len), as `fsm-rollout gateway` does, instead of sending
+    what the engine refuses at each call."""
+    async with FakeVLLMServer(tokenizer, model=MODEL, max_model_len=1024) as server:
+        config = RolloutConfig(engine_url=server.url, model=MODEL, max_turns=10, check_invariants=True)
+        sampling = {"max_new_tokens": None, "temperature": 1.0, "top_p": 1.0}
+        runner = RolloutRunner(config, sampling_params=sampling, tokenizer=tokenizer)
+        async with AgentGateway(runner) as gateway:
+            assert gateway.runner.config.rollout_max_context_len == 1024
+            session = await gateway.open_session()
+            server.script([ScriptedTurn(text="Forty-two.<|im_end|>")], session=session.session_id)
+            client = anthropic.AsyncAnthropic(
+                base_url=f"{gateway.url}/sessions/{session.session_id}", api_key="unused", max_retries=0
+            )
+            # streamed, as Claude Code streams (the SDK refuses a whole answer this long)
+            async with client.messages.stream(
+                model=MODEL, max_tokens=128_000, messages=[{"role": "user", "content": "6*7?"}]
+            ) as stream:
+                answer = await stream.get_final_message()
+            assert [block.text for block in answer.content if block.type == "text"] == ["Forty-two."]
+            (request,) = server.requests_to(GENERATE_PATH)
+            assert len(request.body["token_ids"]) + request.body["sampling_params"]["max_tokens"] == 1024
+            await session.close()
 
 
 async def session_status(gateway: AgentGateway, session_id: str) -> dict[str, Any]:
