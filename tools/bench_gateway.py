@@ -18,9 +18,10 @@ Run it from a checkout with ``python -m tools.bench_gateway`` (``--quick``: fewe
   order, spacing, escapes) before sending the history back. A break is a session that forked: the gateway found
   the history rewritten. Beside it, the breaks a proxy that re-renders the agent's history would have: the
   template's rendering of the conversation as the agent sent it, compared with the tokens the model saw.
-* ``dialects`` and ``lineage_forks`` (:mod:`tools.bench_gateway_dialects`): ``per_call``'s CPU figure for the
+* ``dialects`` and ``lineage_forks`` (:mod:`tools.bench_gateway_dialects`): the gateway's CPU per call for the
   Messages and Responses dialects on Claude Code's and Codex's recorded requests, each beside chat on the same
-  conversation; and the forks of a Claude Code session with one subagent and one compaction.
+  conversation and beside the HTTP floor (:mod:`tools.bench_gateway_floor`: the same traffic relayed with no rollout
+  work); and the forks of a Claude Code session with one subagent and one compaction.
 
 Figures vary with the machine's load; nothing here is asserted by the test suite.
 """
@@ -58,8 +59,10 @@ SUMMARY: tuple[tuple[str, str, str, float | None], ...] = (
     ("re-tokenization breaks (sessions)", "retokenization", "retokenization_breaks", 0.0),
     ("Messages CPU per call, Claude Code's request (ms)", "dialects", "messages_cpu_ms_per_call", 1.0),
     ("  chat on the same conversation (ms)", "dialects", "chat_messages_cpu_ms_per_call", 1.0),
+    ("  HTTP floor: same traffic, no rollout work (ms)", "dialects", "relay_messages_cpu_ms_per_call", None),
     ("Responses CPU per call, Codex's request (ms)", "dialects", "responses_cpu_ms_per_call", 1.0),
     ("  chat on the same conversation (ms)", "dialects", "chat_responses_cpu_ms_per_call", 1.0),
+    ("  HTTP floor: same traffic, no rollout work (ms)", "dialects", "relay_responses_cpu_ms_per_call", None),
     ("history_rewritten forks, a subagent and a compaction", "lineage_forks", "history_rewritten", 0.0),
 )
 """The issues' figures (#39's four, #42's): label, workload, figure and goal (None: reported only)."""

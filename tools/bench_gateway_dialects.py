@@ -10,8 +10,10 @@
   harness's calls are made from another child process (:mod:`tools.bench_gateway_dialect_agent`), so the CPU read
   here is the gateway's alone: this process's CPU over the sessions (opened and closed through the Python API, the
   two calls each over HTTP), less the time in the chat template (the observation encoder, timed around each call).
-  The four configurations run interleaved, ``repeats`` times: medians and ranges. A session
-  that forks counts in ``forks`` (the continuation did not continue the answer).
+  Beside them, the HTTP floor of each dialect's conversation (:mod:`tools.bench_gateway_floor`): a relay doing the
+  same traffic, the harness's requests in and the engine's requests out, with no rollout work. The six
+  configurations run interleaved, ``repeats`` times: medians and ranges. A session that forks counts in ``forks``
+  (the continuation did not continue the answer).
 * ``lineage_forks``: one Claude Code session through ``/v1/messages`` with one subagent (another system prompt and
   tool set, while the main chain goes on) and one compaction (a summary request, then the summary in place of the
   earlier turns), against the scripted fake engine: the sequences it exports and why each one ended.
@@ -165,11 +167,16 @@ async def _whole(http: Any, url: str, body: bytes) -> dict[str, Any]:
     return value
 
 
-async def _conversations(gateways: dict[str, Any], http: Any) -> list[tuple[Any, Conversation]]:
+async def _conversations(
+    gateways: dict[str, Any], http: Any
+) -> tuple[list[tuple[Any, Conversation]], dict[str, dict[str, Any]]]:
+    """Each dialect's conversation and its chat twin, with the gateway that runs them; and each dialect's request as
+    chat messages and tools (the relay's render body)."""
     from fsm_rollout.gateway.messages_wire import parse_messages_request
     from fsm_rollout.gateway.responses_wire import parse_responses_request
 
     out: list[tuple[Any, Conversation]] = []
+    chats: dict[str, dict[str, Any]] = {}
     for dialect, gateway in gateways.items():
         session = await gateway.open_session()
         if dialect == "messages":
@@ -191,7 +198,8 @@ async def _conversations(gateways: dict[str, Any], http: Any) -> list[tuple[Any,
         await session.close()
         out.append((gateway, conversation))
         out.append((gateway, chat_twin(f"chat_{dialect}", chat, result, twin_answer)))
-    return out
+        chats[dialect] = {"messages": chat.messages, "tools": chat.tools}
+    return out, chats
 
 
 class Agent:
@@ -244,34 +252,61 @@ async def _sessions(gateway: Any, agent: Agent, conversation: Conversation, coun
 
 
 async def bench_dialects(tokenizer: Any, sessions: int, repeats: int) -> dict[str, float]:
-    """Gateway CPU per call, template excluded, for each dialect and chat on the same conversation (see the module
-    docstring); ``sessions`` sessions per configuration per repeat."""
+    """Gateway CPU per call, template excluded, for each dialect and chat on the same conversation, and the HTTP floor
+    under them (:mod:`tools.bench_gateway_floor`'s relay, on the dialect's requests); see the module docstring.
+    ``sessions`` sessions per configuration per repeat."""
+    import itertools
+
     import aiohttp
 
     from tools.bench_gateway_engine import Engine
+    from tools.bench_gateway_floor import Relay
 
     engines = {
         "messages": Engine(_tool_text(json.dumps(CLAUDE_CALL)), CHECKOUT),
         "responses": Engine(_tool_text(json.dumps(CODEX_CALL)), CHECKOUT),
     }
     agent: Agent | None = None
+    numbers = itertools.count()
     try:
         gateways = {dialect: _gateway(engine.url, tokenizer) for dialect, engine in engines.items()}
         async with gateways["messages"], gateways["responses"], aiohttp.ClientSession() as http:
             clocks = {id(gateway): timed_encoder(gateway) for gateway in gateways.values()}
-            runs = await _conversations(gateways, http)
-            agent = await Agent.start()
-            for gateway, conversation in runs:  # warm up: imports, connection pools, the encoders' prefixes
-                await _sessions(gateway, agent, conversation, 1)
-            per_call: dict[str, list[float]] = {conversation.label: [] for _, conversation in runs}
-            forks = {conversation.label: 0 for _, conversation in runs}
-            for repeat in range(repeats):
-                for gateway, conversation in runs if repeat % 2 == 0 else runs[::-1]:  # drift spread evenly
-                    template = clocks[id(gateway)]
-                    cpu, template_before = time.process_time(), template()
-                    forks[conversation.label] += await _sessions(gateway, agent, conversation, sessions)
-                    cpu = time.process_time() - cpu - (template() - template_before)
-                    per_call[conversation.label].append(max(0.0, cpu) / (sessions * 2) * 1e3)
+            runs, chats = await _conversations(gateways, http)
+            relays = {
+                dialect: Relay(engines[dialect].url, chats[dialect], len(conversation.placeholders))
+                for dialect, conversation in (("messages", runs[0][1]), ("responses", runs[2][1]))
+            }
+            async with relays["messages"], relays["responses"]:
+                # label, conversation, sessions' runner (returns the forks), template clock
+                configs: list[tuple[str, Conversation, Callable[[int], Any], Callable[[], float]]] = []
+                agent = await Agent.start()
+                for gateway, conversation in runs:
+
+                    async def served(count: int, g: Any = gateway, c: Conversation = conversation) -> int:
+                        assert agent is not None
+                        return await _sessions(g, agent, c, count)
+
+                    configs.append((conversation.label, conversation, served, clocks[id(gateway)]))
+                for dialect, relay in relays.items():
+                    conversation = runs[0][1] if dialect == "messages" else runs[2][1]
+
+                    async def relayed(count: int, r: Relay = relay, c: Conversation = conversation) -> int:
+                        assert agent is not None
+                        await agent.run(c, [r.base_url(next(numbers)) for _ in range(count)])
+                        return 0
+
+                    configs.append((f"relay_{dialect}", conversation, relayed, lambda: 0.0))
+                for _, _, run, _ in configs:  # warm up: imports, connection pools, the encoders' prefixes
+                    await run(1)
+                per_call: dict[str, list[float]] = {label: [] for label, *_ in configs}
+                forks = {label: 0 for label, *_ in configs}
+                for repeat in range(repeats):
+                    for label, _, run, template in configs if repeat % 2 == 0 else configs[::-1]:  # drift spread
+                        cpu, template_before = time.process_time(), template()
+                        forks[label] += await run(sessions)
+                        cpu = time.process_time() - cpu - (template() - template_before)
+                        per_call[label].append(max(0.0, cpu) / (sessions * 2) * 1e3)
     finally:
         if agent is not None:
             await agent.stop()
@@ -291,6 +326,7 @@ async def bench_dialects(tokenizer: Any, sessions: int, repeats: int) -> dict[st
         dialect_ms, chat_ms = figures[f"{dialect}_cpu_ms_per_call"], figures[f"chat_{dialect}_cpu_ms_per_call"]
         figures[f"{dialect}_over_chat"] = dialect_ms / chat_ms if chat_ms else float("nan")
         figures[f"{dialect}_minus_chat_ms"] = dialect_ms - chat_ms
+        figures[f"{dialect}_minus_floor_ms"] = dialect_ms - figures[f"relay_{dialect}_cpu_ms_per_call"]
     return figures
 
 
@@ -371,11 +407,16 @@ async def bench_lineage_forks(tokenizer: Any) -> dict[str, float]:
 
 
 def dialect_table(figures: dict[str, float]) -> list[str]:
-    """The ``dialects`` figures side by side: each dialect beside chat on the same conversation."""
+    """The ``dialects`` figures side by side: each dialect beside chat on the same conversation and the HTTP floor."""
     lines = [f"  {'CPU per call, template excluded (ms)':40s} {'median':>8s} {'range':>15s}  vs chat"]
     for dialect, request in (("messages", "Claude Code"), ("responses", "Codex")):
         size = figures[f"{dialect}_request_kb"]
-        for name, label in ((dialect, f"{dialect}, {request} ({size:.0f} KB)"), (f"chat_{dialect}", "  chat, same")):
+        rows = (
+            (dialect, f"{dialect}, {request} ({size:.0f} KB)"),
+            (f"chat_{dialect}", "  chat, same"),
+            (f"relay_{dialect}", "  HTTP floor (relay), same"),
+        )
+        for name, label in rows:
             low, high = figures[f"{name}_cpu_ms_min"], figures[f"{name}_cpu_ms_max"]
             ratio = f"x{figures[f'{dialect}_over_chat']:.2f}" if name == dialect else ""
             median = figures[f"{name}_cpu_ms_per_call"]
