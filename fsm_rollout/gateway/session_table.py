@@ -139,12 +139,16 @@ TRANSITIONS: tuple[Edge, ...] = (
 )
 
 
+_GUARDS = frozenset(edge.guard for edge in TRANSITIONS if edge.guard is not None)
+_ACTIONS = frozenset(action for edge in TRANSITIONS for action in edge.actions)
+
+
 def guard_names() -> frozenset[str]:
-    return frozenset(edge.guard for edge in TRANSITIONS if edge.guard is not None)
+    return _GUARDS
 
 
 def action_names() -> frozenset[str]:
-    return frozenset(action for edge in TRANSITIONS for action in edge.actions)
+    return _ACTIONS
 
 
 _EDGES: dict[tuple[str, str], list[Edge]] = {}
@@ -164,7 +168,8 @@ class SessionMachine:
         fields: Mapping[str, Any],
         emit: Callable[[dict[str, Any]], None] | None,
     ) -> None:
-        missing = sorted((guard_names() - set(guards)) | (action_names() - set(actions)))
+        # the table is checked once per session: a missing callable fails the first call, not a later one
+        missing = sorted((_GUARDS - guards.keys()) | (_ACTIONS - actions.keys()))
         if missing:
             raise ValueError(f"the session table references unknown guards/actions: {missing}")
         self.state = INITIAL
