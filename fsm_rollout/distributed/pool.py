@@ -40,6 +40,8 @@ LOCAL_CLUSTER_OPTIONS: Mapping[str, Any] = {"address": "local", "include_dashboa
 them): always a new local instance, never one found on the machine."""
 WORKER_LOST = "worker_lost"
 """The reason of a sample whose worker died while it ran."""
+SHARE_END_WAIT_S = 10.0
+"""How long closing a pool waits for its workers' streams to end once they are stopped, before cancelling them."""
 
 
 @dataclass(frozen=True)
@@ -226,6 +228,15 @@ class RayRolloutPool:
         ray = self._ray
         live = [worker for worker in self._workers if worker.alive and worker.pid is not None]
         await asyncio.gather(*(worker.actor.stop.remote() for worker in live), return_exceptions=True)
+        # a share still reading its worker's stream (its end, after the last sample) holds a Ray object generator:
+        # left to asyncio.run's final cancellation, it would be torn down after ray.shutdown(), and Ray then ends
+        # the process with exit 1 and no message. The stopped workers end their streams; what is left is cancelled.
+        shares = list(self._shares)
+        if shares:
+            _, pending = await asyncio.wait(shares, timeout=SHARE_END_WAIT_S)
+            for share in pending:
+                share.cancel()
+            await asyncio.gather(*shares, return_exceptions=True)
         for worker in self._workers:
             ray.kill(worker.actor)
         self._workers = []

@@ -114,6 +114,8 @@ async def main():
         async with RayRolloutPool(config, sampling_params=sampling, num_workers=1,
                                   ray_init={"num_cpus": 1, "_temp_dir": sys.argv[1], "log_to_driver": False}) as pool:
             print("INSIDE", ray.is_initialized(), (await pool.run(Sample(prompt="hi", index=0))).response)
+        # nothing of the pool's outlives it: a task reading a worker's stream after ray.shutdown() ends the process
+        print("LEFT", [task for task in asyncio.all_tasks() if task is not asyncio.current_task()])
     print("AFTER", ray.is_initialized())
 
 asyncio.run(main())
@@ -134,5 +136,6 @@ def test_without_a_cluster_the_pool_starts_a_local_one_says_so_and_shuts_it_down
     assert any(line.startswith("LOG fsm_rollout.distributed.pool") and "starting a local one" in line
                for line in lines), result.stdout  # fmt: skip
     assert "INSIDE True hello" in lines
+    assert "LEFT []" in lines
     assert "AFTER False" in lines
     assert ray_dir.is_dir(), "the local cluster did not use the temp dir it was given"
