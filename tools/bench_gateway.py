@@ -22,6 +22,8 @@ Run it from a checkout with ``python -m tools.bench_gateway`` (``--quick``: fewe
   Messages and Responses dialects on Claude Code's and Codex's recorded requests, each beside chat on the same
   conversation and beside the HTTP floor (:mod:`tools.bench_gateway_floor`: the same traffic relayed with no rollout
   work); and the forks of a Claude Code session with one subagent and one compaction.
+* ``first_event`` (:mod:`tools.bench_gateway_first_event`): the time from the engine's first token to the agent's
+  first text event, streamed, in each dialect.
 
 Figures vary with the machine's load; nothing here is asserted by the test suite.
 """
@@ -51,6 +53,7 @@ GOALS = {
     "retokenization_breaks": 0,
     **{f"{name}_cpu_ms_per_call": 1.0 for name in ("messages", "chat_messages", "responses", "chat_responses")},
     "history_rewritten": 0,
+    **{f"{name}_first_event_ms_median": 20.0 for name in ("chat", "responses", "messages")},
 }
 SUMMARY: tuple[tuple[str, str, str, float | None], ...] = (
     ("gateway CPU per call, template excluded (ms)", "per_call", "gateway_cpu_ms_per_call", 1.0),
@@ -64,9 +67,12 @@ SUMMARY: tuple[tuple[str, str, str, float | None], ...] = (
     ("  chat on the same conversation (ms)", "dialects", "chat_responses_cpu_ms_per_call", 1.0),
     ("  HTTP floor: same traffic, no rollout work (ms)", "dialects", "relay_responses_cpu_ms_per_call", None),
     ("history_rewritten forks, a subagent and a compaction", "lineage_forks", "history_rewritten", 0.0),
+    ("first SSE event after 1st engine token, chat (ms)", "first_event", "chat_first_event_ms_median", 20.0),
+    ("  Responses (ms)", "first_event", "responses_first_event_ms_median", 20.0),
+    ("  Messages (ms)", "first_event", "messages_first_event_ms_median", 20.0),
 )
 """The issues' figures (#39's four, #42's): label, workload, figure and goal (None: reported only)."""
-WORKLOADS = ("per_call", "concurrent", "retokenization", "dialects", "lineage_forks")
+WORKLOADS = ("per_call", "concurrent", "retokenization", "dialects", "lineage_forks", "first_event")
 
 
 def _gateway(url: str, tokenizer: Any, *, max_turns: int = 16, paced: bool = True) -> Any:
@@ -315,6 +321,10 @@ def main(argv: list[str] | None = None) -> int:
         figures["dialects"] = asyncio.run(bench_dialects(tokenizer, sessions, repeats))
     if "lineage_forks" in run:
         figures["lineage_forks"] = asyncio.run(bench_lineage_forks(tokenizer))
+    if "first_event" in run:
+        from tools.bench_gateway_first_event import bench_first_event
+
+        figures["first_event"] = asyncio.run(bench_first_event(tokenizer, 10 if args.quick else 50, _gateway))
     for workload, values in figures.items():
         print(workload)
         for name, value in values.items():
