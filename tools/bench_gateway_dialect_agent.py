@@ -15,19 +15,9 @@ import json
 import sys
 from typing import Any
 
-HEADERS = {"content-type": "application/json"}
-
-
-async def _post(http: Any, url: str, body: bytes) -> bytes:
-    async with http.post(url, data=body, headers=HEADERS) as response:
-        answer: bytes = await response.read()
-        if response.status != 200:
-            raise RuntimeError(f"bench agent: {url} answered {response.status}: {answer[:300]!r}")
-    return answer
-
 
 async def _job(http: Any, job: dict[str, Any]) -> int:
-    from tools.bench_gateway_dialects import Conversation
+    from tools.bench_gateway_dialects import Conversation, post
 
     conversation = Conversation(
         label=job["path"],
@@ -38,8 +28,8 @@ async def _job(http: Any, job: dict[str, Any]) -> int:
     )
     for base_url in job["base_urls"]:
         url = f"{base_url}/{conversation.path}"
-        answer = await _post(http, url, conversation.first)
-        await _post(http, url, conversation.continuation(answer))
+        answer = await post(http, url, conversation.first)
+        await post(http, url, conversation.continuation(answer))
     return 2 * len(job["base_urls"])
 
 

@@ -153,7 +153,8 @@ def timed_encoder(gateway: Any) -> Callable[[], float]:
 HEADERS = {"content-type": "application/json"}
 
 
-async def _post(http: Any, url: str, body: bytes) -> bytes:
+async def post(http: Any, url: str, body: bytes) -> bytes:
+    """POST a JSON body; the answer's bytes (an error status raises, with the answer's start)."""
     async with http.post(url, data=body, headers=HEADERS) as response:
         answer: bytes = await response.read()
         if response.status != 200:
@@ -163,7 +164,7 @@ async def _post(http: Any, url: str, body: bytes) -> bytes:
 
 async def _whole(http: Any, url: str, body: bytes) -> dict[str, Any]:
     """A first call answered whole (``stream: false``), to learn the answer's shape."""
-    value: dict[str, Any] = json.loads(await _post(http, url, body.replace(b'"stream": true', b'"stream": false')))
+    value: dict[str, Any] = json.loads(await post(http, url, body.replace(b'"stream": true', b'"stream": false')))
     return value
 
 
@@ -375,7 +376,7 @@ async def bench_lineage_forks(tokenizer: Any) -> dict[str, float]:
         url = f"{session.base_url}/messages"
 
         async def call(body: dict[str, Any]) -> dict[str, Any]:
-            answer: dict[str, Any] = json.loads(await _post(http, url, json.dumps(body).encode()))
+            answer: dict[str, Any] = json.loads(await post(http, url, json.dumps(body).encode()))
             return answer
 
         main = list(first["messages"])

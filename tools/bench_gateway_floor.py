@@ -43,8 +43,8 @@ class Relay:
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
         await site.start()
-        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-        self.url = f"http://127.0.0.1:{port}"
+        host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
         return self
 
     async def __aexit__(self, *_: object) -> None:
