@@ -123,7 +123,7 @@ class RolloutRunner:
         self._encoder: ObservationEncoder | None = None
         self._history = HistoryPolicyChooser(config.history_policy, config.apply_chat_template_kwargs)
         self.history_policy: str | None = None
-        self._configs: dict[str, tuple[RolloutConfig, RolloutConfig]] = {}
+        self._configs: dict[str, RolloutConfig] = {}
         """The history policy of samples without tools, resolved from the template probe on entering."""
         self.served_models: list[ServedModel] | None = None
         """The first engine's model list as it answered when the runner was entered (None: no list, or not yet)."""
@@ -241,10 +241,10 @@ class RolloutRunner:
 
     def _config_under(self, policy: str) -> RolloutConfig:
         """The config with ``history_policy`` resolved to ``policy``, made once per policy."""
-        made = self._configs.get(policy)
-        if made is None or made[0] is not self.config:  # made again when the config was replaced (the gateway does)
-            made = self._configs[policy] = (self.config, replace(self.config, history_policy=policy))
-        return made[1]
+        config = self._configs.get(policy)
+        if config is None:
+            config = self._configs[policy] = replace(self.config, history_policy=policy)
+        return config
 
     def engine_client(self, url: str) -> VLLMClient:
         """The client this runner sends the engine at ``url`` through (while entered), e.g. to wrap its transport."""
