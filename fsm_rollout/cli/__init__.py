@@ -12,6 +12,7 @@ the subcommands may be renamed or split.
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import sys
@@ -77,4 +78,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         # what is still buffered goes nowhere, rather than raising again when the interpreter flushes stdout
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_BROKEN_PIPE
+    return code
+
+
+def console_main() -> int:
+    """The ``fsm-rollout`` console script and ``python -m fsm_rollout.cli``: :func:`main`, in a process that
+    exits right after."""
+    code = main()
+    # The interpreter's last collections walk every object torch and transformers made, over a second on a loaded
+    # machine and most of a Ctrl-C's budget; nothing in a process about to exit needs collecting. Only here, never
+    # in main(), which a host process may call.
+    gc.freeze()
     return code

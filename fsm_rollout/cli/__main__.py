@@ -2,6 +2,6 @@
 
 from __future__ import annotations
 
-from fsm_rollout.cli import main
+from fsm_rollout.cli import console_main
 
-raise SystemExit(main())
+raise SystemExit(console_main())

@@ -32,9 +32,12 @@ class EngineProcessError(PreflightError):
 
 
 @contextlib.asynccontextmanager
-async def engine_process(model_dir: Path, served_model_name: str, *options: str) -> AsyncIterator[str]:
+async def engine_process(
+    model_dir: Path, served_model_name: str, *options: str, interrupted: asyncio.Event | None = None
+) -> AsyncIterator[str]:
     """Start ``fsm-rollout serve`` for ``model_dir`` (with more ``options``) in a child process and yield its base
-    URL once it answers; stop it (SIGTERM, then SIGKILL after a grace period) on exit."""
+    URL once it answers; stop it on exit: SIGTERM, then SIGKILL after a grace period, or SIGKILL at once when
+    ``interrupted`` is set (a Ctrl-C: the run's samples are aborted already, and the engine has nothing to save)."""
     command = [
         sys.executable,
         "-m",
@@ -78,7 +81,7 @@ async def engine_process(model_dir: Path, served_model_name: str, *options: str)
         serving = True
         yield url
     finally:
-        await _stop(process, graceful=serving)
+        await _stop(process, graceful=serving and not (interrupted is not None and interrupted.is_set()))
         for task in (drain, rest) if rest is not None else (drain,):
             task.cancel()  # the child's pipes have ended by now; this only tidies up
             with contextlib.suppress(asyncio.CancelledError):

@@ -156,9 +156,17 @@ async def serve(args: argparse.Namespace, *, ready: Callable[[str], None] | None
     from fsm_rollout.runtime.runner import RolloutRunner
 
     stop = asyncio.Event()
+    starting = asyncio.current_task()
+    listening = False
+
+    def on_signal() -> None:
+        stop.set()
+        if starting is not None and not listening:  # the engine's build or start: stop them, serve nothing
+            starting.cancel()
+
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal)
     try:
         async with engine_for(args, in_process=True) as (urls, choice, tokenizer):
             config = build_config(args, urls[0], choice.model, choice.tokenizer, served_context=choice.max_model_len)
@@ -176,6 +184,7 @@ async def serve(args: argparse.Namespace, *, ready: Callable[[str], None] | None
                 auto_sessions=args.auto_sessions,
                 max_call_tokens=args.max_call_tokens,
             ) as gateway:
+                listening = True
                 print(f"gateway listening on {gateway.url} (model {choice.model})", flush=True)
                 print(f"open a session: curl -X POST {gateway.url}/sessions", flush=True)
                 if ready is not None:
@@ -206,8 +215,13 @@ def main(args: argparse.Namespace) -> int:
     if args.closed_session_ttl < 0 or args.disconnect_grace < 0:
         print("error: --closed-session-ttl and --disconnect-grace must be >= 0", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from fsm_rollout.cli.interruptible import EXIT_INTERRUPTED, run_interruptibly
+
     try:
-        return asyncio.run(serve(args))
+        return run_interruptibly(serve(args))
+    except (asyncio.CancelledError, KeyboardInterrupt):  # stopped before it listened (see serve)
+        print("gateway: interrupted before it listened", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (RolloutError, PreflightError, OSError) as error:
         print(f"error: {redacted(str(error), api_key(args))}", file=sys.stderr)
         return EXIT_BAD_INPUT

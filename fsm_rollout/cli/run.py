@@ -361,7 +361,9 @@ async def _run(args: argparse.Namespace) -> int:
     if not samples:  # --limit 0, or an environment whose own dataset is empty: no engine for nothing
         print("error: no prompt to run (--limit 0 or an empty dataset): nothing was started", file=sys.stderr)
         return EXIT_BAD_INPUT
-    async with engine_for(args, in_process=args.engine_in_process, batched=not args.no_batching) as (
+    async with engine_for(
+        args, in_process=args.engine_in_process, batched=not args.no_batching, interrupted=interrupted
+    ) as (
         urls,
         choice,
         tokenizer,
@@ -482,8 +484,10 @@ def main(args: argparse.Namespace) -> int:
     if problem is not None:
         print(f"error: {problem}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    from fsm_rollout.cli.interruptible import run_interruptibly
+
     try:
-        return asyncio.run(_run(args))
+        return run_interruptibly(_run(args))
     except (asyncio.CancelledError, KeyboardInterrupt):  # a Ctrl-C before any sample ran (see _run)
         end = "\n" if sys.stderr.isatty() else ""  # a progress line may be half drawn
         print(f"{end}interrupted: stopped before any sample ran; nothing was written", file=sys.stderr)

@@ -9,6 +9,7 @@ import contextlib
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any, TypeVar
 
 from fsm_rollout.cli.preflight import EngineChoice, PreflightError, api_key, discover_engine, load_run_tokenizer
@@ -20,13 +21,14 @@ _T = TypeVar("_T")
 
 @contextlib.asynccontextmanager
 async def engine_for(
-    args: argparse.Namespace, *, in_process: bool, batched: bool = True
+    args: argparse.Namespace, *, in_process: bool, batched: bool = True, interrupted: asyncio.Event | None = None
 ) -> AsyncIterator[tuple[list[str], EngineChoice, Any]]:
     """Yield the engine URLs, what the run uses from them (flags first, then what the engine says), and the tokenizer.
 
     Probes the given URLs (see :func:`~fsm_rollout.cli.preflight.discover_engine`), or starts the embedded engine,
     which needs no API key, when no URL is given: ``in_process`` or in a child process, which starts while this
-    process loads the tokenizer; ``batched`` False decodes one request at a time.
+    process loads the tokenizer; ``batched`` False decodes one request at a time. Once ``interrupted`` is set, the
+    engine's child is killed on exit without a grace period.
     """
     template = getattr(args, "chat_template", None)
     harness = bool(getattr(args, "harness_model", False))
@@ -67,21 +69,13 @@ async def engine_for(
     print("starting the embedded CPU engine ...", file=sys.stderr)
     # built here, not inside the engine, so that a first run's training shows its progress line
     progress = None if args.quiet else BuildProgressLine(sys.stderr)
-    stop = threading.Event()
-    building = in_daemon_thread(
-        (lambda: harness_model_dir(log=say, progress=progress, stop=stop))
+    model_dir = await build_embedded_model(
+        (lambda stop: harness_model_dir(log=say, progress=progress, stop=stop))
         if harness
-        else (lambda: default_model_dir(log=say, progress=progress, stop=stop))
+        else (lambda stop: default_model_dir(log=say, progress=progress, stop=stop))
         if template is None
-        else lambda: thinking_model_dir(template, log=say, progress=progress, stop=stop)
+        else lambda stop: thinking_model_dir(template, log=say, progress=progress, stop=stop)
     )
-    try:
-        model_dir = await asyncio.shield(building)
-    except asyncio.CancelledError:  # Ctrl-C: the build kills its child and removes what it staged
-        stop.set()
-        building.add_done_callback(lambda done: done.cancelled() or done.exception())  # BuildInterrupted: expected
-        await asyncio.wait({building}, timeout=BUILD_STOP_WAIT_S)
-        raise
     if not in_process:
         if args.model and args.model != served:
             raise PreflightError(f"--model {args.model!r}: the embedded engine serves {served!r}")
@@ -96,7 +90,7 @@ async def engine_for(
         loading = asyncio.ensure_future(load_tokenizer(args, tokenizer, named_by))
         try:
             options = [] if batched else ["--no-batching"]
-            async with engine_process(model_dir, served, *options) as url:
+            async with engine_process(model_dir, served, *options, interrupted=interrupted) as url:
                 merge_size = args.image_merge_size or IMAGE_MERGE_SIZE
                 yield [url], EngineChoice(served, tokenizer, named_by, merge_size), await loading
         finally:
@@ -113,6 +107,21 @@ async def engine_for(
         merge_size = args.image_merge_size or engine.image_merge_size
         choice = EngineChoice(engine.served_model_name, tokenizer, named_by, merge_size, engine.max_model_len)
         yield [engine.url], choice, await load_tokenizer(args, tokenizer, named_by)
+
+
+async def build_embedded_model(build: Callable[[threading.Event], Path]) -> Path:
+    """``build(stop)``, a model build (it returns the cached directory, training it first if needed), in a daemon
+    thread; a cancellation (Ctrl-C) sets ``stop``, which kills the build's child, and gives the build a moment to
+    remove what it staged before the cancellation goes on."""
+    stop = threading.Event()
+    building = in_daemon_thread(lambda: build(stop))
+    try:
+        return await asyncio.shield(building)
+    except asyncio.CancelledError:
+        stop.set()
+        building.add_done_callback(lambda done: done.cancelled() or done.exception())  # BuildInterrupted: expected
+        await asyncio.wait({building}, timeout=BUILD_STOP_WAIT_S)
+        raise
 
 
 async def load_tokenizer(args: argparse.Namespace, location: str, named_by: str) -> Any:

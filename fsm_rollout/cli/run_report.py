@@ -3,6 +3,7 @@ reward and error lines, the commands that look inside the run, and why a run tha
 
 from __future__ import annotations
 
+import copy
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,22 +18,7 @@ from fsm_rollout.runtime.metrics import MetricsSnapshot
 from fsm_rollout.runtime.runner import NOT_STARTED
 from fsm_rollout.runtime.sampling import SampledBatch
 from fsm_rollout.sample import Sample, Status
-
-
-def _json_default(value: Any) -> Any:
-    if hasattr(value, "save") and hasattr(value, "mode"):  # PIL images in multimodal_inputs
-        from fsm_rollout.multimodal import encode_pil_image
-
-        return encode_pil_image(value)
-    if hasattr(value, "tolist"):
-        return value.tolist()
-    raise TypeError(f"cannot serialise {type(value).__name__}")
-
-
-def _feature_summary(encoded: Any) -> Any:
-    if isinstance(encoded, dict) and ("__tensor__" in encoded or "__ndarray__" in encoded):
-        return {"dtype": encoded.get("dtype"), "shape": encoded.get("shape")}
-    return encoded
+from fsm_rollout.sample.serialise import encode
 
 
 def write_results(samples: Sequence[Sample], path: Path, *, include_features: bool = False) -> None:
@@ -41,14 +27,34 @@ def write_results(samples: Sequence[Sample], path: Path, *, include_features: bo
     The decoded image features (``multimodal_train_inputs``: pixel values, megabytes per image) are written as
     ``{"dtype", "shape"}`` summaries unless ``include_features`` is set.
     """
+    images: dict[int, str] = {}  # a group's samples share their prompt's image: each is encoded once
+
+    def json_default(value: Any) -> Any:
+        if hasattr(value, "save") and hasattr(value, "mode"):  # PIL images in multimodal_inputs
+            from fsm_rollout.multimodal import encode_pil_image
+
+            url = images.get(id(value))
+            if url is None:
+                url = images[id(value)] = encode_pil_image(value)
+            return url
+        if hasattr(value, "tolist"):
+            return value.tolist()
+        raise TypeError(f"cannot serialise {type(value).__name__}")
+
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("wb") as stream:
         for sample in samples:
-            row = sample.to_dict()
-            features = row.get("multimodal_train_inputs")
-            if features and not include_features:
-                row["multimodal_train_inputs"] = {key: _feature_summary(value) for key, value in features.items()}
-            stream.write(orjson.dumps(row, default=_json_default) + b"\n")
+            features = getattr(sample, "multimodal_train_inputs", None)
+            if features and not include_features:  # summarised before to_dict, which would flatten every pixel
+                sample = copy.copy(sample)
+                sample.multimodal_train_inputs = {key: _feature_summary(value) for key, value in features.items()}
+            stream.write(orjson.dumps(sample.to_dict(), default=json_default) + b"\n")
+
+
+def _feature_summary(value: Any) -> Any:
+    if hasattr(value, "dtype") and hasattr(value, "shape"):  # a tensor or an array
+        return {"dtype": str(value.dtype).removeprefix("torch."), "shape": list(value.shape)}
+    return encode(value)
 
 
 def summary(

@@ -72,19 +72,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Serve until interrupted; returns the process exit code."""
+    from fsm_rollout.cli.interruptible import EXIT_INTERRUPTED, run_interruptibly
+
     try:
-        return asyncio.run(_serve(args))
-    except KeyboardInterrupt:
-        return 0
+        return run_interruptibly(_serve(args))
+    except (asyncio.CancelledError, KeyboardInterrupt):  # stopped before the engine served (see _serve)
+        print("fsm-rollout serve: interrupted before the engine served", file=sys.stderr)
+        return EXIT_INTERRUPTED
 
 
 async def _serve(args: argparse.Namespace) -> int:
+    from fsm_rollout.cli.run_engine import build_embedded_model
     from fsm_rollout.engine.local import LocalEngine, LocalEngineError
 
     stop = asyncio.Event()
+    starting = asyncio.current_task()
+
+    def on_signal() -> None:
+        stop.set()
+        if starting is not None and not serving:  # the model's build or load: stop them, serve nothing
+            starting.cancel()
+
+    serving = False
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
+        loop.add_signal_handler(signum, on_signal)
     started = time.perf_counter()
     try:
         model, served = args.model, args.served_model_name
@@ -100,11 +112,14 @@ async def _serve(args: argparse.Namespace) -> int:
 
             say, line = (lambda text: print(text, file=sys.stderr, flush=True)), BuildProgressLine(sys.stderr)
             if args.chat_template is None:
-                model = await asyncio.to_thread(default_model_dir, log=say, progress=line)
+                model = await build_embedded_model(lambda stop: default_model_dir(log=say, progress=line, stop=stop))
                 served = served or DEFAULT_MODEL_NAME
             else:
-                model = await asyncio.to_thread(thinking_model_dir, args.chat_template, log=say, progress=line)
-                served = served or thinking_model_name(args.chat_template)
+                template = args.chat_template
+                model = await build_embedded_model(
+                    lambda stop: thinking_model_dir(template, log=say, progress=line, stop=stop)
+                )
+                served = served or thinking_model_name(template)
         engine = LocalEngine(
             model,
             served_model_name=served,
@@ -120,6 +135,7 @@ async def _serve(args: argparse.Namespace) -> int:
     except (LocalEngineError, ValueError, OSError) as error:
         print(f"fsm-rollout serve: {error}", file=sys.stderr)
         return 1
+    serving = True  # from here a signal stops the engine the usual way: the requests in flight end "abort"
     try:
         print(
             f"fsm-rollout serve: model {engine.served_model_name!r} from {engine.model_dir} "

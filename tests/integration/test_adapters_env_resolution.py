@@ -121,6 +121,28 @@ async def test_a_wrong_environment_is_one_line_before_any_engine_is_reached(tmp_
     assert one_error_line(stderr).startswith(f"error: --env {module} brings no dataset (no demo_samples()): give one")
 
 
+def test_a_module_id_whose_module_is_missing_is_refused_without_importing_gem() -> None:
+    import subprocess
+
+    probe = (
+        "import sys\n"
+        "from fsm_rollout.envs.adapters.gym import gym_maker\n"
+        "from fsm_rollout.errors import EnvironmentNotFoundError\n"
+        "for env_id in ('nosuchpkg:NoSuch-v0', 'game:GuessTheNumber-v0-easy'):\n"
+        "    try:\n"
+        "        gym_maker(env_id)\n"
+        "        print(env_id, 'found', 'gem' in sys.modules)\n"
+        "    except EnvironmentNotFoundError as error:\n"
+        "        print(env_id, error, 'gem' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, check=True)
+    assert done.stdout.splitlines() == [
+        "nosuchpkg:NoSuch-v0 gym adapter: no Gymnasium or GEM environment is registered as 'nosuchpkg:NoSuch-v0' "
+        "(no module 'nosuchpkg' to import for the form module:EnvId) False",  # GEM's source writes no 'nosuchpkg:'
+        "game:GuessTheNumber-v0-easy found True",  # a prefix GEM does write: GEM is imported and has it
+    ]
+
+
 class NeedsAttributes:
     """A skyrl-gym-style environment that reads its config by attribute, as skyrl's search environment does."""
 

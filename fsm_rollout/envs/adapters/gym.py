@@ -25,8 +25,10 @@ import functools
 import importlib
 import importlib.util
 import inspect
+import re
 import warnings
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Literal
 
 from fsm_rollout.envs.adapters._common import (
@@ -64,6 +66,27 @@ def _importable(module: str) -> bool:
         return False
 
 
+def _gem_may_register(prefix: str) -> bool:
+    """Whether GEM may register ids under ``prefix:``, read from its installed source without importing it: some
+    file of the package writes the prefix in a string (``"game:...``, ``f"rg:...``). True when GEM is not
+    installed (its import then says how to install it) or its files cannot be read."""
+    try:
+        spec = importlib.util.find_spec("gem")
+    except (ImportError, ValueError):
+        return True
+    if spec is None or not spec.submodule_search_locations:
+        return True
+    literal = re.compile(rb"""["']""" + re.escape(prefix.encode()) + rb":")
+    try:
+        return any(
+            literal.search(path.read_bytes())
+            for location in spec.submodule_search_locations
+            for path in Path(location).rglob("*.py")
+        )
+    except OSError:
+        return True
+
+
 def gym_maker(env_id: str) -> Callable[..., Any]:
     """What makes ``env_id`` (see the module docstring), found now; an
     :class:`~fsm_rollout.errors.EnvironmentNotFoundError` naming what was tried when nothing registers it."""
@@ -80,9 +103,9 @@ def gym_maker(env_id: str) -> Callable[..., Any]:
                 f"gym adapter: importing {module!r} registered no Gymnasium environment {name!r}", name=env_id
             )
         return functools.partial(gymnasium.make, env_id)
-    # every GEM id has a prefix (game:, math:, ...): an id without one is not looked for there, sparing GEM's import
-    # (seconds) before the error
-    gem = _gem() if colon else None
+    # every GEM id has a prefix (game:, math:, ...): an id without one, or with one GEM's source never writes, is
+    # not looked for there, sparing GEM's import (seconds) before the error
+    gem = _gem() if colon and _gem_may_register(module) else None
     if gem is not None and env_id in gem.envs.registration.ENV_REGISTRY:
         return functools.partial(gem.make, env_id)
     hint = f" (no module {module!r} to import for the form module:EnvId)" if colon and module else ""
