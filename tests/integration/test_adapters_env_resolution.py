@@ -170,6 +170,19 @@ async def test_a_skyrl_config_given_as_a_dict_is_read_by_attribute(tokenizer: An
     assert done.metadata["skyrl"]["metadata"] == [{"action": "found"}]  # without the end-of-turn token
 
 
+async def test_a_skyrl_environment_that_reads_a_config_it_was_not_given_says_how_to_give_it(
+    tokenizer: Any, tmp_path: Path
+) -> None:
+    [done] = await run_recorded(
+        tokenizer, tmp_path, skyrl_env(NeedsAttributes), [Sample(index=0, prompt="Find it.")], [ScriptedTurn(text="x")]
+    )
+    assert done.status.value == "failed"
+    assert done.metadata["rollout_error"]["message"] == (
+        "skyrl adapter: make of 'NeedsAttributes' read its env_config, and none was given ('NoneType' object has no "
+        "attribute 'search_url'): pass env_config= to skyrl_env (--env-args JSON on the command line)"
+    )
+
+
 async def test_aime_gets_the_label_where_it_reads_it(tokenizer: Any, tmp_path: Path) -> None:
     [done] = await run_recorded(
         tokenizer, tmp_path, skyrl_env("aime"), [Sample(index=0, prompt="What is 6 * 7?", label="42")],

@@ -148,9 +148,21 @@ class SkyRLEnvFactory:
         self.reward: RewardMode = reward
 
     def _make(self, extras: dict[str, Any]) -> Any:
-        if isinstance(self.name_or_env, str):
-            return _skyrl_gym().make(self.name_or_env, env_config=self.env_config, extras=extras)
-        return self.name_or_env(env_config=self.env_config, extras=extras)
+        try:
+            if isinstance(self.name_or_env, str):
+                return _skyrl_gym().make(self.name_or_env, env_config=self.env_config, extras=extras)
+            return self.name_or_env(env_config=self.env_config, extras=extras)
+        except AttributeError as error:
+            if self.env_config is not None:
+                raise
+            # an environment that reads settings from its config (search's search_url) got none
+            name = self.name_or_env if isinstance(self.name_or_env, str) else self.name_or_env.__name__
+            raise AdapterProtocolError(
+                ADAPTER,
+                "make",
+                f"of {name!r} read its env_config, and none was given ({error}): pass env_config= to skyrl_env "
+                "(--env-args JSON on the command line)",
+            ) from error
 
     async def __call__(self, *, sample: Any, args: Any) -> SkyRLEpisode:
         env = await run_sync(args, self._make, sample_extras(sample))
