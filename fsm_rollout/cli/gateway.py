@@ -42,8 +42,9 @@ is not retried within --disconnect-grace ends the session aborted (agent_disconn
 session's transitions; --record (with --trace) records the tape, so that
 `fsm-rollout replay` re-executes a session offline and `fsm-rollout inspect` shows it.
 
-Ctrl-C or SIGTERM stops the gateway: sessions still open end aborted (reason shutdown). Exit codes: 0 stopped;
-2 bad options, or no usable engine or tokenizer."""
+Ctrl-C or SIGTERM stops the gateway: sessions still open end aborted (reason shutdown). Before it listens (the
+embedded model's build or load) it stops at once. Exit codes: 0 stopped; 2 bad options, or no usable engine or
+tokenizer; 130 interrupted before it listened."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

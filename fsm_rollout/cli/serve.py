@@ -20,8 +20,9 @@ EPILOG = """\
 Prints the base URL alone on stdout once the engine answers requests (details go to stderr), then serves until
 SIGINT or SIGTERM. /v1/models also names the tokenizer directory and the image merge size, so `fsm-rollout run
 --engine-url URL` needs no --model, --tokenizer or --image-merge-size. With an API key every request but
-GET /health must send `Authorization: Bearer KEY` and is answered 401 otherwise. It is a development and test
-engine; production is vLLM."""
+GET /health must send `Authorization: Bearer KEY` and is answered 401 otherwise. A signal before the engine
+answers (the default model's build, the model's load) stops it at once with exit 130; once serving, exit 0. It is
+a development and test engine; production is vLLM."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
