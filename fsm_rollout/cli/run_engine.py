@@ -10,13 +10,12 @@ import sys
 import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from fsm_rollout.cli.preflight import EngineChoice, PreflightError, api_key, discover_engine, load_run_tokenizer
 
 BUILD_STOP_WAIT_S = 1.5
 """How long a Ctrl-C waits for the model build to kill its child and remove what it staged."""
-_T = TypeVar("_T")
 
 
 @contextlib.asynccontextmanager
@@ -110,11 +109,12 @@ async def engine_for(
 
 
 async def build_embedded_model(build: Callable[[threading.Event], Path]) -> Path:
-    """``build(stop)``, a model build (it returns the cached directory, training it first if needed), in a daemon
-    thread; a cancellation (Ctrl-C) sets ``stop``, which kills the build's child, and gives the build a moment to
-    remove what it staged before the cancellation goes on."""
+    """``build(stop)``, a model build (it returns the cached directory, training it first if needed), on the loop's
+    executor (daemon threads under :func:`~fsm_rollout.cli.interruptible.run_interruptibly`); a cancellation
+    (Ctrl-C) sets ``stop``, which kills the build's child, and gives the build a moment to remove what it staged
+    before the cancellation goes on."""
     stop = threading.Event()
-    building = in_daemon_thread(lambda: build(stop))
+    building = asyncio.ensure_future(asyncio.to_thread(build, stop))
     try:
         return await asyncio.shield(building)
     except asyncio.CancelledError:
@@ -125,28 +125,6 @@ async def build_embedded_model(build: Callable[[threading.Event], Path]) -> Path
 
 
 async def load_tokenizer(args: argparse.Namespace, location: str, named_by: str) -> Any:
-    return await in_daemon_thread(
-        lambda: load_run_tokenizer(location, named_by=named_by, trust_remote_code=args.trust_remote_code)
+    return await asyncio.to_thread(
+        load_run_tokenizer, location, named_by=named_by, trust_remote_code=args.trust_remote_code
     )
-
-
-def in_daemon_thread(work: Callable[[], _T]) -> asyncio.Future[_T]:
-    """``work()`` in a daemon thread: a Ctrl-C exits without waiting for it (``asyncio.to_thread``'s threads are
-    joined before the process may exit, a tokenizer load or a build step would hold the exit for seconds)."""
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[_T] = loop.create_future()
-
-    def settle(result: Any, error: BaseException | None) -> None:
-        if not future.done():
-            future.set_exception(error) if error is not None else future.set_result(result)
-
-    def target() -> None:
-        try:
-            result, error = work(), None
-        except BaseException as raised:
-            result, error = None, raised
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for the answer any more
-            loop.call_soon_threadsafe(settle, result, error)
-
-    threading.Thread(target=target, name="fsm-rollout-run-start", daemon=True).start()
-    return future
